@@ -1,0 +1,537 @@
+"""What every algorithm script shares: torchrun/FSDP2 set-up, model and tokenizer loading (with the
+built-in `tiny` model), tasks and the math reward, HF generation, memory-bounded log-probs, group
+advantages, logging, evaluation and checkpoints. The training loop itself lives in each script.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+import sys
+import time
+from dataclasses import dataclass
+from fractions import Fraction
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def fail(msg: str):
+    """Stop with one line that says what was wrong and what to do (no traceback)."""
+    raise SystemExit(f"error: {msg}")
+
+
+# ----------------------------------------------------------------------------- distributed set-up
+@dataclass
+class Dist:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(seed: int) -> Dist:
+    """Read torchrun's environment (plain `python x.py` is world size 1); NCCL on CUDA, gloo on CPU."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+    seed_everything(seed)  # same seed on every rank while the model is built; see seed_rank()
+    return Dist(rank, world, local_rank, device)
+
+
+def seed_everything(seed: int):
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def seed_rank(seed: int, d: Dist):
+    """Per-rank seed for sampling, after the (identical) model init on every rank."""
+    seed_everything(seed + 1_000_003 * d.rank)
+
+
+def all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+    return t
+
+
+def all_gather_cat(t: torch.Tensor) -> torch.Tensor:
+    """Concatenate equally shaped tensors from all ranks along dim 0."""
+    if not dist.is_initialized():
+        return t
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return torch.cat(out)
+
+
+# ----------------------------------------------------------------------------- the built-in tiny model
+TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # pad, turn start, turn end (= EOS)
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tokenizer():
+    """A real HF fast tokenizer over characters (printable ASCII and newline), Qwen-style specials."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(i) for i in range(32, 127)] + ["\n"]
+    vocab = {t: i for i, t in enumerate(TINY_SPECIALS + chars + ["<|unk|>"])}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|unk|>"))  # no merges: one token a char
+    tk.decoder = decoders.Fuse()
+    tk.add_special_tokens(TINY_SPECIALS + ["<|unk|>"])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<|unk|>",
+        chat_template=TINY_CHAT_TEMPLATE, padding_side="left",
+    )
+
+
+def tiny_model(tok):
+    """A randomly initialised Qwen3-architecture model sized for CPU (tied embeddings, as small Qwen3s)."""
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(
+        vocab_size=len(tok), hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+        tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
+    )
+    lm = Qwen3ForCausalLM(cfg)
+    lm.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return lm
+
+
+# ----------------------------------------------------------------------------- model loading
+def check_model(name: str, trust_remote_code: bool):
+    """Fail fast, before any weights are read: 'tiny', a local folder with a config, or a hub id."""
+    if name == "tiny":
+        return
+    looks_local = name.startswith((".", "/", "~")) or os.path.exists(name) or name.count("/") != 1
+    if looks_local and not os.path.isdir(os.path.expanduser(name)):
+        fail(f"--model {name!r}: no such folder (give 'tiny', a local model folder, or a hub id like Qwen/Qwen3-0.6B)")
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(os.path.expanduser(name), trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - any failure here means the same thing to the user
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        fail(f"--model {name!r}: cannot read its config ({first})")
+
+
+def load_tokenizer(name: str, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    tok = tiny_tokenizer() if name == "tiny" else AutoTokenizer.from_pretrained(
+        os.path.expanduser(name), trust_remote_code=trust_remote_code)
+    tok.padding_side = "left"  # prompts are left-padded for generation
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(name: str, tok, d: Dist, seed: int, trust_remote_code: bool = False):
+    """fp32 on CPU, bf16 on GPU; identical weights on every rank (same seed) before sharding."""
+    from transformers import AutoModelForCausalLM
+
+    seed_everything(seed)  # `tiny` is random-init: the same seed gives the same weights (policy and reference)
+    dtype = torch.bfloat16 if d.device.type == "cuda" else torch.float32
+    if name == "tiny":
+        lm = tiny_model(tok).to(dtype)
+    else:
+        lm = AutoModelForCausalLM.from_pretrained(os.path.expanduser(name), dtype=dtype, trust_remote_code=trust_remote_code)
+    lm.config.use_cache = True
+    return lm.to(d.device)
+
+
+def eos_ids(lm, tok) -> list[int]:
+    """Every EOS id the generation config lists (Qwen3 instruct models end a turn with <|im_end|>)."""
+    ids = lm.generation_config.eos_token_id
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tok.eos_token_id is not None and tok.eos_token_id not in ids:
+        ids.append(tok.eos_token_id)
+    return ids
+
+
+class Policy(torch.nn.Module):
+    """The causal LM plus memory-bounded completion log-probs. Under FSDP2 this is the root unit, so its
+    forward (and `generate`, registered below) gathers the root parameters (embeddings, norm, LM head)."""
+
+    def __init__(self, lm, temperature: float = 1.0, chunk_tokens: int = 1024):
+        super().__init__()
+        self.lm, self.temperature, self.chunk_tokens = lm, temperature, chunk_tokens
+
+    def generate(self, **kw):
+        return self.lm.generate(**kw)
+
+    def forward(self, input_ids, attention_mask, n_prompt: int, entropy: bool = False):
+        """log pi(y_t | x, y_<t) for the completion tokens input_ids[:, n_prompt:] -> [B, T] float32
+        (and per-token entropy if asked). The LM head runs on chunks of tokens, each recomputed in the
+        backward pass, so the extra memory is O(chunk x V), never O(B x T x V)."""
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # as generate() does with left padding
+        h = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  use_cache=False).last_hidden_state
+        B, T = input_ids.shape[0], input_ids.shape[1] - n_prompt
+        h = h[:, n_prompt - 1:-1].reshape(B * T, -1)  # hidden state at t-1 predicts token t
+        targets = input_ids[:, n_prompt:].reshape(B * T)
+        head = self.lm.get_output_embeddings()
+        logps, ents = [], []
+        for i in range(0, B * T, self.chunk_tokens):
+            args = (h[i:i + self.chunk_tokens], head.weight, head.bias, targets[i:i + self.chunk_tokens])
+            if torch.is_grad_enabled():
+                lp = checkpoint(_chunk_logprobs, *args, self.temperature, False, use_reentrant=False)[0]
+            else:
+                lp, ent = _chunk_logprobs(*args, self.temperature, entropy)
+                ents.append(ent)
+            logps.append(lp)
+        logp = torch.cat(logps).view(B, T).clone()  # not a view: FSDP2 hooks the output for backward
+        return (logp, torch.cat(ents).view(B, T)) if entropy else logp
+
+
+def _chunk_logprobs(h, weight, bias, targets, temperature: float, entropy: bool):
+    """log-softmax at the target = logit - logsumexp, on one chunk, in float32."""
+    logits = F.linear(h, weight, bias).float() / temperature
+    lse = logits.logsumexp(-1)
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+    ent = (lse - (logits.softmax(-1) * logits).sum(-1)) if entropy else None
+    return logp, ent
+
+
+def wrap_policy(lm, d: Dist, temperature: float, chunk_tokens: int, activation_checkpointing: bool) -> Policy:
+    """World size 1: the plain model. World size > 1: FSDP2, `fully_shard` on each decoder layer, then the
+    root (the tied embedding/LM head stay together in the root unit)."""
+    if activation_checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lm.config.use_cache = True  # generation still uses the KV cache (checkpointing acts only in training)
+    policy = Policy(lm, temperature, chunk_tokens)
+    if d.world > 1:
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+        for layer in lm.get_decoder().layers:
+            fully_shard(layer)
+        fully_shard(policy)
+        register_fsdp_forward_method(policy, "generate")
+    return policy
+
+
+# ----------------------------------------------------------------------------- tasks and rewards
+DATASETS = {  # name: (hub id, config, train split, held-out split, prompt column, answer column, instruction)
+    "gsm8k": ("openai/gsm8k", "main", "train", "test", "question", "answer",
+              "Solve the problem step by step and end with '#### <answer>'."),
+    "math500": ("HuggingFaceH4/MATH-500", None, "test", None, "problem", "answer",
+                "Please reason step by step, and put your final answer within \\boxed{}."),
+    "dapo17k": ("open-r1/DAPO-Math-17k-Processed", "en", "train", None, "prompt", "solution",
+                ""),  # its prompts carry DAPO's own instruction ('The last line ... Answer: $Answer')
+}
+
+
+def builtin_task(n: int, seed: int) -> list[dict]:
+    """The built-in offline task (seeded, deterministic): 'x%10=' for a digit x, answer x. The answer is
+    uniform over 0-9, so no constant answer scores above 0.1: the model has to read the digit, write it and stop.
+    A random tiny model hits it about 2% of the time; RL alone takes it past 0.7 in a few hundred steps.
+    With 10 distinct prompts the held-out split measures sampling accuracy, not generalisation."""
+    rng = random.Random(seed)
+    return [{"prompt": f"{x}%10=", "answer": str(x)} for x in (rng.randint(0, 9) for _ in range(n))]
+
+
+def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok, enable_thinking: bool):
+    """-> (train, held-out, n_dropped): `datasets.Dataset`s with columns prompt, answer and text (the prompt
+    through the chat template). `name` is 'builtin', a known
+    hub set (DATASETS), or a local .json/.jsonl file of {prompt, answer}. `data_files` reads local files
+    laid out in a known hub set's own columns (an offline mirror). Rows without an answer are dropped
+    and counted."""
+    from datasets import Dataset, load_dataset
+
+    def templated(d):
+        return d.add_column("text", chat_prompts(tok, d["prompt"], enable_thinking))
+
+    if name == "builtin":
+        return templated(Dataset.from_list(builtin_task(4096, seed))), templated(Dataset.from_list(builtin_task(eval_size, seed + 1))), 0
+    if name in DATASETS:
+        hub, cfg, train_split, test_split, pcol, acol, instr = DATASETS[name]
+        if data_files:
+            ds = {"train": load_dataset("json", data_files=data_files, split="train")}
+            train_split, test_split = "train", None
+        else:
+            ds = load_dataset(hub, cfg)
+    elif name.endswith((".json", ".jsonl")):
+        if not os.path.isfile(name):
+            fail(f"--dataset {name!r}: no such file")
+        ds, train_split, test_split, pcol, acol, instr = {"train": load_dataset("json", data_files=name, split="train")}, "train", None, "prompt", "answer", ""
+    else:
+        fail(f"--dataset {name!r}: unknown (use builtin, {', '.join(DATASETS)}, or a local .jsonl of {{prompt, answer}})")
+    train = ds[train_split]
+    missing = [c for c in (pcol, acol) if c not in train.column_names]
+    if missing:
+        fail(f"--dataset {name!r} has no column(s) {missing} (columns: {train.column_names}); a local file needs 'prompt' and 'answer'")
+
+    def to_row(r):
+        p = r[pcol] if isinstance(r[pcol], str) else r[pcol][-1]["content"]  # chat-format prompts: last user turn
+        a = str(r[acol]) if r[acol] is not None else ""
+        a = a.split("####")[-1].strip() if "####" in a else a.strip()
+        return {"prompt": f"{p}\n{instr}".strip() if instr else p, "answer": a}
+
+    def clean(d):
+        d = d.map(to_row, remove_columns=d.column_names)
+        return d.filter(lambda r: len(r["answer"]) > 0)
+
+    train_c = clean(train)
+    dropped = len(train) - len(train_c)
+    if test_split is not None:
+        held = clean(ds[test_split])
+    else:  # no held-out split: keep the last eval_size rows apart
+        split = train_c.train_test_split(test_size=min(eval_size, len(train_c) // 10 or 1), seed=seed)
+        train_c, held = split["train"], split["test"]
+    if len(train_c) == 0:
+        fail(f"--dataset {name!r}: no usable rows (dropped {dropped} without an answer)")
+    return templated(train_c), templated(held.select(range(min(eval_size, len(held))))), dropped
+
+
+def chat_prompts(tok, prompts: list[str], enable_thinking: bool) -> list[str]:
+    """Through the tokenizer's chat template where it has one."""
+    if not getattr(tok, "chat_template", None):
+        return prompts
+    return [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True,
+                                    enable_thinking=enable_thinking) for p in prompts]
+
+
+_NUM = r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+"
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer: the last \\boxed{...}, else what follows the last '####', else the last number."""
+    i = text.rfind("\\boxed")
+    if i >= 0:
+        j = text.find("{", i)
+        depth, k = 0, j
+        while 0 <= k < len(text):
+            depth += {"{": 1, "}": -1}.get(text[k], 0)
+            if depth == 0:
+                return text[j + 1:k].strip()
+            k += 1
+        return None  # unbalanced \boxed{
+    if "####" in text:
+        rest = text.rsplit("####", 1)[1].strip()
+        m = re.match(_NUM, rest)
+        return m.group(0) if m else (rest.splitlines()[0].strip() if rest else None)
+    nums = re.findall(_NUM, text)
+    return nums[-1] if nums else None
+
+
+def parse_number(s: str) -> Fraction | None:
+    """Integers, decimals, thousands separators, a/b, \\frac{a}{b}, a leading sign, $ and % dropped."""
+    s = s.strip().replace("$", "").replace("\\!", "").replace("\\,", "").replace(" ", "").rstrip(".").replace("%", "")
+    s = re.sub(r"\\text\{[^}]*\}$", "", s)
+    m = re.fullmatch(r"(-?)\\d?frac\{(-?[\d.,]+)\}\{(-?[\d.,]+)\}", s) or re.fullmatch(r"(-?)\\d?frac(\d)(\d)", s)
+    try:
+        if m:
+            v = Fraction(m.group(2).replace(",", "")) / Fraction(m.group(3).replace(",", ""))
+            return -v if m.group(1) else v
+        if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
+            s = s.replace(",", "")
+        if re.fullmatch(r"-?(\d+(\.\d*)?|\.\d+)(/-?\d+)?", s):
+            num, _, den = s.partition("/")
+            return Fraction(num) / (Fraction(den) if den else 1)
+    except (ValueError, ZeroDivisionError):
+        return None
+    return None
+
+
+def math_reward(completion: str, answer: str) -> float:
+    """1.0 if the extracted final answer equals the reference numerically (or as normalised text when
+    either side is not a number), else 0.0. Model text is only parsed, never evaluated."""
+    pred = extract_answer(completion)
+    if pred is None:
+        return 0.0
+    a, b = parse_number(pred), parse_number(answer)
+    if a is not None and b is not None:
+        return float(a == b)
+    norm = lambda x: re.sub(r"\s+|\\left|\\right|\$", "", x)  # noqa: E731
+    return float(norm(pred) == norm(answer))
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale_std: bool = True, eps: float = 1e-6):
+    """A_i = (r_i - mean_g r) / (std_g r + eps), population std (DFPO eq. 43; the blog's worked example:
+    rewards [1,0,1,0] give A = [+1,-1,+1,-1]). Groups with equal rewards give A = 0; their count is returned."""
+    r = rewards.view(-1, group_size).double()
+    centred = r - r.mean(1, keepdim=True)
+    std = r.std(1, unbiased=False, keepdim=True)
+    adv = centred / (std + eps) if scale_std else centred
+    return adv.view(-1).float(), int((std.squeeze(1) == 0).sum())
+
+
+# ----------------------------------------------------------------------------- generation
+@torch.no_grad()
+def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d: Dist, *, max_new_tokens: int,
+             temperature: float, top_p: float, top_k: int, gen_batch_size: int) -> dict:
+    """n completions per prompt (rows of one prompt are adjacent: a group). Returns input_ids [B, P+T],
+    attention_mask, n_prompt P, completion mask [B, T] (up to and including the first EOS), truncated [B]."""
+    enc = tok(list(prompts), padding=True, return_tensors="pt", add_special_tokens=False)
+    ids, am = enc.input_ids.repeat_interleave(n, 0).to(d.device), enc.attention_mask.repeat_interleave(n, 0).to(d.device)
+    outs = []
+    for i in range(0, ids.shape[0], gen_batch_size):
+        outs.append(policy.generate(
+            input_ids=ids[i:i + gen_batch_size], attention_mask=am[i:i + gen_batch_size], do_sample=True,
+            temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, eos_token_id=eos,
+            pad_token_id=tok.pad_token_id, synced_gpus=d.world > 1,  # FSDP: every rank steps until all are done
+        )[:, ids.shape[1]:])
+    T = max(o.shape[1] for o in outs)
+    comp = torch.cat([F.pad(o, (0, T - o.shape[1]), value=tok.pad_token_id) for o in outs])
+    is_eos = torch.isin(comp, torch.tensor(eos, device=comp.device))
+    before_eos = (is_eos.long().cumsum(1) - is_eos.long()) == 0  # positions up to and including the first EOS
+    comp = comp.masked_fill(~before_eos, tok.pad_token_id)
+    return {"input_ids": torch.cat([ids, comp], 1), "attention_mask": torch.cat([am, before_eos.long()], 1),
+            "n_prompt": ids.shape[1], "mask": before_eos.float(), "truncated": ~is_eos.any(1),  # no EOS: cut at the limit
+            "texts": tok.batch_decode(comp.masked_fill(is_eos, tok.pad_token_id), skip_special_tokens=True)}
+
+
+def score(texts: list[str], answers: list[str], n: int) -> torch.Tensor:
+    """Reward per completion; answers are given once per prompt, completions n per prompt."""
+    answers = list(answers)
+    return torch.tensor([math_reward(t, answers[i // n]) for i, t in enumerate(texts)], dtype=torch.float32)
+
+
+@torch.no_grad()
+def evaluate(policy, tok, held, eos, d: Dist, *, k: int, max_new_tokens: int, temperature: float, top_p: float,
+             top_k: int, gen_batch_size: int) -> dict:
+    """avg@k (mean accuracy over k samples a prompt, the DFPO paper's metric) and pass@k (some sample right),
+    over the held-out prompts; each rank takes an equal share."""
+    n = len(held) // d.world * d.world  # equal shares, or the FSDP all-gathers would hang
+    rows = held.select(range(d.rank, n, d.world))
+    r = torch.zeros(0)
+    for i in range(0, len(rows), max(1, gen_batch_size // k)):
+        part = rows.select(range(i, min(i + max(1, gen_batch_size // k), len(rows))))
+        out = generate(policy, tok, part["text"], k, eos, d, max_new_tokens=max_new_tokens, temperature=temperature,
+                       top_p=top_p, top_k=top_k, gen_batch_size=gen_batch_size)
+        r = torch.cat([r, score(out["texts"], part["answer"], k)])
+    r = r.view(-1, k)
+    s = all_reduce(torch.tensor([r.mean(1).sum(), (r.max(1).values > 0).float().sum(), len(rows)], dtype=torch.float64))
+    return {f"eval/avg@{k}": (s[0] / s[2]).item(), f"eval/pass@{k}": (s[1] / s[2]).item(), "eval/prompts": n}
+
+
+# ----------------------------------------------------------------------------- data order
+def prompt_indices(n_rows: int, step: int, per_rank: int, d: Dist, seed: int) -> list[int]:
+    """This rank's prompts for `step` (1-based): a fresh seeded permutation each epoch, global batch
+    split across ranks, so the data position is a pure function of the step."""
+    glob = per_rank * d.world
+    out = []
+    for j in range((step - 1) * glob + d.rank * per_rank, (step - 1) * glob + (d.rank + 1) * per_rank):
+        epoch, pos = divmod(j, n_rows)
+        out.append(int(torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed + epoch))[pos]))
+    return out
+
+
+def minibatches(n_groups: int, group_size: int, num_minibatches: int) -> list[slice]:
+    """Row slices of whole groups: a group never straddles two minibatches."""
+    per = n_groups // num_minibatches * group_size
+    return [slice(i * per, (i + 1) * per) for i in range(num_minibatches)]
+
+
+# ----------------------------------------------------------------------------- logging and checkpoints
+def reduce_stats(stats: list[dict]) -> dict:
+    """Mean over minibatches then ranks; keys ending in _min/_max take min/max."""
+    out = {}
+    for k in stats[0]:
+        v = torch.tensor([float(s[k]) for s in stats], dtype=torch.float64)
+        if k.endswith("_min"):
+            out[k] = all_reduce(v.min(), dist.ReduceOp.MIN).item()
+        elif k.endswith("_max"):
+            out[k] = all_reduce(v.max(), dist.ReduceOp.MAX).item()
+        else:
+            out[k] = (all_reduce(v.mean()) / (dist.get_world_size() if dist.is_initialized() else 1)).item()
+    return out
+
+
+class Logger:
+    """Tensorboard + console on rank 0 only."""
+
+    def __init__(self, run_dir: str, d: Dist, args):
+        self.d, self.writer = d, None
+        if d.main:
+            from torch.utils.tensorboard import SummaryWriter
+
+            os.makedirs(run_dir, exist_ok=True)
+            self.writer = SummaryWriter(run_dir)
+            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+                f"|{k}|{v}|" for k, v in vars(args).items()))
+            with open(os.path.join(run_dir, "args.json"), "w") as f:
+                json.dump(vars(args), f, indent=1, default=str)
+            self.metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+
+    def log(self, step: int, scalars: dict):
+        if not self.d.main:
+            return
+        for k, v in scalars.items():
+            self.writer.add_scalar(k, v, step)
+        self.metrics.write(json.dumps({"step": step, **scalars}) + "\n")
+        self.metrics.flush()
+
+    def close(self):
+        if self.d.main:
+            self.writer.close()
+            self.metrics.close()
+
+
+def save_checkpoint(policy: Policy, tok, path: str, d: Dist):
+    """`save_pretrained` of the full state dict (gathered from FSDP2 shards): loads with from_pretrained."""
+    if d.world > 1:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(policy.lm, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        sd = None
+    if d.main:
+        policy.lm.save_pretrained(path, state_dict=sd)
+        tok.save_pretrained(path)
+    if d.world > 1:
+        dist.barrier()
+
+
+def cleanup():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def resolve_defaults(args):
+    """Defaults that depend on the model and task: the tiny model learns fast with a large step and short
+    answers; real models follow the papers' scale."""
+    if args.learning_rate is None:
+        args.learning_rate = 5e-4 if args.model == "tiny" else 1e-6
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 2 if args.dataset == "builtin" else 1024  # builtin: the digit, then EOS
+    return args
+
+
+def check_common_args(args):
+    """Bad input fails with one line before any heavy work."""
+    resolve_defaults(args)
+    if args.group_size < 2:
+        fail(f"--group-size {args.group_size}: group-relative advantages need at least 2 completions a prompt")
+    if args.max_new_tokens <= 0:
+        fail(f"--max-new-tokens {args.max_new_tokens}: must be > 0")
+    if args.clip_low <= 0 or args.clip_high <= 0:
+        fail(f"--clip-low {args.clip_low} / --clip-high {args.clip_high}: clip ranges must be > 0")
+    if args.num_minibatches < 1 or args.prompts_per_rank % args.num_minibatches:
+        fail(f"--prompts-per-rank {args.prompts_per_rank} must be a multiple of --num-minibatches {args.num_minibatches} "
+             "(each minibatch holds whole groups)")
+    if args.temperature <= 0:
+        fail(f"--temperature {args.temperature}: must be > 0 (RL samples from the policy)")
+    if args.num_steps < 1:
+        fail(f"--num-steps {args.num_steps}: must be >= 1")

@@ -1,0 +1,220 @@
+"""GRPO: Group Relative Policy Optimization (Shao et al., 2024, arXiv:2402.03300), with the GSPO paper's
+decoupled clip range and an optional k3 KL penalty to a frozen reference model.
+
+    J_GRPO(theta) = E[ 1/G sum_i 1/|y_i| sum_t min( w_it A_i, clip(w_it, 1 - eps_low, 1 + eps_high) A_i ) ]
+    w_it          = pi_theta(y_it | x, y_i,<t) / pi_old(y_it | x, y_i,<t)
+    A_i           = (r_i - mean_j r_j) / std_j r_j                                                (DFPO eq. 43)
+    (optional)    - beta * 1/G sum_i 1/|y_i| sum_t [ pi_ref/pi_theta - log(pi_ref/pi_theta) - 1 ]   (k3 KL)
+
+Equations: seeds/gspo-technical-analysis.txt sec. 1.2 (J_GRPO and its gradient); seeds/grpo-vs-gspo-slides.txt
+(per-token ratios, each clipped); seeds/dfpo-paper-token-gradient-cancellation.txt eq. 43 (advantages).
+
+Different from gspo.py: one importance ratio per token, each clipped on its own, so every token carries its own
+weight w_it A_i / |y_i| in the gradient (gspo-technical-analysis.txt sec. 1.2). The clip range is the token-level
+one, (0.2, 0.27), as in the GSPO paper's comparison.
+
+    python grpo.py                                   # built-in tiny model and task, CPU, a few minutes
+    torchrun --nproc-per-node 8 grpo.py --model Qwen/Qwen3-32B --dataset dapo17k
+"""
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import tyro
+from tqdm import tqdm
+
+from common import (Logger, all_gather_cat, all_reduce, check_common_args, check_model, cleanup, eos_ids, evaluate,
+                    generate, group_advantages, load_model, load_task, load_tokenizer, minibatches, prompt_indices,
+                    reduce_stats, save_checkpoint, score, seed_rank, setup_distributed, wrap_policy)
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of the run: logs and checkpoints go to {output_dir}/{exp_name}__{seed}__{unix time}"""
+    seed: int = 1
+    """seed of the model init (tiny), data order and sampling (offset per rank)"""
+    model: str = "tiny"
+    """'tiny' (built-in random-init Qwen3-architecture model, offline), a local folder, or a hub id"""
+    trust_remote_code: bool = False
+    """let transformers run code shipped with the model (off unless you trust the model's source)"""
+    dataset: str = "builtin"
+    """'builtin' (offline: 'x%10=' for a digit x), 'gsm8k', 'math500', 'dapo17k', or a local .jsonl of {prompt, answer}"""
+    data_files: str | None = None
+    """local json/jsonl files laid out in --dataset's own hub columns, read instead of the hub (offline mirror)"""
+    enable_thinking: bool = False
+    """passed to the chat template (Qwen3: think before answering)"""
+    num_steps: int = 200
+    """RL steps (one rollout batch each)"""
+    prompts_per_rank: int = 16
+    """prompts per rank per step; the rollout batch is prompts_per_rank x group_size completions per rank"""
+    group_size: int = 8
+    """G: completions per prompt"""
+    num_minibatches: int = 4
+    """optimizer steps per rollout batch, each over whole groups (4 in the GSPO paper)"""
+    max_new_tokens: int | None = None
+    """completion length limit (default: 2 for --dataset builtin, 1024 otherwise)"""
+    temperature: float = 1.0
+    """sampling temperature (log-probs are taken at the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling; 1.0 is off"""
+    top_k: int = 0
+    """top-k sampling; 0 is off"""
+    gen_batch_size: int = 256
+    """completions per `generate` call"""
+    learning_rate: float | None = None
+    """AdamW learning rate (default: 5e-4 for --model tiny, 1e-6 otherwise)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping by global norm"""
+    scale_std: bool = True
+    """divide the centred group rewards by the group std (eq. 43); off: centring only"""
+    activation_checkpointing: bool = False
+    """recompute decoder layers in the backward pass (less memory, ~30% more compute)"""
+    logprob_chunk_tokens: int = 1024
+    """tokens per LM-head chunk: log-probs never hold more than chunk x vocab logits"""
+    eval_every: int = 50
+    """evaluate on the held-out split every N steps, and at the start and the end (0: never)"""
+    eval_size: int = 64
+    """held-out prompts"""
+    eval_k: int = 8
+    """samples per held-out prompt for avg@k and pass@k"""
+    save_every: int = 0
+    """write a checkpoint every N steps (0: only at the end)"""
+    output_dir: str = "runs"
+    """where runs are written"""
+    # Algorithm-specific arguments
+    clip_low: float = 0.2
+    """eps_low: each w_it is clipped below at 1 - eps_low (GSPO paper's GRPO baseline: 0.2)"""
+    clip_high: float = 0.27
+    """eps_high: each w_it is clipped above at 1 + eps_high (GSPO paper's GRPO baseline: 0.27)"""
+    kl_coef: float = 0.0
+    """beta of the k3 KL penalty to the initial model (0: no reference model is loaded at all)"""
+
+
+def grpo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: float, ref_logp=None,
+              kl_coef: float = 0.0):
+    """-J_GRPO over the minibatch. logp, old_logp, mask (and ref_logp): [B, T] completion tokens;
+    advantages: [B]. Returns (loss, stats)."""
+    m = mask.bool()
+    lengths = mask.sum(1).clamp(min=1)
+    log_w = torch.where(m, logp - old_logp, 0.0)  # log w_it, token log-ratios
+    w = torch.exp(log_w)
+    A = advantages[:, None]  # the same A_i for every token of y_i
+    per_token = torch.min(w * A, w.clamp(1 - clip_low, 1 + clip_high) * A)  # each token clipped on its own
+    if ref_logp is not None and kl_coef > 0:  # k3: pi_ref/pi - log(pi_ref/pi) - 1 >= 0
+        log_ref = torch.where(m, ref_logp - logp, 0.0)
+        per_token = per_token - kl_coef * (log_ref.exp() - log_ref - 1)
+    objective = (per_token * mask).sum(1) / lengths  # 1/|y_i| sum_t
+    loss = -objective.mean()  # 1/G sum_i, over every group of the minibatch
+    with torch.no_grad():  # clipped: the min takes the constant branch, so the token gives no gradient
+        clipped = (((w > 1 + clip_high) & (A > 0)) | ((w < 1 - clip_low) & (A < 0))) & m
+        stats = {
+            "losses/policy_loss": loss.detach(),
+            "losses/clipfrac": clipped.sum() / mask.sum(),  # tokens
+            "losses/ratio_mean": w[m].mean(), "losses/ratio_min": w[m].min(), "losses/ratio_max": w[m].max(),
+            "losses/approx_kl": ((log_w.exp() - 1 - log_w) * mask).sum() / mask.sum(),  # k3 estimate of KL(old||new)
+        }
+        if ref_logp is not None and kl_coef > 0:
+            stats["losses/kl_ref"] = ((log_ref.exp() - log_ref - 1) * mask).sum() / mask.sum()
+    return loss, stats
+
+
+def main():
+    args = tyro.cli(Args)
+    # TRY NOT TO MODIFY: set-up (bad input fails here, before any model is built)
+    check_common_args(args)
+    d = setup_distributed(args.seed)
+    check_model(args.model, args.trust_remote_code)
+    tok = load_tokenizer(args.model, args.trust_remote_code)
+    train, held, dropped = load_task(args.dataset, args.data_files, args.eval_size, args.seed, tok, args.enable_thinking)
+    lm = load_model(args.model, tok, d, args.seed, args.trust_remote_code)
+    eos = eos_ids(lm, tok)
+    policy = wrap_policy(lm, d, args.temperature, args.logprob_chunk_tokens, args.activation_checkpointing)
+    ref = wrap_policy(load_model(args.model, tok, d, args.seed, args.trust_remote_code).requires_grad_(False), d,
+                      args.temperature, args.logprob_chunk_tokens, False).eval() if args.kl_coef > 0 else None
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    seed_rank(args.seed, d)
+    run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    logger = Logger(run_dir, d, args)
+    if d.main:
+        print(f"{len(train)} train / {len(held)} held-out prompts ({dropped} rows without an answer dropped); "
+              f"world size {d.world}; logs: tensorboard --logdir {args.output_dir}")
+    gen_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                  top_k=args.top_k, gen_batch_size=args.gen_batch_size)
+    eval_now = lambda step: args.eval_every > 0 and (step % args.eval_every == 0 or step == args.num_steps)  # noqa: E731
+    if eval_now(0):
+        policy.eval()
+        logger.log(0, evaluate(policy, tok, held, eos, d, k=args.eval_k, **gen_kw))
+    start = time.time()
+    bar = tqdm(range(1, args.num_steps + 1), disable=not d.main, desc=args.exp_name)
+    for step in bar:
+        # TRY NOT TO MODIFY: rollout -> rewards -> group advantages
+        policy.eval()
+        rows = train.select(prompt_indices(len(train), step, args.prompts_per_rank, d, args.seed))
+        t = time.time()
+        roll = generate(policy, tok, rows["text"], args.group_size, eos, d, **gen_kw)
+        gen_time = time.time() - t
+        rewards = score(roll["texts"], rows["answer"], args.group_size)
+        advantages, zero_groups = group_advantages(rewards, args.group_size, args.scale_std)
+        ids, am, mask, P = roll["input_ids"], roll["attention_mask"], roll["mask"], roll["n_prompt"]
+        advantages = advantages.to(ids.device)
+        mbs = minibatches(args.prompts_per_rank, args.group_size, args.num_minibatches)
+
+        # old log-probs: pi_old is the policy that generated the rollout (no grad); entropy for the logs
+        t = time.time()
+        with torch.no_grad():
+            old = [policy(ids[mb], am[mb], P, entropy=True) for mb in mbs]
+            ref_logp = torch.cat([ref(ids[mb], am[mb], P) for mb in mbs]) if ref is not None else None
+        old_logp, entropy = torch.cat([o[0] for o in old]), torch.cat([o[1] for o in old])
+
+        # ALGO LOGIC: num_minibatches optimizer steps, each over whole groups
+        policy.train()
+        stats = []
+        for mb in mbs:
+            logp = policy(ids[mb], am[mb], P)
+            loss, mb_stats = grpo_loss(logp, old_logp[mb], advantages[mb], mask[mb],
+                                       clip_low=args.clip_low, clip_high=args.clip_high,
+                                       ref_logp=ref_logp[mb] if ref is not None else None, kl_coef=args.kl_coef)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: DTensor
+            optimizer.step()
+            stats.append({**mb_stats, "losses/grad_norm": grad_norm})
+        train_time = time.time() - t
+
+        # TRY NOT TO MODIFY: logging, evaluation, checkpoints
+        r, lengths = all_gather_cat(rewards.to(ids.device)), all_gather_cat(mask.sum(1))
+        tokens = all_gather_cat(am.sum().view(1).float()).sum()
+        log = {
+            "charts/reward_mean": r.mean().item(), "charts/reward_std": r.std(unbiased=False).item(),
+            "charts/response_length_mean": lengths.mean().item(), "charts/response_length_max": lengths.max().item(),
+            "charts/truncated_frac": all_gather_cat(roll["truncated"].float()).mean().item(),
+            "charts/zero_adv_group_frac": all_reduce(torch.tensor(zero_groups / args.prompts_per_rank)).item() / d.world,
+            "charts/learning_rate": optimizer.param_groups[0]["lr"],
+            "losses/entropy": ((entropy * mask).sum() / mask.sum()).item(),
+            "perf/gen_tokens_per_s": lengths.sum().item() / gen_time,
+            "perf/train_tokens_per_s": tokens.item() / train_time,
+            "perf/wall_time": time.time() - start,
+            **reduce_stats(stats),
+        }
+        if eval_now(step):
+            policy.eval()
+            log.update(evaluate(policy, tok, held, eos, d, k=args.eval_k, **gen_kw))
+        logger.log(step, log)
+        bar.set_postfix(reward=f"{log['charts/reward_mean']:.3f}", clip=f"{log['losses/clipfrac']:.3f}")
+        if args.save_every and step % args.save_every == 0 and step < args.num_steps:
+            save_checkpoint(policy, tok, os.path.join(run_dir, f"step_{step}"), d)
+    save_checkpoint(policy, tok, os.path.join(run_dir, "final"), d)
+    if d.main:
+        print(f"done in {time.time() - start:.0f}s; checkpoint: {os.path.join(run_dir, 'final')}")
+    logger.close()
+    cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""GSPO: Group Sequence Policy Optimization (Zheng et al., 2025, arXiv:2507.18071).
+
+    J_GSPO(theta) = E[ 1/G sum_i min( s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i ) ]        (DFPO eq. 42)
+    s_i(theta)    = (pi_theta(y_i|x) / pi_old(y_i|x))^(1/|y_i|) = exp( 1/|y_i| sum_t log w_it )    (DFPO eq. 44)
+    A_i           = (r_i - mean_j r_j) / std_j r_j                                                (DFPO eq. 43)
+
+Equations: seeds/dfpo-paper-token-gradient-cancellation.txt, App. B.1 eq. 42-44; seeds/gspo-technical-analysis.txt
+sec. 2; seeds/gspo-blog-why-token-level-rl-collapses.txt (the 512-token example: s_i = 0.9995).
+
+Different from grpo.py: one importance ratio per sequence, the length-normalised geometric mean of the token
+ratios, clipped once, so every token of y_i gets the same weight s_i A_i / |y_i| in the gradient
+(gspo-technical-analysis.txt sec. 2.3). Because s_i lives in a much tighter band than a token ratio, the clip
+range is ~1000x smaller: (3e-4, 4e-4) instead of (0.2, 0.27).
+
+    python gspo.py                                   # built-in tiny model and task, CPU, a few minutes
+    torchrun --nproc-per-node 8 gspo.py --model Qwen/Qwen3-32B --dataset dapo17k
+"""
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import tyro
+from tqdm import tqdm
+
+from common import (Logger, all_gather_cat, all_reduce, check_common_args, check_model, cleanup, eos_ids, evaluate,
+                    generate, group_advantages, load_model, load_task, load_tokenizer, minibatches, prompt_indices,
+                    reduce_stats, save_checkpoint, score, seed_rank, setup_distributed, wrap_policy)
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of the run: logs and checkpoints go to {output_dir}/{exp_name}__{seed}__{unix time}"""
+    seed: int = 1
+    """seed of the model init (tiny), data order and sampling (offset per rank)"""
+    model: str = "tiny"
+    """'tiny' (built-in random-init Qwen3-architecture model, offline), a local folder, or a hub id"""
+    trust_remote_code: bool = False
+    """let transformers run code shipped with the model (off unless you trust the model's source)"""
+    dataset: str = "builtin"
+    """'builtin' (offline: 'x%10=' for a digit x), 'gsm8k', 'math500', 'dapo17k', or a local .jsonl of {prompt, answer}"""
+    data_files: str | None = None
+    """local json/jsonl files laid out in --dataset's own hub columns, read instead of the hub (offline mirror)"""
+    enable_thinking: bool = False
+    """passed to the chat template (Qwen3: think before answering)"""
+    num_steps: int = 200
+    """RL steps (one rollout batch each)"""
+    prompts_per_rank: int = 16
+    """prompts per rank per step; the rollout batch is prompts_per_rank x group_size completions per rank"""
+    group_size: int = 8
+    """G: completions per prompt"""
+    num_minibatches: int = 4
+    """optimizer steps per rollout batch, each over whole groups (4 in the GSPO paper)"""
+    max_new_tokens: int | None = None
+    """completion length limit (default: 2 for --dataset builtin, 1024 otherwise)"""
+    temperature: float = 1.0
+    """sampling temperature (log-probs are taken at the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling; 1.0 is off"""
+    top_k: int = 0
+    """top-k sampling; 0 is off"""
+    gen_batch_size: int = 256
+    """completions per `generate` call"""
+    learning_rate: float | None = None
+    """AdamW learning rate (default: 5e-4 for --model tiny, 1e-6 otherwise)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping by global norm"""
+    scale_std: bool = True
+    """divide the centred group rewards by the group std (eq. 43); off: centring only"""
+    activation_checkpointing: bool = False
+    """recompute decoder layers in the backward pass (less memory, ~30% more compute)"""
+    logprob_chunk_tokens: int = 1024
+    """tokens per LM-head chunk: log-probs never hold more than chunk x vocab logits"""
+    eval_every: int = 50
+    """evaluate on the held-out split every N steps, and at the start and the end (0: never)"""
+    eval_size: int = 64
+    """held-out prompts"""
+    eval_k: int = 8
+    """samples per held-out prompt for avg@k and pass@k"""
+    save_every: int = 0
+    """write a checkpoint every N steps (0: only at the end)"""
+    output_dir: str = "runs"
+    """where runs are written"""
+    # Algorithm-specific arguments
+    clip_low: float = 3e-4
+    """eps_low: s_i is clipped below at 1 - eps_low (GSPO paper: 3e-4)"""
+    clip_high: float = 4e-4
+    """eps_high: s_i is clipped above at 1 + eps_high (GSPO paper: 4e-4)"""
+
+
+def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: float):
+    """-J_GSPO (eq. 42) over the minibatch. logp, old_logp, mask: [B, T] completion tokens; advantages: [B].
+    Returns (loss, stats)."""
+    m = mask.bool()
+    lengths = mask.sum(1).clamp(min=1)
+    log_w = torch.where(m, logp - old_logp, 0.0)  # log w_it, token log-ratios
+    s = torch.exp(log_w.sum(1) / lengths)  # eq. 44: s_i = exp(1/|y_i| sum_t log w_it)
+    s_clipped = s.clamp(1 - clip_low, 1 + clip_high)
+    objective = torch.min(s * advantages, s_clipped * advantages)  # eq. 42, one term per sequence
+    loss = -objective.mean()  # 1/G sum_i, over every group of the minibatch
+    with torch.no_grad():  # clipped: the min takes the constant branch, so the sequence gives no gradient
+        clipped = ((s > 1 + clip_high) & (advantages > 0)) | ((s < 1 - clip_low) & (advantages < 0))
+        stats = {
+            "losses/policy_loss": loss.detach(),
+            "losses/clipfrac": clipped.float().mean(),  # sequences
+            "losses/clipfrac_tokens": (clipped * lengths).sum() / lengths.sum(),  # the tokens they hold
+            "losses/ratio_mean": s.mean(), "losses/ratio_min": s.min(), "losses/ratio_max": s.max(),
+            "losses/approx_kl": ((log_w.exp() - 1 - log_w) * mask).sum() / mask.sum(),  # k3 estimate of KL(old||new)
+        }
+    return loss, stats
+
+
+def main():
+    args = tyro.cli(Args)
+    # TRY NOT TO MODIFY: set-up (bad input fails here, before any model is built)
+    check_common_args(args)
+    d = setup_distributed(args.seed)
+    check_model(args.model, args.trust_remote_code)
+    tok = load_tokenizer(args.model, args.trust_remote_code)
+    train, held, dropped = load_task(args.dataset, args.data_files, args.eval_size, args.seed, tok, args.enable_thinking)
+    lm = load_model(args.model, tok, d, args.seed, args.trust_remote_code)
+    eos = eos_ids(lm, tok)
+    policy = wrap_policy(lm, d, args.temperature, args.logprob_chunk_tokens, args.activation_checkpointing)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    seed_rank(args.seed, d)
+    run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    logger = Logger(run_dir, d, args)
+    if d.main:
+        print(f"{len(train)} train / {len(held)} held-out prompts ({dropped} rows without an answer dropped); "
+              f"world size {d.world}; logs: tensorboard --logdir {args.output_dir}")
+    gen_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                  top_k=args.top_k, gen_batch_size=args.gen_batch_size)
+    eval_now = lambda step: args.eval_every > 0 and (step % args.eval_every == 0 or step == args.num_steps)  # noqa: E731
+    if eval_now(0):
+        policy.eval()
+        logger.log(0, evaluate(policy, tok, held, eos, d, k=args.eval_k, **gen_kw))
+    start = time.time()
+    bar = tqdm(range(1, args.num_steps + 1), disable=not d.main, desc=args.exp_name)
+    for step in bar:
+        # TRY NOT TO MODIFY: rollout -> rewards -> group advantages
+        policy.eval()
+        rows = train.select(prompt_indices(len(train), step, args.prompts_per_rank, d, args.seed))
+        t = time.time()
+        roll = generate(policy, tok, rows["text"], args.group_size, eos, d, **gen_kw)
+        gen_time = time.time() - t
+        rewards = score(roll["texts"], rows["answer"], args.group_size)
+        advantages, zero_groups = group_advantages(rewards, args.group_size, args.scale_std)
+        ids, am, mask, P = roll["input_ids"], roll["attention_mask"], roll["mask"], roll["n_prompt"]
+        advantages = advantages.to(ids.device)
+        mbs = minibatches(args.prompts_per_rank, args.group_size, args.num_minibatches)
+
+        # old log-probs: pi_old is the policy that generated the rollout (no grad); entropy for the logs
+        t = time.time()
+        with torch.no_grad():
+            old = [policy(ids[mb], am[mb], P, entropy=True) for mb in mbs]
+        old_logp, entropy = torch.cat([o[0] for o in old]), torch.cat([o[1] for o in old])
+
+        # ALGO LOGIC: num_minibatches optimizer steps, each over whole groups
+        policy.train()
+        stats = []
+        for mb in mbs:
+            logp = policy(ids[mb], am[mb], P)
+            loss, mb_stats = gspo_loss(logp, old_logp[mb], advantages[mb], mask[mb],
+                                       clip_low=args.clip_low, clip_high=args.clip_high)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: DTensor
+            optimizer.step()
+            stats.append({**mb_stats, "losses/grad_norm": grad_norm})
+        train_time = time.time() - t
+
+        # TRY NOT TO MODIFY: logging, evaluation, checkpoints
+        r, lengths = all_gather_cat(rewards.to(ids.device)), all_gather_cat(mask.sum(1))
+        tokens = all_gather_cat(am.sum().view(1).float()).sum()
+        log = {
+            "charts/reward_mean": r.mean().item(), "charts/reward_std": r.std(unbiased=False).item(),
+            "charts/response_length_mean": lengths.mean().item(), "charts/response_length_max": lengths.max().item(),
+            "charts/truncated_frac": all_gather_cat(roll["truncated"].float()).mean().item(),
+            "charts/zero_adv_group_frac": all_reduce(torch.tensor(zero_groups / args.prompts_per_rank)).item() / d.world,
+            "charts/learning_rate": optimizer.param_groups[0]["lr"],
+            "losses/entropy": ((entropy * mask).sum() / mask.sum()).item(),
+            "perf/gen_tokens_per_s": lengths.sum().item() / gen_time,
+            "perf/train_tokens_per_s": tokens.item() / train_time,
+            "perf/wall_time": time.time() - start,
+            **reduce_stats(stats),
+        }
+        if eval_now(step):
+            policy.eval()
+            log.update(evaluate(policy, tok, held, eos, d, k=args.eval_k, **gen_kw))
+        logger.log(step, log)
+        bar.set_postfix(reward=f"{log['charts/reward_mean']:.3f}", clip=f"{log['losses/clipfrac']:.3f}")
+        if args.save_every and step % args.save_every == 0 and step < args.num_steps:
+            save_checkpoint(policy, tok, os.path.join(run_dir, f"step_{step}"), d)
+    save_checkpoint(policy, tok, os.path.join(run_dir, "final"), d)
+    if d.main:
+        print(f"done in {time.time() - start:.0f}s; checkpoint: {os.path.join(run_dir, 'final')}")
+    logger.close()
+    cleanup()
+
+
+if __name__ == "__main__":
+    main()

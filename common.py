@@ -6,12 +6,9 @@ advantages, logging, evaluation and checkpoints. The training loop itself lives 
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import re
-import sys
-import time
 from dataclasses import dataclass
 from fractions import Fraction
 

@@ -413,8 +413,9 @@ def evaluate(policy, tok, held, eos, d: Dist, *, k: int, max_new_tokens: int, te
     n = len(held) // d.world * d.world  # equal shares, or the FSDP all-gathers would hang
     rows = held.select(range(d.rank, n, d.world))
     r = torch.zeros(0)
-    for i in range(0, len(rows), max(1, gen_batch_size // k)):
-        part = rows.select(range(i, min(i + max(1, gen_batch_size // k), len(rows))))
+    per_call = max(1, gen_batch_size // k)  # prompts per generate call
+    for i in range(0, len(rows), per_call):
+        part = rows.select(range(i, min(i + per_call, len(rows))))
         out = generate(policy, tok, part["text"], k, eos, d, max_new_tokens=max_new_tokens, temperature=temperature,
                        top_p=top_p, top_k=top_k, gen_batch_size=gen_batch_size)
         r = torch.cat([r, score(out["texts"], part["answer"], k)])
@@ -427,11 +428,14 @@ def evaluate(policy, tok, held, eos, d: Dist, *, k: int, max_new_tokens: int, te
 def prompt_indices(n_rows: int, step: int, per_rank: int, d: Dist, seed: int) -> list[int]:
     """This rank's prompts for `step` (1-based): a fresh seeded permutation each epoch, global batch
     split across ranks, so the data position is a pure function of the step."""
-    glob = per_rank * d.world
+    first = (step - 1) * per_rank * d.world + d.rank * per_rank
+    perms = {}  # one permutation per epoch this batch touches (at most two), not one per prompt
     out = []
-    for j in range((step - 1) * glob + d.rank * per_rank, (step - 1) * glob + (d.rank + 1) * per_rank):
+    for j in range(first, first + per_rank):
         epoch, pos = divmod(j, n_rows)
-        out.append(int(torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed + epoch))[pos]))
+        if epoch not in perms:
+            perms[epoch] = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed + epoch))
+        out.append(int(perms[epoch][pos]))
     return out
 
 

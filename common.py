@@ -6,6 +6,7 @@ advantages, logging, evaluation and checkpoints. The training loop itself lives 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -203,8 +204,9 @@ class Policy(torch.nn.Module):
 
 
 def _chunk_logprobs(h, weight, bias, targets, temperature: float, entropy: bool):
-    """log-softmax at the target = logit - logsumexp, on one chunk, in float32."""
-    logits = F.linear(h, weight, bias).float() / temperature
+    """log-softmax at the target = logit - logsumexp, on one chunk, in float32 (float64 for a float64 model)."""
+    logits = F.linear(h, weight, bias)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # bf16 -> fp32; fp64 stays
     lse = logits.logsumexp(-1)
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
     ent = (lse - (logits.softmax(-1) * logits).sum(-1)) if entropy else None
@@ -312,8 +314,9 @@ def chat_prompts(tok, prompts: list[str], enable_thinking: bool) -> list[str]:
 _NUM = r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+"
 
 
-def extract_answer(text: str) -> str | None:
-    """The final answer: the last \\boxed{...}, else what follows the last '####', else the last number."""
+def answer_span(text: str) -> tuple[int, int] | None:
+    """Where the final answer lies in text, as (start, end) character offsets: the contents of the last
+    \\boxed{...}, else the number (or the first non-empty line) after the last '####', else the last number."""
     i = text.rfind("\\boxed")
     if i >= 0:
         j = text.find("{", i)
@@ -321,15 +324,23 @@ def extract_answer(text: str) -> str | None:
         while 0 <= k < len(text):
             depth += {"{": 1, "}": -1}.get(text[k], 0)
             if depth == 0:
-                return text[j + 1:k].strip()
+                return j + 1, k
             k += 1
         return None  # unbalanced \boxed{
-    if "####" in text:
-        rest = text.rsplit("####", 1)[1].strip()
-        m = re.match(_NUM, rest)
-        return m.group(0) if m else (rest.splitlines()[0].strip() if rest else None)
-    nums = re.findall(_NUM, text)
-    return nums[-1] if nums else None
+    i = text.rfind("####")
+    if i >= 0:
+        m = re.compile(r"\s*(" + _NUM + ")").match(text, i + 4) or re.compile(r"\s*(\S[^\n]*)").match(text, i + 4)
+        return m.span(1) if m else None
+    last = None
+    for last in re.finditer(_NUM, text):
+        pass
+    return last.span() if last else None
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer: the last \\boxed{...}, else what follows the last '####', else the last number."""
+    span = answer_span(text)
+    return text[span[0]:span[1]].strip() if span else None
 
 
 def parse_number(s: str) -> Fraction | None:
@@ -372,6 +383,15 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_std: bool = T
     std = r.std(1, unbiased=False, keepdim=True)
     adv = centred / (std + eps) if scale_std else centred
     return adv.view(-1).float(), int((std.squeeze(1) == 0).sum())
+
+
+def group_metrics(coef: torch.Tensor, group_size: int) -> dict:
+    """Mechanism metrics of m_i = w_i A_i, each sequence's term in the objective (w_i: the weight the objective
+    actually applies after clipping and any in-group transform). losses/asym: mean over groups of Var_i(m_i)
+    (DFPO eq. 23). losses/shared_coef: mean over groups of |1/G sum_i m_i|, the coefficient that a token shared by
+    the whole group gets (eq. 38, 63, 72): 0 when the group's updates on shared tokens cancel."""
+    m = coef.detach().double().view(-1, group_size)
+    return {"losses/asym": m.var(1, unbiased=False).mean(), "losses/shared_coef": m.mean(1).abs().mean()}
 
 
 # ----------------------------------------------------------------------------- generation
@@ -460,6 +480,30 @@ def reduce_stats(stats: list[dict]) -> dict:
     return out
 
 
+def jitter2(m: list[float]) -> float:
+    """Second-order difference jitter of a curve, DFPO eq. 20: 1/(T-2) sum_t |m_t+2 - 2 m_t+1 + m_t| (nan if T < 3)."""
+    if len(m) < 3:
+        return float("nan")
+    return sum(abs(m[t + 2] - 2 * m[t + 1] + m[t]) for t in range(len(m) - 2)) / (len(m) - 2)
+
+
+def lr_scheduler(optimizer, args):
+    """Per optimizer step: linear warm-up over --warmup-frac of the steps, then constant or cosine decay to
+    --min-lr-ratio x the peak (the DFPO paper's App. I: cosine, 3% warm-up, 0.2)."""
+    total = args.num_steps * args.num_minibatches
+    warmup = round(args.warmup_frac * total)
+
+    def factor(i: int) -> float:
+        if i < warmup:
+            return (i + 1) / warmup
+        if args.lr_schedule == "constant":
+            return 1.0
+        progress = (i - warmup) / max(1, total - warmup)
+        return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
 class Logger:
     """Tensorboard + console on rank 0 only."""
 
@@ -536,3 +580,5 @@ def check_common_args(args):
         fail(f"--temperature {args.temperature}: must be > 0 (RL samples from the policy)")
     if args.num_steps < 1:
         fail(f"--num-steps {args.num_steps}: must be >= 1")
+    if not 0 <= args.warmup_frac < 1 or not 0 <= args.min_lr_ratio <= 1:
+        fail(f"--warmup-frac {args.warmup_frac} must lie in [0, 1) and --min-lr-ratio {args.min_lr_ratio} in [0, 1]")

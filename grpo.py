@@ -6,6 +6,14 @@ decoupled clip range and an optional k3 KL penalty to a frozen reference model.
     A_i           = (r_i - mean_j r_j) / std_j r_j                                                (DFPO eq. 43)
     (optional)    - beta * 1/G sum_i 1/|y_i| sum_t [ pi_ref/pi_theta - log(pi_ref/pi_theta) - 1 ]   (k3 KL)
 
+GRPO-fix (--symmetric-clip; DFPO paper App. H, eq. 79-80): the token term becomes A_i clip(w_it, 0, 1 + eps_high),
+one clipping operator whatever the sign of A_i. The standard min(w A, clip(w) A) is A min(w, clip(w)) for A >= 0
+but A max(w, clip(w)) for A < 0 (App. F eq. 78), so a token shared by a positive and a negative sample with w outside
+[1 - eps_low, 1 + eps_high] keeps a non-zero group coefficient A((1 + eps) - w) (eq. 75); symmetric clipping gives
+both the same weight and they cancel. Above 1 + eps_high the token gets no gradient, for either sign; there is no
+lower clip. Eq. 80 sums over tokens without 1/|y_i|; here the aggregation stays the one above, so that
+--symmetric-clip changes the clipping and nothing else.
+
 Equations: seeds/gspo-technical-analysis.txt sec. 1.2 (J_GRPO and its gradient); seeds/grpo-vs-gspo-slides.txt
 (per-token ratios, each clipped); seeds/dfpo-paper-token-gradient-cancellation.txt eq. 43 (advantages).
 
@@ -20,14 +28,16 @@ one, (0.2, 0.27), as in the GSPO paper's comparison.
 import os
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import tyro
 from tqdm import tqdm
 
 from common import (Logger, all_gather_cat, all_reduce, check_common_args, check_model, cleanup, eos_ids, evaluate,
-                    generate, group_advantages, load_model, load_task, load_tokenizer, minibatches, prompt_indices,
-                    reduce_stats, save_checkpoint, score, seed_rank, setup_distributed, wrap_policy)
+                    generate, group_advantages, group_metrics, jitter2, load_model, load_task, load_tokenizer,
+                    lr_scheduler, minibatches, prompt_indices, reduce_stats, save_checkpoint, score, seed_rank,
+                    setup_distributed, wrap_policy)
 
 
 @dataclass
@@ -70,6 +80,12 @@ class Args:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient clipping by global norm"""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """learning-rate schedule after the warm-up, per optimizer step (DFPO paper: cosine)"""
+    warmup_frac: float = 0.0
+    """fraction of the optimizer steps spent in a linear warm-up (DFPO paper: 0.03)"""
+    min_lr_ratio: float = 0.2
+    """cosine: the last learning rate as a fraction of the peak (DFPO paper: 0.2)"""
     scale_std: bool = True
     """divide the centred group rewards by the group std (eq. 43); off: centring only"""
     activation_checkpointing: bool = False
@@ -91,32 +107,43 @@ class Args:
     """eps_low: each w_it is clipped below at 1 - eps_low (GSPO paper's GRPO baseline: 0.2)"""
     clip_high: float = 0.27
     """eps_high: each w_it is clipped above at 1 + eps_high (GSPO paper's GRPO baseline: 0.27)"""
+    symmetric_clip: bool = False
+    """GRPO-fix (DFPO paper App. H): weight each token by clip(w_it, 0, 1 + eps_high) A_i whatever the sign of A_i"""
     kl_coef: float = 0.0
     """beta of the k3 KL penalty to the initial model (0: no reference model is loaded at all)"""
 
 
-def grpo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: float, ref_logp=None,
-              kl_coef: float = 0.0):
+def grpo_loss(logp, old_logp, advantages, mask, *, group_size: int, clip_low: float, clip_high: float,
+              symmetric_clip: bool = False, ref_logp=None, kl_coef: float = 0.0):
     """-J_GRPO over the minibatch. logp, old_logp, mask (and ref_logp): [B, T] completion tokens;
-    advantages: [B]. Returns (loss, stats)."""
+    advantages: [B]; rows are whole groups of group_size (used by the group metrics only). Returns (loss, stats)."""
     m = mask.bool()
     lengths = mask.sum(1).clamp(min=1)
     log_w = torch.where(m, logp - old_logp, 0.0)  # log w_it, token log-ratios
     w = torch.exp(log_w)
     A = advantages[:, None]  # the same A_i for every token of y_i
-    per_token = torch.min(w * A, w.clamp(1 - clip_low, 1 + clip_high) * A)  # each token clipped on its own
+    if symmetric_clip:  # GRPO-fix (App. H eq. 79-80): clip(w, 0, 1 + eps_high) A_i, the same weight whatever A's sign
+        per_token = w.clamp(max=1 + clip_high) * A
+    else:  # min(w A, clip(w) A): A >= 0 takes min(w, clip(w)), A < 0 takes max(w, clip(w)) (App. F eq. 78)
+        per_token = torch.min(w * A, w.clamp(1 - clip_low, 1 + clip_high) * A)
+    seq_term = (per_token * mask).sum(1) / lengths  # 1/|y_i| sum_t
+    objective = seq_term
     if ref_logp is not None and kl_coef > 0:  # k3: pi_ref/pi - log(pi_ref/pi) - 1 >= 0
         log_ref = torch.where(m, ref_logp - logp, 0.0)
-        per_token = per_token - kl_coef * (log_ref.exp() - log_ref - 1)
-    objective = (per_token * mask).sum(1) / lengths  # 1/|y_i| sum_t
+        objective = seq_term - kl_coef * ((log_ref.exp() - log_ref - 1) * mask).sum(1) / lengths
     loss = -objective.mean()  # 1/G sum_i, over every group of the minibatch
-    with torch.no_grad():  # clipped: the min takes the constant branch, so the token gives no gradient
-        clipped = (((w > 1 + clip_high) & (A > 0)) | ((w < 1 - clip_low) & (A < 0))) & m
+    with torch.no_grad():  # clipped: the constant branch is taken, so the token gives no gradient
+        if symmetric_clip:
+            clipped = (w > 1 + clip_high) & m
+        else:
+            clipped = (((w > 1 + clip_high) & (A > 0)) | ((w < 1 - clip_low) & (A < 0))) & m
         stats = {
             "losses/policy_loss": loss.detach(),
             "losses/clipfrac": clipped.sum() / mask.sum(),  # tokens
+            "losses/clipfrac_seq": clipped.any(1).float().mean(),  # sequences with at least one clipped token
             "losses/ratio_mean": w[m].mean(), "losses/ratio_min": w[m].min(), "losses/ratio_max": w[m].max(),
             "losses/approx_kl": ((log_w.exp() - 1 - log_w) * mask).sum() / mask.sum(),  # k3 estimate of KL(old||new)
+            **group_metrics(seq_term, group_size),  # w_i = mean_t of the post-clip token weights
         }
         if ref_logp is not None and kl_coef > 0:
             stats["losses/kl_ref"] = ((log_ref.exp() - log_ref - 1) * mask).sum() / mask.sum()
@@ -137,6 +164,7 @@ def main():
     ref = wrap_policy(load_model(args.model, tok, d, args.seed, args.trust_remote_code).requires_grad_(False), d,
                       args.temperature, args.logprob_chunk_tokens, False).eval() if args.kl_coef > 0 else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = lr_scheduler(optimizer, args)
     seed_rank(args.seed, d)
     run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time())}")
     logger = Logger(run_dir, d, args)
@@ -149,7 +177,7 @@ def main():
     if eval_now(0):
         policy.eval()
         logger.log(0, evaluate(policy, tok, held, eos, d, k=args.eval_k, **gen_kw))
-    start = time.time()
+    start, reward_curve = time.time(), []
     bar = tqdm(range(1, args.num_steps + 1), disable=not d.main, desc=args.exp_name)
     for step in bar:
         # TRY NOT TO MODIFY: rollout -> rewards -> group advantages
@@ -176,14 +204,16 @@ def main():
         stats = []
         for mb in mbs:
             logp = policy(ids[mb], am[mb], P)
-            loss, mb_stats = grpo_loss(logp, old_logp[mb], advantages[mb], mask[mb],
+            loss, mb_stats = grpo_loss(logp, old_logp[mb], advantages[mb], mask[mb], group_size=args.group_size,
                                        clip_low=args.clip_low, clip_high=args.clip_high,
+                                       symmetric_clip=args.symmetric_clip,
                                        ref_logp=ref_logp[mb] if ref is not None else None, kl_coef=args.kl_coef)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: DTensor
             optimizer.step()
+            scheduler.step()
             stats.append({**mb_stats, "losses/grad_norm": grad_norm})
         train_time = time.time() - t
 
@@ -206,12 +236,18 @@ def main():
             policy.eval()
             log.update(evaluate(policy, tok, held, eos, d, k=args.eval_k, **gen_kw))
         logger.log(step, log)
-        bar.set_postfix(reward=f"{log['charts/reward_mean']:.3f}", clip=f"{log['losses/clipfrac']:.3f}")
+        reward_curve.append(log["charts/reward_mean"])
+        bar.set_postfix(reward=f"{log['charts/reward_mean']:.3f}", clip=f"{log['losses/clipfrac']:.3f}",
+                        asym=f"{log['losses/asym']:.3f}")
         if args.save_every and step % args.save_every == 0 and step < args.num_steps:
             save_checkpoint(policy, tok, os.path.join(run_dir, f"step_{step}"), d)
     save_checkpoint(policy, tok, os.path.join(run_dir, "final"), d)
+    n = max(1, len(reward_curve) // 10)
+    first, last, jitter = sum(reward_curve[:n]) / n, sum(reward_curve[-n:]) / n, jitter2(reward_curve)
+    logger.log(args.num_steps, {"charts/reward_jitter2": jitter})
     if d.main:
-        print(f"done in {time.time() - start:.0f}s; checkpoint: {os.path.join(run_dir, 'final')}")
+        print(f"done in {time.time() - start:.0f}s: reward {first:.3f} (first 10% of steps) -> {last:.3f} (last 10%), "
+              f"Jitter2 (DFPO eq. 20) {jitter:.4f}; checkpoint: {os.path.join(run_dir, 'final')}")
     logger.close()
     cleanup()
 

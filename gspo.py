@@ -19,14 +19,16 @@ range is ~1000x smaller: (3e-4, 4e-4) instead of (0.2, 0.27).
 import os
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import tyro
 from tqdm import tqdm
 
 from common import (Logger, all_gather_cat, all_reduce, check_common_args, check_model, cleanup, eos_ids, evaluate,
-                    generate, group_advantages, load_model, load_task, load_tokenizer, minibatches, prompt_indices,
-                    reduce_stats, save_checkpoint, score, seed_rank, setup_distributed, wrap_policy)
+                    generate, group_advantages, group_metrics, jitter2, load_model, load_task, load_tokenizer,
+                    lr_scheduler, minibatches, prompt_indices, reduce_stats, save_checkpoint, score, seed_rank,
+                    setup_distributed, wrap_policy)
 
 
 @dataclass
@@ -69,6 +71,12 @@ class Args:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient clipping by global norm"""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """learning-rate schedule after the warm-up, per optimizer step (DFPO paper: cosine)"""
+    warmup_frac: float = 0.0
+    """fraction of the optimizer steps spent in a linear warm-up (DFPO paper: 0.03)"""
+    min_lr_ratio: float = 0.2
+    """cosine: the last learning rate as a fraction of the peak (DFPO paper: 0.2)"""
     scale_std: bool = True
     """divide the centred group rewards by the group std (eq. 43); off: centring only"""
     activation_checkpointing: bool = False
@@ -92,24 +100,25 @@ class Args:
     """eps_high: s_i is clipped above at 1 + eps_high (GSPO paper: 4e-4)"""
 
 
-def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: float):
-    """-J_GSPO (eq. 42) over the minibatch. logp, old_logp, mask: [B, T] completion tokens; advantages: [B].
-    Returns (loss, stats)."""
+def gspo_loss(logp, old_logp, advantages, mask, *, group_size: int, clip_low: float, clip_high: float):
+    """-J_GSPO (eq. 42) over the minibatch. logp, old_logp, mask: [B, T] completion tokens; advantages: [B];
+    rows are whole groups of group_size (used by the group metrics only). Returns (loss, stats)."""
     m = mask.bool()
     lengths = mask.sum(1).clamp(min=1)
     log_w = torch.where(m, logp - old_logp, 0.0)  # log w_it, token log-ratios
     s = torch.exp(log_w.sum(1) / lengths)  # eq. 44: s_i = exp(1/|y_i| sum_t log w_it)
     s_clipped = s.clamp(1 - clip_low, 1 + clip_high)
-    objective = torch.min(s * advantages, s_clipped * advantages)  # eq. 42, one term per sequence
+    objective = torch.min(s * advantages, s_clipped * advantages)  # eq. 42, one term per sequence (= A_i s_bar_i, eq. 49)
     loss = -objective.mean()  # 1/G sum_i, over every group of the minibatch
     with torch.no_grad():  # clipped: the min takes the constant branch, so the sequence gives no gradient
         clipped = ((s > 1 + clip_high) & (advantages > 0)) | ((s < 1 - clip_low) & (advantages < 0))
         stats = {
             "losses/policy_loss": loss.detach(),
-            "losses/clipfrac": clipped.float().mean(),  # sequences
-            "losses/clipfrac_tokens": (clipped * lengths).sum() / lengths.sum(),  # the tokens they hold
+            "losses/clipfrac": (clipped * lengths).sum() / lengths.sum(),  # tokens whose gradient the clip removes
+            "losses/clipfrac_seq": clipped.float().mean(),  # sequences
             "losses/ratio_mean": s.mean(), "losses/ratio_min": s.min(), "losses/ratio_max": s.max(),
             "losses/approx_kl": ((log_w.exp() - 1 - log_w) * mask).sum() / mask.sum(),  # k3 estimate of KL(old||new)
+            **group_metrics(objective, group_size),  # w_i = s_bar_i
         }
     return loss, stats
 
@@ -126,6 +135,7 @@ def main():
     eos = eos_ids(lm, tok)
     policy = wrap_policy(lm, d, args.temperature, args.logprob_chunk_tokens, args.activation_checkpointing)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = lr_scheduler(optimizer, args)
     seed_rank(args.seed, d)
     run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time())}")
     logger = Logger(run_dir, d, args)
@@ -138,7 +148,7 @@ def main():
     if eval_now(0):
         policy.eval()
         logger.log(0, evaluate(policy, tok, held, eos, d, k=args.eval_k, **gen_kw))
-    start = time.time()
+    start, reward_curve = time.time(), []
     bar = tqdm(range(1, args.num_steps + 1), disable=not d.main, desc=args.exp_name)
     for step in bar:
         # TRY NOT TO MODIFY: rollout -> rewards -> group advantages
@@ -164,13 +174,14 @@ def main():
         stats = []
         for mb in mbs:
             logp = policy(ids[mb], am[mb], P)
-            loss, mb_stats = gspo_loss(logp, old_logp[mb], advantages[mb], mask[mb],
+            loss, mb_stats = gspo_loss(logp, old_logp[mb], advantages[mb], mask[mb], group_size=args.group_size,
                                        clip_low=args.clip_low, clip_high=args.clip_high)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: DTensor
             optimizer.step()
+            scheduler.step()
             stats.append({**mb_stats, "losses/grad_norm": grad_norm})
         train_time = time.time() - t
 
@@ -193,12 +204,18 @@ def main():
             policy.eval()
             log.update(evaluate(policy, tok, held, eos, d, k=args.eval_k, **gen_kw))
         logger.log(step, log)
-        bar.set_postfix(reward=f"{log['charts/reward_mean']:.3f}", clip=f"{log['losses/clipfrac']:.3f}")
+        reward_curve.append(log["charts/reward_mean"])
+        bar.set_postfix(reward=f"{log['charts/reward_mean']:.3f}", clip=f"{log['losses/clipfrac']:.3f}",
+                        asym=f"{log['losses/asym']:.3f}")
         if args.save_every and step % args.save_every == 0 and step < args.num_steps:
             save_checkpoint(policy, tok, os.path.join(run_dir, f"step_{step}"), d)
     save_checkpoint(policy, tok, os.path.join(run_dir, "final"), d)
+    n = max(1, len(reward_curve) // 10)
+    first, last, jitter = sum(reward_curve[:n]) / n, sum(reward_curve[-n:]) / n, jitter2(reward_curve)
+    logger.log(args.num_steps, {"charts/reward_jitter2": jitter})
     if d.main:
-        print(f"done in {time.time() - start:.0f}s; checkpoint: {os.path.join(run_dir, 'final')}")
+        print(f"done in {time.time() - start:.0f}s: reward {first:.3f} (first 10% of steps) -> {last:.3f} (last 10%), "
+              f"Jitter2 (DFPO eq. 20) {jitter:.4f}; checkpoint: {os.path.join(run_dir, 'final')}")
     logger.close()
     cleanup()
 

@@ -1,6 +1,6 @@
 """Run under `torchrun --nproc-per-node 2`: the FSDP2 gradient of one minibatch, each rank holding half of the
 groups, must equal the 1-process gradient of the same global batch (fp32, rtol 1e-4).
-argv: loss name (gspo|grpo), activation checkpointing (0|1)."""
+argv: loss name (gspo|grpo|gspo_token|dfpo), activation checkpointing (0|1)."""
 import os
 import sys
 
@@ -8,8 +8,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
+from dfpo import dfpo_loss  # noqa: E402
 from grpo import grpo_loss  # noqa: E402
 from gspo import gspo_loss  # noqa: E402
+from gspo_token import gspo_token_loss  # noqa: E402
 
 loss_name, ac = sys.argv[1], sys.argv[2] == "1"
 d = common.setup_distributed(0)
@@ -32,8 +34,13 @@ ids = ids.masked_fill(am == 0, tok.pad_token_id)
 with torch.no_grad():
     old = single(ids, am, P) + 0.05 * torch.randn(B, T, generator=g)  # pi_old a little off the current policy
 adv = torch.randn(B, generator=g)
-kw = dict(clip_low=0.004, clip_high=0.005) if loss_name == "gspo" else dict(clip_low=0.04, clip_high=0.05)
-loss_fn = gspo_loss if loss_name == "gspo" else grpo_loss
+if loss_name == "gspo_token":  # per-token advantages that change sign inside sequences
+    adv = (adv[:, None] + torch.randn(B, T, generator=g)) * mask
+kw = dict(group_size=4, clip_low=0.004, clip_high=0.005) if loss_name != "grpo" else dict(
+    group_size=4, clip_low=0.04, clip_high=0.05)
+if loss_name == "dfpo":
+    kw["transform"] = "orth-proj-qp"
+loss_fn = {"gspo": gspo_loss, "grpo": grpo_loss, "gspo_token": gspo_token_loss, "dfpo": dfpo_loss}[loss_name]
 
 loss, stats = loss_fn(single(ids, am, P), old, adv, mask, **kw)
 loss.backward()

@@ -11,7 +11,7 @@ import pytest
 import common
 from conftest import ROOT
 
-SCRIPTS = ["gspo", "grpo"]
+SCRIPTS = ["gspo", "grpo", "gspo_token", "dfpo"]
 
 
 def write_jsonl(path, rows):
@@ -33,8 +33,22 @@ def bad_dataset(tmp_path):
     (["--prompts-per-rank", "6"], "multiple of --num-minibatches"),
     (["--dataset", "nosuchset"], "unknown"),
     (["--dataset", "BAD"], "has no column(s) ['prompt', 'answer']"),
+    (["--warmup-frac", "1.5"], "--warmup-frac 1.5 must lie in [0, 1)"),
 ])
 def test_bad_input_fails_before_any_model(script, argv, needle, monkeypatch, tmp_path):
+    fails_before_any_model(script, argv, needle, monkeypatch, tmp_path)
+
+
+@pytest.mark.parametrize("script, argv, needle", [
+    ("dfpo", ["--orth-floor", "0"], "--orth-floor 0.0: must be > 0"),
+    ("dfpo", ["--transform", "nope"], None),  # tyro's own choice check: exit code 2 with the choices listed
+    ("gspo_token", ["--post-answer-penalty", "-1"], "--post-answer-penalty -1.0: must be >= 0"),
+])
+def test_bad_algorithm_args(script, argv, needle, monkeypatch, tmp_path):
+    fails_before_any_model(script, argv, needle, monkeypatch, tmp_path)
+
+
+def fails_before_any_model(script, argv, needle, monkeypatch, tmp_path):
     mod = importlib.import_module(script)
 
     def no_model(*a, **k):
@@ -45,6 +59,9 @@ def test_bad_input_fails_before_any_model(script, argv, needle, monkeypatch, tmp
     monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv, "--output-dir", str(tmp_path / "runs")])
     with pytest.raises(SystemExit) as e:
         mod.main()
+    if needle is None:
+        assert e.value.code == 2
+        return
     msg = str(e.value.code)
     assert msg.startswith("error: ") and "\n" not in msg and needle in msg, msg
     assert not (tmp_path / "runs").exists()  # nothing written either

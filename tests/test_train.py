@@ -3,6 +3,7 @@ s_i == 1 on the first minibatch, and the 2-process FSDP2 gradient equals the 1-p
 import glob
 import importlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -19,10 +20,17 @@ def run_script(script, argv, monkeypatch, out):
     monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv, "--output-dir", str(out)])
     mod.main()
     (run,) = glob.glob(f"{out}/*/metrics.jsonl")
-    return [json.loads(line) for line in open(run)], os.path.dirname(run)
+    return read_rows(run), os.path.dirname(run)
 
 
-@pytest.mark.parametrize("script", ["gspo", "grpo"])
+def read_rows(path):
+    """metrics.jsonl without its last row, which holds only the run's Jitter2 (checked here)."""
+    rows = [json.loads(line) for line in open(path)]
+    assert rows[-1].keys() == {"step", "charts/reward_jitter2"}
+    return rows[:-1]
+
+
+@pytest.mark.parametrize("script", ["gspo", "grpo", "gspo_token", "dfpo"])
 def test_reward_rises(script, monkeypatch, tmp_path):
     rows, _ = run_script(script, ["--num-steps", "80", "--eval-every", "0"], monkeypatch, tmp_path)
     r = [row["charts/reward_mean"] for row in rows]
@@ -39,10 +47,12 @@ def test_local_model_folder_and_checkpoint(tiny_dir, monkeypatch, tmp_path):
     assert {"eval/avg@3", "eval/pass@3"} <= rows[0].keys() and rows[0]["eval/prompts"] == 6
     for key in ["charts/reward_mean", "charts/reward_std", "charts/response_length_mean", "charts/response_length_max",
                 "charts/truncated_frac", "charts/zero_adv_group_frac", "losses/policy_loss", "losses/clipfrac",
-                "losses/clipfrac_tokens", "losses/ratio_mean", "losses/ratio_min", "losses/ratio_max",
-                "losses/approx_kl", "losses/entropy", "losses/grad_norm", "charts/learning_rate",
-                "perf/gen_tokens_per_s", "perf/train_tokens_per_s", "perf/wall_time"]:
+                "losses/clipfrac_seq", "losses/ratio_mean", "losses/ratio_min", "losses/ratio_max",
+                "losses/approx_kl", "losses/asym", "losses/shared_coef", "losses/entropy", "losses/grad_norm",
+                "charts/learning_rate", "perf/gen_tokens_per_s", "perf/train_tokens_per_s", "perf/wall_time"]:
         assert key in rows[1], key
+    jitter = json.loads(open(f"{run}/metrics.jsonl").readlines()[-1])["charts/reward_jitter2"]
+    assert math.isnan(jitter)  # 2 steps: eq. 20 needs 3 points
     assert glob.glob(f"{run}/events.out.tfevents.*")
     trained = AutoModelForCausalLM.from_pretrained(f"{run}/final")
     start = AutoModelForCausalLM.from_pretrained(tiny_dir)
@@ -74,17 +84,39 @@ def test_first_minibatch_ratio_is_one():
         old = policy(ids, am, P)  # the whole rollout at once
     mb = slice(0, 8)  # two groups
     logp = policy.train()(ids[mb], am[mb], P)
-    loss, stats = gspo_loss(logp, old[mb], torch.randn(8), mask[mb], clip_low=3e-4, clip_high=4e-4)
+    loss, stats = gspo_loss(logp, old[mb], torch.randn(8), mask[mb], group_size=4, clip_low=3e-4, clip_high=4e-4)
     assert abs(stats["losses/ratio_min"] - 1) < 1e-6 and abs(stats["losses/ratio_max"] - 1) < 1e-6
     assert stats["losses/clipfrac"] == 0
 
 
+@pytest.mark.parametrize("argv", [["gspo_token", "--post-answer-penalty", "0.5"],
+                                  *[["dfpo", "--transform", t] for t in ["orth-proj", "orth-proj-qp", "scale"]],
+                                  ["dfpo", "--no-stop-grad"], ["grpo", "--symmetric-clip"],
+                                  ["gspo", "--lr-schedule", "cosine", "--warmup-frac", "0.25"]])
+def test_variants_run(argv, monkeypatch, tmp_path):
+    """Every objective variant runs a few steps end to end with finite losses and logs its mechanism metrics."""
+    rows, run = run_script(argv[0], [*argv[1:], "--num-steps", "4", "--prompts-per-rank", "4", "--eval-every", "0"],
+                           monkeypatch, tmp_path)
+    assert all(math.isfinite(r["losses/policy_loss"]) and r["losses/asym"] >= 0 for r in rows)
+    r = [row["charts/reward_mean"] for row in rows]
+    jitter = sum(abs(r[t + 2] - 2 * r[t + 1] + r[t]) for t in range(2)) / 2  # eq. 20 on the logged curve
+    assert json.loads(open(f"{run}/metrics.jsonl").readlines()[-1])["charts/reward_jitter2"] == pytest.approx(jitter)
+    if argv[0] == "gspo_token":
+        assert "charts/post_answer_frac" in rows[0]
+    if "--no-stop-grad" in argv:  # min-replace without sg: the objective is s_bar_min * sum_i A_i = 0, no gradient
+        assert all(r["losses/grad_norm"] < 1e-6 for r in rows)
+    if "cosine" in argv:  # 16 optimizer steps: 4 of warm-up to the peak, then cosine towards 0.2 x the peak
+        lr = [r["charts/learning_rate"] for r in rows]
+        assert lr[0] == pytest.approx(5e-4) and lr[-1] == pytest.approx(5e-4 * 0.2)
+
+
 def torchrun(*args):
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *args],
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("loss, ac", [("gspo", "0"), ("gspo", "1"), ("grpo", "0"), ("grpo", "1")])
+@pytest.mark.parametrize("loss, ac", [("gspo", "0"), ("gspo", "1"), ("grpo", "0"), ("grpo", "1"), ("gspo_token", "0"),
+                                     ("dfpo", "1")])
 def test_fsdp2_gradient_equals_single_process(loss, ac):
     p = torchrun("tests/fsdp_grad.py", loss, ac)
     assert p.returncode == 0 and "FSDP2 gradient OK" in p.stdout, p.stdout[-2000:] + p.stderr[-4000:]
@@ -97,7 +129,7 @@ def test_torchrun_two_ranks_runs_and_saves(tmp_path):
                  "--eval-k", "2", "--output-dir", str(tmp_path))
     assert p.returncode == 0, p.stderr[-4000:]
     (run,) = glob.glob(f"{tmp_path}/*/metrics.jsonl")
-    rows = [json.loads(line) for line in open(run)]
+    rows = read_rows(run)
     assert [row["step"] for row in rows] == [0, 1, 2] and rows[0]["eval/prompts"] == 4  # 5 -> equal shares of 2
     model = AutoModelForCausalLM.from_pretrained(os.path.join(os.path.dirname(run), "final"))  # gathered from shards
     assert sum(p.numel() for p in model.parameters()) == sum(

@@ -1,0 +1,308 @@
+"""DFPO: Drift Fixing Policy Optimization, GSPO with an in-group transform of the post-clip sequence weights
+(seeds/dfpo-paper-token-gradient-cancellation.txt, Sec. 4 and App. B).
+
+    s_i       = exp(1/|y_i| sum_t log w_it),   c_i = clip(s_i, 1 - eps_low, 1 + eps_high)            (eq. 44, 46)
+    s_bar_i   = min(s_i, c_i) if A_i >= 0 else max(s_i, c_i),   J_GSPO = 1/G sum_i A_i s_bar_i        (eq. 47, 49)
+    s_tilde   = T(s_bar, A) inside each group, with sum_i A_i s_tilde_i = 0                           (eq. 63)
+    J_DFPO    = 1/G sum_i A_i sg[s_tilde_i] s_bar_i / sg[s_bar_i]
+
+--transform T:
+    min-replace   s_tilde_i = min_j s_bar_j                                                          (eq. 50)
+    orth-proj     truncate-and-rebalance: s+ = max(s_bar, eps) (eq. 52); delta = sum_i A_i s+_i (eq. 53); if
+                  delta > 0 scale the positive-advantage side by alpha = sum_N (-A) s+ / sum_P A s+, if delta < 0
+                  the negative side by beta = sum_P A s+ / sum_N (-A) s+ (eq. 54-55; the seed prints beta with a
+                  wrong minus sign). Both lie in (0, 1].
+    orth-proj-qp  the exact non-negative projection of eq. 51, argmin_v ||v - s_bar||^2 s.t. A.v = 0, v >= 0,
+                  solved per group in closed form: v = max(s_bar - lambda A, 0) (its KKT conditions) with the one
+                  lambda that makes A.v = 0 (A.v is piecewise linear and decreasing in lambda).
+    scale         s_tilde = 0.5 s_bar: the Table 3 ablation, smaller steps without in-group consistency
+    none          s_tilde = s_bar: GSPO itself, for comparisons
+
+Different from gspo.py: every sequence of a group gets a weight chosen so that the weighted advantages sum to zero
+(eq. 63), so the update on a token the whole group shares cancels (eq. 72-73) instead of drifting with the
+differences of the s_i (eq. 38: the learning tax, App. A.2). Why this form of the loss: its value is
+-1/G sum_i A_i s_tilde_i, and its gradient is s_tilde_i A_i mean_t grad log pi(y_it) for a sequence that is not
+clipped (s_bar_i = s_i) and zero for a clipped one (s_bar_i = c_i, a constant): the stop-gradient convention of
+App. D (eq. 68), with GSPO's clipping keeping its meaning. The paper's derivations ignore the clip breakpoints
+("linear region", App. C, K.2); here a clipped sequence gives no gradient, as in GSPO, while its s_bar still enters
+the group's transform, so shared-token cancellation is exact among the unclipped sequences of a group.
+
+--no-stop-grad (the Table 3 ablation) differentiates the literal objective -1/G sum_i A_i s_tilde_i(theta) through
+the transform. With min-replace every s_tilde_i is the same s_bar_min(theta), so that objective is
+s_bar_min(theta) sum_i A_i = 0 (advantages are centred in each group) and its gradient vanishes: the policy does not
+move at all. Keep this in mind when reading the paper's "DFPO (no stop-grad)" row.
+
+    python dfpo.py                                   # built-in tiny model and task, CPU, a few minutes
+    torchrun --nproc-per-node 8 dfpo.py --model Qwen/Qwen3-32B --dataset dapo17k --transform orth-proj
+"""
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import tyro
+from tqdm import tqdm
+
+from common import (Logger, all_gather_cat, all_reduce, check_common_args, check_model, cleanup, eos_ids, evaluate,
+                    fail, generate, group_advantages, group_metrics, jitter2, load_model, load_task, load_tokenizer,
+                    lr_scheduler, minibatches, prompt_indices, reduce_stats, save_checkpoint, score, seed_rank,
+                    setup_distributed, wrap_policy)
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of the run: logs and checkpoints go to {output_dir}/{exp_name}__{seed}__{unix time}"""
+    seed: int = 1
+    """seed of the model init (tiny), data order and sampling (offset per rank)"""
+    model: str = "tiny"
+    """'tiny' (built-in random-init Qwen3-architecture model, offline), a local folder, or a hub id"""
+    trust_remote_code: bool = False
+    """let transformers run code shipped with the model (off unless you trust the model's source)"""
+    dataset: str = "builtin"
+    """'builtin' (offline: 'x%10=' for a digit x), 'gsm8k', 'math500', 'dapo17k', or a local .jsonl of {prompt, answer}"""
+    data_files: str | None = None
+    """local json/jsonl files laid out in --dataset's own hub columns, read instead of the hub (offline mirror)"""
+    enable_thinking: bool = False
+    """passed to the chat template (Qwen3: think before answering)"""
+    num_steps: int = 200
+    """RL steps (one rollout batch each)"""
+    prompts_per_rank: int = 16
+    """prompts per rank per step; the rollout batch is prompts_per_rank x group_size completions per rank"""
+    group_size: int = 8
+    """G: completions per prompt"""
+    num_minibatches: int = 4
+    """optimizer steps per rollout batch, each over whole groups (4 in the GSPO paper)"""
+    max_new_tokens: int | None = None
+    """completion length limit (default: 2 for --dataset builtin, 1024 otherwise)"""
+    temperature: float = 1.0
+    """sampling temperature (log-probs are taken at the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling; 1.0 is off"""
+    top_k: int = 0
+    """top-k sampling; 0 is off"""
+    gen_batch_size: int = 256
+    """completions per `generate` call"""
+    learning_rate: float | None = None
+    """AdamW learning rate (default: 5e-4 for --model tiny, 1e-6 otherwise)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping by global norm"""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """learning-rate schedule after the warm-up, per optimizer step (DFPO paper: cosine)"""
+    warmup_frac: float = 0.0
+    """fraction of the optimizer steps spent in a linear warm-up (DFPO paper: 0.03)"""
+    min_lr_ratio: float = 0.2
+    """cosine: the last learning rate as a fraction of the peak (DFPO paper: 0.2)"""
+    scale_std: bool = True
+    """divide the centred group rewards by the group std (eq. 43); off: centring only"""
+    activation_checkpointing: bool = False
+    """recompute decoder layers in the backward pass (less memory, ~30% more compute)"""
+    logprob_chunk_tokens: int = 1024
+    """tokens per LM-head chunk: log-probs never hold more than chunk x vocab logits"""
+    eval_every: int = 50
+    """evaluate on the held-out split every N steps, and at the start and the end (0: never)"""
+    eval_size: int = 64
+    """held-out prompts"""
+    eval_k: int = 8
+    """samples per held-out prompt for avg@k and pass@k"""
+    save_every: int = 0
+    """write a checkpoint every N steps (0: only at the end)"""
+    output_dir: str = "runs"
+    """where runs are written"""
+    # Algorithm-specific arguments
+    clip_low: float = 3e-4
+    """eps_low: s_i is clipped below at 1 - eps_low (GSPO paper: 3e-4)"""
+    clip_high: float = 4e-4
+    """eps_high: s_i is clipped above at 1 + eps_high (GSPO paper: 4e-4)"""
+    transform: Literal["min-replace", "orth-proj", "orth-proj-qp", "scale", "none"] = "min-replace"
+    """in-group transform of the post-clip weights (see the module docstring; the paper's main method: min-replace)"""
+    stop_grad: bool = True
+    """treat s_tilde as a constant (App. D); --no-stop-grad differentiates through the transform (Table 3 ablation)"""
+    orth_floor: float = 1e-6
+    """eps of eq. 52: orth-proj first raises every weight to at least this"""
+
+
+def orth_proj_qp(s_bar, A):
+    """Eq. 51 exactly, per group: argmin_v 1/2 ||v - s_bar||^2 s.t. A.v = 0, v >= 0. KKT: v = max(s_bar - lam A, 0),
+    and f(lam) = A.v(lam) is piecewise linear and decreasing, with breakpoints s_bar_i / A_i. Between two
+    consecutive breakpoints the active set S = {v_i > 0} is fixed and f = 0 at lam = sum_S A s_bar / sum_S A^2; the
+    segment whose lam falls inside it holds the root. s_bar, A: [groups, G]. Differentiable in s_bar given S."""
+    with torch.no_grad():
+        x, a = s_bar.double(), A.double()
+        nz = a != 0
+        inf = torch.full_like(x[:, :1], float("inf"))
+        bp = torch.where(nz, x / torch.where(nz, a, 1.0), inf).sort(1).values  # A_i = 0 never binds
+        lo, hi = torch.cat([-inf, bp], 1), torch.cat([bp, inf], 1)  # G + 1 segments
+        probe = torch.where(lo.isfinite() & hi.isfinite(), (lo + hi) / 2,
+                            torch.where(hi.isfinite(), hi - 1, torch.where(lo.isfinite(), lo + 1, 0.0)))
+        active = (x[:, None] - probe[..., None] * a[:, None] > 0) & nz[:, None]  # [groups, segment, G]
+        den = (active * a[:, None] ** 2).sum(-1)
+        lam = (active * a[:, None] * x[:, None]).sum(-1) / torch.where(den > 0, den, 1.0)
+        tol = 1e-12 * (1 + lam.abs())
+        ok = (den > 0) & (lam >= lo - tol) & (lam <= hi + tol)
+        S = active[torch.arange(len(x)), ok.double().argmax(1)] & ok.any(1, keepdim=True)  # no root: A = 0, v = s_bar
+    den = (S * A ** 2).sum(1, keepdim=True)
+    lam = (S * A * s_bar).sum(1, keepdim=True) / torch.where(den > 0, den, 1.0)  # 0 where A = 0: v = s_bar
+    return (s_bar - lam * A).clamp(min=0)
+
+
+def in_group_transform(s_bar, A, transform: str, floor: float):
+    """s_tilde from the post-clip weights s_bar and advantages A, both [groups, G] (App. B.4)."""
+    if transform == "min-replace":  # eq. 50
+        return s_bar.min(1, keepdim=True).values.expand_as(s_bar)
+    if transform == "orth-proj":  # truncate-and-rebalance, eq. 52-55
+        s_plus = s_bar.clamp(min=floor)  # eq. 52
+        pos = torch.where(A > 0, A * s_plus, 0.0).sum(1, keepdim=True)  # sum_P A_i s+_i
+        neg = torch.where(A < 0, -A * s_plus, 0.0).sum(1, keepdim=True)  # sum_N (-A_i) s+_i; delta = pos - neg (eq. 53)
+        alpha = neg / torch.where(pos > neg, pos, 1.0)  # eq. 55, used when delta > 0
+        beta = pos / torch.where(neg > pos, neg, 1.0)  # eq. 55 with the sign corrected, used when delta < 0
+        return torch.where((pos > neg) & (A > 0), alpha * s_plus, torch.where((neg > pos) & (A < 0), beta * s_plus, s_plus))
+    if transform == "orth-proj-qp":
+        return orth_proj_qp(s_bar, A)
+    if transform == "scale":  # Table 3: "DFPO (scale by 0.5)"
+        return 0.5 * s_bar
+    if transform == "none":
+        return s_bar
+    raise ValueError(f"unknown transform {transform!r}")
+
+
+def dfpo_loss(logp, old_logp, advantages, mask, *, group_size: int, clip_low: float, clip_high: float,
+              transform: str = "min-replace", stop_grad: bool = True, floor: float = 1e-6):
+    """-J_DFPO over the minibatch. logp, old_logp, mask: [B, T] completion tokens; advantages: [B]; rows are whole
+    groups of group_size, in order (the transform acts inside each group). Returns (loss, stats)."""
+    if logp.shape[0] % group_size:
+        raise ValueError(f"{logp.shape[0]} rows do not split into whole groups of {group_size}")
+    m = mask.bool()
+    lengths = mask.sum(1).clamp(min=1)
+    log_w = torch.where(m, logp - old_logp, 0.0)  # log w_it, token log-ratios
+    s = torch.exp(log_w.sum(1) / lengths)  # eq. 44: s_i = exp(1/|y_i| sum_t log w_it)
+    c = s.clamp(1 - clip_low, 1 + clip_high)  # eq. 46
+    s_bar = torch.where(advantages >= 0, torch.minimum(s, c), torch.maximum(s, c))  # eq. 47
+    A, s_bar = advantages.view(-1, group_size), s_bar.view(-1, group_size)
+    if stop_grad:  # s_tilde is a constant, like A (App. D): value A s_tilde, gradient s_tilde A grad log s_bar
+        s_tilde = in_group_transform(s_bar.detach(), A, transform, floor)
+        objective = A * s_tilde * s_bar / s_bar.detach()
+    else:  # the literal -1/G sum_i A_i s_tilde_i(theta), differentiated through the transform
+        s_tilde = in_group_transform(s_bar, A, transform, floor)
+        objective = A * s_tilde
+    loss = -objective.mean()  # 1/G sum_i, over every group of the minibatch
+    with torch.no_grad():  # clipped: s_bar_i = c_i is a constant, so the sequence gives no gradient
+        clipped = ((s > 1 + clip_high) & (advantages > 0)) | ((s < 1 - clip_low) & (advantages < 0))
+        stats = {
+            "losses/policy_loss": loss.detach(),
+            "losses/clipfrac": (clipped * lengths).sum() / lengths.sum(),  # tokens whose gradient the clip removes
+            "losses/clipfrac_seq": clipped.float().mean(),  # sequences
+            "losses/ratio_mean": s.mean(), "losses/ratio_min": s.min(), "losses/ratio_max": s.max(),
+            "losses/approx_kl": ((log_w.exp() - 1 - log_w) * mask).sum() / mask.sum(),  # k3 estimate of KL(old||new)
+            "losses/shrink_mean": (s_tilde / s_bar).mean(),  # phi_i = s_tilde_i / s_bar_i (eq. 87)
+            **group_metrics(objective, group_size),  # w_i = s_tilde_i
+        }
+    return loss, stats
+
+
+def main():
+    args = tyro.cli(Args)
+    # TRY NOT TO MODIFY: set-up (bad input fails here, before any model is built)
+    check_common_args(args)
+    if args.orth_floor <= 0:
+        fail(f"--orth-floor {args.orth_floor}: must be > 0 (eq. 52 keeps every weight positive)")
+    d = setup_distributed(args.seed)
+    check_model(args.model, args.trust_remote_code)
+    tok = load_tokenizer(args.model, args.trust_remote_code)
+    train, held, dropped = load_task(args.dataset, args.data_files, args.eval_size, args.seed, tok, args.enable_thinking)
+    lm = load_model(args.model, tok, d, args.seed, args.trust_remote_code)
+    eos = eos_ids(lm, tok)
+    policy = wrap_policy(lm, d, args.temperature, args.logprob_chunk_tokens, args.activation_checkpointing)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = lr_scheduler(optimizer, args)
+    seed_rank(args.seed, d)
+    run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    logger = Logger(run_dir, d, args)
+    if d.main:
+        print(f"{len(train)} train / {len(held)} held-out prompts ({dropped} rows without an answer dropped); "
+              f"world size {d.world}; logs: tensorboard --logdir {args.output_dir}")
+    gen_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                  top_k=args.top_k, gen_batch_size=args.gen_batch_size)
+    eval_now = lambda step: args.eval_every > 0 and (step % args.eval_every == 0 or step == args.num_steps)  # noqa: E731
+    if eval_now(0):
+        policy.eval()
+        logger.log(0, evaluate(policy, tok, held, eos, d, k=args.eval_k, **gen_kw))
+    start, reward_curve = time.time(), []
+    bar = tqdm(range(1, args.num_steps + 1), disable=not d.main, desc=args.exp_name)
+    for step in bar:
+        # TRY NOT TO MODIFY: rollout -> rewards -> group advantages
+        policy.eval()
+        rows = train.select(prompt_indices(len(train), step, args.prompts_per_rank, d, args.seed))
+        t = time.time()
+        roll = generate(policy, tok, rows["text"], args.group_size, eos, d, **gen_kw)
+        gen_time = time.time() - t
+        rewards = score(roll["texts"], rows["answer"], args.group_size)
+        advantages, zero_groups = group_advantages(rewards, args.group_size, args.scale_std)
+        ids, am, mask, P = roll["input_ids"], roll["attention_mask"], roll["mask"], roll["n_prompt"]
+        advantages = advantages.to(ids.device)
+        mbs = minibatches(args.prompts_per_rank, args.group_size, args.num_minibatches)
+
+        # old log-probs: pi_old is the policy that generated the rollout (no grad); entropy for the logs
+        t = time.time()
+        with torch.no_grad():
+            old = [policy(ids[mb], am[mb], P, entropy=True) for mb in mbs]
+        old_logp, entropy = torch.cat([o[0] for o in old]), torch.cat([o[1] for o in old])
+
+        # ALGO LOGIC: num_minibatches optimizer steps, each over whole groups
+        policy.train()
+        stats = []
+        for mb in mbs:
+            logp = policy(ids[mb], am[mb], P)
+            loss, mb_stats = dfpo_loss(logp, old_logp[mb], advantages[mb], mask[mb], group_size=args.group_size,
+                                       clip_low=args.clip_low, clip_high=args.clip_high, transform=args.transform,
+                                       stop_grad=args.stop_grad, floor=args.orth_floor)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: DTensor
+            optimizer.step()
+            scheduler.step()
+            stats.append({**mb_stats, "losses/grad_norm": grad_norm})
+        train_time = time.time() - t
+
+        # TRY NOT TO MODIFY: logging, evaluation, checkpoints
+        r, lengths = all_gather_cat(rewards.to(ids.device)), all_gather_cat(mask.sum(1))
+        tokens = all_gather_cat(am.sum().view(1).float()).sum()
+        log = {
+            "charts/reward_mean": r.mean().item(), "charts/reward_std": r.std(unbiased=False).item(),
+            "charts/response_length_mean": lengths.mean().item(), "charts/response_length_max": lengths.max().item(),
+            "charts/truncated_frac": all_gather_cat(roll["truncated"].float()).mean().item(),
+            "charts/zero_adv_group_frac": all_reduce(torch.tensor(zero_groups / args.prompts_per_rank)).item() / d.world,
+            "charts/learning_rate": optimizer.param_groups[0]["lr"],
+            "losses/entropy": ((entropy * mask).sum() / mask.sum()).item(),
+            "perf/gen_tokens_per_s": lengths.sum().item() / gen_time,
+            "perf/train_tokens_per_s": tokens.item() / train_time,
+            "perf/wall_time": time.time() - start,
+            **reduce_stats(stats),
+        }
+        if eval_now(step):
+            policy.eval()
+            log.update(evaluate(policy, tok, held, eos, d, k=args.eval_k, **gen_kw))
+        logger.log(step, log)
+        reward_curve.append(log["charts/reward_mean"])
+        bar.set_postfix(reward=f"{log['charts/reward_mean']:.3f}", clip=f"{log['losses/clipfrac']:.3f}",
+                        asym=f"{log['losses/asym']:.3f}")
+        if args.save_every and step % args.save_every == 0 and step < args.num_steps:
+            save_checkpoint(policy, tok, os.path.join(run_dir, f"step_{step}"), d)
+    save_checkpoint(policy, tok, os.path.join(run_dir, "final"), d)
+    n = max(1, len(reward_curve) // 10)
+    first, last, jitter = sum(reward_curve[:n]) / n, sum(reward_curve[-n:]) / n, jitter2(reward_curve)
+    logger.log(args.num_steps, {"charts/reward_jitter2": jitter})
+    if d.main:
+        print(f"done in {time.time() - start:.0f}s: reward {first:.3f} (first 10% of steps) -> {last:.3f} (last 10%), "
+              f"Jitter2 (DFPO eq. 20) {jitter:.4f}; checkpoint: {os.path.join(run_dir, 'final')}")
+    logger.close()
+    cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""GSPO-token: GSPO with token-level advantages (Zheng et al., 2025, arXiv:2507.18071, the GSPO-token variant).
+
+    J(theta)   = E[ 1/G sum_i 1/|y_i| sum_t min( s_it A_it, clip(s_it, 1 - eps_low, 1 + eps_high) A_it ) ]
+    s_it       = sg[s_i] * pi_theta(y_it | x, y_i,<t) / sg[pi_theta(y_it | x, y_i,<t)]      value: s_i (eq. 44)
+    grad s_it  = sg[s_i] * grad log pi_theta(y_it | x, y_i,<t)                            (Observation 3)
+
+Equations: seeds/gspo-token-stop-gradient.txt (Observations 1-3); seeds/gspo-blog-why-token-level-rl-collapses.txt,
+"GSPO-token, when you really need tokens"; seeds/gspo-technical-analysis.txt sec. 7.
+
+Different from gspo.py: the advantage may change from token to token. s_it has the value of s_i, so clipping is
+decided as in GSPO (per token, with the sign of A_it), but its gradient flows only through the token's own
+log-likelihood, scaled by the frozen s_i. With A_it = A_i for every t it is GSPO exactly: same loss, clip decisions
+and gradient. Without the two stop-gradients s_it would be s_i(theta) itself (Observation 2): every token would be
+pushed by the sequence's mean advantage and the per-token credit would be lost.
+
+Per-token advantages: group-relative rewards give one A_i per completion, so by default A_it = A_i on every token.
+--post-answer-penalty lambda switches on a real source: tokens written after the final answer (the end of the last
+\\boxed{...}, of the number after '####', or of the last number; the closing EOS excluded) get A_it = A_i - lambda,
+so text written after the answer never shares the answer's credit, while the answer and the reasoning keep A_i.
+
+    python gspo_token.py                             # built-in tiny model and task, CPU, a few minutes
+    torchrun --nproc-per-node 8 gspo_token.py --model Qwen/Qwen3-32B --dataset dapo17k --post-answer-penalty 0.1
+"""
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import tyro
+from tqdm import tqdm
+
+from common import (Logger, all_gather_cat, all_reduce, answer_span, check_common_args, check_model, cleanup, eos_ids,
+                    evaluate, fail, generate, group_advantages, group_metrics, jitter2, load_model, load_task,
+                    load_tokenizer, lr_scheduler, minibatches, prompt_indices, reduce_stats, save_checkpoint, score,
+                    seed_rank, setup_distributed, wrap_policy)
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of the run: logs and checkpoints go to {output_dir}/{exp_name}__{seed}__{unix time}"""
+    seed: int = 1
+    """seed of the model init (tiny), data order and sampling (offset per rank)"""
+    model: str = "tiny"
+    """'tiny' (built-in random-init Qwen3-architecture model, offline), a local folder, or a hub id"""
+    trust_remote_code: bool = False
+    """let transformers run code shipped with the model (off unless you trust the model's source)"""
+    dataset: str = "builtin"
+    """'builtin' (offline: 'x%10=' for a digit x), 'gsm8k', 'math500', 'dapo17k', or a local .jsonl of {prompt, answer}"""
+    data_files: str | None = None
+    """local json/jsonl files laid out in --dataset's own hub columns, read instead of the hub (offline mirror)"""
+    enable_thinking: bool = False
+    """passed to the chat template (Qwen3: think before answering)"""
+    num_steps: int = 200
+    """RL steps (one rollout batch each)"""
+    prompts_per_rank: int = 16
+    """prompts per rank per step; the rollout batch is prompts_per_rank x group_size completions per rank"""
+    group_size: int = 8
+    """G: completions per prompt"""
+    num_minibatches: int = 4
+    """optimizer steps per rollout batch, each over whole groups (4 in the GSPO paper)"""
+    max_new_tokens: int | None = None
+    """completion length limit (default: 2 for --dataset builtin, 1024 otherwise)"""
+    temperature: float = 1.0
+    """sampling temperature (log-probs are taken at the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling; 1.0 is off"""
+    top_k: int = 0
+    """top-k sampling; 0 is off"""
+    gen_batch_size: int = 256
+    """completions per `generate` call"""
+    learning_rate: float | None = None
+    """AdamW learning rate (default: 5e-4 for --model tiny, 1e-6 otherwise)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping by global norm"""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """learning-rate schedule after the warm-up, per optimizer step (DFPO paper: cosine)"""
+    warmup_frac: float = 0.0
+    """fraction of the optimizer steps spent in a linear warm-up (DFPO paper: 0.03)"""
+    min_lr_ratio: float = 0.2
+    """cosine: the last learning rate as a fraction of the peak (DFPO paper: 0.2)"""
+    scale_std: bool = True
+    """divide the centred group rewards by the group std (eq. 43); off: centring only"""
+    activation_checkpointing: bool = False
+    """recompute decoder layers in the backward pass (less memory, ~30% more compute)"""
+    logprob_chunk_tokens: int = 1024
+    """tokens per LM-head chunk: log-probs never hold more than chunk x vocab logits"""
+    eval_every: int = 50
+    """evaluate on the held-out split every N steps, and at the start and the end (0: never)"""
+    eval_size: int = 64
+    """held-out prompts"""
+    eval_k: int = 8
+    """samples per held-out prompt for avg@k and pass@k"""
+    save_every: int = 0
+    """write a checkpoint every N steps (0: only at the end)"""
+    output_dir: str = "runs"
+    """where runs are written"""
+    # Algorithm-specific arguments
+    clip_low: float = 3e-4
+    """eps_low: s_i is clipped below at 1 - eps_low (GSPO paper: 3e-4)"""
+    clip_high: float = 4e-4
+    """eps_high: s_i is clipped above at 1 + eps_high (GSPO paper: 4e-4)"""
+    post_answer_penalty: float = 0.0
+    """per-token advantages: tokens after the final answer (EOS excluded) get A_i - this; 0: A_it = A_i (= GSPO)"""
+
+
+def gspo_token_loss(logp, old_logp, advantages, mask, *, group_size: int, clip_low: float, clip_high: float,
+                    stop_grad: bool = True):
+    """-J_GSPO-token over the minibatch. logp, old_logp, mask and advantages: [B, T] completion tokens; rows are
+    whole groups of group_size (used by the group metrics only). stop_grad=False drops both sg[.] (Observation 2,
+    for the tests that show why they are needed). Returns (loss, stats)."""
+    m = mask.bool()
+    lengths = mask.sum(1).clamp(min=1)
+    log_w = torch.where(m, logp - old_logp, 0.0)  # log w_it, token log-ratios
+    s = torch.exp(log_w.sum(1) / lengths)  # eq. 44: s_i = exp(1/|y_i| sum_t log w_it)
+    if stop_grad:  # s_it = sg[s_i] pi / sg[pi]: value s_i, gradient sg[s_i] grad log pi_t (Observation 3)
+        s_t = s.detach()[:, None] * torch.exp(torch.where(m, logp - logp.detach(), 0.0))
+    else:  # s_it = s_i(theta) pi / pi = s_i(theta): gradient grad s_i on every token (Observation 2)
+        s_t = s[:, None] * torch.exp(torch.where(m, logp - logp, 0.0))
+    A = advantages
+    per_token = torch.where(m, torch.min(s_t * A, s_t.clamp(1 - clip_low, 1 + clip_high) * A), 0.0)
+    objective = per_token.sum(1) / lengths  # 1/|y_i| sum_t
+    loss = -objective.mean()  # 1/G sum_i, over every group of the minibatch
+    with torch.no_grad():  # clipped: the min takes the constant branch, so the token gives no gradient
+        clipped = (((s_t > 1 + clip_high) & (A > 0)) | ((s_t < 1 - clip_low) & (A < 0))) & m
+        stats = {
+            "losses/policy_loss": loss.detach(),
+            "losses/clipfrac": clipped.sum() / mask.sum(),  # tokens
+            "losses/clipfrac_seq": clipped.any(1).float().mean(),  # sequences with at least one clipped token
+            "losses/ratio_mean": s.mean(), "losses/ratio_min": s.min(), "losses/ratio_max": s.max(),
+            "losses/approx_kl": ((log_w.exp() - 1 - log_w) * mask).sum() / mask.sum(),  # k3 estimate of KL(old||new)
+            **group_metrics(objective, group_size),  # w_i A_i = 1/|y_i| sum_t s_bar_it A_it
+        }
+    return loss, stats
+
+
+def post_answer_tokens(tok, completion_ids, mask, texts: list[str], eos: list[int]) -> torch.Tensor:
+    """[B, T] bool: completion tokens written after the end of the final answer (common.answer_span on the decoded
+    text), EOS tokens excluded. The answer's last token is found by bisection on the decoded prefix length."""
+    after = torch.zeros(mask.shape, dtype=torch.bool, device=mask.device)
+    for b, text in enumerate(texts):
+        span = answer_span(text)
+        end = span[1] + (text[span[1]:span[1] + 1] == "}") if span else 0  # \boxed{...}: its closing brace too
+        if span is None or not text[end:].strip():
+            continue  # no answer, or nothing but whitespace after it
+        ids = [i for i in completion_ids[b, :int(mask[b].sum())].tolist() if i not in eos]
+        lo, hi = 0, len(ids)  # the fewest tokens whose text reaches the answer's end
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(tok.decode(ids[:mid], skip_special_tokens=True)) >= end:
+                hi = mid
+            else:
+                lo = mid + 1
+        after[b, lo:len(ids)] = True
+    return after & ~torch.isin(completion_ids, torch.tensor(eos, device=completion_ids.device))
+
+
+def main():
+    args = tyro.cli(Args)
+    # TRY NOT TO MODIFY: set-up (bad input fails here, before any model is built)
+    check_common_args(args)
+    if args.post_answer_penalty < 0:
+        fail(f"--post-answer-penalty {args.post_answer_penalty}: must be >= 0 (a negative one rewards text after the answer)")
+    d = setup_distributed(args.seed)
+    check_model(args.model, args.trust_remote_code)
+    tok = load_tokenizer(args.model, args.trust_remote_code)
+    train, held, dropped = load_task(args.dataset, args.data_files, args.eval_size, args.seed, tok, args.enable_thinking)
+    lm = load_model(args.model, tok, d, args.seed, args.trust_remote_code)
+    eos = eos_ids(lm, tok)
+    policy = wrap_policy(lm, d, args.temperature, args.logprob_chunk_tokens, args.activation_checkpointing)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = lr_scheduler(optimizer, args)
+    seed_rank(args.seed, d)
+    run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    logger = Logger(run_dir, d, args)
+    if d.main:
+        print(f"{len(train)} train / {len(held)} held-out prompts ({dropped} rows without an answer dropped); "
+              f"world size {d.world}; logs: tensorboard --logdir {args.output_dir}")
+    gen_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                  top_k=args.top_k, gen_batch_size=args.gen_batch_size)
+    eval_now = lambda step: args.eval_every > 0 and (step % args.eval_every == 0 or step == args.num_steps)  # noqa: E731
+    if eval_now(0):
+        policy.eval()
+        logger.log(0, evaluate(policy, tok, held, eos, d, k=args.eval_k, **gen_kw))
+    start, reward_curve = time.time(), []
+    bar = tqdm(range(1, args.num_steps + 1), disable=not d.main, desc=args.exp_name)
+    for step in bar:
+        # TRY NOT TO MODIFY: rollout -> rewards -> group advantages
+        policy.eval()
+        rows = train.select(prompt_indices(len(train), step, args.prompts_per_rank, d, args.seed))
+        t = time.time()
+        roll = generate(policy, tok, rows["text"], args.group_size, eos, d, **gen_kw)
+        gen_time = time.time() - t
+        rewards = score(roll["texts"], rows["answer"], args.group_size)
+        advantages, zero_groups = group_advantages(rewards, args.group_size, args.scale_std)
+        ids, am, mask, P = roll["input_ids"], roll["attention_mask"], roll["mask"], roll["n_prompt"]
+        advantages = advantages.to(ids.device)
+        mbs = minibatches(args.prompts_per_rank, args.group_size, args.num_minibatches)
+        after = post_answer_tokens(tok, ids[:, P:], mask, roll["texts"], eos)  # A_it = A_i - lambda after the answer
+        token_adv = (advantages[:, None] - args.post_answer_penalty * after.float()) * mask
+
+        # old log-probs: pi_old is the policy that generated the rollout (no grad); entropy for the logs
+        t = time.time()
+        with torch.no_grad():
+            old = [policy(ids[mb], am[mb], P, entropy=True) for mb in mbs]
+        old_logp, entropy = torch.cat([o[0] for o in old]), torch.cat([o[1] for o in old])
+
+        # ALGO LOGIC: num_minibatches optimizer steps, each over whole groups
+        policy.train()
+        stats = []
+        for mb in mbs:
+            logp = policy(ids[mb], am[mb], P)
+            loss, mb_stats = gspo_token_loss(logp, old_logp[mb], token_adv[mb], mask[mb], group_size=args.group_size,
+                                             clip_low=args.clip_low, clip_high=args.clip_high)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: DTensor
+            optimizer.step()
+            scheduler.step()
+            stats.append({**mb_stats, "losses/grad_norm": grad_norm})
+        train_time = time.time() - t
+
+        # TRY NOT TO MODIFY: logging, evaluation, checkpoints
+        r, lengths = all_gather_cat(rewards.to(ids.device)), all_gather_cat(mask.sum(1))
+        tokens = all_gather_cat(am.sum().view(1).float()).sum()
+        log = {
+            "charts/reward_mean": r.mean().item(), "charts/reward_std": r.std(unbiased=False).item(),
+            "charts/response_length_mean": lengths.mean().item(), "charts/response_length_max": lengths.max().item(),
+            "charts/truncated_frac": all_gather_cat(roll["truncated"].float()).mean().item(),
+            "charts/zero_adv_group_frac": all_reduce(torch.tensor(zero_groups / args.prompts_per_rank)).item() / d.world,
+            "charts/learning_rate": optimizer.param_groups[0]["lr"],
+            "charts/post_answer_frac": (all_gather_cat(after.sum().view(1).float()).sum() / lengths.sum()).item(),
+            "losses/entropy": ((entropy * mask).sum() / mask.sum()).item(),
+            "perf/gen_tokens_per_s": lengths.sum().item() / gen_time,
+            "perf/train_tokens_per_s": tokens.item() / train_time,
+            "perf/wall_time": time.time() - start,
+            **reduce_stats(stats),
+        }
+        if eval_now(step):
+            policy.eval()
+            log.update(evaluate(policy, tok, held, eos, d, k=args.eval_k, **gen_kw))
+        logger.log(step, log)
+        reward_curve.append(log["charts/reward_mean"])
+        bar.set_postfix(reward=f"{log['charts/reward_mean']:.3f}", clip=f"{log['losses/clipfrac']:.3f}",
+                        asym=f"{log['losses/asym']:.3f}")
+        if args.save_every and step % args.save_every == 0 and step < args.num_steps:
+            save_checkpoint(policy, tok, os.path.join(run_dir, f"step_{step}"), d)
+    save_checkpoint(policy, tok, os.path.join(run_dir, "final"), d)
+    n = max(1, len(reward_curve) // 10)
+    first, last, jitter = sum(reward_curve[:n]) / n, sum(reward_curve[-n:]) / n, jitter2(reward_curve)
+    logger.log(args.num_steps, {"charts/reward_jitter2": jitter})
+    if d.main:
+        print(f"done in {time.time() - start:.0f}s: reward {first:.3f} (first 10% of steps) -> {last:.3f} (last 10%), "
+              f"Jitter2 (DFPO eq. 20) {jitter:.4f}; checkpoint: {os.path.join(run_dir, 'final')}")
+    logger.close()
+    cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""DFPO against the DFPO paper (seeds/dfpo-paper-token-gradient-cancellation.txt) in float64: the in-group transforms
+(eq. 50-55, 63, Theorem K.1), the exact QP of eq. 51 (KKT), the loss's value and gradient, the ablations, and the
+Appendix A.2 toy on the real tiny model."""
+import math
+
+import pytest
+import torch
+
+import common
+from dfpo import dfpo_loss, in_group_transform
+from gspo import gspo_loss
+from test_losses import ragged_batch
+
+ORTH = ["min-replace", "orth-proj", "orth-proj-qp"]
+FLOOR = 1e-6
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(torch.float32)
+
+
+def groups(seed, n=64, G=8):
+    """Post-clip weights s_bar in (0, ~3) with a heavy spread, and advantages from 0/1 rewards as eq. 43 makes them
+    (some groups all-equal: A = 0), plus continuous rewards."""
+    g = torch.Generator().manual_seed(seed)
+    s_bar = torch.exp(0.6 * torch.randn(n, G, generator=g))
+    r = torch.cat([torch.randint(0, 2, (n // 2, G), generator=g).double(), torch.rand(n - n // 2, G, generator=g)])
+    A = (r - r.mean(1, keepdim=True)) / (r.std(1, unbiased=False, keepdim=True) + 1e-6)
+    return s_bar, A
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("G", [2, 4, 8])
+@pytest.mark.parametrize("transform", ORTH)
+def test_transforms_restore_group_orthogonality(transform, G, seed):
+    """Eq. 63: sum_i A_i s_tilde_i = 0 in every group; weights stay above the floor; Theorem K.1: A_i s_tilde_i never
+    has the opposite sign of A_i (strictly the same sign where s_tilde_i > 0)."""
+    s_bar, A = groups(seed, G=G)
+    s_t = in_group_transform(s_bar, A, transform, FLOOR)
+    assert (A * s_t).sum(1).abs().max() < 1e-12 * (1 + (A.abs() * s_t).sum(1).max())
+    if transform == "min-replace":  # eq. 50: one weight per group, the smallest, so phi_i = s_tilde/s_bar in (0, 1]
+        assert torch.equal(s_t, s_bar.min(1, keepdim=True).values.expand_as(s_bar)) and (s_t > 0).all()
+        assert (s_t <= s_bar).all()
+    if transform == "orth-proj":  # eq. 52-55: s+ = max(s_bar, eps), then one side scaled by alpha or beta in (0, 1]
+        s_plus = s_bar.clamp(min=FLOOR)
+        ratio = s_t / s_plus
+        assert (s_t > 0).all() and (ratio <= 1 + 1e-15).all()
+        delta = (A * s_plus).sum(1, keepdim=True)
+        unscaled = torch.where(delta > 0, A <= 0, A >= 0)  # the side that is not rescaled keeps s+ >= eps
+        assert torch.equal(s_t[unscaled], s_plus[unscaled]) and (s_t[unscaled] >= FLOOR).all()
+    if transform == "orth-proj-qp":
+        assert (s_t >= 0).all()
+    assert (A * s_t * A >= 0).all() and ((A * s_t).sign() == A.sign())[s_t > 0].all()
+
+
+def test_beta_sign_erratum():
+    """Eq. 55 printed beta = -sum_P A s+ / sum_N (-A) s+, which is negative; the corrected beta lies in (0, 1]:
+    A = (+1, -1), s_bar = (0.8, 1.2): delta = -0.4 < 0, beta = 0.8 / 1.2, s_tilde = (0.8, 0.8)."""
+    s_t = in_group_transform(torch.tensor([[0.8, 1.2]]), torch.tensor([[1.0, -1.0]]), "orth-proj", FLOOR)
+    assert torch.allclose(s_t, torch.tensor([[0.8, 0.8]]), atol=1e-15)
+    s_t = in_group_transform(torch.tensor([[1.2, 0.8]]), torch.tensor([[1.0, -1.0]]), "orth-proj", FLOOR)
+    assert torch.allclose(s_t, torch.tensor([[0.8, 0.8]]), atol=1e-15)  # delta > 0: alpha = 0.8 / 1.2 on P
+
+
+def kkt_lambda(v, s_bar, A):
+    """The multiplier lambda of eq. 51's KKT conditions, read off the active coordinates: v_i = s_bar_i - lambda A_i."""
+    act = (v > 0) & (A != 0)
+    return ((s_bar - v) * A * act).sum() / (A * A * act).sum()
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("G", [2, 4, 8])
+def test_exact_qp_satisfies_kkt_and_beats_truncate_and_rebalance(G, seed):
+    """Eq. 51: min 1/2 ||v - s_bar||^2 s.t. A.v = 0, v >= 0. KKT: v = s_bar - lambda A + mu, mu >= 0, mu_i v_i = 0,
+    A.v = 0. Truncate-and-rebalance is feasible, so the exact projection is never farther from s_bar."""
+    s_bar, A = groups(seed, G=G)
+    v = in_group_transform(s_bar, A, "orth-proj-qp", FLOOR)
+    tr = in_group_transform(s_bar, A, "orth-proj", FLOOR)
+    for k in range(len(s_bar)):
+        x, a, vk = s_bar[k], A[k], v[k]
+        if (a == 0).all():
+            assert torch.equal(vk, x)  # nothing to project
+            continue
+        lam = kkt_lambda(vk, x, a)
+        mu = vk - x + lam * a
+        assert (vk >= 0).all() and abs(float(a @ vk)) < 1e-12
+        assert (mu >= -1e-12).all() and (mu * vk).abs().max() < 1e-12  # dual feasibility, complementary slackness
+        assert (vk - x).norm() <= (tr[k] - x).norm() + 1e-12
+
+
+def test_exact_qp_hand_examples():
+    # A = (1, -1), s_bar = (1.2, 0.8): lambda = 0.2, v = (1, 1); truncate-and-rebalance gives (0.8, 0.8), farther.
+    v = in_group_transform(torch.tensor([[1.2, 0.8]]), torch.tensor([[1.0, -1.0]]), "orth-proj-qp", FLOOR)
+    assert torch.allclose(v, torch.tensor([[1.0, 1.0]]), atol=1e-15)
+    # A = (2, -1, -1), s_bar = (0.01, 0.1, 5): the root has lambda = -4.98/5 and the middle weight hits v >= 0,
+    # so the QP gives that negative-advantage sample weight 0 (sign kept weakly, K.1's "no reverse update").
+    v = in_group_transform(torch.tensor([[0.01, 0.1, 5.0]]), torch.tensor([[2.0, -1.0, -1.0]]), "orth-proj-qp", FLOOR)
+    lam = -4.98 / 5
+    assert torch.allclose(v, torch.tensor([[0.01 - 2 * lam, 0.0, 5.0 + lam]]), atol=1e-14)
+
+
+def dfpo_reference(logp, old, adv, mask, lo, hi, G, transform):
+    """Loops: s_i (eq. 44), s_bar_i (eq. 47), s_tilde = T(s_bar) per group; value -1/B sum_i A_i s_tilde_i;
+    gradient d(-J)/d logp_it = -(1/B) A_i s_tilde_i / |y_i| for an unclipped sequence (grad log s_i = mean_t
+    grad log pi), 0 for a clipped one."""
+    B, T = logp.shape
+    s, s_bar, clipped = [], [], []
+    for i in range(B):
+        L = int(mask[i].sum())
+        si = math.exp(sum(float(logp[i, t] - old[i, t]) for t in range(L)) / L)
+        c = min(max(si, 1 - lo), 1 + hi)
+        s.append(si)
+        s_bar.append(min(si, c) if adv[i] >= 0 else max(si, c))
+        clipped.append((adv[i] > 0 and si > 1 + hi) or (adv[i] < 0 and si < 1 - lo))
+    s_t = in_group_transform(torch.tensor(s_bar).view(-1, G), adv.view(-1, G), transform, FLOOR).reshape(-1)
+    J, grad = 0.0, torch.zeros(B, T)
+    for i in range(B):
+        L = int(mask[i].sum())
+        J += float(adv[i] * s_t[i]) / B
+        if not clipped[i]:
+            grad[i, :L] = -float(adv[i] * s_t[i]) / L / B
+    return -J, grad, sum(clipped)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("transform", ORTH + ["scale", "none"])
+def test_dfpo_loss_matches_reference(transform, seed):
+    logp, old, adv, mask = ragged_batch(B=8, seed=seed, spread=0.1)
+    loss, stats = dfpo_loss(logp, old, adv, mask, group_size=4, clip_low=0.02, clip_high=0.03, transform=transform)
+    loss.backward()
+    ref_loss, ref_grad, n_clipped = dfpo_reference(logp.detach(), old, adv, mask, 0.02, 0.03, 4, transform)
+    assert loss.item() == pytest.approx(ref_loss, abs=1e-12)
+    assert torch.allclose(torch.nan_to_num(logp.grad), ref_grad, atol=1e-12)
+    assert stats["losses/clipfrac_seq"].item() == n_clipped / 8
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_transform_none_is_gspo_and_scale_is_half(seed):
+    logp, old, adv, mask = ragged_batch(seed=seed, spread=0.1)
+    kw = dict(group_size=3, clip_low=0.02, clip_high=0.03)
+    (g_gspo,) = torch.autograd.grad(l_gspo := gspo_loss(logp, old, adv, mask, **kw)[0], logp)
+    for transform, factor in [("none", 1.0), ("scale", 0.5)]:
+        for stop_grad in (True, False):
+            loss = dfpo_loss(logp, old, adv, mask, transform=transform, stop_grad=stop_grad, **kw)[0]
+            (g,) = torch.autograd.grad(loss, logp)
+            assert loss.item() == pytest.approx(factor * l_gspo.item(), abs=1e-12)
+            assert torch.allclose(torch.nan_to_num(g), factor * torch.nan_to_num(g_gspo), atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_no_stop_grad_min_replace_has_zero_gradient(seed):
+    """Without the stop-gradient, min-replace makes the objective s_bar_min(theta) sum_i A_i = 0: no gradient at all,
+    although the stop-gradient version's gradient is as large as GSPO's."""
+    logp, old, adv, mask = ragged_batch(seed=seed, spread=0.1)
+    adv = adv - adv.view(-1, 3).mean(1).repeat_interleave(3)  # group-centred, as eq. 43 makes them
+    kw = dict(group_size=3, clip_low=0.5, clip_high=0.5, transform="min-replace")
+    (g_sg,) = torch.autograd.grad(dfpo_loss(logp, old, adv, mask, **kw)[0], logp)
+    loss, _ = dfpo_loss(logp, old, adv, mask, stop_grad=False, **kw)
+    (g_no,) = torch.autograd.grad(loss, logp)
+    assert abs(loss.item()) < 1e-15 and torch.nan_to_num(g_sg).norm() > 1e-2
+    assert torch.nan_to_num(g_no).abs().max() < 1e-15
+
+
+def test_groups_must_be_whole():
+    logp, old, adv, mask = ragged_batch(B=6)
+    with pytest.raises(ValueError, match="whole groups"):
+        dfpo_loss(logp, old, adv, mask, group_size=4, clip_low=0.1, clip_high=0.1)
+    assert common.minibatches(8, 4, 2) == [slice(0, 16), slice(16, 32)]  # the training loop's minibatches are whole groups
+
+
+# ------------------------------------------------------------------------------------------- App. A.2 toy
+def toy_gradients(loss_fn):
+    """The tiny model in float64 as pi_old, a perturbed copy as pi_theta; two trajectories that share the prompt and
+    the first two completion tokens and differ in the last, advantages (-1, +1). Returns the parameter gradient of
+    the loss restricted to the shared-prefix tokens (sum over the group of dL/dlogp_it grad logp_it for t < 2), the
+    whole gradient, the per-token log-ratios, and g* = grad of the two prefix log-probs of trajectory 1."""
+    d = common.Dist(0, 1, 0, torch.device("cpu"))
+    tok = common.tiny_tokenizer()
+    lm_old = common.load_model("tiny", tok, d, seed=0).double()
+    lm = common.load_model("tiny", tok, d, seed=0).double()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in lm.parameters():
+            p.add_(0.2 * p.std().nan_to_num(0.02) * torch.randn(p.shape, generator=g))
+    prompt = common.chat_prompts(tok, ["What is 10+10?"], False)[0]
+    ids = torch.tensor([tok(prompt + c, add_special_tokens=False).input_ids for c in ["is25", "is20"]])[:, :-1]
+    P = ids.shape[1] - 3  # completions: 'i', 's', then '2' + ('5' | '0')... the last token differs
+    ids = torch.cat([ids[:, :P], ids[:, P:P + 2], torch.tensor([[tok.convert_tokens_to_ids("5")],
+                                                                  [tok.convert_tokens_to_ids("0")]])], 1)
+    am = torch.ones_like(ids)
+    old = common.Policy(lm_old, 1.0, 64)(ids, am, P).detach()
+    policy = common.Policy(lm, 1.0, 64)
+    logp = policy(ids, am, P)
+    assert torch.equal(logp[0, :2], logp[1, :2])  # the shared prefix: the same token in the same context
+    loss = loss_fn(logp, old)
+    (c,) = torch.autograd.grad(loss, logp, retain_graph=True)
+    params = [p for p in policy.parameters()]
+    flat = lambda gs: torch.cat([x.reshape(-1) for x in gs])  # noqa: E731
+    prefix = flat(torch.autograd.grad((c[:, :2] * logp[:, :2]).sum(), params, retain_graph=True))
+    whole = flat(torch.autograd.grad(loss, params, retain_graph=True))
+    g_star = flat(torch.autograd.grad(logp[0, :2].sum(), params))
+    return prefix, whole, (logp - old).detach(), g_star
+
+
+def test_appendix_a2_learning_tax_on_the_real_model():
+    """Eq. 38: under sequence coupling the shared prefix keeps a non-zero group coefficient; DFPO's transforms make
+    it cancel (eq. 63, 72), while the whole update stays non-zero (App. D)."""
+    adv = torch.tensor([-1.0, 1.0])
+    kw = dict(group_size=2, clip_low=0.5, clip_high=0.5)  # wide: the toy lives in the linear region, nothing clipped
+    prefix, whole, log_w, g_star = toy_gradients(lambda lp, old: gspo_loss(lp, old, adv, torch.ones(2, 3), **kw)[0])
+    rho, lam = log_w[0, :2].exp(), log_w[:, 2].exp()
+    assert abs(lam[0] - lam[1]) > 1e-2 and torch.allclose(log_w[0, :2], log_w[1, :2])
+    assert ((log_w.mean(1).exp() - 1).abs() < 0.5).all()  # nothing clipped
+    # GSPO, length-normalised s_i = (rho1 rho2 lambda_i)^(1/3): the prefix coefficient is -(A/G)(s2 - s1)/|y|
+    s = (rho.prod() * lam) ** (1 / 3)
+    expected = -(1 / 2) * (s[1] - s[0]) / 3 * g_star
+    # Qwen3's RMSNorm computes in float32 even in a float64 model, so a parameter gradient carries float32 rounding,
+    # here amplified ~300x by the cancellation c_1 + c_2 << |c_i|: hence 1e-4, not 1e-12.
+    assert torch.allclose(prefix, expected, rtol=0, atol=1e-4 * expected.abs().max())
+    assert prefix.norm() > 1e-4 * g_star.norm()
+    # eq. 38 itself, with the plain product s_i = rho1 rho2 lambda_i (eq. 31): A rho1 rho2 (lambda2 - lambda1)
+    prod_loss = lambda lp, old: -(adv * ((lp - old).sum(1)).exp()).mean()  # noqa: E731
+    prefix_prod, _, _, _ = toy_gradients(prod_loss)
+    expected = -(1 / 2) * rho.prod() * (lam[1] - lam[0]) * g_star
+    assert torch.allclose(prefix_prod, expected, rtol=0, atol=1e-4 * expected.abs().max())
+    for transform in ORTH:
+        p_dfpo, w_dfpo, _, _ = toy_gradients(
+            lambda lp, old: dfpo_loss(lp, old, adv, torch.ones(2, 3), transform=transform, **kw)[0])
+        assert p_dfpo.norm() < 1e-6 * prefix.norm(), transform
+        assert w_dfpo.norm() > 0.1 * whole.norm(), transform  # the update on the differing tokens survives

@@ -155,8 +155,8 @@ def post_answer_tokens(tok, completion_ids, mask, texts: list[str], eos: list[in
                 hi = mid
             else:
                 lo = mid + 1
-        after[b, lo:len(ids)] = True
-    return after & ~torch.isin(completion_ids, torch.tensor(eos, device=completion_ids.device))
+        after[b, lo:len(ids)] = True  # the mask ends at the first EOS, so an EOS can only follow these positions
+    return after
 
 
 def main():

@@ -10,6 +10,7 @@ import math
 import os
 import random
 import re
+import sys
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -419,10 +420,21 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
             "texts": tok.batch_decode(comp.masked_fill(is_eos, tok.pad_token_id), skip_special_tokens=True)}
 
 
-def score(texts: list[str], answers: list[str], n: int) -> torch.Tensor:
-    """Reward per completion; answers are given once per prompt, completions n per prompt."""
-    answers = list(answers)
-    return torch.tensor([math_reward(t, answers[i // n]) for i, t in enumerate(texts)], dtype=torch.float32)
+def score(texts: list[str], answers: list[str], n: int) -> tuple[torch.Tensor, int]:
+    """Reward per completion, and how many completions the reward raised on: those score 0 and the first error is
+    printed, so one broken completion or reward function never stops a run. Answers are given once per prompt,
+    completions n per prompt."""
+    answers, rewards, errors = list(answers), [], []
+    for i, t in enumerate(texts):
+        try:
+            rewards.append(float(math_reward(t, answers[i // n])))
+        except Exception as e:  # noqa: BLE001 (any error of the reward, whatever the completion holds)
+            rewards.append(0.0)
+            errors.append(e)
+    if errors:
+        print(f"warning: the reward raised on {len(errors)} of {len(texts)} completions, scored 0 "
+              f"(first: {type(errors[0]).__name__}: {errors[0]})", file=sys.stderr)
+    return torch.tensor(rewards, dtype=torch.float32), len(errors)
 
 
 @torch.no_grad()
@@ -432,16 +444,19 @@ def evaluate(policy, tok, held, eos, d: Dist, *, k: int, max_new_tokens: int, te
     over the held-out prompts; each rank takes an equal share."""
     n = len(held) // d.world * d.world  # equal shares, or the FSDP all-gathers would hang
     rows = held.select(range(d.rank, n, d.world))
-    r = torch.zeros(0)
+    r, errors = torch.zeros(0), 0
     per_call = max(1, gen_batch_size // k)  # prompts per generate call
     for i in range(0, len(rows), per_call):
         part = rows.select(range(i, min(i + per_call, len(rows))))
         out = generate(policy, tok, part["text"], k, eos, d, max_new_tokens=max_new_tokens, temperature=temperature,
                        top_p=top_p, top_k=top_k, gen_batch_size=gen_batch_size)
-        r = torch.cat([r, score(out["texts"], part["answer"], k)])
+        part_r, part_errors = score(out["texts"], part["answer"], k)
+        r, errors = torch.cat([r, part_r]), errors + part_errors
     r = r.view(-1, k)
-    s = all_reduce(torch.tensor([r.mean(1).sum(), (r.max(1).values > 0).float().sum(), len(rows)], dtype=torch.float64))
-    return {f"eval/avg@{k}": (s[0] / s[2]).item(), f"eval/pass@{k}": (s[1] / s[2]).item(), "eval/prompts": n}
+    s = all_reduce(torch.tensor([r.mean(1).sum(), (r.max(1).values > 0).float().sum(), len(rows), errors],
+                                dtype=torch.float64))
+    return {f"eval/avg@{k}": (s[0] / s[2]).item(), f"eval/pass@{k}": (s[1] / s[2]).item(), "eval/prompts": n,
+            "eval/reward_errors": s[3].item()}
 
 
 # ----------------------------------------------------------------------------- data order
@@ -478,6 +493,12 @@ def reduce_stats(stats: list[dict]) -> dict:
         else:
             out[k] = (all_reduce(v.mean()) / (dist.get_world_size() if dist.is_initialized() else 1)).item()
     return out
+
+
+def all_finite(*tensors: torch.Tensor) -> bool:
+    """True when every tensor is finite on every rank: one decision that all ranks share."""
+    ok = torch.tensor([float(all(torch.isfinite(t).all() for t in tensors))], device=tensors[0].device)
+    return bool(all_reduce(ok, dist.ReduceOp.MIN).item())
 
 
 def jitter2(m: list[float]) -> float:
@@ -580,5 +601,7 @@ def check_common_args(args):
         fail(f"--temperature {args.temperature}: must be > 0 (RL samples from the policy)")
     if args.num_steps < 1:
         fail(f"--num-steps {args.num_steps}: must be >= 1")
+    if args.max_nonfinite < 1:
+        fail(f"--max-nonfinite {args.max_nonfinite}: must be >= 1")
     if not 0 <= args.warmup_frac < 1 or not 0 <= args.min_lr_ratio <= 1:
         fail(f"--warmup-frac {args.warmup_frac} must lie in [0, 1) and --min-lr-ratio {args.min_lr_ratio} in [0, 1]")

@@ -31,10 +31,10 @@ import torch
 import tyro
 from tqdm import tqdm
 
-from common import (Logger, all_gather_cat, all_reduce, answer_span, check_common_args, check_model, cleanup, eos_ids,
-                    evaluate, fail, generate, group_advantages, group_metrics, jitter2, load_model, load_task,
-                    load_tokenizer, lr_scheduler, minibatches, prompt_indices, reduce_stats, save_checkpoint, score,
-                    seed_rank, setup_distributed, wrap_policy)
+from common import (Logger, all_finite, all_gather_cat, all_reduce, answer_span, check_common_args, check_model,
+                    cleanup, eos_ids, evaluate, fail, generate, group_advantages, group_metrics, jitter2, load_model,
+                    load_task, load_tokenizer, lr_scheduler, minibatches, prompt_indices, reduce_stats, save_checkpoint,
+                    score, seed_rank, setup_distributed, wrap_policy)
 
 
 @dataclass
@@ -77,6 +77,8 @@ class Args:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient clipping by global norm"""
+    max_nonfinite: int = 3
+    """a non-finite loss or gradient skips that update on every rank; this many in a row stop the run"""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """learning-rate schedule after the warm-up, per optimizer step (DFPO paper: cosine)"""
     warmup_frac: float = 0.0
@@ -186,7 +188,7 @@ def main():
     if eval_now(0):
         policy.eval()
         logger.log(0, evaluate(policy, tok, held, eos, d, k=args.eval_k, **gen_kw))
-    start, reward_curve = time.time(), []
+    start, reward_curve, nonfinite_run = time.time(), [], 0
     bar = tqdm(range(1, args.num_steps + 1), disable=not d.main, desc=args.exp_name)
     for step in bar:
         # TRY NOT TO MODIFY: rollout -> rewards -> group advantages
@@ -195,7 +197,7 @@ def main():
         t = time.time()
         roll = generate(policy, tok, rows["text"], args.group_size, eos, d, **gen_kw)
         gen_time = time.time() - t
-        rewards = score(roll["texts"], rows["answer"], args.group_size)
+        rewards, reward_errors = score(roll["texts"], rows["answer"], args.group_size)
         advantages, zero_groups = group_advantages(rewards, args.group_size, args.scale_std)
         ids, am, mask, P = roll["input_ids"], roll["attention_mask"], roll["mask"], roll["n_prompt"]
         advantages = advantages.to(ids.device)
@@ -211,7 +213,7 @@ def main():
 
         # ALGO LOGIC: num_minibatches optimizer steps, each over whole groups
         policy.train()
-        stats = []
+        stats, skipped = [], 0
         for mb in mbs:
             logp = policy(ids[mb], am[mb], P)
             loss, mb_stats = gspo_token_loss(logp, old_logp[mb], token_adv[mb], mask[mb], group_size=args.group_size,
@@ -220,8 +222,15 @@ def main():
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: DTensor
-            optimizer.step()
-            scheduler.step()
+            if all_finite(loss.detach(), grad_norm):
+                optimizer.step()
+                scheduler.step()
+                nonfinite_run = 0
+            else:  # skipped on every rank together, counted; max_nonfinite in a row stop the run
+                skipped, nonfinite_run = skipped + 1, nonfinite_run + 1
+                if nonfinite_run >= args.max_nonfinite:
+                    fail(f"step {step}: {nonfinite_run} non-finite updates in a row (loss {loss.item()}, grad norm "
+                         f"{grad_norm.item()}); lower the learning rate or look at this step's data")
             stats.append({**mb_stats, "losses/grad_norm": grad_norm})
         train_time = time.time() - t
 
@@ -234,6 +243,8 @@ def main():
             "charts/truncated_frac": all_gather_cat(roll["truncated"].float()).mean().item(),
             "charts/zero_adv_group_frac": all_reduce(torch.tensor(zero_groups / args.prompts_per_rank)).item() / d.world,
             "charts/learning_rate": optimizer.param_groups[0]["lr"],
+            "charts/reward_errors": all_reduce(torch.tensor(float(reward_errors))).item(),
+            "losses/skipped_updates": skipped,
             "charts/post_answer_frac": (all_gather_cat(after.sum().view(1).float()).sum() / lengths.sum()).item(),
             "losses/entropy": ((entropy * mask).sum() / mask.sum()).item(),
             "perf/gen_tokens_per_s": lengths.sum().item() / gen_time,

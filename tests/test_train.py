@@ -45,11 +45,13 @@ def test_local_model_folder_and_checkpoint(tiny_dir, monkeypatch, tmp_path):
                                     "--eval-every", "1", "--eval-size", "6", "--eval-k", "3"], monkeypatch, tmp_path)
     assert [row["step"] for row in rows] == [0, 1, 2]
     assert {"eval/avg@3", "eval/pass@3"} <= rows[0].keys() and rows[0]["eval/prompts"] == 6
+    assert rows[0]["eval/reward_errors"] == 0
     for key in ["charts/reward_mean", "charts/reward_std", "charts/response_length_mean", "charts/response_length_max",
                 "charts/truncated_frac", "charts/zero_adv_group_frac", "losses/policy_loss", "losses/clipfrac",
                 "losses/clipfrac_seq", "losses/ratio_mean", "losses/ratio_min", "losses/ratio_max",
                 "losses/approx_kl", "losses/asym", "losses/shared_coef", "losses/entropy", "losses/grad_norm",
-                "charts/learning_rate", "perf/gen_tokens_per_s", "perf/train_tokens_per_s", "perf/wall_time"]:
+                "charts/learning_rate", "charts/reward_errors", "losses/skipped_updates", "perf/gen_tokens_per_s",
+                "perf/train_tokens_per_s", "perf/wall_time"]:
         assert key in rows[1], key
     jitter = json.loads(open(f"{run}/metrics.jsonl").readlines()[-1])["charts/reward_jitter2"]
     assert math.isnan(jitter)  # 2 steps: eq. 20 needs 3 points

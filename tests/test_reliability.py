@@ -1,0 +1,91 @@
+"""Hostile input and numerical accidents: a reward that raises, a completion holding code, non-finite losses."""
+import os
+import sys
+
+import pytest
+import torch
+
+import common
+from test_train import run_script
+
+
+def test_reward_that_raises_scores_zero_and_is_counted(monkeypatch, capsys):
+    real = common.math_reward
+
+    def flaky(text, answer):
+        if "boom" in text:
+            raise RuntimeError("reward server down")
+        return real(text, answer)
+
+    monkeypatch.setattr(common, "math_reward", flaky)
+    r, errors = common.score(["3", "boom 3", "x = 4"], ["3", "4"], 2)  # answers 3, 3 | 4
+    assert r.tolist() == [1.0, 0.0, 1.0] and errors == 1
+    assert "the reward raised on 1 of 3 completions, scored 0 (first: RuntimeError: reward server down)" in \
+        capsys.readouterr().err
+
+
+def test_code_in_a_completion_is_only_parsed(tmp_path):
+    marker = tmp_path / "pwned"
+    texts = [f"__import__('os').system('touch {marker}')", f"exec(\"open('{marker}', 'w')\") 7", "\\boxed{7}"]
+    r, errors = common.score(texts, ["7"], 3)
+    assert r.tolist() == [0.0, 1.0, 1.0] and errors == 0 and not marker.exists()
+
+
+def test_run_goes_on_when_the_reward_always_raises(monkeypatch, tmp_path):
+    monkeypatch.setattr(common, "math_reward", lambda text, answer: 1 / 0)
+    rows, _ = run_script("gspo", ["--num-steps", "2", "--prompts-per-rank", "4", "--eval-every", "0"], monkeypatch,
+                         tmp_path)
+    assert [r["charts/reward_errors"] for r in rows] == [32, 32]  # 4 prompts x 8 completions, each step
+    assert all(r["charts/reward_mean"] == 0 and r["charts/zero_adv_group_frac"] == 1 for r in rows)
+
+
+def nan_on(calls, loss_fn):
+    """Wrap a loss so that the listed calls (1-based) return a NaN loss (and so NaN gradients)."""
+    count = [0]
+
+    def wrapped(*a, **k):
+        count[0] += 1
+        loss, stats = loss_fn(*a, **k)
+        return (loss * float("nan") if calls == "all" or count[0] in calls else loss), stats
+
+    return wrapped
+
+
+@pytest.mark.parametrize("script", ["gspo", "dfpo"])
+def test_nonfinite_update_is_skipped_and_counted(script, monkeypatch, tmp_path):
+    mod = __import__(script)
+    loss_name = f"{script}_loss"
+    monkeypatch.setattr(mod, loss_name, nan_on({2, 5}, getattr(mod, loss_name)))
+    rows, run = run_script(script, ["--num-steps", "2", "--prompts-per-rank", "4", "--eval-every", "0"], monkeypatch,
+                           tmp_path)
+    assert [r["losses/skipped_updates"] for r in rows] == [1, 1]  # 4 updates a step: calls 2 and 5
+    from transformers import AutoModelForCausalLM
+
+    assert all(torch.isfinite(p).all() for p in AutoModelForCausalLM.from_pretrained(f"{run}/final").parameters())
+
+
+def test_nonfinite_updates_never_touch_the_weights(monkeypatch, tmp_path):
+    import gspo
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(gspo, "gspo_loss", nan_on("all", gspo.gspo_loss))
+    rows, run = run_script("gspo", ["--num-steps", "1", "--prompts-per-rank", "4", "--eval-every", "0",
+                                    "--max-nonfinite", "10"], monkeypatch, tmp_path)
+    assert rows[0]["losses/skipped_updates"] == 4
+    trained = AutoModelForCausalLM.from_pretrained(f"{run}/final")
+    tok = common.tiny_tokenizer()
+    start = common.load_model("tiny", tok, common.Dist(0, 1, 0, torch.device("cpu")), seed=1)  # the run's init
+    for (n, p), q in zip(trained.named_parameters(), start.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_nonfinite_updates_in_a_row_stop_the_run(monkeypatch, tmp_path):
+    import gspo
+
+    monkeypatch.setattr(gspo, "gspo_loss", nan_on("all", gspo.gspo_loss))
+    monkeypatch.setattr(sys, "argv", ["gspo.py", "--num-steps", "2", "--prompts-per-rank", "4", "--eval-every", "0",
+                                      "--output-dir", str(tmp_path)])
+    with pytest.raises(SystemExit) as e:
+        gspo.main()
+    assert str(e.value.code).startswith("error: step 1: 3 non-finite updates in a row (loss nan")
+    assert not os.path.exists(os.path.join(next(iter(tmp_path.glob("*")), tmp_path), "final"))

@@ -251,19 +251,33 @@ def builtin_task(n: int, seed: int) -> list[dict]:
     return [{"prompt": f"{x}%10=", "answer": str(x)} for x in (rng.randint(0, 9) for _ in range(n))]
 
 
-def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok, enable_thinking: bool):
-    """-> (train, held-out, n_dropped): `datasets.Dataset`s with columns prompt, answer and text (the prompt
-    through the chat template). `name` is 'builtin', a known
-    hub set (DATASETS), or a local .json/.jsonl file of {prompt, answer}. `data_files` reads local files
-    laid out in a known hub set's own columns (an offline mirror). Rows without an answer are dropped
-    and counted."""
+def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok, enable_thinking: bool,
+              max_prompt_tokens: int):
+    """-> (train, held-out, dropped): `datasets.Dataset`s with columns prompt, answer and text (the prompt
+    through the chat template), and the counts of rows dropped from both, {"no_answer": n, "too_long": m}.
+    `name` is 'builtin', a known hub set (DATASETS), or a local .json/.jsonl file of {prompt, answer}.
+    `data_files` reads local files laid out in a known hub set's own columns (an offline mirror). Rows
+    without an answer, and prompts over max_prompt_tokens tokens after the chat template, are dropped and
+    counted; nothing usable left is an error."""
     from datasets import Dataset, load_dataset
 
     def templated(d):
-        return d.add_column("text", chat_prompts(tok, d["prompt"], enable_thinking))
+        d = d.add_column("text", chat_prompts(tok, d["prompt"], enable_thinking))
+        return d.filter(lambda b: [len(ids) <= max_prompt_tokens for ids in
+                                   tok(b["text"], add_special_tokens=False).input_ids], batched=True)
+
+    def finish(train, held, no_answer):
+        n = len(train) + len(held)
+        train, held = templated(train), templated(held)
+        dropped = {"no_answer": no_answer, "too_long": n - len(train) - len(held)}
+        held = held.select(range(min(eval_size, len(held))))
+        if len(train) == 0:
+            fail(f"--dataset {name!r}: no usable rows (dropped {no_answer} without an answer, {dropped['too_long']} "
+                 f"over --max-prompt-tokens {max_prompt_tokens})")
+        return train, held, dropped
 
     if name == "builtin":
-        return templated(Dataset.from_list(builtin_task(4096, seed))), templated(Dataset.from_list(builtin_task(eval_size, seed + 1))), 0
+        return finish(Dataset.from_list(builtin_task(4096, seed)), Dataset.from_list(builtin_task(eval_size, seed + 1)), 0)
     if name in DATASETS:
         hub, cfg, train_split, test_split, pcol, acol, instr = DATASETS[name]
         if data_files:
@@ -296,12 +310,13 @@ def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok,
     dropped = len(train) - len(train_c)
     if test_split is not None:
         held = clean(ds[test_split])
+        dropped += len(ds[test_split]) - len(held)
     else:  # no held-out split: keep the last eval_size rows apart
         split = train_c.train_test_split(test_size=min(eval_size, len(train_c) // 10 or 1), seed=seed)
         train_c, held = split["train"], split["test"]
     if len(train_c) == 0:
         fail(f"--dataset {name!r}: no usable rows (dropped {dropped} without an answer)")
-    return templated(train_c), templated(held.select(range(min(eval_size, len(held))))), dropped
+    return finish(train_c, held, dropped)
 
 
 def chat_prompts(tok, prompts: list[str], enable_thinking: bool) -> list[str]:
@@ -601,6 +616,8 @@ def check_common_args(args):
         fail(f"--temperature {args.temperature}: must be > 0 (RL samples from the policy)")
     if args.num_steps < 1:
         fail(f"--num-steps {args.num_steps}: must be >= 1")
+    if args.max_prompt_tokens < 1:
+        fail(f"--max-prompt-tokens {args.max_prompt_tokens}: must be >= 1")
     if args.max_nonfinite < 1:
         fail(f"--max-nonfinite {args.max_nonfinite}: must be >= 1")
     if not 0 <= args.warmup_frac < 1 or not 0 <= args.min_lr_ratio <= 1:

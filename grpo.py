@@ -56,6 +56,8 @@ class Args:
     """local json/jsonl files laid out in --dataset's own hub columns, read instead of the hub (offline mirror)"""
     enable_thinking: bool = False
     """passed to the chat template (Qwen3: think before answering)"""
+    max_prompt_tokens: int = 2048
+    """prompts longer than this (tokens, after the chat template) are dropped at load and counted"""
     num_steps: int = 200
     """RL steps (one rollout batch each)"""
     prompts_per_rank: int = 16
@@ -159,7 +161,8 @@ def main():
     d = setup_distributed(args.seed)
     check_model(args.model, args.trust_remote_code)
     tok = load_tokenizer(args.model, args.trust_remote_code)
-    train, held, dropped = load_task(args.dataset, args.data_files, args.eval_size, args.seed, tok, args.enable_thinking)
+    train, held, dropped = load_task(args.dataset, args.data_files, args.eval_size, args.seed, tok, args.enable_thinking,
+                                     args.max_prompt_tokens)
     lm = load_model(args.model, tok, d, args.seed, args.trust_remote_code)
     eos = eos_ids(lm, tok)
     policy = wrap_policy(lm, d, args.temperature, args.logprob_chunk_tokens, args.activation_checkpointing)
@@ -171,7 +174,8 @@ def main():
     run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time())}")
     logger = Logger(run_dir, d, args)
     if d.main:
-        print(f"{len(train)} train / {len(held)} held-out prompts ({dropped} rows without an answer dropped); "
+        print(f"{len(train)} train / {len(held)} held-out prompts (dropped: {dropped['no_answer']} without an answer, "
+              f"{dropped['too_long']} over --max-prompt-tokens); "
               f"world size {d.world}; logs: tensorboard --logdir {args.output_dir}")
     gen_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, gen_batch_size=args.gen_batch_size)

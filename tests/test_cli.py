@@ -34,6 +34,8 @@ def bad_dataset(tmp_path):
     (["--dataset", "nosuchset"], "unknown"),
     (["--dataset", "BAD"], "has no column(s) ['prompt', 'answer']"),
     (["--warmup-frac", "1.5"], "--warmup-frac 1.5 must lie in [0, 1)"),
+    (["--max-prompt-tokens", "5"], "no usable rows (dropped 0 without an answer, 4160 over --max-prompt-tokens 5)"),
+    (["--max-nonfinite", "0"], "--max-nonfinite 0: must be >= 1"),
 ])
 def test_bad_input_fails_before_any_model(script, argv, needle, monkeypatch, tmp_path):
     fails_before_any_model(script, argv, needle, monkeypatch, tmp_path)
@@ -93,8 +95,8 @@ def test_hub_columns_through_local_files(tmp_path):
     gsm = write_jsonl(tmp_path / "gsm8k.jsonl", [
         {"question": f"What is {i}+1?", "answer": f"{i}+1 = {i + 1}\n#### {i + 1:,}"} for i in range(998, 1018)
     ] + [{"question": "no answer here", "answer": None}])
-    train, held, dropped = common.load_task("gsm8k", gsm, 4, 0, tok, False)
-    assert dropped == 1 and len(train) + len(held) == 20 and len(held) == 2
+    train, held, dropped = common.load_task("gsm8k", gsm, 4, 0, tok, False, 2048)
+    assert dropped == {"no_answer": 1, "too_long": 0} and len(train) + len(held) == 20 and len(held) == 2
     row = train[0]
     assert set(train.column_names) == {"prompt", "answer", "text"}
     assert row["answer"].replace(",", "").isdigit() and row["prompt"].startswith("What is")
@@ -102,10 +104,10 @@ def test_hub_columns_through_local_files(tmp_path):
     assert row["text"].startswith("<|im_start|>user\n") and row["text"].endswith("<|im_start|>assistant\n")
     math = write_jsonl(tmp_path / "math.jsonl", [{"problem": f"Compute {i}/2.", "answer": f"\\frac{{{i}}}{{2}}"}
                                                   for i in range(30)])
-    train, held, _ = common.load_task("math500", math, 3, 0, tok, False)
+    train, held, _ = common.load_task("math500", math, 3, 0, tok, False, 2048)
     assert len(held) == 3 and "\\boxed{}" in train[0]["prompt"]
     own = write_jsonl(tmp_path / "own.jsonl", [{"prompt": "2+2=", "answer": "4"}] * 20)
-    train, held, _ = common.load_task(own, None, 2, 0, tok, False)
+    train, held, _ = common.load_task(own, None, 2, 0, tok, False, 2048)
     assert train[0]["prompt"] == "2+2=" and train[0]["answer"] == "4"
 
 

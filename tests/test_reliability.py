@@ -89,3 +89,15 @@ def test_nonfinite_updates_in_a_row_stop_the_run(monkeypatch, tmp_path):
         gspo.main()
     assert str(e.value.code).startswith("error: step 1: 3 non-finite updates in a row (loss nan")
     assert not os.path.exists(os.path.join(next(iter(tmp_path.glob("*")), tmp_path), "final"))
+
+
+def test_rows_without_answer_and_long_prompts_are_dropped_and_counted(tmp_path):
+    tok = common.tiny_tokenizer()
+    rows = ([{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(30)]
+            + [{"prompt": "x" * 500 + "=", "answer": "1"} for _ in range(5)]  # 500+ tokens for the tiny tokenizer
+            + [{"prompt": "no answer", "answer": None}, {"prompt": "empty answer", "answer": "  "}])
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(__import__("json").dumps(r) + "\n" for r in rows))
+    train, held, dropped = common.load_task(str(path), None, 3, 0, tok, False, max_prompt_tokens=100)
+    assert dropped == {"no_answer": 2, "too_long": 5} and len(train) + len(held) == 30
+    assert all(len(tok(t).input_ids) <= 100 for t in list(train["text"]) + list(held["text"]))

@@ -259,9 +259,10 @@ def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok,
     `data_files` reads local files laid out in a known hub set's own columns (an offline mirror). Rows
     without an answer, and prompts over max_prompt_tokens tokens after the chat template, are dropped and
     counted; nothing usable left is an error."""
-    from datasets import Dataset, load_dataset
+    from datasets import Dataset, disable_progress_bars, load_dataset
 
     def templated(d):
+        disable_progress_bars()  # for map/filter, after any download: the counts of what is dropped are printed
         d = d.add_column("text", chat_prompts(tok, d["prompt"], enable_thinking))
         return d.filter(lambda b: [len(ids) <= max_prompt_tokens for ids in
                                    tok(b["text"], add_special_tokens=False).input_ids], batched=True)
@@ -303,6 +304,7 @@ def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok,
         return {"prompt": f"{p}\n{instr}".strip() if instr else p, "answer": a}
 
     def clean(d):
+        disable_progress_bars()
         d = d.map(to_row, remove_columns=d.column_names)
         return d.filter(lambda r: len(r["answer"]) > 0)
 

@@ -5,12 +5,15 @@ advantages, logging, evaluation and checkpoints. The training loop itself lives 
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
 import random
 import re
+import shutil
 import sys
+import time
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -49,7 +52,17 @@ def setup_distributed(seed: int) -> Dist:
     else:
         device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+        backend, dev = ("nccl", device) if device.type == "cuda" else ("gloo", None)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is None:  # launched by something other than torchrun: plain env:// rendezvous
+            dist.init_process_group(backend, device_id=dev)
+        else:  # torchrun keeps its TCP store across --max-restarts attempts; without a prefix per attempt a restarted
+            # job reads the dead attempt's addresses and cannot connect
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                  is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
+                                  timeout=dist.constants.default_pg_timeout)
+            dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store), rank=rank,
+                                    world_size=world, device_id=dev)
     seed_everything(seed)  # same seed on every rank while the model is built; see seed_rank()
     return Dist(rank, world, local_rank, device)
 
@@ -543,20 +556,24 @@ def lr_scheduler(optimizer, args):
 
 
 class Logger:
-    """Tensorboard + console on rank 0 only."""
+    """Tensorboard + metrics.jsonl on rank 0 only. A resumed run (first_step > 1) continues both at first_step:
+    rows a killed run logged after its checkpoint are dropped from metrics.jsonl and purged from tensorboard."""
 
-    def __init__(self, run_dir: str, d: Dist, args):
+    def __init__(self, run_dir: str, d: Dist, args, first_step: int = 1):
         self.d, self.writer = d, None
         if d.main:
             from torch.utils.tensorboard import SummaryWriter
 
             os.makedirs(run_dir, exist_ok=True)
-            self.writer = SummaryWriter(run_dir)
+            self.writer = SummaryWriter(run_dir, purge_step=first_step if first_step > 1 else None)
             self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
                 f"|{k}|{v}|" for k, v in vars(args).items()))
             with open(os.path.join(run_dir, "args.json"), "w") as f:
                 json.dump(vars(args), f, indent=1, default=str)
-            self.metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+            path = os.path.join(run_dir, "metrics.jsonl")
+            kept = [line for line in open(path) if json.loads(line)["step"] < first_step] if first_step > 1 else []
+            self.metrics = open(path, "w")
+            self.metrics.writelines(kept)
 
     def log(self, step: int, scalars: dict):
         if not self.d.main:
@@ -572,18 +589,135 @@ class Logger:
             self.metrics.close()
 
 
-def save_checkpoint(policy: Policy, tok, path: str, d: Dist):
-    """`save_pretrained` of the full state dict (gathered from FSDP2 shards): loads with from_pretrained."""
+# ----------------------------------------------------------------------------- checkpoints and exact resume
+# A checkpoint is a folder {run_dir}/step_N: the model and tokenizer as `save_pretrained` writes them (safetensors,
+# loads with from_pretrained), trainer_state.json (step, world size, script, reward curve) and rank{r}.pt per rank
+# (this rank's optimizer shard, the lr schedule, the RNG states; plain tensors, read with weights_only=True). It is
+# written into .tmp_step_N and renamed into place when complete, so a crash mid-write leaves the previous ones intact.
+STEP_DIR = re.compile(r"step_(\d+)$")
+
+
+def is_checkpoint(path: str) -> bool:
+    return bool(STEP_DIR.search(os.path.basename(os.path.normpath(path)))) and os.path.isfile(
+        os.path.join(path, "trainer_state.json"))
+
+
+def run_paths(args, d: Dist, script: str) -> tuple[str, str | None]:
+    """The run folder and the checkpoint to resume from (None: a fresh run). --resume auto takes the newest complete
+    checkpoint of this exp_name and seed under --output-dir, or starts a fresh run when there is none, so the same
+    command serves the first launch and every torchrun restart. Rank 0 decides for all ranks."""
+    out = [None, None, 0]
+    if d.main:
+        ckpt = args.resume
+        if ckpt == "auto":
+            runs = glob.glob(os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__*", "step_*"))
+            found = sorted((int(p.split("__")[-1].split(os.sep)[0]), int(STEP_DIR.search(p)[1]), p)
+                           for p in runs if is_checkpoint(p) and p.split("__")[-1].split(os.sep)[0].isdigit())
+            ckpt = found[-1][2] if found else None
+            if ckpt is None:
+                print(f"--resume auto: no checkpoint of {args.exp_name}__{args.seed}__* under {args.output_dir}, "
+                      "starting a fresh run")
+        if ckpt:
+            ckpt = os.path.normpath(ckpt)
+            state = json.load(open(os.path.join(ckpt, "trainer_state.json")))
+            if state["world"] != d.world:
+                fail(f"{ckpt} was written by {state['world']} ranks and this run has {d.world}: resume it with "
+                     f"--nproc-per-node {state['world']} (optimizer shards and RNG states are per rank)")
+            if state["script"] != script:
+                fail(f"{ckpt} was written by {state['script']}, not {script}: resume it with that script")
+            print(f"resuming {ckpt} (step {state['step']})")
+        out = [os.path.dirname(ckpt) if ckpt else os.path.join(
+            args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time())}"), ckpt, state["step"] if ckpt else 0]
+    if d.world > 1:
+        dist.broadcast_object_list(out, src=0)
+    if out[2] >= args.num_steps:  # e.g. a restart after the last checkpoint was written
+        if d.main:
+            print(f"{out[1]} is at step {out[2]} and --num-steps is {args.num_steps}: nothing to do")
+        cleanup()
+        raise SystemExit(0)
+    return out[0], out[1]
+
+
+def _rng_state(d: Dist) -> dict:
+    py, npy = random.getstate(), np.random.get_state()
+    return {"python": py, "numpy": (npy[0], npy[1].tolist(), *npy[2:]), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(d.device) if d.device.type == "cuda" else None}
+
+
+def _set_rng_state(s: dict, d: Dist):
+    random.setstate(s["python"])
+    np.random.set_state((s["numpy"][0], np.array(s["numpy"][1], dtype=np.uint32), *s["numpy"][2:]))
+    torch.set_rng_state(s["torch"])
+    if s["cuda"] is not None:
+        torch.cuda.set_rng_state(s["cuda"], d.device)
+
+
+def resume_state(ckpt: str | None, optimizer, scheduler, d: Dist) -> dict:
+    """Restore optimizer, lr schedule and this rank's RNG states from `ckpt` and return the loop's state (step,
+    reward curve, non-finite run, wall time); a fresh run's state when ckpt is None. The data position is a pure
+    function of the step (prompt_indices), so the step restores it."""
+    if ckpt is None:
+        return {"step": 0, "reward_curve": [], "nonfinite_run": 0, "wall_time": 0.0}
+    state = json.load(open(os.path.join(ckpt, "trainer_state.json")))
+    blob = torch.load(os.path.join(ckpt, f"rank{d.rank}.pt"), map_location="cpu", weights_only=True)
+    optimizer.load_state_dict(blob["optimizer"])
+    from torch.distributed.tensor import DTensor
+
+    for p, s in optimizer.state.items():  # FSDP2: this rank's shards back into DTensors laid out like the parameter
+        for k, v in s.items():
+            if isinstance(p, DTensor) and not isinstance(v, DTensor) and v.shape == p.to_local().shape:
+                s[k] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                                          run_check=False)
+    scheduler.load_state_dict(blob["scheduler"])
+    _set_rng_state(blob["rng"], d)
+    return state
+
+
+def save_checkpoint(run_dir: str, step: int, policy: Policy, tok, optimizer, scheduler, d: Dist, keep: int,
+                    script: str, **loop_state):
+    """Write {run_dir}/step_{step} (see above) atomically, then delete all but the newest `keep` (0: keep all).
+    The model is gathered from FSDP2 shards into one full state dict; the optimizer stays sharded, one file a rank."""
+    from torch.distributed.tensor import DTensor
+
     if d.world > 1:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(policy.lm, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:
         sd = None
+    path, tmp = os.path.join(run_dir, f"step_{step}"), os.path.join(run_dir, f".tmp_step_{step}")
     if d.main:
-        policy.lm.save_pretrained(path, state_dict=sd)
-        tok.save_pretrained(path)
-    if d.world > 1:
+        from transformers.utils import logging as hf_logging
+
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed mid-write
+        hf_logging.disable_progress_bar()  # one bar a save would break the training bar
+        policy.lm.save_pretrained(tmp, state_dict=sd)
+        hf_logging.enable_progress_bar()
+        tok.save_pretrained(tmp)
+    barrier()
+    optim = optimizer.state_dict()
+    optim["state"] = {i: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in s.items()}
+                      for i, s in optim["state"].items()}
+    torch.save({"optimizer": optim, "scheduler": scheduler.state_dict(), "rng": _rng_state(d)},
+               os.path.join(tmp, f"rank{d.rank}.pt"))
+    barrier()
+    if d.main:
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:  # last: a folder without it is incomplete
+            json.dump({"step": step, "world": d.world, "script": script, **loop_state}, f)
+        if os.path.exists(path):  # the same step written again: swap, then delete the old copy
+            os.rename(path, tmp + ".old")
+        os.rename(tmp, path)
+        shutil.rmtree(tmp + ".old", ignore_errors=True)
+        done = sorted((int(STEP_DIR.search(p)[1]), p) for p in glob.glob(os.path.join(run_dir, "step_*"))
+                      if is_checkpoint(p))
+        for _, old in done[:-keep] if keep else []:
+            shutil.rmtree(old)
+    barrier()
+    return path
+
+
+def barrier():
+    if dist.is_initialized():
         dist.barrier()
 
 
@@ -622,5 +756,10 @@ def check_common_args(args):
         fail(f"--max-prompt-tokens {args.max_prompt_tokens}: must be >= 1")
     if args.max_nonfinite < 1:
         fail(f"--max-nonfinite {args.max_nonfinite}: must be >= 1")
+    if args.resume not in (None, "auto") and not is_checkpoint(args.resume):
+        fail(f"--resume {args.resume}: not a checkpoint (a run's step_N folder holding trainer_state.json); "
+             "give one, or 'auto' for the newest of this --exp-name and --seed")
+    if args.keep_checkpoints < 0 or args.save_every < 0:
+        fail(f"--keep-checkpoints {args.keep_checkpoints} / --save-every {args.save_every}: must be >= 0")
     if not 0 <= args.warmup_frac < 1 or not 0 <= args.min_lr_ratio <= 1:
         fail(f"--warmup-frac {args.warmup_frac} must lie in [0, 1) and --min-lr-ratio {args.min_lr_ratio} in [0, 1]")

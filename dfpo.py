@@ -47,8 +47,8 @@ from tqdm import tqdm
 
 from common import (Logger, all_finite, all_gather_cat, all_reduce, check_common_args, check_model, cleanup, eos_ids,
                     evaluate, fail, generate, group_advantages, group_metrics, jitter2, load_model, load_task,
-                    load_tokenizer, lr_scheduler, minibatches, prompt_indices, reduce_stats, save_checkpoint, score,
-                    seed_rank, setup_distributed, wrap_policy)
+                    load_tokenizer, lr_scheduler, minibatches, prompt_indices, reduce_stats, resume_state, run_paths,
+                    save_checkpoint, score, seed_rank, setup_distributed, wrap_policy)
 
 
 @dataclass
@@ -114,7 +114,12 @@ class Args:
     eval_k: int = 8
     """samples per held-out prompt for avg@k and pass@k"""
     save_every: int = 0
-    """write a checkpoint every N steps (0: only at the end)"""
+    """write a checkpoint every N steps, and always at the end (0: only at the end)"""
+    keep_checkpoints: int = 2
+    """keep the newest K checkpoints of the run and delete older ones (0: keep all)"""
+    resume: str | None = None
+    """continue exactly from a checkpoint folder (.../step_N), or 'auto': the newest one of this exp_name and seed
+    under --output-dir, a fresh run if there is none (use it with torchrun --max-restarts)"""
     output_dir: str = "runs"
     """where runs are written"""
     # Algorithm-specific arguments
@@ -216,17 +221,18 @@ def main():
         fail(f"--orth-floor {args.orth_floor}: must be > 0 (eq. 52 keeps every weight positive)")
     d = setup_distributed(args.seed)
     check_model(args.model, args.trust_remote_code)
+    run_dir, ckpt = run_paths(args, d, os.path.basename(__file__))  # a fresh run, or the checkpoint to resume
     tok = load_tokenizer(args.model, args.trust_remote_code)
     train, held, dropped = load_task(args.dataset, args.data_files, args.eval_size, args.seed, tok, args.enable_thinking,
                                      args.max_prompt_tokens)
-    lm = load_model(args.model, tok, d, args.seed, args.trust_remote_code)
+    lm = load_model(ckpt or args.model, tok, d, args.seed, args.trust_remote_code)
     eos = eos_ids(lm, tok)
     policy = wrap_policy(lm, d, args.temperature, args.logprob_chunk_tokens, args.activation_checkpointing)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = lr_scheduler(optimizer, args)
     seed_rank(args.seed, d)
-    run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time())}")
-    logger = Logger(run_dir, d, args)
+    state = resume_state(ckpt, optimizer, scheduler, d)  # resumed: optimizer, lr schedule, RNG of each rank, step
+    logger = Logger(run_dir, d, args, first_step=state["step"] + 1)
     if d.main:
         print(f"{len(train)} train / {len(held)} held-out prompts (dropped: {dropped['no_answer']} without an answer, "
               f"{dropped['too_long']} over --max-prompt-tokens); "
@@ -234,11 +240,12 @@ def main():
     gen_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, gen_batch_size=args.gen_batch_size)
     eval_now = lambda step: args.eval_every > 0 and (step % args.eval_every == 0 or step == args.num_steps)  # noqa: E731
-    if eval_now(0):
+    if eval_now(0) and state["step"] == 0:
         policy.eval()
         logger.log(0, evaluate(policy, tok, held, eos, d, k=args.eval_k, **gen_kw))
-    start, reward_curve, nonfinite_run = time.time(), [], 0
-    bar = tqdm(range(1, args.num_steps + 1), disable=not d.main, desc=args.exp_name)
+    start, reward_curve, nonfinite_run = time.time() - state["wall_time"], state["reward_curve"], state["nonfinite_run"]
+    bar = tqdm(range(state["step"] + 1, args.num_steps + 1), initial=state["step"], total=args.num_steps,
+               disable=not d.main, desc=args.exp_name)
     for step in bar:
         # TRY NOT TO MODIFY: rollout -> rewards -> group advantages
         policy.eval()
@@ -306,15 +313,16 @@ def main():
         reward_curve.append(log["charts/reward_mean"])
         bar.set_postfix(reward=f"{log['charts/reward_mean']:.3f}", clip=f"{log['losses/clipfrac']:.3f}",
                         asym=f"{log['losses/asym']:.3f}")
-        if args.save_every and step % args.save_every == 0 and step < args.num_steps:
-            save_checkpoint(policy, tok, os.path.join(run_dir, f"step_{step}"), d)
-    save_checkpoint(policy, tok, os.path.join(run_dir, "final"), d)
+        if step == args.num_steps or args.save_every and step % args.save_every == 0:
+            ckpt = save_checkpoint(run_dir, step, policy, tok, optimizer, scheduler, d, args.keep_checkpoints,
+                                   os.path.basename(__file__), reward_curve=reward_curve, nonfinite_run=nonfinite_run,
+                                   wall_time=time.time() - start)
     n = max(1, len(reward_curve) // 10)
     first, last, jitter = sum(reward_curve[:n]) / n, sum(reward_curve[-n:]) / n, jitter2(reward_curve)
     logger.log(args.num_steps, {"charts/reward_jitter2": jitter})
     if d.main:
         print(f"done in {time.time() - start:.0f}s: reward {first:.3f} (first 10% of steps) -> {last:.3f} (last 10%), "
-              f"Jitter2 (DFPO eq. 20) {jitter:.4f}; checkpoint: {os.path.join(run_dir, 'final')}")
+              f"Jitter2 (DFPO eq. 20) {jitter:.4f}; checkpoint: {ckpt}")
     logger.close()
     cleanup()
 

@@ -61,7 +61,7 @@ def test_nonfinite_update_is_skipped_and_counted(script, monkeypatch, tmp_path):
     assert [r["losses/skipped_updates"] for r in rows] == [1, 1]  # 4 updates a step: calls 2 and 5
     from transformers import AutoModelForCausalLM
 
-    assert all(torch.isfinite(p).all() for p in AutoModelForCausalLM.from_pretrained(f"{run}/final").parameters())
+    assert all(torch.isfinite(p).all() for p in AutoModelForCausalLM.from_pretrained(f"{run}/step_2").parameters())
 
 
 def test_nonfinite_updates_never_touch_the_weights(monkeypatch, tmp_path):
@@ -72,7 +72,7 @@ def test_nonfinite_updates_never_touch_the_weights(monkeypatch, tmp_path):
     rows, run = run_script("gspo", ["--num-steps", "1", "--prompts-per-rank", "4", "--eval-every", "0",
                                     "--max-nonfinite", "10"], monkeypatch, tmp_path)
     assert rows[0]["losses/skipped_updates"] == 4
-    trained = AutoModelForCausalLM.from_pretrained(f"{run}/final")
+    trained = AutoModelForCausalLM.from_pretrained(f"{run}/step_1")
     tok = common.tiny_tokenizer()
     start = common.load_model("tiny", tok, common.Dist(0, 1, 0, torch.device("cpu")), seed=1)  # the run's init
     for (n, p), q in zip(trained.named_parameters(), start.parameters()):
@@ -88,7 +88,7 @@ def test_nonfinite_updates_in_a_row_stop_the_run(monkeypatch, tmp_path):
     with pytest.raises(SystemExit) as e:
         gspo.main()
     assert str(e.value.code).startswith("error: step 1: 3 non-finite updates in a row (loss nan")
-    assert not os.path.exists(os.path.join(next(iter(tmp_path.glob("*")), tmp_path), "final"))
+    assert not list(tmp_path.glob("*/step_*"))  # stopped before any checkpoint
 
 
 def test_rows_without_answer_and_long_prompts_are_dropped_and_counted(tmp_path):

@@ -1,0 +1,129 @@
+"""Exact resume and crash-safe checkpoints: a run stopped after step 3 and resumed, a run SIGKILLed while it writes a
+checkpoint, and a torchrun job whose rank 1 is SIGKILLed under --max-restarts all end with weights bitwise equal to
+an unbroken run's, and log the same numbers at every step (fp32, tiny model, world size 1 and 2)."""
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import common
+from conftest import ROOT
+
+# 6 steps, eval at 0/3/6 (it draws samples too), warm-up then cosine: every piece of state a resume must restore
+ARGS = ["--num-steps", "6", "--prompts-per-rank", "8", "--eval-every", "3", "--eval-size", "8", "--eval-k", "2",
+        "--lr-schedule", "cosine", "--warmup-frac", "0.25", "--learning-rate", "2e-3"]
+
+
+def launch(out, *extra, world=1, crash=None, crash_rank=0, restarts=0, script="gspo.py"):
+    """tests/crash.py runs the script as `python gspo.py` would (or under torchrun), with CRASH injected."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CRASH", "CRASH_RANK")}
+    if crash:
+        env.update(CRASH=crash, CRASH_RANK=str(crash_rank))
+    cmd = [sys.executable, "tests/crash.py"] if world == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+        "--max-restarts", str(restarts), "tests/crash.py"]
+    return subprocess.run([*cmd, script, *ARGS, *extra, "--output-dir", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def result(out):
+    """(final weights, logged rows without timings) of the one run under `out`."""
+    (run,) = glob.glob(f"{out}/*/metrics.jsonl")
+    rows = [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")} for line in open(run)]
+    return load_file(os.path.join(os.path.dirname(run), "step_6", "model.safetensors")), rows
+
+
+def assert_same(a, b):
+    (wa, ra), (wb, rb) = a, b
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa), [k for k in wa if not torch.equal(wa[k], wb[k])]
+    assert [r["step"] for r in rb] == [0, 1, 2, 3, 4, 5, 6, 6]  # eval at 0, steps 1-6, the Jitter2 row; no repeats
+    assert ra == rb  # rewards, losses, clip fractions, learning rates, evals: every logged number of every step
+
+
+_straight = {}
+
+
+def straight(world, tmp_path_factory):
+    """The unbroken 6-step run, once per world size."""
+    if world not in _straight:
+        out = tmp_path_factory.mktemp(f"straight{world}")
+        p = launch(out, world=world)
+        assert p.returncode == 0, p.stderr[-3000:]
+        _straight[world] = result(out)
+        weights, rows = _straight[world]
+        tok = common.tiny_tokenizer()
+        init = common.load_model("tiny", tok, common.Dist(0, 1, 0, torch.device("cpu")), 1).state_dict()
+        assert not torch.equal(weights["model.layers.0.mlp.up_proj.weight"], init["model.layers.0.mlp.up_proj.weight"])
+        assert sum(r.get("charts/reward_mean", 0) for r in rows) > 0  # some groups had signal: the runs learn
+    return _straight[world]
+
+
+def tensorboard_steps(out, tag="charts/reward_mean"):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (run,) = glob.glob(f"{out}/*/metrics.jsonl")
+    acc = EventAccumulator(os.path.dirname(run))
+    acc.Reload()
+    return [e.step for e in acc.Scalars(tag)]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_stop_after_3_steps_and_resume_is_exact(world, tmp_path, tmp_path_factory):
+    p = launch(tmp_path, "--save-every", "3", world=world, crash="start:4", crash_rank=world - 1)
+    assert p.returncode != 0  # SIGKILL (torchrun: a failed child) at the start of step 4
+    (ckpt,) = glob.glob(f"{tmp_path}/*/step_*")
+    assert ckpt.endswith("step_3")
+    p = launch(tmp_path, "--save-every", "3", "--resume", ckpt, world=world)
+    assert p.returncode == 0 and f"resuming {ckpt} (step 3)" in p.stdout, p.stderr[-3000:]
+    assert_same(straight(world, tmp_path_factory), result(tmp_path))
+    assert tensorboard_steps(tmp_path) == [1, 2, 3, 4, 5, 6]  # the killed run's step 4 was never logged; no gap
+
+
+def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, tmp_path_factory):
+    p = launch(tmp_path, "--save-every", "2", crash="checkpoint:4")
+    assert p.returncode == -9
+    (run,) = glob.glob(f"{tmp_path}/*/")
+    assert sorted(n for n in os.listdir(run) if "step" in n) == [".tmp_step_4", "step_2"]
+    assert open(f"{run}/.tmp_step_4/rank0.pt", "rb").read() == b"half an optimizer state"
+    assert not common.is_checkpoint(f"{run}/.tmp_step_4") and common.is_checkpoint(f"{run}/step_2")
+    assert [json.loads(line)["step"] for line in open(f"{run}/metrics.jsonl")][-1] == 4  # logged past the checkpoint
+
+    p = launch(tmp_path, "--save-every", "2", "--resume", "auto")
+    assert p.returncode == 0 and f"resuming {run}step_2 (step 2)" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
+    assert_same(straight(1, tmp_path_factory), result(tmp_path))  # steps 3-4 were logged twice, kept once
+    assert tensorboard_steps(tmp_path) == [1, 2, 3, 4, 5, 6]  # purged at step 3 by the resumed writer
+    assert sorted(d for d in os.listdir(run) if "step" in d) == ["step_4", "step_6"]  # --keep-checkpoints 2
+
+
+def test_torchrun_max_restarts_resumes_a_killed_rank(tmp_path, tmp_path_factory):
+    p = launch(tmp_path, "--save-every", "3", "--resume", "auto", world=2, crash="start:4", crash_rank=1, restarts=1)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "starting a fresh run" in p.stdout and "(step 3)" in p.stdout  # the first attempt, then the restart
+    assert_same(straight(2, tmp_path_factory), result(tmp_path))
+
+
+def test_resume_errors_before_any_heavy_work(tmp_path, monkeypatch, capsys):
+    import gspo
+
+    def main(*argv):
+        monkeypatch.setattr(sys, "argv", ["gspo.py", *argv, "--output-dir", str(tmp_path)])
+        with pytest.raises(SystemExit) as e:
+            gspo.main()
+        return str(e.value.code)
+
+    assert "not a checkpoint" in main("--resume", str(tmp_path))
+    ckpt = tmp_path / "gspo__1__5" / "step_4"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4, "world": 2, "script": "gspo.py"}))
+    assert "written by 2 ranks and this run has 1: resume it with --nproc-per-node 2" in main("--resume", "auto")
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4, "world": 1, "script": "dfpo.py"}))
+    assert "written by dfpo.py, not gspo.py" in main("--resume", str(ckpt))
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4, "world": 1, "script": "gspo.py"}))
+    assert main("--resume", str(ckpt), "--num-steps", "4") == "0"
+    assert "is at step 4 and --num-steps is 4: nothing to do" in capsys.readouterr().out

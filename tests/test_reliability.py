@@ -1,5 +1,4 @@
 """Hostile input and numerical accidents: a reward that raises, a completion holding code, non-finite losses."""
-import os
 import sys
 
 import pytest

@@ -21,7 +21,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 
 def fail(msg: str):
@@ -204,27 +203,61 @@ class Policy(torch.nn.Module):
         h = h[:, n_prompt - 1:-1].reshape(B * T, -1)  # hidden state at t-1 predicts token t
         targets = input_ids[:, n_prompt:].reshape(B * T)
         head = self.lm.get_output_embeddings()
-        logps, ents = [], []
-        for i in range(0, B * T, self.chunk_tokens):
-            args = (h[i:i + self.chunk_tokens], head.weight, head.bias, targets[i:i + self.chunk_tokens])
-            if torch.is_grad_enabled():
-                lp = checkpoint(_chunk_logprobs, *args, self.temperature, False, use_reentrant=False)[0]
-            else:
-                lp, ent = _chunk_logprobs(*args, self.temperature, entropy)
-                ents.append(ent)
-            logps.append(lp)
-        logp = torch.cat(logps).view(B, T).clone()  # not a view: FSDP2 hooks the output for backward
-        return (logp, torch.cat(ents).view(B, T)) if entropy else logp
+        out = chunked_logprobs(h, head.weight, head.bias, targets, self.temperature, self.chunk_tokens, entropy)
+        logp, ent = out if entropy else (out, None)
+        logp = logp.view(B, T).clone()  # not a view: FSDP2 hooks the output for backward
+        return (logp, ent.view(B, T)) if entropy else logp
 
 
-def _chunk_logprobs(h, weight, bias, targets, temperature: float, entropy: bool):
-    """log-softmax at the target = logit - logsumexp, on one chunk, in float32 (float64 for a float64 model)."""
-    logits = F.linear(h, weight, bias)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # bf16 -> fp32; fp64 stays
-    lse = logits.logsumexp(-1)
-    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
-    ent = (lse - (logits.softmax(-1) * logits).sum(-1)) if entropy else None
-    return logp, ent
+def chunked_logprobs(h, weight, bias, targets, temperature: float = 1.0, chunk_tokens: int = 1024,
+                     entropy: bool = False):
+    """log softmax(z)[target] with z = (h W^T + b) / temperature (and the entropy of that softmax if asked) for N
+    rows of hidden states h [N, H] -> [N] in float32 (float64 for a float64 model). The LM head runs on
+    `chunk_tokens` rows at a time and each chunk's backward recomputes its logits, so the extra memory is
+    O(chunk x V) instead of the O(N x V) of log_softmax(logits).gather(...), in training and no-grad passes alike."""
+    logps, ents = [], []
+    for i in range(0, h.shape[0], chunk_tokens):
+        lp, ent = _ChunkLogprobs.apply(h[i:i + chunk_tokens], weight, bias, targets[i:i + chunk_tokens], temperature,
+                                       entropy)
+        logps.append(lp)
+        ents.append(ent)
+    return (torch.cat(logps), torch.cat(ents)) if entropy else torch.cat(logps)
+
+
+class _ChunkLogprobs(torch.autograd.Function):
+    """One chunk. Forward keeps only logsumexp (and the entropy) per row; backward recomputes the logits and applies
+    d logp_t / dz = onehot(target) - p and d H / dz = -p (log p + H), with p = softmax(z), in place on one buffer."""
+
+    @staticmethod
+    def _logits(h, weight, bias, temperature):
+        z = F.linear(h, weight, bias)
+        return z.to(torch.promote_types(z.dtype, torch.float32)).div_(temperature)  # bf16 -> fp32; fp64 stays
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, targets, temperature: float, entropy: bool):
+        z = _ChunkLogprobs._logits(h, weight, bias, temperature)
+        lse = z.logsumexp(-1)
+        logp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+        ent = None
+        if entropy:  # H = -sum_v p log p, with log p = z - lse (z is not needed any more)
+            logp_all = z.sub_(lse[:, None])
+            ent = -logp_all.exp().mul_(logp_all).sum(-1)
+        ctx.save_for_backward(h, weight, bias, targets, lse, ent)
+        ctx.temperature = temperature
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        h, weight, bias, targets, lse, ent = ctx.saved_tensors
+        logp = _ChunkLogprobs._logits(h, weight, bias, ctx.temperature).sub_(lse[:, None])  # log p
+        coef = g_logp[:, None] if g_ent is None else g_logp[:, None] + g_ent[:, None] * (logp + ent[:, None])
+        grad_z = logp.exp_().mul_(coef).neg_()  # -p * (g_logp + g_ent (log p + H))
+        grad_z.scatter_add_(-1, targets[:, None], g_logp[:, None].to(grad_z.dtype))  # + onehot(target) * g_logp
+        grad_z = grad_z.div_(ctx.temperature).to(h.dtype)
+        grad_h = grad_z @ weight if ctx.needs_input_grad[0] else None
+        grad_w = grad_z.T @ h if ctx.needs_input_grad[1] else None
+        grad_b = grad_z.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
+        return grad_h, grad_w, grad_b, None, None, None
 
 
 def wrap_policy(lm, d: Dist, temperature: float, chunk_tokens: int, activation_checkpointing: bool) -> Policy:

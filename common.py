@@ -5,6 +5,7 @@ advantages, logging, evaluation and checkpoints. The training loop itself lives 
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import math
@@ -158,18 +159,41 @@ def load_tokenizer(name: str, trust_remote_code: bool):
     return tok
 
 
-def load_model(name: str, tok, d: Dist, seed: int, trust_remote_code: bool = False):
-    """fp32 on CPU, bf16 on GPU; identical weights on every rank (same seed) before sharding."""
-    from transformers import AutoModelForCausalLM
+def compute_dtype(dtype: str, d: Dist) -> torch.dtype:
+    """--dtype: auto is bf16 on GPU, fp32 on CPU."""
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
+        dtype, torch.bfloat16 if d.device.type == "cuda" else torch.float32)
+
+
+def load_model(name: str, tok, d: Dist, seed: int, trust_remote_code: bool = False, dtype: str = "auto"):
+    """One process: the model on its device in the compute dtype. Under torchrun: fp32 master weights (FSDP2 casts
+    them to the compute dtype, wrap_policy) built on the meta device on every rank, while rank 0 alone reads the
+    weights into CPU memory; wrap_policy shards the model and sends each rank its shards. A node thus holds one full
+    copy on CPU, not one per rank, and no GPU ever holds the whole fp32 model."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     seed_everything(seed)  # `tiny` is random-init: the same seed gives the same weights (policy and reference)
-    dtype = torch.bfloat16 if d.device.type == "cuda" else torch.float32
-    if name == "tiny":
-        lm = tiny_model(tok).to(dtype)
+    path = os.path.expanduser(name)
+
+    def build(dt):
+        if name == "tiny":
+            return tiny_model(tok).to(dt)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dt, trust_remote_code=trust_remote_code)
+
+    if d.world == 1:
+        lm = build(compute_dtype(dtype, d)).to(d.device)
     else:
-        lm = AutoModelForCausalLM.from_pretrained(os.path.expanduser(name), dtype=dtype, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            lm = tiny_model(tok) if name == "tiny" else AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), dtype=torch.float32,
+                trust_remote_code=trust_remote_code)
+        if name != "tiny":
+            with contextlib.suppress(OSError):  # EOS ids as from_pretrained reads them (the file, else the config)
+                lm.generation_config = GenerationConfig.from_pretrained(path)
+        src = build(torch.float32) if d.main else None
+        lm.rank0_state = (src.state_dict(), dict(src.named_buffers())) if d.main else None  # taken by wrap_policy
     lm.config.use_cache = True
-    return lm.to(d.device)
+    return lm
 
 
 def eos_ids(lm, tok) -> list[int]:
@@ -260,20 +284,34 @@ class _ChunkLogprobs(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None
 
 
-def wrap_policy(lm, d: Dist, temperature: float, chunk_tokens: int, activation_checkpointing: bool) -> Policy:
-    """World size 1: the plain model. World size > 1: FSDP2, `fully_shard` on each decoder layer, then the
-    root (the tied embedding/LM head stay together in the root unit)."""
+def wrap_policy(lm, d: Dist, temperature: float, chunk_tokens: int, activation_checkpointing: bool,
+                dtype: str = "auto", cpu_offload: bool = False) -> Policy:
+    """World size 1: the plain model. World size > 1: FSDP2, `fully_shard` on each decoder layer, then the root (the
+    tied embedding/LM head stay together in the root unit), with fp32 shards computed in `dtype` and gradients
+    reduced in fp32 (MixedPrecisionPolicy); rank 0's weights (load_model) are then scattered to the shards."""
     if activation_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         lm.config.use_cache = True  # generation still uses the KV cache (checkpointing acts only in training)
     policy = Policy(lm, temperature, chunk_tokens)
     if d.world > 1:
-        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
+                                            register_fsdp_forward_method)
 
+        kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=compute_dtype(dtype, d), reduce_dtype=torch.float32),
+                  offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
         for layer in lm.get_decoder().layers:
-            fully_shard(layer)
-        fully_shard(policy)
+            fully_shard(layer, **kw)
+        fully_shard(policy, **kw)
         register_fsdp_forward_method(policy, "generate")
+        state, buffers = lm.__dict__.pop("rank0_state") or ({}, {})
+        policy.to_empty(device="cpu" if cpu_offload else d.device)  # meta -> real (uninitialised) shards
+        set_model_state_dict(lm, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        for n, b in lm.named_buffers():  # buffers outside the state dict (rotary inv_freq) from rank 0 too
+            if d.main:
+                b.copy_(buffers[n])
+            dist.broadcast(b, src=0)
+        del state, buffers
     return policy
 
 
@@ -461,18 +499,19 @@ def group_metrics(coef: torch.Tensor, group_size: int) -> dict:
 # ----------------------------------------------------------------------------- generation
 @torch.no_grad()
 def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d: Dist, *, max_new_tokens: int,
-             temperature: float, top_p: float, top_k: int, gen_batch_size: int) -> dict:
+             temperature: float, top_p: float, top_k: int, gen_batch_size: int, unshard: bool = False) -> dict:
     """n completions per prompt (rows of one prompt are adjacent: a group). Returns input_ids [B, P+T],
     attention_mask, n_prompt P, completion mask [B, T] (up to and including the first EOS), truncated [B]."""
     enc = tok(list(prompts), padding=True, return_tensors="pt", add_special_tokens=False)
     ids, am = enc.input_ids.repeat_interleave(n, 0).to(d.device), enc.attention_mask.repeat_interleave(n, 0).to(d.device)
     outs = []
-    for i in range(0, ids.shape[0], gen_batch_size):
-        outs.append(policy.generate(
-            input_ids=ids[i:i + gen_batch_size], attention_mask=am[i:i + gen_batch_size], do_sample=True,
-            temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, eos_token_id=eos,
-            pad_token_id=tok.pad_token_id, synced_gpus=d.world > 1,  # FSDP: every rank steps until all are done
-        )[:, ids.shape[1]:])
+    with gathered(policy, unshard):
+        for i in range(0, ids.shape[0], gen_batch_size):
+            outs.append(policy.generate(
+                input_ids=ids[i:i + gen_batch_size], attention_mask=am[i:i + gen_batch_size], do_sample=True,
+                temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                pad_token_id=tok.pad_token_id, synced_gpus=d.world > 1,  # FSDP: every rank steps until all are done
+            )[:, ids.shape[1]:])
     T = max(o.shape[1] for o in outs)
     comp = torch.cat([F.pad(o, (0, T - o.shape[1]), value=tok.pad_token_id) for o in outs])
     is_eos = torch.isin(comp, torch.tensor(eos, device=comp.device))
@@ -481,6 +520,26 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
     return {"input_ids": torch.cat([ids, comp], 1), "attention_mask": torch.cat([am, before_eos.long()], 1),
             "n_prompt": ids.shape[1], "mask": before_eos.float(), "truncated": ~is_eos.any(1),  # no EOS: cut at the limit
             "texts": tok.batch_decode(comp.masked_fill(is_eos, tok.pad_token_id), skip_special_tokens=True)}
+
+
+@contextlib.contextmanager
+def gathered(policy, on: bool):
+    """FSDP2 with --gen-unshard: every unit keeps its full parameters from its first forward to the end of the block,
+    so decoding gathers each layer once per generate call instead of once per token; resharded after."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not on or not isinstance(policy, FSDPModule):
+        yield
+        return
+    policy.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        policy.set_reshard_after_forward(True)  # the decoder layers' default
+        policy.set_reshard_after_forward(False, recurse=False)  # the root's
+        for m in policy.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
 
 
 def score(texts: list[str], answers: list[str], n: int) -> tuple[torch.Tensor, int]:
@@ -502,7 +561,7 @@ def score(texts: list[str], answers: list[str], n: int) -> tuple[torch.Tensor, i
 
 @torch.no_grad()
 def evaluate(policy, tok, held, eos, d: Dist, *, k: int, max_new_tokens: int, temperature: float, top_p: float,
-             top_k: int, gen_batch_size: int) -> dict:
+             top_k: int, gen_batch_size: int, unshard: bool = False) -> dict:
     """avg@k (mean accuracy over k samples a prompt, the DFPO paper's metric) and pass@k (some sample right),
     over the held-out prompts; each rank takes an equal share."""
     n = len(held) // d.world * d.world  # equal shares, or the FSDP all-gathers would hang
@@ -512,7 +571,7 @@ def evaluate(policy, tok, held, eos, d: Dist, *, k: int, max_new_tokens: int, te
     for i in range(0, len(rows), per_call):
         part = rows.select(range(i, min(i + per_call, len(rows))))
         out = generate(policy, tok, part["text"], k, eos, d, max_new_tokens=max_new_tokens, temperature=temperature,
-                       top_p=top_p, top_k=top_k, gen_batch_size=gen_batch_size)
+                       top_p=top_p, top_k=top_k, gen_batch_size=gen_batch_size, unshard=unshard)
         part_r, part_errors = score(out["texts"], part["answer"], k)
         r, errors = torch.cat([r, part_r]), errors + part_errors
     r = r.view(-1, k)
@@ -789,6 +848,8 @@ def check_common_args(args):
         fail(f"--max-prompt-tokens {args.max_prompt_tokens}: must be >= 1")
     if args.max_nonfinite < 1:
         fail(f"--max-nonfinite {args.max_nonfinite}: must be >= 1")
+    if args.cpu_offload and not torch.cuda.is_available():
+        fail("--cpu-offload moves FSDP2 shards between GPU and CPU memory: it needs a GPU (drop it on CPU)")
     if args.resume not in (None, "auto") and not is_checkpoint(args.resume):
         fail(f"--resume {args.resume}: not a checkpoint (a run's step_N folder holding trainer_state.json); "
              "give one, or 'auto' for the newest of this --exp-name and --seed")

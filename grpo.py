@@ -92,8 +92,16 @@ class Args:
     """cosine: the last learning rate as a fraction of the peak (DFPO paper: 0.2)"""
     scale_std: bool = True
     """divide the centred group rewards by the group std (eq. 43); off: centring only"""
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    """compute dtype (auto: bf16 on GPU, fp32 on CPU); under torchrun the FSDP2 master weights, gradient reduction
+    and AdamW state stay fp32, and log-probs are always fp32"""
     activation_checkpointing: bool = False
     """recompute decoder layers in the backward pass (less memory, ~30% more compute)"""
+    cpu_offload: bool = False
+    """FSDP2: keep parameter shards, gradients and the AdamW step on the CPU (larger models per GPU, slower)"""
+    gen_unshard: bool = False
+    """FSDP2: gather each layer once per generate call, not once per decoded token (every GPU then holds the whole
+    model in the compute dtype while generating)"""
     logprob_chunk_tokens: int = 1024
     """tokens per LM-head chunk: log-probs never hold more than chunk x vocab logits"""
     eval_every: int = 50
@@ -169,11 +177,13 @@ def main():
     tok = load_tokenizer(args.model, args.trust_remote_code)
     train, held, dropped = load_task(args.dataset, args.data_files, args.eval_size, args.seed, tok, args.enable_thinking,
                                      args.max_prompt_tokens)
-    lm = load_model(ckpt or args.model, tok, d, args.seed, args.trust_remote_code)
+    lm = load_model(ckpt or args.model, tok, d, args.seed, args.trust_remote_code, args.dtype)
     eos = eos_ids(lm, tok)
-    policy = wrap_policy(lm, d, args.temperature, args.logprob_chunk_tokens, args.activation_checkpointing)
-    ref = wrap_policy(load_model(args.model, tok, d, args.seed, args.trust_remote_code).requires_grad_(False), d,
-                      args.temperature, args.logprob_chunk_tokens, False).eval() if args.kl_coef > 0 else None
+    policy = wrap_policy(lm, d, args.temperature, args.logprob_chunk_tokens, args.activation_checkpointing,
+                         args.dtype, args.cpu_offload)
+    ref = wrap_policy(load_model(args.model, tok, d, args.seed, args.trust_remote_code, args.dtype).requires_grad_(False),
+                      d, args.temperature, args.logprob_chunk_tokens, False, args.dtype, args.cpu_offload
+                      ).eval() if args.kl_coef > 0 else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = lr_scheduler(optimizer, args)
     seed_rank(args.seed, d)
@@ -184,7 +194,7 @@ def main():
               f"{dropped['too_long']} over --max-prompt-tokens); "
               f"world size {d.world}; logs: tensorboard --logdir {args.output_dir}")
     gen_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                  top_k=args.top_k, gen_batch_size=args.gen_batch_size)
+                  top_k=args.top_k, gen_batch_size=args.gen_batch_size, unshard=args.gen_unshard)
     eval_now = lambda step: args.eval_every > 0 and (step % args.eval_every == 0 or step == args.num_steps)  # noqa: E731
     if eval_now(0) and state["step"] == 0:
         policy.eval()

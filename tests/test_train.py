@@ -117,11 +117,25 @@ def torchrun(*args):
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("loss, ac", [("gspo", "0"), ("gspo", "1"), ("grpo", "0"), ("grpo", "1"), ("gspo_token", "0"),
-                                     ("dfpo", "1")])
-def test_fsdp2_gradient_equals_single_process(loss, ac):
-    p = torchrun("tests/fsdp_grad.py", loss, ac)
+@pytest.mark.parametrize("loss, ac, dtype", [("gspo", "0", "fp32"), ("gspo", "1", "fp32"), ("grpo", "0", "fp32"),
+                                            ("grpo", "1", "fp32"), ("gspo_token", "0", "fp32"), ("dfpo", "1", "fp32"),
+                                            ("gspo", "1", "bf16"), ("grpo", "0", "bf16"), ("dfpo", "1", "bf16")])
+def test_fsdp2_gradient_equals_single_process(loss, ac, dtype):
+    p = torchrun("tests/fsdp_grad.py", loss, ac, dtype)
     assert p.returncode == 0 and "FSDP2 gradient OK" in p.stdout, p.stdout[-2000:] + p.stderr[-4000:]
+
+
+def test_gen_unshard_changes_speed_not_numbers(tmp_path):
+    """--gen-unshard gathers each layer once per generate call instead of once per token: same samples, same steps."""
+    rows = []
+    for extra in ([], ["--gen-unshard"]):
+        out = tmp_path / str(len(extra))
+        p = torchrun("gspo.py", "--num-steps", "2", "--prompts-per-rank", "4", "--eval-every", "2", "--eval-size", "4",
+                     "--eval-k", "2", "--max-new-tokens", "8", "--output-dir", str(out), *extra)
+        assert p.returncode == 0, p.stderr[-4000:]
+        (run,) = glob.glob(f"{out}/*/metrics.jsonl")
+        rows.append([{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_rows(run)])
+    assert rows[0] == rows[1] and rows[0][-1]["charts/response_length_mean"] > 1
 
 
 def test_torchrun_two_ranks_runs_and_saves(tmp_path):

@@ -1,0 +1,32 @@
+"""The benchmark scripts run, and the memory plan counts a real Qwen3 model's parameters exactly."""
+import json
+import os
+import subprocess
+import sys
+
+import common
+from conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import memory_plan  # noqa: E402
+
+
+def test_memory_plan_counts_parameters_exactly(tmp_path):
+    lm = common.tiny_model(common.tiny_tokenizer())
+    config = lm.config.to_dict()
+    row = memory_plan.plan(config, gpus=2, seqs=1, tokens=10, gen_seqs=1, chunk=4)
+    assert row["parameters (B)"] * 1e9 == sum(p.numel() for p in lm.parameters())  # tied embeddings counted once
+    assert row["sharded state 16P/n"] == 16 * sum(p.numel() for p in lm.parameters()) / 2 / 1e9
+    big = memory_plan.plan(memory_plan.QWEN3_32B, gpus=8, seqs=1, tokens=1, gen_seqs=1, chunk=1)
+    assert abs(big["parameters (B)"] - 32.8) < 0.05  # the Qwen3-32B model card: 32.8B
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    p = subprocess.run([sys.executable, "benchmarks/memory_plan.py", "--config", str(tmp_path / "config.json"),
+                        "--gpus", "1", "2"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "| **training peak** |" in p.stdout and "command: python" in p.stdout, p.stderr
+
+
+def test_logprob_benchmark_prints_its_table():
+    p = subprocess.run([sys.executable, "benchmarks/logprob.py", "--tokens", "1024", "--vocab", "4096", "--chunk", "256",
+                        "--methods", "chunked,naive"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "| chunked | 1024 |" in p.stdout and "| naive | 1024 |" in p.stdout and "command: python" in p.stdout

@@ -79,18 +79,28 @@ def seed_rank(seed: int, d: Dist):
 
 
 def all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
-    return t
+    """Sum (or op) over ranks, returned on t's device; the collective runs where the backend needs it (NCCL: GPU)."""
+    if not dist.is_initialized():
+        return t
+    x = t.to(_device())
+    dist.all_reduce(x, op=op or dist.ReduceOp.SUM)
+    return x.to(t.device)
 
 
 def all_gather_cat(t: torch.Tensor) -> torch.Tensor:
-    """Concatenate equally shaped tensors from all ranks along dim 0."""
+    """Concatenate equally shaped tensors from all ranks along dim 0, on t's device."""
     if not dist.is_initialized():
         return t
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t.contiguous())
-    return torch.cat(out)
+    x = t.to(_device()).contiguous()
+    out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, x)
+    return torch.cat(out).to(t.device)
+
+
+def _device() -> torch.device:
+    """The device collectives run on: the current GPU under NCCL, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.is_initialized() and \
+        dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 # ----------------------------------------------------------------------------- the built-in tiny model
@@ -303,11 +313,19 @@ def wrap_policy(lm, d: Dist, temperature: float, chunk_tokens: int, activation_c
         for layer in lm.get_decoder().layers:
             fully_shard(layer, **kw)
         fully_shard(policy, **kw)
+        for m in policy.modules():  # sum the gradients over ranks: each rank's loss is already divided by the
+            if hasattr(m, "set_gradient_divide_factor"):  # minibatch's count over all ranks (the loss's `norm`)
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
         register_fsdp_forward_method(policy, "generate")
         state, buffers = lm.__dict__.pop("rank0_state") or ({}, {})
         policy.to_empty(device="cpu" if cpu_offload else d.device)  # meta -> real (uninitialised) shards
         set_model_state_dict(lm, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        for n, b in lm.named_buffers():  # buffers outside the state dict (rotary inv_freq) from rank 0 too
+        for mod in lm.modules():  # buffers (rotary inv_freq: outside the state dict) live on the GPU even with
+            for n, b in mod._buffers.items():  # --cpu-offload, and come from rank 0 too
+                if b is not None:
+                    mod._buffers[n] = b.to(d.device)
+        for n, b in lm.named_buffers():
             if d.main:
                 b.copy_(buffers[n])
             dist.broadcast(b, src=0)
@@ -477,13 +495,21 @@ def math_reward(completion: str, answer: str) -> float:
     return float(norm(pred) == norm(answer))
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale_std: bool = True, eps: float = 1e-6):
-    """A_i = (r_i - mean_g r) / (std_g r + eps), population std (DFPO eq. 43; the blog's worked example:
-    rewards [1,0,1,0] give A = [+1,-1,+1,-1]). Groups with equal rewards give A = 0; their count is returned."""
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-6):
+    """A_i = (r_i - mean_g r) / (std + eps), population std (DFPO eq. 43; the blog's worked example: rewards [1,0,1,0]
+    give A = [+1,-1,+1,-1]). scale: the std of the group (eq. 43), of the whole batch over all ranks (TRL/verl
+    "batch"), or none (centring only, Dr. GRPO). Groups with equal rewards get A = 0; their count is returned."""
     r = rewards.view(-1, group_size).double()
     centred = r - r.mean(1, keepdim=True)
     std = r.std(1, unbiased=False, keepdim=True)
-    adv = centred / (std + eps) if scale_std else centred
+    if scale == "group":
+        adv = centred / (std + eps)
+    elif scale == "batch":
+        adv = centred / (all_gather_cat(rewards.double()).std(unbiased=False).item() + eps)
+    elif scale == "none":
+        adv = centred
+    else:
+        raise ValueError(f"unknown scale {scale!r} (group, batch or none)")
     return adv.view(-1).float(), int((std.squeeze(1) == 0).sum())
 
 
@@ -559,26 +585,52 @@ def score(texts: list[str], answers: list[str], n: int) -> tuple[torch.Tensor, i
     return torch.tensor(rewards, dtype=torch.float32), len(errors)
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct (Chen et al., 2021): 1 - C(n - c, k) / C(n, k), the
+    probability that k samples drawn without replacement from the n include a correct one."""
+    if not 1 <= k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n and 0 <= c <= n (n={n}, c={c}, k={k})")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
 @torch.no_grad()
-def evaluate(policy, tok, held, eos, d: Dist, *, k: int, max_new_tokens: int, temperature: float, top_p: float,
-             top_k: int, gen_batch_size: int, unshard: bool = False) -> dict:
-    """avg@k (mean accuracy over k samples a prompt, the DFPO paper's metric) and pass@k (some sample right),
-    over the held-out prompts; each rank takes an equal share."""
-    n = len(held) // d.world * d.world  # equal shares, or the FSDP all-gathers would hang
-    rows = held.select(range(d.rank, n, d.world))
+def evaluate(policy, tok, held, eos, d: Dist, *, k: int, n: int | None = None, max_new_tokens: int,
+             temperature: float, top_p: float, top_k: int, gen_batch_size: int, unshard: bool = False) -> dict:
+    """Over the held-out prompts (each rank an equal share), from n >= k samples a prompt (n defaults to k):
+    avg@k, the mean accuracy of the n samples (an unbiased estimate of the mean accuracy of k samples, the DFPO
+    paper's metric), and pass@k, the mean over prompts of the unbiased 1 - C(n - c, k) / C(n, k) (pass_at_k)."""
+    n = n or k
+    m = len(held) // d.world * d.world  # equal shares, or the FSDP all-gathers would hang
+    rows = held.select(range(d.rank, m, d.world))
     r, errors = torch.zeros(0), 0
-    per_call = max(1, gen_batch_size // k)  # prompts per generate call
+    per_call = max(1, gen_batch_size // n)  # prompts per generate call
     for i in range(0, len(rows), per_call):
         part = rows.select(range(i, min(i + per_call, len(rows))))
-        out = generate(policy, tok, part["text"], k, eos, d, max_new_tokens=max_new_tokens, temperature=temperature,
+        out = generate(policy, tok, part["text"], n, eos, d, max_new_tokens=max_new_tokens, temperature=temperature,
                        top_p=top_p, top_k=top_k, gen_batch_size=gen_batch_size, unshard=unshard)
-        part_r, part_errors = score(out["texts"], part["answer"], k)
+        part_r, part_errors = score(out["texts"], part["answer"], n)
         r, errors = torch.cat([r, part_r]), errors + part_errors
-    r = r.view(-1, k)
-    s = all_reduce(torch.tensor([r.mean(1).sum(), (r.max(1).values > 0).float().sum(), len(rows), errors],
-                                dtype=torch.float64))
-    return {f"eval/avg@{k}": (s[0] / s[2]).item(), f"eval/pass@{k}": (s[1] / s[2]).item(), "eval/prompts": n,
-            "eval/reward_errors": s[3].item()}
+    r = r.view(-1, n)
+    passk = sum(pass_at_k(n, int(c), k) for c in (r > 0).sum(1))
+    s = all_reduce(torch.tensor([r.mean(1).sum(), passk, len(rows), errors], dtype=torch.float64))
+    return {f"eval/avg@{k}": (s[0] / s[2]).item(), f"eval/pass@{k}": (s[1] / s[2]).item(), "eval/prompts": m,
+            "eval/samples": n, "eval/reward_errors": s[3].item()}
+
+
+def eval_report(result: dict, dataset: str, run_dir: str, d: Dist) -> str:
+    """--eval-only: the table printed, and eval.json in the run folder. Returns the JSON path."""
+    path = os.path.join(run_dir, "eval.json")
+    if d.main:
+        k = next(key for key in result if key.startswith("eval/avg@")).split("@")[1]
+        print(f"\n| dataset | prompts | samples a prompt | avg@{k} | pass@{k} | reward errors |\n"
+              "|---|---|---|---|---|---|\n"
+              f"| {dataset} (held-out) | {result['eval/prompts']} | {result['eval/samples']} | "
+              f"{result[f'eval/avg@{k}']:.4f} | {result[f'eval/pass@{k}']:.4f} | {result['eval/reward_errors']:.0f} |")
+        os.makedirs(run_dir, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({dataset: result}, f, indent=1)
+        print(f"written: {path}")
+    return path
 
 
 # ----------------------------------------------------------------------------- data order
@@ -600,6 +652,12 @@ def minibatches(n_groups: int, group_size: int, num_minibatches: int) -> list[sl
     """Row slices of whole groups: a group never straddles two minibatches."""
     per = n_groups // num_minibatches * group_size
     return [slice(i * per, (i + 1) * per) for i in range(num_minibatches)]
+
+
+def micro_batches(mb: slice, size: int) -> list[slice]:
+    """Consecutive slices of `size` rows (whole groups) inside a minibatch; size 0 is the whole minibatch."""
+    size = size or mb.stop - mb.start
+    return [slice(i, min(i + size, mb.stop)) for i in range(mb.start, mb.stop, size)]
 
 
 # ----------------------------------------------------------------------------- logging and checkpoints
@@ -844,12 +902,17 @@ def check_common_args(args):
         fail(f"--temperature {args.temperature}: must be > 0 (RL samples from the policy)")
     if args.num_steps < 1:
         fail(f"--num-steps {args.num_steps}: must be >= 1")
+    if args.micro_batch_size < 0 or args.micro_batch_size % args.group_size:
+        fail(f"--micro-batch-size {args.micro_batch_size}: must be a multiple of --group-size {args.group_size} "
+             "(micro-batches hold whole groups), or 0 for the whole minibatch")
     if args.max_prompt_tokens < 1:
         fail(f"--max-prompt-tokens {args.max_prompt_tokens}: must be >= 1")
     if args.max_nonfinite < 1:
         fail(f"--max-nonfinite {args.max_nonfinite}: must be >= 1")
     if args.cpu_offload and not torch.cuda.is_available():
         fail("--cpu-offload moves FSDP2 shards between GPU and CPU memory: it needs a GPU (drop it on CPU)")
+    if args.eval_n is not None and args.eval_n < args.eval_k or args.eval_k < 1:
+        fail(f"--eval-n {args.eval_n} / --eval-k {args.eval_k}: pass@k needs n >= k >= 1 samples a prompt")
     if args.resume not in (None, "auto") and not is_checkpoint(args.resume):
         fail(f"--resume {args.resume}: not a checkpoint (a run's step_N folder holding trainer_state.json); "
              "give one, or 'auto' for the newest of this --exp-name and --seed")

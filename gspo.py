@@ -26,9 +26,9 @@ import tyro
 from tqdm import tqdm
 
 from common import (Logger, all_finite, all_gather_cat, all_reduce, check_common_args, check_model, cleanup, eos_ids,
-                    evaluate, fail, generate, group_advantages, group_metrics, jitter2, load_model, load_task,
-                    load_tokenizer, lr_scheduler, minibatches, prompt_indices, reduce_stats, resume_state, run_paths,
-                    save_checkpoint, score, seed_rank, setup_distributed, wrap_policy)
+                    eval_report, evaluate, fail, generate, group_advantages, group_metrics, jitter2, load_model,
+                    load_task, load_tokenizer, lr_scheduler, micro_batches, minibatches, prompt_indices, reduce_stats,
+                    resume_state, run_paths, save_checkpoint, score, seed_rank, setup_distributed, wrap_policy)
 
 
 @dataclass
@@ -57,6 +57,9 @@ class Args:
     """G: completions per prompt"""
     num_minibatches: int = 4
     """optimizer steps per rollout batch, each over whole groups (4 in the GSPO paper)"""
+    micro_batch_size: int = 0
+    """sequences per forward/backward inside a minibatch, whole groups (0: the whole minibatch); gradients accumulate
+    and the loss is divided by the minibatch's count over all ranks, so this changes memory, never the gradient"""
     max_new_tokens: int | None = None
     """completion length limit (default: 2 for --dataset builtin, 1024 otherwise)"""
     temperature: float = 1.0
@@ -81,8 +84,10 @@ class Args:
     """fraction of the optimizer steps spent in a linear warm-up (DFPO paper: 0.03)"""
     min_lr_ratio: float = 0.2
     """cosine: the last learning rate as a fraction of the peak (DFPO paper: 0.2)"""
-    scale_std: bool = True
-    """divide the centred group rewards by the group std (eq. 43); off: centring only"""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """divide the centred group rewards by the group's std (eq. 43), the whole batch's std (all ranks), or nothing"""
+    mask_truncated: bool = False
+    """completions cut at --max-new-tokens (no EOS) get zero loss weight; their rewards still set the group's A"""
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
     """compute dtype (auto: bf16 on GPU, fp32 on CPU); under torchrun the FSDP2 master weights, gradient reduction
     and AdamW state stay fp32, and log-probs are always fp32"""
@@ -100,7 +105,11 @@ class Args:
     eval_size: int = 64
     """held-out prompts"""
     eval_k: int = 8
-    """samples per held-out prompt for avg@k and pass@k"""
+    """k of avg@k and pass@k"""
+    eval_n: int | None = None
+    """samples per held-out prompt, n >= k (default k); pass@k is the unbiased 1 - C(n-c, k) / C(n, k)"""
+    eval_only: bool = False
+    """evaluate --model (e.g. a checkpoint folder) on the held-out split, print the table, write eval.json, stop"""
     save_every: int = 0
     """write a checkpoint every N steps, and always at the end (0: only at the end)"""
     keep_checkpoints: int = 2
@@ -117,20 +126,23 @@ class Args:
     """eps_high: s_i is clipped above at 1 + eps_high (GSPO paper: 4e-4)"""
 
 
-def gspo_loss(logp, old_logp, advantages, mask, *, group_size: int, clip_low: float, clip_high: float):
+def gspo_loss(logp, old_logp, advantages, mask, *, group_size: int, clip_low: float, clip_high: float,
+              norm: float | None = None):
     """-J_GSPO (eq. 42) over the minibatch. logp, old_logp, mask: [B, T] completion tokens; advantages: [B];
-    rows are whole groups of group_size (used by the group metrics only). Returns (loss, stats)."""
+    rows are whole groups of group_size (used by the group metrics only). norm: the count the summed objective is
+    divided by (None: B, the mean); the loop passes the minibatch's sequences on all ranks, so that micro-batches
+    and ranks add up to one gradient. Returns (loss, stats)."""
     m = mask.bool()
     lengths = mask.sum(1).clamp(min=1)
     log_w = torch.where(m, logp - old_logp, 0.0)  # log w_it, token log-ratios
     s = torch.exp(log_w.sum(1) / lengths)  # eq. 44: s_i = exp(1/|y_i| sum_t log w_it)
     s_clipped = s.clamp(1 - clip_low, 1 + clip_high)
     objective = torch.min(s * advantages, s_clipped * advantages)  # eq. 42, one term per sequence (= A_i s_bar_i, eq. 49)
-    loss = -objective.mean()  # 1/G sum_i, over every group of the minibatch
+    loss = -objective.sum() / (norm or objective.numel())  # 1/G sum_i over every group of the minibatch (norm)
     with torch.no_grad():  # clipped: the min takes the constant branch, so the sequence gives no gradient
         clipped = ((s > 1 + clip_high) & (advantages > 0)) | ((s < 1 - clip_low) & (advantages < 0))
         stats = {
-            "losses/policy_loss": loss.detach(),
+            "losses/policy_loss": -objective.mean(),  # over the rows given
             "losses/clipfrac": (clipped * lengths).sum() / lengths.sum(),  # tokens whose gradient the clip removes
             "losses/clipfrac_seq": clipped.float().mean(),  # sequences
             "losses/ratio_mean": s.mean(), "losses/ratio_min": s.min(), "losses/ratio_max": s.max(),
@@ -166,9 +178,16 @@ def main():
     gen_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, gen_batch_size=args.gen_batch_size, unshard=args.gen_unshard)
     eval_now = lambda step: args.eval_every > 0 and (step % args.eval_every == 0 or step == args.num_steps)  # noqa: E731
+    if args.eval_only:  # the table a paper reports, for --model as it is
+        policy.eval()
+        result = evaluate(policy, tok, held, eos, d, k=args.eval_k, n=args.eval_n, **gen_kw)
+        logger.log(0, result)
+        eval_report(result, args.dataset, run_dir, d)
+        logger.close()
+        return cleanup()
     if eval_now(0) and state["step"] == 0:
         policy.eval()
-        logger.log(0, evaluate(policy, tok, held, eos, d, k=args.eval_k, **gen_kw))
+        logger.log(0, evaluate(policy, tok, held, eos, d, k=args.eval_k, n=args.eval_n, **gen_kw))
     start, reward_curve, nonfinite_run = time.time() - state["wall_time"], state["reward_curve"], state["nonfinite_run"]
     bar = tqdm(range(state["step"] + 1, args.num_steps + 1), initial=state["step"], total=args.num_steps,
                disable=not d.main, desc=args.exp_name)
@@ -180,8 +199,10 @@ def main():
         roll = generate(policy, tok, rows["text"], args.group_size, eos, d, **gen_kw)
         gen_time = time.time() - t
         rewards, reward_errors = score(roll["texts"], rows["answer"], args.group_size)
-        advantages, zero_groups = group_advantages(rewards, args.group_size, args.scale_std)
+        advantages, zero_groups = group_advantages(rewards, args.group_size, args.scale_rewards)
         ids, am, mask, P = roll["input_ids"], roll["attention_mask"], roll["mask"], roll["n_prompt"]
+        if args.mask_truncated:  # the loss mask: truncated completions weigh nothing (the logs keep roll["mask"])
+            mask = mask * ~roll["truncated"][:, None]
         advantages = advantages.to(ids.device)
         mbs = minibatches(args.prompts_per_rank, args.group_size, args.num_minibatches)
 
@@ -195,37 +216,42 @@ def main():
         policy.train()
         stats, skipped = [], 0
         for mb in mbs:
-            logp = policy(ids[mb], am[mb], P)
-            loss, mb_stats = gspo_loss(logp, old_logp[mb], advantages[mb], mask[mb], group_size=args.group_size,
-                                       clip_low=args.clip_low, clip_high=args.clip_high)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            norm, mb_loss, micro_stats = (mb.stop - mb.start) * d.world, 0.0, []  # 1/G: the minibatch, all ranks
+            for mu in micro_batches(mb, args.micro_batch_size):  # gradient accumulation over whole groups
+                logp = policy(ids[mu], am[mu], P)
+                loss, mu_stats = gspo_loss(logp, old_logp[mu], advantages[mu], mask[mu], group_size=args.group_size,
+                                           clip_low=args.clip_low, clip_high=args.clip_high, norm=norm)
+                loss.backward()
+                mb_loss, micro_stats = mb_loss + loss.detach(), micro_stats + [mu_stats]
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: DTensor
-            if all_finite(loss.detach(), grad_norm):
+            if all_finite(mb_loss, grad_norm):
                 optimizer.step()
                 scheduler.step()
                 nonfinite_run = 0
             else:  # skipped on every rank together, counted; max_nonfinite in a row stop the run
                 skipped, nonfinite_run = skipped + 1, nonfinite_run + 1
                 if nonfinite_run >= args.max_nonfinite:
-                    fail(f"step {step}: {nonfinite_run} non-finite updates in a row (loss {loss.item()}, grad norm "
+                    fail(f"step {step}: {nonfinite_run} non-finite updates in a row (loss {mb_loss.item()}, grad norm "
                          f"{grad_norm.item()}); lower the learning rate or look at this step's data")
-            stats.append({**mb_stats, "losses/grad_norm": grad_norm})
+            stats += [{**mu_stats, "losses/policy_loss": mb_loss * d.world, "losses/grad_norm": grad_norm}
+                      for mu_stats in micro_stats]  # the minibatch's loss: the mean over ranks of world x their share
         train_time = time.time() - t
 
         # TRY NOT TO MODIFY: logging, evaluation, checkpoints
-        r, lengths = all_gather_cat(rewards.to(ids.device)), all_gather_cat(mask.sum(1))
+        r, lengths = all_gather_cat(rewards.to(ids.device)), all_gather_cat(roll["mask"].sum(1))
         tokens = all_gather_cat(am.sum().view(1).float()).sum()
         log = {
             "charts/reward_mean": r.mean().item(), "charts/reward_std": r.std(unbiased=False).item(),
             "charts/response_length_mean": lengths.mean().item(), "charts/response_length_max": lengths.max().item(),
             "charts/truncated_frac": all_gather_cat(roll["truncated"].float()).mean().item(),
+            "charts/masked_truncated": all_reduce(roll["truncated"].sum().float()).item() if args.mask_truncated else 0,
             "charts/zero_adv_group_frac": all_reduce(torch.tensor(zero_groups / args.prompts_per_rank)).item() / d.world,
             "charts/learning_rate": optimizer.param_groups[0]["lr"],
             "charts/reward_errors": all_reduce(torch.tensor(float(reward_errors))).item(),
             "losses/skipped_updates": skipped,
-            "losses/entropy": ((entropy * mask).sum() / mask.sum()).item(),
+            "losses/entropy": ((entropy * roll["mask"]).sum() / roll["mask"].sum()).item(),
             "perf/gen_tokens_per_s": lengths.sum().item() / gen_time,
             "perf/train_tokens_per_s": tokens.item() / train_time,
             "perf/wall_time": time.time() - start,
@@ -233,7 +259,7 @@ def main():
         }
         if eval_now(step):
             policy.eval()
-            log.update(evaluate(policy, tok, held, eos, d, k=args.eval_k, **gen_kw))
+            log.update(evaluate(policy, tok, held, eos, d, k=args.eval_k, n=args.eval_n, **gen_kw))
         logger.log(step, log)
         reward_curve.append(log["charts/reward_mean"])
         bar.set_postfix(reward=f"{log['charts/reward_mean']:.3f}", clip=f"{log['losses/clipfrac']:.3f}",

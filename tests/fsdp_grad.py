@@ -1,6 +1,7 @@
 """Run under `torchrun --nproc-per-node 2`: the FSDP2 gradient of one minibatch, each rank holding half of the
 groups, must equal the 1-process gradient of the same global batch (fp32, rtol 1e-4).
-argv: loss name (gspo|grpo|gspo_token|dfpo), activation checkpointing (0|1), compute dtype (fp32|bf16).
+argv: loss name (gspo|grpo|gspo_token|dfpo), activation checkpointing (0|1), compute dtype (fp32|bf16), micro-batch
+size on each rank (0: all its rows), and optionally per-rank-mean (the normalisation bug, which must fail).
 fp32 compares to rtol 1e-4; bf16 (FSDP2 MixedPrecisionPolicy: bf16 compute, fp32 shards and reduction) against the
 same model run in bf16 in one process, to 5% of the largest gradient entry."""
 import os
@@ -16,6 +17,8 @@ from gspo import gspo_loss  # noqa: E402
 from gspo_token import gspo_token_loss  # noqa: E402
 
 loss_name, ac, dtype = sys.argv[1], sys.argv[2] == "1", sys.argv[3] if len(sys.argv) > 3 else "fp32"
+micro = int(sys.argv[4]) if len(sys.argv) > 4 else 0  # micro-batch size on each rank (0: its whole half)
+per_rank_mean = len(sys.argv) > 5 and sys.argv[5] == "per-rank-mean"  # the bug: divide by this rank's count only
 d = common.setup_distributed(0)
 assert d.world == 2, "run me with torchrun --nproc-per-node 2"
 tok = common.tiny_tokenizer()
@@ -44,19 +47,24 @@ with torch.no_grad():
 adv = torch.randn(B, generator=g)
 if loss_name == "gspo_token":  # per-token advantages that change sign inside sequences
     adv = (adv[:, None] + torch.randn(B, T, generator=g)) * mask
-kw = dict(group_size=4, clip_low=0.004, clip_high=0.005) if loss_name != "grpo" else dict(
+kw = dict(group_size=4, clip_low=0.004, clip_high=0.005) if not loss_name.startswith("grpo") else dict(
     group_size=4, clip_low=0.04, clip_high=0.05)
 if dtype == "bf16":  # bf16 rounding moves ratios by ~1e-2: keep them off the clip edges so no clip decision flips
     kw.update(clip_low=0.5, clip_high=0.5)
 if loss_name == "dfpo":
     kw["transform"] = "orth-proj-qp"
+norm = B  # the global count the scripts divide by: sequences, or tokens for token-mean (all-reduced there)
+if loss_name == "grpo_token_mean":  # DAPO's token-mean: the ranks hold different token counts
+    loss_name, kw["loss_agg"], norm = "grpo", "token-mean", mask.sum().item()
 loss_fn = {"gspo": gspo_loss, "grpo": grpo_loss, "gspo_token": gspo_token_loss, "dfpo": dfpo_loss}[loss_name]
 
-loss, stats = loss_fn(single(ids, am, P), old, adv, mask, **kw)
+loss, stats = loss_fn(single(ids, am, P), old, adv, mask, **kw)  # the mean over the B rows
 loss.backward()
 half = slice(d.rank * B // 2, (d.rank + 1) * B // 2)  # whole groups on each rank
-loss, _ = loss_fn(policy(ids[half], am[half], P), old[half], adv[half], mask[half], **kw)
-loss.backward()
+for mu in common.micro_batches(half, micro):  # as the scripts: whole groups, divided by the global count B
+    loss, _ = loss_fn(policy(ids[mu], am[mu], P), old[mu], adv[mu], mask[mu], **kw,
+                      norm=(half.stop - half.start) if per_rank_mean else norm)
+    loss.backward()
 assert 0 < stats["losses/clipfrac"] < 1 or dtype == "bf16", stats  # some sequences/tokens clipped, some not
 
 # fp32: the same sums in another order. bf16: both sides round each op to 8 bits of mantissa, in other orders
@@ -70,6 +78,6 @@ for (name, p), (_, q) in zip(policy.named_parameters(), single.named_parameters(
     assert torch.allclose(full, ref, rtol=rtol, atol=atol * scale), (name, (full - ref).abs().max().item(), scale)
     worst = max(worst, ((full - ref).abs().max() / scale).item())
 if d.main:
-    print(f"FSDP2 gradient OK ({loss_name}, activation checkpointing {ac}, {dtype}): worst relative difference "
-          f"{worst:.2e}")
+    print(f"FSDP2 gradient OK ({loss_name}, activation checkpointing {ac}, {dtype}, micro-batch {micro}): worst "
+          f"relative difference {worst:.2e}")
 common.cleanup()

@@ -26,7 +26,7 @@ def test_memory_plan_counts_parameters_exactly(tmp_path):
 
 
 def test_logprob_benchmark_prints_its_table():
-    p = subprocess.run([sys.executable, "benchmarks/logprob.py", "--tokens", "1024", "--vocab", "4096", "--chunk", "256",
-                        "--methods", "chunked,naive"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, "benchmarks/logprob.py", "--tokens", "1024", "--vocab", "4096", "--chunk",
+                        "256", "--methods", "chunked,naive"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "| chunked | 1024 |" in p.stdout and "| naive | 1024 |" in p.stdout and "command: python" in p.stdout

@@ -15,12 +15,13 @@ import common
 from conftest import ROOT
 
 
-def run_script(script, argv, monkeypatch, out):
+def run_script(script, argv, monkeypatch, out, jitter_row=True):
     mod = importlib.import_module(script)
     monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv, "--output-dir", str(out)])
     mod.main()
     (run,) = glob.glob(f"{out}/*/metrics.jsonl")
-    return read_rows(run), os.path.dirname(run)
+    rows = read_rows(run) if jitter_row else [json.loads(line) for line in open(run)]
+    return rows, os.path.dirname(run)
 
 
 def read_rows(path):
@@ -117,12 +118,26 @@ def torchrun(*args):
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("loss, ac, dtype", [("gspo", "0", "fp32"), ("gspo", "1", "fp32"), ("grpo", "0", "fp32"),
-                                            ("grpo", "1", "fp32"), ("gspo_token", "0", "fp32"), ("dfpo", "1", "fp32"),
+@pytest.mark.parametrize("loss, ac, dtype", [("gspo", "1", "fp32"), ("grpo", "1", "fp32"), ("dfpo", "1", "fp32"),
                                             ("gspo", "1", "bf16"), ("grpo", "0", "bf16"), ("dfpo", "1", "bf16")])
 def test_fsdp2_gradient_equals_single_process(loss, ac, dtype):
+    """Each rank's half in one pass (activation checkpointing on, fp32 and bf16); without checkpointing and in
+    micro-batches: the next test."""
     p = torchrun("tests/fsdp_grad.py", loss, ac, dtype)
     assert p.returncode == 0 and "FSDP2 gradient OK" in p.stdout, p.stdout[-2000:] + p.stderr[-4000:]
+
+
+@pytest.mark.parametrize("loss", ["gspo", "grpo", "gspo_token", "dfpo", "grpo_token_mean"])
+def test_fsdp2_gradient_with_micro_batches_equals_single_process(loss):
+    """World size 2, each rank's half (2 groups) one group at a time, against the 1-process whole-batch gradient."""
+    p = torchrun("tests/fsdp_grad.py", loss, "0", "fp32", "4")
+    assert p.returncode == 0 and "micro-batch 4" in p.stdout, p.stdout[-2000:] + p.stderr[-4000:]
+
+
+def test_fsdp2_per_rank_normalisation_fails_the_check():
+    """The bug class the global normalisation removes: each rank dividing by its own count doubles the gradient."""
+    p = torchrun("tests/fsdp_grad.py", "gspo", "0", "fp32", "4", "per-rank-mean")
+    assert p.returncode != 0 and "AssertionError" in p.stderr, p.stdout[-2000:]
 
 
 def test_gen_unshard_changes_speed_not_numbers(tmp_path):

@@ -1,0 +1,105 @@
+"""One gradient whatever the batching: a minibatch's parameter gradient does not depend on --micro-batch-size (here)
+nor on the world size (tests/fsdp_grad.py under torchrun, in test_train.py), because every loss is divided by the
+minibatch's count over all ranks (`norm`) and FSDP2 sums the ranks' gradients. Normalising per micro-batch instead,
+the bug this guards against, is shown to fail the same check."""
+import pytest
+import torch
+
+import common
+from dfpo import dfpo_loss
+from grpo import grpo_loss
+from gspo import gspo_loss
+from gspo_token import gspo_token_loss
+from test_train import run_script
+
+G, B, P, T = 4, 16, 6, 7
+LOSSES = {
+    "gspo": (gspo_loss, dict(clip_low=0.004, clip_high=0.005)),
+    "grpo": (grpo_loss, dict(clip_low=0.04, clip_high=0.05)),
+    "gspo_token": (gspo_token_loss, dict(clip_low=0.004, clip_high=0.005)),
+    "dfpo": (dfpo_loss, dict(clip_low=0.004, clip_high=0.005, transform="orth-proj-qp")),
+    "grpo token-mean": (grpo_loss, dict(clip_low=0.04, clip_high=0.05, loss_agg="token-mean")),
+    "gspo_token dr-grpo": (gspo_token_loss, dict(clip_low=0.004, clip_high=0.005, loss_agg="seq-mean-token-sum-norm",
+                                                 max_new_tokens=T)),
+}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """The tiny model and one minibatch of 4 groups: left padding, ragged completions, pi_old a little off."""
+    tok = common.tiny_tokenizer()
+    policy = common.Policy(common.load_model("tiny", tok, common.Dist(0, 1, 0, torch.device("cpu")), seed=0), 1.0, 16)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, len(tok), (B, P + T), generator=g)
+    am = torch.ones(B, P + T, dtype=torch.long)
+    am[::3, :2] = 0
+    mask = (torch.arange(T)[None] < torch.randint(1, T + 1, (B,), generator=g)[:, None]).float()
+    am[:, P:] = mask.long()
+    ids = ids.masked_fill(am == 0, tok.pad_token_id)
+    with torch.no_grad():
+        old = policy(ids, am, P) + 0.05 * torch.randn(B, T, generator=g)
+    adv = torch.randn(B, generator=g)
+    return policy, (ids, am, mask, old, adv, (adv[:, None] + torch.randn(B, T, generator=g)) * mask)
+
+
+def minibatch_grad(setup, name, micro, per_micro_mean=False):
+    """The scripts' inner loop on one minibatch: micro-batches of whole groups, loss divided by the minibatch count."""
+    policy, (ids, am, mask, old, adv, token_adv) = setup
+    loss_fn, kw = LOSSES[name]
+    a = token_adv if name.startswith("gspo_token") else adv
+    norm = mask.sum().item() if kw.get("loss_agg") == "token-mean" else B  # what the scripts' loop computes
+    policy.zero_grad(set_to_none=True)
+    for mu in common.micro_batches(slice(0, B), micro):
+        loss, stats = loss_fn(policy(ids[mu], am[mu], P), old[mu], a[mu], mask[mu], group_size=G, **kw,
+                              norm=None if per_micro_mean else norm)
+        loss.backward()
+    return [p.grad.clone() for p in policy.parameters()]
+
+
+def close(grads, ref, rtol=1e-5):
+    return all(torch.allclose(g, r, rtol=rtol, atol=rtol * r.abs().max().item()) for g, r in zip(grads, ref))
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_micro_batch_size_does_not_change_the_gradient(setup, name):
+    whole = minibatch_grad(setup, name, 0)
+    assert all(r.abs().max() > 0 for r in whole)
+    for micro in (G, 2 * G):  # 4 micro-batches of one group, 2 of two groups
+        assert close(minibatch_grad(setup, name, micro), whole), (name, micro)
+    # the bug class: each micro-batch divided by its own count gives 4x the gradient with 4 micro-batches
+    wrong = minibatch_grad(setup, name, G, per_micro_mean=True)
+    assert not close(wrong, whole)
+    if "token-mean" not in name:  # per-sequence counts: exactly 4x; token-mean: each micro-batch by its own tokens
+        assert close(wrong, [4 * r for r in whole])
+
+
+def test_micro_batches_hold_whole_groups():
+    assert common.micro_batches(slice(16, 32), 8) == [slice(16, 24), slice(24, 32)]
+    assert common.micro_batches(slice(16, 32), 0) == [slice(16, 32)]
+    assert common.micro_batches(slice(0, 12), 8) == [slice(0, 8), slice(8, 12)]
+
+
+@pytest.mark.parametrize("script, extra", [("gspo", []), ("grpo", []), ("gspo_token", []), ("dfpo", []),
+                                           ("grpo", ["--loss-agg", "token-mean"])])
+def test_script_micro_batching_logs_the_same_gradient(script, extra, monkeypatch, tmp_path):
+    """End to end through each script's loop: one step, 2 minibatches of 8 groups, whole or 2 groups at a time."""
+    rows = []
+    for micro in ("0", "16"):
+        out = tmp_path / micro
+        rows.append(run_script(script, ["--num-steps", "1", "--prompts-per-rank", "16", "--num-minibatches", "2",
+                                        "--eval-every", "0", "--micro-batch-size", micro, *extra], monkeypatch,
+                               out)[0][0])
+    for key in ("losses/grad_norm", "losses/policy_loss", "losses/ratio_mean", "losses/asym"):
+        assert rows[1][key] == pytest.approx(rows[0][key], rel=1e-5, abs=1e-7), key
+    assert rows[0]["losses/grad_norm"] > 0 and rows[0]["charts/reward_mean"] == rows[1]["charts/reward_mean"]
+
+
+def test_micro_batch_size_must_hold_whole_groups(monkeypatch, tmp_path):
+    import gspo
+
+    monkeypatch.setattr("sys.argv", ["gspo.py", "--micro-batch-size", "3", "--output-dir", str(tmp_path)])
+    with pytest.raises(SystemExit) as e:
+        gspo.main()
+    assert "must be a multiple of --group-size 8 (micro-batches hold whole groups)" in str(e.value.code)
+
+

@@ -761,8 +761,8 @@ def run_paths(args, d: Dist, script: str) -> tuple[str, str | None]:
         ckpt = args.resume
         if ckpt == "auto":
             runs = glob.glob(os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__*", "step_*"))
-            found = sorted((int(p.split("__")[-1].split(os.sep)[0]), int(STEP_DIR.search(p)[1]), p)
-                           for p in runs if is_checkpoint(p) and p.split("__")[-1].split(os.sep)[0].isdigit())
+            key = re.compile(r"__(\d+)" + re.escape(os.sep) + r"step_(\d+)$")  # (run's unix time, step)
+            found = sorted((int(m[1]), int(m[2]), p) for p in runs if (m := key.search(p)) and is_checkpoint(p))
             ckpt = found[-1][2] if found else None
             if ckpt is None:
                 print(f"--resume auto: no checkpoint of {args.exp_name}__{args.seed}__* under {args.output_dir}, "

@@ -78,8 +78,9 @@ class Args:
     num_minibatches: int = 4
     """optimizer steps per rollout batch, each over whole groups (4 in the GSPO paper)"""
     micro_batch_size: int = 0
-    """sequences per forward/backward inside a minibatch, whole groups (0: the whole minibatch); gradients accumulate
-    and the loss is divided by the minibatch's count over all ranks, so this changes memory, never the gradient"""
+    """sequences per forward/backward inside a minibatch (0: the whole minibatch); gradients accumulate and the loss
+    is divided by the minibatch's count over all ranks, so this changes memory, never the gradient; a size that
+    splits groups costs one more no-grad forward pass per minibatch (eq. 63 needs whole groups)"""
     max_new_tokens: int | None = None
     """completion length limit (default: 2 for --dataset builtin, 1024 otherwise)"""
     temperature: float = 1.0
@@ -197,26 +198,32 @@ def in_group_transform(s_bar, A, transform: str, floor: float):
 
 
 def dfpo_loss(logp, old_logp, advantages, mask, *, group_size: int, clip_low: float, clip_high: float,
-              transform: str = "min-replace", stop_grad: bool = True, floor: float = 1e-6, norm: float | None = None):
+              transform: str = "min-replace", stop_grad: bool = True, floor: float = 1e-6, norm: float | None = None,
+              s_tilde=None):
     """-J_DFPO over the minibatch. logp, old_logp, mask: [B, T] completion tokens; advantages: [B]; rows are whole
-    groups of group_size, in order (the transform acts inside each group). norm: the count the summed objective is
-    divided by (None: B, the mean); the loop passes the minibatch's sequences on all ranks, so that micro-batches
-    and ranks add up to one gradient. Returns (loss, stats)."""
-    if logp.shape[0] % group_size:
+    groups of group_size, in order (the transform acts inside each group), unless s_tilde [B] is given: the
+    transformed weights of these rows, which the caller computed (no grad) from their whole groups, so that a
+    micro-batch may split a group (stop_grad only). norm: the count the summed objective is divided by (None: B, the
+    mean); the loop passes the minibatch's sequences on all ranks, so that micro-batches and ranks add up to one
+    gradient. Returns (loss, stats): detached scalars, and "m" [B], each sequence's term m_i = A_i s_tilde_i, from
+    which the loop computes the group metrics over whole groups, and "s_tilde" [B]."""
+    if s_tilde is None and logp.shape[0] % group_size:
         raise ValueError(f"{logp.shape[0]} rows do not split into whole groups of {group_size}")
+    if s_tilde is not None and not stop_grad:
+        raise ValueError("a given s_tilde is a constant: without the stop-gradient the transform needs whole groups")
     m = mask.bool()
     lengths = mask.sum(1).clamp(min=1)
     log_w = torch.where(m, logp - old_logp, 0.0)  # log w_it, token log-ratios
     s = torch.exp(log_w.sum(1) / lengths)  # eq. 44: s_i = exp(1/|y_i| sum_t log w_it)
     c = s.clamp(1 - clip_low, 1 + clip_high)  # eq. 46
     s_bar = torch.where(advantages >= 0, torch.minimum(s, c), torch.maximum(s, c))  # eq. 47
-    A, s_bar = advantages.view(-1, group_size), s_bar.view(-1, group_size)
+    if s_tilde is None:  # eq. 63 inside each group of the rows given
+        s_tilde = in_group_transform((s_bar.detach() if stop_grad else s_bar).view(-1, group_size),
+                                     advantages.view(-1, group_size), transform, floor).flatten()
     if stop_grad:  # s_tilde is a constant, like A (App. D): value A s_tilde, gradient s_tilde A grad log s_bar
-        s_tilde = in_group_transform(s_bar.detach(), A, transform, floor)
-        objective = A * s_tilde * s_bar / s_bar.detach()
+        objective = advantages * s_tilde * s_bar / s_bar.detach()
     else:  # the literal -1/G sum_i A_i s_tilde_i(theta), differentiated through the transform
-        s_tilde = in_group_transform(s_bar, A, transform, floor)
-        objective = A * s_tilde
+        objective = advantages * s_tilde
     loss = -objective.sum() / (norm or objective.numel())  # 1/G sum_i over every group of the minibatch (norm)
     with torch.no_grad():  # clipped: s_bar_i = c_i is a constant, so the sequence gives no gradient
         clipped = ((s > 1 + clip_high) & (advantages > 0)) | ((s < 1 - clip_low) & (advantages < 0))
@@ -227,7 +234,7 @@ def dfpo_loss(logp, old_logp, advantages, mask, *, group_size: int, clip_low: fl
             "losses/ratio_mean": s.mean(), "losses/ratio_min": s.min(), "losses/ratio_max": s.max(),
             "losses/approx_kl": ((log_w.exp() - 1 - log_w) * mask).sum() / mask.sum(),  # k3 estimate of KL(old||new)
             "losses/shrink_mean": (s_tilde / s_bar).mean(),  # phi_i = s_tilde_i / s_bar_i (eq. 87)
-            **group_metrics(objective, group_size),  # w_i = s_tilde_i
+            "m": objective.detach(), "s_tilde": s_tilde.detach(),  # m_i = w_i A_i with w_i = s_tilde_i
         }
     return loss, stats
 
@@ -238,6 +245,9 @@ def main():
     check_common_args(args)
     if args.orth_floor <= 0:
         fail(f"--orth-floor {args.orth_floor}: must be > 0 (eq. 52 keeps every weight positive)")
+    if not args.stop_grad and args.micro_batch_size % args.group_size:
+        fail(f"--no-stop-grad differentiates through each group's transform: --micro-batch-size "
+             f"{args.micro_batch_size} must be a multiple of --group-size {args.group_size} (or 0)")
     d = setup_distributed(args.seed)
     check_model(args.model, args.trust_remote_code)
     run_dir, ckpt = run_paths(args, d, os.path.basename(__file__))  # a fresh run, or the checkpoint to resume
@@ -299,13 +309,22 @@ def main():
         stats, skipped = [], 0
         for mb in mbs:
             optimizer.zero_grad(set_to_none=True)
-            norm, mb_loss, micro_stats = (mb.stop - mb.start) * d.world, 0.0, []  # 1/G: the minibatch, all ranks
-            for mu in micro_batches(mb, args.micro_batch_size):  # gradient accumulation over whole groups
+            norm, mb_loss, micro_stats, m = (mb.stop - mb.start) * d.world, 0.0, [], []  # 1/G: the minibatch, all ranks
+            micro = micro_batches(mb, args.micro_batch_size)
+            s_tilde = [None] * len(micro)  # None: each micro-batch holds whole groups and transforms them itself
+            kw = dict(group_size=args.group_size, clip_low=args.clip_low, clip_high=args.clip_high,
+                      transform=args.transform, stop_grad=args.stop_grad, floor=args.orth_floor, norm=norm)
+            if args.micro_batch_size % args.group_size:  # micro-batches split groups, and eq. 63 needs whole ones:
+                with torch.no_grad():  # s_tilde of every row first, from one more forward pass over the minibatch
+                    logp = torch.cat([policy(ids[mu], am[mu], P) for mu in micro])
+                    s_tilde = dfpo_loss(logp, old_logp[mb], advantages[mb], mask[mb], **kw)[1]["s_tilde"]
+                s_tilde = s_tilde.split([mu.stop - mu.start for mu in micro])  # each micro-batch's rows
+            for mu, s_t in zip(micro, s_tilde):  # gradient accumulation
                 logp = policy(ids[mu], am[mu], P)
-                loss, mu_stats = dfpo_loss(logp, old_logp[mu], advantages[mu], mask[mu], group_size=args.group_size,
-                                           clip_low=args.clip_low, clip_high=args.clip_high, transform=args.transform,
-                                           stop_grad=args.stop_grad, floor=args.orth_floor, norm=norm)
+                loss, mu_stats = dfpo_loss(logp, old_logp[mu], advantages[mu], mask[mu], **kw, s_tilde=s_t)
                 loss.backward()
+                m.append(mu_stats.pop("m"))  # each sequence's m_i = w_i A_i, for the group metrics
+                del mu_stats["s_tilde"]
                 mb_loss, micro_stats = mb_loss + loss.detach(), micro_stats + [mu_stats]
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: DTensor
@@ -318,7 +337,8 @@ def main():
                 if nonfinite_run >= args.max_nonfinite:
                     fail(f"step {step}: {nonfinite_run} non-finite updates in a row (loss {mb_loss.item()}, grad norm "
                          f"{grad_norm.item()}); lower the learning rate or look at this step's data")
-            stats += [{**mu_stats, "losses/policy_loss": mb_loss * d.world, "losses/grad_norm": grad_norm}
+            groups = group_metrics(torch.cat(m), args.group_size)  # over whole groups: Asym, shared coefficient
+            stats += [{**mu_stats, "losses/policy_loss": mb_loss * d.world, "losses/grad_norm": grad_norm, **groups}
                       for mu_stats in micro_stats]  # the minibatch's loss: the mean over ranks of world x their share
         train_time = time.time() - t
 

@@ -58,8 +58,8 @@ class Args:
     num_minibatches: int = 4
     """optimizer steps per rollout batch, each over whole groups (4 in the GSPO paper)"""
     micro_batch_size: int = 0
-    """sequences per forward/backward inside a minibatch, whole groups (0: the whole minibatch); gradients accumulate
-    and the loss is divided by the minibatch's count over all ranks, so this changes memory, never the gradient"""
+    """sequences per forward/backward inside a minibatch (0: the whole minibatch); gradients accumulate and the loss
+    is divided by the minibatch's count over all ranks, so this changes memory, never the gradient"""
     max_new_tokens: int | None = None
     """completion length limit (default: 2 for --dataset builtin, 1024 otherwise)"""
     temperature: float = 1.0
@@ -126,12 +126,12 @@ class Args:
     """eps_high: s_i is clipped above at 1 + eps_high (GSPO paper: 4e-4)"""
 
 
-def gspo_loss(logp, old_logp, advantages, mask, *, group_size: int, clip_low: float, clip_high: float,
-              norm: float | None = None):
-    """-J_GSPO (eq. 42) over the minibatch. logp, old_logp, mask: [B, T] completion tokens; advantages: [B];
-    rows are whole groups of group_size (used by the group metrics only). norm: the count the summed objective is
-    divided by (None: B, the mean); the loop passes the minibatch's sequences on all ranks, so that micro-batches
-    and ranks add up to one gradient. Returns (loss, stats)."""
+def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: float, norm: float | None = None):
+    """-J_GSPO (eq. 42) over the minibatch. logp, old_logp, mask: [B, T] completion tokens; advantages: [B].
+    norm: the count the summed objective is divided by (None: B, the mean); the loop passes the minibatch's
+    sequences on all ranks, so that micro-batches and ranks add up to one gradient. Returns (loss, stats): detached
+    scalars, and "m" [B], each sequence's term m_i = A_i s_bar_i, from which the loop computes the group metrics
+    over whole groups."""
     m = mask.bool()
     lengths = mask.sum(1).clamp(min=1)
     log_w = torch.where(m, logp - old_logp, 0.0)  # log w_it, token log-ratios
@@ -147,7 +147,7 @@ def gspo_loss(logp, old_logp, advantages, mask, *, group_size: int, clip_low: fl
             "losses/clipfrac_seq": clipped.float().mean(),  # sequences
             "losses/ratio_mean": s.mean(), "losses/ratio_min": s.min(), "losses/ratio_max": s.max(),
             "losses/approx_kl": ((log_w.exp() - 1 - log_w) * mask).sum() / mask.sum(),  # k3 estimate of KL(old||new)
-            **group_metrics(objective, group_size),  # w_i = s_bar_i
+            "m": objective.detach(),  # m_i = w_i A_i with w_i = s_bar_i
         }
     return loss, stats
 
@@ -217,12 +217,13 @@ def main():
         stats, skipped = [], 0
         for mb in mbs:
             optimizer.zero_grad(set_to_none=True)
-            norm, mb_loss, micro_stats = (mb.stop - mb.start) * d.world, 0.0, []  # 1/G: the minibatch, all ranks
-            for mu in micro_batches(mb, args.micro_batch_size):  # gradient accumulation over whole groups
+            norm, mb_loss, micro_stats, m = (mb.stop - mb.start) * d.world, 0.0, [], []  # 1/G: the minibatch, all ranks
+            for mu in micro_batches(mb, args.micro_batch_size):  # gradient accumulation
                 logp = policy(ids[mu], am[mu], P)
-                loss, mu_stats = gspo_loss(logp, old_logp[mu], advantages[mu], mask[mu], group_size=args.group_size,
-                                           clip_low=args.clip_low, clip_high=args.clip_high, norm=norm)
+                loss, mu_stats = gspo_loss(logp, old_logp[mu], advantages[mu], mask[mu], clip_low=args.clip_low,
+                                           clip_high=args.clip_high, norm=norm)
                 loss.backward()
+                m.append(mu_stats.pop("m"))  # each sequence's m_i = w_i A_i, for the group metrics
                 mb_loss, micro_stats = mb_loss + loss.detach(), micro_stats + [mu_stats]
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: DTensor
@@ -235,7 +236,8 @@ def main():
                 if nonfinite_run >= args.max_nonfinite:
                     fail(f"step {step}: {nonfinite_run} non-finite updates in a row (loss {mb_loss.item()}, grad norm "
                          f"{grad_norm.item()}); lower the learning rate or look at this step's data")
-            stats += [{**mu_stats, "losses/policy_loss": mb_loss * d.world, "losses/grad_norm": grad_norm}
+            groups = group_metrics(torch.cat(m), args.group_size)  # over whole groups: Asym, shared coefficient
+            stats += [{**mu_stats, "losses/policy_loss": mb_loss * d.world, "losses/grad_norm": grad_norm, **groups}
                       for mu_stats in micro_stats]  # the minibatch's loss: the mean over ranks of world x their share
         train_time = time.time() - t
 

@@ -68,8 +68,8 @@ class Args:
     """how token terms become the loss: 1/B sum_i 1/|y_i| sum_t (the seeds), token-mean (DAPO: over all tokens of the
     minibatch), seq-mean-token-sum-norm (Dr. GRPO: sum_t / --max-new-tokens, then over sequences)"""
     micro_batch_size: int = 0
-    """sequences per forward/backward inside a minibatch, whole groups (0: the whole minibatch); gradients accumulate
-    and the loss is divided by the minibatch's count over all ranks, so this changes memory, never the gradient"""
+    """sequences per forward/backward inside a minibatch (0: the whole minibatch); gradients accumulate and the loss
+    is divided by the minibatch's count over all ranks, so this changes memory, never the gradient"""
     max_new_tokens: int | None = None
     """completion length limit (default: 2 for --dataset builtin, 1024 otherwise)"""
     temperature: float = 1.0
@@ -138,14 +138,14 @@ class Args:
     """per-token advantages: tokens after the final answer (EOS excluded) get A_i - this; 0: A_it = A_i (= GSPO)"""
 
 
-def gspo_token_loss(logp, old_logp, advantages, mask, *, group_size: int, clip_low: float, clip_high: float,
-                    stop_grad: bool = True, loss_agg: str = "seq-mean-token-mean", max_new_tokens: int | None = None,
-                    norm: float | None = None):
-    """-J_GSPO-token over the minibatch. logp, old_logp, mask and advantages: [B, T] completion tokens; rows are
-    whole groups of group_size (used by the group metrics only). stop_grad=False drops both sg[.] (Observation 2,
-    for the tests that show why they are needed). loss_agg: how token terms are summed and divided (see aggregate).
-    norm: the count the summed objective is divided by (None: this batch's, B or its tokens); the loop passes the
-    minibatch's count over all ranks, so that micro-batches and ranks add up to one gradient. Returns (loss, stats)."""
+def gspo_token_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: float, stop_grad: bool = True,
+                    loss_agg: str = "seq-mean-token-mean", max_new_tokens: int | None = None, norm: float | None = None):
+    """-J_GSPO-token over the minibatch. logp, old_logp, mask and advantages: [B, T] completion tokens.
+    stop_grad=False drops both sg[.] (Observation 2, for the tests that show why they are needed). loss_agg: how
+    token terms are summed and divided (see aggregate). norm: the count the summed objective is divided by (None:
+    this batch's, B or its tokens); the loop passes the minibatch's count over all ranks, so that micro-batches and
+    ranks add up to one gradient. Returns (loss, stats): detached scalars, and "m" [B], each sequence's term
+    m_i = 1/|y_i| sum_t s_bar_it A_it, from which the loop computes the group metrics over whole groups."""
     m = mask.bool()
     lengths = mask.sum(1).clamp(min=1)
     log_w = torch.where(m, logp - old_logp, 0.0)  # log w_it, token log-ratios
@@ -167,7 +167,7 @@ def gspo_token_loss(logp, old_logp, advantages, mask, *, group_size: int, clip_l
             "losses/clipfrac_seq": clipped.any(1).float().mean(),  # sequences with at least one clipped token
             "losses/ratio_mean": s.mean(), "losses/ratio_min": s.min(), "losses/ratio_max": s.max(),
             "losses/approx_kl": ((log_w.exp() - 1 - log_w) * mask).sum() / mask.sum(),  # k3 estimate of KL(old||new)
-            **group_metrics(objective, group_size),  # w_i A_i = 1/|y_i| sum_t s_bar_it A_it
+            "m": objective.detach(),  # m_i = w_i A_i = 1/|y_i| sum_t s_bar_it A_it
         }
     return loss, stats
 
@@ -280,16 +280,16 @@ def main():
         stats, skipped = [], 0
         for mb in mbs:
             optimizer.zero_grad(set_to_none=True)
-            norm, mb_loss, micro_stats = (mb.stop - mb.start) * d.world, 0.0, []  # 1/G: the minibatch, all ranks
+            norm, mb_loss, micro_stats, m = (mb.stop - mb.start) * d.world, 0.0, [], []  # 1/G: the minibatch, all ranks
             if args.loss_agg == "token-mean":  # 1 / its completion tokens on all ranks, summed before the backward pass
                 norm = all_reduce(mask[mb].sum()).item()
-            for mu in micro_batches(mb, args.micro_batch_size):  # gradient accumulation over whole groups
+            for mu in micro_batches(mb, args.micro_batch_size):  # gradient accumulation
                 logp = policy(ids[mu], am[mu], P)
-                loss, mu_stats = gspo_token_loss(logp, old_logp[mu], token_adv[mu], mask[mu],
-                                                 group_size=args.group_size, clip_low=args.clip_low,
+                loss, mu_stats = gspo_token_loss(logp, old_logp[mu], token_adv[mu], mask[mu], clip_low=args.clip_low,
                                                  clip_high=args.clip_high, loss_agg=args.loss_agg,
                                                  max_new_tokens=args.max_new_tokens, norm=norm)
                 loss.backward()
+                m.append(mu_stats.pop("m"))  # each sequence's m_i = w_i A_i, for the group metrics
                 mb_loss, micro_stats = mb_loss + loss.detach(), micro_stats + [mu_stats]
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: DTensor
@@ -302,7 +302,8 @@ def main():
                 if nonfinite_run >= args.max_nonfinite:
                     fail(f"step {step}: {nonfinite_run} non-finite updates in a row (loss {mb_loss.item()}, grad norm "
                          f"{grad_norm.item()}); lower the learning rate or look at this step's data")
-            stats += [{**mu_stats, "losses/policy_loss": mb_loss * d.world, "losses/grad_norm": grad_norm}
+            groups = group_metrics(torch.cat(m), args.group_size)  # over whole groups: Asym, shared coefficient
+            stats += [{**mu_stats, "losses/policy_loss": mb_loss * d.world, "losses/grad_norm": grad_norm, **groups}
                       for mu_stats in micro_stats]  # the minibatch's loss: the mean over ranks of world x their share
         train_time = time.time() - t
 

@@ -47,12 +47,11 @@ with torch.no_grad():
 adv = torch.randn(B, generator=g)
 if loss_name == "gspo_token":  # per-token advantages that change sign inside sequences
     adv = (adv[:, None] + torch.randn(B, T, generator=g)) * mask
-kw = dict(group_size=4, clip_low=0.004, clip_high=0.005) if not loss_name.startswith("grpo") else dict(
-    group_size=4, clip_low=0.04, clip_high=0.05)
+kw = dict(clip_low=0.004, clip_high=0.005) if not loss_name.startswith("grpo") else dict(clip_low=0.04, clip_high=0.05)
 if dtype == "bf16":  # bf16 rounding moves ratios by ~1e-2: keep them off the clip edges so no clip decision flips
     kw.update(clip_low=0.5, clip_high=0.5)
 if loss_name == "dfpo":
-    kw["transform"] = "orth-proj-qp"
+    kw.update(group_size=4, transform="orth-proj-qp")
 norm = B  # the global count the scripts divide by: sequences, or tokens for token-mean (all-reduced there)
 if loss_name == "grpo_token_mean":  # DAPO's token-mean: the ranks hold different token counts
     loss_name, kw["loss_agg"], norm = "grpo", "token-mean", mask.sum().item()
@@ -61,8 +60,14 @@ loss_fn = {"gspo": gspo_loss, "grpo": grpo_loss, "gspo_token": gspo_token_loss, 
 loss, stats = loss_fn(single(ids, am, P), old, adv, mask, **kw)  # the mean over the B rows
 loss.backward()
 half = slice(d.rank * B // 2, (d.rank + 1) * B // 2)  # whole groups on each rank
-for mu in common.micro_batches(half, micro):  # as the scripts: whole groups, divided by the global count B
-    loss, _ = loss_fn(policy(ids[mu], am[mu], P), old[mu], adv[mu], mask[mu], **kw,
+s_tilde = {}  # DFPO with micro-batches that split groups: s_tilde of the rank's rows first, from whole groups
+if loss_name == "dfpo" and micro % 4:
+    with torch.no_grad():
+        logp = torch.cat([policy(ids[mu], am[mu], P) for mu in common.micro_batches(half, micro)])
+        s_tilde = dict(s_tilde=loss_fn(logp, old[half], adv[half], mask[half], **kw)[1]["s_tilde"])
+for mu in common.micro_batches(half, micro):  # as the scripts: divided by the global count B
+    given = {k: v[mu.start - half.start:mu.stop - half.start] for k, v in s_tilde.items()}
+    loss, _ = loss_fn(policy(ids[mu], am[mu], P), old[mu], adv[mu], mask[mu], **kw, **given,
                       norm=(half.stop - half.start) if per_rank_mean else norm)
     loss.backward()
 assert 0 < stats["losses/clipfrac"] < 1 or dtype == "bf16", stats  # some sequences/tokens clipped, some not

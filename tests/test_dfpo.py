@@ -140,11 +140,11 @@ def test_dfpo_loss_matches_reference(transform, seed):
 @pytest.mark.parametrize("seed", range(4))
 def test_transform_none_is_gspo_and_scale_is_half(seed):
     logp, old, adv, mask = ragged_batch(seed=seed, spread=0.1)
-    kw = dict(group_size=3, clip_low=0.02, clip_high=0.03)
+    kw = dict(clip_low=0.02, clip_high=0.03)
     (g_gspo,) = torch.autograd.grad(l_gspo := gspo_loss(logp, old, adv, mask, **kw)[0], logp)
     for transform, factor in [("none", 1.0), ("scale", 0.5)]:
         for stop_grad in (True, False):
-            loss = dfpo_loss(logp, old, adv, mask, transform=transform, stop_grad=stop_grad, **kw)[0]
+            loss = dfpo_loss(logp, old, adv, mask, group_size=3, transform=transform, stop_grad=stop_grad, **kw)[0]
             (g,) = torch.autograd.grad(loss, logp)
             assert loss.item() == pytest.approx(factor * l_gspo.item(), abs=1e-12)
             assert torch.allclose(torch.nan_to_num(g), factor * torch.nan_to_num(g_gspo), atol=1e-12)
@@ -162,6 +162,26 @@ def test_no_stop_grad_min_replace_has_zero_gradient(seed):
     (g_no,) = torch.autograd.grad(loss, logp)
     assert abs(loss.item()) < 1e-15 and torch.nan_to_num(g_sg).norm() > 1e-2
     assert torch.nan_to_num(g_no).abs().max() < 1e-15
+
+
+@pytest.mark.parametrize("transform", ORTH)
+def test_given_s_tilde_lets_micro_batches_split_groups(transform):
+    """The loop's path for micro-batches smaller than a group: s_tilde from the whole groups (no grad), then each
+    slice of rows on its own, divided by the whole count, adds up to the whole batch's value and gradient."""
+    logp, old, adv, mask = ragged_batch(B=8, seed=5, spread=0.1)
+    kw = dict(group_size=4, clip_low=0.02, clip_high=0.03, transform=transform)
+    loss, stats = dfpo_loss(logp, old, adv, mask, **kw)
+    (whole,) = torch.autograd.grad(loss, logp)
+    assert 0 < stats["losses/clipfrac_seq"] < 1
+    s_tilde, total = stats["s_tilde"], 0.0
+    for rows in (slice(0, 3), slice(3, 4), slice(4, 5), slice(5, 8)):  # 3 + 1 + 1 + 3: every group split
+        part, _ = dfpo_loss(logp[rows], old[rows], adv[rows], mask[rows], **kw, norm=8, s_tilde=s_tilde[rows])
+        total = total + part
+    (split,) = torch.autograd.grad(total, logp)
+    assert total.item() == pytest.approx(loss.item(), abs=1e-14)
+    assert torch.allclose(torch.nan_to_num(split), torch.nan_to_num(whole), atol=1e-14, rtol=0)
+    with pytest.raises(ValueError, match="stop-gradient"):
+        dfpo_loss(logp[:3], old[:3], adv[:3], mask[:3], **kw, stop_grad=False, s_tilde=s_tilde[:3])
 
 
 def test_groups_must_be_whole():
@@ -209,7 +229,7 @@ def test_appendix_a2_learning_tax_on_the_real_model():
     """Eq. 38: under sequence coupling the shared prefix keeps a non-zero group coefficient; DFPO's transforms make
     it cancel (eq. 63, 72), while the whole update stays non-zero (App. D)."""
     adv = torch.tensor([-1.0, 1.0])
-    kw = dict(group_size=2, clip_low=0.5, clip_high=0.5)  # wide: the toy lives in the linear region, nothing clipped
+    kw = dict(clip_low=0.5, clip_high=0.5)  # wide: the toy lives in the linear region, nothing clipped
     prefix, whole, log_w, g_star = toy_gradients(lambda lp, old: gspo_loss(lp, old, adv, torch.ones(2, 3), **kw)[0])
     rho, lam = log_w[0, :2].exp(), log_w[:, 2].exp()
     assert abs(lam[0] - lam[1]) > 1e-2 and torch.allclose(log_w[0, :2], log_w[1, :2])
@@ -228,6 +248,6 @@ def test_appendix_a2_learning_tax_on_the_real_model():
     assert torch.allclose(prefix_prod, expected, rtol=0, atol=1e-4 * expected.abs().max())
     for transform in ORTH:
         p_dfpo, w_dfpo, _, _ = toy_gradients(
-            lambda lp, old: dfpo_loss(lp, old, adv, torch.ones(2, 3), transform=transform, **kw)[0])
+            lambda lp, old: dfpo_loss(lp, old, adv, torch.ones(2, 3), group_size=2, transform=transform, **kw)[0])
         assert p_dfpo.norm() < 1e-6 * prefix.norm(), transform
         assert w_dfpo.norm() > 0.1 * whole.norm(), transform  # the update on the differing tokens survives

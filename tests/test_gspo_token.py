@@ -26,14 +26,15 @@ def float64():
 def test_equals_gspo_when_token_advantages_are_the_sequence_advantage(seed, clip):
     """The blog's claim: with A_it = A_i, GSPO-token is GSPO in objective, clipping condition and gradient."""
     logp, old, adv, mask = ragged_batch(seed=seed, spread=0.1)
-    kw = dict(group_size=3, clip_low=clip[0], clip_high=clip[1])
+    kw = dict(clip_low=clip[0], clip_high=clip[1])
     loss, stats = gspo_loss(logp, old, adv, mask, **kw)
     (g_seq,) = torch.autograd.grad(loss, logp)
     loss_t, stats_t = gspo_token_loss(logp, old, adv[:, None].expand_as(mask), mask, **kw)
     (g_tok,) = torch.autograd.grad(loss_t, logp)
     assert loss_t.item() == pytest.approx(loss.item(), abs=1e-10)
-    for k in ["losses/clipfrac", "losses/clipfrac_seq", "losses/ratio_mean", "losses/asym", "losses/shared_coef"]:
+    for k in ["losses/clipfrac", "losses/clipfrac_seq", "losses/ratio_mean"]:
         assert stats_t[k].item() == pytest.approx(stats[k].item(), abs=1e-10), k
+    assert torch.allclose(stats_t["m"], stats["m"], atol=1e-10, rtol=0)  # m_i = w_i A_i, so the group metrics agree
     assert torch.allclose(torch.nan_to_num(g_tok), torch.nan_to_num(g_seq), atol=1e-10, rtol=0)
     if clip == (0.02, 0.03):
         assert 0 < stats["losses/clipfrac_seq"] < 1  # the comparison crosses the clip boundary
@@ -66,7 +67,7 @@ def token_advantages(adv, mask, seed):
 def test_token_advantages_match_reference(seed, clip):
     logp, old, adv, mask = ragged_batch(seed=seed, spread=0.1)
     A = token_advantages(adv, mask, seed)
-    loss, stats = gspo_token_loss(logp, old, A, mask, group_size=3, clip_low=clip[0], clip_high=clip[1])
+    loss, stats = gspo_token_loss(logp, old, A, mask, clip_low=clip[0], clip_high=clip[1])
     loss.backward()
     ref_loss, ref_grad = token_reference(logp.detach(), old, A, mask, *clip)
     assert loss.item() == pytest.approx(ref_loss, abs=1e-12)
@@ -81,7 +82,7 @@ def test_without_stop_gradients_token_credit_is_lost(seed):
     sum_t A_it / |y_i| (grad s_i - s_i grad log pi_t), i.e. -(1/G) s_i / |y_i| (mean_t A_it - A_it') on token t';
     with A_it = A_i that difference is zero, which is why the bug is invisible without token advantages."""
     logp, old, adv, mask = ragged_batch(seed=seed, spread=0.1)
-    kw = dict(group_size=3, clip_low=10.0, clip_high=10.0)  # no clipping: the linear region of the derivation
+    kw = dict(clip_low=10.0, clip_high=10.0)  # no clipping: the linear region of the derivation
     lengths = mask.sum(1, keepdim=True)
     s = torch.exp(((logp.detach() - old).nan_to_num() * mask).sum(1, keepdim=True) / lengths)
     G = len(adv)

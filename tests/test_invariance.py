@@ -17,7 +17,7 @@ LOSSES = {
     "gspo": (gspo_loss, dict(clip_low=0.004, clip_high=0.005)),
     "grpo": (grpo_loss, dict(clip_low=0.04, clip_high=0.05)),
     "gspo_token": (gspo_token_loss, dict(clip_low=0.004, clip_high=0.005)),
-    "dfpo": (dfpo_loss, dict(clip_low=0.004, clip_high=0.005, transform="orth-proj-qp")),
+    "dfpo": (dfpo_loss, dict(group_size=G, clip_low=0.004, clip_high=0.005, transform="orth-proj-qp")),
     "grpo token-mean": (grpo_loss, dict(clip_low=0.04, clip_high=0.05, loss_agg="token-mean")),
     "gspo_token dr-grpo": (gspo_token_loss, dict(clip_low=0.004, clip_high=0.005, loss_agg="seq-mean-token-sum-norm",
                                                  max_new_tokens=T)),
@@ -42,15 +42,23 @@ def setup():
     return policy, (ids, am, mask, old, adv, (adv[:, None] + torch.randn(B, T, generator=g)) * mask)
 
 
-def minibatch_grad(setup, name, micro, per_micro_mean=False):
-    """The scripts' inner loop on one minibatch: micro-batches of whole groups, loss divided by the minibatch count."""
+def minibatch_grad(setup, name, micro, per_micro_mean=False, dfpo_own_groups=False):
+    """The scripts' inner loop on one minibatch: micro-batches of `micro` sequences (a micro-batch may split a group),
+    the loss divided by the minibatch count; DFPO with split groups first takes s_tilde from the whole groups in a
+    no-grad pass, as dfpo.py does (dfpo_own_groups: the bug of transforming each micro-batch as if it were groups)."""
     policy, (ids, am, mask, old, adv, token_adv) = setup
     loss_fn, kw = LOSSES[name]
     a = token_adv if name.startswith("gspo_token") else adv
     norm = mask.sum().item() if kw.get("loss_agg") == "token-mean" else B  # what the scripts' loop computes
+    micro_batches, s_tilde = common.micro_batches(slice(0, B), micro), None
+    if name == "dfpo" and micro % G and not dfpo_own_groups:
+        with torch.no_grad():
+            logp = torch.cat([policy(ids[mu], am[mu], P) for mu in micro_batches])
+            s_tilde = loss_fn(logp, old, a, mask, **kw)[1]["s_tilde"]
     policy.zero_grad(set_to_none=True)
-    for mu in common.micro_batches(slice(0, B), micro):
-        loss, stats = loss_fn(policy(ids[mu], am[mu], P), old[mu], a[mu], mask[mu], group_size=G, **kw,
+    for mu in micro_batches:
+        given = {"group_size": micro} if dfpo_own_groups else {} if s_tilde is None else {"s_tilde": s_tilde[mu]}
+        loss, stats = loss_fn(policy(ids[mu], am[mu], P), old[mu], a[mu], mask[mu], **{**kw, **given},
                               norm=None if per_micro_mean else norm)
         loss.backward()
     return [p.grad.clone() for p in policy.parameters()]
@@ -64,42 +72,49 @@ def close(grads, ref, rtol=1e-5):
 def test_micro_batch_size_does_not_change_the_gradient(setup, name):
     whole = minibatch_grad(setup, name, 0)
     assert all(r.abs().max() > 0 for r in whole)
-    for micro in (G, 2 * G):  # 4 micro-batches of one group, 2 of two groups
+    for micro in (1, 2, 3, G, 2 * G):  # single sequences, pairs, 3s (ragged, across groups), one and two groups
         assert close(minibatch_grad(setup, name, micro), whole), (name, micro)
     # the bug class: each micro-batch divided by its own count gives 4x the gradient with 4 micro-batches
     wrong = minibatch_grad(setup, name, G, per_micro_mean=True)
     assert not close(wrong, whole)
     if "token-mean" not in name:  # per-sequence counts: exactly 4x; token-mean: each micro-batch by its own tokens
         assert close(wrong, [4 * r for r in whole])
+    if name == "dfpo":  # DFPO's own bug: the transform applied to each half of a group as if it were the group
+        assert not close(minibatch_grad(setup, name, 2, dfpo_own_groups=True), whole)
 
 
-def test_micro_batches_hold_whole_groups():
+def test_micro_batches():
     assert common.micro_batches(slice(16, 32), 8) == [slice(16, 24), slice(24, 32)]
     assert common.micro_batches(slice(16, 32), 0) == [slice(16, 32)]
     assert common.micro_batches(slice(0, 12), 8) == [slice(0, 8), slice(8, 12)]
+    assert common.micro_batches(slice(4, 7), 1) == [slice(4, 5), slice(5, 6), slice(6, 7)]
 
 
 @pytest.mark.parametrize("script, extra", [("gspo", []), ("grpo", []), ("gspo_token", []), ("dfpo", []),
                                            ("grpo", ["--loss-agg", "token-mean"])])
 def test_script_micro_batching_logs_the_same_gradient(script, extra, monkeypatch, tmp_path):
-    """End to end through each script's loop: one step, 2 minibatches of 8 groups, whole or 2 groups at a time."""
+    """End to end through each script's loop: one step, 2 minibatches of 8 groups of 8, in micro-batches of the whole
+    minibatch, of 1 sequence and of 2 sequences (DFPO: s_tilde from the whole groups first)."""
     rows = []
-    for micro in ("0", "16"):
+    for micro in ("0", "1", "2"):
         out = tmp_path / micro
         rows.append(run_script(script, ["--num-steps", "1", "--prompts-per-rank", "16", "--num-minibatches", "2",
                                         "--eval-every", "0", "--micro-batch-size", micro, *extra], monkeypatch,
                                out)[0][0])
-    for key in ("losses/grad_norm", "losses/policy_loss", "losses/ratio_mean", "losses/asym"):
-        assert rows[1][key] == pytest.approx(rows[0][key], rel=1e-5, abs=1e-7), key
-    assert rows[0]["losses/grad_norm"] > 0 and rows[0]["charts/reward_mean"] == rows[1]["charts/reward_mean"]
+    for row in rows[1:]:
+        for key in ("losses/grad_norm", "losses/policy_loss", "losses/ratio_mean", "losses/asym", "losses/shared_coef"):
+            assert row[key] == pytest.approx(rows[0][key], rel=1e-5, abs=1e-7), key
+        assert row["charts/reward_mean"] == rows[0]["charts/reward_mean"]
+    assert rows[0]["losses/grad_norm"] > 0 and rows[0]["losses/asym"] > 0
 
 
-def test_micro_batch_size_must_hold_whole_groups(monkeypatch, tmp_path):
-    import gspo
-
-    monkeypatch.setattr("sys.argv", ["gspo.py", "--micro-batch-size", "3", "--output-dir", str(tmp_path)])
+@pytest.mark.parametrize("script, argv, message", [
+    ("gspo", ["--micro-batch-size", "-1"], "--micro-batch-size -1: must be >= 1 sequences, or 0"),
+    ("dfpo", ["--micro-batch-size", "3", "--no-stop-grad"], "--no-stop-grad differentiates through each group's"),
+])
+def test_micro_batch_size_errors(script, argv, message, monkeypatch, tmp_path):
+    module = __import__(script)
+    monkeypatch.setattr("sys.argv", [f"{script}.py", *argv, "--output-dir", str(tmp_path)])
     with pytest.raises(SystemExit) as e:
-        gspo.main()
-    assert "must be a multiple of --group-size 8 (micro-batches hold whole groups)" in str(e.value.code)
-
-
+        module.main()
+    assert message in str(e.value.code)

@@ -48,7 +48,7 @@ MODES = ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
 @pytest.mark.parametrize("script", ["grpo", "gspo_token"])
 def test_loss_agg_matches_its_equation(mode, script):
     logp, old, adv, token_adv, mask = batch(1)
-    kw = dict(group_size=3, clip_low=0.2, clip_high=0.2, loss_agg=mode, max_new_tokens=L_MAX)
+    kw = dict(clip_low=0.2, clip_high=0.2, loss_agg=mode, max_new_tokens=L_MAX)
     if script == "grpo":
         loss, _ = grpo_loss(logp, old, adv, mask, **kw)
         ref = by_hand(logp, old, adv[:, None].expand(B, T), mask, mode)
@@ -63,7 +63,7 @@ def test_loss_agg_matches_its_equation(mode, script):
 
 
 def test_token_mean_and_seq_mean_differ_on_ragged_lengths_and_agree_on_equal_ones():
-    kw = dict(group_size=3, clip_low=0.2, clip_high=0.2, max_new_tokens=L_MAX)
+    kw = dict(clip_low=0.2, clip_high=0.2, max_new_tokens=L_MAX)
     for lengths, same in [((5, 1, 3, 4, 2, 5), False), ((3,) * B, True)]:
         logp, old, adv, _, mask = batch(2, lengths)
         a = grpo_loss(logp, old, adv, mask, loss_agg="token-mean", **kw)[0]
@@ -73,10 +73,10 @@ def test_token_mean_and_seq_mean_differ_on_ragged_lengths_and_agree_on_equal_one
 
 def test_norm_replaces_the_count_the_sum_is_divided_by():
     logp, old, adv, _, mask = batch(3)
-    kw = dict(group_size=3, clip_low=0.2, clip_high=0.2, max_new_tokens=L_MAX)
+    kw = dict(clip_low=0.2, clip_high=0.2, max_new_tokens=L_MAX)
     for mode, count in [("seq-mean-token-mean", B), ("token-mean", mask.sum().item()), ("seq-mean-token-sum-norm", B)]:
         mean = grpo_loss(logp, old, adv, mask, loss_agg=mode, **kw)[0]
         summed = grpo_loss(logp, old, adv, mask, loss_agg=mode, norm=1.0, **kw)[0]
         assert summed.item() == pytest.approx(mean.item() * count, rel=1e-12)
     with pytest.raises(ValueError, match="max_new_tokens"):
-        grpo_loss(logp, old, adv, mask, group_size=3, clip_low=0.2, clip_high=0.2, loss_agg="seq-mean-token-sum-norm")
+        grpo_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2, loss_agg="seq-mean-token-sum-norm")

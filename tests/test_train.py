@@ -87,7 +87,7 @@ def test_first_minibatch_ratio_is_one():
         old = policy(ids, am, P)  # the whole rollout at once
     mb = slice(0, 8)  # two groups
     logp = policy.train()(ids[mb], am[mb], P)
-    loss, stats = gspo_loss(logp, old[mb], torch.randn(8), mask[mb], group_size=4, clip_low=3e-4, clip_high=4e-4)
+    loss, stats = gspo_loss(logp, old[mb], torch.randn(8), mask[mb], clip_low=3e-4, clip_high=4e-4)
     assert abs(stats["losses/ratio_min"] - 1) < 1e-6 and abs(stats["losses/ratio_max"] - 1) < 1e-6
     assert stats["losses/clipfrac"] == 0
 
@@ -129,9 +129,10 @@ def test_fsdp2_gradient_equals_single_process(loss, ac, dtype):
 
 @pytest.mark.parametrize("loss", ["gspo", "grpo", "gspo_token", "dfpo", "grpo_token_mean"])
 def test_fsdp2_gradient_with_micro_batches_equals_single_process(loss):
-    """World size 2, each rank's half (2 groups) one group at a time, against the 1-process whole-batch gradient."""
-    p = torchrun("tests/fsdp_grad.py", loss, "0", "fp32", "4")
-    assert p.returncode == 0 and "micro-batch 4" in p.stdout, p.stdout[-2000:] + p.stderr[-4000:]
+    """World size 2, each rank's half (2 groups of 4) 3 sequences at a time (3 + 3 + 2: micro-batches that split
+    groups), against the 1-process whole-batch gradient."""
+    p = torchrun("tests/fsdp_grad.py", loss, "0", "fp32", "3")
+    assert p.returncode == 0 and "micro-batch 3" in p.stdout, p.stdout[-2000:] + p.stderr[-4000:]
 
 
 def test_fsdp2_per_rank_normalisation_fails_the_check():

@@ -1,0 +1,402 @@
+"""The learning-tax lab: what the DFPO paper (seeds/dfpo-paper-token-gradient-cancellation.txt) claims about each
+objective, measured on the tiny model on 2 CPU cores, several seeds each, as a markdown table and PNG plots.
+
+Part 1, the built-in task ('x%10=' -> the digit): grpo.py, grpo.py --symmetric-clip, gspo.py, gspo_token.py and
+dfpo.py with each transform, on the same seeds. Per step, from each run's metrics.jsonl: reward, entropy, Asym
+(eq. 23), clip fraction and the shared coefficient |1/G sum_i w_i A_i|, the weight a token shared by the whole group
+gets (eq. 38, 72). Per run: Jitter2 of the reward curve (eq. 20, as the script logs it) and the steps until the
+reward, averaged over a window of --window steps, first reaches --threshold (eq. 19).
+
+Part 2, Appendix A made real: "What is a+b?" answered "The answer is N." or "a+b=N.", equally correct (the reward
+reads N only, eq. 28). A short supervised warm start teaches the tiny model both forms, with some wrong sums; then
+RL with checkpoints every --save-every steps, and on fixed probe prompts, exactly (no sampling), per checkpoint:
+  h(p), p = pi(A) / (pi(A) + pi(B)), A and B the two correct completions: the binary entropy between the equally
+      correct forms, whose log-odds drift is eq. 41 (Corollary 3.2: h -> 0 is the collapse)
+  log pi("he answer is " | x, "T"): the prefix every completion of form A shares, right or wrong, so its reward is
+      nothing; any drift of it is learning tax (App. A.2, eq. 38)
+Energy on frequent tokens (eq. 24) needs a backward pass per token: not cheap, not measured.
+
+    pip install -r experiments/requirements.txt     # matplotlib for the plots (the table needs nothing more)
+    python experiments/learning_tax.py              # ~12 min on 2 CPU cores; results in experiments/results/
+    python experiments/learning_tax.py --smoke      # a reduced form, under a minute
+"""
+import glob
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import tyro
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import common  # noqa: E402
+
+# name -> the script and its flags; everything else is the script's default (the papers' settings)
+BUILTIN = {
+    "grpo": ["grpo.py"],
+    "grpo --symmetric-clip": ["grpo.py", "--symmetric-clip"],
+    "gspo": ["gspo.py"],
+    "gspo_token": ["gspo_token.py"],
+    "dfpo min-replace": ["dfpo.py", "--transform", "min-replace"],
+    "dfpo orth-proj": ["dfpo.py", "--transform", "orth-proj"],
+    "dfpo orth-proj-qp": ["dfpo.py", "--transform", "orth-proj-qp"],
+    "dfpo scale": ["dfpo.py", "--transform", "scale"],
+}
+TWO_FORM = {k: BUILTIN[k] for k in ["grpo", "gspo", "dfpo min-replace", "dfpo orth-proj"]}
+CURVES = {"charts/reward_mean": "reward", "losses/entropy": "entropy (nats/token)", "losses/asym": "Asym (eq. 23)",
+          "losses/clipfrac": "clip fraction (tokens)", "losses/shared_coef": "shared coefficient (eq. 38)"}
+FORM_A, FORM_B, PREFIX = "The answer is {n}.", "{a}+{b}={n}.", "The answer is "
+
+
+@dataclass
+class Args:
+    out: str = os.path.join(ROOT, "experiments", "results")
+    """where the table, plots and summary.json go (the runs themselves under {out}/runs, replaced each time)"""
+    seeds: int = 3
+    """seeds per configuration (1, 2, ...)"""
+    steps: int = 60
+    """RL steps of each part-1 run (the built-in task)"""
+    threshold: float = 0.2
+    """kappa of eq. 19: the reward the steps-to-threshold column waits for (the default runs start near 0.03)"""
+    window: int = 5
+    """steps in the moving average that steps-to-threshold reads"""
+    two_form_steps: int = 40
+    """RL steps of each part-2 run (Appendix A's task)"""
+    save_every: int = 5
+    """part 2: a checkpoint every N steps, each measured exactly on the probes"""
+    sft_steps: int = 300
+    """part 2: supervised warm-start steps (both forms, 25% wrong sums)"""
+    probes: int = 32
+    """part 2: prompts on which h(p) and the prefix log-probability are computed exactly"""
+    workers: int = 2
+    """runs at once, one CPU thread each"""
+    only: str | None = None
+    """comma-separated configuration names to run (default: all)"""
+    smoke: bool = False
+    """a reduced form for the test suite: 1 seed, 3 + 4 steps, gspo and dfpo min-replace only"""
+
+
+def run_jobs(jobs: list[tuple[str, list[str], str]], workers: int):
+    """Each job (label, argv, log file) as its own process, `workers` at a time with one thread each; a failed run
+    stops the experiment with the end of its log."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+    def one(job):
+        label, argv, log = job
+        t = time.time()
+        with open(log, "w") as f:
+            rc = subprocess.run([sys.executable, *argv], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+        if rc:
+            raise SystemExit(f"{label} failed (exit {rc}); the end of {log}:\n" + open(log).read()[-3000:])
+        print(f"  {label}: {time.time() - t:.0f}s", flush=True)
+
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(one, jobs))
+
+
+def metrics(run_root: str, name: str, seed: int) -> list[dict]:
+    """The per-step rows of one run's metrics.jsonl (the last row, Jitter2 alone, is kept apart by the caller)."""
+    (run_dir,) = glob.glob(os.path.join(run_root, f"{name.replace(' ', '_')}__{seed}__*"))
+    return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+def steps_to(curve: list[float], threshold: float, window: int) -> int | None:
+    """Eq. 19: the first step at which the mean reward of the last `window` steps is >= threshold (None: never)."""
+    for t in range(window, len(curve) + 1):
+        if sum(curve[t - window:t]) / window >= threshold:
+            return t
+    return None
+
+
+def mean_std(xs: list[float]) -> tuple[float, float]:
+    m = sum(xs) / len(xs)
+    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
+
+
+def fmt(xs: list[float], digits=3) -> str:
+    m, s = mean_std(xs)
+    return f"{m:.{digits}f} ± {s:.{digits}f}"
+
+
+# ----------------------------------------------------------------------------- part 1: the built-in task
+def part1(args, configs: dict, seeds: list[int]) -> dict:
+    root = os.path.join(args.out, "runs", "builtin")
+    jobs = [(f"{name} seed {s}", [*argv, "--seed", str(s), "--num-steps", str(args.steps), "--eval-every", "0",
+                                  "--exp-name", name.replace(" ", "_"), "--output-dir", root],
+             os.path.join(root, f"{name.replace(' ', '_')}__{s}.log")) for name, argv in configs.items() for s in seeds]
+    os.makedirs(root, exist_ok=True)
+    run_jobs(jobs, args.workers)
+    result = {}
+    for name in configs:
+        per_seed = []
+        for s in seeds:
+            rows = metrics(root, name, s)
+            steps = [r for r in rows if "charts/reward_mean" in r]
+            per_seed.append({"curves": {k: [r[k] for r in steps] for k in CURVES},
+                             "jitter2": next(r["charts/reward_jitter2"] for r in rows if "charts/reward_jitter2" in r)})
+        result[name] = per_seed
+    return result
+
+
+def table1(result: dict, args) -> str:
+    lines = [f"| objective | reward, last 10% of steps | steps to reward ≥ {args.threshold} (eq. 19) | Jitter2 (eq. 20) "
+             "| Asym (eq. 23) | shared coef. (eq. 38) | clip fraction | entropy, last step |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, runs in result.items():
+        n = max(1, args.steps // 10)
+        last = [sum(r["curves"]["charts/reward_mean"][-n:]) / n for r in runs]
+        reach = [steps_to(r["curves"]["charts/reward_mean"], args.threshold, args.window) for r in runs]
+        hit = [x for x in reach if x is not None]
+        reach_s = (f"{fmt(hit, 1)} ({len(hit)}/{len(runs)} seeds)" if hit else f"not reached (0/{len(runs)})")
+        avg = lambda k: [sum(r["curves"][k]) / len(r["curves"][k]) for r in runs]  # noqa: E731
+        lines.append(f"| {name} | {fmt(last)} | {reach_s} | {fmt([r['jitter2'] for r in runs])} | "
+                     f"{fmt(avg('losses/asym'), 4)} | {fmt(avg('losses/shared_coef'), 4)} | "
+                     f"{fmt(avg('losses/clipfrac'))} | {fmt([r['curves']['losses/entropy'][-1] for r in runs])} |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- part 2: Appendix A's task
+def two_form_data(out: str, probes: int, seed: int) -> tuple[str, list[tuple[int, int]]]:
+    """All 'What is a+b?' for a, b in 0..9 as a {prompt, answer} .jsonl the scripts read; returns it and the probes."""
+    pairs = [(a, b) for a in range(10) for b in range(10)]
+    path = os.path.join(out, "two_form.jsonl")
+    with open(path, "w") as f:
+        for a, b in pairs:
+            f.write(json.dumps({"prompt": f"What is {a}+{b}?", "answer": str(a + b)}) + "\n")
+    return path, random.Random(seed).sample(pairs, probes)
+
+
+def warm_start(out: str, steps: int, seed: int) -> str:
+    """Supervised warm start of the tiny model on both surface forms (half each) with 25% wrong sums, so that RL
+    starts from a policy that writes both and is sometimes wrong (groups with reward variance). Returns its folder."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    tok = common.tiny_tokenizer()
+    lm = common.tiny_model(tok)
+    opt = torch.optim.AdamW(lm.parameters(), lr=3e-3)
+    for step in range(steps):
+        prompts, completions = [], []
+        for _ in range(64):
+            a, b = rng.randrange(10), rng.randrange(10)
+            n = a + b if rng.random() < 0.75 else a + b + rng.choice([-2, -1, 1, 2])
+            prompts.append(f"What is {a}+{b}?")
+            completions.append((FORM_A if rng.random() < 0.5 else FORM_B).format(a=a, b=b, n=n))
+        ids, labels = encode(tok, prompts, completions)
+        loss = torch.nn.functional.cross_entropy(lm(input_ids=ids).logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+                                                 ignore_index=-100)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    path = os.path.join(out, "warm_start")
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    lm.save_pretrained(path)
+    tok.save_pretrained(path)
+    print(f"  warm start: {steps} steps, last loss {loss.item():.3f}", flush=True)
+    return path
+
+
+def encode(tok, prompts: list[str], completions: list[str]):
+    """Chat-templated prompt + completion + EOS, right-padded; labels -100 outside the completion."""
+    texts = common.chat_prompts(tok, prompts, False)
+    seqs = [(tok(p, add_special_tokens=False).input_ids, tok(c, add_special_tokens=False).input_ids + [tok.eos_token_id])
+            for p, c in zip(texts, completions)]
+    L = max(len(p) + len(c) for p, c in seqs)
+    ids = torch.full((len(seqs), L), tok.pad_token_id)
+    labels = torch.full((len(seqs), L), -100)
+    for i, (p, c) in enumerate(seqs):
+        ids[i, :len(p) + len(c)] = torch.tensor(p + c)
+        labels[i, len(p):len(p) + len(c)] = torch.tensor(c)
+    return ids, labels
+
+
+@torch.no_grad()
+def seq_logprob(lm, tok, prompts: list[str], completions: list[str], eos: bool = True) -> torch.Tensor:
+    """log pi(completion | chat-templated prompt), summed over its tokens (and EOS), one value per row."""
+    ids, labels = encode(tok, prompts, completions)
+    if not eos:  # drop the EOS label: the probability of the text as a prefix
+        labels[torch.arange(len(labels)), (labels != -100).long().cumsum(1).argmax(1)] = -100
+    logp = torch.log_softmax(lm(input_ids=ids).logits[:, :-1].double(), -1)
+    target = labels[:, 1:]
+    lp = logp.gather(-1, target.clamp(min=0)[..., None])[..., 0]
+    return (lp * (target != -100)).sum(1)
+
+
+def measure(ckpt: str, probes: list[tuple[int, int]]) -> dict:
+    """Exact h(p) and prefix log-probability of one checkpoint, per probe."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    lm = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    prompts = [f"What is {a}+{b}?" for a, b in probes]
+    la = seq_logprob(lm, tok, prompts, [FORM_A.format(a=a, b=b, n=a + b) for a, b in probes])
+    lb = seq_logprob(lm, tok, prompts, [FORM_B.format(a=a, b=b, n=a + b) for a, b in probes])
+    # the shared prefix given its first token: log pi("he answer is " | x, "T") = log pi(prefix) - log pi("T")
+    prefix = (seq_logprob(lm, tok, prompts, [PREFIX] * len(prompts), eos=False)
+              - seq_logprob(lm, tok, prompts, [PREFIX[0]] * len(prompts), eos=False))
+    p = torch.sigmoid(la - lb)
+    h = -(p * p.clamp(min=1e-300).log2() + (1 - p) * (1 - p).clamp(min=1e-300).log2())
+    return {"h": h.mean().item(), "log_odds": (la - lb).tolist(), "prefix": prefix.tolist(),
+            "p_correct": (la.exp() + lb.exp()).mean().item()}
+
+
+def part2(args, configs: dict, seeds: list[int]) -> dict:
+    root = os.path.join(args.out, "runs", "two_form")
+    os.makedirs(root, exist_ok=True)
+    data, probes = two_form_data(root, args.probes, 0)
+    model = warm_start(root, args.sft_steps, 0)
+    common_flags = ["--model", model, "--dataset", data, "--learning-rate", "5e-4", "--max-new-tokens", "24",
+                    "--eval-every", "0", "--eval-size", "4", "--num-steps", str(args.two_form_steps),
+                    "--save-every", str(args.save_every), "--keep-checkpoints", "0", "--output-dir", root]
+    jobs = [(f"{name} seed {s} (two forms)", [*argv, *common_flags, "--seed", str(s), "--exp-name",
+                                              name.replace(" ", "_")],
+             os.path.join(root, f"{name.replace(' ', '_')}__{s}.log")) for name, argv in configs.items() for s in seeds]
+    run_jobs(jobs, args.workers)
+    start = measure(model, probes)
+    result = {}
+    for name in configs:
+        per_seed = []
+        for s in seeds:
+            (run_dir,) = glob.glob(os.path.join(root, f"{name.replace(' ', '_')}__{s}__*"))
+            ckpts = sorted(glob.glob(os.path.join(run_dir, "step_*")), key=lambda p: int(p.rsplit("_", 1)[1]))
+            points = [(0, start)] + [(int(c.rsplit("_", 1)[1]), measure(c, probes)) for c in ckpts]
+            rows = [r for r in metrics(root, name, s) if "charts/reward_mean" in r]
+            per_seed.append({
+                "steps": [t for t, _ in points], "h": [m["h"] for _, m in points],
+                "log_odds_drift": [median([abs(a - b) for a, b in zip(m["log_odds"], start["log_odds"])])
+                                   for _, m in points],
+                "prefix_drift": [median([a - b for a, b in zip(m["prefix"], start["prefix"])]) for _, m in points],
+                "p_correct": [m["p_correct"] for _, m in points],
+                "reward": [r["charts/reward_mean"] for r in rows],
+                "shared_coef": [r["losses/shared_coef"] for r in rows]})
+        result[name] = per_seed
+    return result
+
+
+def median(xs: list[float]) -> float:
+    """Over the probes: a probe whose form A is no longer sampled has an unconstrained 'he answer is ' (and a log-odds
+    heading to -inf), and would dominate a mean."""
+    return float(torch.tensor(xs, dtype=torch.float64).median())
+
+
+def table2(result: dict) -> str:
+    lines = ["| objective | h(p) start → end (bits) | abs. log-odds drift A vs B (eq. 41), median over probes | "
+             "prefix log-prob drift (App. A.2), median over probes | shared coef. (eq. 38) | reward first → last 10% |",
+             "|---|---|---|---|---|---|"]
+    for name, runs in result.items():
+        n = max(1, len(runs[0]["reward"]) // 10)
+        lines.append(
+            f"| {name} | {runs[0]['h'][0]:.3f} → {fmt([r['h'][-1] for r in runs])} | "
+            f"{fmt([r['log_odds_drift'][-1] for r in runs], 2)} | {fmt([r['prefix_drift'][-1] for r in runs], 4)} | "
+            f"{fmt([sum(r['shared_coef']) / len(r['shared_coef']) for r in runs], 4)} | "
+            f"{fmt([sum(r['reward'][:n]) / n for r in runs], 2)} → {fmt([sum(r['reward'][-n:]) / n for r in runs], 2)} |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- plots
+def plot(out: str, part1_result: dict, part2_result: dict, window: int) -> list[str]:
+    """Mean over seeds as a line, min..max over seeds as a band; per-step curves averaged over `window` steps first.
+    Needs matplotlib; without it, no plots."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -r experiments/requirements.txt): table only, no plots")
+        return []
+
+    def band(ax, xs, ys_per_seed, label, smooth=1):
+        n = min(len(y) for y in ys_per_seed)
+        ys = torch.tensor([y[:n] for y in ys_per_seed], dtype=torch.float64)
+        if smooth > 1:  # trailing moving average, shorter at the start
+            c = torch.nn.functional.pad(ys.cumsum(1), (1, 0))
+            k = torch.arange(1, n + 1).clamp(max=smooth)
+            ys = (c[:, 1:] - c[:, torch.arange(n) + 1 - k]) / k
+        line, = ax.plot(xs[:n], ys.mean(0), label=label, lw=1.3, ls="--" if "token" in label else "-")
+        ax.fill_between(xs[:n], ys.min(0).values, ys.max(0).values, color=line.get_color(), alpha=0.12, lw=0)
+
+    paths = []
+    if part1_result:
+        fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+        for ax, (key, title) in zip(axes.flat, CURVES.items()):
+            for name, runs in part1_result.items():
+                ys = [r["curves"][key] for r in runs]
+                band(ax, list(range(1, len(ys[0]) + 1)), ys, name, window)
+            ax.set_title(title)
+            ax.set_xlabel("RL step")
+        axes.flat[-1].axis("off")
+        axes.flat[-1].legend(*axes.flat[0].get_legend_handles_labels(), loc="center")
+        fig.suptitle(f"built-in task: mean over seeds of the {window}-step moving average, band = min..max over seeds")
+        fig.tight_layout()
+        paths.append(os.path.join(out, "builtin.png"))
+        fig.savefig(paths[-1], dpi=90)
+    if part2_result:
+        fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+        panels = [("h", "h(p) between the two correct forms (bits)"),
+                  ("log_odds_drift", "|log-odds drift| A vs B (eq. 41), median"),
+                  ("prefix_drift", "drift of log pi(shared prefix) (App. A.2), median"), ("reward", "reward")]
+        for ax, (key, title) in zip(axes, panels):
+            for name, runs in part2_result.items():
+                xs = runs[0]["steps"] if key != "reward" else list(range(1, len(runs[0]["reward"]) + 1))
+                band(ax, xs, [r[key] for r in runs], name, window if key == "reward" else 1)
+            ax.set_title(title, fontsize=10)
+            ax.set_xlabel("RL step")
+        axes[0].legend(fontsize=8)
+        fig.suptitle("Appendix A's task, two equally correct surface forms: mean over seeds, band = min..max "
+                     f"(reward: {window}-step moving average)")
+        fig.tight_layout()
+        paths.append(os.path.join(out, "two_form.png"))
+        fig.savefig(paths[-1], dpi=90)
+    return paths
+
+
+def main():
+    args = tyro.cli(Args)
+    if args.smoke:
+        args.seeds, args.steps, args.two_form_steps, args.save_every, args.sft_steps = 1, 3, 4, 2, 20
+        args.only = args.only or "gspo,dfpo min-replace"
+    wanted = set(args.only.split(",")) if args.only else set(BUILTIN)
+    if unknown := wanted - set(BUILTIN):
+        raise SystemExit(f"--only {sorted(unknown)}: unknown (choose from {', '.join(BUILTIN)})")
+    if args.seeds < 1 or args.steps < 3 or args.two_form_steps < args.save_every or args.save_every < 1:
+        raise SystemExit("--seeds >= 1, --steps >= 3 (Jitter2 needs 3 points), --two-form-steps >= --save-every >= 1")
+    if not 1 <= args.probes <= 100:
+        raise SystemExit(f"--probes {args.probes}: between 1 and the task's 100 prompts")
+    t0 = time.time()
+    shutil.rmtree(os.path.join(args.out, "runs"), ignore_errors=True)
+    os.makedirs(args.out, exist_ok=True)
+    seeds = list(range(1, args.seeds + 1))
+    print(f"part 1: the built-in task, {len(wanted)} objectives x {len(seeds)} seeds x {args.steps} steps", flush=True)
+    r1 = part1(args, {k: v for k, v in BUILTIN.items() if k in wanted}, seeds)
+    two = {k: v for k, v in TWO_FORM.items() if k in wanted}
+    print(f"part 2: two surface forms, {len(two)} objectives x {len(seeds)} seeds x {args.two_form_steps} steps",
+          flush=True)
+    r2 = part2(args, two, seeds) if two else {}
+    t1, t2 = table1(r1, args), table2(r2) if r2 else ""
+    report = (f"# Learning-tax lab\n\n`python experiments/learning_tax.py {' '.join(sys.argv[1:])}`: {len(seeds)} "
+              f"seeds, {time.time() - t0:.0f} s. Mean ± std over seeds.\n\n## Built-in task, {args.steps} steps\n\n"
+              f"{t1}\n\n## Two surface forms (Appendix A), {args.two_form_steps} steps\n\n{t2}\n")
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write(report)
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump({"args": vars(args), "builtin": r1, "two_form": r2}, f)
+    plots = plot(args.out, r1, r2, args.window)
+    print(report)
+    print(f"written: {os.path.join(args.out, 'table.md')}, summary.json" + "".join(f", {p}" for p in plots)
+          + f" ({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -102,10 +102,19 @@ def run_jobs(jobs: list[tuple[str, list[str], str]], workers: int):
         list(pool.map(one, jobs))
 
 
-def metrics(run_root: str, name: str, seed: int) -> list[dict]:
-    """The per-step rows of one run's metrics.jsonl (the last row, Jitter2 alone, is kept apart by the caller)."""
-    (run_dir,) = glob.glob(os.path.join(run_root, f"{name.replace(' ', '_')}__{seed}__*"))
-    return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+def exp_name(name: str) -> str:
+    return name.replace(" ", "_")
+
+
+def run_dir(root: str, name: str, seed: int) -> str:
+    """The one run folder of this configuration and seed ({exp_name}__{seed}__{time}, as the scripts name it)."""
+    (path,) = glob.glob(os.path.join(root, f"{exp_name(name)}__{seed}__*"))
+    return path
+
+
+def metrics(root: str, name: str, seed: int) -> list[dict]:
+    """The rows of one run's metrics.jsonl (the last row, Jitter2 alone, is kept apart by the caller)."""
+    return [json.loads(line) for line in open(os.path.join(run_dir(root, name, seed), "metrics.jsonl"))]
 
 
 def steps_to(curve: list[float], threshold: float, window: int) -> int | None:
@@ -130,8 +139,8 @@ def fmt(xs: list[float], digits=3) -> str:
 def part1(args, configs: dict, seeds: list[int]) -> dict:
     root = os.path.join(args.out, "runs", "builtin")
     jobs = [(f"{name} seed {s}", [*argv, "--seed", str(s), "--num-steps", str(args.steps), "--eval-every", "0",
-                                  "--exp-name", name.replace(" ", "_"), "--output-dir", root],
-             os.path.join(root, f"{name.replace(' ', '_')}__{s}.log")) for name, argv in configs.items() for s in seeds]
+                                  "--exp-name", exp_name(name), "--output-dir", root],
+             os.path.join(root, f"{exp_name(name)}__{s}.log")) for name, argv in configs.items() for s in seeds]
     os.makedirs(root, exist_ok=True)
     run_jobs(jobs, args.workers)
     result = {}
@@ -260,16 +269,15 @@ def part2(args, configs: dict, seeds: list[int]) -> dict:
                     "--eval-every", "0", "--eval-size", "4", "--num-steps", str(args.two_form_steps),
                     "--save-every", str(args.save_every), "--keep-checkpoints", "0", "--output-dir", root]
     jobs = [(f"{name} seed {s} (two forms)", [*argv, *common_flags, "--seed", str(s), "--exp-name",
-                                              name.replace(" ", "_")],
-             os.path.join(root, f"{name.replace(' ', '_')}__{s}.log")) for name, argv in configs.items() for s in seeds]
+                                              exp_name(name)],
+             os.path.join(root, f"{exp_name(name)}__{s}.log")) for name, argv in configs.items() for s in seeds]
     run_jobs(jobs, args.workers)
     start = measure(model, probes)
     result = {}
     for name in configs:
         per_seed = []
         for s in seeds:
-            (run_dir,) = glob.glob(os.path.join(root, f"{name.replace(' ', '_')}__{s}__*"))
-            ckpts = sorted(glob.glob(os.path.join(run_dir, "step_*")), key=lambda p: int(p.rsplit("_", 1)[1]))
+            ckpts = sorted(glob.glob(os.path.join(run_dir(root, name, s), "step_*")), key=lambda p: int(p.rsplit("_", 1)[1]))
             points = [(0, start)] + [(int(c.rsplit("_", 1)[1]), measure(c, probes)) for c in ckpts]
             rows = [r for r in metrics(root, name, s) if "charts/reward_mean" in r]
             per_seed.append({

@@ -513,13 +513,18 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     return adv.view(-1).float(), int((std.squeeze(1) == 0).sum())
 
 
-def group_metrics(coef: torch.Tensor, group_size: int) -> dict:
-    """Mechanism metrics of m_i = w_i A_i, each sequence's term in the objective (w_i: the weight the objective
-    actually applies after clipping and any in-group transform). losses/asym: mean over groups of Var_i(m_i)
-    (DFPO eq. 23). losses/shared_coef: mean over groups of |1/G sum_i m_i|, the coefficient that a token shared by
-    the whole group gets (eq. 38, 63, 72): 0 when the group's updates on shared tokens cancel."""
-    m = coef.detach().double().view(-1, group_size)
-    return {"losses/asym": m.var(1, unbiased=False).mean(), "losses/shared_coef": m.mean(1).abs().mean()}
+def group_metrics(m: torch.Tensor, d_first: torch.Tensor, group_size: int, groups_total: int) -> dict:
+    """Mechanism metrics of one minibatch, over its whole groups (rows in group order).
+    m [B]: each sequence's term m_i = w_i A_i in the objective (w_i: the weight the objective applies after clipping
+    and any in-group transform). losses/asym: mean over groups of Var_i(m_i) (DFPO eq. 23).
+    d_first [B]: d loss / d log pi(y_i1), the gradient of the minibatch's loss with respect to the log-prob of each
+    sequence's first completion token (autograd; every sequence has one, after the same prompt). groups_total: the
+    minibatch's groups on all ranks, so that J = -loss = 1/groups_total sum_g J_g. losses/shared_coef: mean over
+    groups of |sum_{i in g} dJ_g / d log pi(y_i1)|, the coefficient that a token shared by the whole group gets in
+    the gradient (DFPO eq. 70-72): 0 when the group's updates on a shared token cancel."""
+    m = m.detach().double().view(-1, group_size)
+    coef = -groups_total * d_first.detach().double().view(-1, group_size).sum(1)
+    return {"losses/asym": m.var(1, unbiased=False).mean(), "losses/shared_coef": coef.abs().mean()}
 
 
 # ----------------------------------------------------------------------------- generation

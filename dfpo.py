@@ -1,36 +1,35 @@
 """DFPO: Drift Fixing Policy Optimization, GSPO with an in-group transform of the post-clip sequence weights
-(seeds/dfpo-paper-token-gradient-cancellation.txt, Sec. 4 and App. B).
+("Design Conditions for Intra-Group Learning of Sequence-Level Rewards: Token Gradient Cancellation",
+arXiv:2604.13088, Sec. 4 and App. B, D).
 
     s_i       = exp(1/|y_i| sum_t log w_it),   c_i = clip(s_i, 1 - eps_low, 1 + eps_high)            (eq. 44, 46)
     s_bar_i   = min(s_i, c_i) if A_i >= 0 else max(s_i, c_i),   J_GSPO = 1/G sum_i A_i s_bar_i        (eq. 47, 49)
     s_tilde   = T(s_bar, A) inside each group, with sum_i A_i s_tilde_i = 0                           (eq. 63)
-    J_DFPO    = 1/G sum_i A_i sg[s_tilde_i] s_bar_i / sg[s_bar_i]
+    grad J    = 1/G sum_i s_tilde_i A_i grad log s_i,   s_tilde a constant, every sequence            (eq. 68)
 
 --transform T:
     min-replace   s_tilde_i = min_j s_bar_j                                                          (eq. 50)
     orth-proj     truncate-and-rebalance: s+ = max(s_bar, eps) (eq. 52); delta = sum_i A_i s+_i (eq. 53); if
                   delta > 0 scale the positive-advantage side by alpha = sum_N (-A) s+ / sum_P A s+, if delta < 0
-                  the negative side by beta = sum_P A s+ / sum_N (-A) s+ (eq. 54-55; the seed prints beta with a
+                  the negative side by beta = sum_P A s+ / sum_N (-A) s+ (eq. 54-55; the paper prints beta with a
                   wrong minus sign). Both lie in (0, 1].
     orth-proj-qp  the exact non-negative projection of eq. 51, argmin_v ||v - s_bar||^2 s.t. A.v = 0, v >= 0,
                   solved per group in closed form: v = max(s_bar - lambda A, 0) (its KKT conditions) with the one
                   lambda that makes A.v = 0 (A.v is piecewise linear and decreasing in lambda).
     scale         s_tilde = 0.5 s_bar: the Table 3 ablation, smaller steps without in-group consistency
-    none          s_tilde = s_bar: GSPO itself, for comparisons
+    none          s_tilde = s_bar: GSPO's weights (with --clip-gated, GSPO itself)
 
 Different from gspo.py: every sequence of a group gets a weight chosen so that the weighted advantages sum to zero
-(eq. 63), so the update on a token the whole group shares cancels (eq. 72-73) instead of drifting with the
-differences of the s_i (eq. 38: the learning tax, App. A.2). Why this form of the loss: its value is
--1/G sum_i A_i s_tilde_i, and its gradient is s_tilde_i A_i mean_t grad log pi(y_it) for a sequence that is not
-clipped (s_bar_i = s_i) and zero for a clipped one (s_bar_i = c_i, a constant): the stop-gradient convention of
-App. D (eq. 68), with GSPO's clipping keeping its meaning. The paper's derivations ignore the clip breakpoints
-("linear region", App. C, K.2); here a clipped sequence gives no gradient, as in GSPO, while its s_bar still enters
-the group's transform, so shared-token cancellation is exact among the unclipped sequences of a group.
+(eq. 63). A token the whole group shares then gets the coefficient 1/G sum_i s_tilde_i A_i / |y_i| (eq. 72): 0 at
+equal lengths (eq. 73), instead of drifting with the differences of the s_i (eq. 38, the learning tax of App. A.2).
+--length-aware makes it 0 at any lengths: T acts on s_bar_i L / |y_i| (L: the group's mean length), mapped back.
 
---no-stop-grad (the Table 3 ablation) differentiates the literal objective -1/G sum_i A_i s_tilde_i(theta) through
-the transform. With min-replace every s_tilde_i is the same s_bar_min(theta), so that objective is
-s_bar_min(theta) sum_i A_i = 0 (advantages are centred in each group) and its gradient vanishes: the policy does not
-move at all. Keep this in mind when reading the paper's "DFPO (no stop-grad)" row.
+The gradient, as eq. 68 writes it: clipping bounds s_bar and so s_tilde, but removes no sequence's gradient; a
+sequence clipped in GSPO would drop out of the sum and break eq. 72's cancellation. --clip-gated is that other
+reading, kept for comparison: a clipped sequence (s_bar_i = c_i, a constant) gets no gradient, as in GSPO, while
+its s_bar still enters the transform, so shared tokens cancel only among the unclipped sequences.
+--no-stop-grad (Table 3) differentiates the literal -1/G sum_i A_i s_tilde_i(theta) through the transform: with
+min-replace that is s_bar_min(theta) sum_i A_i = 0, so the policy does not move at all.
 
     python dfpo.py                                   # built-in tiny model and task, CPU, a few minutes
     torchrun --nproc-per-node 8 dfpo.py --model Qwen/Qwen3-32B --dataset dapo17k --transform orth-proj
@@ -147,6 +146,12 @@ class Args:
     """eps_high: s_i is clipped above at 1 + eps_high (GSPO paper: 4e-4)"""
     transform: Literal["min-replace", "orth-proj", "orth-proj-qp", "scale", "none"] = "min-replace"
     """in-group transform of the post-clip weights (see the module docstring; the paper's main method: min-replace)"""
+    length_aware: bool = False
+    """transform s_bar_i / |y_i| and map back, so that sum_i A_i s_tilde_i / |y_i| = 0: a token shared by the group
+    cancels at any lengths (eq. 72), not only at equal ones (eq. 73); min-replace, orth-proj and orth-proj-qp"""
+    clip_gated: bool = False
+    """a clipped sequence (s_bar_i = c_i) gets no gradient, as in GSPO, while its s_bar still enters the transform;
+    the default is eq. 68: every sequence carries s_tilde_i A_i grad log s_i, and clipping acts only through s_tilde"""
     stop_grad: bool = True
     """treat s_tilde as a constant (App. D); --no-stop-grad differentiates through the transform (Table 3 ablation)"""
     orth_floor: float = 1e-6
@@ -187,7 +192,9 @@ def in_group_transform(s_bar, A, transform: str, floor: float):
         neg = torch.where(A < 0, -A * s_plus, 0.0).sum(1, keepdim=True)  # sum_N (-A_i) s+_i; delta = pos - neg (eq. 53)
         alpha = neg / torch.where(pos > neg, pos, 1.0)  # eq. 55, used when delta > 0
         beta = pos / torch.where(neg > pos, neg, 1.0)  # eq. 55 with the sign corrected, used when delta < 0
-        return torch.where((pos > neg) & (A > 0), alpha * s_plus, torch.where((neg > pos) & (A < 0), beta * s_plus, s_plus))
+        scaled_pos = (pos > neg) & (A > 0)
+        scaled_neg = (neg > pos) & (A < 0)
+        return torch.where(scaled_pos, alpha * s_plus, torch.where(scaled_neg, beta * s_plus, s_plus))
     if transform == "orth-proj-qp":
         return orth_proj_qp(s_bar, A)
     if transform == "scale":  # Table 3: "DFPO (scale by 0.5)"
@@ -197,44 +204,69 @@ def in_group_transform(s_bar, A, transform: str, floor: float):
     raise ValueError(f"unknown transform {transform!r}")
 
 
+def sequence_weights(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: float):
+    """-> log w_it [B, T] (0 off the mask), log s_i [B] (eq. 44) and the post-clip weights s_bar_i [B] (eq. 46-47)."""
+    log_w = torch.where(mask.bool(), logp - old_logp, 0.0)  # log w_it, token log-ratios
+    log_s = log_w.sum(1) / mask.sum(1).clamp(min=1)  # eq. 44: log s_i = 1/|y_i| sum_t log w_it
+    s = log_s.exp()
+    c = s.clamp(1 - clip_low, 1 + clip_high)  # eq. 46
+    s_bar = torch.where(advantages >= 0, torch.minimum(s, c), torch.maximum(s, c))  # eq. 47
+    return log_w, log_s, s_bar
+
+
+def group_weights(s_bar, advantages, mask, *, group_size: int, transform: str, floor: float, length_aware: bool):
+    """s_tilde [B] from s_bar [B], advantages [B] and mask [B, T] (|y_i|: its rows' sums); rows are whole groups of
+    group_size, in order.
+    Plain: s_tilde = T(s_bar) with sum_i A_i s_tilde_i = 0 (eq. 63), so a token shared by the whole group cancels
+    when the lengths are equal (eq. 72-73). length_aware: T acts on u_i = s_bar_i L / |y_i| (L: the group's mean
+    length) and s_tilde_i = u_tilde_i |y_i| / L, so sum_i A_i s_tilde_i / |y_i| = 0: eq. 72 cancels at any lengths
+    (at equal lengths u = s_bar, and nothing changes)."""
+    A = advantages.view(-1, group_size)
+    if not length_aware:
+        return in_group_transform(s_bar.view(-1, group_size), A, transform, floor).flatten()
+    L = mask.sum(1).clamp(min=1).view(-1, group_size).to(s_bar.dtype)
+    scale = L / L.mean(1, keepdim=True)  # |y_i| / L
+    u_tilde = in_group_transform(s_bar.view(-1, group_size) / scale, A, transform, floor)
+    return (u_tilde * scale).flatten()
+
+
 def dfpo_loss(logp, old_logp, advantages, mask, *, group_size: int, clip_low: float, clip_high: float,
-              transform: str = "min-replace", stop_grad: bool = True, floor: float = 1e-6, norm: float | None = None,
-              s_tilde=None):
+              transform: str = "min-replace", floor: float = 1e-6, length_aware: bool = False,
+              clip_gated: bool = False, stop_grad: bool = True, norm: float | None = None, s_tilde=None):
     """-J_DFPO over the minibatch. logp, old_logp, mask: [B, T] completion tokens; advantages: [B]; rows are whole
     groups of group_size, in order (the transform acts inside each group), unless s_tilde [B] is given: the
-    transformed weights of these rows, which the caller computed (no grad) from their whole groups, so that a
-    micro-batch may split a group (stop_grad only). norm: the count the summed objective is divided by (None: B, the
-    mean); the loop passes the minibatch's sequences on all ranks, so that micro-batches and ranks add up to one
-    gradient. Returns (loss, stats): detached scalars, and "m" [B], each sequence's term m_i = A_i s_tilde_i, from
-    which the loop computes the group metrics over whole groups, and "s_tilde" [B]."""
+    transformed weights of these rows, which the caller computed (no grad, with the same two weight functions) from
+    their whole groups, so that a micro-batch may split a group (stop_grad only). norm: the count the summed
+    objective is divided by (None: B, the mean); the loop passes the minibatch's sequences on all ranks, so that
+    micro-batches and ranks add up to one gradient. Returns (loss, stats): detached scalars, and "m" [B], each
+    sequence's term m_i = A_i s_tilde_i, from which the loop computes the group metrics over whole groups."""
     if s_tilde is None and logp.shape[0] % group_size:
         raise ValueError(f"{logp.shape[0]} rows do not split into whole groups of {group_size}")
     if s_tilde is not None and not stop_grad:
         raise ValueError("a given s_tilde is a constant: without the stop-gradient the transform needs whole groups")
-    m = mask.bool()
     lengths = mask.sum(1).clamp(min=1)
-    log_w = torch.where(m, logp - old_logp, 0.0)  # log w_it, token log-ratios
-    s = torch.exp(log_w.sum(1) / lengths)  # eq. 44: s_i = exp(1/|y_i| sum_t log w_it)
-    c = s.clamp(1 - clip_low, 1 + clip_high)  # eq. 46
-    s_bar = torch.where(advantages >= 0, torch.minimum(s, c), torch.maximum(s, c))  # eq. 47
-    if s_tilde is None:  # eq. 63 inside each group of the rows given
-        s_tilde = in_group_transform((s_bar.detach() if stop_grad else s_bar).view(-1, group_size),
-                                     advantages.view(-1, group_size), transform, floor).flatten()
-    if stop_grad:  # s_tilde is a constant, like A (App. D): value A s_tilde, gradient s_tilde A grad log s_bar
-        objective = advantages * s_tilde * s_bar / s_bar.detach()
-    else:  # the literal -1/G sum_i A_i s_tilde_i(theta), differentiated through the transform
+    log_w, log_s, s_bar = sequence_weights(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high)
+    if s_tilde is None:  # eq. 63 (or 72) inside each group of the rows given
+        s_tilde = group_weights(s_bar.detach() if stop_grad else s_bar, advantages, mask, group_size=group_size,
+                                transform=transform, floor=floor, length_aware=length_aware)
+    if not stop_grad:  # the literal -1/G sum_i A_i s_tilde_i(theta), differentiated through the transform
         objective = advantages * s_tilde
+    elif clip_gated:  # value A s_tilde; gradient s_tilde A grad log s_i where s_bar_i = s_i, none where clipped
+        objective = advantages * s_tilde * s_bar / s_bar.detach()
+    else:  # eq. 68: value A s_tilde; gradient s_tilde A grad log s_i for every sequence, clipped or not
+        objective = advantages * s_tilde * torch.exp(log_s - log_s.detach())
     loss = -objective.sum() / (norm or objective.numel())  # 1/G sum_i over every group of the minibatch (norm)
-    with torch.no_grad():  # clipped: s_bar_i = c_i is a constant, so the sequence gives no gradient
-        clipped = ((s > 1 + clip_high) & (advantages > 0)) | ((s < 1 - clip_low) & (advantages < 0))
+    with torch.no_grad():
+        s = log_s.exp()
+        clipped = ((s > 1 + clip_high) & (advantages > 0)) | ((s < 1 - clip_low) & (advantages < 0))  # s_bar_i = c_i
         stats = {
             "losses/policy_loss": -objective.mean(),  # over the rows given
-            "losses/clipfrac": (clipped * lengths).sum() / lengths.sum(),  # tokens whose gradient the clip removes
+            "losses/clipfrac": (clipped * lengths).sum() / lengths.sum(),  # tokens of sequences whose s_bar is clipped
             "losses/clipfrac_seq": clipped.float().mean(),  # sequences
             "losses/ratio_mean": s.mean(), "losses/ratio_min": s.min(), "losses/ratio_max": s.max(),
             "losses/approx_kl": ((log_w.exp() - 1 - log_w) * mask).sum() / mask.sum(),  # k3 estimate of KL(old||new)
             "losses/shrink_mean": (s_tilde / s_bar).mean(),  # phi_i = s_tilde_i / s_bar_i (eq. 87)
-            "m": objective.detach(), "s_tilde": s_tilde.detach(),  # m_i = w_i A_i with w_i = s_tilde_i
+            "m": objective.detach(),  # m_i = w_i A_i with w_i = s_tilde_i
         }
     return loss, stats
 
@@ -245,6 +277,9 @@ def main():
     check_common_args(args)
     if args.orth_floor <= 0:
         fail(f"--orth-floor {args.orth_floor}: must be > 0 (eq. 52 keeps every weight positive)")
+    if args.length_aware and args.transform in ("scale", "none"):
+        fail(f"--length-aware makes a cancelling transform exact at any lengths: --transform {args.transform} does not "
+             f"cancel; use min-replace, orth-proj or orth-proj-qp")
     if not args.stop_grad and args.micro_batch_size % args.group_size:
         fail(f"--no-stop-grad differentiates through each group's transform: --micro-batch-size "
              f"{args.micro_batch_size} must be a multiple of --group-size {args.group_size} (or 0)")
@@ -309,22 +344,29 @@ def main():
         stats, skipped = [], 0
         for mb in mbs:
             optimizer.zero_grad(set_to_none=True)
-            norm, mb_loss, micro_stats, m = (mb.stop - mb.start) * d.world, 0.0, [], []  # 1/G: the minibatch, all ranks
+            seqs = (mb.stop - mb.start) * d.world  # the minibatch's sequences on all ranks
+            norm = seqs  # 1/G sum_i over every group: the loss is divided by the whole minibatch's count
+            mb_loss, micro_stats, m, d_first = 0.0, [], [], []
             micro = micro_batches(mb, args.micro_batch_size)
             s_tilde = [None] * len(micro)  # None: each micro-batch holds whole groups and transforms them itself
-            kw = dict(group_size=args.group_size, clip_low=args.clip_low, clip_high=args.clip_high,
-                      transform=args.transform, stop_grad=args.stop_grad, floor=args.orth_floor, norm=norm)
+            clip = dict(clip_low=args.clip_low, clip_high=args.clip_high)
+            transform = dict(group_size=args.group_size, transform=args.transform, floor=args.orth_floor,
+                             length_aware=args.length_aware)
             if args.micro_batch_size % args.group_size:  # micro-batches split groups, and eq. 63 needs whole ones:
                 with torch.no_grad():  # s_tilde of every row first, from one more forward pass over the minibatch
                     logp = torch.cat([policy(ids[mu], am[mu], P) for mu in micro])
-                    s_tilde = dfpo_loss(logp, old_logp[mb], advantages[mb], mask[mb], **kw)[1]["s_tilde"]
+                    _, _, s_bar = sequence_weights(logp, old_logp[mb], advantages[mb], mask[mb], **clip)
+                    s_tilde = group_weights(s_bar, advantages[mb], mask[mb], **transform)
                 s_tilde = s_tilde.split([mu.stop - mu.start for mu in micro])  # each micro-batch's rows
-            for mu, s_t in zip(micro, s_tilde):  # gradient accumulation
+            for mu, s_rows in zip(micro, s_tilde):  # gradient accumulation
                 logp = policy(ids[mu], am[mu], P)
-                loss, mu_stats = dfpo_loss(logp, old_logp[mu], advantages[mu], mask[mu], **kw, s_tilde=s_t)
+                logp.retain_grad()  # d loss / d logp: the shared-token coefficient
+                loss, mu_stats = dfpo_loss(logp, old_logp[mu], advantages[mu], mask[mu], **clip, **transform,
+                                           clip_gated=args.clip_gated, stop_grad=args.stop_grad, norm=norm,
+                                           s_tilde=s_rows)
                 loss.backward()
                 m.append(mu_stats.pop("m"))  # each sequence's m_i = w_i A_i, for the group metrics
-                del mu_stats["s_tilde"]
+                d_first.append(logp.grad[:, 0])  # at each sequence's first completion token
                 mb_loss, micro_stats = mb_loss + loss.detach(), micro_stats + [mu_stats]
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: DTensor
@@ -337,7 +379,7 @@ def main():
                 if nonfinite_run >= args.max_nonfinite:
                     fail(f"step {step}: {nonfinite_run} non-finite updates in a row (loss {mb_loss.item()}, grad norm "
                          f"{grad_norm.item()}); lower the learning rate or look at this step's data")
-            groups = group_metrics(torch.cat(m), args.group_size)  # over whole groups: Asym, shared coefficient
+            groups = group_metrics(torch.cat(m), torch.cat(d_first), args.group_size, seqs // args.group_size)
             stats += [{**mu_stats, "losses/policy_loss": mb_loss * d.world, "losses/grad_norm": grad_norm, **groups}
                       for mu_stats in micro_stats]  # the minibatch's loss: the mean over ranks of world x their share
         train_time = time.time() - t

@@ -217,13 +217,17 @@ def main():
         stats, skipped = [], 0
         for mb in mbs:
             optimizer.zero_grad(set_to_none=True)
-            norm, mb_loss, micro_stats, m = (mb.stop - mb.start) * d.world, 0.0, [], []  # 1/G: the minibatch, all ranks
+            seqs = (mb.stop - mb.start) * d.world  # the minibatch's sequences on all ranks
+            norm = seqs  # 1/G sum_i over every group: the loss is divided by the whole minibatch's count
+            mb_loss, micro_stats, m, d_first = 0.0, [], [], []
             for mu in micro_batches(mb, args.micro_batch_size):  # gradient accumulation
                 logp = policy(ids[mu], am[mu], P)
+                logp.retain_grad()  # d loss / d logp: the shared-token coefficient
                 loss, mu_stats = gspo_loss(logp, old_logp[mu], advantages[mu], mask[mu], clip_low=args.clip_low,
                                            clip_high=args.clip_high, norm=norm)
                 loss.backward()
                 m.append(mu_stats.pop("m"))  # each sequence's m_i = w_i A_i, for the group metrics
+                d_first.append(logp.grad[:, 0])  # at each sequence's first completion token
                 mb_loss, micro_stats = mb_loss + loss.detach(), micro_stats + [mu_stats]
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: DTensor
@@ -236,7 +240,7 @@ def main():
                 if nonfinite_run >= args.max_nonfinite:
                     fail(f"step {step}: {nonfinite_run} non-finite updates in a row (loss {mb_loss.item()}, grad norm "
                          f"{grad_norm.item()}); lower the learning rate or look at this step's data")
-            groups = group_metrics(torch.cat(m), args.group_size)  # over whole groups: Asym, shared coefficient
+            groups = group_metrics(torch.cat(m), torch.cat(d_first), args.group_size, seqs // args.group_size)
             stats += [{**mu_stats, "losses/policy_loss": mb_loss * d.world, "losses/grad_norm": grad_norm, **groups}
                       for mu_stats in micro_stats]  # the minibatch's loss: the mean over ranks of world x their share
         train_time = time.time() - t

@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
-from dfpo import dfpo_loss  # noqa: E402
+from dfpo import dfpo_loss, group_weights, sequence_weights  # noqa: E402
 from grpo import grpo_loss  # noqa: E402
 from gspo import gspo_loss  # noqa: E402
 from gspo_token import gspo_token_loss  # noqa: E402
@@ -62,9 +62,12 @@ loss.backward()
 half = slice(d.rank * B // 2, (d.rank + 1) * B // 2)  # whole groups on each rank
 s_tilde = {}  # DFPO with micro-batches that split groups: s_tilde of the rank's rows first, from whole groups
 if loss_name == "dfpo" and micro % 4:
+    clip = dict(clip_low=kw["clip_low"], clip_high=kw["clip_high"])
     with torch.no_grad():
         logp = torch.cat([policy(ids[mu], am[mu], P) for mu in common.micro_batches(half, micro)])
-        s_tilde = dict(s_tilde=loss_fn(logp, old[half], adv[half], mask[half], **kw)[1]["s_tilde"])
+        _, _, s_bar = sequence_weights(logp, old[half], adv[half], mask[half], **clip)
+        s_tilde = dict(s_tilde=group_weights(s_bar, adv[half], mask[half], group_size=4, transform="orth-proj-qp",
+                                             floor=1e-6, length_aware=False))
 for mu in common.micro_batches(half, micro):  # as the scripts: divided by the global count B
     given = {k: v[mu.start - half.start:mu.stop - half.start] for k, v in s_tilde.items()}
     loss, _ = loss_fn(policy(ids[mu], am[mu], P), old[mu], adv[mu], mask[mu], **kw, **given,

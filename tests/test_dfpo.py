@@ -1,13 +1,15 @@
-"""DFPO against the DFPO paper (seeds/dfpo-paper-token-gradient-cancellation.txt) in float64: the in-group transforms
-(eq. 50-55, 63, Theorem K.1), the exact QP of eq. 51 (KKT), the loss's value and gradient, the ablations, and the
-Appendix A.2 toy on the real tiny model."""
+"""DFPO against the DFPO paper (arXiv:2604.13088) in float64: the in-group transforms (eq. 50-55, 63), the length-aware
+form (eq. 72 at any lengths), the exact QP of eq. 51 (KKT), the loss's value and gradient (eq. 68, and the clip-gated
+form) against loops written from the equations, Theorem K.1 on the gradient, the ablations, and the Appendix A.2
+toy on the real tiny model."""
+import itertools
 import math
 
 import pytest
 import torch
 
 import common
-from dfpo import dfpo_loss, in_group_transform
+from dfpo import dfpo_loss, group_weights, in_group_transform, sequence_weights
 from gspo import gspo_loss
 from test_losses import ragged_batch
 
@@ -36,8 +38,8 @@ def groups(seed, n=64, G=8):
 @pytest.mark.parametrize("G", [2, 4, 8])
 @pytest.mark.parametrize("transform", ORTH)
 def test_transforms_restore_group_orthogonality(transform, G, seed):
-    """Eq. 63: sum_i A_i s_tilde_i = 0 in every group; weights stay above the floor; Theorem K.1: A_i s_tilde_i never
-    has the opposite sign of A_i (strictly the same sign where s_tilde_i > 0)."""
+    """Eq. 63: sum_i A_i s_tilde_i = 0 in every group; min-replace and orth-proj keep every weight positive
+    (Theorem K.1 on the loss's gradient: test_theorem_k1_no_reverse_update)."""
     s_bar, A = groups(seed, G=G)
     s_t = in_group_transform(s_bar, A, transform, FLOOR)
     assert (A * s_t).sum(1).abs().max() < 1e-12 * (1 + (A.abs() * s_t).sum(1).max())
@@ -53,7 +55,6 @@ def test_transforms_restore_group_orthogonality(transform, G, seed):
         assert torch.equal(s_t[unscaled], s_plus[unscaled]) and (s_t[unscaled] >= FLOOR).all()
     if transform == "orth-proj-qp":
         assert (s_t >= 0).all()
-    assert (A * s_t * A >= 0).all() and ((A * s_t).sign() == A.sign())[s_t > 0].all()
 
 
 def test_beta_sign_erratum():
@@ -102,39 +103,135 @@ def test_exact_qp_hand_examples():
     assert torch.allclose(v, torch.tensor([[0.01 - 2 * lam, 0.0, 5.0 + lam]]), atol=1e-14)
 
 
-def dfpo_reference(logp, old, adv, mask, lo, hi, G, transform):
-    """Loops: s_i (eq. 44), s_bar_i (eq. 47), s_tilde = T(s_bar) per group; value -1/B sum_i A_i s_tilde_i;
-    gradient d(-J)/d logp_it = -(1/B) A_i s_tilde_i / |y_i| for an unclipped sequence (grad log s_i = mean_t
-    grad log pi), 0 for a clipped one."""
+def reference_transform(x, a, transform):
+    """s_tilde of one group from the lists s_bar = x and A = a, written from the paper without the project's code:
+    eq. 50; eq. 52-55 (beta's sign corrected); eq. 51 by brute force over every active set S (v_S = x_S - lam a_S,
+    0 elsewhere, lam from a.v = 0), keeping the feasible v nearest x; Table 3's scale; none."""
+    G = len(x)
+    if transform == "min-replace":
+        return [min(x)] * G
+    if transform == "orth-proj":
+        sp = [max(v, FLOOR) for v in x]
+        pos = sum(a[i] * sp[i] for i in range(G) if a[i] > 0)
+        neg = sum(-a[i] * sp[i] for i in range(G) if a[i] < 0)
+        if pos > neg:
+            return [sp[i] * (neg / pos if a[i] > 0 else 1.0) for i in range(G)]
+        if neg > pos:
+            return [sp[i] * (pos / neg if a[i] < 0 else 1.0) for i in range(G)]
+        return sp
+    if transform == "orth-proj-qp":
+        free = [i for i in range(G) if a[i] != 0]
+        best, best_d = list(x), math.inf
+        for k in range(len(free) + 1):
+            for S in itertools.combinations(free, k):
+                den = sum(a[i] ** 2 for i in S)
+                lam = sum(a[i] * x[i] for i in S) / den if den else 0.0
+                v = [x[i] if a[i] == 0 else (x[i] - lam * a[i] if i in S else 0.0) for i in range(G)]
+                dist = sum((v[i] - x[i]) ** 2 for i in range(G))
+                if min(v) >= -1e-15 and abs(sum(a[i] * v[i] for i in range(G))) < 1e-12 and dist < best_d:
+                    best, best_d = v, dist
+        return best
+    if transform == "scale":
+        return [0.5 * v for v in x]
+    return list(x)
+
+
+def dfpo_reference(logp, old, adv, mask, lo, hi, G, transform, length_aware=False, clip_gated=False):
+    """Loops: s_i (eq. 44), s_bar_i (eq. 47), s_tilde = T(s_bar) per group (length_aware: T on u_i = s_bar_i L/|y_i|,
+    mapped back by |y_i|/L); value -1/B sum_i A_i s_tilde_i; gradient (eq. 68, s_tilde a constant)
+    d(-J)/d logp_it = -(1/B) A_i s_tilde_i / |y_i| for every sequence, or only the unclipped ones (clip_gated)."""
     B, T = logp.shape
-    s, s_bar, clipped = [], [], []
+    L = [int(mask[i].sum()) for i in range(B)]
+    s_bar, clipped = [], []
     for i in range(B):
-        L = int(mask[i].sum())
-        si = math.exp(sum(float(logp[i, t] - old[i, t]) for t in range(L)) / L)
+        si = math.exp(sum(float(logp[i, t] - old[i, t]) for t in range(L[i])) / L[i])
         c = min(max(si, 1 - lo), 1 + hi)
-        s.append(si)
         s_bar.append(min(si, c) if adv[i] >= 0 else max(si, c))
         clipped.append((adv[i] > 0 and si > 1 + hi) or (adv[i] < 0 and si < 1 - lo))
-    s_t = in_group_transform(torch.tensor(s_bar).view(-1, G), adv.view(-1, G), transform, FLOOR).reshape(-1)
+    s_t = []
+    for g in range(0, B, G):
+        mean_L = sum(L[g:g + G]) / G
+        scale = [L[i] / mean_L if length_aware else 1.0 for i in range(g, g + G)]
+        u = reference_transform([s_bar[g + k] / scale[k] for k in range(G)], [float(v) for v in adv[g:g + G]],
+                                transform)
+        s_t += [u[k] * scale[k] for k in range(G)]
     J, grad = 0.0, torch.zeros(B, T)
     for i in range(B):
-        L = int(mask[i].sum())
-        J += float(adv[i] * s_t[i]) / B
-        if not clipped[i]:
-            grad[i, :L] = -float(adv[i] * s_t[i]) / L / B
+        J += float(adv[i]) * s_t[i] / B
+        if not (clip_gated and clipped[i]):
+            grad[i, :L[i]] = -float(adv[i]) * s_t[i] / L[i] / B
     return -J, grad, sum(clipped)
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("form", ["eq68", "clip-gated", "length-aware"])
 @pytest.mark.parametrize("transform", ORTH + ["scale", "none"])
-def test_dfpo_loss_matches_reference(transform, seed):
+def test_dfpo_loss_matches_reference(transform, form, seed):
+    if form == "length-aware" and transform not in ORTH:
+        pytest.skip("length-aware needs a cancelling transform")
     logp, old, adv, mask = ragged_batch(B=8, seed=seed, spread=0.1)
-    loss, stats = dfpo_loss(logp, old, adv, mask, group_size=4, clip_low=0.02, clip_high=0.03, transform=transform)
+    kw = dict(length_aware=form == "length-aware", clip_gated=form == "clip-gated")
+    loss, stats = dfpo_loss(logp, old, adv, mask, group_size=4, clip_low=0.02, clip_high=0.03, transform=transform,
+                            **kw)
     loss.backward()
-    ref_loss, ref_grad, n_clipped = dfpo_reference(logp.detach(), old, adv, mask, 0.02, 0.03, 4, transform)
+    ref_loss, ref_grad, n_clipped = dfpo_reference(logp.detach(), old, adv, mask, 0.02, 0.03, 4, transform, **kw)
+    assert 0 < n_clipped < 8  # the comparison crosses the clip boundary
     assert loss.item() == pytest.approx(ref_loss, abs=1e-12)
     assert torch.allclose(torch.nan_to_num(logp.grad), ref_grad, atol=1e-12)
     assert stats["losses/clipfrac_seq"].item() == n_clipped / 8
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("G", [2, 4, 8])
+@pytest.mark.parametrize("transform", ORTH)
+def test_length_aware_cancels_at_any_lengths(transform, G, seed):
+    """Eq. 72: the shared-token coefficient sum_i A_i s_tilde_i / |y_i| is 0 on ragged lengths with --length-aware;
+    the plain transform leaves it non-zero there (eq. 63 holds, eq. 72 does not)."""
+    s_bar, A = groups(seed, G=G)
+    g = torch.Generator().manual_seed(seed + 10)
+    lengths = torch.randint(1, 50, s_bar.shape, generator=g)
+    mask = (torch.arange(50)[None] < lengths.reshape(-1, 1)).double()
+    kw = dict(group_size=G, transform=transform, floor=FLOOR)
+    aware = group_weights(s_bar.flatten(), A.flatten(), mask, **kw, length_aware=True).view(-1, G)
+    plain = group_weights(s_bar.flatten(), A.flatten(), mask, **kw, length_aware=False).view(-1, G)
+    size = (A.abs() * aware / lengths).sum(1).max()
+    assert (A * aware / lengths).sum(1).abs().max() < 1e-12 * (1 + size)
+    assert (A * plain / lengths).sum(1).abs().max() > 1e-3
+    assert (aware >= 0).all()
+    same = lengths.min(1).values == lengths.max(1).values  # equal lengths: the plain transform exactly
+    equal = mask.clone()
+    equal[:] = 1.0
+    assert torch.allclose(group_weights(s_bar.flatten(), A.flatten(), equal, **kw, length_aware=True),
+                          plain.flatten() if same.all() else group_weights(s_bar.flatten(), A.flatten(), equal, **kw,
+                                                                           length_aware=False), atol=1e-14)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("transform", ORTH)
+def test_theorem_k1_no_reverse_update(transform, seed):
+    """Theorem K.1 (eq. 85-89) on the loss's own gradient: every token's coefficient -dL/dlogp_it has the sign of
+    A_i (min-replace and orth-proj: strictly; the exact QP may give a weight of 0: weakly), and for min-replace it is
+    phi_i (in (0, 1]) times the post-clip baseline's s_bar_i A_i / |y_i| / B (eq. 86-88), clipped sequences included."""
+    logp, old, adv, mask = ragged_batch(B=8, seed=seed, spread=0.1)
+    loss, _ = dfpo_loss(logp, old, adv, mask, group_size=4, clip_low=0.02, clip_high=0.03, transform=transform)
+    (grad,) = torch.autograd.grad(loss, logp)
+    coef = -torch.nan_to_num(grad)
+    on = mask.bool()
+    A = adv[:, None].expand_as(coef)
+    if transform == "orth-proj-qp":
+        assert (coef * A)[on].min() >= 0
+    else:
+        assert torch.equal(coef[on].sign(), A[on].sign())
+    if transform == "min-replace":
+        L = [int(mask[j].sum()) for j in range(8)]
+        s = [math.exp(float((logp.detach()[j, :L[j]] - old[j, :L[j]]).sum()) / L[j]) for j in range(8)]
+        s_bar = [min(s[j], 1.03) if adv[j] >= 0 else max(s[j], 0.98) for j in range(8)]  # eq. 47, band (0.98, 1.03)
+        assert any(s_bar[j] != s[j] for j in range(8))  # some sequences clipped: they keep their gradient (eq. 68)
+        for i in range(8):
+            phi = min(s_bar[4 * (i // 4):4 * (i // 4) + 4]) / s_bar[i]  # eq. 87
+            assert 0 < phi <= 1
+            expected = torch.full((L[i],), phi * s_bar[i] * float(adv[i]) / L[i] / 8)
+            assert torch.allclose(coef[i, :L[i]], expected, atol=1e-14)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -144,7 +241,8 @@ def test_transform_none_is_gspo_and_scale_is_half(seed):
     (g_gspo,) = torch.autograd.grad(l_gspo := gspo_loss(logp, old, adv, mask, **kw)[0], logp)
     for transform, factor in [("none", 1.0), ("scale", 0.5)]:
         for stop_grad in (True, False):
-            loss = dfpo_loss(logp, old, adv, mask, group_size=3, transform=transform, stop_grad=stop_grad, **kw)[0]
+            loss = dfpo_loss(logp, old, adv, mask, group_size=3, transform=transform, stop_grad=stop_grad,
+                             clip_gated=True, **kw)[0]  # GSPO's clip removes a clipped sequence's gradient
             (g,) = torch.autograd.grad(loss, logp)
             assert loss.item() == pytest.approx(factor * l_gspo.item(), abs=1e-12)
             assert torch.allclose(torch.nan_to_num(g), factor * torch.nan_to_num(g_gspo), atol=1e-12)
@@ -173,7 +271,10 @@ def test_given_s_tilde_lets_micro_batches_split_groups(transform):
     loss, stats = dfpo_loss(logp, old, adv, mask, **kw)
     (whole,) = torch.autograd.grad(loss, logp)
     assert 0 < stats["losses/clipfrac_seq"] < 1
-    s_tilde, total = stats["s_tilde"], 0.0
+    _, _, s_bar = sequence_weights(logp, old, adv, mask, clip_low=0.02, clip_high=0.03)
+    s_tilde = group_weights(s_bar.detach(), adv, mask, group_size=4, transform=transform, floor=1e-6,
+                            length_aware=False)
+    total = 0.0
     for rows in (slice(0, 3), slice(3, 4), slice(4, 5), slice(5, 8)):  # 3 + 1 + 1 + 3: every group split
         part, _ = dfpo_loss(logp[rows], old[rows], adv[rows], mask[rows], **kw, norm=8, s_tilde=s_tilde[rows])
         total = total + part

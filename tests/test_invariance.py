@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import common
-from dfpo import dfpo_loss
+from dfpo import dfpo_loss, group_weights, sequence_weights
 from grpo import grpo_loss
 from gspo import gspo_loss
 from gspo_token import gspo_token_loss
@@ -54,7 +54,9 @@ def minibatch_grad(setup, name, micro, per_micro_mean=False, dfpo_own_groups=Fal
     if name == "dfpo" and micro % G and not dfpo_own_groups:
         with torch.no_grad():
             logp = torch.cat([policy(ids[mu], am[mu], P) for mu in micro_batches])
-            s_tilde = loss_fn(logp, old, a, mask, **kw)[1]["s_tilde"]
+            _, _, s_bar = sequence_weights(logp, old, a, mask, clip_low=kw["clip_low"], clip_high=kw["clip_high"])
+            s_tilde = group_weights(s_bar, a, mask, group_size=G, transform=kw["transform"], floor=1e-6,
+                                    length_aware=False)
     policy.zero_grad(set_to_none=True)
     for mu in micro_batches:
         given = {"group_size": micro} if dfpo_own_groups else {} if s_tilde is None else {"s_tilde": s_tilde[mu]}

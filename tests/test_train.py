@@ -92,6 +92,18 @@ def test_first_minibatch_ratio_is_one():
     assert stats["losses/clipfrac"] == 0
 
 
+@pytest.mark.parametrize("script", ["gspo", "grpo", "gspo_token", "dfpo"])
+def test_later_minibatches_use_the_rollout_logprobs(script, monkeypatch, tmp_path):
+    """Minibatches 2..N take their ratios against pi_old, the policy that generated the rollout: after the first
+    optimizer step with a signal (16 minibatches of one group each here) the policy has moved, so their k3 KL is
+    > 0. A loop that used the current policy's log-probs as the old ones (old_logp[mu] -> logp.detach()) has every
+    ratio exactly 1 and a KL of exactly 0."""
+    rows, _ = run_script(script, ["--num-steps", "1", "--prompts-per-rank", "16", "--num-minibatches", "16",
+                                  "--eval-every", "0", "--learning-rate", "1e-2"], monkeypatch, tmp_path)
+    assert rows[0]["losses/approx_kl"] > 1e-6, rows[0]["losses/approx_kl"]
+    assert rows[0]["losses/ratio_max"] - rows[0]["losses/ratio_min"] > 1e-4
+
+
 @pytest.mark.parametrize("argv", [["gspo_token", "--post-answer-penalty", "0.5"],
                                   *[["dfpo", "--transform", t] for t in ["orth-proj", "orth-proj-qp", "scale"]],
                                   ["dfpo", "--no-stop-grad"], ["grpo", "--symmetric-clip"],
@@ -100,7 +112,7 @@ def test_variants_run(argv, monkeypatch, tmp_path):
     """Every objective variant runs a few steps end to end with finite losses and logs its mechanism metrics."""
     rows, run = run_script(argv[0], [*argv[1:], "--num-steps", "4", "--prompts-per-rank", "4", "--eval-every", "0"],
                            monkeypatch, tmp_path)
-    assert all(math.isfinite(r["losses/policy_loss"]) and r["losses/asym"] >= 0 for r in rows)
+    assert all(math.isfinite(r["losses/policy_loss"]) and math.isfinite(r["losses/shared_coef"]) for r in rows)
     r = [row["charts/reward_mean"] for row in rows]
     jitter = sum(abs(r[t + 2] - 2 * r[t + 1] + r[t]) for t in range(2)) / 2  # eq. 20 on the logged curve
     assert json.loads(open(f"{run}/metrics.jsonl").readlines()[-1])["charts/reward_jitter2"] == pytest.approx(jitter)
@@ -111,6 +123,18 @@ def test_variants_run(argv, monkeypatch, tmp_path):
     if "cosine" in argv:  # 16 optimizer steps: 4 of warm-up to the peak, then cosine towards 0.2 x the peak
         lr = [r["charts/learning_rate"] for r in rows]
         assert lr[0] == pytest.approx(5e-4) and lr[-1] == pytest.approx(5e-4 * 0.2)
+
+
+def test_dfpo_gradient_forms_end_to_end(monkeypatch, tmp_path):
+    """The logged shared-token coefficient on the builtin task (completions of 1 or 2 tokens, so ragged lengths):
+    --length-aware holds it at float32 zero with sequences clipped; the default (eq. 68) and --clip-gated do not."""
+    means = {}
+    for form in ("--length-aware", "--no-length-aware", "--clip-gated"):
+        rows, _ = run_script("dfpo", ["--num-steps", "3", "--prompts-per-rank", "16", "--eval-every", "0", form],
+                             monkeypatch, tmp_path / form)
+        assert any(r["losses/clipfrac"] > 0 for r in rows)
+        means[form] = sum(r["losses/shared_coef"] for r in rows) / len(rows)
+    assert means["--length-aware"] < 1e-7 < 1e-4 < min(means["--no-length-aware"], means["--clip-gated"]), means
 
 
 def torchrun(*args):

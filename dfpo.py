@@ -27,7 +27,9 @@ equal lengths (eq. 73), instead of drifting with the differences of the s_i (eq.
 The gradient, as eq. 68 writes it: clipping bounds s_bar and so s_tilde, but removes no sequence's gradient; a
 sequence clipped in GSPO would drop out of the sum and break eq. 72's cancellation. --clip-gated is that other
 reading, kept for comparison: a clipped sequence (s_bar_i = c_i, a constant) gets no gradient, as in GSPO, while
-its s_bar still enters the transform, so shared tokens cancel only among the unclipped sequences.
+its s_bar still enters the transform, so shared tokens cancel only among the unclipped sequences. Eq. 68 has no
+trust region beyond the bound on s_tilde: a negative sample already below 1 - eps_low keeps being pushed down. The
+README's learning-tax lab has a task where that collapses and --clip-gated does not.
 --no-stop-grad (Table 3) differentiates the literal -1/G sum_i A_i s_tilde_i(theta) through the transform: with
 min-replace that is s_bar_min(theta) sum_i A_i = 0, so the policy does not move at all.
 

@@ -1,19 +1,23 @@
-"""The learning-tax lab: what the DFPO paper (seeds/dfpo-paper-token-gradient-cancellation.txt) claims about each
-objective, measured on the tiny model on 2 CPU cores, several seeds each, as a markdown table and PNG plots.
+"""The learning-tax lab: what the DFPO paper (arXiv:2604.13088) claims about each objective, measured on the tiny
+model on 2 CPU cores, several seeds each, as a markdown table and PNG plots.
 
-Part 1, the built-in task ('x%10=' -> the digit): grpo.py, grpo.py --symmetric-clip, gspo.py, gspo_token.py and
-dfpo.py with each transform, on the same seeds. Per step, from each run's metrics.jsonl: reward, entropy, Asym
-(eq. 23), clip fraction and the shared coefficient |1/G sum_i w_i A_i|, the weight a token shared by the whole group
-gets (eq. 38, 72). Per run: Jitter2 of the reward curve (eq. 20, as the script logs it) and the steps until the
-reward, averaged over a window of --window steps, first reaches --threshold (eq. 19).
+Part 1, the built-in task ('x%10=' -> the digit): grpo.py, grpo.py --symmetric-clip, gspo.py and dfpo.py with each
+transform and gradient form, on the same seeds (gspo_token.py with A_it = A_i is GSPO to the last digit, as its
+tests show, so it is not run again). Per step, from each run's metrics.jsonl: reward, entropy, Asym (eq. 23), clip
+fraction and the shared-token coefficient, the gradient's own coefficient on a token the whole group shares
+(eq. 70-72, at the first completion token). Per run: Jitter2 of the reward curve (eq. 20, as the script logs it)
+and the steps until the reward, averaged over a window of --window steps, first reaches --threshold (eq. 19).
 
-Part 2, Appendix A made real: "What is a+b?" answered "The answer is N." or "a+b=N.", equally correct (the reward
-reads N only, eq. 28). A short supervised warm start teaches the tiny model both forms, with some wrong sums; then
-RL with checkpoints every --save-every steps, and on fixed probe prompts, exactly (no sampling), per checkpoint:
+Part 2, Appendix A made real: "What is a+b?" answered "So, the answer is N." or "So, a+b=N.", equally correct (the
+reward reads N only, eq. 28). Every completion, of either form, right or wrong, opens with the same "So, ": a prefix
+the whole group shares, which is what eq. 63 and 72 constrain. A short supervised warm start teaches the tiny model
+both forms, with some wrong sums; then RL with checkpoints every --save-every steps, and on fixed probe prompts,
+exactly (no sampling), per checkpoint:
   h(p), p = pi(A) / (pi(A) + pi(B)), A and B the two correct completions: the binary entropy between the equally
       correct forms, whose log-odds drift is eq. 41 (Corollary 3.2: h -> 0 is the collapse)
-  log pi("he answer is " | x, "T"): the prefix every completion of form A shares, right or wrong, so its reward is
-      nothing; any drift of it is learning tax (App. A.2, eq. 38)
+  log pi("So, " | x): the prefix every completion shares, so its reward is nothing; any drift of it is learning tax
+      (App. A.2, eq. 38). The two forms differ in length, so eq. 63 cancels it only approximately (eq. 72-73);
+      dfpo.py --length-aware cancels it exactly.
 Energy on frequent tokens (eq. 24) needs a backward pass per token: not cheap, not measured.
 
     pip install -r experiments/requirements.txt     # matplotlib for the plots (the table needs nothing more)
@@ -44,16 +48,18 @@ BUILTIN = {
     "grpo": ["grpo.py"],
     "grpo --symmetric-clip": ["grpo.py", "--symmetric-clip"],
     "gspo": ["gspo.py"],
-    "gspo_token": ["gspo_token.py"],
     "dfpo min-replace": ["dfpo.py", "--transform", "min-replace"],
+    "dfpo min-replace --clip-gated": ["dfpo.py", "--transform", "min-replace", "--clip-gated"],
+    "dfpo min-replace --length-aware": ["dfpo.py", "--transform", "min-replace", "--length-aware"],
     "dfpo orth-proj": ["dfpo.py", "--transform", "orth-proj"],
     "dfpo orth-proj-qp": ["dfpo.py", "--transform", "orth-proj-qp"],
     "dfpo scale": ["dfpo.py", "--transform", "scale"],
 }
-TWO_FORM = {k: BUILTIN[k] for k in ["grpo", "gspo", "dfpo min-replace", "dfpo orth-proj"]}
+TWO_FORM = {k: BUILTIN[k] for k in ["grpo", "gspo", "dfpo min-replace", "dfpo min-replace --clip-gated",
+                                    "dfpo min-replace --length-aware"]}
 CURVES = {"charts/reward_mean": "reward", "losses/entropy": "entropy (nats/token)", "losses/asym": "Asym (eq. 23)",
-          "losses/clipfrac": "clip fraction (tokens)", "losses/shared_coef": "shared coefficient (eq. 38)"}
-FORM_A, FORM_B, PREFIX = "The answer is {n}.", "{a}+{b}={n}.", "The answer is "
+          "losses/clipfrac": "clip fraction (tokens)", "losses/shared_coef": "shared-token coefficient (eq. 72)"}
+FORM_A, FORM_B, PREFIX = "So, the answer is {n}.", "So, {a}+{b}={n}.", "So, "
 
 
 @dataclass
@@ -81,7 +87,7 @@ class Args:
     only: str | None = None
     """comma-separated configuration names to run (default: all)"""
     smoke: bool = False
-    """a reduced form for the test suite: 1 seed, 3 + 4 steps, gspo and dfpo min-replace only"""
+    """a reduced form for the test suite: 1 seed, 3 + 4 steps, gspo and dfpo min-replace --length-aware only"""
 
 
 def run_jobs(jobs: list[tuple[str, list[str], str]], workers: int):
@@ -135,6 +141,12 @@ def fmt(xs: list[float], digits=3) -> str:
     return f"{m:.{digits}f} ± {s:.{digits}f}"
 
 
+def sci(xs: list[float]) -> str:
+    """Mean ± std in scientific notation: the shared-token coefficient spans 1e-10 (float32 zero) to 1e-2."""
+    m, s = mean_std(xs)
+    return f"{m:.1e} ± {s:.1e}"
+
+
 # ----------------------------------------------------------------------------- part 1: the built-in task
 def part1(args, configs: dict, seeds: list[int]) -> dict:
     root = os.path.join(args.out, "runs", "builtin")
@@ -157,7 +169,7 @@ def part1(args, configs: dict, seeds: list[int]) -> dict:
 
 def table1(result: dict, args) -> str:
     lines = [f"| objective | reward, last 10% of steps | steps to reward ≥ {args.threshold} (eq. 19) | Jitter2 (eq. 20) "
-             "| Asym (eq. 23) | shared coef. (eq. 38) | clip fraction | entropy, last step |",
+             "| Asym (eq. 23) | shared-token coef. (eq. 72) | clip fraction | entropy, last step |",
              "|---|---|---|---|---|---|---|---|"]
     for name, runs in result.items():
         n = max(1, args.steps // 10)
@@ -167,7 +179,7 @@ def table1(result: dict, args) -> str:
         reach_s = (f"{fmt(hit, 1)} ({len(hit)}/{len(runs)} seeds)" if hit else f"not reached (0/{len(runs)})")
         avg = lambda k: [sum(r["curves"][k]) / len(r["curves"][k]) for r in runs]  # noqa: E731
         lines.append(f"| {name} | {fmt(last)} | {reach_s} | {fmt([r['jitter2'] for r in runs])} | "
-                     f"{fmt(avg('losses/asym'), 4)} | {fmt(avg('losses/shared_coef'), 4)} | "
+                     f"{fmt(avg('losses/asym'), 4)} | {sci(avg('losses/shared_coef'))} | "
                      f"{fmt(avg('losses/clipfrac'))} | {fmt([r['curves']['losses/entropy'][-1] for r in runs])} |")
     return "\n".join(lines)
 
@@ -251,9 +263,7 @@ def measure(ckpt: str, probes: list[tuple[int, int]]) -> dict:
     prompts = [f"What is {a}+{b}?" for a, b in probes]
     la = seq_logprob(lm, tok, prompts, [FORM_A.format(a=a, b=b, n=a + b) for a, b in probes])
     lb = seq_logprob(lm, tok, prompts, [FORM_B.format(a=a, b=b, n=a + b) for a, b in probes])
-    # the shared prefix given its first token: log pi("he answer is " | x, "T") = log pi(prefix) - log pi("T")
-    prefix = (seq_logprob(lm, tok, prompts, [PREFIX] * len(prompts), eos=False)
-              - seq_logprob(lm, tok, prompts, [PREFIX[0]] * len(prompts), eos=False))
+    prefix = seq_logprob(lm, tok, prompts, [PREFIX] * len(prompts), eos=False)  # log pi("So, " | x), group-wide
     p = torch.sigmoid(la - lb)
     h = -(p * p.clamp(min=1e-300).log2() + (1 - p) * (1 - p).clamp(min=1e-300).log2())
     return {"h": h.mean().item(), "log_odds": (la - lb).tolist(), "prefix": prefix.tolist(),
@@ -293,21 +303,22 @@ def part2(args, configs: dict, seeds: list[int]) -> dict:
 
 
 def median(xs: list[float]) -> float:
-    """Over the probes: a probe whose form A is no longer sampled has an unconstrained 'he answer is ' (and a log-odds
-    heading to -inf), and would dominate a mean."""
+    """Over the probes: a probe whose form A or B is no longer sampled has a log-odds heading to -inf or +inf, and
+    would dominate a mean."""
     return float(torch.tensor(xs, dtype=torch.float64).median())
 
 
 def table2(result: dict) -> str:
     lines = ["| objective | h(p) start → end (bits) | abs. log-odds drift A vs B (eq. 41), median over probes | "
-             "prefix log-prob drift (App. A.2), median over probes | shared coef. (eq. 38) | reward first → last 10% |",
+             "log pi(\"So, \") drift (App. A.2), median over probes | shared-token coef. (eq. 72), mean over steps | "
+             "reward first → last 10% |",
              "|---|---|---|---|---|---|"]
     for name, runs in result.items():
         n = max(1, len(runs[0]["reward"]) // 10)
         lines.append(
             f"| {name} | {runs[0]['h'][0]:.3f} → {fmt([r['h'][-1] for r in runs])} | "
             f"{fmt([r['log_odds_drift'][-1] for r in runs], 2)} | {fmt([r['prefix_drift'][-1] for r in runs], 4)} | "
-            f"{fmt([sum(r['shared_coef']) / len(r['shared_coef']) for r in runs], 4)} | "
+            f"{sci([sum(r['shared_coef']) / len(r['shared_coef']) for r in runs])} | "
             f"{fmt([sum(r['reward'][:n]) / n for r in runs], 2)} → {fmt([sum(r['reward'][-n:]) / n for r in runs], 2)} |")
     return "\n".join(lines)
 
@@ -374,7 +385,7 @@ def main():
     args = tyro.cli(Args)
     if args.smoke:
         args.seeds, args.steps, args.two_form_steps, args.save_every, args.sft_steps = 1, 3, 4, 2, 20
-        args.only = args.only or "gspo,dfpo min-replace"
+        args.only = args.only or "gspo,dfpo min-replace --length-aware"
     wanted = set(args.only.split(",")) if args.only else set(BUILTIN)
     if unknown := wanted - set(BUILTIN):
         raise SystemExit(f"--only {sorted(unknown)}: unknown (choose from {', '.join(BUILTIN)})")

@@ -1,0 +1,79 @@
+"""Each script with its defaults on the built-in task (200 steps, evaluation every 50), on several seeds, as the
+README's "Measured on the built-in task" table: mean ± std over the seeds, read from each run's metrics.jsonl.
+
+One seed is bitwise repeatable on one machine, not across CPUs (float rounding differs and RL amplifies it), so
+the table gives the spread over seeds, and only differences larger than it mean anything.
+
+    python experiments/default_runs.py                 # 4 commands x 3 seeds, two at a time: ~10 min on 2 cores
+"""
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+
+import tyro
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from learning_tax import ROOT, exp_name, fmt, metrics, run_jobs, sci  # noqa: E402
+
+COMMANDS = {  # gspo_token.py with its default A_it = A_i is gspo.py to the last digit (tests/test_gspo_token.py)
+    "gspo.py": ["gspo.py"],
+    "grpo.py": ["grpo.py"],
+    "dfpo.py": ["dfpo.py"],
+    "dfpo.py --length-aware": ["dfpo.py", "--length-aware"],
+}
+
+
+@dataclass
+class Args:
+    out: str = os.path.join(ROOT, "experiments", "results", "default_runs")
+    """where the runs and table.md go (replaced each time)"""
+    seeds: int = 3
+    """seeds per command (1, 2, ...)"""
+    workers: int = 2
+    """runs at once, one CPU thread each"""
+
+
+def main():
+    args = tyro.cli(Args)
+    t0 = time.time()
+    shutil.rmtree(args.out, ignore_errors=True)
+    runs = os.path.join(args.out, "runs")
+    os.makedirs(runs)
+    seeds = list(range(1, args.seeds + 1))
+    jobs = [(f"{name} seed {s}", [*argv, "--seed", str(s), "--exp-name", exp_name(name), "--output-dir", runs],
+             os.path.join(runs, f"{exp_name(name)}__{s}.log")) for name, argv in COMMANDS.items() for s in seeds]
+    run_jobs(jobs, args.workers)
+    lines = ["| command | reward, first 10% of steps | reward, last 10% | held-out avg@8, step 0 | avg@8, last step "
+             "| Jitter2 (eq. 20) | shared-token coef. (eq. 72), mean over steps | clip fraction (tokens) "
+             "| wall s |", "|---|---|---|---|---|---|---|---|---|"]
+    for name in COMMANDS:
+        cols = {k: [] for k in ("first", "last", "eval0", "eval1", "jitter", "shared", "clip", "wall")}
+        for s in seeds:
+            rows = metrics(runs, name, s)
+            steps = [r for r in rows if "charts/reward_mean" in r]
+            evals = [r["eval/avg@8"] for r in rows if "eval/avg@8" in r]
+            n = max(1, len(steps) // 10)
+            r = [x["charts/reward_mean"] for x in steps]
+            cols["first"].append(sum(r[:n]) / n)
+            cols["last"].append(sum(r[-n:]) / n)
+            cols["eval0"].append(evals[0])
+            cols["eval1"].append(evals[-1])
+            cols["jitter"].append(next(x["charts/reward_jitter2"] for x in rows if "charts/reward_jitter2" in x))
+            cols["shared"].append(sum(x["losses/shared_coef"] for x in steps) / len(steps))
+            cols["clip"].append(sum(x["losses/clipfrac"] for x in steps) / len(steps))
+            cols["wall"].append(steps[-1]["perf/wall_time"])
+        lines.append(f"| `{name}` | {fmt(cols['first'])} | {fmt(cols['last'])} | {fmt(cols['eval0'])} | "
+                     f"{fmt(cols['eval1'])} | {fmt(cols['jitter'])} | {sci(cols['shared'])} | {fmt(cols['clip'])} | "
+                     f"{fmt(cols['wall'], 0)} |")
+    table = "\n".join(lines)
+    report = (f"`python experiments/default_runs.py {' '.join(sys.argv[1:])}`: seeds {seeds}, "
+              f"{time.time() - t0:.0f} s, {args.workers} runs at a time. Mean ± std over seeds.\n\n{table}\n")
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write(report)
+    print(report)
+
+
+if __name__ == "__main__":
+    main()

@@ -14,6 +14,7 @@ import random
 import re
 import shutil
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from fractions import Fraction
@@ -431,21 +432,28 @@ def chat_prompts(tok, prompts: list[str], enable_thinking: bool) -> list[str]:
                                     enable_thinking=enable_thinking) for p in prompts]
 
 
-_NUM = r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+"
+# Numbers as answers write them: -12, 3.5, .5, 3/4, and thousands in groups of three (1,234). A comma that three
+# digits do not follow ends the number, so "the answer is 72, in total" gives 72.
+_NUM = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+"
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*(\{)?")
 
 
 def answer_span(text: str) -> tuple[int, int] | None:
     """Where the final answer lies in text, as (start, end) character offsets: the contents of the last
-    \\boxed{...}, else the number (or the first non-empty line) after the last '####', else the last number."""
-    i = text.rfind("\\boxed")
-    if i >= 0:
-        j = text.find("{", i)
-        depth, k = 0, j
-        while 0 <= k < len(text):
+    \\boxed{...} (or the token after a brace-less `\\boxed 5`), else the number (or the first non-empty line) after
+    the last '####', else the last number."""
+    box = None
+    for box in _BOX.finditer(text):
+        pass
+    if box is not None and box.group(1) is None:
+        m = re.compile(r"\s*([^\s$]+)").match(text, box.end())
+        return m.span(1) if m else None
+    if box is not None:
+        depth = 1
+        for k in range(box.end(), len(text)):
             depth += {"{": 1, "}": -1}.get(text[k], 0)
             if depth == 0:
-                return j + 1, k
-            k += 1
+                return box.end(), k
         return None  # unbalanced \boxed{
     i = text.rfind("####")
     if i >= 0:
@@ -463,11 +471,47 @@ def extract_answer(text: str) -> str | None:
     return text[span[0]:span[1]].strip() if span else None
 
 
+_TEXT_CMD = r"\\(?:text|textbf|textrm|textit|mbox|mathrm|mathbf|operatorname)\s*"
+_UNIT = re.compile(r"(?<=\S)\s*" + _TEXT_CMD + r"\{\s*[A-Za-z][A-Za-z\s.]*\}(?:\s*\^\s*\{?[23]\}?)?$")
+_WORDS_AFTER_NUMBER = re.compile(r"([-+]?[\d.,/]*\d)\s+[A-Za-z]{2,}(?:\s+[A-Za-z]+)*\.?")
+_WORD = re.compile(r"[A-Za-z]+(?: [A-Za-z]+)*")
+_MAX_ANSWER_CHARS = 1000  # a longer extracted answer is not graded: it scores 0 and counts as a reward error
+
+
+def normalize_answer(s: str) -> tuple[str, bool]:
+    """An answer in one canonical spelling, and whether it carried a percent sign: \\dfrac and \\tfrac become
+    \\frac, \\sqrt3 and \\frac12 get their braces; \\left/\\right, spacing commands, $ and \\$, degrees (^\\circ), %,
+    a trailing unit (\\text{ cm}, or words after a number: '18.90 dollars'), a \\text{...} around the whole answer,
+    a leading + and a final period go; 1{,}000 is 1,000; spaces go except between two letters. Pure text."""
+    s = s.strip()
+    s = re.sub(r"\\[dt]frac", r"\\frac", s)
+    s = re.sub(r"\\left(?![a-zA-Z])|\\right(?![a-zA-Z])|\\displaystyle", "", s)
+    s = s.replace("{,}", ",").replace("\\$", "").replace("$", "")
+    s = re.sub(r"(?<!\\)\\[,!;: ]|~|\\q?quad(?![a-zA-Z])", " ", s)  # not the \\ of a new row
+    s = re.sub(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|°|\\degree", "", s)
+    percent = "%" in s
+    s = re.sub(r"\\?%", "", s).strip()
+    s = _UNIT.sub("", s).strip()
+    whole = re.fullmatch(_TEXT_CMD + r"\{([^{}]*)\}", s)
+    if whole:
+        s = whole.group(1).strip()
+    s = _WORDS_AFTER_NUMBER.sub(r"\1", s) if _WORDS_AFTER_NUMBER.fullmatch(s) else s
+    s = re.sub(r"\\sqrt\s*(\d)", r"\\sqrt{\1}", s)
+    s = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", s)
+    s = re.sub(r"\s+", " ", s).rstrip(".").strip()
+    s = re.sub(r"^\+(?=[\d.\\])", "", s)
+    s = re.sub(r"(?<=[^A-Za-z]) | (?=[^A-Za-z])", "", s)  # "x + 1" -> "x+1"; "\pi r" keeps its space
+    choice = re.fullmatch(r"\(([A-Za-z])\)", s)  # multiple choice: (C) is C
+    return (choice.group(1) if choice else s), percent
+
+
 def parse_number(s: str) -> Fraction | None:
-    """Integers, decimals, thousands separators, a/b, \\frac{a}{b}, a leading sign, $ and % dropped."""
-    s = s.strip().replace("$", "").replace("\\!", "").replace("\\,", "").replace(" ", "").rstrip(".").replace("%", "")
-    s = re.sub(r"\\text\{[^}]*\}$", "", s)
-    m = re.fullmatch(r"(-?)\\d?frac\{(-?[\d.,]+)\}\{(-?[\d.,]+)\}", s) or re.fullmatch(r"(-?)\\d?frac(\d)(\d)", s)
+    """The exact value of a number as answers write it (after normalize_answer): integers, decimals, thousands
+    separators, a/b, \\frac{a}{b}, a sign; None when s is not one number."""
+    s = normalize_answer(s)[0]
+    if len(s) > 100:  # past Python's digit limits, and no answer worth an exact comparison
+        return None
+    m = re.fullmatch(r"(-?)\\frac\{(-?[\d.,]+)\}\{(-?[\d.,]+)\}", s)
     try:
         if m:
             v = Fraction(m.group(2).replace(",", "")) / Fraction(m.group(3).replace(",", ""))
@@ -482,17 +526,184 @@ def parse_number(s: str) -> Fraction | None:
     return None
 
 
-def math_reward(completion: str, answer: str) -> float:
-    """1.0 if the extracted final answer equals the reference numerically (or as normalised text when
-    either side is not a number), else 0.0. Model text is only parsed, never evaluated."""
-    pred = extract_answer(completion)
-    if pred is None:
+def canonical(answer: str) -> tuple[str, frozenset]:
+    """(normalised text, the exact values it may mean): one value for a number, two for a percentage (5% is
+    5, as answers are often written, and 0.05), none for anything else. Computed once per distinct answer."""
+    text, percent = normalize_answer(answer)
+    v = parse_number(text)
+    if v is None:
+        return text, frozenset()
+    return text, frozenset({v, v / 100}) if percent else frozenset({v})
+
+
+def decide(pred: tuple[str, frozenset], gold: tuple[str, frozenset]) -> float | None:
+    """The fast path: 1.0 or 0.0 where canonical forms settle it (equal text, two numbers, or plain words, compared
+    without case), None where a symbolic comparison must decide (math-verify, in the grading worker)."""
+    if pred[0] == gold[0] and pred[0]:
+        return 1.0
+    if pred[1] and gold[1]:
+        return float(bool(pred[1] & gold[1]))
+    if _WORD.fullmatch(pred[0]) or _WORD.fullmatch(gold[0]):  # text answers; math-verify would read a word as a
+        return float(pred[0].lower() == gold[0].lower())  # product of symbols, so 'Evenly' would equal 'Evelyn'
+    if not pred[0] or not gold[0]:
         return 0.0
-    a, b = parse_number(pred), parse_number(answer)
-    if a is not None and b is not None:
-        return float(a == b)
-    norm = lambda x: re.sub(r"\s+|\\left|\\right|\$", "", x)  # noqa: E731
-    return float(norm(pred) == norm(answer))
+    return None
+
+
+def math_reward(completion: str, answer: str) -> float:
+    """1.0 if the completion's final answer (extract_answer) equals the reference, else 0.0: exact numbers and
+    canonical text first (decide), math-verify on what they cannot settle (radicals, expressions, intervals, sets,
+    tuples, matrices, equations), in a worker process with a time bound. Model text is parsed, never executed."""
+    r, errors = score([completion], [answer], 1, watch=False)
+    return r.item()
+
+
+# Grading runs math-verify (LaTeX parsed by an ANTLR grammar into sympy, never eval) and users' reward functions in
+# a worker process, one request at a time, with a hard time bound: a request not answered within the bound kills
+# the worker (restarted on the next request) and scores 0, counted as a reward error. Not math-verify's own
+# timeout: it uses signal.alarm, which raises ValueError off the main thread, has a resolution of whole seconds,
+# replaces the process's SIGALRM handler, and cannot interrupt a long call into C (a huge integer power); a separate
+# process can always be killed, and bounds memory too (RLIMIT_AS for the math grader).
+_WORKER_SRC = r'''
+import json, os, sys
+sys.path[:0] = json.loads(sys.argv[1])
+spec = sys.argv[2]
+out = sys.stdout
+def reply(**kw):
+    out.write(json.dumps(kw) + "\n")
+    out.flush()
+try:
+    if spec:
+        import importlib
+        module, name = spec.split(":")
+        fn = getattr(importlib.import_module(module), name)
+    else:
+        import logging, resource
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, resource.getrlimit(resource.RLIMIT_AS)[1]))
+        logging.disable(logging.WARNING)
+        from math_verify import LatexExtractionConfig, parse, verify
+        config, parsed = [LatexExtractionConfig()], {}
+        def parse_once(s):
+            if s not in parsed:
+                parsed.clear() if len(parsed) > 4096 else None
+                parsed[s] = parse("$" + s + "$", extraction_config=config, fallback_mode="no_fallback",
+                                  parsing_timeout=None)
+            return parsed[s]
+        def fn(pred, gold):
+            g, p = parse_once(gold), parse_once(pred)
+            return float(bool(g) and bool(p) and verify(g, p, timeout_seconds=None))
+except BaseException as e:
+    reply(fatal=f"{type(e).__name__}: {e}")
+    sys.exit(1)
+reply(ready=True)
+for line in sys.stdin:
+    a, b = json.loads(line)
+    try:
+        r = float(fn(a, b))
+        reply(r=r) if r == r and abs(r) != float("inf") else reply(e=f"ValueError: the reward returned {r}")
+    except Exception as e:
+        reply(e=f"{type(e).__name__}: {e}"[:300])
+'''
+
+
+class Reward:
+    """The reward of a completion given its prompt's answer: the math grader (spec None) or a user's function
+    f(completion, answer) -> float named 'module:function'. What it cannot settle in this process (decide) runs in a
+    worker process, each call bounded by timeout_s (see above); use it through score()."""
+
+    def __init__(self, spec: str | None = None, timeout_s: float = 1.0):
+        self.spec, self.timeout_s = spec, timeout_s
+        self.proc, self.buf, self.lock = None, b"", threading.Lock()
+        self.flat_steps = 0  # training steps in a row, from the first, in which every group's rewards were equal
+
+    def _start(self):
+        import subprocess
+
+        path = json.dumps([os.getcwd(), *sys.path])
+        self.proc = subprocess.Popen([sys.executable, "-c", _WORKER_SRC, path, self.spec or ""],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     bufsize=0)
+        self.buf = b""
+        msg = self._read(120.0)  # importing math-verify or the user's module
+        if msg is None or "fatal" in msg:
+            self.stop()
+            why = msg["fatal"] if msg else "no answer in 120 s"
+            raise RuntimeError(f"the reward worker ({self.spec or 'math grader'}) did not start: {why}")
+
+    def _read(self, timeout_s: float) -> dict | None:
+        """The worker's next reply, or None when it gives none within timeout_s (or died)."""
+        import select
+
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+                return None
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
+            if not chunk:
+                return None
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def stop(self):
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def run(self, requests: list[tuple[str, str]]) -> list[tuple[float, str | None]]:
+        """(reward, error) per request, each within timeout_s: a request that raises, returns a non-finite
+        value or runs out of time gives (0.0, the error)."""
+        out = []
+        with self.lock:
+            for a, b in requests:
+                if self.proc is None or self.proc.poll() is not None:
+                    self._start()
+                self.proc.stdin.write((json.dumps([a, b]) + "\n").encode())
+                msg = self._read(self.timeout_s)
+                if msg is None:
+                    self.stop()
+                    out.append((0.0, f"TimeoutError: no reward within {self.timeout_s:g} s (worker restarted)"))
+                else:
+                    out.append((msg.get("r", 0.0), msg.get("e")))
+        return out
+
+
+_MATH_GRADER = []  # the default Reward, made on first use
+
+
+def load_reward(spec: str | None, timeout_s: float) -> Reward:
+    """--reward and --reward-timeout, checked before any heavy work: None is the math grader (it needs
+    math-verify); 'module:function' must name a callable f(completion, answer) -> float importable from the
+    current folder or the Python path."""
+    import importlib
+    import importlib.util
+
+    if not timeout_s > 0:
+        fail(f"--reward-timeout {timeout_s}: must be > 0 seconds")
+    if spec is None:
+        if importlib.util.find_spec("math_verify") is None:
+            fail("the math grader needs math-verify: pip install -r requirements.txt")
+        return Reward(None, timeout_s)
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name.isidentifier():
+        fail(f"--reward {spec!r}: give module:function, e.g. my_rewards:format_reward for a function "
+             "f(completion, answer) -> float in my_rewards.py")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        fn = getattr(importlib.import_module(module), name, None)
+    except ModuleNotFoundError as e:
+        fail(f"--reward {spec!r}: cannot import {e.name!r} (run from the folder of {module}.py or add it to "
+             "PYTHONPATH)")
+    except Exception as e:  # noqa: BLE001 - the user's module raised while it was imported
+        fail(f"--reward {spec!r}: importing {module!r} raised {type(e).__name__}: {e}".splitlines()[0])
+    if fn is None:
+        fail(f"--reward {spec!r}: module {module!r} has no {name!r}")
+    if not callable(fn):
+        fail(f"--reward {spec!r}: {module}.{name} is a {type(fn).__name__}, not a function f(completion, answer)")
+    return Reward(spec, timeout_s)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-6):
@@ -568,21 +779,73 @@ def gathered(policy, on: bool):
                 m.reshard()
 
 
-def score(texts: list[str], answers: list[str], n: int) -> tuple[torch.Tensor, int]:
-    """Reward per completion, and how many completions the reward raised on: those score 0 and the first error is
-    printed, so one broken completion or reward function never stops a run. Answers are given once per prompt,
-    completions n per prompt."""
-    answers, rewards, errors = list(answers), [], []
-    for i, t in enumerate(texts):
-        try:
-            rewards.append(float(math_reward(t, answers[i // n])))
-        except Exception as e:  # noqa: BLE001 (any error of the reward, whatever the completion holds)
-            rewards.append(0.0)
-            errors.append(e)
+def score(texts: list[str], answers: list, n: int, reward: Reward | None = None,
+          watch: bool = True) -> tuple[torch.Tensor, int]:
+    """Reward per completion (reward: a Reward, default the math grader), and on how many completions it failed
+    (raised, returned a non-finite value, ran past its time bound, or an answer too long to grade): those score 0
+    and the first error is printed, so one broken completion or reward function never stops a run. Answers are
+    given once per prompt, completions n per prompt. Each answer is normalised once per prompt, and each distinct
+    request (extracted answer and reference; for a user's reward, completion and answer) is graded once.
+    watch: a training step; when every group of each of the first steps has equal rewards, say so once."""
+    if reward is None:
+        if not _MATH_GRADER:
+            _MATH_GRADER.append(Reward())
+        reward = _MATH_GRADER[0]
+    answers = [str(a) for a in answers]
+    keys, results, requests = [], {}, []  # per completion: its request (None: no answer, scores 0)
+    if reward.spec is None:
+        golds = [canonical(a) for a in answers]  # once per prompt
+        preds = {}  # extracted answer -> canonical form, once per distinct answer
+        for i, text in enumerate(texts):
+            try:
+                pred, gold = extract_answer(text), golds[i // n]
+                if pred is None:
+                    keys.append(None)
+                    continue
+                if len(pred) > _MAX_ANSWER_CHARS:
+                    raise ValueError(f"an answer of {len(pred)} characters (over {_MAX_ANSWER_CHARS}) is not graded")
+                p = preds[pred] if pred in preds else preds.setdefault(pred, canonical(pred))
+                key = (p[0], gold[0])
+                if key not in results:
+                    results[key] = (decide(p, gold), None)
+                    if results[key][0] is None:
+                        requests.append(key)
+            except Exception as e:  # noqa: BLE001 - whatever the completion holds, it scores 0 and is counted
+                key = ("failed", i)
+                results[key] = (0.0, f"{type(e).__name__}: {e}")
+            keys.append(key)
+    else:
+        keys = [(text, answers[i // n]) for i, text in enumerate(texts)]
+        requests = list(dict.fromkeys(keys))
+    results.update(zip(requests, reward.run(requests)))
+    rewards = [results[k][0] if k is not None else 0.0 for k in keys]
+    errors = [results[k][1] for k in keys if k is not None and results[k][1] is not None]
     if errors:
-        print(f"warning: the reward raised on {len(errors)} of {len(texts)} completions, scored 0 "
-              f"(first: {type(errors[0]).__name__}: {errors[0]})", file=sys.stderr)
-    return torch.tensor(rewards, dtype=torch.float32), len(errors)
+        print(f"warning: the reward failed on {len(errors)} of {len(texts)} completions, scored 0 "
+              f"(first: {errors[0]})", file=sys.stderr)
+    r = torch.tensor(rewards, dtype=torch.float32)
+    if watch:
+        watch_flat_groups(reward, r, n)
+    return r, len(errors)
+
+
+FLAT_STEPS = 5  # the first training steps that, all flat, make a run say that its answers may not be gradable
+
+
+def watch_flat_groups(reward: Reward, r: torch.Tensor, n: int):
+    """Say once (main rank) when every group of each of the first FLAT_STEPS training steps had equal rewards:
+    every advantage was 0, nothing was learned, and the likely cause is answers the grader cannot match."""
+    if reward.flat_steps < 0 or r.numel() % n:  # a step with a spread was seen, or the warning was given
+        return
+    g = r.view(-1, n)
+    reward.flat_steps = reward.flat_steps + 1 if bool((g == g[:, :1]).all()) else -1
+    if reward.flat_steps == FLAT_STEPS:
+        reward.flat_steps = -1
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"warning: in each of the first {FLAT_STEPS} steps every group's completions got the same reward "
+                  f"(now {r.mean().item():.3f}), so every advantage is 0 and nothing is learned; if this goes on, "
+                  "the answers may not be gradable: compare them with what the model writes (samples.jsonl)",
+                  file=sys.stderr)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -594,8 +857,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 @torch.no_grad()
-def evaluate(policy, tok, held, eos, d: Dist, *, k: int, n: int | None = None, max_new_tokens: int,
-             temperature: float, top_p: float, top_k: int, gen_batch_size: int, unshard: bool = False) -> dict:
+def evaluate(policy, tok, held, eos, d: Dist, *, k: int, n: int | None = None, reward: Reward | None = None,
+             max_new_tokens: int, temperature: float, top_p: float, top_k: int, gen_batch_size: int,
+             unshard: bool = False) -> dict:
     """Over the held-out prompts (each rank an equal share), from n >= k samples a prompt (n defaults to k):
     avg@k, the mean accuracy of the n samples (an unbiased estimate of the mean accuracy of k samples, the DFPO
     paper's metric), and pass@k, the mean over prompts of the unbiased 1 - C(n - c, k) / C(n, k) (pass_at_k)."""
@@ -608,7 +872,7 @@ def evaluate(policy, tok, held, eos, d: Dist, *, k: int, n: int | None = None, m
         part = rows.select(range(i, min(i + per_call, len(rows))))
         out = generate(policy, tok, part["text"], n, eos, d, max_new_tokens=max_new_tokens, temperature=temperature,
                        top_p=top_p, top_k=top_k, gen_batch_size=gen_batch_size, unshard=unshard)
-        part_r, part_errors = score(out["texts"], part["answer"], n)
+        part_r, part_errors = score(out["texts"], part["answer"], n, reward, watch=False)
         r, errors = torch.cat([r, part_r]), errors + part_errors
     r = r.view(-1, n)
     passk = sum(pass_at_k(n, int(c), k) for c in (r > 0).sum(1))

@@ -1,0 +1,117 @@
+"""The math grader: equivalent answers written differently score 1, different answers score 0, every call is
+bounded in time, each reference is normalised once per prompt and each distinct answer graded once."""
+import threading
+import time
+
+import pytest
+
+import common
+from common import math_reward, score
+
+# (what the model boxes, the reference): the same mathematical object written two ways
+SAME = [
+    ("\\tfrac{6}{8}", "\\frac34"),  # fractions: another spelling, unreduced
+    ("0.75", "\\frac{3}{4}"),
+    ("-\\dfrac{1}{3}", "-1/3"),
+    ("\\sqrt{8}", "2\\sqrt{2}"),  # radicals
+    ("\\frac{1}{\\sqrt{2}}", "\\frac{\\sqrt{2}}{2}"),
+    ("x^2+2x+1", "(x+1)^2"),  # polynomials, expanded or in another order
+    ("3 - 2a + a^2", "a^2-2a+3"),
+    ("[1, 3)", "[1,3)"),  # intervals
+    ("(-\\infty, 2]", "(-\\infty,2]"),
+    ("(\\frac{1}{2}, 3)", "(0.5,3)"),  # tuples
+    ("\\{3, 1, 2\\}", "\\{1,2,3\\}"),  # sets: order does not matter
+    ("\\begin{pmatrix} \\frac{4}{2} & 0 \\\\ 0 & 2 \\end{pmatrix}", "\\begin{pmatrix}2&0\\\\0&2\\end{pmatrix}"),
+    ("45^{\\circ}", "45"),  # degrees
+    ("30^\\circ", "30"),
+    ("12.5\\%", "12.5"),  # percent: the number as written, or as a fraction of 100
+    ("20\\%", "0.2"),
+    ("\\$1,250", "1250"),  # currency and thousands
+    ("1{,}000", "1000"),
+    ("18.90 dollars", "\\$18.90"),
+    ("10 \\text{ cm}^2", "10"),  # units
+    ("+7", "7"),
+    ("\\text{5}", "5"),
+    ("\\text{Tuesday}", "tuesday"),  # text answers, without case
+    ("(B)", "B"),
+    ("1 \\pm \\sqrt{3}", "1+\\sqrt{3}, 1-\\sqrt{3}"),  # plus-minus: both roots
+    ("x=5", "5"),  # equations
+    ("5", "x = 5"),
+    ("\\pi/2", "\\frac{\\pi}{2}"),
+]
+
+DIFFERENT = [
+    ("\\frac{3}{5}", "\\frac{5}{3}"),
+    ("0.33", "\\frac{1}{3}"),
+    ("\\sqrt{8}", "2\\sqrt{3}"),
+    ("x^2-2x+1", "(x+1)^2"),
+    ("(1,3)", "[1,3)"),  # open vs half-open interval
+    ("[1,3]", "[1,3)"),
+    ("(1, 2)", "(2, 1)"),  # tuples: order matters
+    ("\\{1,2\\}", "\\{1,2,3\\}"),
+    ("\\begin{pmatrix}2&0\\\\0&3\\end{pmatrix}", "\\begin{pmatrix}2&0\\\\0&2\\end{pmatrix}"),
+    ("44^\\circ", "45"),
+    ("5\\%", "0.5"),
+    ("\\$12", "13"),
+    ("\\text{Monday}", "\\text{Tuesday}"),
+    ("\\text{Evenly}", "\\text{Evelyn}"),  # the same letters: as products of symbols these would be equal
+    ("1+\\sqrt{3}", "1 \\pm \\sqrt{3}"),  # one root of two
+    ("x=6", "5"),
+    ("y", "x"),
+]
+
+
+@pytest.mark.parametrize("pred, gold", SAME)
+def test_equivalent_answers_score_1(pred, gold):
+    assert math_reward(f"so the answer is \\boxed{{{pred}}}.", gold) == 1.0
+
+
+@pytest.mark.parametrize("pred, gold", DIFFERENT)
+def test_different_answers_score_0(pred, gold):
+    assert math_reward(f"so the answer is \\boxed{{{pred}}}.", gold) == 0.0
+
+
+@pytest.mark.parametrize("text, gold", [
+    ("the answer is 72, in total, for both", "72"),  # a comma after a number in prose
+    ("She pays $18.90.", "18.90"),
+    ("#### 1,234", "1234"),
+    ("\\boxed 5", "5"),  # a brace-less box
+    ("first \\boxed{3}, then \\boxed{4}", "4"),  # the last box wins
+])
+def test_extraction_from_prose(text, gold):
+    assert math_reward(text, gold) == 1.0
+
+
+def test_pathological_answer_scores_0_within_about_a_second_and_is_counted(capsys):
+    """9^(9^(9^9)) is a number no machine can write out: the comparison with 1 runs until it is stopped."""
+    reward = common.Reward(timeout_s=1.0)
+    texts = ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{1}", "\\boxed{\\sqrt{1}}"]
+    reward.run([("2", "2")])  # start the worker, so that the time below is the grading alone
+    t = time.time()
+    r, errors = score(texts, ["1"], 3, reward)
+    assert time.time() - t < 2.5
+    assert r.tolist() == [0.0, 1.0, 1.0] and errors == 1  # the worker was restarted and graded the third
+    assert "no reward within 1 s" in capsys.readouterr().err
+    reward.stop()
+
+
+def test_grading_works_off_the_main_thread():
+    """math-verify's own timeout uses signal.alarm, which raises ValueError outside the main thread."""
+    out = []
+    th = threading.Thread(target=lambda: out.append(score(["\\boxed{2\\sqrt{2}}", "\\boxed{3}"], ["\\sqrt{8}"], 2)))
+    th.start()
+    th.join()
+    assert out[0][0].tolist() == [1.0, 0.0] and out[0][1] == 0
+
+
+def test_each_reference_once_per_prompt_each_answer_once_per_group(monkeypatch):
+    calls, requests = [], []
+    real_canonical, real_run = common.canonical, common.Reward.run
+    monkeypatch.setattr(common, "canonical", lambda s: calls.append(s) or real_canonical(s))
+    monkeypatch.setattr(common.Reward, "run", lambda self, reqs: requests.extend(reqs) or real_run(self, reqs))
+    texts = ["\\boxed{2\\sqrt{2}}"] * 10 + ["\\boxed{\\sqrt{8}}"] * 5 + ["\\boxed{3}"]  # group 1: 3 distinct
+    texts += ["\\boxed{x}"] * 16  # group 2: one
+    r, errors = score(texts, ["\\sqrt{8}", "x"], 16)
+    assert r.tolist() == [1.0] * 15 + [0.0] + [1.0] * 16 and errors == 0
+    assert sorted(calls) == sorted(["\\sqrt{8}", "x", "2\\sqrt{2}", "\\sqrt{8}", "3", "x"])  # 2 references, 4 answers
+    assert requests == [("2\\sqrt{2}", "\\sqrt{8}"), ("3", "\\sqrt{8}")]  # x == x: settled without sympy

@@ -582,6 +582,25 @@ try:
         resource.setrlimit(resource.RLIMIT_AS, (4 << 30, resource.getrlimit(resource.RLIMIT_AS)[1]))
         logging.disable(logging.WARNING)
         from math_verify import LatexExtractionConfig, parse, verify
+        try:  # ANTLR's two-stage parse: the fast SLL prediction first, full LL only where SLL fails (~4x faster)
+            from antlr4.atn.PredictionMode import PredictionMode
+            from latex2sympy2_extended.latex2sympy2 import _Latex2Sympy
+            ll_create, ll_parse = _Latex2Sympy.create_parser, _Latex2Sympy.parse
+            def create_parser(self, latex):
+                parser = ll_create(self, latex)
+                if getattr(self, "sll", False):
+                    parser._interp.predictionMode = PredictionMode.SLL
+                return parser
+            def two_stage(self, latex):
+                try:
+                    self.sll = True
+                    return ll_parse(self, latex)
+                except Exception:
+                    self.sll = False
+                    return ll_parse(self, latex)
+            _Latex2Sympy.create_parser, _Latex2Sympy.parse = create_parser, two_stage
+        except (ImportError, AttributeError):
+            pass
         config, parsed = [LatexExtractionConfig()], {}
         def parse_once(s):
             if s not in parsed:
@@ -606,17 +625,19 @@ for line in sys.stdin:
 '''
 
 
-class Reward:
-    """The reward of a completion given its prompt's answer: the math grader (spec None) or a user's function
-    f(completion, answer) -> float named 'module:function'. What it cannot settle in this process (decide) runs in a
-    worker process, each call bounded by timeout_s (see above); use it through score()."""
+GRADING_WORKERS = 2  # worker processes per Reward (per rank): math-verify's parser is pure Python, one core each
 
-    def __init__(self, spec: str | None = None, timeout_s: float = 1.0):
-        self.spec, self.timeout_s = spec, timeout_s
-        self.proc, self.buf, self.lock = None, b"", threading.Lock()
-        self.flat_steps = 0  # training steps in a row, from the first, in which every group's rewards were equal
 
-    def _start(self):
+class _Worker:
+    """One grading process, answering one request at a time over pipes (JSON lines)."""
+
+    def __init__(self, spec: str | None):
+        self.spec, self.proc, self.buf = spec, None, b""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def launch(self):
         import subprocess
 
         path = json.dumps([os.getcwd(), *sys.path])
@@ -624,27 +645,41 @@ class Reward:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      bufsize=0)
         self.buf = b""
-        msg = self._read(120.0)  # importing math-verify or the user's module
+
+    def wait_ready(self):
+        import select
+
+        deadline = time.monotonic() + 120.0  # importing math-verify or the user's module
+        while self.line() is None and time.monotonic() < deadline:
+            if select.select([self.proc.stdout], [], [], deadline - time.monotonic())[0] and not self.pull():
+                break
+        msg = self.take()
         if msg is None or "fatal" in msg:
             self.stop()
             why = msg["fatal"] if msg else "no answer in 120 s"
             raise RuntimeError(f"the reward worker ({self.spec or 'math grader'}) did not start: {why}")
 
-    def _read(self, timeout_s: float) -> dict | None:
-        """The worker's next reply, or None when it gives none within timeout_s (or died)."""
-        import select
+    def pull(self) -> bool:
+        """Read what the worker wrote; False when it has died."""
+        chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
+        self.buf += chunk
+        return bool(chunk)
 
-        deadline = time.monotonic() + timeout_s
-        while b"\n" not in self.buf:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
-                return None
-            chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
-            if not chunk:
-                return None
-            self.buf += chunk
-        line, self.buf = self.buf.split(b"\n", 1)
+    def line(self) -> bytes | None:
+        return self.buf.split(b"\n", 1)[0] if b"\n" in self.buf else None
+
+    def take(self) -> dict | None:
+        line = self.line()
+        if line is None:
+            return None
+        self.buf = self.buf[len(line) + 1:]
         return json.loads(line)
+
+    def send(self, request):
+        if not self.alive():
+            self.launch()
+            self.wait_ready()
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
 
     def stop(self):
         if self.proc is not None:
@@ -652,21 +687,59 @@ class Reward:
             self.proc.wait()
             self.proc = None
 
+
+class Reward:
+    """The reward of a completion given its prompt's answer: the math grader (spec None) or a user's function
+    f(completion, answer) -> float named 'module:function'. What score() cannot settle in this process (decide)
+    runs in GRADING_WORKERS worker processes, each request bounded by timeout_s (see above)."""
+
+    def __init__(self, spec: str | None = None, timeout_s: float = 1.0):
+        self.spec, self.timeout_s = spec, timeout_s
+        self.workers, self.lock = [_Worker(spec) for _ in range(GRADING_WORKERS)], threading.Lock()
+        self.flat_steps = 0  # training steps in a row, from the first, in which every group's rewards were equal
+
+    def stop(self):
+        for w in self.workers:
+            w.stop()
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.stop()
+
     def run(self, requests: list[tuple[str, str]]) -> list[tuple[float, str | None]]:
-        """(reward, error) per request, each within timeout_s: a request that raises, returns a non-finite
-        value or runs out of time gives (0.0, the error)."""
-        out = []
+        """(reward, error) per request, each within timeout_s of being sent: a request that raises, returns a
+        non-finite value, kills its worker or runs out of time gives (0.0, the error); the worker is restarted."""
+        import select
+
+        out, todo, busy = [None] * len(requests), list(range(len(requests)))[::-1], {}  # busy: worker -> (i, deadline)
         with self.lock:
-            for a, b in requests:
-                if self.proc is None or self.proc.poll() is not None:
-                    self._start()
-                self.proc.stdin.write((json.dumps([a, b]) + "\n").encode())
-                msg = self._read(self.timeout_s)
-                if msg is None:
-                    self.stop()
-                    out.append((0.0, f"TimeoutError: no reward within {self.timeout_s:g} s (worker restarted)"))
-                else:
-                    out.append((msg.get("r", 0.0), msg.get("e")))
+            idle = [w for w in self.workers[:len(requests)] if not w.alive()]
+            for w in idle:  # start them side by side
+                w.launch()
+            for w in idle:
+                w.wait_ready()
+            while todo or busy:
+                for w in self.workers:
+                    if w not in busy and todo:
+                        i = todo.pop()
+                        w.send(requests[i])
+                        busy[w] = (i, time.monotonic() + self.timeout_s)
+                wait = max(0.0, min(d for _, d in busy.values()) - time.monotonic())
+                ready = select.select([w.proc.stdout for w in busy], [], [], wait)[0]
+                for w, (i, deadline) in list(busy.items()):
+                    died = w.proc.stdout in ready and not w.pull()
+                    msg = w.take()
+                    if msg is not None:
+                        out[i] = (msg.get("r", 0.0), msg.get("e"))
+                    elif died:
+                        out[i] = (0.0, "RuntimeError: the reward worker died (restarted)")
+                    elif time.monotonic() >= deadline:
+                        out[i] = (0.0, f"TimeoutError: no reward within {self.timeout_s:g} s (worker restarted)")
+                    else:
+                        continue
+                    if msg is None:
+                        w.stop()
+                    del busy[w]
         return out
 
 

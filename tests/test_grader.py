@@ -115,3 +115,85 @@ def test_each_reference_once_per_prompt_each_answer_once_per_group(monkeypatch):
     assert r.tolist() == [1.0] * 15 + [0.0] + [1.0] * 16 and errors == 0
     assert sorted(calls) == sorted(["\\sqrt{8}", "x", "2\\sqrt{2}", "\\sqrt{8}", "3", "x"])  # 2 references, 4 answers
     assert requests == [("2\\sqrt{2}", "\\sqrt{8}"), ("3", "\\sqrt{8}")]  # x == x: settled without sympy
+
+
+USER_REWARDS = '''
+import math
+import time
+
+
+def length(completion, answer):
+    return float(len(completion))
+
+
+def half(completion, answer):
+    return 0.5
+
+
+def boom(completion, answer):
+    raise KeyError("no such test")
+
+
+def slow(completion, answer):
+    time.sleep(30)
+    return 1.0
+
+
+def nan(completion, answer):
+    return math.nan
+
+
+not_callable = 3
+'''
+
+
+@pytest.fixture
+def user_rewards(tmp_path, monkeypatch):
+    (tmp_path / "user_rewards14.py").write_text(USER_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "user_rewards14"
+
+
+def test_user_reward_scores_each_distinct_completion_once(user_rewards, monkeypatch):
+    requests = []
+    real_run = common.Reward.run
+    monkeypatch.setattr(common.Reward, "run", lambda self, reqs: requests.extend(reqs) or real_run(self, reqs))
+    reward = common.load_reward(f"{user_rewards}:length", 1.0)
+    r, errors = score(["ab", "abcd", "ab", "xyz"], ["1", "2"], 2, reward)
+    assert r.tolist() == [2.0, 4.0, 2.0, 3.0] and errors == 0
+    assert requests == [("ab", "1"), ("abcd", "1"), ("ab", "2"), ("xyz", "2")]  # "ab" once per prompt
+    reward.stop()
+
+
+@pytest.mark.parametrize("name, needle", [("boom", "KeyError: 'no such test'"),
+                                          ("nan", "ValueError: the reward returned nan"),
+                                          ("slow", "TimeoutError: no reward within 0.3 s")])
+def test_user_reward_failures_score_0_are_counted_and_bounded(user_rewards, name, needle, capsys):
+    reward = common.load_reward(f"{user_rewards}:{name}", 0.3)
+    t = time.time()
+    r, errors = score(["a", "b"], ["1"], 2, reward)
+    assert time.time() - t < 5  # slow: 2 x 0.3 s and a worker restart in between
+    assert r.tolist() == [0.0, 0.0] and errors == 2 and needle in capsys.readouterr().err
+    reward.stop()
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--reward", "user_rewards14"], "--reward 'user_rewards14': give module:function"),
+    (["--reward", "no_such_module14:f"], "--reward 'no_such_module14:f': cannot import 'no_such_module14'"),
+    (["--reward", "user_rewards14:missing"], "module 'user_rewards14' has no 'missing'"),
+    (["--reward", "user_rewards14:not_callable"], "user_rewards14.not_callable is a int, not a function"),
+    (["--reward-timeout", "0"], "--reward-timeout 0.0: must be > 0 seconds"),
+])
+def test_bad_reward_fails_before_any_model(argv, needle, user_rewards, monkeypatch, tmp_path):
+    from test_cli import fails_before_any_model
+
+    fails_before_any_model("gspo", argv, needle, monkeypatch, tmp_path)
+
+
+def test_user_reward_reaches_training_and_evaluation(user_rewards, monkeypatch, tmp_path):
+    from test_train import run_script
+
+    rows, _ = run_script("gspo", ["--num-steps", "1", "--prompts-per-rank", "4", "--eval-every", "1", "--eval-size",
+                                  "2", "--eval-k", "2", "--reward", f"{user_rewards}:half"], monkeypatch, tmp_path)
+    assert rows[1]["charts/reward_mean"] == 0.5 and rows[1]["charts/reward_errors"] == 0
+    assert rows[0]["eval/avg@2"] == rows[1]["eval/avg@2"] == 0.5  # avg@k: the mean reward of the samples

@@ -1065,6 +1065,44 @@ def eval_report(result: dict, dataset: str, run_dir: str, d: Dist) -> str:
     return path
 
 
+def eval_summary(log: dict) -> str:
+    """'; held-out avg@k a, pass@k p' when `log` (a step's logged values) holds an evaluation, else ''."""
+    k = next((key.split("@")[1] for key in log if key.startswith("eval/avg@")), None)
+    if k is None:
+        return ""
+    return f"; held-out avg@{k} {log[f'eval/avg@{k}']:.3f}, pass@{k} {log[f'eval/pass@{k}']:.3f}"
+
+
+SAMPLE_PROMPTS = 2  # prompts a --log-samples step shows, each with all its completions
+_SAMPLES_TRIMMED = set()  # samples.jsonl files already cut back to the resumed step in this process
+
+
+def log_samples(logger: Logger, run_dir: str, step: int, every: int, prompts, answers, texts: list[str],
+                rewards: torch.Tensor, advantages: torch.Tensor, n: int):
+    """Every `every` steps (0: never; main rank only): the first SAMPLE_PROMPTS prompts of this rank's step with
+    their n completions, rewards and advantages, as a text table in tensorboard ('samples') and as one JSON object
+    a completion in {run_dir}/samples.jsonl. A resumed run first drops the rows of the steps it will redo."""
+    if not every or step % every or not logger.d.main:
+        return
+    path = os.path.join(run_dir, "samples.jsonl")
+    if path not in _SAMPLES_TRIMMED and os.path.exists(path):
+        kept = [line for line in open(path) if json.loads(line)["step"] < step]
+        with open(path, "w") as f:
+            f.writelines(kept)
+    _SAMPLES_TRIMMED.add(path)
+    rows, md = [], []
+    for g in range(min(SAMPLE_PROMPTS, len(prompts))):
+        md.append(f"**prompt:** {prompts[g]}  \n**answer:** {answers[g]}\n\n| reward | advantage | completion |\n|---|---|---|")
+        for i in range(g * n, (g + 1) * n):
+            rows.append({"step": step, "prompt": prompts[g], "answer": answers[g], "completion": texts[i],
+                         "reward": rewards[i].item(), "advantage": advantages[i].item()})
+            cell = texts[i].replace("|", "\\|").replace("\n", "<br>")
+            md.append(f"| {rewards[i].item():.3f} | {advantages[i].item():+.3f} | {cell} |")
+    logger.writer.add_text("samples", "\n".join(md), step)
+    with open(path, "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
 # ----------------------------------------------------------------------------- data order
 def prompt_indices(n_rows: int, step: int, per_rank: int, d: Dist, seed: int) -> list[int]:
     """This rank's prompts for `step` (1-based): a fresh seeded permutation each epoch, global batch

@@ -38,7 +38,7 @@ from common import (Logger, all_finite, all_gather_cat, all_reduce, check_common
                     eval_report, evaluate, fail, generate, group_advantages, group_metrics, jitter2, load_model,
                     load_task, load_tokenizer, lr_scheduler, micro_batches, minibatches, prompt_indices, reduce_stats,
                     resume_state, run_paths, save_checkpoint, score, seed_rank, setup_distributed, wrap_policy)
-from common import load_reward
+from common import eval_summary, load_reward, log_samples
 
 
 @dataclass
@@ -137,6 +137,9 @@ class Args:
     (imported from the current folder or the Python path; runs in worker processes, so sandbox code you execute)"""
     reward_timeout: float = 1.0
     """seconds one reward call may take: past it the completion scores 0 and counts in charts/reward_errors"""
+    log_samples: int = 10
+    """every N steps, the first 2 prompts of the step with their completions, rewards and advantages go to
+    tensorboard (text, 'samples') and to samples.jsonl in the run folder (0: never)"""
     # Algorithm-specific arguments
     clip_low: float = 0.2
     """eps_low: each w_it is clipped below at 1 - eps_low (GSPO paper's GRPO baseline: 0.2)"""
@@ -261,6 +264,8 @@ def main():
         gen_time = time.time() - t
         rewards, reward_errors = score(roll["texts"], rows["answer"], args.group_size, reward)
         advantages, zero_groups = group_advantages(rewards, args.group_size, args.scale_rewards)
+        log_samples(logger, run_dir, step, args.log_samples, rows["prompt"], rows["answer"], roll["texts"], rewards,
+                    advantages, args.group_size)  # what the model writes, how it was scored
         ids, am, mask, P = roll["input_ids"], roll["attention_mask"], roll["mask"], roll["n_prompt"]
         if args.mask_truncated:  # the loss mask: truncated completions weigh nothing (the logs keep roll["mask"])
             mask = mask * ~roll["truncated"][:, None]
@@ -342,7 +347,7 @@ def main():
     logger.log(args.num_steps, {"charts/reward_jitter2": jitter})
     if d.main:
         print(f"done in {time.time() - start:.0f}s: reward {first:.3f} (first 10% of steps) -> {last:.3f} (last 10%), "
-              f"Jitter2 (DFPO eq. 20) {jitter:.4f}; checkpoint: {ckpt}")
+              f"Jitter2 (DFPO eq. 20) {jitter:.4f}{eval_summary(log)}; checkpoint: {ckpt}")
     logger.close()
     cleanup()
 

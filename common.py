@@ -452,7 +452,8 @@ def read_local(flag: str, spec: str, pcol: str, acol: str, hint: str):
         except (OSError, UnicodeDecodeError) as e:
             fail(f"{path}: cannot be read as UTF-8 text ({e})")
         if not text.strip():
-            fail(f"{path}: empty file; write one JSON object a line, e.g. {{\"{pcol}\": \"2+2=\", \"{acol}\": \"4\"}}")
+            fail(f"{path}: empty file; write one JSON object a line, e.g. "
+                 f"{{\"{pcol}\": \"2+2=\", \"{acol}\": \"4\"}}")
         if text.lstrip().startswith("["):  # one JSON array
             try:
                 items = json.loads(text)
@@ -467,7 +468,8 @@ def read_local(flag: str, spec: str, pcol: str, acol: str, hint: str):
                 try:
                     numbered.append((f"{path}:{i}", json.loads(line)))
                 except json.JSONDecodeError as e:
-                    fail(f"{path}:{i}: not valid JSON ({e.msg}, column {e.colno}); each line must be one JSON object")
+                    fail(f"{path}:{i}: not valid JSON ({e.msg}, column {e.colno}); each line must be one JSON "
+                         "object")
         rows += [checked_row(where, r, pcol, acol, hint) for where, r in numbered]
     return Dataset.from_list(rows)
 
@@ -663,7 +665,9 @@ _WORKER_SRC = r'''
 import json, os, sys
 sys.path[:0] = json.loads(sys.argv[1])
 spec = sys.argv[2]
-out = sys.stdout
+out = os.fdopen(os.dup(1), "w")  # replies only: a print() or a child process of the reward writes to stderr
+os.dup2(2, 1)
+sys.stdout = sys.stderr
 def reply(**kw):
     out.write(json.dumps(kw) + "\n")
     out.flush()
@@ -698,8 +702,9 @@ try:
             pass
         config, parsed = [LatexExtractionConfig()], {}
         def parse_once(s):
+            if len(parsed) > 4096:
+                parsed.clear()
             if s not in parsed:
-                parsed.clear() if len(parsed) > 4096 else None
                 parsed[s] = parse("$" + s + "$", extraction_config=config, fallback_mode="no_fallback",
                                   parsing_timeout=None)
             return parsed[s]
@@ -714,7 +719,9 @@ for line in sys.stdin:
     a, b = json.loads(line)
     try:
         r = float(fn(a, b))
-        reply(r=r) if r == r and abs(r) != float("inf") else reply(e=f"ValueError: the reward returned {r}")
+        if r != r or abs(r) == float("inf"):
+            raise ValueError(f"the reward returned {r}")
+        reply(r=r)
     except Exception as e:
         reply(e=f"{type(e).__name__}: {e}"[:300])
 '''
@@ -737,8 +744,8 @@ class _Worker:
 
         path = json.dumps([os.getcwd(), *sys.path])
         self.proc = subprocess.Popen([sys.executable, "-c", _WORKER_SRC, path, self.spec or ""],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     bufsize=0)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
+                                     stderr=None if self.spec else subprocess.DEVNULL)  # a user's prints show
         self.buf = b""
 
     def wait_ready(self):
@@ -768,13 +775,22 @@ class _Worker:
         if line is None:
             return None
         self.buf = self.buf[len(line) + 1:]
-        return json.loads(line)
+        try:
+            return json.loads(line)
+        except ValueError:
+            return {"e": f"RuntimeError: the reward worker wrote {line[:80]!r}"}
 
     def send(self, request):
-        if not self.alive():
-            self.launch()
-            self.wait_ready()
-        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        for attempt in range(2):
+            if not self.alive():
+                self.launch()
+                self.wait_ready()
+            try:
+                self.proc.stdin.write((json.dumps(request) + "\n").encode())
+                return
+            except OSError:  # it died after alive() looked: once more with a new one
+                self.stop()
+        raise RuntimeError(f"the reward worker ({self.spec or 'math grader'}) dies as it starts")
 
     def stop(self):
         if self.proc is not None:
@@ -806,7 +822,8 @@ class Reward:
         non-finite value, kills its worker or runs out of time gives (0.0, the error); the worker is restarted."""
         import select
 
-        out, todo, busy = [None] * len(requests), list(range(len(requests)))[::-1], {}  # busy: worker -> (i, deadline)
+        out, todo = [None] * len(requests), list(range(len(requests)))[::-1]
+        busy = {}  # worker -> (request index, deadline)
         with self.lock:
             idle = [w for w in self.workers[:len(requests)] if not w.alive()]
             for w in idle:  # start them side by side
@@ -971,7 +988,8 @@ def score(texts: list[str], answers: list, n: int, reward: Reward | None = None,
                     keys.append(None)
                     continue
                 if len(pred) > _MAX_ANSWER_CHARS:
-                    raise ValueError(f"an answer of {len(pred)} characters (over {_MAX_ANSWER_CHARS}) is not graded")
+                    raise ValueError(f"an answer of {len(pred)} characters (over {_MAX_ANSWER_CHARS}) is not "
+                                     "graded")
                 p = preds[pred] if pred in preds else preds.setdefault(pred, canonical(pred))
                 key = (p[0], gold[0])
                 if key not in results:
@@ -1092,7 +1110,8 @@ def log_samples(logger: Logger, run_dir: str, step: int, every: int, prompts, an
     _SAMPLES_TRIMMED.add(path)
     rows, md = [], []
     for g in range(min(SAMPLE_PROMPTS, len(prompts))):
-        md.append(f"**prompt:** {prompts[g]}  \n**answer:** {answers[g]}\n\n| reward | advantage | completion |\n|---|---|---|")
+        md.append(f"**prompt:** {prompts[g]}  \n**answer:** {answers[g]}\n\n"
+                  "| reward | advantage | completion |\n|---|---|---|")
         for i in range(g * n, (g + 1) * n):
             rows.append({"step": step, "prompt": prompts[g], "answer": answers[g], "completion": texts[i],
                          "reward": rewards[i].item(), "advantage": advantages[i].item()})

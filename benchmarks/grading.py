@@ -9,8 +9,7 @@ every prompt has its own reference, so the cache helps within a group only. Nume
 process (exact fractions); symbolic ones go to math-verify in the grading worker where the canonical forms differ.
 One worker serves a whole run, so the first step pays for warming math-verify's LaTeX parser (ANTLR) and later
 steps do not: both are timed, each step with references not seen before, and the worker's start apart.
-`grader right` is the share of completions scored as their label (correct spelling or wrong answer) says. Every repeat
-uses a fresh Reward whose worker has started (the start is timed apart), so no parse is cached from a repeat before.
+`grader right` is the share of completions scored as their label (correct spelling or wrong answer) says.
 """
 import argparse
 import math
@@ -101,6 +100,7 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=common.GRADING_WORKERS, help="grading worker processes")
+    p.add_argument("--timeout", type=float, default=1.0, help="seconds a request may take (--reward-timeout)")
     a = p.parse_args()
     common.GRADING_WORKERS = a.workers
     rng = random.Random(a.seed)
@@ -109,7 +109,7 @@ def main():
     print(f"| answers | step | completions | sent to math-verify | reward errors | grader right | seconds | CPU s "
           f"({a.workers} workers + this process) | completions / s |\n|---|---|---|---|---|---|---|---|---|")
     for name in ["numeric", "symbolic"]:
-        reward = common.Reward()
+        reward = common.Reward(timeout_s=a.timeout)
         t = time.perf_counter()
         reward.run([("1", "1")])  # the worker starts (imports math-verify)
         start = time.perf_counter() - t

@@ -34,7 +34,7 @@ def test_logprob_benchmark_prints_its_table():
 
 def test_grading_benchmark_prints_its_table():
     p = subprocess.run([sys.executable, "benchmarks/grading.py", "--prompts", "10", "--group-size", "4", "--repeats",
-                        "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                        "1", "--timeout", "30"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     rows = [line.split(" | ") for line in p.stdout.splitlines() if line.startswith(("| numeric |", "| symbolic |"))]
     graded = [r for r in rows if r[1] != "worker start"]

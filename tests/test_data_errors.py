@@ -77,7 +77,7 @@ def test_bad_data_fails_on_the_command_line_with_one_line(case, cli_results):
     rc, stdout, stderr, run_folder, seconds = cli_results[case]
     assert rc == 1 and stderr.count("\n") == 1 and stderr.startswith("error: "), stderr[-3000:]
     assert CASES[case][2] in stderr, stderr
-    assert not run_folder and seconds < 30  # three at once on 2 cores; each alone takes ~3 s
+    assert not run_folder and seconds < 60  # three at once on 2 cores; each alone takes ~3 s
     assert "train /" not in stdout  # the data never got as far as being counted
 
 

@@ -8,6 +8,18 @@ import pytest
 import common
 from common import math_reward, score
 
+
+@pytest.fixture(autouse=True, scope="module")
+def roomy_grader():
+    """Correctness tests grade with a 30 s bound, so that a busy machine cannot turn a slow answer into a 0; the
+    bound itself is tested below with its own Reward."""
+    saved = list(common._MATH_GRADER)
+    common._MATH_GRADER[:] = [common.Reward(timeout_s=30.0)]
+    yield
+    common._MATH_GRADER[0].stop()
+    common._MATH_GRADER[:] = saved
+
+
 # (what the model boxes, the reference): the same mathematical object written two ways
 SAME = [
     ("\\tfrac{6}{8}", "\\frac34"),  # fractions: another spelling, unreduced
@@ -85,13 +97,13 @@ def test_extraction_from_prose(text, gold):
 def test_pathological_answer_scores_0_within_about_a_second_and_is_counted(capsys):
     """9^(9^(9^9)) is a number no machine can write out: the comparison with 1 runs until it is stopped."""
     reward = common.Reward(timeout_s=1.0)
-    texts = ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{1}", "\\boxed{\\sqrt{1}}"]
     reward.run([("2", "2")])  # start the worker, so that the time below is the grading alone
     t = time.time()
-    r, errors = score(texts, ["1"], 3, reward)
-    assert time.time() - t < 2.5
-    assert r.tolist() == [0.0, 1.0, 1.0] and errors == 1  # the worker was restarted and graded the third
-    assert "no reward within 1 s" in capsys.readouterr().err
+    r, errors = score(["\\boxed{9^{9^{9^{9}}}}"], ["1"], 1, reward)
+    assert time.time() - t < 2.0 and r.tolist() == [0.0] and errors == 1
+    assert "no reward within 1 s (worker restarted)" in capsys.readouterr().err
+    r, errors = score(["\\boxed{1}", "\\boxed{\\sqrt{1}}"], ["1"], 2, reward)  # the run goes on: a new worker
+    assert r.tolist() == [1.0, 1.0] and errors == 0
     reward.stop()
 
 
@@ -119,7 +131,14 @@ def test_each_reference_once_per_prompt_each_answer_once_per_group(monkeypatch):
 
 USER_REWARDS = '''
 import math
+import os
 import time
+
+
+def chatty(completion, answer):
+    print("debug:", completion)  # the worker's stdout carries its replies: prints must not break them
+    os.system("echo from a child process")
+    return 1.0
 
 
 def length(completion, answer):
@@ -197,3 +216,12 @@ def test_user_reward_reaches_training_and_evaluation(user_rewards, monkeypatch, 
                                   "2", "--eval-k", "2", "--reward", f"{user_rewards}:half"], monkeypatch, tmp_path)
     assert rows[1]["charts/reward_mean"] == 0.5 and rows[1]["charts/reward_errors"] == 0
     assert rows[0]["eval/avg@2"] == rows[1]["eval/avg@2"] == 0.5  # avg@k: the mean reward of the samples
+
+
+def test_user_reward_may_print(user_rewards, capfd):
+    reward = common.load_reward(f"{user_rewards}:chatty", 5.0)
+    r, errors = score(["a", "b"], ["1"], 2, reward)
+    assert r.tolist() == [1.0, 1.0] and errors == 0
+    err = capfd.readouterr().err
+    assert "debug: a" in err and "from a child process" in err
+    reward.stop()

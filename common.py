@@ -656,13 +656,15 @@ def math_reward(completion: str, answer: str) -> float:
 
 
 # Grading runs math-verify (LaTeX parsed by an ANTLR grammar into sympy, never eval) and users' reward functions in
-# a worker process, one request at a time, with a hard time bound: a request not answered within the bound kills
-# the worker (restarted on the next request) and scores 0, counted as a reward error. Not math-verify's own
+# worker processes (GRADING_WORKERS), each answering one request at a time, with a hard time bound: a request not
+# answered within the bound kills its worker (restarted on its next request) and scores 0, counted as a reward error. Not math-verify's own
 # timeout: it uses signal.alarm, which raises ValueError off the main thread, has a resolution of whole seconds,
 # replaces the process's SIGALRM handler, and cannot interrupt a long call into C (a huge integer power); a separate
 # process can always be killed, and bounds memory too (RLIMIT_AS for the math grader).
 _WORKER_SRC = r'''
-import json, os, sys
+import json
+import os
+import sys
 sys.path[:0] = json.loads(sys.argv[1])
 spec = sys.argv[2]
 out = os.fdopen(os.dup(1), "w")  # replies only: a print() or a child process of the reward writes to stderr
@@ -677,7 +679,8 @@ try:
         module, name = spec.split(":")
         fn = getattr(importlib.import_module(module), name)
     else:
-        import logging, resource
+        import logging
+        import resource
         resource.setrlimit(resource.RLIMIT_AS, (4 << 30, resource.getrlimit(resource.RLIMIT_AS)[1]))
         logging.disable(logging.WARNING)
         from math_verify import LatexExtractionConfig, parse, verify

@@ -14,6 +14,7 @@ import random
 import re
 import shutil
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from fractions import Fraction
@@ -380,18 +381,26 @@ def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok,
         return train, held, dropped
 
     if name == "builtin":
+        if data_files:
+            fail(f"--data-files {data_files!r} reads a local copy of a hub set (--dataset {', '.join(DATASETS)}); "
+                 "--dataset builtin would ignore it: drop it")
         return finish(Dataset.from_list(builtin_task(4096, seed)), Dataset.from_list(builtin_task(eval_size, seed + 1)), 0)
     if name in DATASETS:
         hub, cfg, train_split, test_split, pcol, acol, instr = DATASETS[name]
         if data_files:
-            ds = {"train": load_dataset("json", data_files=data_files, split="train")}
+            hint = (f"--dataset {name} reads its own columns '{pcol}' and '{acol}' (a file of 'prompt' and "
+                    "'answer' is given as --dataset path.jsonl)")
+            ds = {"train": read_local("--data-files", data_files, pcol, acol, hint)}
             train_split, test_split = "train", None
         else:
-            ds = load_dataset(hub, cfg)
+            ds = load_hub(name, hub, cfg)
     elif name.endswith((".json", ".jsonl")):
-        if not os.path.isfile(name):
-            fail(f"--dataset {name!r}: no such file")
-        ds, train_split, test_split, pcol, acol, instr = {"train": load_dataset("json", data_files=name, split="train")}, "train", None, "prompt", "answer", ""
+        if data_files:
+            fail(f"--dataset {name!r} is a local file already and --data-files {data_files!r} would be ignored: "
+                 "drop --data-files (it reads a local copy of a hub set in that set's own columns)")
+        pcol, acol, instr = "prompt", "answer", ""
+        ds = {"train": read_local("--dataset", name, pcol, acol, "a local file needs 'prompt' and 'answer'")}
+        train_split, test_split = "train", None
     else:
         fail(f"--dataset {name!r}: unknown (use builtin, {', '.join(DATASETS)}, or a local .jsonl of {{prompt, answer}})")
     train = ds[train_split]
@@ -412,15 +421,104 @@ def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok,
 
     train_c = clean(train)
     dropped = len(train) - len(train_c)
+    if len(train_c) == 0:
+        fail(f"--dataset {name!r}: no usable rows (dropped {dropped} without an answer)")
     if test_split is not None:
         held = clean(ds[test_split])
         dropped += len(ds[test_split]) - len(held)
+    elif len(train_c) < 2:
+        fail(f"--dataset {name!r}: 1 usable row (dropped {dropped} without an answer); it needs at least 2, one to "
+             "train on and one held out")
     else:  # no held-out split: keep the last eval_size rows apart
         split = train_c.train_test_split(test_size=min(eval_size, len(train_c) // 10 or 1), seed=seed)
         train_c, held = split["train"], split["test"]
-    if len(train_c) == 0:
-        fail(f"--dataset {name!r}: no usable rows (dropped {dropped} without an answer)")
     return finish(train_c, held, dropped)
+
+
+def read_local(flag: str, spec: str, pcol: str, acol: str, hint: str):
+    """A local .json/.jsonl file (or a glob of them) as a `datasets.Dataset` of its pcol and acol columns, read here
+    line by line so that a bad row fails with one line naming its file and line: JSON lines (one object a line) or
+    one JSON array of objects. Prompts are text (or chat turns: the last one's content); answers text or numbers,
+    kept as text (null: dropped later and counted)."""
+    from datasets import Dataset
+
+    paths = sorted(glob.glob(spec)) if glob.has_magic(spec) else [spec]
+    if not paths or not all(os.path.isfile(p) for p in paths):
+        fail(f"{flag} {spec!r}: no such file")
+    rows = []
+    for path in paths:
+        try:
+            text = open(path, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError) as e:
+            fail(f"{path}: cannot be read as UTF-8 text ({e})")
+        if not text.strip():
+            fail(f"{path}: empty file; write one JSON object a line, e.g. "
+                 f"{{\"{pcol}\": \"2+2=\", \"{acol}\": \"4\"}}")
+        if text.lstrip().startswith("["):  # one JSON array
+            try:
+                items = json.loads(text)
+            except json.JSONDecodeError as e:
+                fail(f"{path}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})")
+            numbered = [(f"{path} item {i + 1}", r) for i, r in enumerate(items)]
+        else:
+            numbered = []
+            for i, line in enumerate(text.split("\n"), 1):  # not splitlines: JSON strings may hold U+2028
+                if not line.strip():
+                    continue
+                try:
+                    numbered.append((f"{path}:{i}", json.loads(line)))
+                except json.JSONDecodeError as e:
+                    fail(f"{path}:{i}: not valid JSON ({e.msg}, column {e.colno}); each line must be one JSON "
+                         "object")
+        rows += [checked_row(where, r, pcol, acol, hint) for where, r in numbered]
+    return Dataset.from_list(rows)
+
+
+def checked_row(where: str, r, pcol: str, acol: str, hint: str) -> dict:
+    """One row of a local file, or one line naming what is wrong with it."""
+    if not isinstance(r, dict):
+        fail(f"{where}: a JSON {type(r).__name__}, not an object like {{\"{pcol}\": ..., \"{acol}\": ...}}")
+    missing = [c for c in (pcol, acol) if c not in r]
+    if missing:
+        fail(f"{where} has no column(s) {missing} (it has {sorted(r)}); {hint}")
+    p, a = r[pcol], r[acol]
+    if isinstance(p, list) and p and isinstance(p[-1], dict) and isinstance(p[-1].get("content"), str):
+        p = p[-1]["content"]  # chat format: the last turn
+    if not isinstance(p, str) or not p.strip():
+        fail(f"{where}: '{pcol}' is {p!r:.40}; every row needs a text prompt")
+    if isinstance(a, bool) or not isinstance(a, (str, int, float, type(None))):
+        fail(f"{where}: '{acol}' is a {type(a).__name__}; give the answer as text or a number")
+    return {pcol: p, acol: None if a is None else str(a)}
+
+
+def load_hub(name: str, hub: str, cfg: str | None):
+    """A hub set through `datasets`, failing with one line, fast, when the hub cannot be reached: without
+    HF_HUB_OFFLINE, one connection to the endpoint (5 s at most) before `datasets` would retry for ~30 s; with it,
+    the cached copy or a line saying there is none."""
+    import socket
+    import urllib.parse
+
+    from datasets import load_dataset
+
+    offline = any(os.environ.get(v, "0").lower() not in ("0", "", "false", "no", "off")
+                  for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    proxied = any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"))
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    if not offline and not proxied:  # behind a proxy only `datasets` knows the way
+        url = urllib.parse.urlparse(endpoint)
+        try:
+            socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), 5).close()
+        except OSError as e:
+            fail(f"--dataset {name}: cannot reach {endpoint} ({e.strerror or e}); without a network, load it once "
+                 f"where there is one and set HF_HUB_OFFLINE=1 to use the cached copy, or give a local copy of "
+                 f"{hub} with --data-files")
+    try:
+        return load_dataset(hub, cfg)
+    except Exception as e:  # noqa: BLE001 - whatever went wrong, one line says so
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        where = "; HF_HUB_OFFLINE is set, so only a cached copy can be used" if offline else ""
+        fail(f"--dataset {name}: loading {hub} failed ({type(e).__name__}: {first}){where}; or give a local copy "
+             "with --data-files")
 
 
 def chat_prompts(tok, prompts: list[str], enable_thinking: bool) -> list[str]:
@@ -431,21 +529,28 @@ def chat_prompts(tok, prompts: list[str], enable_thinking: bool) -> list[str]:
                                     enable_thinking=enable_thinking) for p in prompts]
 
 
-_NUM = r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+"
+# Numbers as answers write them: -12, 3.5, .5, 3/4, and thousands in groups of three (1,234). A comma that three
+# digits do not follow ends the number, so "the answer is 72, in total" gives 72.
+_NUM = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+"
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*(\{)?")
 
 
 def answer_span(text: str) -> tuple[int, int] | None:
     """Where the final answer lies in text, as (start, end) character offsets: the contents of the last
-    \\boxed{...}, else the number (or the first non-empty line) after the last '####', else the last number."""
-    i = text.rfind("\\boxed")
-    if i >= 0:
-        j = text.find("{", i)
-        depth, k = 0, j
-        while 0 <= k < len(text):
+    \\boxed{...} (or the token after a brace-less `\\boxed 5`), else the number (or the first non-empty line) after
+    the last '####', else the last number."""
+    box = None
+    for box in _BOX.finditer(text):
+        pass
+    if box is not None and box.group(1) is None:
+        m = re.compile(r"\s*([^\s$]+)").match(text, box.end())
+        return m.span(1) if m else None
+    if box is not None:
+        depth = 1
+        for k in range(box.end(), len(text)):
             depth += {"{": 1, "}": -1}.get(text[k], 0)
             if depth == 0:
-                return j + 1, k
-            k += 1
+                return box.end(), k
         return None  # unbalanced \boxed{
     i = text.rfind("####")
     if i >= 0:
@@ -463,11 +568,47 @@ def extract_answer(text: str) -> str | None:
     return text[span[0]:span[1]].strip() if span else None
 
 
+_TEXT_CMD = r"\\(?:text|textbf|textrm|textit|mbox|mathrm|mathbf|operatorname)\s*"
+_UNIT = re.compile(r"(?<=\S)\s*" + _TEXT_CMD + r"\{\s*[A-Za-z][A-Za-z\s.]*\}(?:\s*\^\s*\{?[23]\}?)?$")
+_WORDS_AFTER_NUMBER = re.compile(r"([-+]?[\d.,/]*\d)\s+[A-Za-z]{2,}(?:\s+[A-Za-z]+)*\.?")
+_WORD = re.compile(r"[A-Za-z]+(?: [A-Za-z]+)*")
+_MAX_ANSWER_CHARS = 1000  # a longer extracted answer is not graded: it scores 0 and counts as a reward error
+
+
+def normalize_answer(s: str) -> tuple[str, bool]:
+    """An answer in one canonical spelling, and whether it carried a percent sign: \\dfrac and \\tfrac become
+    \\frac, \\sqrt3 and \\frac12 get their braces; \\left/\\right, spacing commands, $ and \\$, degrees (^\\circ), %,
+    a trailing unit (\\text{ cm}, or words after a number: '18.90 dollars'), a \\text{...} around the whole answer,
+    a leading + and a final period go; 1{,}000 is 1,000; spaces go except between two letters. Pure text."""
+    s = s.strip()
+    s = re.sub(r"\\[dt]frac", r"\\frac", s)
+    s = re.sub(r"\\left(?![a-zA-Z])|\\right(?![a-zA-Z])|\\displaystyle", "", s)
+    s = s.replace("{,}", ",").replace("\\$", "").replace("$", "")
+    s = re.sub(r"(?<!\\)\\[,!;: ]|~|\\q?quad(?![a-zA-Z])", " ", s)  # not the \\ of a new row
+    s = re.sub(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|°|\\degree", "", s)
+    percent = "%" in s
+    s = re.sub(r"\\?%", "", s).strip()
+    s = _UNIT.sub("", s).strip()
+    whole = re.fullmatch(_TEXT_CMD + r"\{([^{}]*)\}", s)
+    if whole:
+        s = whole.group(1).strip()
+    s = _WORDS_AFTER_NUMBER.sub(r"\1", s) if _WORDS_AFTER_NUMBER.fullmatch(s) else s
+    s = re.sub(r"\\sqrt\s*(\d)", r"\\sqrt{\1}", s)
+    s = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", s)
+    s = re.sub(r"\s+", " ", s).rstrip(".").strip()
+    s = re.sub(r"^\+(?=[\d.\\])", "", s)
+    s = re.sub(r"(?<=[^A-Za-z]) | (?=[^A-Za-z])", "", s)  # "x + 1" -> "x+1"; "\pi r" keeps its space
+    choice = re.fullmatch(r"\(([A-Za-z])\)", s)  # multiple choice: (C) is C
+    return (choice.group(1) if choice else s), percent
+
+
 def parse_number(s: str) -> Fraction | None:
-    """Integers, decimals, thousands separators, a/b, \\frac{a}{b}, a leading sign, $ and % dropped."""
-    s = s.strip().replace("$", "").replace("\\!", "").replace("\\,", "").replace(" ", "").rstrip(".").replace("%", "")
-    s = re.sub(r"\\text\{[^}]*\}$", "", s)
-    m = re.fullmatch(r"(-?)\\d?frac\{(-?[\d.,]+)\}\{(-?[\d.,]+)\}", s) or re.fullmatch(r"(-?)\\d?frac(\d)(\d)", s)
+    """The exact value of a number as answers write it (after normalize_answer): integers, decimals, thousands
+    separators, a/b, \\frac{a}{b}, a sign; None when s is not one number."""
+    s = normalize_answer(s)[0]
+    if len(s) > 100:  # past Python's digit limits, and no answer worth an exact comparison
+        return None
+    m = re.fullmatch(r"(-?)\\frac\{(-?[\d.,]+)\}\{(-?[\d.,]+)\}", s)
     try:
         if m:
             v = Fraction(m.group(2).replace(",", "")) / Fraction(m.group(3).replace(",", ""))
@@ -482,17 +623,275 @@ def parse_number(s: str) -> Fraction | None:
     return None
 
 
-def math_reward(completion: str, answer: str) -> float:
-    """1.0 if the extracted final answer equals the reference numerically (or as normalised text when
-    either side is not a number), else 0.0. Model text is only parsed, never evaluated."""
-    pred = extract_answer(completion)
-    if pred is None:
+def canonical(answer: str) -> tuple[str, frozenset]:
+    """(normalised text, the exact values it may mean): one value for a number, two for a percentage (5% is
+    5, as answers are often written, and 0.05), none for anything else. Computed once per distinct answer."""
+    text, percent = normalize_answer(answer)
+    v = parse_number(text)
+    if v is None:
+        return text, frozenset()
+    return text, frozenset({v, v / 100}) if percent else frozenset({v})
+
+
+def decide(pred: tuple[str, frozenset], gold: tuple[str, frozenset]) -> float | None:
+    """The fast path: 1.0 or 0.0 where canonical forms settle it (equal text, two numbers, or plain words, compared
+    without case), None where a symbolic comparison must decide (math-verify, in the grading worker)."""
+    if pred[0] == gold[0] and pred[0]:
+        return 1.0
+    if pred[1] and gold[1]:
+        return float(bool(pred[1] & gold[1]))
+    if _WORD.fullmatch(pred[0]) or _WORD.fullmatch(gold[0]):  # text answers; math-verify would read a word as a
+        return float(pred[0].lower() == gold[0].lower())  # product of symbols, so 'Evenly' would equal 'Evelyn'
+    if not pred[0] or not gold[0]:
         return 0.0
-    a, b = parse_number(pred), parse_number(answer)
-    if a is not None and b is not None:
-        return float(a == b)
-    norm = lambda x: re.sub(r"\s+|\\left|\\right|\$", "", x)  # noqa: E731
-    return float(norm(pred) == norm(answer))
+    return None
+
+
+def math_reward(completion: str, answer: str) -> float:
+    """1.0 if the completion's final answer (extract_answer) equals the reference, else 0.0: exact numbers and
+    canonical text first (decide), math-verify on what they cannot settle (radicals, expressions, intervals, sets,
+    tuples, matrices, equations), in a worker process with a time bound. Model text is parsed, never executed."""
+    r, errors = score([completion], [answer], 1, watch=False)
+    return r.item()
+
+
+# Grading runs math-verify (LaTeX parsed by an ANTLR grammar into sympy, never eval) and users' reward functions in
+# worker processes (GRADING_WORKERS), each answering one request at a time, with a hard time bound: a request not
+# answered within the bound kills its worker (restarted on its next request) and scores 0, counted as a reward error. Not math-verify's own
+# timeout: it uses signal.alarm, which raises ValueError off the main thread, has a resolution of whole seconds,
+# replaces the process's SIGALRM handler, and cannot interrupt a long call into C (a huge integer power); a separate
+# process can always be killed, and bounds memory too (RLIMIT_AS for the math grader).
+_WORKER_SRC = r'''
+import json
+import os
+import sys
+sys.path[:0] = json.loads(sys.argv[1])
+spec = sys.argv[2]
+out = os.fdopen(os.dup(1), "w")  # replies only: a print() or a child process of the reward writes to stderr
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+def reply(**kw):
+    out.write(json.dumps(kw) + "\n")
+    out.flush()
+try:
+    if spec:
+        import importlib
+        module, name = spec.split(":")
+        fn = getattr(importlib.import_module(module), name)
+    else:
+        import logging
+        import resource
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, resource.getrlimit(resource.RLIMIT_AS)[1]))
+        logging.disable(logging.WARNING)
+        from math_verify import LatexExtractionConfig, parse, verify
+        try:  # ANTLR's two-stage parse: the fast SLL prediction first, full LL only where SLL fails (~4x faster)
+            from antlr4.atn.PredictionMode import PredictionMode
+            from latex2sympy2_extended.latex2sympy2 import _Latex2Sympy
+            ll_create, ll_parse = _Latex2Sympy.create_parser, _Latex2Sympy.parse
+            def create_parser(self, latex):
+                parser = ll_create(self, latex)
+                if getattr(self, "sll", False):
+                    parser._interp.predictionMode = PredictionMode.SLL
+                return parser
+            def two_stage(self, latex):
+                try:
+                    self.sll = True
+                    return ll_parse(self, latex)
+                except Exception:
+                    self.sll = False
+                    return ll_parse(self, latex)
+            _Latex2Sympy.create_parser, _Latex2Sympy.parse = create_parser, two_stage
+        except (ImportError, AttributeError):
+            pass
+        config, parsed = [LatexExtractionConfig()], {}
+        def parse_once(s):
+            if len(parsed) > 4096:
+                parsed.clear()
+            if s not in parsed:
+                parsed[s] = parse("$" + s + "$", extraction_config=config, fallback_mode="no_fallback",
+                                  parsing_timeout=None)
+            return parsed[s]
+        def fn(pred, gold):
+            g, p = parse_once(gold), parse_once(pred)
+            return float(bool(g) and bool(p) and verify(g, p, timeout_seconds=None))
+except BaseException as e:
+    reply(fatal=f"{type(e).__name__}: {e}")
+    sys.exit(1)
+reply(ready=True)
+for line in sys.stdin:
+    a, b = json.loads(line)
+    try:
+        r = float(fn(a, b))
+        if r != r or abs(r) == float("inf"):
+            raise ValueError(f"the reward returned {r}")
+        reply(r=r)
+    except Exception as e:
+        reply(e=f"{type(e).__name__}: {e}"[:300])
+'''
+
+
+GRADING_WORKERS = 2  # worker processes per Reward (per rank): math-verify's parser is pure Python, one core each
+
+
+class _Worker:
+    """One grading process, answering one request at a time over pipes (JSON lines)."""
+
+    def __init__(self, spec: str | None):
+        self.spec, self.proc, self.buf = spec, None, b""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def launch(self):
+        import subprocess
+
+        path = json.dumps([os.getcwd(), *sys.path])
+        self.proc = subprocess.Popen([sys.executable, "-c", _WORKER_SRC, path, self.spec or ""],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
+                                     stderr=None if self.spec else subprocess.DEVNULL)  # a user's prints show
+        self.buf = b""
+
+    def wait_ready(self):
+        import select
+
+        deadline = time.monotonic() + 120.0  # importing math-verify or the user's module
+        while self.line() is None and time.monotonic() < deadline:
+            if select.select([self.proc.stdout], [], [], deadline - time.monotonic())[0] and not self.pull():
+                break
+        msg = self.take()
+        if msg is None or "fatal" in msg:
+            self.stop()
+            why = msg["fatal"] if msg else "no answer in 120 s"
+            raise RuntimeError(f"the reward worker ({self.spec or 'math grader'}) did not start: {why}")
+
+    def pull(self) -> bool:
+        """Read what the worker wrote; False when it has died."""
+        chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
+        self.buf += chunk
+        return bool(chunk)
+
+    def line(self) -> bytes | None:
+        return self.buf.split(b"\n", 1)[0] if b"\n" in self.buf else None
+
+    def take(self) -> dict | None:
+        line = self.line()
+        if line is None:
+            return None
+        self.buf = self.buf[len(line) + 1:]
+        try:
+            return json.loads(line)
+        except ValueError:
+            return {"e": f"RuntimeError: the reward worker wrote {line[:80]!r}"}
+
+    def send(self, request):
+        for attempt in range(2):
+            if not self.alive():
+                self.launch()
+                self.wait_ready()
+            try:
+                self.proc.stdin.write((json.dumps(request) + "\n").encode())
+                return
+            except OSError:  # it died after alive() looked: once more with a new one
+                self.stop()
+        raise RuntimeError(f"the reward worker ({self.spec or 'math grader'}) dies as it starts")
+
+    def stop(self):
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+class Reward:
+    """The reward of a completion given its prompt's answer: the math grader (spec None) or a user's function
+    f(completion, answer) -> float named 'module:function'. What score() cannot settle in this process (decide)
+    runs in GRADING_WORKERS worker processes, each request bounded by timeout_s (see above)."""
+
+    def __init__(self, spec: str | None = None, timeout_s: float = 1.0):
+        self.spec, self.timeout_s = spec, timeout_s
+        self.workers, self.lock = [_Worker(spec) for _ in range(GRADING_WORKERS)], threading.Lock()
+        self.flat_steps = 0  # training steps in a row, from the first, in which every group's rewards were equal
+
+    def stop(self):
+        for w in self.workers:
+            w.stop()
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.stop()
+
+    def run(self, requests: list[tuple[str, str]]) -> list[tuple[float, str | None]]:
+        """(reward, error) per request, each within timeout_s of being sent: a request that raises, returns a
+        non-finite value, kills its worker or runs out of time gives (0.0, the error); the worker is restarted."""
+        import select
+
+        out, todo = [None] * len(requests), list(range(len(requests)))[::-1]
+        busy = {}  # worker -> (request index, deadline)
+        with self.lock:
+            idle = [w for w in self.workers[:len(requests)] if not w.alive()]
+            for w in idle:  # start them side by side
+                w.launch()
+            for w in idle:
+                w.wait_ready()
+            while todo or busy:
+                for w in self.workers:
+                    if w not in busy and todo:
+                        i = todo.pop()
+                        w.send(requests[i])
+                        busy[w] = (i, time.monotonic() + self.timeout_s)
+                wait = max(0.0, min(d for _, d in busy.values()) - time.monotonic())
+                ready = select.select([w.proc.stdout for w in busy], [], [], wait)[0]
+                for w, (i, deadline) in list(busy.items()):
+                    died = w.proc.stdout in ready and not w.pull()
+                    msg = w.take()
+                    if msg is not None:
+                        out[i] = (msg.get("r", 0.0), msg.get("e"))
+                    elif died:
+                        out[i] = (0.0, "RuntimeError: the reward worker died (restarted)")
+                    elif time.monotonic() >= deadline:
+                        out[i] = (0.0, f"TimeoutError: no reward within {self.timeout_s:g} s (worker restarted)")
+                    else:
+                        continue
+                    if msg is None:
+                        w.stop()
+                    del busy[w]
+        return out
+
+
+_MATH_GRADER = []  # the default Reward, made on first use
+
+
+def load_reward(spec: str | None, timeout_s: float) -> Reward:
+    """--reward and --reward-timeout, checked before any heavy work: None is the math grader (it needs
+    math-verify); 'module:function' must name a callable f(completion, answer) -> float importable from the
+    current folder or the Python path."""
+    import importlib
+    import importlib.util
+
+    if not timeout_s > 0:
+        fail(f"--reward-timeout {timeout_s}: must be > 0 seconds")
+    if spec is None:
+        if importlib.util.find_spec("math_verify") is None:
+            fail("the math grader needs math-verify: pip install -r requirements.txt")
+        return Reward(None, timeout_s)
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name.isidentifier():
+        fail(f"--reward {spec!r}: give module:function, e.g. my_rewards:format_reward for a function "
+             "f(completion, answer) -> float in my_rewards.py")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        fn = getattr(importlib.import_module(module), name, None)
+    except ModuleNotFoundError as e:
+        fail(f"--reward {spec!r}: cannot import {e.name!r} (run from the folder of {module}.py or add it to "
+             "PYTHONPATH)")
+    except Exception as e:  # noqa: BLE001 - the user's module raised while it was imported
+        fail(f"--reward {spec!r}: importing {module!r} raised {type(e).__name__}: {e}".splitlines()[0])
+    if fn is None:
+        fail(f"--reward {spec!r}: module {module!r} has no {name!r}")
+    if not callable(fn):
+        fail(f"--reward {spec!r}: {module}.{name} is a {type(fn).__name__}, not a function f(completion, answer)")
+    return Reward(spec, timeout_s)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-6):
@@ -573,21 +972,74 @@ def gathered(policy, on: bool):
                 m.reshard()
 
 
-def score(texts: list[str], answers: list[str], n: int) -> tuple[torch.Tensor, int]:
-    """Reward per completion, and how many completions the reward raised on: those score 0 and the first error is
-    printed, so one broken completion or reward function never stops a run. Answers are given once per prompt,
-    completions n per prompt."""
-    answers, rewards, errors = list(answers), [], []
-    for i, t in enumerate(texts):
-        try:
-            rewards.append(float(math_reward(t, answers[i // n])))
-        except Exception as e:  # noqa: BLE001 (any error of the reward, whatever the completion holds)
-            rewards.append(0.0)
-            errors.append(e)
+def score(texts: list[str], answers: list, n: int, reward: Reward | None = None,
+          watch: bool = True) -> tuple[torch.Tensor, int]:
+    """Reward per completion (reward: a Reward, default the math grader), and on how many completions it failed
+    (raised, returned a non-finite value, ran past its time bound, or an answer too long to grade): those score 0
+    and the first error is printed, so one broken completion or reward function never stops a run. Answers are
+    given once per prompt, completions n per prompt. Each answer is normalised once per prompt, and each distinct
+    request (extracted answer and reference; for a user's reward, completion and answer) is graded once.
+    watch: a training step; when every group of each of the first steps has equal rewards, say so once."""
+    if reward is None:
+        if not _MATH_GRADER:
+            _MATH_GRADER.append(Reward())
+        reward = _MATH_GRADER[0]
+    answers = [str(a) for a in answers]
+    keys, results, requests = [], {}, []  # per completion: its request (None: no answer, scores 0)
+    if reward.spec is None:
+        golds = [canonical(a) for a in answers]  # once per prompt
+        preds = {}  # extracted answer -> canonical form, once per distinct answer
+        for i, text in enumerate(texts):
+            try:
+                pred, gold = extract_answer(text), golds[i // n]
+                if pred is None:
+                    keys.append(None)
+                    continue
+                if len(pred) > _MAX_ANSWER_CHARS:
+                    raise ValueError(f"an answer of {len(pred)} characters (over {_MAX_ANSWER_CHARS}) is not "
+                                     "graded")
+                p = preds[pred] if pred in preds else preds.setdefault(pred, canonical(pred))
+                key = (p[0], gold[0])
+                if key not in results:
+                    results[key] = (decide(p, gold), None)
+                    if results[key][0] is None:
+                        requests.append(key)
+            except Exception as e:  # noqa: BLE001 - whatever the completion holds, it scores 0 and is counted
+                key = ("failed", i)
+                results[key] = (0.0, f"{type(e).__name__}: {e}")
+            keys.append(key)
+    else:
+        keys = [(text, answers[i // n]) for i, text in enumerate(texts)]
+        requests = list(dict.fromkeys(keys))
+    results.update(zip(requests, reward.run(requests)))
+    rewards = [results[k][0] if k is not None else 0.0 for k in keys]
+    errors = [results[k][1] for k in keys if k is not None and results[k][1] is not None]
     if errors:
-        print(f"warning: the reward raised on {len(errors)} of {len(texts)} completions, scored 0 "
-              f"(first: {type(errors[0]).__name__}: {errors[0]})", file=sys.stderr)
-    return torch.tensor(rewards, dtype=torch.float32), len(errors)
+        print(f"warning: the reward failed on {len(errors)} of {len(texts)} completions, scored 0 "
+              f"(first: {errors[0]})", file=sys.stderr)
+    r = torch.tensor(rewards, dtype=torch.float32)
+    if watch:
+        watch_flat_groups(reward, r, n)
+    return r, len(errors)
+
+
+FLAT_STEPS = 5  # the first training steps that, all flat, make a run say that its answers may not be gradable
+
+
+def watch_flat_groups(reward: Reward, r: torch.Tensor, n: int):
+    """Say once (main rank) when every group of each of the first FLAT_STEPS training steps had equal rewards:
+    every advantage was 0, nothing was learned, and the likely cause is answers the grader cannot match."""
+    if reward.flat_steps < 0 or r.numel() % n:  # a step with a spread was seen, or the warning was given
+        return
+    g = r.view(-1, n)
+    reward.flat_steps = reward.flat_steps + 1 if bool((g == g[:, :1]).all()) else -1
+    if reward.flat_steps == FLAT_STEPS:
+        reward.flat_steps = -1
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"warning: in each of the first {FLAT_STEPS} steps every group's completions got the same reward "
+                  f"(now {r.mean().item():.3f}), so every advantage is 0 and nothing is learned; if this goes on, "
+                  "the answers may not be gradable: compare them with what the model writes (samples.jsonl)",
+                  file=sys.stderr)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -599,8 +1051,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 @torch.no_grad()
-def evaluate(policy, tok, held, eos, d: Dist, *, k: int, n: int | None = None, max_new_tokens: int,
-             temperature: float, top_p: float, top_k: int, gen_batch_size: int, unshard: bool = False) -> dict:
+def evaluate(policy, tok, held, eos, d: Dist, *, k: int, n: int | None = None, reward: Reward | None = None,
+             max_new_tokens: int, temperature: float, top_p: float, top_k: int, gen_batch_size: int,
+             unshard: bool = False) -> dict:
     """Over the held-out prompts (each rank an equal share), from n >= k samples a prompt (n defaults to k):
     avg@k, the mean accuracy of the n samples (an unbiased estimate of the mean accuracy of k samples, the DFPO
     paper's metric), and pass@k, the mean over prompts of the unbiased 1 - C(n - c, k) / C(n, k) (pass_at_k)."""
@@ -613,7 +1066,7 @@ def evaluate(policy, tok, held, eos, d: Dist, *, k: int, n: int | None = None, m
         part = rows.select(range(i, min(i + per_call, len(rows))))
         out = generate(policy, tok, part["text"], n, eos, d, max_new_tokens=max_new_tokens, temperature=temperature,
                        top_p=top_p, top_k=top_k, gen_batch_size=gen_batch_size, unshard=unshard)
-        part_r, part_errors = score(out["texts"], part["answer"], n)
+        part_r, part_errors = score(out["texts"], part["answer"], n, reward, watch=False)
         r, errors = torch.cat([r, part_r]), errors + part_errors
     r = r.view(-1, n)
     passk = sum(pass_at_k(n, int(c), k) for c in (r > 0).sum(1))
@@ -636,6 +1089,45 @@ def eval_report(result: dict, dataset: str, run_dir: str, d: Dist) -> str:
             json.dump({dataset: result}, f, indent=1)
         print(f"written: {path}")
     return path
+
+
+def eval_summary(log: dict) -> str:
+    """'; held-out avg@k a, pass@k p' when `log` (a step's logged values) holds an evaluation, else ''."""
+    k = next((key.split("@")[1] for key in log if key.startswith("eval/avg@")), None)
+    if k is None:
+        return ""
+    return f"; held-out avg@{k} {log[f'eval/avg@{k}']:.3f}, pass@{k} {log[f'eval/pass@{k}']:.3f}"
+
+
+SAMPLE_PROMPTS = 2  # prompts a --log-samples step shows, each with all its completions
+_SAMPLES_TRIMMED = set()  # samples.jsonl files already cut back to the resumed step in this process
+
+
+def log_samples(logger: Logger, run_dir: str, step: int, every: int, prompts, answers, texts: list[str],
+                rewards: torch.Tensor, advantages: torch.Tensor, n: int):
+    """Every `every` steps (0: never; main rank only): the first SAMPLE_PROMPTS prompts of this rank's step with
+    their n completions, rewards and advantages, as a text table in tensorboard ('samples') and as one JSON object
+    a completion in {run_dir}/samples.jsonl. A resumed run first drops the rows of the steps it will redo."""
+    if not every or step % every or not logger.d.main:
+        return
+    path = os.path.join(run_dir, "samples.jsonl")
+    if path not in _SAMPLES_TRIMMED and os.path.exists(path):
+        kept = [line for line in open(path) if json.loads(line)["step"] < step]
+        with open(path, "w") as f:
+            f.writelines(kept)
+    _SAMPLES_TRIMMED.add(path)
+    rows, md = [], []
+    for g in range(min(SAMPLE_PROMPTS, len(prompts))):
+        md.append(f"**prompt:** {prompts[g]}  \n**answer:** {answers[g]}\n\n"
+                  "| reward | advantage | completion |\n|---|---|---|")
+        for i in range(g * n, (g + 1) * n):
+            rows.append({"step": step, "prompt": prompts[g], "answer": answers[g], "completion": texts[i],
+                         "reward": rewards[i].item(), "advantage": advantages[i].item()})
+            cell = texts[i].replace("|", "\\|").replace("\n", "<br>")
+            md.append(f"| {rewards[i].item():.3f} | {advantages[i].item():+.3f} | {cell} |")
+    logger.writer.add_text("samples", "\n".join(md), step)
+    with open(path, "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
 # ----------------------------------------------------------------------------- data order

@@ -36,6 +36,7 @@ from common import (Logger, all_finite, all_gather_cat, all_reduce, answer_span,
                     load_model, load_task, load_tokenizer, lr_scheduler, micro_batches, minibatches, prompt_indices,
                     reduce_stats, resume_state, run_paths, save_checkpoint, score, seed_rank, setup_distributed,
                     wrap_policy)
+from common import eval_summary, load_reward, log_samples
 
 
 @dataclass
@@ -129,6 +130,14 @@ class Args:
     under --output-dir, a fresh run if there is none (use it with torchrun --max-restarts)"""
     output_dir: str = "runs"
     """where runs are written"""
+    reward: str | None = None
+    """the reward: the built-in math grader, or 'module:function' naming your f(completion, answer) -> float
+    (imported from the current folder or the Python path; runs in worker processes, so sandbox code you execute)"""
+    reward_timeout: float = 1.0
+    """seconds one reward call may take: past it the completion scores 0 and counts in charts/reward_errors"""
+    log_samples: int = 10
+    """every N steps, the first 2 prompts of the step with their completions, rewards and advantages go to
+    tensorboard (text, 'samples') and to samples.jsonl in the run folder (0: never)"""
     # Algorithm-specific arguments
     clip_low: float = 3e-4
     """eps_low: s_i is clipped below at 1 - eps_low (GSPO paper: 3e-4)"""
@@ -215,6 +224,7 @@ def main():
     args = tyro.cli(Args)
     # TRY NOT TO MODIFY: set-up (bad input fails here, before any model is built)
     check_common_args(args)
+    reward = load_reward(args.reward, args.reward_timeout)  # a bad --reward fails here too
     if args.post_answer_penalty < 0:
         fail(f"--post-answer-penalty {args.post_answer_penalty}: must be >= 0 (a negative one rewards text after the answer)")
     d = setup_distributed(args.seed)
@@ -241,14 +251,14 @@ def main():
     eval_now = lambda step: args.eval_every > 0 and (step % args.eval_every == 0 or step == args.num_steps)  # noqa: E731
     if args.eval_only:  # the table a paper reports, for --model as it is
         policy.eval()
-        result = evaluate(policy, tok, held, eos, d, k=args.eval_k, n=args.eval_n, **gen_kw)
+        result = evaluate(policy, tok, held, eos, d, k=args.eval_k, n=args.eval_n, reward=reward, **gen_kw)
         logger.log(0, result)
         eval_report(result, args.dataset, run_dir, d)
         logger.close()
         return cleanup()
     if eval_now(0) and state["step"] == 0:
         policy.eval()
-        logger.log(0, evaluate(policy, tok, held, eos, d, k=args.eval_k, n=args.eval_n, **gen_kw))
+        logger.log(0, evaluate(policy, tok, held, eos, d, k=args.eval_k, n=args.eval_n, reward=reward, **gen_kw))
     start, reward_curve, nonfinite_run = time.time() - state["wall_time"], state["reward_curve"], state["nonfinite_run"]
     bar = tqdm(range(state["step"] + 1, args.num_steps + 1), initial=state["step"], total=args.num_steps,
                disable=not d.main, desc=args.exp_name)
@@ -259,8 +269,10 @@ def main():
         t = time.time()
         roll = generate(policy, tok, rows["text"], args.group_size, eos, d, **gen_kw)
         gen_time = time.time() - t
-        rewards, reward_errors = score(roll["texts"], rows["answer"], args.group_size)
+        rewards, reward_errors = score(roll["texts"], rows["answer"], args.group_size, reward)
         advantages, zero_groups = group_advantages(rewards, args.group_size, args.scale_rewards)
+        log_samples(logger, run_dir, step, args.log_samples, rows["prompt"], rows["answer"], roll["texts"], rewards,
+                    advantages, args.group_size)  # what the model writes, how it was scored
         ids, am, mask, P = roll["input_ids"], roll["attention_mask"], roll["mask"], roll["n_prompt"]
         if args.mask_truncated:  # the loss mask: truncated completions weigh nothing (the logs keep roll["mask"])
             mask = mask * ~roll["truncated"][:, None]
@@ -332,7 +344,7 @@ def main():
         }
         if eval_now(step):
             policy.eval()
-            log.update(evaluate(policy, tok, held, eos, d, k=args.eval_k, n=args.eval_n, **gen_kw))
+            log.update(evaluate(policy, tok, held, eos, d, k=args.eval_k, n=args.eval_n, reward=reward, **gen_kw))
         logger.log(step, log)
         reward_curve.append(log["charts/reward_mean"])
         bar.set_postfix(reward=f"{log['charts/reward_mean']:.3f}", clip=f"{log['losses/clipfrac']:.3f}",
@@ -346,7 +358,7 @@ def main():
     logger.log(args.num_steps, {"charts/reward_jitter2": jitter})
     if d.main:
         print(f"done in {time.time() - start:.0f}s: reward {first:.3f} (first 10% of steps) -> {last:.3f} (last 10%), "
-              f"Jitter2 (DFPO eq. 20) {jitter:.4f}; checkpoint: {ckpt}")
+              f"Jitter2 (DFPO eq. 20) {jitter:.4f}{eval_summary(log)}; checkpoint: {ckpt}")
     logger.close()
     cleanup()
 

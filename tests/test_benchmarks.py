@@ -30,3 +30,13 @@ def test_logprob_benchmark_prints_its_table():
                         "256", "--methods", "chunked,naive"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "| chunked | 1024 |" in p.stdout and "| naive | 1024 |" in p.stdout and "command: python" in p.stdout
+
+
+def test_grading_benchmark_prints_its_table():
+    p = subprocess.run([sys.executable, "benchmarks/grading.py", "--prompts", "10", "--group-size", "4", "--repeats",
+                        "1", "--timeout", "30"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [line.split(" | ") for line in p.stdout.splitlines() if line.startswith(("| numeric |", "| symbolic |"))]
+    graded = [r for r in rows if r[1] != "worker start"]
+    assert len(graded) == 4 and all(r[2] == "40" and r[4] == "0" and r[5] == "100.0%" for r in graded), p.stdout
+    assert "command: python" in p.stdout

@@ -8,18 +8,18 @@ import common
 from test_train import run_script
 
 
-def test_reward_that_raises_scores_zero_and_is_counted(monkeypatch, capsys):
-    real = common.math_reward
+def test_grader_that_raises_scores_zero_and_is_counted(monkeypatch, capsys):
+    real = common.extract_answer
 
-    def flaky(text, answer):
+    def flaky(text):
         if "boom" in text:
-            raise RuntimeError("reward server down")
-        return real(text, answer)
+            raise RuntimeError("grader bug")
+        return real(text)
 
-    monkeypatch.setattr(common, "math_reward", flaky)
+    monkeypatch.setattr(common, "extract_answer", flaky)
     r, errors = common.score(["3", "boom 3", "x = 4"], ["3", "4"], 2)  # answers 3, 3 | 4
     assert r.tolist() == [1.0, 0.0, 1.0] and errors == 1
-    assert "the reward raised on 1 of 3 completions, scored 0 (first: RuntimeError: reward server down)" in \
+    assert "the reward failed on 1 of 3 completions, scored 0 (first: RuntimeError: grader bug)" in \
         capsys.readouterr().err
 
 
@@ -31,7 +31,7 @@ def test_code_in_a_completion_is_only_parsed(tmp_path):
 
 
 def test_run_goes_on_when_the_reward_always_raises(monkeypatch, tmp_path):
-    monkeypatch.setattr(common, "math_reward", lambda text, answer: 1 / 0)
+    monkeypatch.setattr(common, "extract_answer", lambda text: 1 / 0)
     rows, _ = run_script("gspo", ["--num-steps", "2", "--prompts-per-rank", "4", "--eval-every", "0"], monkeypatch,
                          tmp_path)
     assert [r["charts/reward_errors"] for r in rows] == [32, 32]  # 4 prompts x 8 completions, each step

@@ -47,7 +47,8 @@ def test_code_in_completion_is_not_executed(tmp_path):
     code = (f"```python\nimport os\nopen({str(marker)!r}, 'w').write('x')\nprint(6*7)\n```\n"
             f"__import__('os').system('touch {marker}')")
     assert math_reward(code, "42") == 0.0  # the last number in the text is 7, from 6*7
-    assert math_reward(code + " so \\boxed{6*7}", "42") == 0.0  # an expression is not evaluated
+    boxed = f"\\boxed{{__import__('os').system('touch {marker}')}}"  # the code as the final answer: parsed as LaTeX
+    assert math_reward(code + boxed, "42") == 0.0 and math_reward(boxed, "0") == 0.0
     assert not marker.exists() and not os.path.exists(str(marker))
 
 
@@ -126,8 +127,8 @@ def test_eval_only_on_a_saved_checkpoint_prints_the_table(tiny_dir, monkeypatch,
     scores = []
     real = common.score
 
-    def recording(texts, answers, n):
-        r, e = real(texts, answers, n)
+    def recording(texts, answers, n, *a, **k):
+        r, e = real(texts, answers, n, *a, **k)
         scores.append(r.view(-1, n))
         return r, e
 

@@ -1,0 +1,227 @@
+"""The math grader: equivalent answers written differently score 1, different answers score 0, every call is
+bounded in time, each reference is normalised once per prompt and each distinct answer graded once."""
+import threading
+import time
+
+import pytest
+
+import common
+from common import math_reward, score
+
+
+@pytest.fixture(autouse=True, scope="module")
+def roomy_grader():
+    """Correctness tests grade with a 30 s bound, so that a busy machine cannot turn a slow answer into a 0; the
+    bound itself is tested below with its own Reward."""
+    saved = list(common._MATH_GRADER)
+    common._MATH_GRADER[:] = [common.Reward(timeout_s=30.0)]
+    yield
+    common._MATH_GRADER[0].stop()
+    common._MATH_GRADER[:] = saved
+
+
+# (what the model boxes, the reference): the same mathematical object written two ways
+SAME = [
+    ("\\tfrac{6}{8}", "\\frac34"),  # fractions: another spelling, unreduced
+    ("0.75", "\\frac{3}{4}"),
+    ("-\\dfrac{1}{3}", "-1/3"),
+    ("\\sqrt{8}", "2\\sqrt{2}"),  # radicals
+    ("\\frac{1}{\\sqrt{2}}", "\\frac{\\sqrt{2}}{2}"),
+    ("x^2+2x+1", "(x+1)^2"),  # polynomials, expanded or in another order
+    ("3 - 2a + a^2", "a^2-2a+3"),
+    ("[1, 3)", "[1,3)"),  # intervals
+    ("(-\\infty, 2]", "(-\\infty,2]"),
+    ("(\\frac{1}{2}, 3)", "(0.5,3)"),  # tuples
+    ("\\{3, 1, 2\\}", "\\{1,2,3\\}"),  # sets: order does not matter
+    ("\\begin{pmatrix} \\frac{4}{2} & 0 \\\\ 0 & 2 \\end{pmatrix}", "\\begin{pmatrix}2&0\\\\0&2\\end{pmatrix}"),
+    ("45^{\\circ}", "45"),  # degrees
+    ("30^\\circ", "30"),
+    ("12.5\\%", "12.5"),  # percent: the number as written, or as a fraction of 100
+    ("20\\%", "0.2"),
+    ("\\$1,250", "1250"),  # currency and thousands
+    ("1{,}000", "1000"),
+    ("18.90 dollars", "\\$18.90"),
+    ("10 \\text{ cm}^2", "10"),  # units
+    ("+7", "7"),
+    ("\\text{5}", "5"),
+    ("\\text{Tuesday}", "tuesday"),  # text answers, without case
+    ("(B)", "B"),
+    ("1 \\pm \\sqrt{3}", "1+\\sqrt{3}, 1-\\sqrt{3}"),  # plus-minus: both roots
+    ("x=5", "5"),  # equations
+    ("5", "x = 5"),
+    ("\\pi/2", "\\frac{\\pi}{2}"),
+]
+
+DIFFERENT = [
+    ("\\frac{3}{5}", "\\frac{5}{3}"),
+    ("0.33", "\\frac{1}{3}"),
+    ("\\sqrt{8}", "2\\sqrt{3}"),
+    ("x^2-2x+1", "(x+1)^2"),
+    ("(1,3)", "[1,3)"),  # open vs half-open interval
+    ("[1,3]", "[1,3)"),
+    ("(1, 2)", "(2, 1)"),  # tuples: order matters
+    ("\\{1,2\\}", "\\{1,2,3\\}"),
+    ("\\begin{pmatrix}2&0\\\\0&3\\end{pmatrix}", "\\begin{pmatrix}2&0\\\\0&2\\end{pmatrix}"),
+    ("44^\\circ", "45"),
+    ("5\\%", "0.5"),
+    ("\\$12", "13"),
+    ("\\text{Monday}", "\\text{Tuesday}"),
+    ("\\text{Evenly}", "\\text{Evelyn}"),  # the same letters: as products of symbols these would be equal
+    ("1+\\sqrt{3}", "1 \\pm \\sqrt{3}"),  # one root of two
+    ("x=6", "5"),
+    ("y", "x"),
+]
+
+
+@pytest.mark.parametrize("pred, gold", SAME)
+def test_equivalent_answers_score_1(pred, gold):
+    assert math_reward(f"so the answer is \\boxed{{{pred}}}.", gold) == 1.0
+
+
+@pytest.mark.parametrize("pred, gold", DIFFERENT)
+def test_different_answers_score_0(pred, gold):
+    assert math_reward(f"so the answer is \\boxed{{{pred}}}.", gold) == 0.0
+
+
+@pytest.mark.parametrize("text, gold", [
+    ("the answer is 72, in total, for both", "72"),  # a comma after a number in prose
+    ("She pays $18.90.", "18.90"),
+    ("#### 1,234", "1234"),
+    ("\\boxed 5", "5"),  # a brace-less box
+    ("first \\boxed{3}, then \\boxed{4}", "4"),  # the last box wins
+])
+def test_extraction_from_prose(text, gold):
+    assert math_reward(text, gold) == 1.0
+
+
+def test_pathological_answer_scores_0_within_about_a_second_and_is_counted(capsys):
+    """9^(9^(9^9)) is a number no machine can write out: the comparison with 1 runs until it is stopped."""
+    reward = common.Reward(timeout_s=1.0)
+    reward.run([("2", "2")])  # start the worker, so that the time below is the grading alone
+    t = time.time()
+    r, errors = score(["\\boxed{9^{9^{9^{9}}}}"], ["1"], 1, reward)
+    assert time.time() - t < 2.0 and r.tolist() == [0.0] and errors == 1
+    assert "no reward within 1 s (worker restarted)" in capsys.readouterr().err
+    r, errors = score(["\\boxed{1}", "\\boxed{\\sqrt{1}}"], ["1"], 2, reward)  # the run goes on: a new worker
+    assert r.tolist() == [1.0, 1.0] and errors == 0
+    reward.stop()
+
+
+def test_grading_works_off_the_main_thread():
+    """math-verify's own timeout uses signal.alarm, which raises ValueError outside the main thread."""
+    out = []
+    th = threading.Thread(target=lambda: out.append(score(["\\boxed{2\\sqrt{2}}", "\\boxed{3}"], ["\\sqrt{8}"], 2)))
+    th.start()
+    th.join()
+    assert out[0][0].tolist() == [1.0, 0.0] and out[0][1] == 0
+
+
+def test_each_reference_once_per_prompt_each_answer_once_per_group(monkeypatch):
+    calls, requests = [], []
+    real_canonical, real_run = common.canonical, common.Reward.run
+    monkeypatch.setattr(common, "canonical", lambda s: calls.append(s) or real_canonical(s))
+    monkeypatch.setattr(common.Reward, "run", lambda self, reqs: requests.extend(reqs) or real_run(self, reqs))
+    texts = ["\\boxed{2\\sqrt{2}}"] * 10 + ["\\boxed{\\sqrt{8}}"] * 5 + ["\\boxed{3}"]  # group 1: 3 distinct
+    texts += ["\\boxed{x}"] * 16  # group 2: one
+    r, errors = score(texts, ["\\sqrt{8}", "x"], 16)
+    assert r.tolist() == [1.0] * 15 + [0.0] + [1.0] * 16 and errors == 0
+    assert sorted(calls) == sorted(["\\sqrt{8}", "x", "2\\sqrt{2}", "\\sqrt{8}", "3", "x"])  # 2 references, 4 answers
+    assert requests == [("2\\sqrt{2}", "\\sqrt{8}"), ("3", "\\sqrt{8}")]  # x == x: settled without sympy
+
+
+USER_REWARDS = '''
+import math
+import os
+import time
+
+
+def chatty(completion, answer):
+    print("debug:", completion)  # the worker's stdout carries its replies: prints must not break them
+    os.system("echo from a child process")
+    return 1.0
+
+
+def length(completion, answer):
+    return float(len(completion))
+
+
+def half(completion, answer):
+    return 0.5
+
+
+def boom(completion, answer):
+    raise KeyError("no such test")
+
+
+def slow(completion, answer):
+    time.sleep(30)
+    return 1.0
+
+
+def nan(completion, answer):
+    return math.nan
+
+
+not_callable = 3
+'''
+
+
+@pytest.fixture
+def user_rewards(tmp_path, monkeypatch):
+    (tmp_path / "user_rewards14.py").write_text(USER_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "user_rewards14"
+
+
+def test_user_reward_scores_each_distinct_completion_once(user_rewards, monkeypatch):
+    requests = []
+    real_run = common.Reward.run
+    monkeypatch.setattr(common.Reward, "run", lambda self, reqs: requests.extend(reqs) or real_run(self, reqs))
+    reward = common.load_reward(f"{user_rewards}:length", 1.0)
+    r, errors = score(["ab", "abcd", "ab", "xyz"], ["1", "2"], 2, reward)
+    assert r.tolist() == [2.0, 4.0, 2.0, 3.0] and errors == 0
+    assert requests == [("ab", "1"), ("abcd", "1"), ("ab", "2"), ("xyz", "2")]  # "ab" once per prompt
+    reward.stop()
+
+
+@pytest.mark.parametrize("name, needle", [("boom", "KeyError: 'no such test'"),
+                                          ("nan", "ValueError: the reward returned nan"),
+                                          ("slow", "TimeoutError: no reward within 0.3 s")])
+def test_user_reward_failures_score_0_are_counted_and_bounded(user_rewards, name, needle, capsys):
+    reward = common.load_reward(f"{user_rewards}:{name}", 0.3)
+    t = time.time()
+    r, errors = score(["a", "b"], ["1"], 2, reward)
+    assert time.time() - t < 5  # slow: 2 x 0.3 s and a worker restart in between
+    assert r.tolist() == [0.0, 0.0] and errors == 2 and needle in capsys.readouterr().err
+    reward.stop()
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--reward", "user_rewards14"], "--reward 'user_rewards14': give module:function"),
+    (["--reward", "no_such_module14:f"], "--reward 'no_such_module14:f': cannot import 'no_such_module14'"),
+    (["--reward", "user_rewards14:missing"], "module 'user_rewards14' has no 'missing'"),
+    (["--reward", "user_rewards14:not_callable"], "user_rewards14.not_callable is a int, not a function"),
+    (["--reward-timeout", "0"], "--reward-timeout 0.0: must be > 0 seconds"),
+])
+def test_bad_reward_fails_before_any_model(argv, needle, user_rewards, monkeypatch, tmp_path):
+    from test_cli import fails_before_any_model
+
+    fails_before_any_model("gspo", argv, needle, monkeypatch, tmp_path)
+
+
+def test_user_reward_reaches_training_and_evaluation(user_rewards, monkeypatch, tmp_path):
+    from test_train import run_script
+
+    rows, _ = run_script("gspo", ["--num-steps", "1", "--prompts-per-rank", "4", "--eval-every", "1", "--eval-size",
+                                  "2", "--eval-k", "2", "--reward", f"{user_rewards}:half"], monkeypatch, tmp_path)
+    assert rows[1]["charts/reward_mean"] == 0.5 and rows[1]["charts/reward_errors"] == 0
+    assert rows[0]["eval/avg@2"] == rows[1]["eval/avg@2"] == 0.5  # avg@k: the mean reward of the samples
+
+
+def test_user_reward_may_print(user_rewards, capfd):
+    reward = common.load_reward(f"{user_rewards}:chatty", 5.0)
+    r, errors = score(["a", "b"], ["1"], 2, reward)
+    assert r.tolist() == [1.0, 1.0] and errors == 0
+    err = capfd.readouterr().err
+    assert "debug: a" in err and "from a child process" in err
+    reward.stop()

@@ -1,0 +1,61 @@
+"""--log-samples: what the model writes, with its rewards and advantages, in samples.jsonl and tensorboard; the
+last printed line gives the final held-out avg@k and pass@k."""
+import json
+import os
+import types
+
+import pytest
+import torch
+
+import common
+from test_train import run_script
+
+
+def test_samples_and_final_eval_line(monkeypatch, tmp_path, capsys):
+    rows, run = run_script("gspo", ["--num-steps", "1", "--prompts-per-rank", "4", "--log-samples", "1",
+                                    "--eval-every", "1", "--eval-size", "4", "--eval-k", "2"], monkeypatch, tmp_path)
+    samples = [json.loads(line) for line in open(os.path.join(run, "samples.jsonl"))]
+    assert [s["step"] for s in samples] == [1] * 16  # 2 prompts x 8 completions
+    for step in (1,):
+        for g in range(2):
+            group = samples[(step - 1) * 16 + g * 8:(step - 1) * 16 + (g + 1) * 8]
+            assert len({(s["prompt"], s["answer"]) for s in group}) == 1
+            prompt_digit = group[0]["prompt"].split("%")[0]
+            assert group[0]["answer"] == prompt_digit  # the built-in task: x%10= has answer x
+            r = torch.tensor([float(common.math_reward(s["completion"], s["answer"])) for s in group])
+            assert r.tolist() == [s["reward"] for s in group]  # graded again here: the same rewards
+            adv = (r - r.mean()) / (r.std(unbiased=False) + 1e-6)  # DFPO eq. 43
+            assert torch.allclose(adv, torch.tensor([s["advantage"] for s in group]), atol=1e-5)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(run, size_guidance={"tensors": 0}).Reload()
+    texts = events.Tensors("samples/text_summary")
+    assert [t.step for t in texts] == [1]
+    assert samples[0]["completion"].replace("|", "\\|") in texts[0].tensor_proto.string_val[0].decode()
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    final = rows[-1]
+    assert last.startswith("done in ") and (f"; held-out avg@2 {final['eval/avg@2']:.3f}, "
+                                            f"pass@2 {final['eval/pass@2']:.3f}; checkpoint: ") in last
+
+
+def test_resumed_run_redoes_its_sample_rows(tmp_path, monkeypatch):
+    logged = []
+    writer = types.SimpleNamespace(add_text=lambda tag, text, step: logged.append((tag, step)))
+    logger = types.SimpleNamespace(d=types.SimpleNamespace(main=True), writer=writer)
+    r, adv = torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([1.5, -0.5, -0.5, -0.5])
+    args = (["a", "b", "c"], ["1", "2", "3"], ["x", "y", "z", "w"], r, adv, 2)
+    monkeypatch.setattr(common, "_SAMPLES_TRIMMED", set())
+    for step in (1, 2, 3, 4):
+        common.log_samples(logger, str(tmp_path), step, 2, *args)  # every 2 steps: 2 and 4
+    monkeypatch.setattr(common, "_SAMPLES_TRIMMED", set())  # a new process, resumed after step 2
+    common.log_samples(logger, str(tmp_path), 4, 2, *args)
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "samples.jsonl")]
+    assert steps == [2, 2, 2, 2, 4, 4, 4, 4] and logged == [("samples", 2), ("samples", 4), ("samples", 4)]
+    common.log_samples(logger, str(tmp_path), 6, 0, *args)  # 0: never
+    assert len(logged) == 3
+
+
+@pytest.mark.parametrize("log, expected", [({"eval/avg@8": 0.25, "eval/pass@8": 0.5}, "; held-out avg@8 0.250, pass@8 0.500"),
+                                           ({"charts/reward_mean": 0.3}, "")])
+def test_eval_summary(log, expected):
+    assert common.eval_summary(log) == expected

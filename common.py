@@ -25,8 +25,10 @@ import torch.nn.functional as F
 
 
 def fail(msg: str):
-    """Stop with one line that says what was wrong and what to do (no traceback)."""
-    raise SystemExit(f"error: {msg}")
+    """Stop with one line on stderr that says what was wrong and what to do (no traceback). Under torchrun every rank
+    exits with code 1 and rank 0 alone prints the line: a check that can fail runs on every rank with the same
+    answer (or rank 0 decides and broadcasts), so the line is printed once and no rank is left waiting."""
+    raise SystemExit(f"error: {msg}" if int(os.environ.get("RANK", "0")) == 0 else 1)
 
 
 # ----------------------------------------------------------------------------- distributed set-up
@@ -756,37 +758,56 @@ def is_checkpoint(path: str) -> bool:
 def run_paths(args, d: Dist, script: str) -> tuple[str, str | None]:
     """The run folder and the checkpoint to resume from (None: a fresh run). --resume auto takes the newest complete
     checkpoint of this exp_name and seed under --output-dir, or starts a fresh run when there is none, so the same
-    command serves the first launch and every torchrun restart. Rank 0 decides for all ranks."""
-    out = [None, None, 0]
+    command serves the first launch and every torchrun restart. Rank 0 lists the checkpoints and names a fresh run
+    folder; every rank then reads the same files and reaches the same verdict, so an error stops all ranks at once."""
+    listed = [None, None]  # (candidate checkpoints, newest first; a fresh run's folder)
     if d.main:
-        ckpt = args.resume
-        if ckpt == "auto":
-            runs = glob.glob(os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__*", "step_*"))
+        candidates = [args.resume] if args.resume not in (None, "auto") else []
+        if args.resume == "auto":
+            pattern = os.path.join(glob.escape(args.output_dir), f"{glob.escape(args.exp_name)}__{args.seed}__*",
+                                   "step_*")
             key = re.compile(r"__(\d+)" + re.escape(os.sep) + r"step_(\d+)$")  # (run's unix time, step)
-            found = sorted((int(m[1]), int(m[2]), p) for p in runs if (m := key.search(p)) and is_checkpoint(p))
-            ckpt = found[-1][2] if found else None
-            if ckpt is None:
-                print(f"--resume auto: no checkpoint of {args.exp_name}__{args.seed}__* under {args.output_dir}, "
-                      "starting a fresh run")
-        if ckpt:
-            ckpt = os.path.normpath(ckpt)
-            state = json.load(open(os.path.join(ckpt, "trainer_state.json")))
-            if state["world"] != d.world:
-                fail(f"{ckpt} was written by {state['world']} ranks and this run has {d.world}: resume it with "
-                     f"--nproc-per-node {state['world']} (optimizer shards and RNG states are per rank)")
-            if state["script"] != script:
-                fail(f"{ckpt} was written by {state['script']}, not {script}: resume it with that script")
-            print(f"resuming {ckpt} (step {state['step']})")
-        out = [os.path.dirname(ckpt) if ckpt else os.path.join(
-            args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time())}"), ckpt, state["step"] if ckpt else 0]
+            found = sorted((int(m[1]), int(m[2]), p) for p in glob.glob(pattern) if (m := key.search(p)))
+            candidates = [p for _, _, p in reversed(found) if is_checkpoint(p)]
+        fresh = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time())}")
+        listed = [[os.path.normpath(p) for p in candidates], fresh]
     if d.world > 1:
-        dist.broadcast_object_list(out, src=0)
-    if out[2] >= args.num_steps:  # e.g. a restart after the last checkpoint was written
+        dist.broadcast_object_list(listed, src=0)
+    candidates, fresh = listed
+    ckpt = candidates[0] if candidates else None
+    if args.resume == "auto" and ckpt is None and d.main:
+        print(f"--resume auto: no checkpoint of {args.exp_name}__{args.seed}__* under {args.output_dir}, "
+              "starting a fresh run")
+    step = 0
+    if ckpt:
+        state = read_trainer_state(ckpt)
+        if state["world"] != d.world:
+            fail(f"{ckpt} was written by {state['world']} ranks and this run has {d.world}: resume it with "
+                 f"--nproc-per-node {state['world']} (optimizer shards and RNG states are per rank)")
+        if state["script"] != script:
+            fail(f"{ckpt} was written by {state['script']}, not {script}: resume it with that script")
+        step = state["step"]
         if d.main:
-            print(f"{out[1]} is at step {out[2]} and --num-steps is {args.num_steps}: nothing to do")
+            print(f"resuming {ckpt} (step {step})")
+    if step >= args.num_steps:  # e.g. a restart after the last checkpoint was written
+        if d.main:
+            print(f"{ckpt} is at step {step} and --num-steps is {args.num_steps}: nothing to do")
         cleanup()
         raise SystemExit(0)
-    return out[0], out[1]
+    return (os.path.dirname(ckpt) if ckpt else fresh), ckpt
+
+
+def read_trainer_state(ckpt: str) -> dict:
+    """A checkpoint's trainer_state.json, or one line saying why it cannot be read."""
+    try:
+        with open(os.path.join(ckpt, "trainer_state.json")) as f:
+            state = json.load(f)
+        missing = [k for k in ("step", "world", "script") if k not in state]
+    except (OSError, ValueError, TypeError) as e:
+        fail(f"{ckpt}/trainer_state.json: cannot read it ({type(e).__name__}: {e}); resume from another checkpoint")
+    if missing:
+        fail(f"{ckpt}/trainer_state.json has no {missing}: resume from another checkpoint")
+    return state
 
 
 def _rng_state(d: Dist) -> dict:
@@ -904,10 +925,12 @@ def check_common_args(args):
         fail(f"--max-new-tokens {args.max_new_tokens}: must be > 0")
     if args.clip_low <= 0 or args.clip_high <= 0:
         fail(f"--clip-low {args.clip_low} / --clip-high {args.clip_high}: clip ranges must be > 0")
+    if args.prompts_per_rank < 1:
+        fail(f"--prompts-per-rank {args.prompts_per_rank}: must be >= 1")
     if args.num_minibatches < 1 or args.prompts_per_rank % args.num_minibatches:
         fail(f"--prompts-per-rank {args.prompts_per_rank} must be a multiple of --num-minibatches {args.num_minibatches} "
              "(each minibatch holds whole groups)")
-    if args.temperature <= 0:
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
         fail(f"--temperature {args.temperature}: must be > 0 (RL samples from the policy)")
     if args.num_steps < 1:
         fail(f"--num-steps {args.num_steps}: must be >= 1")
@@ -928,3 +951,51 @@ def check_common_args(args):
         fail(f"--keep-checkpoints {args.keep_checkpoints} / --save-every {args.save_every}: must be >= 0")
     if not 0 <= args.warmup_frac < 1 or not 0 <= args.min_lr_ratio <= 1:
         fail(f"--warmup-frac {args.warmup_frac} must lie in [0, 1) and --min-lr-ratio {args.min_lr_ratio} in [0, 1]")
+    if not (math.isfinite(args.learning_rate) and args.learning_rate > 0):
+        fail(f"--learning-rate {args.learning_rate}: must be > 0")
+    if not 0 < args.top_p <= 1:
+        fail(f"--top-p {args.top_p}: must lie in (0, 1] (1 is off)")
+    if args.top_k < 0:
+        fail(f"--top-k {args.top_k}: must be >= 0 (0 is off)")
+    if args.gen_batch_size < 1:
+        fail(f"--gen-batch-size {args.gen_batch_size}: must be >= 1 completions a generate call")
+    if args.logprob_chunk_tokens < 1:
+        fail(f"--logprob-chunk-tokens {args.logprob_chunk_tokens}: must be >= 1")
+    if not args.weight_decay >= 0 or not args.max_grad_norm > 0:
+        fail(f"--weight-decay {args.weight_decay} must be >= 0 and --max-grad-norm {args.max_grad_norm} > 0")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.eval_size < max(1, world):
+        fail(f"--eval-size {args.eval_size}: must be >= 1 and at least the world size {world} (every rank evaluates "
+             "an equal share; --eval-every 0 turns evaluation off)")
+    if args.eval_every < 0:
+        fail(f"--eval-every {args.eval_every}: must be >= 0 (0: never)")
+    check_dataset(args.dataset, args.data_files)
+    check_run_name(args.output_dir, args.exp_name)
+
+
+def check_dataset(name: str, data_files: str | None):
+    """--dataset and --data-files name something that exists, before anything is read."""
+    if name not in ("builtin", *DATASETS) and not name.endswith((".json", ".jsonl")):
+        fail(f"--dataset {name!r}: unknown (use builtin, {', '.join(DATASETS)}, or a local .jsonl of {{prompt, answer}})")
+    if name.endswith((".json", ".jsonl")) and not os.path.isfile(name):
+        fail(f"--dataset {name!r}: no such file")
+    if data_files is not None and name not in DATASETS:
+        fail(f"--data-files is read in the columns of a hub set ({', '.join(DATASETS)}); --dataset {name!r} is not one")
+    if data_files is not None and not glob.glob(data_files):
+        fail(f"--data-files {data_files!r}: no such file")
+
+
+def check_run_name(output_dir: str, exp_name: str):
+    """--output-dir is (or can become) a writable folder, and --exp-name one folder name inside it."""
+    if exp_name in ("", ".", "..") or "/" in exp_name or os.sep in exp_name:
+        fail(f"--exp-name {exp_name!r}: must be one folder name (no '/', not '.' or '..'), so that the run stays "
+             "inside --output-dir")
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        fail(f"--output-dir {output_dir}: is a file, not a folder")
+    existing = os.path.abspath(output_dir)
+    while not os.path.exists(existing):  # the folder that makedirs would create the rest in
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        fail(f"--output-dir {output_dir}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        fail(f"--output-dir {output_dir}: {existing} is not writable")

@@ -207,6 +207,8 @@ def main():
     args = tyro.cli(Args)
     # TRY NOT TO MODIFY: set-up (bad input fails here, before any model is built)
     check_common_args(args)
+    if not args.kl_coef >= 0:
+        fail(f"--kl-coef {args.kl_coef}: must be >= 0 (0: no KL penalty and no reference model)")
     d = setup_distributed(args.seed)
     check_model(args.model, args.trust_remote_code)
     run_dir, ckpt = run_paths(args, d, os.path.basename(__file__))  # a fresh run, or the checkpoint to resume

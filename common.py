@@ -709,8 +709,10 @@ def lr_scheduler(optimizer, args):
 
 
 class Logger:
-    """Tensorboard + metrics.jsonl on rank 0 only. A resumed run (first_step > 1) continues both at first_step:
-    rows a killed run logged after its checkpoint are dropped from metrics.jsonl and purged from tensorboard."""
+    """Tensorboard + metrics.jsonl on rank 0 only, one row a step, in strict JSON (a non-finite number is null). A
+    resumed run (first_step > 1) continues both at first_step: rows a killed run logged after its checkpoint are
+    dropped from metrics.jsonl and purged from tensorboard, and a torn last line (a write cut short) is dropped and
+    said so; the kept rows are rewritten into a new file that replaces the old one whole."""
 
     def __init__(self, run_dir: str, d: Dist, args, first_step: int = 1):
         self.d, self.writer = d, None
@@ -724,22 +726,51 @@ class Logger:
             with open(os.path.join(run_dir, "args.json"), "w") as f:
                 json.dump(vars(args), f, indent=1, default=str)
             path = os.path.join(run_dir, "metrics.jsonl")
-            kept = [line for line in open(path) if json.loads(line)["step"] < first_step] if first_step > 1 else []
-            self.metrics = open(path, "w")
-            self.metrics.writelines(kept)
+            kept = read_metrics(path, keep_below=first_step) if first_step > 1 else []
+            with open(path + ".tmp", "w") as f:
+                f.writelines(json.dumps(row, allow_nan=False) + "\n" for row in kept)
+            os.replace(path + ".tmp", path)
+            self.metrics = open(path, "a")
 
     def log(self, step: int, scalars: dict):
         if not self.d.main:
             return
-        for k, v in scalars.items():
-            self.writer.add_scalar(k, v, step)
-        self.metrics.write(json.dumps({"step": step, **scalars}) + "\n")
+        row = {k: v if math.isfinite(v) else None for k, v in scalars.items()}  # strict JSON: null, not NaN
+        for k, v in row.items():
+            if v is not None:
+                self.writer.add_scalar(k, v, step)
+        self.metrics.write(json.dumps({"step": step, **row}, allow_nan=False) + "\n")
         self.metrics.flush()
 
     def close(self):
         if self.d.main:
             self.writer.close()
             self.metrics.close()
+
+
+def read_metrics(path: str, keep_below: int | None = None) -> list[dict]:
+    """The rows of a metrics.jsonl (those with step < keep_below if given). A last line cut short by a killed writer
+    is dropped, and said so; any other line that is not JSON stops the run with its line number."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        lines = f.read().split("\n")
+    rows = []
+    for i, line in enumerate(lines, 1):
+        if not line:
+            continue
+        try:
+            row = json.loads(line, parse_constant=lambda c: None)  # files written before rows were strict JSON
+            if not isinstance(row, dict) or "step" not in row:
+                raise ValueError("not a row")
+        except ValueError:
+            if i == len(lines):  # no newline after it: the write was cut short
+                print(f"{path}: dropped a torn last line ({len(line)} characters, not a whole row)")
+                continue
+            fail(f"{path} line {i} is not JSON: repair or remove that line, then resume")
+        if keep_below is None or row["step"] < keep_below:
+            rows.append(row)
+    return rows
 
 
 # ----------------------------------------------------------------------------- checkpoints and exact resume

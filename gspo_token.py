@@ -329,8 +329,10 @@ def main():
         if eval_now(step):
             policy.eval()
             log.update(evaluate(policy, tok, held, eos, d, k=args.eval_k, n=args.eval_n, **gen_kw))
-        logger.log(step, log)
         reward_curve.append(log["charts/reward_mean"])
+        if step == args.num_steps:  # Jitter2 of the whole run's reward curve (DFPO eq. 20), in its last row
+            log["charts/reward_jitter2"] = jitter2(reward_curve)
+        logger.log(step, log)
         bar.set_postfix(reward=f"{log['charts/reward_mean']:.3f}", clip=f"{log['losses/clipfrac']:.3f}",
                         asym=f"{log['losses/asym']:.3f}")
         if step == args.num_steps or args.save_every and step % args.save_every == 0:
@@ -339,7 +341,6 @@ def main():
                                    wall_time=time.time() - start)
     n = max(1, len(reward_curve) // 10)
     first, last, jitter = sum(reward_curve[:n]) / n, sum(reward_curve[-n:]) / n, jitter2(reward_curve)
-    logger.log(args.num_steps, {"charts/reward_jitter2": jitter})
     if d.main:
         print(f"done in {time.time() - start:.0f}s: reward {first:.3f} (first 10% of steps) -> {last:.3f} (last 10%), "
               f"Jitter2 (DFPO eq. 20) {jitter:.4f}; checkpoint: {ckpt}")

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 import common
 from conftest import ROOT
+from test_train import read_rows
 
 # 6 steps, eval at 0/3/6 (it draws samples too), warm-up then cosine: every piece of state a resume must restore
 ARGS = ["--num-steps", "6", "--prompts-per-rank", "8", "--eval-every", "3", "--eval-size", "8", "--eval-k", "2",
@@ -34,7 +35,7 @@ def launch(out, *extra, world=1, crash=None, crash_rank=0, restarts=0, script="g
 def result(out):
     """(final weights, logged rows without timings) of the one run under `out`."""
     (run,) = glob.glob(f"{out}/*/metrics.jsonl")
-    rows = [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")} for line in open(run)]
+    rows = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_rows(run)]
     return load_file(os.path.join(os.path.dirname(run), "step_6", "model.safetensors")), rows
 
 
@@ -42,7 +43,7 @@ def assert_same(a, b):
     (wa, ra), (wb, rb) = a, b
     assert wa.keys() == wb.keys()
     assert all(torch.equal(wa[k], wb[k]) for k in wa), [k for k in wa if not torch.equal(wa[k], wb[k])]
-    assert [r["step"] for r in rb] == [0, 1, 2, 3, 4, 5, 6, 6]  # eval at 0, steps 1-6, the Jitter2 row; no repeats
+    assert [r["step"] for r in rb] == [0, 1, 2, 3, 4, 5, 6]  # eval at 0, steps 1-6 (6 with Jitter2); no repeats
     assert ra == rb  # rewards, losses, clip fractions, learning rates, evals: every logged number of every step
 
 
@@ -93,9 +94,12 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, tmp
     assert open(f"{run}/.tmp_step_4/rank0.pt", "rb").read() == b"half an optimizer state"
     assert not common.is_checkpoint(f"{run}/.tmp_step_4") and common.is_checkpoint(f"{run}/step_2")
     assert [json.loads(line)["step"] for line in open(f"{run}/metrics.jsonl")][-1] == 4  # logged past the checkpoint
+    with open(f"{run}/metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "charts/reward_me')  # and a row torn by the kill
 
     p = launch(tmp_path, "--save-every", "2", "--resume", "auto")
     assert p.returncode == 0 and f"resuming {run}step_2 (step 2)" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
+    assert f"{run}metrics.jsonl: dropped a torn last line (29 characters, not a whole row)" in p.stdout
     assert_same(straight(1, tmp_path_factory), result(tmp_path))  # steps 3-4 were logged twice, kept once
     assert tensorboard_steps(tmp_path) == [1, 2, 3, 4, 5, 6]  # purged at step 3 by the resumed writer
     assert sorted(d for d in os.listdir(run) if "step" in d) == ["step_4", "step_6"]  # --keep-checkpoints 2
@@ -106,6 +110,16 @@ def test_torchrun_max_restarts_resumes_a_killed_rank(tmp_path, tmp_path_factory)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "starting a fresh run" in p.stdout and "(step 3)" in p.stdout  # the first attempt, then the restart
     assert_same(straight(2, tmp_path_factory), result(tmp_path))
+
+
+def test_metrics_rows_read_back(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "a": NaN}\n{"step": 2, "a": 1}\n{"step": 3, "a"')
+    assert common.read_metrics(str(path)) == [{"step": 1, "a": None}, {"step": 2, "a": 1}]  # older files: NaN read
+    assert common.read_metrics(str(path), keep_below=2) == [{"step": 1, "a": None}]
+    path.write_text('{"step": 1}\n{"step": 2\n{"step": 3}\n')
+    with pytest.raises(SystemExit, match="metrics.jsonl line 2 is not JSON: repair or remove that line"):
+        common.read_metrics(str(path))
 
 
 def test_resume_errors_before_any_heavy_work(tmp_path, monkeypatch, capsys):

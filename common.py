@@ -6,6 +6,7 @@ advantages, logging, evaluation and checkpoints. The training loop itself lives 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import json
 import math
@@ -13,6 +14,7 @@ import os
 import random
 import re
 import shutil
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -841,6 +843,70 @@ def read_trainer_state(ckpt: str) -> dict:
     return state
 
 
+# One writer per run folder: rank 0 holds an exclusive flock on {run_dir}/writer.lock (which names its pid and host)
+# from before the model loads until the process ends. The kernel lets go of it when the process dies, however it
+# dies, so a dead writer's lock is taken over by the next run; a live writer's stops the next one with one line.
+_run_lock = None  # rank 0's open writer.lock
+
+
+def claim_run_dir(run_dir: str, ckpt: str | None, d: Dist) -> str:
+    """Rank 0 creates a fresh run's folder (a run started in the same second with the same --exp-name and --seed
+    takes the next free second's name, never the same folder) or takes a resumed run's, and locks it. Returns the
+    folder, the same on every rank; a folder held by a live writer stops every rank with one line naming it."""
+    out = [run_dir, None]
+    if d.main:
+        try:
+            out = [_claim_run_dir(run_dir, ckpt), None]
+        except SystemExit as e:
+            out = [None, e.code]
+    if d.world > 1:
+        dist.broadcast_object_list(out, src=0)
+    if out[1] is not None:
+        raise SystemExit(out[1] if d.main else 1)
+    return out[0]
+
+
+def _claim_run_dir(run_dir: str, ckpt: str | None) -> str:
+    global _run_lock
+    if ckpt is None:
+        os.makedirs(os.path.dirname(run_dir) or ".", exist_ok=True)
+        head, t = run_dir.rsplit("__", 1)
+        while True:
+            try:
+                os.mkdir(run_dir)  # atomic: of two runs that picked the same name, one gets it
+                break
+            except FileExistsError:
+                t = str(int(t) + 1)
+                run_dir = f"{head}__{t}"
+    release_run_dir()  # an earlier run in this process (tests call main() more than once)
+    path = os.path.join(run_dir, "writer.lock")
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        fail(f"{run_dir} is being written by {holder} (it holds {path}): wait for that run to end, or start "
+             "another with a different --exp-name or --seed")
+    except OSError as e:  # a file system without locks (e.g. NFS mounted with nolock refuses some): said, not hidden
+        print(f"warning: cannot lock {path} ({e}): no one-writer guarantee on this file system", file=sys.stderr)
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    _run_lock = f
+    return run_dir
+
+
+def release_run_dir():
+    """Let go of writer.lock (the end of a run; process exit does the same)."""
+    global _run_lock
+    if _run_lock is not None:
+        _run_lock.close()
+        _run_lock = None
+
+
 def _rng_state(d: Dist) -> dict:
     py, npy = random.getstate(), np.random.get_state()
     return {"python": py, "numpy": (npy[0], npy[1].tolist(), *npy[2:]), "torch": torch.get_rng_state(),
@@ -928,7 +994,9 @@ def cleanup():
     """The end of a torchrun process: every rank done with every collective, the group destroyed, then the process
     leaves without the interpreter's exit-time destructors. Under torch 2.13 + gloo, process-group objects that the
     FSDP2 model still references are destroyed there and sometimes abort ("terminate called without an active
-    exception", about 1 run in 60 on 2 busy cores) after all the work is done and saved. World size 1: nothing."""
+    exception", about 1 run in 60 on 2 busy cores) after all the work is done and saved. World size 1: nothing but
+    letting go of the run folder's lock."""
+    release_run_dir()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

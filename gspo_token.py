@@ -36,6 +36,7 @@ from common import (Logger, all_finite, all_gather_cat, all_reduce, answer_span,
                     load_model, load_task, load_tokenizer, lr_scheduler, micro_batches, minibatches, prompt_indices,
                     reduce_stats, resume_state, run_paths, save_checkpoint, score, seed_rank, setup_distributed,
                     wrap_policy)
+from common import claim_run_dir
 
 
 @dataclass
@@ -223,6 +224,7 @@ def main():
     tok = load_tokenizer(args.model, args.trust_remote_code)
     train, held, dropped = load_task(args.dataset, args.data_files, args.eval_size, args.seed, tok, args.enable_thinking,
                                      args.max_prompt_tokens)
+    run_dir = claim_run_dir(run_dir, ckpt, d)  # one writer per run folder: a live one holds its writer.lock
     lm = load_model(ckpt or args.model, tok, d, args.seed, args.trust_remote_code, args.dtype)
     eos = eos_ids(lm, tok)
     policy = wrap_policy(lm, d, args.temperature, args.logprob_chunk_tokens, args.activation_checkpointing,

@@ -122,6 +122,50 @@ def test_metrics_rows_read_back(tmp_path):
         common.read_metrics(str(path))
 
 
+HOLD = """import fcntl, os, socket, sys, time
+f = open(sys.argv[1], "a+")
+fcntl.flock(f, fcntl.LOCK_EX)
+f.truncate(0)
+f.write(f"pid {os.getpid()} on {socket.gethostname()}\\n")
+f.flush()
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_one_writer_per_run_folder(tmp_path, monkeypatch):
+    """A live writer's lock stops a second one (here two --resume auto of one run) before the model loads, with one
+    line naming it; a dead writer's lock is taken over; two fresh runs started in the same second get two folders."""
+    import socket
+
+    import gspo
+
+    run = tmp_path / "gspo__1__5"
+    ckpt = run / "step_4"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4, "world": 1, "script": "gspo.py"}))
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run / "writer.lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        monkeypatch.setattr(gspo, "load_model", lambda *a, **k: pytest.fail("a second writer reached the model"))
+        monkeypatch.setattr(sys, "argv", ["gspo.py", "--resume", "auto", "--output-dir", str(tmp_path)])
+        with pytest.raises(SystemExit) as e:
+            gspo.main()
+        assert e.value.code == (f"error: {run} is being written by pid {holder.pid} on {socket.gethostname()} (it "
+                                f"holds {run}/writer.lock): wait for that run to end, or start another with a "
+                                "different --exp-name or --seed")
+    finally:
+        holder.kill()
+        holder.wait()
+    d = common.Dist(0, 1, 0, torch.device("cpu"))
+    assert common.claim_run_dir(str(run), str(ckpt), d) == str(run)  # the dead writer's lock, taken over
+    assert (run / "writer.lock").read_text() == f"pid {os.getpid()} on {socket.gethostname()}\n"
+    fresh = str(tmp_path / "gspo__1__1795365514")
+    assert common.claim_run_dir(fresh, None, d) == fresh
+    assert common.claim_run_dir(fresh, None, d) == fresh[:-1] + "5"  # the same name: the next second's folder
+    common.release_run_dir()
+
+
 def test_resume_errors_before_any_heavy_work(tmp_path, monkeypatch, capsys):
     import gspo
 

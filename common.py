@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import glob
+import hashlib
 import json
 import math
 import os
@@ -778,14 +779,96 @@ def read_metrics(path: str, keep_below: int | None = None) -> list[dict]:
 # ----------------------------------------------------------------------------- checkpoints and exact resume
 # A checkpoint is a folder {run_dir}/step_N: the model and tokenizer as `save_pretrained` writes them (safetensors,
 # loads with from_pretrained), trainer_state.json (step, world size, script, reward curve) and rank{r}.pt per rank
-# (this rank's optimizer shard, the lr schedule, the RNG states; plain tensors, read with weights_only=True). It is
-# written into .tmp_step_N and renamed into place when complete, so a crash mid-write leaves the previous ones intact.
+# (this rank's optimizer shard, the lr schedule, the RNG states; plain tensors, read with weights_only=True), and,
+# written last, manifest.json: the size and sha256 of every other file. It is written into .tmp_step_N and renamed
+# into place when complete, so a crash mid-write leaves the previous ones intact; a file damaged later (a full disk,
+# a bad copy) fails the manifest, and resume says so instead of loading it.
 STEP_DIR = re.compile(r"step_(\d+)$")
+MANIFEST = "manifest.json"
 
 
 def is_checkpoint(path: str) -> bool:
-    return bool(STEP_DIR.search(os.path.basename(os.path.normpath(path)))) and os.path.isfile(
-        os.path.join(path, "trainer_state.json"))
+    """A step_N folder with its manifest: complete when written (verify_checkpoint says whether it still is)."""
+    return bool(STEP_DIR.match(os.path.basename(os.path.normpath(path)))) and os.path.isfile(
+        os.path.join(path, MANIFEST))
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _digests(folder: str, names: list[str], d: Dist) -> dict:
+    """{name: [bytes, sha256]} of files in folder, each rank hashing its share (names: the same on every rank)."""
+    mine = {}
+    for name in names[d.rank::d.world]:
+        path = os.path.join(folder, name)
+        try:
+            mine[name] = [os.path.getsize(path), _sha256(path)]
+        except OSError as e:
+            mine[name] = [-1, f"{type(e).__name__}: {e}"]
+    if d.world > 1:
+        parts = [None] * d.world
+        dist.all_gather_object(parts, mine)
+        mine = {k: v for part in parts for k, v in part.items()}
+    return mine
+
+
+def write_manifest(folder: str, d: Dist | None = None):
+    """manifest.json: size and sha256 of every other file in folder (ranks hash in parallel), written last, whole."""
+    d = d or Dist(0, 1, 0, torch.device("cpu"))
+    barrier()
+    names = [None]
+    if d.main:
+        names = [sorted(os.path.relpath(os.path.join(root, f), folder) for root, _, files in os.walk(folder)
+                        for f in files if f != MANIFEST)]
+    if d.world > 1:
+        dist.broadcast_object_list(names, src=0)
+    files = _digests(folder, names[0], d)
+    if d.main:
+        with open(os.path.join(folder, MANIFEST + ".tmp"), "w") as f:
+            json.dump({"files": files}, f, indent=1)
+        os.replace(os.path.join(folder, MANIFEST + ".tmp"), os.path.join(folder, MANIFEST))
+    barrier()
+
+
+def verify_checkpoint(ckpt: str, d: Dist) -> str | None:
+    """None when every file the manifest lists has its size and sha256; else why not, in a few words, the same
+    answer on every rank (rank 0 reads the manifest and the sizes, then the ranks hash a share each)."""
+    out = [None, []]  # (reason, files to hash)
+    if d.main:
+        try:
+            with open(os.path.join(ckpt, MANIFEST)) as f:
+                files = json.load(f)["files"]
+            for name, (size, _) in files.items():
+                path = os.path.join(ckpt, name)
+                if not os.path.isfile(path):
+                    out[0] = out[0] or f"{name} is missing"
+                elif os.path.getsize(path) != size:
+                    out[0] = out[0] or f"{name} has {os.path.getsize(path)} bytes, the manifest says {size}"
+            out[1] = sorted(files)
+        except FileNotFoundError:
+            out[0] = f"no {MANIFEST} (written before manifests, or never completed)"
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            out[0] = f"{MANIFEST} cannot be read ({type(e).__name__}: {e})"
+    if d.world > 1:
+        dist.broadcast_object_list(out, src=0)
+    if out[0] is not None:
+        return out[0]
+    found = _digests(ckpt, out[1], d)
+    wanted = {}
+    if d.main:
+        with open(os.path.join(ckpt, MANIFEST)) as f:
+            wanted = json.load(f)["files"]
+    bad = [None]
+    if d.main:
+        bad = [next((f"{n} does not match its sha256 in the manifest" for n in out[1] if found[n] != wanted[n]), None)]
+    if d.world > 1:
+        dist.broadcast_object_list(bad, src=0)
+    return bad[0]
 
 
 def run_paths(args, d: Dist, script: str) -> tuple[str, str | None]:
@@ -801,13 +884,22 @@ def run_paths(args, d: Dist, script: str) -> tuple[str, str | None]:
                                    "step_*")
             key = re.compile(r"__(\d+)" + re.escape(os.sep) + r"step_(\d+)$")  # (run's unix time, step)
             found = sorted((int(m[1]), int(m[2]), p) for p in glob.glob(pattern) if (m := key.search(p)))
-            candidates = [p for _, _, p in reversed(found) if is_checkpoint(p)]
+            candidates = [p for _, _, p in reversed(found)]
         fresh = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time())}")
         listed = [[os.path.normpath(p) for p in candidates], fresh]
     if d.world > 1:
         dist.broadcast_object_list(listed, src=0)
     candidates, fresh = listed
-    ckpt = candidates[0] if candidates else None
+    ckpt = None
+    for path in candidates:  # the newest that verifies
+        reason = verify_checkpoint(path, d)
+        if reason is None:
+            ckpt = path
+            break
+        if args.resume != "auto":
+            fail(f"--resume {path}: {reason}; resume from another checkpoint (or --resume auto)")
+        if d.main:
+            print(f"--resume auto: skipping {path}: {reason}")
     if args.resume == "auto" and ckpt is None and d.main:
         print(f"--resume auto: no checkpoint of {args.exp_name}__{args.seed}__* under {args.output_dir}, "
               "starting a fresh run")
@@ -971,8 +1063,10 @@ def save_checkpoint(run_dir: str, step: int, policy: Policy, tok, optimizer, sch
                os.path.join(tmp, f"rank{d.rank}.pt"))
     barrier()
     if d.main:
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:  # last: a folder without it is incomplete
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             json.dump({"step": step, "world": d.world, "script": script, **loop_state}, f)
+    write_manifest(tmp, d)  # last: a folder without it is incomplete
+    if d.main:
         if os.path.exists(path):  # the same step written again: swap, then delete the old copy
             os.rename(path, tmp + ".old")
         os.rename(tmp, path)
@@ -1043,9 +1137,10 @@ def check_common_args(args):
         fail("--cpu-offload moves FSDP2 shards between GPU and CPU memory: it needs a GPU (drop it on CPU)")
     if args.eval_n is not None and args.eval_n < args.eval_k or args.eval_k < 1:
         fail(f"--eval-n {args.eval_n} / --eval-k {args.eval_k}: pass@k needs n >= k >= 1 samples a prompt")
-    if args.resume not in (None, "auto") and not is_checkpoint(args.resume):
-        fail(f"--resume {args.resume}: not a checkpoint (a run's step_N folder holding trainer_state.json); "
-             "give one, or 'auto' for the newest of this --exp-name and --seed")
+    resume_dir = os.path.basename(os.path.normpath(args.resume or ""))
+    if args.resume not in (None, "auto") and not (os.path.isdir(args.resume) and STEP_DIR.match(resume_dir)):
+        fail(f"--resume {args.resume}: not a checkpoint (a run's step_N folder); give one, or 'auto' for the newest "
+             "of this --exp-name and --seed")
     if args.keep_checkpoints < 0 or args.save_every < 0:
         fail(f"--keep-checkpoints {args.keep_checkpoints} / --save-every {args.save_every}: must be >= 0")
     if not 0 <= args.warmup_frac < 1 or not 0 <= args.min_lr_ratio <= 1:

@@ -119,6 +119,7 @@ def test_error_under_torchrun_is_printed_once_and_every_rank_exits(tmp_path):
     ckpt = tmp_path / "gspo__1__5" / "step_4"
     ckpt.mkdir(parents=True)
     (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4, "world": 1, "script": "gspo.py"}))
+    common.write_manifest(str(ckpt))
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         "gspo.py", "--resume", str(ckpt), "--output-dir", str(tmp_path)], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)

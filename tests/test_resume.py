@@ -74,7 +74,38 @@ def tensorboard_steps(out, tag="charts/reward_mean"):
     return [e.step for e in acc.Scalars(tag)]
 
 
-@pytest.mark.parametrize("world", [1, 2])
+def test_damaged_newest_checkpoint_is_skipped(tmp_path, tmp_path_factory, monkeypatch):
+    """A truncated model.safetensors in the newest checkpoint: --resume of it is one line; --resume auto says why it
+    skips it and continues exactly from the one before."""
+    p = launch(tmp_path, "--save-every", "2", crash="start:5")
+    assert p.returncode == -9  # SIGKILL at the start of step 5, after step_4 was written
+    (run,) = glob.glob(f"{tmp_path}/*/")
+    assert sorted(n for n in os.listdir(run) if "step" in n) == ["step_2", "step_4"]
+    model = f"{run}step_4/model.safetensors"
+    size = os.path.getsize(model)
+    os.truncate(model, size // 2)
+    damage = f"model.safetensors has {size // 2} bytes, the manifest says {size}"
+    assert main_exits(monkeypatch, tmp_path, "--resume", f"{run}step_4") == (
+        f"error: --resume {run}step_4: {damage}; resume from another checkpoint (or --resume auto)")
+
+    p = launch(tmp_path, "--save-every", "2", "--resume", "auto")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"--resume auto: skipping {run}step_4: {damage}\nresuming {run}step_2 (step 2)" in p.stdout, p.stdout
+    assert_same(straight(1, tmp_path_factory), result(tmp_path))
+
+
+def main_exits(monkeypatch, out, *argv):
+    """gspo.main() in this process, which must stop before the model loads: its exit code (the error line)."""
+    import gspo
+
+    monkeypatch.setattr(gspo, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(sys, "argv", ["gspo.py", *ARGS, *argv, "--output-dir", str(out)])
+    with pytest.raises(SystemExit) as e:
+        gspo.main()
+    return e.value.code
+
+
+@pytest.mark.parametrize("world", [2])
 def test_stop_after_3_steps_and_resume_is_exact(world, tmp_path, tmp_path_factory):
     p = launch(tmp_path, "--save-every", "3", world=world, crash="start:4", crash_rank=world - 1)
     assert p.returncode != 0  # SIGKILL (torchrun: a failed child) at the start of step 4
@@ -143,7 +174,7 @@ def test_one_writer_per_run_folder(tmp_path, monkeypatch):
     run = tmp_path / "gspo__1__5"
     ckpt = run / "step_4"
     ckpt.mkdir(parents=True)
-    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4, "world": 1, "script": "gspo.py"}))
+    fake_checkpoint(ckpt, step=4, world=1, script="gspo.py")
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run / "writer.lock")], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "locked\n"
@@ -166,6 +197,13 @@ def test_one_writer_per_run_folder(tmp_path, monkeypatch):
     common.release_run_dir()
 
 
+def fake_checkpoint(ckpt, **state):
+    """A checkpoint folder holding only trainer_state.json and its manifest."""
+    ckpt.mkdir(parents=True, exist_ok=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    common.write_manifest(str(ckpt))
+
+
 def test_resume_errors_before_any_heavy_work(tmp_path, monkeypatch, capsys):
     import gspo
 
@@ -177,11 +215,30 @@ def test_resume_errors_before_any_heavy_work(tmp_path, monkeypatch, capsys):
 
     assert "not a checkpoint" in main("--resume", str(tmp_path))
     ckpt = tmp_path / "gspo__1__5" / "step_4"
-    ckpt.mkdir(parents=True)
-    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4, "world": 2, "script": "gspo.py"}))
+    fake_checkpoint(ckpt, step=4, world=2, script="gspo.py")
     assert "written by 2 ranks and this run has 1: resume it with --nproc-per-node 2" in main("--resume", "auto")
-    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4, "world": 1, "script": "dfpo.py"}))
+    fake_checkpoint(ckpt, step=4, world=1, script="dfpo.py")
     assert "written by dfpo.py, not gspo.py" in main("--resume", str(ckpt))
-    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4, "world": 1, "script": "gspo.py"}))
+    fake_checkpoint(ckpt, step=4, world=1, script="gspo.py")
     assert main("--resume", str(ckpt), "--num-steps", "4") == "0"
     assert "is at step 4 and --num-steps is 4: nothing to do" in capsys.readouterr().out
+
+    (ckpt / "rank0.pt").write_bytes(b"0123")
+    common.write_manifest(str(ckpt))
+    (ckpt / "rank0.pt").write_bytes(b"0124")  # damaged in place: same size
+    assert main("--resume", str(ckpt)) == (f"error: --resume {ckpt}: rank0.pt does not match its sha256 in the "
+                                           "manifest; resume from another checkpoint (or --resume auto)")
+    (ckpt / "rank0.pt").unlink()
+    assert main("--resume", str(ckpt)).endswith(f"{ckpt}: rank0.pt is missing; resume from another checkpoint "
+                                                "(or --resume auto)")
+    (ckpt / "trainer_state.json").write_text("{")  # damaged before the manifest was written: read, and one line
+    common.write_manifest(str(ckpt))
+    assert main("--resume", str(ckpt)).startswith(f"error: {ckpt}/trainer_state.json: cannot read it (JSONDecodeError")
+    (ckpt / "manifest.json").unlink()
+    assert main("--resume", str(ckpt)).endswith(f"{ckpt}: no manifest.json (written before manifests, or never "
+                                                "completed); resume from another checkpoint (or --resume auto)")
+    monkeypatch.setattr(gspo, "load_model", lambda *a, **k: sys.exit("stopped at the model"))
+    assert main("--resume", "auto") == "stopped at the model"
+    out = capsys.readouterr().out
+    assert f"--resume auto: skipping {ckpt}: no manifest.json" in out and "starting a fresh run" in out
+    common.release_run_dir()

@@ -912,14 +912,28 @@ def run_paths(args, d: Dist, script: str) -> tuple[str, str | None]:
         if state["script"] != script:
             fail(f"{ckpt} was written by {state['script']}, not {script}: resume it with that script")
         step = state["step"]
+        then, now = state.get("args", {}), vars(args)
+        for name in RESUME_FIXED:
+            if name in then and then[name] != now[name]:
+                fail(f"--{name.replace('_', '-')} {now[name]} differs from {then[name]} in {ckpt}: it cannot change "
+                     "on resume (the data order, the optimizer state or the weights depend on it); start a new run")
+        changed = [f"--{k.replace('_', '-')} {then[k]} -> {v}" for k, v in now.items()
+                   if k in then and then[k] != v and k != "resume"]
         if d.main:
             print(f"resuming {ckpt} (step {step})")
+            if changed:
+                print(f"changed on resume, in effect from step {step + 1}: {', '.join(changed)}")
     if step >= args.num_steps:  # e.g. a restart after the last checkpoint was written
         if d.main:
             print(f"{ckpt} is at step {step} and --num-steps is {args.num_steps}: nothing to do")
         cleanup()
         raise SystemExit(0)
     return (os.path.dirname(ckpt) if ckpt else fresh), ckpt
+
+
+# What a resumed run may not change: the data order (seed, prompts a rank, the data), the shape of a step (group
+# size), the weights and optimizer state (model). World size and script are checked on their own.
+RESUME_FIXED = ("seed", "model", "dataset", "data_files", "prompts_per_rank", "group_size")
 
 
 def read_trainer_state(ckpt: str) -> dict:
@@ -1021,7 +1035,10 @@ def resume_state(ckpt: str | None, optimizer, scheduler, d: Dist) -> dict:
         return {"step": 0, "reward_curve": [], "nonfinite_run": 0, "wall_time": 0.0}
     state = json.load(open(os.path.join(ckpt, "trainer_state.json")))
     blob = torch.load(os.path.join(ckpt, f"rank{d.rank}.pt"), map_location="cpu", weights_only=True)
+    flags = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]  # this run's
     optimizer.load_state_dict(blob["optimizer"])
+    for group, hyper in zip(optimizer.param_groups, flags):  # the moments are restored, the flags are this run's:
+        group.update(hyper)  # --learning-rate, --weight-decay changed on resume take effect
     from torch.distributed.tensor import DTensor
 
     for p, s in optimizer.state.items():  # FSDP2: this rank's shards back into DTensors laid out like the parameter
@@ -1029,14 +1046,20 @@ def resume_state(ckpt: str | None, optimizer, scheduler, d: Dist) -> dict:
             if isinstance(p, DTensor) and not isinstance(v, DTensor) and v.shape == p.to_local().shape:
                 s[k] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
                                           run_check=False)
-    scheduler.load_state_dict(blob["scheduler"])
+    base_lrs = scheduler.base_lrs  # this run's --learning-rate
+    scheduler.load_state_dict(blob["scheduler"])  # the position in the schedule; its shape is this run's flags
+    scheduler.base_lrs = base_lrs
+    for group, base, factor in zip(optimizer.param_groups, base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * factor(scheduler.last_epoch)  # as LambdaLR computes it: bitwise the same when unchanged
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
     _set_rng_state(blob["rng"], d)
     return state
 
 
-def save_checkpoint(run_dir: str, step: int, policy: Policy, tok, optimizer, scheduler, d: Dist, keep: int,
+def save_checkpoint(run_dir: str, step: int, policy: Policy, tok, optimizer, scheduler, d: Dist, args,
                     script: str, **loop_state):
-    """Write {run_dir}/step_{step} (see above) atomically, then delete all but the newest `keep` (0: keep all).
+    """Write {run_dir}/step_{step} (see above; trainer_state.json holds the run's flags too) atomically, then delete
+    all but the newest --keep-checkpoints (0: keep all).
     The model is gathered from FSDP2 shards into one full state dict; the optimizer stays sharded, one file a rank."""
     from torch.distributed.tensor import DTensor
 
@@ -1064,7 +1087,7 @@ def save_checkpoint(run_dir: str, step: int, policy: Policy, tok, optimizer, sch
     barrier()
     if d.main:
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump({"step": step, "world": d.world, "script": script, **loop_state}, f)
+            json.dump({"step": step, "world": d.world, "script": script, "args": vars(args), **loop_state}, f)
     write_manifest(tmp, d)  # last: a folder without it is incomplete
     if d.main:
         if os.path.exists(path):  # the same step written again: swap, then delete the old copy
@@ -1073,7 +1096,7 @@ def save_checkpoint(run_dir: str, step: int, policy: Policy, tok, optimizer, sch
         shutil.rmtree(tmp + ".old", ignore_errors=True)
         done = sorted((int(STEP_DIR.search(p)[1]), p) for p in glob.glob(os.path.join(run_dir, "step_*"))
                       if is_checkpoint(p))
-        for _, old in done[:-keep] if keep else []:
+        for _, old in done[:-args.keep_checkpoints] if args.keep_checkpoints else []:
             shutil.rmtree(old)
     barrier()
     return path

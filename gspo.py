@@ -271,7 +271,7 @@ def main():
         bar.set_postfix(reward=f"{log['charts/reward_mean']:.3f}", clip=f"{log['losses/clipfrac']:.3f}",
                         asym=f"{log['losses/asym']:.3f}")
         if step == args.num_steps or args.save_every and step % args.save_every == 0:
-            ckpt = save_checkpoint(run_dir, step, policy, tok, optimizer, scheduler, d, args.keep_checkpoints,
+            ckpt = save_checkpoint(run_dir, step, policy, tok, optimizer, scheduler, d, args,
                                    os.path.basename(__file__), reward_curve=reward_curve, nonfinite_run=nonfinite_run,
                                    wall_time=time.time() - start)
     n = max(1, len(reward_curve) // 10)

@@ -3,6 +3,7 @@ checkpoint, and a torchrun job whose rank 1 is SIGKILLed under --max-restarts al
 an unbroken run's, and log the same numbers at every step (fp32, tiny model, world size 1 and 2)."""
 import glob
 import json
+import math
 import os
 import subprocess
 import sys
@@ -92,6 +93,18 @@ def test_damaged_newest_checkpoint_is_skipped(tmp_path, tmp_path_factory, monkey
     assert p.returncode == 0, p.stderr[-3000:]
     assert f"--resume auto: skipping {run}step_4: {damage}\nresuming {run}step_2 (step 2)" in p.stdout, p.stdout
     assert_same(straight(1, tmp_path_factory), result(tmp_path))
+
+    # flags on resume: those that must not change are refused, a new learning rate and more steps take effect
+    assert main_exits(monkeypatch, tmp_path, "--resume", f"{run}step_6", "--group-size", "4") == (
+        f"error: --group-size 4 differs from 8 in {run}step_6: it cannot change on resume (the data order, the "
+        "optimizer state or the weights depend on it); start a new run")
+    p = launch(tmp_path, "--save-every", "2", "--resume", f"{run}step_6", "--num-steps", "8", "--learning-rate", "4e-3")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "changed on resume, in effect from step 7: --num-steps 6 -> 8, --learning-rate 0.002 -> 0.004" in p.stdout
+    rows = [json.loads(line) for line in open(f"{run}metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6, 7, 8]
+    factor = lambda i: 0.2 + 0.8 * 0.5 * (1 + math.cos(math.pi * (i - 8) / (32 - 8)))  # noqa: E731 - 8 x 4 updates
+    assert [r["charts/learning_rate"] for r in rows[7:]] == pytest.approx([4e-3 * factor(28), 4e-3 * factor(32)])
 
 
 def main_exits(monkeypatch, out, *argv):

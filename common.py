@@ -15,6 +15,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import socket
 import sys
 import time
@@ -1102,6 +1103,44 @@ def save_checkpoint(run_dir: str, step: int, policy: Policy, tok, optimizer, sch
     return path
 
 
+# ----------------------------------------------------------------------------- graceful stop
+# SIGTERM (a cluster's preemption) or SIGINT (Ctrl-C) on any rank: every rank finishes the step, saves a checkpoint
+# and exits 0; --resume auto then continues exactly. A second signal exits at once (code 128 + signal).
+_stop = {"signal": None, "handlers": {}}
+
+
+def catch_stop_signals():
+    """From here on, the first SIGTERM or SIGINT asks for a checkpoint at the end of the step (stop_requested)."""
+    _stop["signal"] = None
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        _stop["handlers"].setdefault(sig, signal.getsignal(sig))
+        signal.signal(sig, _on_stop_signal)
+
+
+def _on_stop_signal(signum, frame):
+    if _stop["signal"] is not None:
+        os._exit(128 + signum)
+    _stop["signal"] = signum
+    os.write(2, f"\n{signal.Signals(signum).name}: stopping with a checkpoint at the end of this step (a second "
+                "signal exits at once)\n".encode())  # os.write: safe inside a handler, unlike print
+
+
+def stop_requested() -> bool:
+    """True on every rank when any rank got a stop signal: one flag, all-reduced (MAX) once a step."""
+    flag = torch.tensor([0.0 if _stop["signal"] is None else 1.0])
+    stop = bool(all_reduce(flag, dist.ReduceOp.MAX).item())
+    if stop and int(os.environ.get("RANK", "0")) == 0:
+        print("a stop signal: every rank saves a checkpoint and exits 0 (continue with --resume auto)")
+    return stop
+
+
+def release_stop_signals():
+    """The handlers from before catch_stop_signals (tests run main() inside one process)."""
+    for sig, handler in _stop["handlers"].items():
+        signal.signal(sig, handler)
+    _stop["handlers"].clear()
+
+
 def barrier():
     if dist.is_initialized():
         dist.barrier()
@@ -1114,6 +1153,7 @@ def cleanup():
     exception", about 1 run in 60 on 2 busy cores) after all the work is done and saved. World size 1: nothing but
     letting go of the run folder's lock."""
     release_run_dir()
+    release_stop_signals()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

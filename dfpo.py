@@ -49,7 +49,7 @@ from common import (Logger, all_finite, all_gather_cat, all_reduce, check_common
                     eval_report, evaluate, fail, generate, group_advantages, group_metrics, jitter2, load_model,
                     load_task, load_tokenizer, lr_scheduler, micro_batches, minibatches, prompt_indices, reduce_stats,
                     resume_state, run_paths, save_checkpoint, score, seed_rank, setup_distributed, wrap_policy)
-from common import claim_run_dir
+from common import catch_stop_signals, claim_run_dir, stop_requested
 
 
 @dataclass
@@ -285,6 +285,7 @@ def main():
     start, reward_curve, nonfinite_run = time.time() - state["wall_time"], state["reward_curve"], state["nonfinite_run"]
     bar = tqdm(range(state["step"] + 1, args.num_steps + 1), initial=state["step"], total=args.num_steps,
                disable=not d.main, desc=args.exp_name)
+    catch_stop_signals()  # SIGTERM or SIGINT: every rank saves a checkpoint at the end of the step and stops
     for step in bar:
         # TRY NOT TO MODIFY: rollout -> rewards -> group advantages
         policy.eval()
@@ -371,10 +372,13 @@ def main():
         logger.log(step, log)
         bar.set_postfix(reward=f"{log['charts/reward_mean']:.3f}", clip=f"{log['losses/clipfrac']:.3f}",
                         asym=f"{log['losses/asym']:.3f}")
-        if step == args.num_steps or args.save_every and step % args.save_every == 0:
+        stop = stop_requested()  # a SIGTERM or SIGINT on any rank: every rank saves this step and stops
+        if stop or step == args.num_steps or args.save_every and step % args.save_every == 0:
             ckpt = save_checkpoint(run_dir, step, policy, tok, optimizer, scheduler, d, args,
                                    os.path.basename(__file__), reward_curve=reward_curve, nonfinite_run=nonfinite_run,
                                    wall_time=time.time() - start)
+        if stop:
+            break
     n = max(1, len(reward_curve) // 10)
     first, last, jitter = sum(reward_curve[:n]) / n, sum(reward_curve[-n:]) / n, jitter2(reward_curve)
     if d.main:

@@ -5,6 +5,7 @@ import glob
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 
@@ -118,16 +119,34 @@ def main_exits(monkeypatch, out, *argv):
     return e.value.code
 
 
-@pytest.mark.parametrize("world", [2])
-def test_stop_after_3_steps_and_resume_is_exact(world, tmp_path, tmp_path_factory):
-    p = launch(tmp_path, "--save-every", "3", world=world, crash="start:4", crash_rank=world - 1)
-    assert p.returncode != 0  # SIGKILL (torchrun: a failed child) at the start of step 4
-    (ckpt,) = glob.glob(f"{tmp_path}/*/step_*")
-    assert ckpt.endswith("step_3")
-    p = launch(tmp_path, "--save-every", "3", "--resume", ckpt, world=world)
-    assert p.returncode == 0 and f"resuming {ckpt} (step 3)" in p.stdout, p.stderr[-3000:]
-    assert_same(straight(world, tmp_path_factory), result(tmp_path))
-    assert tensorboard_steps(tmp_path) == [1, 2, 3, 4, 5, 6]  # the killed run's step 4 was never logged; no gap
+def test_sigterm_on_one_rank_saves_on_every_rank_and_resume_is_exact(tmp_path, tmp_path_factory):
+    """Preemption: SIGTERM to rank 1 alone during step 3; both ranks finish step 3, save it, exit 0."""
+    p = launch(tmp_path, world=2, crash="sigterm:3", crash_rank=1)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "SIGTERM: stopping with a checkpoint at the end of this step" in p.stderr
+    assert "a stop signal: every rank saves a checkpoint and exits 0 (continue with --resume auto)" in p.stdout
+    (run,) = glob.glob(f"{tmp_path}/*/")
+    assert sorted(n for n in os.listdir(run) if "step" in n) == ["step_3"]
+    assert [json.loads(line)["step"] for line in open(f"{run}metrics.jsonl")] == [0, 1, 2, 3]
+    p = launch(tmp_path, "--resume", "auto", world=2)
+    assert p.returncode == 0 and f"resuming {run}step_3 (step 3)" in p.stdout, p.stderr[-3000:]
+    assert_same(straight(2, tmp_path_factory), result(tmp_path))
+    assert tensorboard_steps(tmp_path) == [1, 2, 3, 4, 5, 6]
+
+
+def test_second_stop_signal_exits_at_once(monkeypatch):
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    common.catch_stop_signals()
+    try:
+        assert not common.stop_requested()
+        os.kill(os.getpid(), signal.SIGINT)
+        assert common.stop_requested() and exits == []
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert exits == [128 + signal.SIGTERM]
+    finally:
+        common.release_stop_signals()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, tmp_path_factory):

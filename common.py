@@ -866,7 +866,8 @@ def verify_checkpoint(ckpt: str, d: Dist) -> str | None:
             wanted = json.load(f)["files"]
     bad = [None]
     if d.main:
-        bad = [next((f"{n} does not match its sha256 in the manifest" for n in out[1] if found[n] != wanted[n]), None)]
+        mismatched = [name for name in out[1] if found[name] != wanted[name]]
+        bad = [f"{mismatched[0]} does not match its sha256 in the manifest" if mismatched else None]
     if d.world > 1:
         dist.broadcast_object_list(bad, src=0)
     return bad[0]
@@ -1233,11 +1234,13 @@ def check_common_args(args):
 def check_dataset(name: str, data_files: str | None):
     """--dataset and --data-files name something that exists, before anything is read."""
     if name not in ("builtin", *DATASETS) and not name.endswith((".json", ".jsonl")):
-        fail(f"--dataset {name!r}: unknown (use builtin, {', '.join(DATASETS)}, or a local .jsonl of {{prompt, answer}})")
+        fail(f"--dataset {name!r}: unknown (use builtin, {', '.join(DATASETS)}, or a local .jsonl of "
+             "{prompt, answer})")
     if name.endswith((".json", ".jsonl")) and not os.path.isfile(name):
         fail(f"--dataset {name!r}: no such file")
     if data_files is not None and name not in DATASETS:
-        fail(f"--data-files is read in the columns of a hub set ({', '.join(DATASETS)}); --dataset {name!r} is not one")
+        fail(f"--data-files is read in the columns of a hub set ({', '.join(DATASETS)}); --dataset {name!r} is "
+             "not one")
     if data_files is not None and not glob.glob(data_files):
         fail(f"--data-files {data_files!r}: no such file")
 

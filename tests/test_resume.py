@@ -99,7 +99,8 @@ def test_damaged_newest_checkpoint_is_skipped(tmp_path, tmp_path_factory, monkey
     assert main_exits(monkeypatch, tmp_path, "--resume", f"{run}step_6", "--group-size", "4") == (
         f"error: --group-size 4 differs from 8 in {run}step_6: it cannot change on resume (the data order, the "
         "optimizer state or the weights depend on it); start a new run")
-    p = launch(tmp_path, "--save-every", "2", "--resume", f"{run}step_6", "--num-steps", "8", "--learning-rate", "4e-3")
+    p = launch(tmp_path, "--save-every", "2", "--resume", f"{run}step_6", "--num-steps", "8",
+               "--learning-rate", "4e-3")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "changed on resume, in effect from step 7: --num-steps 6 -> 8, --learning-rate 0.002 -> 0.004" in p.stdout
     rows = [json.loads(line) for line in open(f"{run}metrics.jsonl")]
@@ -207,7 +208,8 @@ def test_one_writer_per_run_folder(tmp_path, monkeypatch):
     ckpt = run / "step_4"
     ckpt.mkdir(parents=True)
     fake_checkpoint(ckpt, step=4, world=1, script="gspo.py")
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run / "writer.lock")], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run / "writer.lock")], stdout=subprocess.PIPE,
+                              text=True)
     try:
         assert holder.stdout.readline() == "locked\n"
         monkeypatch.setattr(gspo, "load_model", lambda *a, **k: pytest.fail("a second writer reached the model"))
@@ -265,7 +267,8 @@ def test_resume_errors_before_any_heavy_work(tmp_path, monkeypatch, capsys):
                                                 "(or --resume auto)")
     (ckpt / "trainer_state.json").write_text("{")  # damaged before the manifest was written: read, and one line
     common.write_manifest(str(ckpt))
-    assert main("--resume", str(ckpt)).startswith(f"error: {ckpt}/trainer_state.json: cannot read it (JSONDecodeError")
+    assert main("--resume", str(ckpt)).startswith(f"error: {ckpt}/trainer_state.json: cannot read it "
+                                                  "(JSONDecodeError")
     (ckpt / "manifest.json").unlink()
     assert main("--resume", str(ckpt)).endswith(f"{ckpt}: no manifest.json (written before manifests, or never "
                                                 "completed); resume from another checkpoint (or --resume auto)")

@@ -31,8 +31,35 @@ import torch.nn.functional as F
 def fail(msg: str):
     """Stop with one line on stderr that says what was wrong and what to do (no traceback). Under torchrun every rank
     exits with code 1 and rank 0 alone prints the line: a check that can fail runs on every rank with the same
-    answer (or rank 0 decides and broadcasts), so the line is printed once and no rank is left waiting."""
-    raise SystemExit(f"error: {msg}" if int(os.environ.get("RANK", "0")) == 0 else 1)
+    answer (or on rank 0, which broadcasts it: on_rank0), so the line is printed once and no rank is left waiting.
+    Once the process group exists the process leaves with os._exit, as cleanup() does, for the same reason."""
+    main = int(os.environ.get("RANK", "0")) == 0
+    if dist.is_initialized():
+        if main:
+            print(f"error: {msg}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    raise SystemExit(f"error: {msg}" if main else 1)
+
+
+class Refused(Exception):
+    """A one-line error that rank 0 alone can see (its files): on_rank0 stops every rank with it."""
+
+
+def on_rank0(fn, d):
+    """fn() on rank 0 alone, its result given to every rank; a Refused raised there stops every rank with its line."""
+    out = [None, None]
+    if d.main:
+        try:
+            out = [fn(), None]
+        except Refused as e:
+            out = [None, str(e)]
+    if d.world > 1:
+        dist.broadcast_object_list(out, src=0)
+    if out[1] is not None:
+        fail(out[1])
+    return out[0]
 
 
 # ----------------------------------------------------------------------------- distributed set-up
@@ -720,21 +747,23 @@ class Logger:
 
     def __init__(self, run_dir: str, d: Dist, args, first_step: int = 1):
         self.d, self.writer = d, None
-        if d.main:
-            from torch.utils.tensorboard import SummaryWriter
+        on_rank0(lambda: self._open(run_dir, args, first_step), d)  # a bad metrics.jsonl stops every rank
 
-            os.makedirs(run_dir, exist_ok=True)
-            self.writer = SummaryWriter(run_dir, purge_step=first_step if first_step > 1 else None)
-            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
-                f"|{k}|{v}|" for k, v in vars(args).items()))
-            with open(os.path.join(run_dir, "args.json"), "w") as f:
-                json.dump(vars(args), f, indent=1, default=str)
-            path = os.path.join(run_dir, "metrics.jsonl")
-            kept = read_metrics(path, keep_below=first_step) if first_step > 1 else []
-            with open(path + ".tmp", "w") as f:
-                f.writelines(json.dumps(row, allow_nan=False) + "\n" for row in kept)
-            os.replace(path + ".tmp", path)
-            self.metrics = open(path, "a")
+    def _open(self, run_dir: str, args, first_step: int):
+        from torch.utils.tensorboard import SummaryWriter
+
+        path = os.path.join(run_dir, "metrics.jsonl")
+        kept = read_metrics(path, keep_below=first_step) if first_step > 1 else []
+        os.makedirs(run_dir, exist_ok=True)
+        self.writer = SummaryWriter(run_dir, purge_step=first_step if first_step > 1 else None)
+        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{k}|{v}|" for k, v in vars(args).items()))
+        with open(os.path.join(run_dir, "args.json"), "w") as f:
+            json.dump(vars(args), f, indent=1, default=str)
+        with open(path + ".tmp", "w") as f:
+            f.writelines(json.dumps(row, allow_nan=False) + "\n" for row in kept)
+        os.replace(path + ".tmp", path)
+        self.metrics = open(path, "a")
 
     def log(self, step: int, scalars: dict):
         if not self.d.main:
@@ -754,7 +783,7 @@ class Logger:
 
 def read_metrics(path: str, keep_below: int | None = None) -> list[dict]:
     """The rows of a metrics.jsonl (those with step < keep_below if given). A last line cut short by a killed writer
-    is dropped, and said so; any other line that is not JSON stops the run with its line number."""
+    is dropped, and said so; any other line that is not JSON raises Refused with its line number."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
@@ -771,7 +800,7 @@ def read_metrics(path: str, keep_below: int | None = None) -> list[dict]:
             if i == len(lines):  # no newline after it: the write was cut short
                 print(f"{path}: dropped a torn last line ({len(line)} characters, not a whole row)")
                 continue
-            fail(f"{path} line {i} is not JSON: repair or remove that line, then resume")
+            raise Refused(f"{path} line {i} is not JSON: repair or remove that line, then resume")
         if keep_below is None or row["step"] < keep_below:
             rows.append(row)
     return rows
@@ -961,17 +990,7 @@ def claim_run_dir(run_dir: str, ckpt: str | None, d: Dist) -> str:
     """Rank 0 creates a fresh run's folder (a run started in the same second with the same --exp-name and --seed
     takes the next free second's name, never the same folder) or takes a resumed run's, and locks it. Returns the
     folder, the same on every rank; a folder held by a live writer stops every rank with one line naming it."""
-    out = [run_dir, None]
-    if d.main:
-        try:
-            out = [_claim_run_dir(run_dir, ckpt), None]
-        except SystemExit as e:
-            out = [None, e.code]
-    if d.world > 1:
-        dist.broadcast_object_list(out, src=0)
-    if out[1] is not None:
-        raise SystemExit(out[1] if d.main else 1)
-    return out[0]
+    return on_rank0(lambda: _claim_run_dir(run_dir, ckpt), d)
 
 
 def _claim_run_dir(run_dir: str, ckpt: str | None) -> str:
@@ -985,6 +1004,7 @@ def _claim_run_dir(run_dir: str, ckpt: str | None) -> str:
                 break
             except FileExistsError:
                 t = str(int(t) + 1)
+                print(f"{run_dir} exists (a run started in the same second): this run writes to {head}__{t}")
                 run_dir = f"{head}__{t}"
     release_run_dir()  # an earlier run in this process (tests call main() more than once)
     path = os.path.join(run_dir, "writer.lock")
@@ -995,8 +1015,8 @@ def _claim_run_dir(run_dir: str, ckpt: str | None) -> str:
         f.seek(0)
         holder = f.read().strip() or "another process"
         f.close()
-        fail(f"{run_dir} is being written by {holder} (it holds {path}): wait for that run to end, or start "
-             "another with a different --exp-name or --seed")
+        raise Refused(f"{run_dir} is being written by {holder} (it holds {path}): wait for that run to end, or "
+                      "start another with a different --exp-name or --seed")
     except OSError as e:  # a file system without locks (e.g. NFS mounted with nolock refuses some): said, not hidden
         print(f"warning: cannot lock {path} ({e}): no one-writer guarantee on this file system", file=sys.stderr)
     f.seek(0)
@@ -1106,8 +1126,10 @@ def save_checkpoint(run_dir: str, step: int, policy: Policy, tok, optimizer, sch
 
 # ----------------------------------------------------------------------------- graceful stop
 # SIGTERM (a cluster's preemption) or SIGINT (Ctrl-C) on any rank: every rank finishes the step, saves a checkpoint
-# and exits 0; --resume auto then continues exactly. A second signal exits at once (code 128 + signal).
-_stop = {"signal": None, "handlers": {}}
+# and exits 0; --resume auto then continues exactly. A second signal exits at once (code 128 + signal), if it comes a
+# second or more after the first: within that second it is the same event delivered twice (Ctrl-C or a scheduler
+# signals every process of the job, and torchrun forwards what it gets to its workers on top).
+_stop = {"signal": None, "at": 0.0, "handlers": {}}
 
 
 def catch_stop_signals():
@@ -1119,9 +1141,11 @@ def catch_stop_signals():
 
 
 def _on_stop_signal(signum, frame):
-    if _stop["signal"] is not None:
+    if _stop["signal"] is not None and time.monotonic() - _stop["at"] >= 1.0:
         os._exit(128 + signum)
-    _stop["signal"] = signum
+    if _stop["signal"] is not None:
+        return
+    _stop["signal"], _stop["at"] = signum, time.monotonic()
     os.write(2, f"\n{signal.Signals(signum).name}: stopping with a checkpoint at the end of this step (a second "
                 "signal exits at once)\n".encode())  # os.write: safe inside a handler, unlike print
 

@@ -143,6 +143,9 @@ def test_second_stop_signal_exits_at_once(monkeypatch):
         assert not common.stop_requested()
         os.kill(os.getpid(), signal.SIGINT)
         assert common.stop_requested() and exits == []
+        os.kill(os.getpid(), signal.SIGTERM)  # within a second: the same event (torchrun forwards what it gets)
+        assert exits == []
+        common._stop["at"] -= 1.0  # a second later
         os.kill(os.getpid(), signal.SIGTERM)
         assert exits == [128 + signal.SIGTERM]
     finally:
@@ -182,7 +185,7 @@ def test_metrics_rows_read_back(tmp_path):
     assert common.read_metrics(str(path)) == [{"step": 1, "a": None}, {"step": 2, "a": 1}]  # older files: NaN read
     assert common.read_metrics(str(path), keep_below=2) == [{"step": 1, "a": None}]
     path.write_text('{"step": 1}\n{"step": 2\n{"step": 3}\n')
-    with pytest.raises(SystemExit, match="metrics.jsonl line 2 is not JSON: repair or remove that line"):
+    with pytest.raises(common.Refused, match="metrics.jsonl line 2 is not JSON: repair or remove that line"):
         common.read_metrics(str(path))
 
 

@@ -6,13 +6,17 @@ advantages, logging, evaluation and checkpoints. The training loop itself lives 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
+import hashlib
 import json
 import math
 import os
 import random
 import re
 import shutil
+import signal
+import socket
 import sys
 import threading
 import time
@@ -26,8 +30,37 @@ import torch.nn.functional as F
 
 
 def fail(msg: str):
-    """Stop with one line that says what was wrong and what to do (no traceback)."""
-    raise SystemExit(f"error: {msg}")
+    """Stop with one line on stderr that says what was wrong and what to do (no traceback). Under torchrun every rank
+    exits with code 1 and rank 0 alone prints the line: a check that can fail runs on every rank with the same
+    answer (or on rank 0, which broadcasts it: on_rank0), so the line is printed once and no rank is left waiting.
+    Once the process group exists the process leaves with os._exit, as cleanup() does, for the same reason."""
+    main = int(os.environ.get("RANK", "0")) == 0
+    if dist.is_initialized():
+        if main:
+            print(f"error: {msg}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    raise SystemExit(f"error: {msg}" if main else 1)
+
+
+class Refused(Exception):
+    """A one-line error that rank 0 alone can see (its files): on_rank0 stops every rank with it."""
+
+
+def on_rank0(fn, d):
+    """fn() on rank 0 alone, its result given to every rank; a Refused raised there stops every rank with its line."""
+    out = [None, None]
+    if d.main:
+        try:
+            out = [fn(), None]
+        except Refused as e:
+            out = [None, str(e)]
+    if d.world > 1:
+        dist.broadcast_object_list(out, src=0)
+    if out[1] is not None:
+        fail(out[1])
+    return out[0]
 
 
 # ----------------------------------------------------------------------------- distributed set-up
@@ -1204,31 +1237,39 @@ def lr_scheduler(optimizer, args):
 
 
 class Logger:
-    """Tensorboard + metrics.jsonl on rank 0 only. A resumed run (first_step > 1) continues both at first_step:
-    rows a killed run logged after its checkpoint are dropped from metrics.jsonl and purged from tensorboard."""
+    """Tensorboard + metrics.jsonl on rank 0 only, one row a step, in strict JSON (a non-finite number is null). A
+    resumed run (first_step > 1) continues both at first_step: rows a killed run logged after its checkpoint are
+    dropped from metrics.jsonl and purged from tensorboard, and a torn last line (a write cut short) is dropped and
+    said so; the kept rows are rewritten into a new file that replaces the old one whole."""
 
     def __init__(self, run_dir: str, d: Dist, args, first_step: int = 1):
         self.d, self.writer = d, None
-        if d.main:
-            from torch.utils.tensorboard import SummaryWriter
+        on_rank0(lambda: self._open(run_dir, args, first_step), d)  # a bad metrics.jsonl stops every rank
 
-            os.makedirs(run_dir, exist_ok=True)
-            self.writer = SummaryWriter(run_dir, purge_step=first_step if first_step > 1 else None)
-            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
-                f"|{k}|{v}|" for k, v in vars(args).items()))
-            with open(os.path.join(run_dir, "args.json"), "w") as f:
-                json.dump(vars(args), f, indent=1, default=str)
-            path = os.path.join(run_dir, "metrics.jsonl")
-            kept = [line for line in open(path) if json.loads(line)["step"] < first_step] if first_step > 1 else []
-            self.metrics = open(path, "w")
-            self.metrics.writelines(kept)
+    def _open(self, run_dir: str, args, first_step: int):
+        from torch.utils.tensorboard import SummaryWriter
+
+        path = os.path.join(run_dir, "metrics.jsonl")
+        kept = read_metrics(path, keep_below=first_step) if first_step > 1 else []
+        os.makedirs(run_dir, exist_ok=True)
+        self.writer = SummaryWriter(run_dir, purge_step=first_step if first_step > 1 else None)
+        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{k}|{v}|" for k, v in vars(args).items()))
+        with open(os.path.join(run_dir, "args.json"), "w") as f:
+            json.dump(vars(args), f, indent=1, default=str)
+        with open(path + ".tmp", "w") as f:
+            f.writelines(json.dumps(row, allow_nan=False) + "\n" for row in kept)
+        os.replace(path + ".tmp", path)
+        self.metrics = open(path, "a")
 
     def log(self, step: int, scalars: dict):
         if not self.d.main:
             return
-        for k, v in scalars.items():
-            self.writer.add_scalar(k, v, step)
-        self.metrics.write(json.dumps({"step": step, **scalars}) + "\n")
+        row = {k: v if math.isfinite(v) else None for k, v in scalars.items()}  # strict JSON: null, not NaN
+        for k, v in row.items():
+            if v is not None:
+                self.writer.add_scalar(k, v, step)
+        self.metrics.write(json.dumps({"step": step, **row}, allow_nan=False) + "\n")
         self.metrics.flush()
 
     def close(self):
@@ -1237,53 +1278,258 @@ class Logger:
             self.metrics.close()
 
 
+def read_metrics(path: str, keep_below: int | None = None) -> list[dict]:
+    """The rows of a metrics.jsonl (those with step < keep_below if given). A last line cut short by a killed writer
+    is dropped, and said so; any other line that is not JSON raises Refused with its line number."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        lines = f.read().split("\n")
+    rows = []
+    for i, line in enumerate(lines, 1):
+        if not line:
+            continue
+        try:
+            row = json.loads(line, parse_constant=lambda c: None)  # files written before rows were strict JSON
+            if not isinstance(row, dict) or "step" not in row:
+                raise ValueError("not a row")
+        except ValueError:
+            if i == len(lines):  # no newline after it: the write was cut short
+                print(f"{path}: dropped a torn last line ({len(line)} characters, not a whole row)")
+                continue
+            raise Refused(f"{path} line {i} is not JSON: repair or remove that line, then resume")
+        if keep_below is None or row["step"] < keep_below:
+            rows.append(row)
+    return rows
+
+
 # ----------------------------------------------------------------------------- checkpoints and exact resume
 # A checkpoint is a folder {run_dir}/step_N: the model and tokenizer as `save_pretrained` writes them (safetensors,
 # loads with from_pretrained), trainer_state.json (step, world size, script, reward curve) and rank{r}.pt per rank
-# (this rank's optimizer shard, the lr schedule, the RNG states; plain tensors, read with weights_only=True). It is
-# written into .tmp_step_N and renamed into place when complete, so a crash mid-write leaves the previous ones intact.
+# (this rank's optimizer shard, the lr schedule, the RNG states; plain tensors, read with weights_only=True), and,
+# written last, manifest.json: the size and sha256 of every other file. It is written into .tmp_step_N and renamed
+# into place when complete, so a crash mid-write leaves the previous ones intact; a file damaged later (a full disk,
+# a bad copy) fails the manifest, and resume says so instead of loading it.
 STEP_DIR = re.compile(r"step_(\d+)$")
+MANIFEST = "manifest.json"
 
 
 def is_checkpoint(path: str) -> bool:
-    return bool(STEP_DIR.search(os.path.basename(os.path.normpath(path)))) and os.path.isfile(
-        os.path.join(path, "trainer_state.json"))
+    """A step_N folder with its manifest: complete when written (verify_checkpoint says whether it still is)."""
+    return bool(STEP_DIR.match(os.path.basename(os.path.normpath(path)))) and os.path.isfile(
+        os.path.join(path, MANIFEST))
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _digests(folder: str, names: list[str], d: Dist) -> dict:
+    """{name: [bytes, sha256]} of files in folder, each rank hashing its share (names: the same on every rank)."""
+    mine = {}
+    for name in names[d.rank::d.world]:
+        path = os.path.join(folder, name)
+        try:
+            mine[name] = [os.path.getsize(path), _sha256(path)]
+        except OSError as e:
+            mine[name] = [-1, f"{type(e).__name__}: {e}"]
+    if d.world > 1:
+        parts = [None] * d.world
+        dist.all_gather_object(parts, mine)
+        mine = {k: v for part in parts for k, v in part.items()}
+    return mine
+
+
+def write_manifest(folder: str, d: Dist | None = None):
+    """manifest.json: size and sha256 of every other file in folder (ranks hash in parallel), written last, whole."""
+    d = d or Dist(0, 1, 0, torch.device("cpu"))
+    barrier()
+    names = [None]
+    if d.main:
+        names = [sorted(os.path.relpath(os.path.join(root, f), folder) for root, _, files in os.walk(folder)
+                        for f in files if f != MANIFEST)]
+    if d.world > 1:
+        dist.broadcast_object_list(names, src=0)
+    files = _digests(folder, names[0], d)
+    if d.main:
+        with open(os.path.join(folder, MANIFEST + ".tmp"), "w") as f:
+            json.dump({"files": files}, f, indent=1)
+        os.replace(os.path.join(folder, MANIFEST + ".tmp"), os.path.join(folder, MANIFEST))
+    barrier()
+
+
+def verify_checkpoint(ckpt: str, d: Dist) -> str | None:
+    """None when every file the manifest lists has its size and sha256; else why not, in a few words, the same
+    answer on every rank (rank 0 reads the manifest and the sizes, then the ranks hash a share each)."""
+    out = [None, []]  # (reason, files to hash)
+    if d.main:
+        try:
+            with open(os.path.join(ckpt, MANIFEST)) as f:
+                files = json.load(f)["files"]
+            for name, (size, _) in files.items():
+                path = os.path.join(ckpt, name)
+                if not os.path.isfile(path):
+                    out[0] = out[0] or f"{name} is missing"
+                elif os.path.getsize(path) != size:
+                    out[0] = out[0] or f"{name} has {os.path.getsize(path)} bytes, the manifest says {size}"
+            out[1] = sorted(files)
+        except FileNotFoundError:
+            out[0] = f"no {MANIFEST} (written before manifests, or never completed)"
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            out[0] = f"{MANIFEST} cannot be read ({type(e).__name__}: {e})"
+    if d.world > 1:
+        dist.broadcast_object_list(out, src=0)
+    if out[0] is not None:
+        return out[0]
+    found = _digests(ckpt, out[1], d)
+    wanted = {}
+    if d.main:
+        with open(os.path.join(ckpt, MANIFEST)) as f:
+            wanted = json.load(f)["files"]
+    bad = [None]
+    if d.main:
+        mismatched = [name for name in out[1] if found[name] != wanted[name]]
+        bad = [f"{mismatched[0]} does not match its sha256 in the manifest" if mismatched else None]
+    if d.world > 1:
+        dist.broadcast_object_list(bad, src=0)
+    return bad[0]
 
 
 def run_paths(args, d: Dist, script: str) -> tuple[str, str | None]:
     """The run folder and the checkpoint to resume from (None: a fresh run). --resume auto takes the newest complete
     checkpoint of this exp_name and seed under --output-dir, or starts a fresh run when there is none, so the same
-    command serves the first launch and every torchrun restart. Rank 0 decides for all ranks."""
-    out = [None, None, 0]
+    command serves the first launch and every torchrun restart. Rank 0 lists the checkpoints and names a fresh run
+    folder; every rank then reads the same files and reaches the same verdict, so an error stops all ranks at once."""
+    listed = [None, None]  # (candidate checkpoints, newest first; a fresh run's folder)
     if d.main:
-        ckpt = args.resume
-        if ckpt == "auto":
-            runs = glob.glob(os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__*", "step_*"))
+        candidates = [args.resume] if args.resume not in (None, "auto") else []
+        if args.resume == "auto":
+            pattern = os.path.join(glob.escape(args.output_dir), f"{glob.escape(args.exp_name)}__{args.seed}__*",
+                                   "step_*")
             key = re.compile(r"__(\d+)" + re.escape(os.sep) + r"step_(\d+)$")  # (run's unix time, step)
-            found = sorted((int(m[1]), int(m[2]), p) for p in runs if (m := key.search(p)) and is_checkpoint(p))
-            ckpt = found[-1][2] if found else None
-            if ckpt is None:
-                print(f"--resume auto: no checkpoint of {args.exp_name}__{args.seed}__* under {args.output_dir}, "
-                      "starting a fresh run")
-        if ckpt:
-            ckpt = os.path.normpath(ckpt)
-            state = json.load(open(os.path.join(ckpt, "trainer_state.json")))
-            if state["world"] != d.world:
-                fail(f"{ckpt} was written by {state['world']} ranks and this run has {d.world}: resume it with "
-                     f"--nproc-per-node {state['world']} (optimizer shards and RNG states are per rank)")
-            if state["script"] != script:
-                fail(f"{ckpt} was written by {state['script']}, not {script}: resume it with that script")
-            print(f"resuming {ckpt} (step {state['step']})")
-        out = [os.path.dirname(ckpt) if ckpt else os.path.join(
-            args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time())}"), ckpt, state["step"] if ckpt else 0]
+            found = sorted((int(m[1]), int(m[2]), p) for p in glob.glob(pattern) if (m := key.search(p)))
+            candidates = [p for _, _, p in reversed(found)]
+        fresh = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time())}")
+        listed = [[os.path.normpath(p) for p in candidates], fresh]
     if d.world > 1:
-        dist.broadcast_object_list(out, src=0)
-    if out[2] >= args.num_steps:  # e.g. a restart after the last checkpoint was written
+        dist.broadcast_object_list(listed, src=0)
+    candidates, fresh = listed
+    ckpt = None
+    for path in candidates:  # the newest that verifies
+        reason = verify_checkpoint(path, d)
+        if reason is None:
+            ckpt = path
+            break
+        if args.resume != "auto":
+            fail(f"--resume {path}: {reason}; resume from another checkpoint (or --resume auto)")
         if d.main:
-            print(f"{out[1]} is at step {out[2]} and --num-steps is {args.num_steps}: nothing to do")
+            print(f"--resume auto: skipping {path}: {reason}")
+    if args.resume == "auto" and ckpt is None and d.main:
+        print(f"--resume auto: no checkpoint of {args.exp_name}__{args.seed}__* under {args.output_dir}, "
+              "starting a fresh run")
+    step = 0
+    if ckpt:
+        state = read_trainer_state(ckpt)
+        if state["world"] != d.world:
+            fail(f"{ckpt} was written by {state['world']} ranks and this run has {d.world}: resume it with "
+                 f"--nproc-per-node {state['world']} (optimizer shards and RNG states are per rank)")
+        if state["script"] != script:
+            fail(f"{ckpt} was written by {state['script']}, not {script}: resume it with that script")
+        step = state["step"]
+        then, now = state.get("args", {}), vars(args)
+        for name in RESUME_FIXED:
+            if name in then and then[name] != now[name]:
+                fail(f"--{name.replace('_', '-')} {now[name]} differs from {then[name]} in {ckpt}: it cannot change "
+                     "on resume (the data order, the optimizer state or the weights depend on it); start a new run")
+        changed = [f"--{k.replace('_', '-')} {then[k]} -> {v}" for k, v in now.items()
+                   if k in then and then[k] != v and k != "resume"]
+        if d.main:
+            print(f"resuming {ckpt} (step {step})")
+            if changed:
+                print(f"changed on resume, in effect from step {step + 1}: {', '.join(changed)}")
+    if step >= args.num_steps:  # e.g. a restart after the last checkpoint was written
+        if d.main:
+            print(f"{ckpt} is at step {step} and --num-steps is {args.num_steps}: nothing to do")
         cleanup()
         raise SystemExit(0)
-    return out[0], out[1]
+    return (os.path.dirname(ckpt) if ckpt else fresh), ckpt
+
+
+# What a resumed run may not change: the data order (seed, prompts a rank, the data), the shape of a step (group
+# size), the weights and optimizer state (model). World size and script are checked on their own.
+RESUME_FIXED = ("seed", "model", "dataset", "data_files", "prompts_per_rank", "group_size")
+
+
+def read_trainer_state(ckpt: str) -> dict:
+    """A checkpoint's trainer_state.json, or one line saying why it cannot be read."""
+    try:
+        with open(os.path.join(ckpt, "trainer_state.json")) as f:
+            state = json.load(f)
+        missing = [k for k in ("step", "world", "script") if k not in state]
+    except (OSError, ValueError, TypeError) as e:
+        fail(f"{ckpt}/trainer_state.json: cannot read it ({type(e).__name__}: {e}); resume from another checkpoint")
+    if missing:
+        fail(f"{ckpt}/trainer_state.json has no {missing}: resume from another checkpoint")
+    return state
+
+
+# One writer per run folder: rank 0 holds an exclusive flock on {run_dir}/writer.lock (which names its pid and host)
+# from before the model loads until the process ends. The kernel lets go of it when the process dies, however it
+# dies, so a dead writer's lock is taken over by the next run; a live writer's stops the next one with one line.
+_run_lock = None  # rank 0's open writer.lock
+
+
+def claim_run_dir(run_dir: str, ckpt: str | None, d: Dist) -> str:
+    """Rank 0 creates a fresh run's folder (a run started in the same second with the same --exp-name and --seed
+    takes the next free second's name, never the same folder) or takes a resumed run's, and locks it. Returns the
+    folder, the same on every rank; a folder held by a live writer stops every rank with one line naming it."""
+    return on_rank0(lambda: _claim_run_dir(run_dir, ckpt), d)
+
+
+def _claim_run_dir(run_dir: str, ckpt: str | None) -> str:
+    global _run_lock
+    if ckpt is None:
+        os.makedirs(os.path.dirname(run_dir) or ".", exist_ok=True)
+        head, t = run_dir.rsplit("__", 1)
+        while True:
+            try:
+                os.mkdir(run_dir)  # atomic: of two runs that picked the same name, one gets it
+                break
+            except FileExistsError:
+                t = str(int(t) + 1)
+                print(f"{run_dir} exists (a run started in the same second): this run writes to {head}__{t}")
+                run_dir = f"{head}__{t}"
+    release_run_dir()  # an earlier run in this process (tests call main() more than once)
+    path = os.path.join(run_dir, "writer.lock")
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise Refused(f"{run_dir} is being written by {holder} (it holds {path}): wait for that run to end, or "
+                      "start another with a different --exp-name or --seed")
+    except OSError as e:  # a file system without locks (e.g. NFS mounted with nolock refuses some): said, not hidden
+        print(f"warning: cannot lock {path} ({e}): no one-writer guarantee on this file system", file=sys.stderr)
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    _run_lock = f
+    return run_dir
+
+
+def release_run_dir():
+    """Let go of writer.lock (the end of a run; process exit does the same)."""
+    global _run_lock
+    if _run_lock is not None:
+        _run_lock.close()
+        _run_lock = None
 
 
 def _rng_state(d: Dist) -> dict:
@@ -1308,7 +1554,10 @@ def resume_state(ckpt: str | None, optimizer, scheduler, d: Dist) -> dict:
         return {"step": 0, "reward_curve": [], "nonfinite_run": 0, "wall_time": 0.0}
     state = json.load(open(os.path.join(ckpt, "trainer_state.json")))
     blob = torch.load(os.path.join(ckpt, f"rank{d.rank}.pt"), map_location="cpu", weights_only=True)
+    flags = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]  # this run's
     optimizer.load_state_dict(blob["optimizer"])
+    for group, hyper in zip(optimizer.param_groups, flags):  # the moments are restored, the flags are this run's:
+        group.update(hyper)  # --learning-rate, --weight-decay changed on resume take effect
     from torch.distributed.tensor import DTensor
 
     for p, s in optimizer.state.items():  # FSDP2: this rank's shards back into DTensors laid out like the parameter
@@ -1316,14 +1565,20 @@ def resume_state(ckpt: str | None, optimizer, scheduler, d: Dist) -> dict:
             if isinstance(p, DTensor) and not isinstance(v, DTensor) and v.shape == p.to_local().shape:
                 s[k] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
                                           run_check=False)
-    scheduler.load_state_dict(blob["scheduler"])
+    base_lrs = scheduler.base_lrs  # this run's --learning-rate
+    scheduler.load_state_dict(blob["scheduler"])  # the position in the schedule; its shape is this run's flags
+    scheduler.base_lrs = base_lrs
+    for group, base, factor in zip(optimizer.param_groups, base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * factor(scheduler.last_epoch)  # as LambdaLR computes it: bitwise the same when unchanged
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
     _set_rng_state(blob["rng"], d)
     return state
 
 
-def save_checkpoint(run_dir: str, step: int, policy: Policy, tok, optimizer, scheduler, d: Dist, keep: int,
+def save_checkpoint(run_dir: str, step: int, policy: Policy, tok, optimizer, scheduler, d: Dist, args,
                     script: str, **loop_state):
-    """Write {run_dir}/step_{step} (see above) atomically, then delete all but the newest `keep` (0: keep all).
+    """Write {run_dir}/step_{step} (see above; trainer_state.json holds the run's flags too) atomically, then delete
+    all but the newest --keep-checkpoints (0: keep all).
     The model is gathered from FSDP2 shards into one full state dict; the optimizer stays sharded, one file a rank."""
     from torch.distributed.tensor import DTensor
 
@@ -1350,18 +1605,62 @@ def save_checkpoint(run_dir: str, step: int, policy: Policy, tok, optimizer, sch
                os.path.join(tmp, f"rank{d.rank}.pt"))
     barrier()
     if d.main:
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:  # last: a folder without it is incomplete
-            json.dump({"step": step, "world": d.world, "script": script, **loop_state}, f)
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({"step": step, "world": d.world, "script": script, "args": vars(args), **loop_state}, f)
+    write_manifest(tmp, d)  # last: a folder without it is incomplete
+    if d.main:
         if os.path.exists(path):  # the same step written again: swap, then delete the old copy
             os.rename(path, tmp + ".old")
         os.rename(tmp, path)
         shutil.rmtree(tmp + ".old", ignore_errors=True)
         done = sorted((int(STEP_DIR.search(p)[1]), p) for p in glob.glob(os.path.join(run_dir, "step_*"))
                       if is_checkpoint(p))
-        for _, old in done[:-keep] if keep else []:
+        for _, old in done[:-args.keep_checkpoints] if args.keep_checkpoints else []:
             shutil.rmtree(old)
     barrier()
     return path
+
+
+# ----------------------------------------------------------------------------- graceful stop
+# SIGTERM (a cluster's preemption) or SIGINT (Ctrl-C) on any rank: every rank finishes the step, saves a checkpoint
+# and exits 0; --resume auto then continues exactly. A second signal exits at once (code 128 + signal), if it comes a
+# second or more after the first: within that second it is the same event delivered twice (Ctrl-C or a scheduler
+# signals every process of the job, and torchrun forwards what it gets to its workers on top).
+_stop = {"signal": None, "at": 0.0, "handlers": {}}
+
+
+def catch_stop_signals():
+    """From here on, the first SIGTERM or SIGINT asks for a checkpoint at the end of the step (stop_requested)."""
+    _stop["signal"] = None
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        _stop["handlers"].setdefault(sig, signal.getsignal(sig))
+        signal.signal(sig, _on_stop_signal)
+
+
+def _on_stop_signal(signum, frame):
+    if _stop["signal"] is not None and time.monotonic() - _stop["at"] >= 1.0:
+        os._exit(128 + signum)
+    if _stop["signal"] is not None:
+        return
+    _stop["signal"], _stop["at"] = signum, time.monotonic()
+    os.write(2, f"\n{signal.Signals(signum).name}: stopping with a checkpoint at the end of this step (a second "
+                "signal exits at once)\n".encode())  # os.write: safe inside a handler, unlike print
+
+
+def stop_requested() -> bool:
+    """True on every rank when any rank got a stop signal: one flag, all-reduced (MAX) once a step."""
+    flag = torch.tensor([0.0 if _stop["signal"] is None else 1.0])
+    stop = bool(all_reduce(flag, dist.ReduceOp.MAX).item())
+    if stop and int(os.environ.get("RANK", "0")) == 0:
+        print("a stop signal: every rank saves a checkpoint and exits 0 (continue with --resume auto)")
+    return stop
+
+
+def release_stop_signals():
+    """The handlers from before catch_stop_signals (tests run main() inside one process)."""
+    for sig, handler in _stop["handlers"].items():
+        signal.signal(sig, handler)
+    _stop["handlers"].clear()
 
 
 def barrier():
@@ -1373,7 +1672,10 @@ def cleanup():
     """The end of a torchrun process: every rank done with every collective, the group destroyed, then the process
     leaves without the interpreter's exit-time destructors. Under torch 2.13 + gloo, process-group objects that the
     FSDP2 model still references are destroyed there and sometimes abort ("terminate called without an active
-    exception", about 1 run in 60 on 2 busy cores) after all the work is done and saved. World size 1: nothing."""
+    exception", about 1 run in 60 on 2 busy cores) after all the work is done and saved. World size 1: nothing but
+    letting go of the run folder's lock."""
+    release_run_dir()
+    release_stop_signals()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -1401,10 +1703,12 @@ def check_common_args(args):
         fail(f"--max-new-tokens {args.max_new_tokens}: must be > 0")
     if args.clip_low <= 0 or args.clip_high <= 0:
         fail(f"--clip-low {args.clip_low} / --clip-high {args.clip_high}: clip ranges must be > 0")
+    if args.prompts_per_rank < 1:
+        fail(f"--prompts-per-rank {args.prompts_per_rank}: must be >= 1")
     if args.num_minibatches < 1 or args.prompts_per_rank % args.num_minibatches:
         fail(f"--prompts-per-rank {args.prompts_per_rank} must be a multiple of --num-minibatches {args.num_minibatches} "
              "(each minibatch holds whole groups)")
-    if args.temperature <= 0:
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
         fail(f"--temperature {args.temperature}: must be > 0 (RL samples from the policy)")
     if args.num_steps < 1:
         fail(f"--num-steps {args.num_steps}: must be >= 1")
@@ -1418,10 +1722,61 @@ def check_common_args(args):
         fail("--cpu-offload moves FSDP2 shards between GPU and CPU memory: it needs a GPU (drop it on CPU)")
     if args.eval_n is not None and args.eval_n < args.eval_k or args.eval_k < 1:
         fail(f"--eval-n {args.eval_n} / --eval-k {args.eval_k}: pass@k needs n >= k >= 1 samples a prompt")
-    if args.resume not in (None, "auto") and not is_checkpoint(args.resume):
-        fail(f"--resume {args.resume}: not a checkpoint (a run's step_N folder holding trainer_state.json); "
-             "give one, or 'auto' for the newest of this --exp-name and --seed")
+    resume_dir = os.path.basename(os.path.normpath(args.resume or ""))
+    if args.resume not in (None, "auto") and not (os.path.isdir(args.resume) and STEP_DIR.match(resume_dir)):
+        fail(f"--resume {args.resume}: not a checkpoint (a run's step_N folder); give one, or 'auto' for the newest "
+             "of this --exp-name and --seed")
     if args.keep_checkpoints < 0 or args.save_every < 0:
         fail(f"--keep-checkpoints {args.keep_checkpoints} / --save-every {args.save_every}: must be >= 0")
     if not 0 <= args.warmup_frac < 1 or not 0 <= args.min_lr_ratio <= 1:
         fail(f"--warmup-frac {args.warmup_frac} must lie in [0, 1) and --min-lr-ratio {args.min_lr_ratio} in [0, 1]")
+    if not (math.isfinite(args.learning_rate) and args.learning_rate > 0):
+        fail(f"--learning-rate {args.learning_rate}: must be > 0")
+    if not 0 < args.top_p <= 1:
+        fail(f"--top-p {args.top_p}: must lie in (0, 1] (1 is off)")
+    if args.top_k < 0:
+        fail(f"--top-k {args.top_k}: must be >= 0 (0 is off)")
+    if args.gen_batch_size < 1:
+        fail(f"--gen-batch-size {args.gen_batch_size}: must be >= 1 completions a generate call")
+    if args.logprob_chunk_tokens < 1:
+        fail(f"--logprob-chunk-tokens {args.logprob_chunk_tokens}: must be >= 1")
+    if not args.weight_decay >= 0 or not args.max_grad_norm > 0:
+        fail(f"--weight-decay {args.weight_decay} must be >= 0 and --max-grad-norm {args.max_grad_norm} > 0")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.eval_size < max(1, world):
+        fail(f"--eval-size {args.eval_size}: must be >= 1 and at least the world size {world} (every rank evaluates "
+             "an equal share; --eval-every 0 turns evaluation off)")
+    if args.eval_every < 0:
+        fail(f"--eval-every {args.eval_every}: must be >= 0 (0: never)")
+    check_dataset(args.dataset, args.data_files)
+    check_run_name(args.output_dir, args.exp_name)
+
+
+def check_dataset(name: str, data_files: str | None):
+    """--dataset and --data-files name something that exists, before anything is read."""
+    if name not in ("builtin", *DATASETS) and not name.endswith((".json", ".jsonl")):
+        fail(f"--dataset {name!r}: unknown (use builtin, {', '.join(DATASETS)}, or a local .jsonl of "
+             "{prompt, answer})")
+    if name.endswith((".json", ".jsonl")) and not os.path.isfile(name):
+        fail(f"--dataset {name!r}: no such file")
+    if data_files is not None and name not in DATASETS:
+        fail(f"--data-files is read in the columns of a hub set ({', '.join(DATASETS)}); --dataset {name!r} is "
+             "not one")
+    if data_files is not None and not glob.glob(data_files):
+        fail(f"--data-files {data_files!r}: no such file")
+
+
+def check_run_name(output_dir: str, exp_name: str):
+    """--output-dir is (or can become) a writable folder, and --exp-name one folder name inside it."""
+    if exp_name in ("", ".", "..") or "/" in exp_name or os.sep in exp_name:
+        fail(f"--exp-name {exp_name!r}: must be one folder name (no '/', not '.' or '..'), so that the run stays "
+             "inside --output-dir")
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        fail(f"--output-dir {output_dir}: is a file, not a folder")
+    existing = os.path.abspath(output_dir)
+    while not os.path.exists(existing):  # the folder that makedirs would create the rest in
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        fail(f"--output-dir {output_dir}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        fail(f"--output-dir {output_dir}: {existing} is not writable")

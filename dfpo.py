@@ -51,6 +51,7 @@ from common import (Logger, all_finite, all_gather_cat, all_reduce, check_common
                     load_task, load_tokenizer, lr_scheduler, micro_batches, minibatches, prompt_indices, reduce_stats,
                     resume_state, run_paths, save_checkpoint, score, seed_rank, setup_distributed, wrap_policy)
 from common import eval_summary, load_reward, log_samples
+from common import catch_stop_signals, claim_run_dir, stop_requested
 
 
 @dataclass
@@ -301,6 +302,7 @@ def main():
     tok = load_tokenizer(args.model, args.trust_remote_code)
     train, held, dropped = load_task(args.dataset, args.data_files, args.eval_size, args.seed, tok, args.enable_thinking,
                                      args.max_prompt_tokens)
+    run_dir = claim_run_dir(run_dir, ckpt, d)  # one writer per run folder: a live one holds its writer.lock
     lm = load_model(ckpt or args.model, tok, d, args.seed, args.trust_remote_code, args.dtype)
     eos = eos_ids(lm, tok)
     policy = wrap_policy(lm, d, args.temperature, args.logprob_chunk_tokens, args.activation_checkpointing,
@@ -330,6 +332,7 @@ def main():
     start, reward_curve, nonfinite_run = time.time() - state["wall_time"], state["reward_curve"], state["nonfinite_run"]
     bar = tqdm(range(state["step"] + 1, args.num_steps + 1), initial=state["step"], total=args.num_steps,
                disable=not d.main, desc=args.exp_name)
+    catch_stop_signals()  # SIGTERM or SIGINT: every rank saves a checkpoint at the end of the step and stops
     for step in bar:
         # TRY NOT TO MODIFY: rollout -> rewards -> group advantages
         policy.eval()
@@ -419,17 +422,21 @@ def main():
         if eval_now(step):
             policy.eval()
             log.update(evaluate(policy, tok, held, eos, d, k=args.eval_k, n=args.eval_n, reward=reward, **gen_kw))
-        logger.log(step, log)
         reward_curve.append(log["charts/reward_mean"])
+        if step == args.num_steps:  # Jitter2 of the whole run's reward curve (DFPO eq. 20), in its last row
+            log["charts/reward_jitter2"] = jitter2(reward_curve)
+        logger.log(step, log)
         bar.set_postfix(reward=f"{log['charts/reward_mean']:.3f}", clip=f"{log['losses/clipfrac']:.3f}",
                         asym=f"{log['losses/asym']:.3f}")
-        if step == args.num_steps or args.save_every and step % args.save_every == 0:
-            ckpt = save_checkpoint(run_dir, step, policy, tok, optimizer, scheduler, d, args.keep_checkpoints,
+        stop = stop_requested()  # a SIGTERM or SIGINT on any rank: every rank saves this step and stops
+        if stop or step == args.num_steps or args.save_every and step % args.save_every == 0:
+            ckpt = save_checkpoint(run_dir, step, policy, tok, optimizer, scheduler, d, args,
                                    os.path.basename(__file__), reward_curve=reward_curve, nonfinite_run=nonfinite_run,
                                    wall_time=time.time() - start)
+        if stop:
+            break
     n = max(1, len(reward_curve) // 10)
     first, last, jitter = sum(reward_curve[:n]) / n, sum(reward_curve[-n:]) / n, jitter2(reward_curve)
-    logger.log(args.num_steps, {"charts/reward_jitter2": jitter})
     if d.main:
         print(f"done in {time.time() - start:.0f}s: reward {first:.3f} (first 10% of steps) -> {last:.3f} (last 10%), "
               f"Jitter2 (DFPO eq. 20) {jitter:.4f}{eval_summary(log)}; checkpoint: {ckpt}")

@@ -119,7 +119,7 @@ def run_dir(root: str, name: str, seed: int) -> str:
 
 
 def metrics(root: str, name: str, seed: int) -> list[dict]:
-    """The rows of one run's metrics.jsonl (the last row, Jitter2 alone, is kept apart by the caller)."""
+    """The rows of one run's metrics.jsonl, one a step (the last also holds the run's Jitter2)."""
     return [json.loads(line) for line in open(os.path.join(run_dir(root, name, seed), "metrics.jsonl"))]
 
 

@@ -3,6 +3,7 @@
     CRASH=start:4      python tests/crash.py gspo.py ARGS...   SIGKILL at the start of step 4
     CRASH=checkpoint:4 python tests/crash.py gspo.py ARGS...   SIGKILL while step_4 is being written (the model is
                                                                written, this rank's optimizer file half written)
+    CRASH=sigterm:3    python tests/crash.py gspo.py ARGS...   SIGTERM at the start of step 3 (a graceful stop)
 CRASH_RANK (default 0) picks the rank that dies; under torchrun only the first attempt crashes (restarts run clean)."""
 import os
 import runpy
@@ -24,12 +25,14 @@ def die():
 where, _, at = os.environ.get("CRASH", "").partition(":")
 armed = (where and int(os.environ.get("RANK", 0)) == int(os.environ.get("CRASH_RANK", 0))
          and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0")
-if armed and where == "start":
+if armed and where in ("start", "sigterm"):
     real_indices = common.prompt_indices
 
     def prompt_indices(n_rows, step, *a, **k):
-        if step == int(at):
+        if step == int(at) and where == "start":
             die()
+        if step == int(at):  # a SIGTERM the run survives (preemption): it should stop after this step
+            os.kill(os.getpid(), signal.SIGTERM)
         return real_indices(n_rows, step, *a, **k)
 
     common.prompt_indices = prompt_indices  # the script imports it from common after this
@@ -45,6 +48,6 @@ elif armed and where == "checkpoint":
 
     torch.save = save
 elif where:
-    assert where in ("start", "checkpoint"), where
+    assert where in ("start", "checkpoint", "sigterm"), where
 sys.argv = sys.argv[1:]
 runpy.run_path(os.path.join(ROOT, sys.argv[0]), run_name="__main__")

@@ -5,6 +5,7 @@ import importlib
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -41,6 +42,41 @@ def test_bad_input_fails_before_any_model(script, argv, needle, monkeypatch, tmp
     fails_before_any_model(script, argv, needle, monkeypatch, tmp_path)
 
 
+BAD_FLAGS = [  # every one fails in check_common_args: before the tokenizer, the data, the model and the run folder
+    (["--top-k", "-5"], "--top-k -5: must be >= 0 (0 is off)"),
+    (["--gen-batch-size", "0"], "--gen-batch-size 0: must be >= 1"),
+    (["--logprob-chunk-tokens", "0"], "--logprob-chunk-tokens 0: must be >= 1"),
+    (["--prompts-per-rank", "0"], "--prompts-per-rank 0: must be >= 1"),
+    (["--learning-rate", "-1e-3"], "--learning-rate -0.001: must be > 0"),
+    (["--learning-rate", "0"], "--learning-rate 0.0: must be > 0"),
+    (["--eval-size", "0"], "--eval-size 0: must be >= 1"),
+    (["--top-p", "0"], "--top-p 0.0: must lie in (0, 1]"),
+    (["--top-p", "2"], "--top-p 2.0: must lie in (0, 1]"),
+    (["--output-dir", "FILE"], "afile: is a file, not a folder"),
+    (["--output-dir", "FILE/runs"], "afile is a file, not a folder"),
+    (["--output-dir", "/proc/1/runs"], "--output-dir /proc/1/runs: /proc/1 is not writable"),
+    (["--exp-name", "../../x"], "--exp-name '../../x': must be one folder name"),
+    (["--dataset", "nosuchset"], "--dataset 'nosuchset': unknown"),
+    (["--data-files", "x.jsonl"], "--data-files is read in the columns of a hub set"),
+]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("argv, needle", BAD_FLAGS)
+def test_bad_flag_fails_before_tokenizer_data_and_model(script, argv, needle, monkeypatch, tmp_path):
+    mod = importlib.import_module(script)
+    for name in ("setup_distributed", "load_tokenizer", "load_task"):
+        monkeypatch.setattr(mod, name, lambda *a, **k: pytest.fail("built before the bad flag was caught"))
+    (tmp_path / "afile").write_text("")
+    argv = [str(tmp_path / "afile") + a[4:] if a.startswith("FILE") else a for a in argv]
+    fails_before_any_model(script, argv, needle, monkeypatch, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # nothing written, inside or outside
+
+
+def test_grpo_kl_coef(monkeypatch, tmp_path):
+    fails_before_any_model("grpo", ["--kl-coef", "-1"], "--kl-coef -1.0: must be >= 0", monkeypatch, tmp_path)
+
+
 @pytest.mark.parametrize("script, argv, needle", [
     ("dfpo", ["--orth-floor", "0"], "--orth-floor 0.0: must be > 0"),
     ("dfpo", ["--transform", "nope"], None),  # tyro's own choice check: exit code 2 with the choices listed
@@ -58,7 +94,7 @@ def fails_before_any_model(script, argv, needle, monkeypatch, tmp_path):
 
     monkeypatch.setattr(mod, "load_model", no_model)
     argv = [bad_dataset(tmp_path) if a == "BAD" else a for a in argv]
-    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv, "--output-dir", str(tmp_path / "runs")])
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--output-dir", str(tmp_path / "runs"), *argv])
     with pytest.raises(SystemExit) as e:
         mod.main()
     if needle is None:
@@ -70,9 +106,30 @@ def fails_before_any_model(script, argv, needle, monkeypatch, tmp_path):
 
 
 def test_error_is_one_line_on_stderr(tmp_path):
-    p = subprocess.run([sys.executable, "gspo.py", "--group-size", "1"], cwd=ROOT, capture_output=True, text=True)
+    t = time.time()
+    p = subprocess.run([sys.executable, "gspo.py", "--top-k", "-5", "--output-dir", str(tmp_path / "runs")], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert time.time() - t < 5 and not (tmp_path / "runs").exists()
     assert p.returncode == 1 and p.stdout == ""
-    assert p.stderr.strip().count("\n") == 0 and p.stderr.startswith("error: --group-size 1")
+    assert p.stderr.strip().count("\n") == 0 and p.stderr.startswith("error: --top-k -5")
+
+
+def test_error_under_torchrun_is_printed_once_and_every_rank_exits(tmp_path):
+    """A checkpoint written by 1 rank, resumed under 2: rank 0 alone prints the line, both ranks exit 1 at once."""
+    ckpt = tmp_path / "gspo__1__5" / "step_4"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4, "world": 1, "script": "gspo.py"}))
+    common.write_manifest(str(ckpt))
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "gspo.py", "--resume", str(ckpt), "--output-dir", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    out = p.stdout + p.stderr
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert p.returncode == 1 and errors == [
+        f"error: {ckpt} was written by 1 ranks and this run has 2: resume it with --nproc-per-node 1 (optimizer "
+        "shards and RNG states are per rank)"], out
+    assert "exitcode  : 1" in out  # torchrun's own failure report (ChildFailedError) follows
+    assert out.count("Traceback") == 1 and "torch/distributed/run.py" in out  # torchrun's; none from the ranks
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

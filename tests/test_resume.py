@@ -3,7 +3,9 @@ checkpoint, and a torchrun job whose rank 1 is SIGKILLed under --max-restarts al
 an unbroken run's, and log the same numbers at every step (fp32, tiny model, world size 1 and 2)."""
 import glob
 import json
+import math
 import os
+import signal
 import subprocess
 import sys
 
@@ -13,6 +15,7 @@ from safetensors.torch import load_file
 
 import common
 from conftest import ROOT
+from test_train import read_rows
 
 # 6 steps, eval at 0/3/6 (it draws samples too), warm-up then cosine: every piece of state a resume must restore
 ARGS = ["--num-steps", "6", "--prompts-per-rank", "8", "--eval-every", "3", "--eval-size", "8", "--eval-k", "2",
@@ -34,7 +37,7 @@ def launch(out, *extra, world=1, crash=None, crash_rank=0, restarts=0, script="g
 def result(out):
     """(final weights, logged rows without timings) of the one run under `out`."""
     (run,) = glob.glob(f"{out}/*/metrics.jsonl")
-    rows = [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")} for line in open(run)]
+    rows = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_rows(run)]
     return load_file(os.path.join(os.path.dirname(run), "step_6", "model.safetensors")), rows
 
 
@@ -42,7 +45,7 @@ def assert_same(a, b):
     (wa, ra), (wb, rb) = a, b
     assert wa.keys() == wb.keys()
     assert all(torch.equal(wa[k], wb[k]) for k in wa), [k for k in wa if not torch.equal(wa[k], wb[k])]
-    assert [r["step"] for r in rb] == [0, 1, 2, 3, 4, 5, 6, 6]  # eval at 0, steps 1-6, the Jitter2 row; no repeats
+    assert [r["step"] for r in rb] == [0, 1, 2, 3, 4, 5, 6]  # eval at 0, steps 1-6 (6 with Jitter2); no repeats
     assert ra == rb  # rewards, losses, clip fractions, learning rates, evals: every logged number of every step
 
 
@@ -73,16 +76,81 @@ def tensorboard_steps(out, tag="charts/reward_mean"):
     return [e.step for e in acc.Scalars(tag)]
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_stop_after_3_steps_and_resume_is_exact(world, tmp_path, tmp_path_factory):
-    p = launch(tmp_path, "--save-every", "3", world=world, crash="start:4", crash_rank=world - 1)
-    assert p.returncode != 0  # SIGKILL (torchrun: a failed child) at the start of step 4
-    (ckpt,) = glob.glob(f"{tmp_path}/*/step_*")
-    assert ckpt.endswith("step_3")
-    p = launch(tmp_path, "--save-every", "3", "--resume", ckpt, world=world)
-    assert p.returncode == 0 and f"resuming {ckpt} (step 3)" in p.stdout, p.stderr[-3000:]
-    assert_same(straight(world, tmp_path_factory), result(tmp_path))
-    assert tensorboard_steps(tmp_path) == [1, 2, 3, 4, 5, 6]  # the killed run's step 4 was never logged; no gap
+def test_damaged_newest_checkpoint_is_skipped(tmp_path, tmp_path_factory, monkeypatch):
+    """A truncated model.safetensors in the newest checkpoint: --resume of it is one line; --resume auto says why it
+    skips it and continues exactly from the one before."""
+    p = launch(tmp_path, "--save-every", "2", crash="start:5")
+    assert p.returncode == -9  # SIGKILL at the start of step 5, after step_4 was written
+    (run,) = glob.glob(f"{tmp_path}/*/")
+    assert sorted(n for n in os.listdir(run) if "step" in n) == ["step_2", "step_4"]
+    model = f"{run}step_4/model.safetensors"
+    size = os.path.getsize(model)
+    os.truncate(model, size // 2)
+    damage = f"model.safetensors has {size // 2} bytes, the manifest says {size}"
+    assert main_exits(monkeypatch, tmp_path, "--resume", f"{run}step_4") == (
+        f"error: --resume {run}step_4: {damage}; resume from another checkpoint (or --resume auto)")
+
+    p = launch(tmp_path, "--save-every", "2", "--resume", "auto")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"--resume auto: skipping {run}step_4: {damage}\nresuming {run}step_2 (step 2)" in p.stdout, p.stdout
+    assert_same(straight(1, tmp_path_factory), result(tmp_path))
+
+    # flags on resume: those that must not change are refused, a new learning rate and more steps take effect
+    assert main_exits(monkeypatch, tmp_path, "--resume", f"{run}step_6", "--group-size", "4") == (
+        f"error: --group-size 4 differs from 8 in {run}step_6: it cannot change on resume (the data order, the "
+        "optimizer state or the weights depend on it); start a new run")
+    p = launch(tmp_path, "--save-every", "2", "--resume", f"{run}step_6", "--num-steps", "8",
+               "--learning-rate", "4e-3")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "changed on resume, in effect from step 7: --num-steps 6 -> 8, --learning-rate 0.002 -> 0.004" in p.stdout
+    rows = [json.loads(line) for line in open(f"{run}metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6, 7, 8]
+    factor = lambda i: 0.2 + 0.8 * 0.5 * (1 + math.cos(math.pi * (i - 8) / (32 - 8)))  # noqa: E731 - 8 x 4 updates
+    assert [r["charts/learning_rate"] for r in rows[7:]] == pytest.approx([4e-3 * factor(28), 4e-3 * factor(32)])
+
+
+def main_exits(monkeypatch, out, *argv):
+    """gspo.main() in this process, which must stop before the model loads: its exit code (the error line)."""
+    import gspo
+
+    monkeypatch.setattr(gspo, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(sys, "argv", ["gspo.py", *ARGS, *argv, "--output-dir", str(out)])
+    with pytest.raises(SystemExit) as e:
+        gspo.main()
+    return e.value.code
+
+
+def test_sigterm_on_one_rank_saves_on_every_rank_and_resume_is_exact(tmp_path, tmp_path_factory):
+    """Preemption: SIGTERM to rank 1 alone during step 3; both ranks finish step 3, save it, exit 0."""
+    p = launch(tmp_path, world=2, crash="sigterm:3", crash_rank=1)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "SIGTERM: stopping with a checkpoint at the end of this step" in p.stderr
+    assert "a stop signal: every rank saves a checkpoint and exits 0 (continue with --resume auto)" in p.stdout
+    (run,) = glob.glob(f"{tmp_path}/*/")
+    assert sorted(n for n in os.listdir(run) if "step" in n) == ["step_3"]
+    assert [json.loads(line)["step"] for line in open(f"{run}metrics.jsonl")] == [0, 1, 2, 3]
+    p = launch(tmp_path, "--resume", "auto", world=2)
+    assert p.returncode == 0 and f"resuming {run}step_3 (step 3)" in p.stdout, p.stderr[-3000:]
+    assert_same(straight(2, tmp_path_factory), result(tmp_path))
+    assert tensorboard_steps(tmp_path) == [1, 2, 3, 4, 5, 6]
+
+
+def test_second_stop_signal_exits_at_once(monkeypatch):
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    common.catch_stop_signals()
+    try:
+        assert not common.stop_requested()
+        os.kill(os.getpid(), signal.SIGINT)
+        assert common.stop_requested() and exits == []
+        os.kill(os.getpid(), signal.SIGTERM)  # within a second: the same event (torchrun forwards what it gets)
+        assert exits == []
+        common._stop["at"] -= 1.0  # a second later
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert exits == [128 + signal.SIGTERM]
+    finally:
+        common.release_stop_signals()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, tmp_path_factory):
@@ -93,9 +161,12 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, tmp
     assert open(f"{run}/.tmp_step_4/rank0.pt", "rb").read() == b"half an optimizer state"
     assert not common.is_checkpoint(f"{run}/.tmp_step_4") and common.is_checkpoint(f"{run}/step_2")
     assert [json.loads(line)["step"] for line in open(f"{run}/metrics.jsonl")][-1] == 4  # logged past the checkpoint
+    with open(f"{run}/metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "charts/reward_me')  # and a row torn by the kill
 
     p = launch(tmp_path, "--save-every", "2", "--resume", "auto")
     assert p.returncode == 0 and f"resuming {run}step_2 (step 2)" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
+    assert f"{run}metrics.jsonl: dropped a torn last line (29 characters, not a whole row)" in p.stdout
     assert_same(straight(1, tmp_path_factory), result(tmp_path))  # steps 3-4 were logged twice, kept once
     assert tensorboard_steps(tmp_path) == [1, 2, 3, 4, 5, 6]  # purged at step 3 by the resumed writer
     assert sorted(d for d in os.listdir(run) if "step" in d) == ["step_4", "step_6"]  # --keep-checkpoints 2
@@ -106,6 +177,68 @@ def test_torchrun_max_restarts_resumes_a_killed_rank(tmp_path, tmp_path_factory)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "starting a fresh run" in p.stdout and "(step 3)" in p.stdout  # the first attempt, then the restart
     assert_same(straight(2, tmp_path_factory), result(tmp_path))
+
+
+def test_metrics_rows_read_back(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "a": NaN}\n{"step": 2, "a": 1}\n{"step": 3, "a"')
+    assert common.read_metrics(str(path)) == [{"step": 1, "a": None}, {"step": 2, "a": 1}]  # older files: NaN read
+    assert common.read_metrics(str(path), keep_below=2) == [{"step": 1, "a": None}]
+    path.write_text('{"step": 1}\n{"step": 2\n{"step": 3}\n')
+    with pytest.raises(common.Refused, match="metrics.jsonl line 2 is not JSON: repair or remove that line"):
+        common.read_metrics(str(path))
+
+
+HOLD = """import fcntl, os, socket, sys, time
+f = open(sys.argv[1], "a+")
+fcntl.flock(f, fcntl.LOCK_EX)
+f.truncate(0)
+f.write(f"pid {os.getpid()} on {socket.gethostname()}\\n")
+f.flush()
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_one_writer_per_run_folder(tmp_path, monkeypatch):
+    """A live writer's lock stops a second one (here two --resume auto of one run) before the model loads, with one
+    line naming it; a dead writer's lock is taken over; two fresh runs started in the same second get two folders."""
+    import socket
+
+    import gspo
+
+    run = tmp_path / "gspo__1__5"
+    ckpt = run / "step_4"
+    ckpt.mkdir(parents=True)
+    fake_checkpoint(ckpt, step=4, world=1, script="gspo.py")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run / "writer.lock")], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        monkeypatch.setattr(gspo, "load_model", lambda *a, **k: pytest.fail("a second writer reached the model"))
+        monkeypatch.setattr(sys, "argv", ["gspo.py", "--resume", "auto", "--output-dir", str(tmp_path)])
+        with pytest.raises(SystemExit) as e:
+            gspo.main()
+        assert e.value.code == (f"error: {run} is being written by pid {holder.pid} on {socket.gethostname()} (it "
+                                f"holds {run}/writer.lock): wait for that run to end, or start another with a "
+                                "different --exp-name or --seed")
+    finally:
+        holder.kill()
+        holder.wait()
+    d = common.Dist(0, 1, 0, torch.device("cpu"))
+    assert common.claim_run_dir(str(run), str(ckpt), d) == str(run)  # the dead writer's lock, taken over
+    assert (run / "writer.lock").read_text() == f"pid {os.getpid()} on {socket.gethostname()}\n"
+    fresh = str(tmp_path / "gspo__1__1795365514")
+    assert common.claim_run_dir(fresh, None, d) == fresh
+    assert common.claim_run_dir(fresh, None, d) == fresh[:-1] + "5"  # the same name: the next second's folder
+    common.release_run_dir()
+
+
+def fake_checkpoint(ckpt, **state):
+    """A checkpoint folder holding only trainer_state.json and its manifest."""
+    ckpt.mkdir(parents=True, exist_ok=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    common.write_manifest(str(ckpt))
 
 
 def test_resume_errors_before_any_heavy_work(tmp_path, monkeypatch, capsys):
@@ -119,11 +252,31 @@ def test_resume_errors_before_any_heavy_work(tmp_path, monkeypatch, capsys):
 
     assert "not a checkpoint" in main("--resume", str(tmp_path))
     ckpt = tmp_path / "gspo__1__5" / "step_4"
-    ckpt.mkdir(parents=True)
-    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4, "world": 2, "script": "gspo.py"}))
+    fake_checkpoint(ckpt, step=4, world=2, script="gspo.py")
     assert "written by 2 ranks and this run has 1: resume it with --nproc-per-node 2" in main("--resume", "auto")
-    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4, "world": 1, "script": "dfpo.py"}))
+    fake_checkpoint(ckpt, step=4, world=1, script="dfpo.py")
     assert "written by dfpo.py, not gspo.py" in main("--resume", str(ckpt))
-    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4, "world": 1, "script": "gspo.py"}))
+    fake_checkpoint(ckpt, step=4, world=1, script="gspo.py")
     assert main("--resume", str(ckpt), "--num-steps", "4") == "0"
     assert "is at step 4 and --num-steps is 4: nothing to do" in capsys.readouterr().out
+
+    (ckpt / "rank0.pt").write_bytes(b"0123")
+    common.write_manifest(str(ckpt))
+    (ckpt / "rank0.pt").write_bytes(b"0124")  # damaged in place: same size
+    assert main("--resume", str(ckpt)) == (f"error: --resume {ckpt}: rank0.pt does not match its sha256 in the "
+                                           "manifest; resume from another checkpoint (or --resume auto)")
+    (ckpt / "rank0.pt").unlink()
+    assert main("--resume", str(ckpt)).endswith(f"{ckpt}: rank0.pt is missing; resume from another checkpoint "
+                                                "(or --resume auto)")
+    (ckpt / "trainer_state.json").write_text("{")  # damaged before the manifest was written: read, and one line
+    common.write_manifest(str(ckpt))
+    assert main("--resume", str(ckpt)).startswith(f"error: {ckpt}/trainer_state.json: cannot read it "
+                                                  "(JSONDecodeError")
+    (ckpt / "manifest.json").unlink()
+    assert main("--resume", str(ckpt)).endswith(f"{ckpt}: no manifest.json (written before manifests, or never "
+                                                "completed); resume from another checkpoint (or --resume auto)")
+    monkeypatch.setattr(gspo, "load_model", lambda *a, **k: sys.exit("stopped at the model"))
+    assert main("--resume", "auto") == "stopped at the model"
+    out = capsys.readouterr().out
+    assert f"--resume auto: skipping {ckpt}: no manifest.json" in out and "starting a fresh run" in out
+    common.release_run_dir()

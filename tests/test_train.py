@@ -20,15 +20,23 @@ def run_script(script, argv, monkeypatch, out, jitter_row=True):
     monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv, "--output-dir", str(out)])
     mod.main()
     (run,) = glob.glob(f"{out}/*/metrics.jsonl")
-    rows = read_rows(run) if jitter_row else [json.loads(line) for line in open(run)]
+    rows = read_rows(run, jitter_row)
     return rows, os.path.dirname(run)
 
 
-def read_rows(path):
-    """metrics.jsonl without its last row, which holds only the run's Jitter2 (checked here)."""
-    rows = [json.loads(line) for line in open(path)]
-    assert rows[-1].keys() == {"step", "charts/reward_jitter2"}
-    return rows[:-1]
+def not_json(constant):
+    raise ValueError(f"{constant} is not JSON")
+
+
+def read_rows(path, jitter_row=True):
+    """metrics.jsonl, read as strict JSON (NaN or Infinity fail), one row a step; the last (training) step's row also
+    holds the run's Jitter2 (checked here)."""
+    rows = [json.loads(line, parse_constant=not_json) for line in open(path)]
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(set(steps)), steps
+    with_jitter = [i for i, r in enumerate(rows) if "charts/reward_jitter2" in r]
+    assert with_jitter == ([len(rows) - 1] if jitter_row else [])
+    return rows
 
 
 @pytest.mark.parametrize("script", ["gspo", "grpo", "gspo_token", "dfpo"])
@@ -54,8 +62,7 @@ def test_local_model_folder_and_checkpoint(tiny_dir, monkeypatch, tmp_path):
                 "charts/learning_rate", "charts/reward_errors", "losses/skipped_updates", "perf/gen_tokens_per_s",
                 "perf/train_tokens_per_s", "perf/wall_time"]:
         assert key in rows[1], key
-    jitter = json.loads(open(f"{run}/metrics.jsonl").readlines()[-1])["charts/reward_jitter2"]
-    assert math.isnan(jitter)  # 2 steps: eq. 20 needs 3 points
+    assert rows[-1]["step"] == 2 and rows[-1]["charts/reward_jitter2"] is None  # eq. 20 needs 3 points: null
     assert glob.glob(f"{run}/events.out.tfevents.*")
     trained = AutoModelForCausalLM.from_pretrained(f"{run}/step_2")
     start = AutoModelForCausalLM.from_pretrained(tiny_dir)

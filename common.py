@@ -1759,9 +1759,12 @@ def check_dataset(name: str, data_files: str | None):
              "{prompt, answer})")
     if name.endswith((".json", ".jsonl")) and not os.path.isfile(name):
         fail(f"--dataset {name!r}: no such file")
+    if data_files is not None and name == "builtin":
+        fail(f"--data-files {data_files!r} reads a local copy of a hub set (--dataset {', '.join(DATASETS)}); "
+             "--dataset builtin would ignore it: drop it")
     if data_files is not None and name not in DATASETS:
-        fail(f"--data-files is read in the columns of a hub set ({', '.join(DATASETS)}); --dataset {name!r} is "
-             "not one")
+        fail(f"--dataset {name!r} is a local file already and --data-files {data_files!r} would be ignored: "
+             "drop --data-files (it reads a local copy of a hub set in that set's own columns)")
     if data_files is not None and not glob.glob(data_files):
         fail(f"--data-files {data_files!r}: no such file")
 

@@ -57,7 +57,7 @@ BAD_FLAGS = [  # every one fails in check_common_args: before the tokenizer, the
     (["--output-dir", "/proc/1/runs"], "--output-dir /proc/1/runs: /proc/1 is not writable"),
     (["--exp-name", "../../x"], "--exp-name '../../x': must be one folder name"),
     (["--dataset", "nosuchset"], "--dataset 'nosuchset': unknown"),
-    (["--data-files", "x.jsonl"], "--data-files is read in the columns of a hub set"),
+    (["--data-files", "x.jsonl"], "--dataset builtin would ignore it: drop it"),
 ]
 
 

@@ -550,7 +550,7 @@ GEN_MODES = ("repeat", "shared-prefill")
 @torch.no_grad()
 def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d: Dist, *, max_new_tokens: int,
              temperature: float, top_p: float, top_k: int, gen_batch_size: int, unshard: bool = False,
-             mode: str = "repeat") -> dict:
+             mode: str = "shared-prefill") -> dict:
     """n completions per prompt (rows of one prompt are adjacent: a group). Returns input_ids [B, P+T],
     attention_mask, n_prompt P, completion mask [B, T] (up to and including the first EOS), truncated [B].
     mode "repeat": each prompt repeated n times, so `generate` prefills it n times, gen_batch_size rows a call.
@@ -634,7 +634,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 @torch.no_grad()
 def evaluate(policy, tok, held, eos, d: Dist, *, k: int, n: int | None = None, max_new_tokens: int,
              temperature: float, top_p: float, top_k: int, gen_batch_size: int, unshard: bool = False,
-             mode: str = "repeat") -> dict:
+             mode: str = "shared-prefill") -> dict:
     """Over the held-out prompts (each rank an equal share), from n >= k samples a prompt (n defaults to k):
     avg@k, the mean accuracy of the n samples (an unbiased estimate of the mean accuracy of k samples, the DFPO
     paper's metric), and pass@k, the mean over prompts of the unbiased 1 - C(n - c, k) / C(n, k) (pass_at_k)."""

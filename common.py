@@ -257,8 +257,24 @@ class Policy(torch.nn.Module):
         super().__init__()
         self.lm, self.temperature, self.chunk_tokens = lm, temperature, chunk_tokens
 
-    def generate(self, **kw):
-        return self.lm.generate(**kw)
+    def generate(self, input_ids, attention_mask, n: int = 1, **kw):
+        """HF `generate` for the prompts input_ids [B, P] (left-padded). n > 1: n completions of each prompt, rows of
+        one prompt adjacent, with each prompt prefilled once: its KV cache over all its tokens but the last is
+        computed for the B prompts and repeated n times, and `generate` starts from the last prompt token of each of
+        the B x n rows, as if every prompt had been given n times. Under FSDP2 the root unit stays gathered for the
+        whole call (register_fsdp_forward_method), the prefill included."""
+        if n == 1:
+            return self.lm.generate(input_ids=input_ids, attention_mask=attention_mask, **kw)
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.lm.config)
+        prefix_mask = attention_mask[:, :-1]
+        position_ids = (prefix_mask.long().cumsum(-1) - 1).clamp(min=0)  # as generate() does with left padding
+        self.lm.get_decoder()(input_ids=input_ids[:, :-1], attention_mask=prefix_mask, position_ids=position_ids,
+                              past_key_values=cache, use_cache=True)
+        cache.batch_repeat_interleave(n)  # [B, heads, P-1, d] -> [B n, heads, P-1, d]
+        return self.lm.generate(input_ids=input_ids.repeat_interleave(n, 0),
+                                attention_mask=attention_mask.repeat_interleave(n, 0), past_key_values=cache, **kw)
 
     def forward(self, input_ids, attention_mask, n_prompt: int, entropy: bool = False):
         """log pi(y_t | x, y_<t) for the completion tokens input_ids[:, n_prompt:] -> [B, T] float32
@@ -960,21 +976,38 @@ def group_metrics(m: torch.Tensor, d_first: torch.Tensor, group_size: int, group
 
 
 # ----------------------------------------------------------------------------- generation
+GEN_MODES = ("repeat", "shared-prefill")
+
+
 @torch.no_grad()
 def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d: Dist, *, max_new_tokens: int,
-             temperature: float, top_p: float, top_k: int, gen_batch_size: int, unshard: bool = False) -> dict:
+             temperature: float, top_p: float, top_k: int, gen_batch_size: int, unshard: bool = False,
+             mode: str = "shared-prefill") -> dict:
     """n completions per prompt (rows of one prompt are adjacent: a group). Returns input_ids [B, P+T],
-    attention_mask, n_prompt P, completion mask [B, T] (up to and including the first EOS), truncated [B]."""
+    attention_mask, n_prompt P, completion mask [B, T] (up to and including the first EOS), truncated [B].
+    mode "repeat": each prompt repeated n times, so `generate` prefills it n times, gen_batch_size rows a call.
+    mode "shared-prefill": each prompt prefilled once and its KV cache repeated to its n rows (Policy.generate),
+    whole groups a call, max(1, gen_batch_size // n) prompts. Same tokens under greedy decoding (top_k=1)."""
+    if mode not in GEN_MODES:
+        raise ValueError(f"unknown generation mode {mode!r} ({', '.join(GEN_MODES)})")
     enc = tok(list(prompts), padding=True, return_tensors="pt", add_special_tokens=False)
-    ids, am = enc.input_ids.repeat_interleave(n, 0).to(d.device), enc.attention_mask.repeat_interleave(n, 0).to(d.device)
+    ids, am = enc.input_ids.to(d.device), enc.attention_mask.to(d.device)
+    shared = mode == "shared-prefill"
+    if shared and ids.shape[1] < 2:  # one-token prompts: a pad column, so that the prefilled prefix is not empty
+        ids, am = F.pad(ids, (1, 0), value=tok.pad_token_id), F.pad(am, (1, 0), value=0)
+    rows = max(1, gen_batch_size // n) if shared else gen_batch_size  # prompts (shared) or rows (repeat) a call
+    if not shared:
+        ids, am = ids.repeat_interleave(n, 0), am.repeat_interleave(n, 0)
     outs = []
     with gathered(policy, unshard):
-        for i in range(0, ids.shape[0], gen_batch_size):
+        for i in range(0, ids.shape[0], rows):
             outs.append(policy.generate(
-                input_ids=ids[i:i + gen_batch_size], attention_mask=am[i:i + gen_batch_size], do_sample=True,
+                input_ids=ids[i:i + rows], attention_mask=am[i:i + rows], n=n if shared else 1, do_sample=True,
                 temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, eos_token_id=eos,
                 pad_token_id=tok.pad_token_id, synced_gpus=d.world > 1,  # FSDP: every rank steps until all are done
             )[:, ids.shape[1]:])
+    if shared:
+        ids, am = ids.repeat_interleave(n, 0), am.repeat_interleave(n, 0)
     T = max(o.shape[1] for o in outs)
     comp = torch.cat([F.pad(o, (0, T - o.shape[1]), value=tok.pad_token_id) for o in outs])
     is_eos = torch.isin(comp, torch.tensor(eos, device=comp.device))
@@ -1086,7 +1119,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 @torch.no_grad()
 def evaluate(policy, tok, held, eos, d: Dist, *, k: int, n: int | None = None, reward: Reward | None = None,
              max_new_tokens: int, temperature: float, top_p: float, top_k: int, gen_batch_size: int,
-             unshard: bool = False) -> dict:
+             unshard: bool = False, mode: str = "shared-prefill") -> dict:
     """Over the held-out prompts (each rank an equal share), from n >= k samples a prompt (n defaults to k):
     avg@k, the mean accuracy of the n samples (an unbiased estimate of the mean accuracy of k samples, the DFPO
     paper's metric), and pass@k, the mean over prompts of the unbiased 1 - C(n - c, k) / C(n, k) (pass_at_k)."""
@@ -1098,7 +1131,7 @@ def evaluate(policy, tok, held, eos, d: Dist, *, k: int, n: int | None = None, r
     for i in range(0, len(rows), per_call):
         part = rows.select(range(i, min(i + per_call, len(rows))))
         out = generate(policy, tok, part["text"], n, eos, d, max_new_tokens=max_new_tokens, temperature=temperature,
-                       top_p=top_p, top_k=top_k, gen_batch_size=gen_batch_size, unshard=unshard)
+                       top_p=top_p, top_k=top_k, gen_batch_size=gen_batch_size, unshard=unshard, mode=mode)
         part_r, part_errors = score(out["texts"], part["answer"], n, reward, watch=False)
         r, errors = torch.cat([r, part_r]), errors + part_errors
     r = r.view(-1, n)

@@ -122,6 +122,9 @@ class Args:
     gen_unshard: bool = False
     """FSDP2: gather each layer once per generate call, not once per decoded token (every GPU then holds the whole
     model in the compute dtype while generating)"""
+    gen_mode: Literal["repeat", "shared-prefill"] = "shared-prefill"
+    """shared-prefill: each prompt prefilled once and its KV cache repeated to its group, whole groups a generate call;
+    repeat: each prompt repeated group_size times and prefilled as many times (same tokens; benchmarks/README.md)"""
     logprob_chunk_tokens: int = 1024
     """tokens per LM-head chunk: log-probs never hold more than chunk x vocab logits"""
     eval_every: int = 50
@@ -317,7 +320,8 @@ def main():
               f"{dropped['too_long']} over --max-prompt-tokens); "
               f"world size {d.world}; logs: tensorboard --logdir {args.output_dir}")
     gen_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                  top_k=args.top_k, gen_batch_size=args.gen_batch_size, unshard=args.gen_unshard)
+                  top_k=args.top_k, gen_batch_size=args.gen_batch_size, unshard=args.gen_unshard,
+                  mode=args.gen_mode)
     eval_now = lambda step: args.eval_every > 0 and (step % args.eval_every == 0 or step == args.num_steps)  # noqa: E731
     if args.eval_only:  # the table a paper reports, for --model as it is
         policy.eval()

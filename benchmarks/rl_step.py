@@ -89,9 +89,9 @@ def run_trl(a, folder: str, out_dir: str) -> dict:
         return [math_reward(c, x) for c, x in zip(completions, answer)]
 
     cfg = GRPOConfig(
-        output_dir=out_dir, use_cpu=True, bf16=False,  # fp32, as gspo.py --dtype auto on CPU
+        output_dir=out_dir, use_cpu=not a.gpu, bf16=a.gpu,  # as gspo.py --dtype auto: fp32 on CPU, bf16 on GPU
         activation_checkpointing=False,  # as gspo.py's default (TRL's default is on)
-        seed=a.seed, model_init_kwargs={"dtype": torch.float32}, disable_dropout=True,
+        seed=a.seed, model_init_kwargs={"dtype": torch.bfloat16 if a.gpu else torch.float32}, disable_dropout=True,
         importance_sampling_level="sequence", loss_type="grpo",  # GSPO: one ratio per sequence, mean over sequences
         beta=0.0, epsilon=3e-4, epsilon_high=4e-4,  # gspo.py --clip-low / --clip-high defaults; no KL, no reference
         scale_rewards="group", num_generations=a.group_size, num_iterations=1,
@@ -140,7 +140,8 @@ def run_trl(a, folder: str, out_dir: str) -> dict:
 
 def child(a, folder: str) -> dict:
     cmd = [sys.executable, __file__, "--run", "trl", "--folder", folder] + [
-        f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items() if k not in ("run", "folder")]
+        f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items() if k not in ("run", "folder", "model_folder", "gpu")
+    ] + (["--gpu"] if a.gpu else [])
     p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(a.threads)})
     if p.returncode:
         raise SystemExit(f"error: {' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
@@ -159,6 +160,8 @@ def main():
     ap.add_argument("--lr", type=float, default=5e-4, help="learning rate (gspo.py's default for --model tiny)")
     ap.add_argument("--seed", type=int, default=1, help="model init, data order and sampling seed")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads for both trainers")
+    ap.add_argument("--model-folder", help="a saved model and tokenizer to train (default: the tiny model, --seed)")
+    ap.add_argument("--gpu", action="store_true", help="TRL on the GPU in bf16 (gspo.py: bf16 on a GPU anyway)")
     ap.add_argument("--run", help=argparse.SUPPRESS)  # internal: run TRL in this process
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -176,8 +179,9 @@ def main():
 
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        folder = os.path.join(tmp, "tiny")
-        save_tiny(folder, a.seed)
+        folder = a.model_folder or os.path.join(tmp, "tiny")
+        if not a.model_folder:
+            save_tiny(folder, a.seed)
         results = {"ours (gspo.py)": run_ours(a, folder, os.path.join(tmp, "runs")),  # one after the other
                    f"TRL {trl.__version__} GRPOTrainer": child(a, folder)}
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}; "

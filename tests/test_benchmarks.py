@@ -1,4 +1,5 @@
-"""The benchmark scripts run, and the memory plan counts a real Qwen3 model's parameters exactly."""
+"""The benchmark scripts run, the memory plan counts a real Qwen3 model's parameters exactly, and the Qwen3 shapes
+the benchmarks build are the published ones."""
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ from conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import memory_plan  # noqa: E402
+import shapes  # noqa: E402
 
 
 def test_memory_plan_counts_parameters_exactly(tmp_path):
@@ -40,3 +42,28 @@ def test_grading_benchmark_prints_its_table():
     graded = [r for r in rows if r[1] != "worker start"]
     assert len(graded) == 4 and all(r[2] == "40" and r[4] == "0" and r[5] == "100.0%" for r in graded), p.stdout
     assert "command: python" in p.stdout
+
+
+def test_qwen3_shapes_match_the_model_cards():
+    """benchmarks/shapes.py's configs give the parameter counts the Qwen3 model cards state (total, non-embedding)."""
+    for name, (total, non_embedding) in shapes.MODEL_CARDS.items():
+        c = shapes.QWEN3[name]
+        P = memory_plan.plan(c, gpus=1, seqs=1, tokens=1, gen_seqs=1, chunk=1)["parameters (B)"]
+        embeddings = c["vocab_size"] * c["hidden_size"] * (1 if c["tie_word_embeddings"] else 2) / 1e9
+        assert abs(P - total) < 0.05 and abs(P - embeddings - non_embedding) < 0.05, (name, P, embeddings)  # 0.1 B
+
+
+def test_gpu_benchmark_smoke(tmp_path):
+    """benchmarks/gpu.py --smoke: every measurement of the GPU run, on CPU with tiny shapes, in its table and JSON."""
+    p = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.load(open(tmp_path / "gpu.json"))
+    row = out["results"]["tiny"]
+    assert set(row["generation"]) == set(common.GEN_MODES)
+    for mode, g in row["generation"].items():
+        assert g["tokens_per_s"] > 0 and 1 <= g["mean_length"] < 6, (mode, g)  # EOS ids stop some completions early
+    assert row["training_ac0"]["tokens_per_s"] > 0 and row["training_ac1"]["plan_gb"] > 0
+    assert "skipped" in out["results"]["trl"] or "table" in out["results"]["trl"]
+    md = open(tmp_path / "gpu.md").read()
+    assert "| tiny | 0.000 |" in md and "command: python benchmarks/gpu.py --smoke" in p.stdout

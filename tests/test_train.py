@@ -172,17 +172,19 @@ def test_fsdp2_per_rank_normalisation_fails_the_check():
     assert p.returncode != 0 and "AssertionError" in p.stderr, p.stdout[-2000:]
 
 
-def test_gen_unshard_changes_speed_not_numbers(tmp_path):
-    """--gen-unshard gathers each layer once per generate call instead of once per token: same samples, same steps."""
+def test_gen_unshard_and_gen_mode_change_speed_not_numbers(tmp_path):
+    """--gen-unshard gathers each layer once per generate call instead of once per token, --gen-mode shared-prefill
+    prefills each prompt once for its group (through the FSDP2 root unit, synced_gpus): same samples, same steps."""
     rows = []
-    for extra in ([], ["--gen-unshard"]):
-        out = tmp_path / str(len(extra))
+    for i, extra in enumerate([["--gen-mode", "repeat"], ["--gen-mode", "repeat", "--gen-unshard"],
+                               ["--gen-mode", "shared-prefill"]]):
+        out = tmp_path / str(i)
         p = torchrun("gspo.py", "--num-steps", "2", "--prompts-per-rank", "4", "--eval-every", "2", "--eval-size", "4",
                      "--eval-k", "2", "--max-new-tokens", "8", "--output-dir", str(out), *extra)
         assert p.returncode == 0, p.stderr[-4000:]
         (run,) = glob.glob(f"{out}/*/metrics.jsonl")
         rows.append([{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_rows(run)])
-    assert rows[0] == rows[1] and rows[0][-1]["charts/response_length_mean"] > 1
+    assert rows[0] == rows[1] == rows[2] and rows[0][-1]["charts/response_length_mean"] > 1
 
 
 def test_torchrun_two_ranks_runs_and_saves(tmp_path):

@@ -1,0 +1,96 @@
+"""Generation time of each mode of common.generate, side by side in one process, on a random-init Qwen3-shaped model:
+
+    python benchmarks/generation.py          # Qwen3-0.6B shape, fp32, 4 prompts x 8 completions, 256 + 64 tokens
+
+repeat          today's path: each prompt repeated G times, so `generate` prefills it G times
+shared-prefill  each prompt prefilled once, its KV cache repeated to the G rows of its group
+
+Every completion runs to --new-tokens (EOS disabled: the same work for every mode and repeat). The modes take turns
+(repeat, shared-prefill, repeat, ...) after one short warm-up call each, so a drift in the machine's speed hits them
+alike; the table gives min / median / max seconds per mode and the per-round ratio of each mode to repeat.
+--profile records round 1's calls with torch.profiler and prints each mode's top operators by self CPU time.
+"""
+import argparse
+import os
+from contextlib import nullcontext
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="0.6B", help="a key of shapes.QWEN3, or 'tiny' (shapes.TINY)")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2, help="timed calls of each mode, in turns")
+    ap.add_argument("--modes", default="repeat,shared-prefill")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--profile", action="store_true", help="profile round 1 (torch.profiler) and print its tables")
+    a = ap.parse_args()
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from transformers.utils import logging as hf_logging
+
+    import common
+    import shapes
+
+    hf_logging.set_verbosity_error()  # EOS id -1 below is on purpose (transformers warns about it)
+
+    modes = a.modes.split(",")
+    if a.shape != "tiny" and a.shape not in shapes.QWEN3 or not set(modes) <= set(common.GEN_MODES):
+        raise SystemExit(f"error: --shape is one of tiny, {', '.join(shapes.QWEN3)} and --modes a comma list of "
+                         f"{', '.join(common.GEN_MODES)}")
+    torch.set_num_threads(a.threads)
+    shape = shapes.TINY if a.shape == "tiny" else shapes.QWEN3[a.shape]
+    tok = shapes.word_tokenizer(shape["vocab_size"])
+    t = time.perf_counter()
+    torch.manual_seed(0)
+    lm = shapes.random_model(shape, tok, torch.float32)
+    print(f"model built in {time.perf_counter() - t:.0f}s: {sum(p.numel() for p in lm.parameters()) / 1e9:.3f}B "
+          f"parameters, fp32, {a.threads} threads, torch {torch.__version__}")
+    d = common.Dist(0, 1, 0, torch.device("cpu"))
+    policy = common.Policy(lm).eval()
+    texts = shapes.prompts(a.prompts, a.prompt_tokens, shape["vocab_size"])
+    assert len(tok(texts[0]).input_ids) == a.prompt_tokens
+
+    def run(mode, prompts, new_tokens):
+        t = time.perf_counter()
+        out = common.generate(policy, tok, prompts, a.group_size, [-1], d, max_new_tokens=new_tokens,
+                              temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=a.prompts * a.group_size,
+                              mode=mode)  # EOS id -1: never produced, every completion has new_tokens tokens
+        assert out["input_ids"].shape == (len(prompts) * a.group_size, a.prompt_tokens + new_tokens)
+        return time.perf_counter() - t
+
+    for mode in modes:  # warm-up: one short call each
+        run(mode, texts[:1], 2)
+    times, profiles = {m: [] for m in modes}, {}
+    for r in range(a.rounds):
+        for mode in modes:
+            with profile(activities=[ProfilerActivity.CPU]) if a.profile and r == 0 else nullcontext() as prof:
+                times[mode].append(run(mode, texts, a.new_tokens))
+            print(f"round {r + 1} {mode}: {times[mode][-1]:.2f}s", flush=True)
+            if prof is not None:
+                profiles[mode] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    n = a.prompts * a.group_size * a.new_tokens
+    print(f"\n{a.prompts} prompts x {a.group_size} completions, {a.prompt_tokens}-token prompts, {a.new_tokens} new "
+          f"tokens, {a.rounds} rounds\n")
+    print("| mode | s / call: min | median | max | new tokens / s (median) | time / repeat, per round |")
+    print("|---|---|---|---|---|---|")
+    for m in modes:
+        ratios = [x / y for x, y in zip(times[m], times["repeat"])] if "repeat" in modes else []
+        print(f"| {m} | {min(times[m]):.2f} | {statistics.median(times[m]):.2f} | {max(times[m]):.2f} | "
+              f"{n / statistics.median(times[m]):.0f} | {' '.join(f'{x:.2f}' for x in ratios) or '-'} |")
+    for mode, table in profiles.items():
+        print(f"\nprofile of round 1, {mode} (top operators by self CPU time):\n{table}")
+    print(" ".join(["\ncommand: python", f"benchmarks/{os.path.basename(__file__)}"] + sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()

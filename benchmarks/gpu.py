@@ -1,0 +1,274 @@
+"""The project on one GPU, in the real shapes of Qwen3-0.6B, 1.7B, 4B and 8B with random bf16 weights (random
+weights run at the speed of trained ones; no download):
+
+    python benchmarks/gpu.py                  # one GPU, about 9 minutes; writes gpu.md and gpu.json under --out
+    python benchmarks/gpu.py --smoke          # every code path on CPU with tiny shapes, in seconds (the test suite)
+
+Per model, as far as each fits:
+- generation: a GSPO rollout through common.generate, --prompts x --group-size completions of --prompt-tokens-token
+  prompts, up to --new-tokens new tokens, in every mode of common.GEN_MODES. Random weights never say EOS, so
+  realistic early stops are made by declaring V / --mean-length token ids EOS: a completion stops at each step with
+  probability about 1 / --mean-length (roughly geometric lengths; the table gives the measured mean).
+  tokens/s = completion tokens (up to and including EOS) / wall time of the call.
+- training: forward + backward of Policy.forward (chunked log-probs) and gspo_loss, then an AdamW step, on
+  --train-seqs sequences of --train-tokens tokens, with and without activation checkpointing. tokens/s over the
+  timed steps; MFU = model FLOPs / (time x the GPU's dense bf16 peak), model FLOPs a token = 6 N + 12 L h T (N the
+  matmul parameters, LM head included, input embedding not; L layers, h = heads x head_dim, T the sequence length;
+  recomputation is not counted as useful work).
+- memory: peak allocated GPU memory of the training step against memory_plan.py's prediction for the same job with
+  checkpointed layers. One process trains the plain bf16 model (common.wrap_policy without FSDP): weights, gradients
+  and AdamW's two moments in bf16 are 8 bytes a parameter, in place of the plan's sharded fp32 16 P / n and gathered
+  units; activations and the log-prob chunk are the plan's own terms.
+- TRL: if `trl` imports, benchmarks/rl_step.py on the 0.6B shape (gspo.py against TRL's GRPOTrainer as GSPO, one
+  RL step's median wall time).
+A model whose generation or training runs out of memory gets 'OOM' in its cells; once --minutes have passed, the
+remaining models are skipped and listed as such.
+"""
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+PEAK_BF16_TFLOPS = {"H200": 989.4, "H100 PCIe": 756.0, "H100": 989.4, "A100": 312.0, "L40S": 362.05}  # dense
+
+
+def peak_tflops(name: str) -> float | None:
+    """The dense bf16 peak of a GPU by its name (first match in PEAK_BF16_TFLOPS's order), None if unknown."""
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def flops_per_token(c: dict, seq_len: int) -> float:
+    """Training FLOPs a token: 6 N + 12 L h T (PaLM's formula; N matmul parameters, LM head included)."""
+    H, L, h = c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"] * c["head_dim"]
+    attn = H * c["head_dim"] * (c["num_attention_heads"] * 2 + c["num_key_value_heads"] * 2)
+    N = L * (attn + 3 * H * c["intermediate_size"]) + c["vocab_size"] * H
+    return 6 * N + 12 * L * h * seq_len
+
+
+def sync(device):
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def bench_generation(policy, tok, shape, a, d) -> dict:
+    import torch
+
+    import common
+    import shapes
+
+    V = shape["vocab_size"]
+    g = torch.Generator().manual_seed(0)
+    eos = torch.randperm(V - 3, generator=g)[:max(1, V // a.mean_length)].add(3).tolist()  # ids >= 3: no special
+    texts = shapes.prompts(a.prompts, a.prompt_tokens, V)
+    out = {}
+    for mode in common.GEN_MODES:
+        torch.manual_seed(0)
+        sync(d.device)
+        t = time.perf_counter()
+        roll = common.generate(policy, tok, texts, a.group_size, eos, d, max_new_tokens=a.new_tokens,
+                               temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=a.prompts * a.group_size,
+                               mode=mode)
+        sync(d.device)
+        s = time.perf_counter() - t
+        tokens = roll["mask"].sum().item()
+        out[mode] = {"s": s, "tokens_per_s": tokens / s, "mean_length": tokens / roll["mask"].shape[0]}
+    return out
+
+
+def bench_training(lm, policy, shape, a, d, checkpointing: bool) -> dict:
+    import torch
+
+    import memory_plan
+    from gspo import gspo_loss
+
+    if checkpointing:
+        lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        lm.activation_checkpointing_disable()
+    policy.train()
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+    B, T, P = a.train_seqs, a.train_tokens, a.prompt_tokens
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, shape["vocab_size"], (B, T), generator=g).to(d.device)
+    am = torch.ones_like(ids)
+    mask = torch.ones(B, T - P, device=d.device)
+    adv = torch.randn(B, generator=g).to(d.device)
+    cuda = d.device.type == "cuda"
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        logp = policy(ids, am, P)
+        loss, _ = gspo_loss(logp, logp.detach(), adv, mask, clip_low=3e-4, clip_high=4e-4)
+        loss.backward()
+        opt.step()
+
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(d.device)
+    step()  # warm-up (and the AdamW state)
+    sync(d.device)
+    t = time.perf_counter()
+    for _ in range(a.train_steps):
+        step()
+    sync(d.device)
+    s = (time.perf_counter() - t) / a.train_steps
+    peak = torch.cuda.max_memory_allocated(d.device) / 1e9 if cuda else None
+    del opt
+    policy.eval()
+    lm.activation_checkpointing_disable()
+    plan = memory_plan.plan(shape, gpus=1, seqs=B, tokens=T, gen_seqs=1, chunk=policy.chunk_tokens)
+    predicted = 8 * plan["parameters (B)"] + plan["activations"] + plan["log-prob chunk"]  # GB; see the docstring
+    name = torch.cuda.get_device_name(d.device) if cuda else ""
+    peak_flops = (a.peak_tflops or peak_tflops(name) or 0) * 1e12
+    tps = B * T / s
+    return {"s_per_step": s, "tokens_per_s": tps,
+            "mfu": tps * flops_per_token(shape, T) / peak_flops if peak_flops else None,
+            "peak_gb": peak, "plan_gb": predicted if checkpointing else None}
+
+
+def trl_step(a, out_dir: str) -> dict:
+    """benchmarks/rl_step.py on the 0.6B shape (the tiny shape under --smoke), its table as printed."""
+    import torch
+
+    import common
+    import shapes
+
+    if importlib.util.find_spec("trl") is None:
+        return {"skipped": "trl does not import (pip install -r benchmarks/requirements.txt)"}
+    folder = os.path.join(out_dir, "rl_step_model")
+    tok = common.tiny_tokenizer()  # the built-in task's characters; the model's larger vocabulary is unused
+    torch.manual_seed(0)
+    shape = dict(shapes.TINY, vocab_size=len(tok)) if a.smoke else shapes.QWEN3["0.6B"]
+    lm = shapes.random_model(shape, tok, torch.float32)
+    lm.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    del lm
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "rl_step.py"), "--model-folder", folder,
+           "--steps", "2" if a.smoke else "4", "--prompts", "4" if a.smoke else "16",
+           "--max-new-tokens", "8" if a.smoke else "256"] + ([] if a.smoke else ["--gpu"])
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode:
+        return {"error": p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"exit {p.returncode}"}
+    return {"table": [line for line in p.stdout.splitlines() if line.startswith(("|", "ratio"))]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="0.6B,1.7B,4B,8B", help="keys of shapes.QWEN3, smallest first")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--group-size", type=int, default=16)
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=1024)
+    ap.add_argument("--mean-length", type=int, default=384, help="mean completion length the EOS ids aim at")
+    ap.add_argument("--train-seqs", type=int, default=8, help="sequences per training step")
+    ap.add_argument("--train-tokens", type=int, default=1280, help="tokens per training sequence (prompt included)")
+    ap.add_argument("--train-steps", type=int, default=3, help="timed training steps after one warm-up")
+    ap.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak (default: by its name)")
+    ap.add_argument("--minutes", type=float, default=8.0, help="start no new model after this many minutes")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"), help="folder for gpu.md/json")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: every code path in seconds")
+    a = ap.parse_args()
+    if a.smoke:  # tiny everything, the same code paths (flags given explicitly still win)
+        ap.set_defaults(prompts=2, group_size=3, prompt_tokens=8, new_tokens=6, mean_length=3, train_seqs=2,
+                        train_tokens=16, train_steps=1)
+        a = ap.parse_args()
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    import common
+    import shapes
+
+    models = ["tiny"] if a.smoke else a.models.split(",")
+    if not a.smoke and not torch.cuda.is_available():
+        raise SystemExit("error: no GPU here: run with --smoke on CPU (tiny shapes), or on a machine with a GPU")
+    if not set(models) <= set(shapes.QWEN3) | {"tiny"}:
+        raise SystemExit(f"error: --models takes {', '.join(shapes.QWEN3)}")
+    hf_logging.set_verbosity_error()
+    d = common.Dist(0, 1, 0, torch.device("cuda", 0) if torch.cuda.is_available() and not a.smoke else
+                    torch.device("cpu"))
+    dtype = torch.bfloat16 if d.device.type == "cuda" else torch.float32
+    device_name = torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else "CPU (--smoke)"
+    t0 = time.time()
+    results = {}
+    for name in models:
+        if (time.time() - t0) / 60 > a.minutes:
+            results[name] = {"skipped": f"over --minutes {a.minutes}"}
+            continue
+        shape = shapes.TINY if name == "tiny" else shapes.QWEN3[name]
+        tok = shapes.word_tokenizer(shape["vocab_size"])
+        torch.manual_seed(0)
+        lm = shapes.random_model(shape, tok, dtype, d.device)
+        policy = common.Policy(lm).eval()
+        row = {"parameters_B": sum(p.numel() for p in lm.parameters()) / 1e9}
+        try:
+            row["generation"] = bench_generation(policy, tok, shape, a, d)
+        except torch.OutOfMemoryError:
+            row["generation"] = "OOM"
+        for ac in (False, True):
+            try:
+                row[f"training_ac{int(ac)}"] = bench_training(lm, policy, shape, a, d, ac)
+            except torch.OutOfMemoryError:
+                row[f"training_ac{int(ac)}"] = "OOM"
+        results[name] = row
+        print(f"{name}: done at {time.time() - t0:.0f}s", flush=True)
+        del lm, policy
+        if d.device.type == "cuda":
+            torch.cuda.empty_cache()
+    os.makedirs(a.out, exist_ok=True)
+    results["trl"] = trl_step(a, tempfile.mkdtemp(dir=a.out))
+    command = " ".join(["python", "benchmarks/gpu.py"] + sys.argv[1:])
+    md = table(results, a, device_name, command, time.time() - t0)
+    with open(os.path.join(a.out, "gpu.md"), "w") as f:
+        f.write(md)
+    with open(os.path.join(a.out, "gpu.json"), "w") as f:
+        json.dump({"device": device_name, "command": command, "args": vars(a), "torch": torch.__version__,
+                   "results": results}, f, indent=1)
+    print(md)
+    print(f"written: {a.out}/gpu.md, {a.out}/gpu.json\ncommand: {command}")
+
+
+def table(results: dict, a, device: str, command: str, seconds: float) -> str:
+    import common
+
+    f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
+    lines = [f"{device}; {a.prompts} prompts x {a.group_size} completions, {a.prompt_tokens}-token prompts, up to "
+             f"{a.new_tokens} new tokens (mean aimed at {a.mean_length}); training {a.train_seqs} x "
+             f"{a.train_tokens} tokens; {seconds:.0f}s in all", "",
+             "| model | params (B) | " + " | ".join(f"gen tok/s {m}" for m in common.GEN_MODES) +
+             " | mean length | train tok/s | MFU | train tok/s, AC | MFU, AC | peak GB, AC | plan GB, AC |",
+             "|---|---|" + "---|" * len(common.GEN_MODES) + "---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        if name == "trl":
+            continue
+        if "skipped" in r:
+            lines.append(f"| {name} | skipped: {r['skipped']} |")
+            continue
+        gen = r["generation"]
+        cells = [f"{name}", f"{r['parameters_B']:.3f}"]
+        cells += ["OOM" if gen == "OOM" else f"{gen[m]['tokens_per_s']:.0f}" for m in common.GEN_MODES]
+        cells.append("-" if gen == "OOM" else f"{gen[common.GEN_MODES[0]]['mean_length']:.0f}")
+        for ac in (0, 1):
+            t = r[f"training_ac{ac}"]
+            cells += ["OOM", "-"] if t == "OOM" else [f"{t['tokens_per_s']:.0f}", f(t["mfu"], ".1%")]
+        t = r["training_ac1"]
+        cells += ["-", "-"] if t == "OOM" else [f(t["peak_gb"], ".1f"), f(t["plan_gb"], ".1f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    trl = results["trl"]
+    lines += ["", "TRL (benchmarks/rl_step.py, 0.6B shape): " + (
+        "\n" + "\n".join(trl["table"]) if "table" in trl else trl.get("skipped") or trl.get("error")),
+        "", f"command: {command}", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1477,7 +1477,8 @@ def run_paths(args, d: Dist, script: str) -> tuple[str, str | None]:
         for name in RESUME_FIXED:
             if name in then and then[name] != now[name]:
                 fail(f"--{name.replace('_', '-')} {now[name]} differs from {then[name]} in {ckpt}: it cannot change "
-                     "on resume (the data order, the optimizer state or the weights depend on it); start a new run")
+                     "on resume (the data order, the objective, the optimizer state or the weights depend on it); "
+                     "start a new run")
         changed = [f"--{k.replace('_', '-')} {then[k]} -> {v}" for k, v in now.items()
                    if k in then and then[k] != v and k != "resume"]
         if d.main:
@@ -1493,8 +1494,11 @@ def run_paths(args, d: Dist, script: str) -> tuple[str, str | None]:
 
 
 # What a resumed run may not change: the data order (seed, prompts a rank, the data), the shape of a step (group
-# size), the weights and optimizer state (model). World size and script are checked on their own.
-RESUME_FIXED = ("seed", "model", "dataset", "data_files", "prompts_per_rank", "group_size")
+# size), the weights and optimizer state (model), and the objective (the script's loss flags and what shapes the
+# advantages). World size and script are checked on their own; a name the checkpoint's script lacks is skipped.
+RESUME_FIXED = ("seed", "model", "dataset", "data_files", "prompts_per_rank", "group_size",
+                "clip_low", "clip_high", "scale_rewards", "mask_truncated", "loss_agg", "symmetric_clip", "kl_coef",
+                "post_answer_penalty", "transform", "length_aware", "clip_gated", "stop_grad", "orth_floor")
 
 
 def read_trainer_state(ckpt: str) -> dict:

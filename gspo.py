@@ -205,7 +205,6 @@ def main():
         policy.eval()
         logger.log(0, evaluate(policy, tok, held, eos, d, k=args.eval_k, n=args.eval_n, reward=reward, **gen_kw))
     start, reward_curve, nonfinite_run = time.time() - state["wall_time"], state["reward_curve"], state["nonfinite_run"]
-    log = {}  # the last step's row, for the final line (none when a resumed run has no step left)
     bar = tqdm(range(state["step"] + 1, args.num_steps + 1), initial=state["step"], total=args.num_steps,
                disable=not d.main, desc=args.exp_name)
     catch_stop_signals()  # SIGTERM or SIGINT: every rank saves a checkpoint at the end of the step and stops

@@ -96,9 +96,10 @@ def test_damaged_newest_checkpoint_is_skipped(tmp_path, tmp_path_factory, monkey
     assert_same(straight(1, tmp_path_factory), result(tmp_path))
 
     # flags on resume: those that must not change are refused, a new learning rate and more steps take effect
-    assert main_exits(monkeypatch, tmp_path, "--resume", f"{run}step_6", "--group-size", "4") == (
-        f"error: --group-size 4 differs from 8 in {run}step_6: it cannot change on resume (the data order, the "
-        "optimizer state or the weights depend on it); start a new run")
+    for flag, new, old in [("--group-size", "4", "8"), ("--clip-low", "0.1", "0.0003")]:  # the objective too
+        assert main_exits(monkeypatch, tmp_path, "--resume", f"{run}step_6", flag, new) == (
+            f"error: {flag} {new} differs from {old} in {run}step_6: it cannot change on resume (the data order, the "
+            "objective, the optimizer state or the weights depend on it); start a new run")
     p = launch(tmp_path, "--save-every", "2", "--resume", f"{run}step_6", "--num-steps", "8",
                "--learning-rate", "4e-3")
     assert p.returncode == 0, p.stderr[-3000:]

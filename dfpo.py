@@ -294,8 +294,8 @@ def main():
     if args.orth_floor <= 0:
         fail(f"--orth-floor {args.orth_floor}: must be > 0 (eq. 52 keeps every weight positive)")
     if args.length_aware and args.transform in ("scale", "none"):
-        fail(f"--length-aware makes a cancelling transform exact at any lengths: --transform {args.transform} does not "
-             f"cancel; use min-replace, orth-proj or orth-proj-qp")
+        fail(f"--length-aware makes a cancelling transform exact at any lengths: --transform {args.transform} "
+             "does not cancel; use min-replace, orth-proj or orth-proj-qp")
     if not args.stop_grad and args.micro_batch_size % args.group_size:
         fail(f"--no-stop-grad differentiates through each group's transform: --micro-batch-size "
              f"{args.micro_batch_size} must be a multiple of --group-size {args.group_size} (or 0)")

@@ -113,6 +113,7 @@ def test_script_micro_batching_logs_the_same_gradient(script, extra, monkeypatch
 @pytest.mark.parametrize("script, argv, message", [
     ("gspo", ["--micro-batch-size", "-1"], "--micro-batch-size -1: must be >= 1 sequences, or 0"),
     ("dfpo", ["--micro-batch-size", "3", "--no-stop-grad"], "--no-stop-grad differentiates through each group's"),
+    ("dfpo", ["--length-aware", "--transform", "scale"], "--transform scale does not cancel"),
 ])
 def test_micro_batch_size_errors(script, argv, message, monkeypatch, tmp_path):
     module = __import__(script)

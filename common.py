@@ -411,7 +411,9 @@ def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok,
     `data_files` reads local files laid out in a known hub set's own columns (an offline mirror). Rows
     without an answer, and prompts over max_prompt_tokens tokens after the chat template, are dropped and
     counted; nothing usable left is an error."""
-    from datasets import Dataset, disable_progress_bars, load_dataset
+    from datasets import Dataset, disable_progress_bars
+
+    check_dataset(name, data_files)  # the same one-line errors as check_common_args, for callers that skip it
 
     def templated(d):
         disable_progress_bars()  # for map/filter, after any download: the counts of what is dropped are printed
@@ -430,9 +432,6 @@ def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok,
         return train, held, dropped
 
     if name == "builtin":
-        if data_files:
-            fail(f"--data-files {data_files!r} reads a local copy of a hub set (--dataset {', '.join(DATASETS)}); "
-                 "--dataset builtin would ignore it: drop it")
         return finish(Dataset.from_list(builtin_task(4096, seed)), Dataset.from_list(builtin_task(eval_size, seed + 1)), 0)
     if name in DATASETS:
         hub, cfg, train_split, test_split, pcol, acol, instr = DATASETS[name]
@@ -443,15 +442,10 @@ def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok,
             train_split, test_split = "train", None
         else:
             ds = load_hub(name, hub, cfg)
-    elif name.endswith((".json", ".jsonl")):
-        if data_files:
-            fail(f"--dataset {name!r} is a local file already and --data-files {data_files!r} would be ignored: "
-                 "drop --data-files (it reads a local copy of a hub set in that set's own columns)")
+    else:  # a local .json/.jsonl file (check_dataset refused anything else)
         pcol, acol, instr = "prompt", "answer", ""
         ds = {"train": read_local("--dataset", name, pcol, acol, "a local file needs 'prompt' and 'answer'")}
         train_split, test_split = "train", None
-    else:
-        fail(f"--dataset {name!r}: unknown (use builtin, {', '.join(DATASETS)}, or a local .jsonl of {{prompt, answer}})")
     train = ds[train_split]
     missing = [c for c in (pcol, acol) if c not in train.column_names]
     if missing:

@@ -14,11 +14,12 @@ both the same weight and they cancel. Above 1 + eps_high the token gets no gradi
 lower clip. Eq. 80 sums over tokens without 1/|y_i|; here the aggregation stays the one above, so that
 --symmetric-clip changes the clipping and nothing else.
 
-Equations: seeds/gspo-technical-analysis.txt sec. 1.2 (J_GRPO and its gradient); seeds/grpo-vs-gspo-slides.txt
-(per-token ratios, each clipped); seeds/dfpo-paper-token-gradient-cancellation.txt eq. 43 (advantages).
+Equations: GRPO (arXiv:2402.03300) with per-token ratios, each clipped, in the decoupled clip range of GSPO's
+comparison (arXiv:2507.18071); its gradient is eq. 67 and its advantages eq. 43 of the DFPO paper
+(arXiv:2604.13088).
 
 Different from gspo.py: one importance ratio per token, each clipped on its own, so every token carries its own
-weight w_it A_i / |y_i| in the gradient (gspo-technical-analysis.txt sec. 1.2). The clip range is the token-level
+weight w_it A_i / |y_i| in the gradient (eq. 67 of arXiv:2604.13088). The clip range is the token-level
 one, (0.2, 0.27), as in the GSPO paper's comparison.
 
     python grpo.py                                   # built-in tiny model and task, CPU, a few minutes
@@ -69,7 +70,7 @@ class Args:
     num_minibatches: int = 4
     """optimizer steps per rollout batch, each over whole groups (4 in the GSPO paper)"""
     loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
-    """how token terms become the loss: 1/B sum_i 1/|y_i| sum_t (the seeds), token-mean (DAPO: over all tokens of the
+    """how token terms become the loss: 1/B sum_i 1/|y_i| sum_t (GRPO paper), token-mean (DAPO: over all tokens of the
     minibatch), seq-mean-token-sum-norm (Dr. GRPO: sum_t / --max-new-tokens, then over sequences)"""
     micro_batch_size: int = 0
     """sequences per forward/backward inside a minibatch (0: the whole minibatch); gradients accumulate and the loss
@@ -200,7 +201,7 @@ def grpo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: f
 
 def aggregate(token_terms, mask, loss_agg: str, max_new_tokens: int | None):
     """--loss-agg: per-sequence sums of the masked [B, T] token terms, and the count their sum is divided by:
-        seq-mean-token-mean      1/B sum_i 1/|y_i| sum_t       (the seeds; TRL "grpo", verl "seq-mean-token-mean")
+        seq-mean-token-mean      1/B sum_i 1/|y_i| sum_t       (GRPO paper; TRL "grpo", verl "seq-mean-token-mean")
         token-mean               1/sum_i |y_i| sum_i sum_t     (DAPO; TRL "dapo", verl "token-mean")
         seq-mean-token-sum-norm  1/B sum_i 1/L_max sum_t      (Dr. GRPO, L_max = --max-new-tokens; TRL "dr_grpo",
                                                                verl "seq-mean-token-sum-norm")

@@ -4,12 +4,12 @@
     s_i(theta)    = (pi_theta(y_i|x) / pi_old(y_i|x))^(1/|y_i|) = exp( 1/|y_i| sum_t log w_it )    (DFPO eq. 44)
     A_i           = (r_i - mean_j r_j) / std_j r_j                                                (DFPO eq. 43)
 
-Equations: seeds/dfpo-paper-token-gradient-cancellation.txt, App. B.1 eq. 42-44; seeds/gspo-technical-analysis.txt
-sec. 2; seeds/gspo-blog-why-token-level-rl-collapses.txt (the 512-token example: s_i = 0.9995).
+Equations: GSPO's objective and ratio (arXiv:2507.18071), as the DFPO paper (arXiv:2604.13088) restates them in
+App. B.1, eq. 42-44; a 512-token worked example (s_i = 0.9995) is in tests/test_losses.py.
 
 Different from grpo.py: one importance ratio per sequence, the length-normalised geometric mean of the token
 ratios, clipped once, so every token of y_i gets the same weight s_i A_i / |y_i| in the gradient
-(gspo-technical-analysis.txt sec. 2.3). Because s_i lives in a much tighter band than a token ratio, the clip
+(eq. 66 of arXiv:2604.13088). Because s_i lives in a much tighter band than a token ratio, the clip
 range is ~1000x smaller: (3e-4, 4e-4) instead of (0.2, 0.27).
 
     python gspo.py                                   # built-in tiny model and task, CPU, a few minutes

@@ -4,8 +4,8 @@
     s_it       = sg[s_i] * pi_theta(y_it | x, y_i,<t) / sg[pi_theta(y_it | x, y_i,<t)]      value: s_i (eq. 44)
     grad s_it  = sg[s_i] * grad log pi_theta(y_it | x, y_i,<t)                            (Observation 3)
 
-Equations: seeds/gspo-token-stop-gradient.txt (Observations 1-3); seeds/gspo-blog-why-token-level-rl-collapses.txt,
-"GSPO-token, when you really need tokens"; seeds/gspo-technical-analysis.txt sec. 7.
+Equations: GSPO-token in the GSPO paper (arXiv:2507.18071); Observations 1-3 below (why both stop-gradients) are
+checked in tests/test_gspo_token.py.
 
 Different from gspo.py: the advantage may change from token to token. s_it has the value of s_i, so clipping is
 decided as in GSPO (per token, with the sign of A_it), but its gradient flows only through the token's own
@@ -67,7 +67,7 @@ class Args:
     num_minibatches: int = 4
     """optimizer steps per rollout batch, each over whole groups (4 in the GSPO paper)"""
     loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
-    """how token terms become the loss: 1/B sum_i 1/|y_i| sum_t (the seeds), token-mean (DAPO: over all tokens of the
+    """how token terms become the loss: 1/B sum_i 1/|y_i| sum_t (GRPO paper), token-mean (DAPO: over all tokens of the
     minibatch), seq-mean-token-sum-norm (Dr. GRPO: sum_t / --max-new-tokens, then over sequences)"""
     micro_batch_size: int = 0
     """sequences per forward/backward inside a minibatch (0: the whole minibatch); gradients accumulate and the loss
@@ -187,7 +187,7 @@ def gspo_token_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_h
 
 def aggregate(token_terms, mask, loss_agg: str, max_new_tokens: int | None):
     """--loss-agg: per-sequence sums of the masked [B, T] token terms, and the count their sum is divided by:
-        seq-mean-token-mean      1/B sum_i 1/|y_i| sum_t       (the seeds; TRL "grpo", verl "seq-mean-token-mean")
+        seq-mean-token-mean      1/B sum_i 1/|y_i| sum_t       (GRPO paper; TRL "grpo", verl "seq-mean-token-mean")
         token-mean               1/sum_i |y_i| sum_i sum_t     (DAPO; TRL "dapo", verl "token-mean")
         seq-mean-token-sum-norm  1/B sum_i 1/L_max sum_t      (Dr. GRPO, L_max = --max-new-tokens; TRL "dr_grpo",
                                                                verl "seq-mean-token-sum-norm")

@@ -177,6 +177,7 @@ def main():
     ap.add_argument("--minutes", type=float, default=8.0, help="start no new model after this many minutes")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"), help="folder for gpu.md/json")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: every code path in seconds")
+    ap.add_argument("--no-trl", action="store_true", help="skip the TRL comparison (benchmarks/rl_step.py)")
     a = ap.parse_args()
     if a.smoke:  # tiny everything, the same code paths (flags given explicitly still win)
         ap.set_defaults(prompts=2, group_size=3, prompt_tokens=8, new_tokens=6, mean_length=3, train_seqs=2,
@@ -221,20 +222,32 @@ def main():
                 row[f"training_ac{int(ac)}"] = "OOM"
         results[name] = row
         print(f"{name}: done at {time.time() - t0:.0f}s", flush=True)
+        write(results, a, device_name, time.time() - t0)  # after each model: a killed run keeps what it measured
         del lm, policy
         if d.device.type == "cuda":
             torch.cuda.empty_cache()
     os.makedirs(a.out, exist_ok=True)
-    results["trl"] = trl_step(a, tempfile.mkdtemp(dir=a.out))
-    command = " ".join(["python", "benchmarks/gpu.py"] + sys.argv[1:])
-    md = table(results, a, device_name, command, time.time() - t0)
+    results["trl"] = {"skipped": "--no-trl"} if a.no_trl else trl_step(a, tempfile.mkdtemp(dir=a.out))
+    print(write(results, a, device_name, time.time() - t0))
+    print(f"written: {a.out}/gpu.md, {a.out}/gpu.json\ncommand: {command_line()}")
+
+
+def command_line() -> str:
+    return " ".join(["python", "benchmarks/gpu.py"] + sys.argv[1:])
+
+
+def write(results: dict, a, device_name: str, seconds: float) -> str:
+    """gpu.md and gpu.json under --out, with what has been measured so far; returns the markdown."""
+    import torch
+
+    os.makedirs(a.out, exist_ok=True)
+    md = table(results, a, device_name, command_line(), seconds)
     with open(os.path.join(a.out, "gpu.md"), "w") as f:
         f.write(md)
     with open(os.path.join(a.out, "gpu.json"), "w") as f:
-        json.dump({"device": device_name, "command": command, "args": vars(a), "torch": torch.__version__,
+        json.dump({"device": device_name, "command": command_line(), "args": vars(a), "torch": torch.__version__,
                    "results": results}, f, indent=1)
-    print(md)
-    print(f"written: {a.out}/gpu.md, {a.out}/gpu.json\ncommand: {command}")
+    return md
 
 
 def table(results: dict, a, device: str, command: str, seconds: float) -> str:
@@ -263,7 +276,7 @@ def table(results: dict, a, device: str, command: str, seconds: float) -> str:
         t = r["training_ac1"]
         cells += ["-", "-"] if t == "OOM" else [f(t["peak_gb"], ".1f"), f(t["plan_gb"], ".1f")]
         lines.append("| " + " | ".join(cells) + " |")
-    trl = results["trl"]
+    trl = results.get("trl", {"skipped": "not run yet"})
     lines += ["", "TRL (benchmarks/rl_step.py, 0.6B shape): " + (
         "\n" + "\n".join(trl["table"]) if "table" in trl else trl.get("skipped") or trl.get("error")),
         "", f"command: {command}", ""]

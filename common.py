@@ -70,6 +70,7 @@ class Dist:
     world: int
     local_rank: int
     device: torch.device
+    sharded: bool = False  # FSDP2: every run launched by torchrun, one process included (fp32 master weights)
 
     @property
     def main(self) -> bool:
@@ -77,7 +78,9 @@ class Dist:
 
 
 def setup_distributed(seed: int) -> Dist:
-    """Read torchrun's environment (plain `python x.py` is world size 1); NCCL on CUDA, gloo on CPU."""
+    """Read torchrun's environment (plain `python x.py` is world size 1, unsharded); NCCL on CUDA, gloo on CPU. Under
+    torchrun the process group exists even for one process, so that FSDP2 (fp32 master weights, --cpu-offload,
+    --gen-unshard) serves one GPU as it serves eight."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
@@ -85,7 +88,7 @@ def setup_distributed(seed: int) -> Dist:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if world > 1 and not dist.is_initialized():
+    if "RANK" in os.environ and not dist.is_initialized():  # torchrun (or any env:// launcher), one process too
         backend, dev = ("nccl", device) if device.type == "cuda" else ("gloo", None)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
         if attempt is None:  # launched by something other than torchrun: plain env:// rendezvous
@@ -98,7 +101,7 @@ def setup_distributed(seed: int) -> Dist:
             dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store), rank=rank,
                                     world_size=world, device_id=dev)
     seed_everything(seed)  # same seed on every rank while the model is built; see seed_rank()
-    return Dist(rank, world, local_rank, device)
+    return Dist(rank, world, local_rank, device, sharded=dist.is_initialized())
 
 
 def seed_everything(seed: int):
@@ -224,7 +227,7 @@ def load_model(name: str, tok, d: Dist, seed: int, trust_remote_code: bool = Fal
             return tiny_model(tok).to(dt)
         return AutoModelForCausalLM.from_pretrained(path, dtype=dt, trust_remote_code=trust_remote_code)
 
-    if d.world == 1:
+    if not d.sharded:
         lm = build(compute_dtype(dtype, d)).to(d.device)
     else:
         with torch.device("meta"):
@@ -346,14 +349,15 @@ class _ChunkLogprobs(torch.autograd.Function):
 
 def wrap_policy(lm, d: Dist, temperature: float, chunk_tokens: int, activation_checkpointing: bool,
                 dtype: str = "auto", cpu_offload: bool = False) -> Policy:
-    """World size 1: the plain model. World size > 1: FSDP2, `fully_shard` on each decoder layer, then the root (the
+    """Plain `python`: the plain model. Under torchrun (one process too): FSDP2, `fully_shard` on each decoder layer,
+    then the root (the
     tied embedding/LM head stay together in the root unit), with fp32 shards computed in `dtype` and gradients
     reduced in fp32 (MixedPrecisionPolicy); rank 0's weights (load_model) are then scattered to the shards."""
     if activation_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         lm.config.use_cache = True  # generation still uses the KV cache (checkpointing acts only in training)
     policy = Policy(lm, temperature, chunk_tokens)
-    if d.world > 1:
+    if d.sharded:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
                                             register_fsdp_forward_method)
@@ -363,6 +367,9 @@ def wrap_policy(lm, d: Dist, temperature: float, chunk_tokens: int, activation_c
         for layer in lm.get_decoder().layers:
             fully_shard(layer, **kw)
         fully_shard(policy, **kw)
+        if d.main:
+            print(f"FSDP2 over {d.world} process(es): {len(lm.get_decoder().layers)} decoder layers + the root, fp32 "
+                  f"master weights computed in {compute_dtype(dtype, d)}" + (", CPU offload" if cpu_offload else ""))
         for m in policy.modules():  # sum the gradients over ranks: each rank's loss is already divided by the
             if hasattr(m, "set_gradient_divide_factor"):  # minibatch's count over all ranks (the loss's `norm`)
                 m.set_gradient_divide_factor(1.0)
@@ -998,7 +1005,7 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
             outs.append(policy.generate(
                 input_ids=ids[i:i + rows], attention_mask=am[i:i + rows], n=n if shared else 1, do_sample=True,
                 temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                pad_token_id=tok.pad_token_id, synced_gpus=d.world > 1,  # FSDP: every rank steps until all are done
+                pad_token_id=tok.pad_token_id, synced_gpus=d.sharded,  # FSDP: every rank steps until all are done
             )[:, ids.shape[1]:])
     if shared:
         ids, am = ids.repeat_interleave(n, 0), am.repeat_interleave(n, 0)
@@ -1613,7 +1620,7 @@ def save_checkpoint(run_dir: str, step: int, policy: Policy, tok, optimizer, sch
     The model is gathered from FSDP2 shards into one full state dict; the optimizer stays sharded, one file a rank."""
     from torch.distributed.tensor import DTensor
 
-    if d.world > 1:
+    if d.sharded:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(policy.lm, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -1751,6 +1758,10 @@ def check_common_args(args):
         fail(f"--max-nonfinite {args.max_nonfinite}: must be >= 1")
     if args.cpu_offload and not torch.cuda.is_available():
         fail("--cpu-offload moves FSDP2 shards between GPU and CPU memory: it needs a GPU (drop it on CPU)")
+    for flag in ("cpu_offload", "gen_unshard"):
+        if getattr(args, flag) and "RANK" not in os.environ:
+            fail(f"--{flag.replace('_', '-')} acts on FSDP2 shards, which plain `python` does not make: launch with "
+                 "`torchrun --nproc-per-node N` (N = 1 is fine)")
     if args.eval_n is not None and args.eval_n < args.eval_k or args.eval_k < 1:
         fail(f"--eval-n {args.eval_n} / --eval-k {args.eval_k}: pass@k needs n >= k >= 1 samples a prompt")
     resume_dir = os.path.basename(os.path.normpath(args.resume or ""))

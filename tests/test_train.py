@@ -207,3 +207,25 @@ def test_grpo_kl_penalty_to_reference(monkeypatch, tmp_path):
                          monkeypatch, tmp_path)
     kl = [row["losses/kl_ref"] for row in rows]
     assert 0 <= kl[0] < kl[-1]
+
+
+def test_torchrun_one_process_is_fsdp2_with_the_numbers_of_plain_python(tmp_path):
+    """Under torchrun a single process is sharded too (FSDP2, so --cpu-offload and --gen-unshard serve one GPU), and
+    on CPU in fp32 it logs exactly the numbers of plain `python`; plain `python` refuses the FSDP2-only flags."""
+    flags = ["--num-steps", "2", "--prompts-per-rank", "4", "--eval-every", "2", "--eval-size", "4",
+             "--max-new-tokens", "8"]
+    p = subprocess.run([sys.executable, "gspo.py", *flags, "--gen-unshard", "--output-dir", str(tmp_path / "x")],
+                       capture_output=True, text=True)
+    assert p.returncode == 1 and p.stderr.strip().splitlines() == [
+        "error: --gen-unshard acts on FSDP2 shards, which plain `python` does not make: launch with `torchrun "
+        "--nproc-per-node N` (N = 1 is fine)"] and not (tmp_path / "x").exists(), p.stderr
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                        "gspo.py", *flags, "--gen-unshard", "--output-dir", str(tmp_path / "a")],
+                       capture_output=True, text=True)
+    assert p.returncode == 0 and "FSDP2 over 1 process(es)" in p.stdout, p.stdout[-2000:] + p.stderr[-4000:]
+    p = subprocess.run([sys.executable, "gspo.py", *flags, "--output-dir", str(tmp_path / "b")],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-4000:]
+    rows = [[{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_rows(run)]
+            for run in (glob.glob(f"{tmp_path}/{x}/*/metrics.jsonl")[0] for x in "ab")]
+    assert rows[0] == rows[1] and len(rows[0]) == 3

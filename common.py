@@ -977,7 +977,7 @@ def group_metrics(m: torch.Tensor, d_first: torch.Tensor, group_size: int, group
 
 
 # ----------------------------------------------------------------------------- generation
-GEN_MODES = ("repeat", "shared-prefill")
+GEN_MODES = ("repeat", "shared-prefill", "static")
 
 
 @torch.no_grad()
@@ -988,7 +988,10 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
     attention_mask, n_prompt P, completion mask [B, T] (up to and including the first EOS), truncated [B].
     mode "repeat": each prompt repeated n times, so `generate` prefills it n times, gen_batch_size rows a call.
     mode "shared-prefill": each prompt prefilled once and its KV cache repeated to its n rows (Policy.generate),
-    whole groups a call, max(1, gen_batch_size // n) prompts. Same tokens under greedy decoding (top_k=1)."""
+    whole groups a call, max(1, gen_batch_size // n) prompts. mode "static": as repeat, with a KV cache allocated
+    once for the whole call and written in place (no copy of the cache per token); on a GPU, with the model unsharded
+    (plain `python`), transformers compiles the decoding step (torch.compile; recompiled only when the cache or batch
+    grows); under FSDP2 it stays eager. Same tokens under greedy decoding (top_k=1)."""
     if mode not in GEN_MODES:
         raise ValueError(f"unknown generation mode {mode!r} ({', '.join(GEN_MODES)})")
     enc = tok(list(prompts), padding=True, return_tensors="pt", add_special_tokens=False)
@@ -999,6 +1002,7 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
     rows = max(1, gen_batch_size // n) if shared else gen_batch_size  # prompts (shared) or rows (repeat) a call
     if not shared:
         ids, am = ids.repeat_interleave(n, 0), am.repeat_interleave(n, 0)
+    static = dict(cache_implementation="static", disable_compile=d.sharded) if mode == "static" else {}
     outs = []
     with gathered(policy, unshard):
         for i in range(0, ids.shape[0], rows):
@@ -1006,6 +1010,7 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
                 input_ids=ids[i:i + rows], attention_mask=am[i:i + rows], n=n if shared else 1, do_sample=True,
                 temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, eos_token_id=eos,
                 pad_token_id=tok.pad_token_id, synced_gpus=d.sharded,  # FSDP: every rank steps until all are done
+                **static,
             )[:, ids.shape[1]:])
     if shared:
         ids, am = ids.repeat_interleave(n, 0), am.repeat_interleave(n, 0)

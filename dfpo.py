@@ -122,9 +122,10 @@ class Args:
     gen_unshard: bool = False
     """FSDP2: gather each layer once per generate call, not once per decoded token (every GPU then holds the whole
     model in the compute dtype while generating)"""
-    gen_mode: Literal["repeat", "shared-prefill"] = "shared-prefill"
+    gen_mode: Literal["repeat", "shared-prefill", "static"] = "shared-prefill"
     """shared-prefill: each prompt prefilled once and its KV cache repeated to its group, whole groups a generate call;
-    repeat: each prompt repeated group_size times and prefilled as many times (same tokens; benchmarks/README.md)"""
+    repeat: each prompt repeated group_size times and prefilled as many times; static: as repeat with a KV cache
+    allocated once (compiled decoding on one GPU) (same tokens; benchmarks/README.md)"""
     logprob_chunk_tokens: int = 1024
     """tokens per LM-head chunk: log-probs never hold more than chunk x vocab logits"""
     eval_every: int = 50

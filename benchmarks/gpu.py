@@ -8,7 +8,8 @@ Per model, as far as each fits:
 - generation: a GSPO rollout through common.generate, --prompts x --group-size completions of --prompt-tokens-token
   prompts, up to --new-tokens new tokens, in every mode of common.GEN_MODES. Random weights never say EOS, so
   realistic early stops are made by declaring V / --mean-length token ids EOS: a completion stops at each step with
-  probability about 1 / --mean-length (roughly geometric lengths; the table gives the measured mean).
+  probability about 1 / --mean-length (roughly geometric lengths; the table gives the measured mean). static is
+  timed after one untimed call, which compiles.
   tokens/s = completion tokens (up to and including EOS) / wall time of the call.
 - training: forward + backward of Policy.forward (chunked log-probs) and gspo_loss, then an AdamW step, on
   --train-seqs sequences of --train-tokens tokens, with and without activation checkpointing. tokens/s over the
@@ -74,14 +75,15 @@ def bench_generation(policy, tok, shape, a, d) -> dict:
                     gen_batch_size=2)  # untimed: CUDA/cuBLAS start-up is not the first mode's cost
     out = {}
     for mode in common.GEN_MODES:
-        torch.manual_seed(0)
-        sync(d.device)
-        t = time.perf_counter()
-        roll = common.generate(policy, tok, texts, a.group_size, eos, d, max_new_tokens=a.new_tokens,
-                               temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=a.prompts * a.group_size,
-                               mode=mode)
-        sync(d.device)
-        s = time.perf_counter() - t
+        for timed in (False, True) if mode == "static" else (True,):  # static: the first call compiles (untimed)
+            torch.manual_seed(0)
+            sync(d.device)
+            t = time.perf_counter()
+            roll = common.generate(policy, tok, texts, a.group_size, eos, d, max_new_tokens=a.new_tokens,
+                                   temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=a.prompts * a.group_size,
+                                   mode=mode)
+            sync(d.device)
+            s = time.perf_counter() - t
         tokens = roll["mask"].sum().item()
         out[mode] = {"s": s, "tokens_per_s": tokens / s, "mean_length": tokens / roll["mask"].shape[0]}
     return out

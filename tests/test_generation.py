@@ -43,7 +43,7 @@ def test_shared_prefill_gives_the_same_tokens(setup, reference, gen_batch_size):
 
 def test_one_token_prompts(setup):
     """Prompts of one token (no chat template) leave no prefix to prefill: shared-prefill pads one column."""
-    ref, out = (rollout(setup, mode, 64, 1, prompts=["7", "3"]) for mode in common.GEN_MODES)
+    ref, out = (rollout(setup, mode, 64, 1, prompts=["7", "3"]) for mode in ("repeat", "shared-prefill"))
     assert ref["n_prompt"] == 1 and out["n_prompt"] == 2
     assert torch.equal(ref["input_ids"][:, 1:], out["input_ids"][:, 2:]) and torch.equal(ref["mask"], out["mask"])
 
@@ -74,3 +74,30 @@ def test_generation_logprobs_equal_the_training_forward(setup):
 def test_unknown_mode_fails(setup):
     with pytest.raises(ValueError, match="unknown generation mode"):
         rollout(setup, "beam", 64, 1)
+
+
+def test_static_cache_gives_the_same_tokens_and_logprobs(setup, reference, monkeypatch):
+    """--gen-mode static (KV cache allocated once, written in place): the same tokens as today's path under greedy
+    decoding, in one call and in calls of 5 rows (a smaller last call), and the same log-probs to float32 tolerance
+    as Policy.forward computes on the finished sequences."""
+    from transformers import cache_utils
+
+    d, tok, policy, prompts, eos = setup
+    made = []
+    init = cache_utils.StaticCache.__init__
+    monkeypatch.setattr(cache_utils.StaticCache, "__init__", lambda self, *a, **k: made.append(1) or init(self, *a, **k))
+    for gen_batch_size in (64, 5):
+        out = rollout(setup, "static", gen_batch_size, 1)
+        assert len(made) == (1 if gen_batch_size == 64 else 4)  # one cache a generate call: the mode is in effect
+        for key in ("input_ids", "attention_mask", "mask", "truncated"):
+            assert torch.equal(reference[1][key], out[key]), (gen_batch_size, key)
+    enc = tok(prompts, padding=True, return_tensors="pt", add_special_tokens=False)
+    ids, am = enc.input_ids.repeat_interleave(2, 0), enc.attention_mask.repeat_interleave(2, 0)
+    with torch.no_grad():
+        out = policy.generate(input_ids=ids, attention_mask=am, do_sample=False, max_new_tokens=8, eos_token_id=eos,
+                              pad_token_id=tok.pad_token_id, return_dict_in_generate=True, output_logits=True,
+                              cache_implementation="static")
+        comp = out.sequences[:, ids.shape[1]:]
+        seen = torch.stack(out.logits, 1).log_softmax(-1).gather(-1, comp[..., None]).squeeze(-1)
+        forward = policy(out.sequences, torch.cat([am, torch.ones_like(comp)], 1), ids.shape[1])
+    torch.testing.assert_close(seen, forward, rtol=0, atol=1e-5)

@@ -67,3 +67,20 @@ def test_gpu_benchmark_smoke(tmp_path):
     assert "skipped" in out["results"]["trl"] or "table" in out["results"]["trl"]
     md = open(tmp_path / "gpu.md").read()
     assert "| tiny | 0.000 |" in md and "command: python benchmarks/gpu.py --smoke" in p.stdout
+
+
+def test_cpu_0p6b_benchmark_smoke(tmp_path):
+    """benchmarks/cpu_0p6b.py --smoke: the model folder, both runs (python, torchrun with FSDP2 over 2 ranks) and each
+    process's peak memory against memory_plan.cpu_process, with tiny shapes."""
+    p = subprocess.run([sys.executable, "benchmarks/cpu_0p6b.py", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in p.stdout.splitlines()
+            if line.startswith(("| python |", "| torchrun |"))}
+    assert {("python", "process"), ("torchrun", "rank 0"), ("torchrun", "rank 1")} <= set(rows), p.stdout
+    for line in rows.values():  # | run | process | peak | plan, phase | peak / plan | wall |
+        peak, plan, ratio = line.split("|")[3:6]
+        assert float(peak) > 0 and float(plan.split(",")[0]) > 0 and float(ratio) > 0, line
+    out = json.load(open(tmp_path / "cpu_0p6b.json"))
+    assert out["baseline"] > out["imports"] > 0 and out["runs"]["torchrun"]["procs"]["rank 1"]["peak"] > 0
+    assert "command: python benchmarks/cpu_0p6b.py --smoke" in p.stdout

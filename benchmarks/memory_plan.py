@@ -2,6 +2,7 @@
 
     python benchmarks/memory_plan.py                                    # Qwen3-32B on 8, 16 and 32 GPUs
     python benchmarks/memory_plan.py --config path/to/config.json --gpus 8 --seqs 8 --tokens 4608
+    python benchmarks/memory_plan.py --config path/to/config.json --gpus 1 2 --cpu 0.5   # RAM a process on CPU
 
 What is counted (bytes; P parameters, L layers, H hidden, I intermediate, V vocabulary):
 - sharded state, 16 P / n: fp32 master weights (4), fp32 gradients (4), AdamW's two fp32 moments (8). With
@@ -15,6 +16,9 @@ What is counted (bytes; P parameters, L layers, H hidden, I intermediate, V voca
 - KV cache while generating: 2 (k, v) x L x kv_heads x head_dim x 2 bytes a token, for --gen-batch-size sequences.
 - --gen-unshard: the whole model in bf16 (2 P) while generating.
 Real runs add the CUDA context, allocator fragmentation and NCCL buffers (a few GB): keep ~10% headroom.
+--dtype fp32 counts 4 bytes where bf16 counts 2 (gathered units then 12 bytes a parameter). --cpu: the RAM of each
+process of a CPU job (fp32; plain `python` and torchrun's ranks), by cpu_process below, checked against
+measurements by benchmarks/cpu_0p6b.py (benchmarks/README.md).
 """
 import argparse
 import json
@@ -22,10 +26,12 @@ import json
 QWEN3_32B = dict(vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
                  num_attention_heads=64, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
 GB = 1e9
+DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 
 
-def plan(c: dict, gpus: int, seqs: int, tokens: int, gen_seqs: int, chunk: int) -> dict:
+def plan(c: dict, gpus: int, seqs: int, tokens: int, gen_seqs: int, chunk: int, dtype: str = "bf16") -> dict:
     H, I, L, V = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    b = DTYPE_BYTES[dtype]  # the compute dtype: gathered weights, activations, logits, KV cache
     hd = c.get("head_dim") or H // c["num_attention_heads"]
     attn = H * hd * (c["num_attention_heads"] * 2 + c["num_key_value_heads"] * 2)  # q, o and k, v projections
     layer = attn + 3 * H * I + 2 * H + 2 * hd  # + MLP, RMSNorms (layer, q, k)
@@ -34,12 +40,37 @@ def plan(c: dict, gpus: int, seqs: int, tokens: int, gen_seqs: int, chunk: int) 
     return {
         "parameters (B)": P / 1e9,
         "sharded state 16P/n": 16 * P / gpus / GB,
-        "gathered units": (8 * root + 2 * 8 * layer) / GB,
-        "activations": seqs * tokens * (2 * H * L + 2 * (6 * H + 4 * I)) / GB,
-        "log-prob chunk": chunk * V * (2 + 4 + 4) / GB,
-        "KV cache (generation)": gen_seqs * tokens * 2 * L * c["num_key_value_heads"] * hd * 2 / GB,
-        "--gen-unshard (bf16 model)": 2 * P / GB,
+        "gathered units": ((2 * b + 4) * root + 2 * (2 * b + 4) * layer) / GB,
+        "activations": seqs * tokens * (b * H * L + b * (6 * H + 4 * I)) / GB,
+        "log-prob chunk": chunk * V * (b + 4 + 4) / GB,
+        "KV cache (generation)": gen_seqs * tokens * 2 * L * c["num_key_value_heads"] * hd * b / GB,
+        f"--gen-unshard ({dtype} model)": b * P / GB,
     }
+
+
+def cpu_process(c: dict, procs: int, seqs: int, tokens: int, gen_seqs: int, chunk: int, baseline: float,
+                fsdp: bool = True, rank0: bool = False) -> dict:
+    """One training process's peak resident memory on CPU (GB), by phase. On CPU the compute dtype is fp32 and all
+    state lives in RAM. Plain `python` (fsdp False): the fp32 model, its gradients and AdamW's moments, 16 P, not
+    sharded. Under torchrun: plan()'s FSDP2 terms in fp32 (gathered units 12 bytes a parameter). Both add
+    - baseline: the process's own (python, torch, transformers, the project; measure it: ~0.5 GB);
+    - AdamW's temporaries: on CPU torch runs AdamW one tensor at a time (no foreach kernels), and its update of the
+      largest tensor, the V x H embedding (its 1/n shard under FSDP2), holds two temporaries of that size
+      (sqrt of the second moment, then its division); they come after the backward, when the gathered units are
+      freed, so training's peak is the larger of the two, not their sum.
+    Rank 0 under FSDP2 (rank0 True) also holds the whole fp32 model (4 P) while it reads the weights, freed once
+    they are scattered (common.load_model), and while it saves a checkpoint (the full state dict gathered on CPU,
+    next to its shards, gradients and AdamW state); gathering it over gloo holds one to two copies of the largest
+    tensor, whole, on every rank (measured: +0.8-1.2 GB on rank 1 of the 0.6B shape while rank 0 saved): two here."""
+    n = procs if fsdp else 1
+    r = plan(c, n, seqs, tokens, gen_seqs, chunk, dtype="fp32")
+    P = r["parameters (B)"] * 1e9 / GB  # GB a byte a parameter
+    adam_tmp = 2 * 4 * c["vocab_size"] * c["hidden_size"] / n / GB
+    work = r["activations"] + r["log-prob chunk"] + (r["gathered units"] if fsdp else 0)
+    out = {"training": baseline + 16 * P / n + max(work, adam_tmp)}
+    if rank0 and fsdp:
+        out.update(loading=baseline + 4 * P + 4 * P / n, saving=baseline + 16 * P / n + 4 * P + adam_tmp * n)
+    return out
 
 
 def main():
@@ -50,9 +81,15 @@ def main():
     ap.add_argument("--tokens", type=int, default=512 + 4096, help="prompt + completion tokens a sequence")
     ap.add_argument("--gen-seqs", type=int, default=32, help="sequences per generate call (--gen-batch-size)")
     ap.add_argument("--chunk", type=int, default=1024, help="--logprob-chunk-tokens")
+    ap.add_argument("--dtype", choices=list(DTYPE_BYTES), help="compute dtype (default bf16, as on GPU)")
+    ap.add_argument("--cpu", type=float, metavar="BASELINE_GB",
+                    help="CPU instead (fp32): each process's RAM by cpu_process, with this baseline a process "
+                         "(~0.5 GB; benchmarks/cpu_0p6b.py measures it); --gpus then counts processes")
     a = ap.parse_args()
     c = json.load(open(a.config)) if a.config else QWEN3_32B
-    rows = {n: plan(c, n, a.seqs, a.tokens, a.gen_seqs, a.chunk) for n in a.gpus}
+    if a.cpu is not None:
+        return print_cpu(c, a)
+    rows = {n: plan(c, n, a.seqs, a.tokens, a.gen_seqs, a.chunk, a.dtype or "bf16") for n in a.gpus}
     print(f"{rows[a.gpus[0]]['parameters (B)']:.2f}B parameters; {a.seqs} sequences of {a.tokens} tokens per rank "
           f"per minibatch, {a.gen_seqs} per generate call; GB = 1e9 bytes, per GPU\n")
     print("| | " + " | ".join(f"{n} GPUs" for n in a.gpus) + " |")
@@ -66,9 +103,29 @@ def main():
     print("| **generation peak** (sharded) | " + " | ".join(f"**{gen[n]:.1f}**" for n in a.gpus) + " |")
     print("| training peak, --cpu-offload | " + " | ".join(
         f"{train[n] - rows[n]['sharded state 16P/n']:.1f}" for n in a.gpus) + " |")
-    print("\ncommand: python benchmarks/memory_plan.py " + " ".join(
+    print(command(a))
+
+
+def print_cpu(c: dict, a):
+    job = dict(seqs=a.seqs, tokens=a.tokens, gen_seqs=a.gen_seqs, chunk=a.chunk, baseline=a.cpu)
+    cols = {"python, 1 process": cpu_process(c, 1, fsdp=False, **job)}
+    for n in a.gpus:
+        cols[f"torchrun, {n}: rank 0"] = cpu_process(c, n, rank0=True, **job)
+        if n > 1:
+            cols[f"torchrun, {n}: rank > 0"] = cpu_process(c, n, **job)
+    print(f"CPU, fp32; {a.seqs} sequences of {a.tokens} tokens per rank per minibatch; RAM of each process, GB = 1e9 "
+          f"bytes, with a baseline of {a.cpu} GB a process\n")
+    print("| phase | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols))
+    for phase in ("training", "loading", "saving"):
+        print(f"| {phase} | " + " | ".join(f"{v[phase]:.2f}" if phase in v else "-" for v in cols.values()) + " |")
+    print("| **peak** | " + " | ".join(f"**{max(v.values()):.2f}**" for v in cols.values()) + " |")
+    print(command(a))
+
+
+def command(a) -> str:
+    return "\ncommand: python benchmarks/memory_plan.py " + " ".join(
         f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-        for k, v in vars(a).items() if v is not None))
+        for k, v in vars(a).items() if v is not None)
 
 
 if __name__ == "__main__":

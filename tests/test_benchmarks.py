@@ -67,3 +67,42 @@ def test_gpu_benchmark_smoke(tmp_path):
     assert "skipped" in out["results"]["trl"] or "table" in out["results"]["trl"]
     md = open(tmp_path / "gpu.md").read()
     assert "| tiny | 0.000 |" in md and "command: python benchmarks/gpu.py --smoke" in p.stdout
+
+
+def test_cpu_0p6b_benchmark_smoke(tmp_path):
+    """benchmarks/cpu_0p6b.py --smoke: the model folder, both runs (python, torchrun with FSDP2 over 2 ranks) and each
+    process's peak memory against memory_plan.cpu_process, with tiny shapes."""
+    p = subprocess.run([sys.executable, "benchmarks/cpu_0p6b.py", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in p.stdout.splitlines()
+            if line.startswith(("| python |", "| torchrun |"))}
+    assert {("python", "process"), ("torchrun", "rank 0"), ("torchrun", "rank 1")} <= set(rows), p.stdout
+    for line in rows.values():  # | run | process | peak | plan, phase | peak / plan | wall |
+        peak, plan, ratio = line.split("|")[3:6]
+        assert float(peak) > 0 and float(plan.split(",")[0]) > 0 and float(ratio) > 0, line
+    out = json.load(open(tmp_path / "cpu_0p6b.json"))
+    assert out["baseline"] > out["imports"] > 0 and out["runs"]["torchrun"]["procs"]["rank 1"]["peak"] > 0
+    assert "command: python benchmarks/cpu_0p6b.py --smoke" in p.stdout
+
+
+def test_memory_plan_cpu_terms(tmp_path):
+    """memory_plan.cpu_process: one process holds 16 P unsharded plus AdamW's two embedding-sized temporaries; under
+    FSDP2 rank 0 alone has the loading and saving phases (4 P more); --cpu prints them."""
+    c = shapes.QWEN3["0.6B"]
+    r = memory_plan.plan(c, gpus=2, seqs=8, tokens=40, gen_seqs=8, chunk=128, dtype="fp32")
+    P, emb = r["parameters (B)"], 4 * c["vocab_size"] * c["hidden_size"] / 1e9
+    one = memory_plan.cpu_process(c, 1, seqs=8, tokens=40, gen_seqs=8, chunk=128, baseline=0.5, fsdp=False)
+    assert set(one) == {"training"} and abs(one["training"] - (0.5 + 16 * P + 2 * emb)) < 1e-9
+    rank0 = memory_plan.cpu_process(c, 2, seqs=8, tokens=40, gen_seqs=8, chunk=128, baseline=0.5, rank0=True)
+    rank1 = memory_plan.cpu_process(c, 2, seqs=8, tokens=40, gen_seqs=8, chunk=128, baseline=0.5)
+    assert set(rank0) == {"training", "loading", "saving"} and set(rank1) == {"training"}
+    assert rank0["training"] == rank1["training"] == 0.5 + 8 * P + r["gathered units"] + r["activations"] + \
+        r["log-prob chunk"]
+    assert abs(rank0["saving"] - (0.5 + 8 * P + 4 * P + 2 * emb)) < 1e-9
+    assert r["gathered units"] == 1.5 * memory_plan.plan(c, 2, 8, 40, 8, 128)["gathered units"]  # 12 vs 8 bytes
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    p = subprocess.run([sys.executable, "benchmarks/memory_plan.py", "--config", str(tmp_path / "config.json"),
+                        "--gpus", "2", "--seqs", "8", "--tokens", "40", "--cpu", "0.5"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0 and "| saving | - | 8.90 |" in p.stdout, p.stdout + p.stderr

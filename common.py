@@ -354,7 +354,7 @@ def wrap_policy(lm, d: Dist, temperature: float, chunk_tokens: int, activation_c
     tied embedding/LM head stay together in the root unit), with fp32 shards computed in `dtype` and gradients
     reduced in fp32 (MixedPrecisionPolicy); rank 0's weights (load_model) are then scattered to the shards."""
     if activation_checkpointing:
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         lm.config.use_cache = True  # generation still uses the KV cache (checkpointing acts only in training)
     policy = Policy(lm, temperature, chunk_tokens)
     if d.sharded:

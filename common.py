@@ -1727,19 +1727,20 @@ def cleanup():
         os._exit(0)
 
 
-def resolve_defaults(args):
-    """Defaults that depend on the model and task: the tiny model learns fast with a large step and short
-    answers; real models follow the papers' scale."""
-    if args.learning_rate is None:
-        args.learning_rate = 5e-4 if args.model == "tiny" else 1e-6
-    if args.max_new_tokens is None:
-        args.max_new_tokens = 2 if args.dataset == "builtin" else 1024  # builtin: the digit, then EOS
-    return args
+def default_learning_rate(model: str) -> float:
+    """--learning-rate when not given: the tiny model learns fast with a large step; real models follow the papers'
+    scale. Each script's main() fills it in, in view, before anything reads it."""
+    return 5e-4 if model == "tiny" else 1e-6
+
+
+def default_max_new_tokens(dataset: str) -> int:
+    """--max-new-tokens when not given: the built-in task's answer is one digit, then EOS; real tasks reason."""
+    return 2 if dataset == "builtin" else 1024
 
 
 def check_common_args(args):
-    """Bad input fails with one line before any heavy work."""
-    resolve_defaults(args)
+    """Bad input fails with one line before any heavy work. Reads args, never writes them: main() has filled in
+    --learning-rate and --max-new-tokens already (default_learning_rate, default_max_new_tokens)."""
     if args.group_size < 2:
         fail(f"--group-size {args.group_size}: group-relative advantages need at least 2 completions a prompt")
     if args.max_new_tokens <= 0:

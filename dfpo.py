@@ -1,42 +1,24 @@
-"""DFPO: Drift Fixing Policy Optimization, GSPO with an in-group transform of the post-clip sequence weights
-("Design Conditions for Intra-Group Learning of Sequence-Level Rewards: Token Gradient Cancellation",
-arXiv:2604.13088, Sec. 4 and App. B, D).
+"""DFPO: Drift Fixing Policy Optimization, GSPO with an in-group transform of the post-clip sequence
+weights ("Design Conditions for Intra-Group Learning of Sequence-Level Rewards: Token Gradient
+Cancellation", arXiv:2604.13088, Sec. 4 and App. B, D).
 
-    s_i       = exp(1/|y_i| sum_t log w_it),   c_i = clip(s_i, 1 - eps_low, 1 + eps_high)            (eq. 44, 46)
-    s_bar_i   = min(s_i, c_i) if A_i >= 0 else max(s_i, c_i),   J_GSPO = 1/G sum_i A_i s_bar_i        (eq. 47, 49)
-    s_tilde   = T(s_bar, A) inside each group, with sum_i A_i s_tilde_i = 0                           (eq. 63)
-    grad J    = 1/G sum_i s_tilde_i A_i grad log s_i,   s_tilde a constant, every sequence            (eq. 68)
+    s_i           = exp(1/|y_i| sum_t log w_it)                                          (eq. 44)
+    c_i           = clip(s_i, 1 - eps_low, 1 + eps_high)                                 (eq. 46)
+    s_bar_i       = min(s_i, c_i) if A_i >= 0 else max(s_i, c_i)                         (eq. 47)
+    J_GSPO        = 1/G sum_i A_i s_bar_i                                                (eq. 49)
+    A_i           = (r_i - mean_j r_j) / std_j r_j                                       (eq. 43)
+    s_tilde       = T(s_bar, A) inside each group, with sum_i A_i s_tilde_i = 0          (eq. 63)
+    grad J        = 1/G sum_i s_tilde_i A_i grad log s_i, every sequence, s_tilde constant (eq. 68)
+    T (--transform): min-replace (eq. 50), orth-proj (eq. 52-55), orth-proj-qp (eq. 51), scale, none
 
---transform T:
-    min-replace   s_tilde_i = min_j s_bar_j                                                          (eq. 50)
-    orth-proj     truncate-and-rebalance: s+ = max(s_bar, eps) (eq. 52); delta = sum_i A_i s+_i (eq. 53); if
-                  delta > 0 scale the positive-advantage side by alpha = sum_N (-A) s+ / sum_P A s+, if delta < 0
-                  the negative side by beta = sum_P A s+ / sum_N (-A) s+ (eq. 54-55; the paper prints beta with a
-                  wrong minus sign). Both lie in (0, 1].
-    orth-proj-qp  the exact non-negative projection of eq. 51, argmin_v ||v - s_bar||^2 s.t. A.v = 0, v >= 0,
-                  solved per group in closed form: v = max(s_bar - lambda A, 0) (its KKT conditions) with the one
-                  lambda that makes A.v = 0 (A.v is piecewise linear and decreasing in lambda).
-    scale         s_tilde = 0.5 s_bar: the Table 3 ablation, smaller steps without in-group consistency
-    none          s_tilde = s_bar: GSPO's weights (with --clip-gated, GSPO itself)
-
-Different from gspo.py: every sequence of a group gets a weight chosen so that the weighted advantages sum to zero
-(eq. 63). A token the whole group shares then gets the coefficient 1/G sum_i s_tilde_i A_i / |y_i| (eq. 72): 0 at
-equal lengths (eq. 73), instead of drifting with the differences of the s_i (eq. 38, the learning tax of App. A.2).
---length-aware makes it 0 at any lengths: T acts on s_bar_i L / |y_i| (L: the group's mean length), mapped back.
-
-The gradient, as eq. 68 writes it: clipping bounds s_bar and so s_tilde, but removes no sequence's gradient; a
-sequence clipped in GSPO would drop out of the sum and break eq. 72's cancellation. --clip-gated is that other
-reading, kept for comparison: a clipped sequence (s_bar_i = c_i, a constant) gets no gradient, as in GSPO, while
-its s_bar still enters the transform, so shared tokens cancel only among the unclipped sequences. Eq. 68 has no
-trust region beyond the bound on s_tilde: a negative sample already below 1 - eps_low keeps being pushed down. The
-README's learning-tax lab has a task where that collapses and --clip-gated does not.
---no-stop-grad (Table 3) differentiates the literal -1/G sum_i A_i s_tilde_i(theta) through the transform: with
-min-replace that is s_bar_min(theta) sum_i A_i = 0, so the policy does not move at all.
-
-    python dfpo.py                                   # built-in tiny model and task, CPU, a few minutes
-    torchrun --nproc-per-node 8 dfpo.py --model Qwen/Qwen3-32B --dataset dapo17k --transform orth-proj
+Equation numbers are the DFPO paper's (arXiv:2604.13088); derivations: docs/objectives.md.
+Different from gspo.py: the sequences of a group get weights whose advantage-weighted sum is zero
+(eq. 63), so a token the whole group shares gets no gradient at equal lengths (eq. 72-73; at any
+lengths with --length-aware). Eq. 68 keeps every sequence's gradient, so it has no trust region
+beyond the bound on s_tilde; --clip-gated is GSPO's gating, kept for comparison.
 """
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -46,12 +28,14 @@ import torch
 import tyro
 from tqdm import tqdm
 
-from common import (Logger, all_finite, all_gather_cat, all_reduce, check_common_args, check_model, cleanup, eos_ids,
-                    eval_report, evaluate, fail, generate, group_advantages, group_metrics, jitter2, load_model,
-                    load_task, load_tokenizer, lr_scheduler, micro_batches, minibatches, prompt_indices, reduce_stats,
-                    resume_state, run_paths, save_checkpoint, score, seed_rank, setup_distributed, wrap_policy)
-from common import eval_summary, load_reward, log_samples
-from common import catch_stop_signals, claim_run_dir, stop_requested
+from common import (Logger, all_finite, all_gather_cat, all_reduce, catch_stop_signals,
+                    check_common_args, check_model, claim_run_dir, cleanup, default_learning_rate,
+                    default_max_new_tokens, eos_ids, eval_report, eval_summary, evaluate, fail,
+                    generate, group_advantages, group_metrics, jitter2, load_model, load_reward,
+                    load_task, load_tokenizer, log_samples, lr_scheduler, micro_batches,
+                    minibatches, prompt_indices, reduce_stats, resume_state, run_paths,
+                    save_checkpoint, score, seed_rank, setup_distributed, stop_requested,
+                    wrap_policy)
 
 
 @dataclass
@@ -61,13 +45,16 @@ class Args:
     seed: int = 1
     """seed of the model init (tiny), data order and sampling (offset per rank)"""
     model: str = "tiny"
-    """'tiny' (built-in random-init Qwen3-architecture model, offline), a local folder, or a hub id"""
+    """'tiny' (built-in random-init Qwen3-architecture model, offline), a local folder, or a hub
+    id"""
     trust_remote_code: bool = False
     """let transformers run code shipped with the model (off unless you trust the model's source)"""
     dataset: str = "builtin"
-    """'builtin' (offline: 'x%10=' for a digit x), 'gsm8k', 'math500', 'dapo17k', or a local .jsonl of {prompt, answer}"""
+    """'builtin' (offline: 'x%10=' for a digit x), 'gsm8k', 'math500', 'dapo17k', or a local .jsonl
+    of {prompt, answer}"""
     data_files: str | None = None
-    """local json/jsonl files laid out in --dataset's own hub columns, read instead of the hub (offline mirror)"""
+    """local json/jsonl files laid out in --dataset's own hub columns, read instead of the hub
+    (offline mirror)"""
     enable_thinking: bool = False
     """passed to the chat template (Qwen3: think before answering)"""
     max_prompt_tokens: int = 2048
@@ -75,15 +62,17 @@ class Args:
     num_steps: int = 200
     """RL steps (one rollout batch each)"""
     prompts_per_rank: int = 16
-    """prompts per rank per step; the rollout batch is prompts_per_rank x group_size completions per rank"""
+    """prompts per rank per step; the rollout batch is prompts_per_rank x group_size completions per
+    rank"""
     group_size: int = 8
     """G: completions per prompt"""
     num_minibatches: int = 4
     """optimizer steps per rollout batch, each over whole groups (4 in the GSPO paper)"""
     micro_batch_size: int = 0
-    """sequences per forward/backward inside a minibatch (0: the whole minibatch); gradients accumulate and the loss
-    is divided by the minibatch's count over all ranks, so this changes memory, never the gradient; a size that
-    splits groups costs one more no-grad forward pass per minibatch (eq. 63 needs whole groups)"""
+    """sequences per forward/backward inside a minibatch (0: the whole minibatch); gradients
+    accumulate and the loss is divided by the minibatch's count over all ranks, so this changes
+    memory, never the gradient; a size that splits groups costs one more no-grad forward pass per
+    minibatch (eq. 63 needs whole groups)"""
     max_new_tokens: int | None = None
     """completion length limit (default: 2 for --dataset builtin, 1024 otherwise)"""
     temperature: float = 1.0
@@ -101,7 +90,8 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient clipping by global norm"""
     max_nonfinite: int = 3
-    """a non-finite loss or gradient skips that update on every rank; this many in a row stop the run"""
+    """a non-finite loss or gradient skips that update on every rank; this many in a row stop the
+    run"""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """learning-rate schedule after the warm-up, per optimizer step (DFPO paper: cosine)"""
     warmup_frac: float = 0.0
@@ -109,23 +99,27 @@ class Args:
     min_lr_ratio: float = 0.2
     """cosine: the last learning rate as a fraction of the peak (DFPO paper: 0.2)"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    """divide the centred group rewards by the group's std (eq. 43), the whole batch's std (all ranks), or nothing"""
+    """divide the centred group rewards by the group's std (eq. 43), the whole batch's std (all
+    ranks), or nothing"""
     mask_truncated: bool = False
-    """completions cut at --max-new-tokens (no EOS) get zero loss weight; their rewards still set the group's A"""
+    """completions cut at --max-new-tokens (no EOS) get zero loss weight; their rewards still set
+    the group's A"""
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
-    """compute dtype (auto: bf16 on GPU, fp32 on CPU); under torchrun the FSDP2 master weights, gradient reduction
-    and AdamW state stay fp32, and log-probs are always fp32"""
+    """compute dtype (auto: bf16 on GPU, fp32 on CPU); under torchrun the FSDP2 master weights,
+    gradient reduction and AdamW state stay fp32, and log-probs are always fp32"""
     activation_checkpointing: bool = False
     """recompute decoder layers in the backward pass (less memory, ~30% more compute)"""
     cpu_offload: bool = False
-    """FSDP2: keep parameter shards, gradients and the AdamW step on the CPU (larger models per GPU, slower)"""
+    """FSDP2: keep parameter shards, gradients and the AdamW step on the CPU (larger models per GPU,
+    slower)"""
     gen_unshard: bool = False
-    """FSDP2: gather each layer once per generate call, not once per decoded token (every GPU then holds the whole
-    model in the compute dtype while generating)"""
+    """FSDP2: gather each layer once per generate call, not once per decoded token (every GPU then
+    holds the whole model in the compute dtype while generating)"""
     gen_mode: Literal["repeat", "shared-prefill", "static"] = "shared-prefill"
-    """shared-prefill: each prompt prefilled once and its KV cache repeated to its group, whole groups a generate call;
-    repeat: each prompt repeated group_size times and prefilled as many times; static: as repeat with a KV cache
-    allocated once (compiled decoding on one GPU) (same tokens; benchmarks/README.md)"""
+    """shared-prefill: each prompt prefilled once and its KV cache repeated to its group, whole
+    groups a generate call; repeat: each prompt repeated group_size times and prefilled as many
+    times; static: as repeat, with a KV cache allocated once (compiled decoding on one GPU)
+    (same tokens; benchmarks/README.md)"""
     logprob_chunk_tokens: int = 1024
     """tokens per LM-head chunk: log-probs never hold more than chunk x vocab logits"""
     eval_every: int = 50
@@ -135,66 +129,83 @@ class Args:
     eval_k: int = 8
     """k of avg@k and pass@k"""
     eval_n: int | None = None
-    """samples per held-out prompt, n >= k (default k); pass@k is the unbiased 1 - C(n-c, k) / C(n, k)"""
+    """samples per held-out prompt, n >= k (default k); pass@k is the unbiased
+    1 - C(n-c, k) / C(n, k)"""
     eval_only: bool = False
-    """evaluate --model (e.g. a checkpoint folder) on the held-out split, print the table, write eval.json, stop"""
+    """evaluate --model (e.g. a checkpoint folder) on the held-out split, print the table, write
+    eval.json, stop"""
     save_every: int = 0
     """write a checkpoint every N steps, and always at the end (0: only at the end)"""
     keep_checkpoints: int = 2
     """keep the newest K checkpoints of the run and delete older ones (0: keep all)"""
     resume: str | None = None
-    """continue exactly from a checkpoint folder (.../step_N), or 'auto': the newest one of this exp_name and seed
-    under --output-dir, a fresh run if there is none (use it with torchrun --max-restarts)"""
+    """continue exactly from a checkpoint folder (.../step_N), or 'auto': the newest one of this
+    exp_name and seed under --output-dir, a fresh run if there is none (use it with torchrun
+    --max-restarts)"""
     output_dir: str = "runs"
     """where runs are written"""
     reward: str | None = None
-    """the reward: the built-in math grader, or 'module:function' naming your f(completion, answer) -> float
-    (imported from the current folder or the Python path; runs in worker processes, so sandbox code you execute)"""
+    """the reward: the built-in math grader, or 'module:function' naming your
+    f(completion, answer) -> float (imported from the current folder or the Python path; runs in
+    worker processes, so sandbox code you execute)"""
     reward_timeout: float = 1.0
-    """seconds one reward call may take: past it the completion scores 0 and counts in charts/reward_errors"""
+    """seconds one reward call may take: past it the completion scores 0 and counts in
+    charts/reward_errors"""
     log_samples: int = 10
-    """every N steps, the first 2 prompts of the step with their completions, rewards and advantages go to
-    tensorboard (text, 'samples') and to samples.jsonl in the run folder (0: never)"""
+    """every N steps, the first 2 prompts of the step with their completions, rewards and
+    advantages go to tensorboard (text, 'samples') and to samples.jsonl in the run folder
+    (0: never)"""
     # Algorithm-specific arguments
     clip_low: float = 3e-4
     """eps_low: s_i is clipped below at 1 - eps_low (GSPO paper: 3e-4)"""
     clip_high: float = 4e-4
     """eps_high: s_i is clipped above at 1 + eps_high (GSPO paper: 4e-4)"""
     transform: Literal["min-replace", "orth-proj", "orth-proj-qp", "scale", "none"] = "min-replace"
-    """in-group transform of the post-clip weights (see the module docstring; the paper's main method: min-replace)"""
+    """in-group transform of the post-clip weights (docs/objectives.md; the paper's main method:
+    min-replace)"""
     length_aware: bool = False
-    """transform s_bar_i / |y_i| and map back, so that sum_i A_i s_tilde_i / |y_i| = 0: a token shared by the group
-    cancels at any lengths (eq. 72), not only at equal ones (eq. 73); min-replace, orth-proj and orth-proj-qp"""
+    """transform s_bar_i / |y_i| and map back, so that sum_i A_i s_tilde_i / |y_i| = 0: a token
+    shared by the group cancels at any lengths (eq. 72), not only at equal ones (eq. 73);
+    min-replace, orth-proj and orth-proj-qp"""
     clip_gated: bool = False
-    """a clipped sequence (s_bar_i = c_i) gets no gradient, as in GSPO, while its s_bar still enters the transform;
-    the default is eq. 68: every sequence carries s_tilde_i A_i grad log s_i, and clipping acts only through s_tilde"""
+    """a clipped sequence (s_bar_i = c_i) gets no gradient, as in GSPO, while its s_bar still enters
+    the transform; the default is eq. 68: every sequence carries s_tilde_i A_i grad log s_i, and
+    clipping acts only through s_tilde"""
     stop_grad: bool = True
-    """treat s_tilde as a constant (App. D); --no-stop-grad differentiates through the transform (Table 3 ablation)"""
+    """treat s_tilde as a constant (App. D); --no-stop-grad differentiates through the transform
+    (Table 3 ablation)"""
     orth_floor: float = 1e-6
     """eps of eq. 52: orth-proj first raises every weight to at least this"""
 
 
 def orth_proj_qp(s_bar, A):
-    """Eq. 51 exactly, per group: argmin_v 1/2 ||v - s_bar||^2 s.t. A.v = 0, v >= 0. KKT: v = max(s_bar - lam A, 0),
-    and f(lam) = A.v(lam) is piecewise linear and decreasing, with breakpoints s_bar_i / A_i. Between two
-    consecutive breakpoints the active set S = {v_i > 0} is fixed and f = 0 at lam = sum_S A s_bar / sum_S A^2; the
-    segment whose lam falls inside it holds the root. s_bar, A: [groups, G]. Differentiable in s_bar given S."""
+    """Eq. 51 exactly, per group: argmin_v 1/2 ||v - s_bar||^2 s.t. A.v = 0, v >= 0.
+    KKT: v = max(s_bar - lam A, 0), and f(lam) = A.v(lam) is piecewise linear and decreasing, with
+    breakpoints s_bar_i / A_i. Between two consecutive breakpoints the active set S = {v_i > 0} is
+    fixed and f = 0 at lam = sum_S A s_bar / sum_S A^2; the segment whose lam falls inside it holds
+    the root. s_bar, A: [groups, G]. Differentiable in s_bar given S."""
     with torch.no_grad():
-        x, a = s_bar.double(), A.double()
-        nz = a != 0
+        x = s_bar.double()
+        a = A.double()
+        nonzero = a != 0
         inf = torch.full_like(x[:, :1], float("inf"))
-        bp = torch.where(nz, x / torch.where(nz, a, 1.0), inf).sort(1).values  # A_i = 0 never binds
-        lo, hi = torch.cat([-inf, bp], 1), torch.cat([bp, inf], 1)  # G + 1 segments
+        # breakpoints s_bar_i / A_i, sorted; A_i = 0 never binds
+        breakpoints = torch.where(nonzero, x / torch.where(nonzero, a, 1.0), inf).sort(1).values
+        lo = torch.cat([-inf, breakpoints], 1)  # G + 1 segments [lo, hi]
+        hi = torch.cat([breakpoints, inf], 1)
         probe = torch.where(lo.isfinite() & hi.isfinite(), (lo + hi) / 2,
-                            torch.where(hi.isfinite(), hi - 1, torch.where(lo.isfinite(), lo + 1, 0.0)))
-        active = (x[:, None] - probe[..., None] * a[:, None] > 0) & nz[:, None]  # [groups, segment, G]
+                            torch.where(hi.isfinite(), hi - 1,
+                                        torch.where(lo.isfinite(), lo + 1, 0.0)))
+        # [groups, segment, G]
+        active = (x[:, None] - probe[..., None] * a[:, None] > 0) & nonzero[:, None]
         den = (active * a[:, None] ** 2).sum(-1)
         lam = (active * a[:, None] * x[:, None]).sum(-1) / torch.where(den > 0, den, 1.0)
         tol = 1e-12 * (1 + lam.abs())
         ok = (den > 0) & (lam >= lo - tol) & (lam <= hi + tol)
-        S = active[torch.arange(len(x)), ok.double().argmax(1)] & ok.any(1, keepdim=True)  # no root: A = 0, v = s_bar
+        # no root: A = 0 and v = s_bar
+        S = active[torch.arange(len(x)), ok.double().argmax(1)] & ok.any(1, keepdim=True)
     den = (S * A ** 2).sum(1, keepdim=True)
-    lam = (S * A * s_bar).sum(1, keepdim=True) / torch.where(den > 0, den, 1.0)  # 0 where A = 0: v = s_bar
+    lam = (S * A * s_bar).sum(1, keepdim=True) / torch.where(den > 0, den, 1.0)  # 0 where A = 0
     return (s_bar - lam * A).clamp(min=0)
 
 
@@ -205,12 +216,14 @@ def in_group_transform(s_bar, A, transform: str, floor: float):
     if transform == "orth-proj":  # truncate-and-rebalance, eq. 52-55
         s_plus = s_bar.clamp(min=floor)  # eq. 52
         pos = torch.where(A > 0, A * s_plus, 0.0).sum(1, keepdim=True)  # sum_P A_i s+_i
-        neg = torch.where(A < 0, -A * s_plus, 0.0).sum(1, keepdim=True)  # sum_N (-A_i) s+_i; delta = pos - neg (eq. 53)
+        neg = torch.where(A < 0, -A * s_plus, 0.0).sum(1, keepdim=True)  # sum_N (-A_i) s+_i
+        # delta = pos - neg (eq. 53)
         alpha = neg / torch.where(pos > neg, pos, 1.0)  # eq. 55, used when delta > 0
-        beta = pos / torch.where(neg > pos, neg, 1.0)  # eq. 55 with the sign corrected, used when delta < 0
+        beta = pos / torch.where(neg > pos, neg, 1.0)  # eq. 55, sign corrected, used when delta < 0
         scaled_pos = (pos > neg) & (A > 0)
         scaled_neg = (neg > pos) & (A < 0)
-        return torch.where(scaled_pos, alpha * s_plus, torch.where(scaled_neg, beta * s_plus, s_plus))
+        return torch.where(scaled_pos, alpha * s_plus,
+                           torch.where(scaled_neg, beta * s_plus, s_plus))
     if transform == "orth-proj-qp":
         return orth_proj_qp(s_bar, A)
     if transform == "scale":  # Table 3: "DFPO (scale by 0.5)"
@@ -221,7 +234,8 @@ def in_group_transform(s_bar, A, transform: str, floor: float):
 
 
 def sequence_weights(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: float):
-    """-> log w_it [B, T] (0 off the mask), log s_i [B] (eq. 44) and the post-clip weights s_bar_i [B] (eq. 46-47)."""
+    """-> log w_it [B, T] (0 off the mask), log s_i [B] (eq. 44) and the post-clip weights
+    s_bar_i [B] (eq. 46-47)."""
     log_w = torch.where(mask.bool(), logp - old_logp, 0.0)  # log w_it, token log-ratios
     log_s = log_w.sum(1) / mask.sum(1).clamp(min=1)  # eq. 44: log s_i = 1/|y_i| sum_t log w_it
     s = log_s.exp()
@@ -230,13 +244,15 @@ def sequence_weights(logp, old_logp, advantages, mask, *, clip_low: float, clip_
     return log_w, log_s, s_bar
 
 
-def group_weights(s_bar, advantages, mask, *, group_size: int, transform: str, floor: float, length_aware: bool):
-    """s_tilde [B] from s_bar [B], advantages [B] and mask [B, T] (|y_i|: its rows' sums); rows are whole groups of
-    group_size, in order.
-    Plain: s_tilde = T(s_bar) with sum_i A_i s_tilde_i = 0 (eq. 63), so a token shared by the whole group cancels
-    when the lengths are equal (eq. 72-73). length_aware: T acts on u_i = s_bar_i L / |y_i| (L: the group's mean
-    length) and s_tilde_i = u_tilde_i |y_i| / L, so sum_i A_i s_tilde_i / |y_i| = 0: eq. 72 cancels at any lengths
-    (at equal lengths u = s_bar, and nothing changes)."""
+def group_weights(s_bar, advantages, mask, *, group_size: int, transform: str, floor: float,
+                  length_aware: bool):
+    """s_tilde [B] from s_bar [B], advantages [B] and mask [B, T] (|y_i|: its rows' sums); rows are
+    whole groups of group_size, in order.
+    Plain: s_tilde = T(s_bar) with sum_i A_i s_tilde_i = 0 (eq. 63), so a token shared by the whole
+    group cancels when the lengths are equal (eq. 72-73). length_aware: T acts on
+    u_i = s_bar_i L / |y_i| (L: the group's mean length) and s_tilde_i = u_tilde_i |y_i| / L, so
+    sum_i A_i s_tilde_i / |y_i| = 0: eq. 72 cancels at any lengths (at equal lengths u = s_bar, and
+    nothing changes)."""
     A = advantages.view(-1, group_size)
     if not length_aware:
         return in_group_transform(s_bar.view(-1, group_size), A, transform, floor).flatten()
@@ -246,175 +262,240 @@ def group_weights(s_bar, advantages, mask, *, group_size: int, transform: str, f
     return (u_tilde * scale).flatten()
 
 
-def dfpo_loss(logp, old_logp, advantages, mask, *, group_size: int, clip_low: float, clip_high: float,
-              transform: str = "min-replace", floor: float = 1e-6, length_aware: bool = False,
-              clip_gated: bool = False, stop_grad: bool = True, norm: float | None = None, s_tilde=None):
-    """-J_DFPO over the minibatch. logp, old_logp, mask: [B, T] completion tokens; advantages: [B]; rows are whole
-    groups of group_size, in order (the transform acts inside each group), unless s_tilde [B] is given: the
-    transformed weights of these rows, which the caller computed (no grad, with the same two weight functions) from
-    their whole groups, so that a micro-batch may split a group (stop_grad only). norm: the count the summed
-    objective is divided by (None: B, the mean); the loop passes the minibatch's sequences on all ranks, so that
-    micro-batches and ranks add up to one gradient. Returns (loss, stats): detached scalars, and "m" [B], each
-    sequence's term m_i = A_i s_tilde_i, from which the loop computes the group metrics over whole groups."""
+def dfpo_loss(logp, old_logp, advantages, mask, *, group_size: int, clip_low: float,
+              clip_high: float, transform: str = "min-replace", floor: float = 1e-6,
+              length_aware: bool = False, clip_gated: bool = False, stop_grad: bool = True,
+              norm: float | None = None, s_tilde=None):
+    """-J_DFPO over the minibatch. logp, old_logp, mask: [B, T] completion tokens; advantages: [B];
+    rows are whole groups of group_size, in order (the transform acts inside each group), unless
+    s_tilde [B] is given: the transformed weights of these rows, which the caller computed (no
+    grad, with sequence_weights and group_weights) from their whole groups, so that a micro-batch
+    may split a group (stop_grad only).
+    norm: the count the summed objective is divided by (None: this batch's); the loop passes the
+    minibatch's count over all ranks, so that micro-batches and ranks add up to one gradient.
+    Returns (loss, seq_terms, stats): seq_terms [B] is each sequence's term m_i = w_i A_i
+    (detached), from which the loop computes the group metrics over whole groups; stats are
+    detached scalars for the logs.
+    Here w_i = s_tilde_i."""
     if s_tilde is None and logp.shape[0] % group_size:
         raise ValueError(f"{logp.shape[0]} rows do not split into whole groups of {group_size}")
     if s_tilde is not None and not stop_grad:
-        raise ValueError("a given s_tilde is a constant: without the stop-gradient the transform needs whole groups")
+        raise ValueError("a given s_tilde is a constant: without the stop-gradient the transform "
+                         "needs whole groups")
     lengths = mask.sum(1).clamp(min=1)
-    log_w, log_s, s_bar = sequence_weights(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high)
+    log_w, log_s, s_bar = sequence_weights(logp, old_logp, advantages, mask, clip_low=clip_low,
+                                           clip_high=clip_high)
     if s_tilde is None:  # eq. 63 (or 72) inside each group of the rows given
-        s_tilde = group_weights(s_bar.detach() if stop_grad else s_bar, advantages, mask, group_size=group_size,
-                                transform=transform, floor=floor, length_aware=length_aware)
-    if not stop_grad:  # the literal -1/G sum_i A_i s_tilde_i(theta), differentiated through the transform
+        s_tilde = group_weights(s_bar.detach() if stop_grad else s_bar, advantages, mask,
+                                group_size=group_size, transform=transform, floor=floor,
+                                length_aware=length_aware)
+    if not stop_grad:  # the literal -1/G sum_i A_i s_tilde_i(theta), differentiated through T
         objective = advantages * s_tilde
-    elif clip_gated:  # value A s_tilde; gradient s_tilde A grad log s_i where s_bar_i = s_i, none where clipped
+    elif clip_gated:  # value A s_tilde; gradient s_tilde A grad log s_i where s_bar_i = s_i, else 0
         objective = advantages * s_tilde * s_bar / s_bar.detach()
-    else:  # eq. 68: value A s_tilde; gradient s_tilde A grad log s_i for every sequence, clipped or not
+    else:  # eq. 68: value A s_tilde; gradient s_tilde A grad log s_i for every sequence
         objective = advantages * s_tilde * torch.exp(log_s - log_s.detach())
-    loss = -objective.sum() / (norm or objective.numel())  # 1/G sum_i over every group of the minibatch (norm)
+    loss = -objective.sum() / (norm or objective.numel())  # 1/G sum_i over every group (norm)
     with torch.no_grad():
         s = log_s.exp()
-        clipped = ((s > 1 + clip_high) & (advantages > 0)) | ((s < 1 - clip_low) & (advantages < 0))  # s_bar_i = c_i
+        # clipped: s_bar_i = c_i
+        clipped = ((s > 1 + clip_high) & (advantages > 0)) | ((s < 1 - clip_low) & (advantages < 0))
         stats = {
             "losses/policy_loss": -objective.mean(),  # over the rows given
-            "losses/clipfrac": (clipped * lengths).sum() / lengths.sum(),  # tokens of sequences whose s_bar is clipped
+            "losses/clipfrac": (clipped * lengths).sum() / lengths.sum(),  # tokens the clip stops
             "losses/clipfrac_seq": clipped.float().mean(),  # sequences
-            "losses/ratio_mean": s.mean(), "losses/ratio_min": s.min(), "losses/ratio_max": s.max(),
-            "losses/approx_kl": ((log_w.exp() - 1 - log_w) * mask).sum() / mask.sum(),  # k3 estimate of KL(old||new)
+            "losses/ratio_mean": s.mean(),
+            "losses/ratio_min": s.min(),
+            "losses/ratio_max": s.max(),
+            # k3 estimate of KL(old||new)
+            "losses/approx_kl": ((log_w.exp() - 1 - log_w) * mask).sum() / mask.sum(),
             "losses/shrink_mean": (s_tilde / s_bar).mean(),  # phi_i = s_tilde_i / s_bar_i (eq. 87)
-            "m": objective.detach(),  # m_i = w_i A_i with w_i = s_tilde_i
         }
-    return loss, stats
+    return loss, objective.detach(), stats
 
 
 def main():
     args = tyro.cli(Args)
+    # Defaults that depend on the model and the task, filled in here: the run is logged,
+    # checkpointed and compared on resume with these values; nothing changes args after this
+    learning_rate = args.learning_rate
+    if learning_rate is None:
+        learning_rate = default_learning_rate(args.model)
+    max_new_tokens = args.max_new_tokens
+    if max_new_tokens is None:
+        max_new_tokens = default_max_new_tokens(args.dataset)
+    args = dataclasses.replace(args, learning_rate=learning_rate, max_new_tokens=max_new_tokens)
+
     # TRY NOT TO MODIFY: set-up (bad input fails here, before any model is built)
     check_common_args(args)
     reward = load_reward(args.reward, args.reward_timeout)  # a bad --reward fails here too
     if args.orth_floor <= 0:
         fail(f"--orth-floor {args.orth_floor}: must be > 0 (eq. 52 keeps every weight positive)")
     if args.length_aware and args.transform in ("scale", "none"):
-        fail(f"--length-aware makes a cancelling transform exact at any lengths: --transform {args.transform} "
-             "does not cancel; use min-replace, orth-proj or orth-proj-qp")
+        fail(f"--length-aware makes a cancelling transform exact at any lengths: --transform "
+             f"{args.transform} does not cancel; use min-replace, orth-proj or orth-proj-qp")
     if not args.stop_grad and args.micro_batch_size % args.group_size:
         fail(f"--no-stop-grad differentiates through each group's transform: --micro-batch-size "
              f"{args.micro_batch_size} must be a multiple of --group-size {args.group_size} (or 0)")
-    d = setup_distributed(args.seed)
+    dist_env = setup_distributed(args.seed)
     check_model(args.model, args.trust_remote_code)
-    run_dir, ckpt = run_paths(args, d, os.path.basename(__file__))  # a fresh run, or the checkpoint to resume
+    script = os.path.basename(__file__)
+    run_dir, ckpt = run_paths(args, dist_env, script)  # a fresh run, or the checkpoint to resume
     tok = load_tokenizer(args.model, args.trust_remote_code)
-    train, held, dropped = load_task(args.dataset, args.data_files, args.eval_size, args.seed, tok, args.enable_thinking,
-                                     args.max_prompt_tokens)
-    run_dir = claim_run_dir(run_dir, ckpt, d)  # one writer per run folder: a live one holds its writer.lock
-    lm = load_model(ckpt or args.model, tok, d, args.seed, args.trust_remote_code, args.dtype)
+    train, held, dropped = load_task(args.dataset, args.data_files, args.eval_size, args.seed, tok,
+                                     args.enable_thinking, args.max_prompt_tokens)
+    run_dir = claim_run_dir(run_dir, ckpt, dist_env)  # one writer per run folder (writer.lock)
+    lm = load_model(ckpt or args.model, tok, dist_env, args.seed, args.trust_remote_code,
+                    args.dtype)
     eos = eos_ids(lm, tok)
-    policy = wrap_policy(lm, d, args.temperature, args.logprob_chunk_tokens, args.activation_checkpointing,
-                         args.dtype, args.cpu_offload)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    policy = wrap_policy(lm, dist_env, args.temperature, args.logprob_chunk_tokens,
+                         args.activation_checkpointing, args.dtype, args.cpu_offload)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate,
+                                  weight_decay=args.weight_decay)
     scheduler = lr_scheduler(optimizer, args)
-    seed_rank(args.seed, d)
-    state = resume_state(ckpt, optimizer, scheduler, d)  # resumed: optimizer, lr schedule, RNG of each rank, step
-    logger = Logger(run_dir, d, args, first_step=state["step"] + 1)
-    if d.main:
-        print(f"{len(train)} train / {len(held)} held-out prompts (dropped: {dropped['no_answer']} without an answer, "
-              f"{dropped['too_long']} over --max-prompt-tokens); "
-              f"world size {d.world}; logs: tensorboard --logdir {args.output_dir}")
-    gen_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                  top_k=args.top_k, gen_batch_size=args.gen_batch_size, unshard=args.gen_unshard,
-                  mode=args.gen_mode)
-    eval_now = lambda step: args.eval_every > 0 and (step % args.eval_every == 0 or step == args.num_steps)  # noqa: E731
+    seed_rank(args.seed, dist_env)
+    # resumed: optimizer, lr schedule, RNG of each rank, step
+    state = resume_state(ckpt, optimizer, scheduler, dist_env)
+    logger = Logger(run_dir, dist_env, args, first_step=state["step"] + 1)
+    if dist_env.main:
+        print(f"{len(train)} train / {len(held)} held-out prompts (dropped: {dropped['no_answer']} "
+              f"without an answer, {dropped['too_long']} over --max-prompt-tokens); "
+              f"world size {dist_env.world}; logs: tensorboard --logdir {args.output_dir}")
+    gen_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                  top_p=args.top_p, top_k=args.top_k, gen_batch_size=args.gen_batch_size,
+                  unshard=args.gen_unshard, mode=args.gen_mode)
+    eval_kw = dict(k=args.eval_k, n=args.eval_n, reward=reward, **gen_kw)
+
+    def eval_now(step: int) -> bool:
+        return args.eval_every > 0 and (step % args.eval_every == 0 or step == args.num_steps)
+
     if args.eval_only:  # the table a paper reports, for --model as it is
         policy.eval()
-        result = evaluate(policy, tok, held, eos, d, k=args.eval_k, n=args.eval_n, reward=reward, **gen_kw)
+        result = evaluate(policy, tok, held, eos, dist_env, **eval_kw)
         logger.log(0, result)
-        eval_report(result, args.dataset, run_dir, d)
+        eval_report(result, args.dataset, run_dir, dist_env)
         logger.close()
         return cleanup()
     if eval_now(0) and state["step"] == 0:
         policy.eval()
-        logger.log(0, evaluate(policy, tok, held, eos, d, k=args.eval_k, n=args.eval_n, reward=reward, **gen_kw))
-    start, reward_curve, nonfinite_run = time.time() - state["wall_time"], state["reward_curve"], state["nonfinite_run"]
-    bar = tqdm(range(state["step"] + 1, args.num_steps + 1), initial=state["step"], total=args.num_steps,
-               disable=not d.main, desc=args.exp_name)
-    catch_stop_signals()  # SIGTERM or SIGINT: every rank saves a checkpoint at the end of the step and stops
+        logger.log(0, evaluate(policy, tok, held, eos, dist_env, **eval_kw))
+    start = time.time() - state["wall_time"]
+    reward_curve = state["reward_curve"]
+    nonfinite_run = state["nonfinite_run"]
+    bar = tqdm(range(state["step"] + 1, args.num_steps + 1), initial=state["step"],
+               total=args.num_steps, disable=not dist_env.main, desc=args.exp_name)
+    catch_stop_signals()  # SIGTERM or SIGINT: every rank saves at the end of the step and stops
     for step in bar:
         # TRY NOT TO MODIFY: rollout -> rewards -> group advantages
         policy.eval()
-        rows = train.select(prompt_indices(len(train), step, args.prompts_per_rank, d, args.seed))
+        indices = prompt_indices(len(train), step, args.prompts_per_rank, dist_env, args.seed)
+        rows = train.select(indices)
         t = time.time()
-        roll = generate(policy, tok, rows["text"], args.group_size, eos, d, **gen_kw)
+        roll = generate(policy, tok, rows["text"], args.group_size, eos, dist_env, **gen_kw)
         gen_time = time.time() - t
         rewards, reward_errors = score(roll["texts"], rows["answer"], args.group_size, reward)
         advantages, zero_groups = group_advantages(rewards, args.group_size, args.scale_rewards)
-        log_samples(logger, run_dir, step, args.log_samples, rows["prompt"], rows["answer"], roll["texts"], rewards,
-                    advantages, args.group_size)  # what the model writes, how it was scored
-        ids, am, mask, P = roll["input_ids"], roll["attention_mask"], roll["mask"], roll["n_prompt"]
-        if args.mask_truncated:  # the loss mask: truncated completions weigh nothing (the logs keep roll["mask"])
+        log_samples(logger, run_dir, step, args.log_samples, rows["prompt"], rows["answer"],
+                    roll["texts"], rewards, advantages, args.group_size)  # texts and scores
+        ids = roll["input_ids"]
+        attention_mask = roll["attention_mask"]
+        n_prompt = roll["n_prompt"]  # ids[:, n_prompt:] are the completions
+        mask = roll["mask"]  # completion tokens up to the first EOS
+        if args.mask_truncated:  # the loss mask (the logs keep roll["mask"])
             mask = mask * ~roll["truncated"][:, None]
         advantages = advantages.to(ids.device)
-        mbs = minibatches(args.prompts_per_rank, args.group_size, args.num_minibatches)
+        minibatch_slices = minibatches(args.prompts_per_rank, args.group_size, args.num_minibatches)
 
-        # old log-probs: pi_old is the policy that generated the rollout (no grad); entropy for the logs
+        # old log-probs: pi_old is the policy that generated the rollout (no grad); entropy for logs
         t = time.time()
         with torch.no_grad():
-            old = [policy(ids[mb], am[mb], P, entropy=True) for mb in mbs]
-        old_logp, entropy = torch.cat([o[0] for o in old]), torch.cat([o[1] for o in old])
+            old = [policy(ids[minibatch], attention_mask[minibatch], n_prompt, entropy=True)
+                   for minibatch in minibatch_slices]
+        old_logp = torch.cat([minibatch_logp for minibatch_logp, _ in old])
+        entropy = torch.cat([minibatch_entropy for _, minibatch_entropy in old])
 
         # ALGO LOGIC: num_minibatches optimizer steps, each over whole groups
         policy.train()
-        stats, skipped = [], 0
-        for mb in mbs:
+        stats = []
+        skipped = 0
+        for minibatch in minibatch_slices:
             optimizer.zero_grad(set_to_none=True)
-            seqs = (mb.stop - mb.start) * d.world  # the minibatch's sequences on all ranks
-            norm = seqs  # 1/G sum_i over every group: the loss is divided by the whole minibatch's count
-            mb_loss, micro_stats, m, d_first = 0.0, [], [], []
-            micro = micro_batches(mb, args.micro_batch_size)
-            s_tilde = [None] * len(micro)  # None: each micro-batch holds whole groups and transforms them itself
-            clip = dict(clip_low=args.clip_low, clip_high=args.clip_high)
-            transform = dict(group_size=args.group_size, transform=args.transform, floor=args.orth_floor,
-                             length_aware=args.length_aware)
-            if args.micro_batch_size % args.group_size:  # micro-batches split groups, and eq. 63 needs whole ones:
-                with torch.no_grad():  # s_tilde of every row first, from one more forward pass over the minibatch
-                    logp = torch.cat([policy(ids[mu], am[mu], P) for mu in micro])
-                    _, _, s_bar = sequence_weights(logp, old_logp[mb], advantages[mb], mask[mb], **clip)
-                    s_tilde = group_weights(s_bar, advantages[mb], mask[mb], **transform)
-                s_tilde = s_tilde.split([mu.stop - mu.start for mu in micro])  # each micro-batch's rows
-            for mu, s_rows in zip(micro, s_tilde):  # gradient accumulation
-                logp = policy(ids[mu], am[mu], P)
+            seqs = (minibatch.stop - minibatch.start) * dist_env.world  # its sequences on all ranks
+            norm = seqs  # 1/G sum_i over every group: the loss is divided by the minibatch's count
+            s_tilde = None  # None: each micro-batch holds whole groups and transforms them itself
+            if args.micro_batch_size % args.group_size:  # micro-batches split groups; eq. 63 needs
+                with torch.no_grad():  # whole ones: s_tilde of every row first (one more forward)
+                    logp = torch.cat([policy(ids[micro], attention_mask[micro], n_prompt)
+                                      for micro in micro_batches(minibatch, args.micro_batch_size)])
+                    _, _, s_bar = sequence_weights(logp, old_logp[minibatch], advantages[minibatch],
+                                                   mask[minibatch], clip_low=args.clip_low,
+                                                   clip_high=args.clip_high)
+                    s_tilde = s_bar.new_zeros(advantages.shape)  # [rollout rows]: set on these
+                    s_tilde[minibatch] = group_weights(
+                        s_bar, advantages[minibatch], mask[minibatch], group_size=args.group_size,
+                        transform=args.transform, floor=args.orth_floor,
+                        length_aware=args.length_aware)
+            minibatch_loss = 0.0
+            micro_stats = []
+            seq_terms = []  # each sequence's m_i = w_i A_i, for the group metrics
+            first_token_grads = []  # d loss / d logp at each sequence's first completion token
+            for micro in micro_batches(minibatch, args.micro_batch_size):  # gradient accumulation
+                logp = policy(ids[micro], attention_mask[micro], n_prompt)
                 logp.retain_grad()  # d loss / d logp: the shared-token coefficient
-                loss, mu_stats = dfpo_loss(logp, old_logp[mu], advantages[mu], mask[mu], **clip, **transform,
-                                           clip_gated=args.clip_gated, stop_grad=args.stop_grad, norm=norm,
-                                           s_tilde=s_rows)
+                loss, terms, loss_stats = dfpo_loss(
+                    logp, old_logp[micro], advantages[micro], mask[micro],
+                    clip_low=args.clip_low, clip_high=args.clip_high, group_size=args.group_size,
+                    transform=args.transform, floor=args.orth_floor, length_aware=args.length_aware,
+                    clip_gated=args.clip_gated, stop_grad=args.stop_grad, norm=norm,
+                    s_tilde=None if s_tilde is None else s_tilde[micro])
                 loss.backward()
-                m.append(mu_stats.pop("m"))  # each sequence's m_i = w_i A_i, for the group metrics
-                d_first.append(logp.grad[:, 0])  # at each sequence's first completion token
-                mb_loss, micro_stats = mb_loss + loss.detach(), micro_stats + [mu_stats]
+                seq_terms.append(terms)
+                first_token_grads.append(logp.grad[:, 0])
+                minibatch_loss = minibatch_loss + loss.detach()
+                micro_stats.append(loss_stats)
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: DTensor
-            if all_finite(mb_loss, grad_norm):
+            if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+                grad_norm = grad_norm.full_tensor()
+            if all_finite(minibatch_loss, grad_norm):
                 optimizer.step()
                 scheduler.step()
                 nonfinite_run = 0
             else:  # skipped on every rank together, counted; max_nonfinite in a row stop the run
-                skipped, nonfinite_run = skipped + 1, nonfinite_run + 1
+                skipped += 1
+                nonfinite_run += 1
                 if nonfinite_run >= args.max_nonfinite:
-                    fail(f"step {step}: {nonfinite_run} non-finite updates in a row (loss {mb_loss.item()}, grad norm "
-                         f"{grad_norm.item()}); lower the learning rate or look at this step's data")
-            groups = group_metrics(torch.cat(m), torch.cat(d_first), args.group_size, seqs // args.group_size)
-            stats += [{**mu_stats, "losses/policy_loss": mb_loss * d.world, "losses/grad_norm": grad_norm, **groups}
-                      for mu_stats in micro_stats]  # the minibatch's loss: the mean over ranks of world x their share
+                    fail(f"step {step}: {nonfinite_run} non-finite updates in a row (loss "
+                         f"{minibatch_loss.item()}, grad norm {grad_norm.item()}); lower the "
+                         "learning rate or look at this step's data")
+            groups = group_metrics(torch.cat(seq_terms), torch.cat(first_token_grads),
+                                   args.group_size, seqs // args.group_size)
+            minibatch_stats = {
+                # the minibatch's loss: the mean over ranks of world x their share
+                "losses/policy_loss": minibatch_loss * dist_env.world,
+                "losses/grad_norm": grad_norm,
+                **groups,
+            }
+            stats += [{**loss_stats, **minibatch_stats} for loss_stats in micro_stats]
         train_time = time.time() - t
 
         # TRY NOT TO MODIFY: logging, evaluation, checkpoints
-        r, lengths = all_gather_cat(rewards.to(ids.device)), all_gather_cat(roll["mask"].sum(1))
-        tokens = all_gather_cat(am.sum().view(1).float()).sum()
+        all_rewards = all_gather_cat(rewards.to(ids.device))
+        lengths = all_gather_cat(roll["mask"].sum(1))
+        tokens = all_gather_cat(attention_mask.sum().view(1).float()).sum()
+        truncated_frac = all_gather_cat(roll["truncated"].float()).mean().item()
+        masked_truncated = 0
+        if args.mask_truncated:
+            masked_truncated = all_reduce(roll["truncated"].sum().float()).item()
+        zero_frac = torch.tensor(zero_groups / args.prompts_per_rank)  # this rank's
+        zero_group_frac = all_reduce(zero_frac).item() / dist_env.world  # the mean over ranks
         log = {
-            "charts/reward_mean": r.mean().item(), "charts/reward_std": r.std(unbiased=False).item(),
-            "charts/response_length_mean": lengths.mean().item(), "charts/response_length_max": lengths.max().item(),
-            "charts/truncated_frac": all_gather_cat(roll["truncated"].float()).mean().item(),
-            "charts/masked_truncated": all_reduce(roll["truncated"].sum().float()).item() if args.mask_truncated else 0,
-            "charts/zero_adv_group_frac": all_reduce(torch.tensor(zero_groups / args.prompts_per_rank)).item() / d.world,
+            "charts/reward_mean": all_rewards.mean().item(),
+            "charts/reward_std": all_rewards.std(unbiased=False).item(),
+            "charts/response_length_mean": lengths.mean().item(),
+            "charts/response_length_max": lengths.max().item(),
+            "charts/truncated_frac": truncated_frac,
+            "charts/masked_truncated": masked_truncated,
+            "charts/zero_adv_group_frac": zero_group_frac,
             "charts/learning_rate": optimizer.param_groups[0]["lr"],
             "charts/reward_errors": all_reduce(torch.tensor(float(reward_errors))).item(),
             "losses/skipped_updates": skipped,
@@ -426,25 +507,27 @@ def main():
         }
         if eval_now(step):
             policy.eval()
-            log.update(evaluate(policy, tok, held, eos, d, k=args.eval_k, n=args.eval_n, reward=reward, **gen_kw))
+            log.update(evaluate(policy, tok, held, eos, dist_env, **eval_kw))
         reward_curve.append(log["charts/reward_mean"])
-        if step == args.num_steps:  # Jitter2 of the whole run's reward curve (DFPO eq. 20), in its last row
+        if step == args.num_steps:  # Jitter2 of the reward curve (DFPO eq. 20), last row
             log["charts/reward_jitter2"] = jitter2(reward_curve)
         logger.log(step, log)
-        bar.set_postfix(reward=f"{log['charts/reward_mean']:.3f}", clip=f"{log['losses/clipfrac']:.3f}",
-                        asym=f"{log['losses/asym']:.3f}")
-        stop = stop_requested()  # a SIGTERM or SIGINT on any rank: every rank saves this step and stops
+        bar.set_postfix(reward=f"{log['charts/reward_mean']:.3f}",
+                        clip=f"{log['losses/clipfrac']:.3f}", asym=f"{log['losses/asym']:.3f}")
+        stop = stop_requested()  # SIGTERM or SIGINT on any rank: all save this step, stop
         if stop or step == args.num_steps or args.save_every and step % args.save_every == 0:
-            ckpt = save_checkpoint(run_dir, step, policy, tok, optimizer, scheduler, d, args,
-                                   os.path.basename(__file__), reward_curve=reward_curve, nonfinite_run=nonfinite_run,
+            ckpt = save_checkpoint(run_dir, step, policy, tok, optimizer, scheduler, dist_env, args,
+                                   script, reward_curve=reward_curve, nonfinite_run=nonfinite_run,
                                    wall_time=time.time() - start)
         if stop:
             break
     n = max(1, len(reward_curve) // 10)
-    first, last, jitter = sum(reward_curve[:n]) / n, sum(reward_curve[-n:]) / n, jitter2(reward_curve)
-    if d.main:
-        print(f"done in {time.time() - start:.0f}s: reward {first:.3f} (first 10% of steps) -> {last:.3f} (last 10%), "
-              f"Jitter2 (DFPO eq. 20) {jitter:.4f}{eval_summary(log)}; checkpoint: {ckpt}")
+    first = sum(reward_curve[:n]) / n
+    last = sum(reward_curve[-n:]) / n
+    if dist_env.main:
+        print(f"done in {time.time() - start:.0f}s: reward {first:.3f} (first 10% of steps) -> "
+              f"{last:.3f} (last 10%), Jitter2 (DFPO eq. 20) {jitter2(reward_curve):.4f}"
+              f"{eval_summary(log)}; checkpoint: {ckpt}")
     logger.close()
     cleanup()
 

@@ -1,21 +1,16 @@
 """GSPO: Group Sequence Policy Optimization (Zheng et al., 2025, arXiv:2507.18071).
 
-    J_GSPO(theta) = E[ 1/G sum_i min( s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i ) ]        (DFPO eq. 42)
-    s_i(theta)    = (pi_theta(y_i|x) / pi_old(y_i|x))^(1/|y_i|) = exp( 1/|y_i| sum_t log w_it )    (DFPO eq. 44)
-    A_i           = (r_i - mean_j r_j) / std_j r_j                                                (DFPO eq. 43)
+    J_GSPO(theta) = E[ 1/G sum_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i) ]  (eq. 42)
+    s_i(theta)    = (pi_theta(y_i|x) / pi_old(y_i|x))^(1/|y_i|)                          (eq. 44)
+                  = exp(1/|y_i| sum_t log w_it)
+    A_i           = (r_i - mean_j r_j) / std_j r_j                                       (eq. 43)
 
-Equations: GSPO's objective and ratio (arXiv:2507.18071), as the DFPO paper (arXiv:2604.13088) restates them in
-App. B.1, eq. 42-44; a 512-token worked example (s_i = 0.9995) is in tests/test_losses.py.
-
-Different from grpo.py: one importance ratio per sequence, the length-normalised geometric mean of the token
-ratios, clipped once, so every token of y_i gets the same weight s_i A_i / |y_i| in the gradient
-(eq. 66 of arXiv:2604.13088). Because s_i lives in a much tighter band than a token ratio, the clip
-range is ~1000x smaller: (3e-4, 4e-4) instead of (0.2, 0.27).
-
-    python gspo.py                                   # built-in tiny model and task, CPU, a few minutes
-    torchrun --nproc-per-node 8 gspo.py --model Qwen/Qwen3-32B --dataset dapo17k
+Equation numbers are the DFPO paper's (arXiv:2604.13088); derivations: docs/objectives.md.
+GSPO restated in its App. B.1: one importance ratio per sequence, clipped once, so every token of
+y_i gets the weight s_i A_i / |y_i| in the gradient (eq. 66).
 """
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -25,12 +20,14 @@ import torch
 import tyro
 from tqdm import tqdm
 
-from common import (Logger, all_finite, all_gather_cat, all_reduce, check_common_args, check_model, cleanup, eos_ids,
-                    eval_report, evaluate, fail, generate, group_advantages, group_metrics, jitter2, load_model,
-                    load_task, load_tokenizer, lr_scheduler, micro_batches, minibatches, prompt_indices, reduce_stats,
-                    resume_state, run_paths, save_checkpoint, score, seed_rank, setup_distributed, wrap_policy)
-from common import eval_summary, load_reward, log_samples
-from common import catch_stop_signals, claim_run_dir, stop_requested
+from common import (Logger, all_finite, all_gather_cat, all_reduce, catch_stop_signals,
+                    check_common_args, check_model, claim_run_dir, cleanup, default_learning_rate,
+                    default_max_new_tokens, eos_ids, eval_report, eval_summary, evaluate, fail,
+                    generate, group_advantages, group_metrics, jitter2, load_model, load_reward,
+                    load_task, load_tokenizer, log_samples, lr_scheduler, micro_batches,
+                    minibatches, prompt_indices, reduce_stats, resume_state, run_paths,
+                    save_checkpoint, score, seed_rank, setup_distributed, stop_requested,
+                    wrap_policy)
 
 
 @dataclass
@@ -40,13 +37,16 @@ class Args:
     seed: int = 1
     """seed of the model init (tiny), data order and sampling (offset per rank)"""
     model: str = "tiny"
-    """'tiny' (built-in random-init Qwen3-architecture model, offline), a local folder, or a hub id"""
+    """'tiny' (built-in random-init Qwen3-architecture model, offline), a local folder, or a hub
+    id"""
     trust_remote_code: bool = False
     """let transformers run code shipped with the model (off unless you trust the model's source)"""
     dataset: str = "builtin"
-    """'builtin' (offline: 'x%10=' for a digit x), 'gsm8k', 'math500', 'dapo17k', or a local .jsonl of {prompt, answer}"""
+    """'builtin' (offline: 'x%10=' for a digit x), 'gsm8k', 'math500', 'dapo17k', or a local .jsonl
+    of {prompt, answer}"""
     data_files: str | None = None
-    """local json/jsonl files laid out in --dataset's own hub columns, read instead of the hub (offline mirror)"""
+    """local json/jsonl files laid out in --dataset's own hub columns, read instead of the hub
+    (offline mirror)"""
     enable_thinking: bool = False
     """passed to the chat template (Qwen3: think before answering)"""
     max_prompt_tokens: int = 2048
@@ -54,14 +54,16 @@ class Args:
     num_steps: int = 200
     """RL steps (one rollout batch each)"""
     prompts_per_rank: int = 16
-    """prompts per rank per step; the rollout batch is prompts_per_rank x group_size completions per rank"""
+    """prompts per rank per step; the rollout batch is prompts_per_rank x group_size completions per
+    rank"""
     group_size: int = 8
     """G: completions per prompt"""
     num_minibatches: int = 4
     """optimizer steps per rollout batch, each over whole groups (4 in the GSPO paper)"""
     micro_batch_size: int = 0
-    """sequences per forward/backward inside a minibatch (0: the whole minibatch); gradients accumulate and the loss
-    is divided by the minibatch's count over all ranks, so this changes memory, never the gradient"""
+    """sequences per forward/backward inside a minibatch (0: the whole minibatch); gradients
+    accumulate and the loss is divided by the minibatch's count over all ranks, so this changes
+    memory, never the gradient"""
     max_new_tokens: int | None = None
     """completion length limit (default: 2 for --dataset builtin, 1024 otherwise)"""
     temperature: float = 1.0
@@ -79,7 +81,8 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient clipping by global norm"""
     max_nonfinite: int = 3
-    """a non-finite loss or gradient skips that update on every rank; this many in a row stop the run"""
+    """a non-finite loss or gradient skips that update on every rank; this many in a row stop the
+    run"""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """learning-rate schedule after the warm-up, per optimizer step (DFPO paper: cosine)"""
     warmup_frac: float = 0.0
@@ -87,23 +90,27 @@ class Args:
     min_lr_ratio: float = 0.2
     """cosine: the last learning rate as a fraction of the peak (DFPO paper: 0.2)"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    """divide the centred group rewards by the group's std (eq. 43), the whole batch's std (all ranks), or nothing"""
+    """divide the centred group rewards by the group's std (eq. 43), the whole batch's std (all
+    ranks), or nothing"""
     mask_truncated: bool = False
-    """completions cut at --max-new-tokens (no EOS) get zero loss weight; their rewards still set the group's A"""
+    """completions cut at --max-new-tokens (no EOS) get zero loss weight; their rewards still set
+    the group's A"""
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
-    """compute dtype (auto: bf16 on GPU, fp32 on CPU); under torchrun the FSDP2 master weights, gradient reduction
-    and AdamW state stay fp32, and log-probs are always fp32"""
+    """compute dtype (auto: bf16 on GPU, fp32 on CPU); under torchrun the FSDP2 master weights,
+    gradient reduction and AdamW state stay fp32, and log-probs are always fp32"""
     activation_checkpointing: bool = False
     """recompute decoder layers in the backward pass (less memory, ~30% more compute)"""
     cpu_offload: bool = False
-    """FSDP2: keep parameter shards, gradients and the AdamW step on the CPU (larger models per GPU, slower)"""
+    """FSDP2: keep parameter shards, gradients and the AdamW step on the CPU (larger models per GPU,
+    slower)"""
     gen_unshard: bool = False
-    """FSDP2: gather each layer once per generate call, not once per decoded token (every GPU then holds the whole
-    model in the compute dtype while generating)"""
+    """FSDP2: gather each layer once per generate call, not once per decoded token (every GPU then
+    holds the whole model in the compute dtype while generating)"""
     gen_mode: Literal["repeat", "shared-prefill", "static"] = "shared-prefill"
-    """shared-prefill: each prompt prefilled once and its KV cache repeated to its group, whole groups a generate call;
-    repeat: each prompt repeated group_size times and prefilled as many times; static: as repeat with a KV cache
-    allocated once (compiled decoding on one GPU) (same tokens; benchmarks/README.md)"""
+    """shared-prefill: each prompt prefilled once and its KV cache repeated to its group, whole
+    groups a generate call; repeat: each prompt repeated group_size times and prefilled as many
+    times; static: as repeat, with a KV cache allocated once (compiled decoding on one GPU)
+    (same tokens; benchmarks/README.md)"""
     logprob_chunk_tokens: int = 1024
     """tokens per LM-head chunk: log-probs never hold more than chunk x vocab logits"""
     eval_every: int = 50
@@ -113,26 +120,32 @@ class Args:
     eval_k: int = 8
     """k of avg@k and pass@k"""
     eval_n: int | None = None
-    """samples per held-out prompt, n >= k (default k); pass@k is the unbiased 1 - C(n-c, k) / C(n, k)"""
+    """samples per held-out prompt, n >= k (default k); pass@k is the unbiased
+    1 - C(n-c, k) / C(n, k)"""
     eval_only: bool = False
-    """evaluate --model (e.g. a checkpoint folder) on the held-out split, print the table, write eval.json, stop"""
+    """evaluate --model (e.g. a checkpoint folder) on the held-out split, print the table, write
+    eval.json, stop"""
     save_every: int = 0
     """write a checkpoint every N steps, and always at the end (0: only at the end)"""
     keep_checkpoints: int = 2
     """keep the newest K checkpoints of the run and delete older ones (0: keep all)"""
     resume: str | None = None
-    """continue exactly from a checkpoint folder (.../step_N), or 'auto': the newest one of this exp_name and seed
-    under --output-dir, a fresh run if there is none (use it with torchrun --max-restarts)"""
+    """continue exactly from a checkpoint folder (.../step_N), or 'auto': the newest one of this
+    exp_name and seed under --output-dir, a fresh run if there is none (use it with torchrun
+    --max-restarts)"""
     output_dir: str = "runs"
     """where runs are written"""
     reward: str | None = None
-    """the reward: the built-in math grader, or 'module:function' naming your f(completion, answer) -> float
-    (imported from the current folder or the Python path; runs in worker processes, so sandbox code you execute)"""
+    """the reward: the built-in math grader, or 'module:function' naming your
+    f(completion, answer) -> float (imported from the current folder or the Python path; runs in
+    worker processes, so sandbox code you execute)"""
     reward_timeout: float = 1.0
-    """seconds one reward call may take: past it the completion scores 0 and counts in charts/reward_errors"""
+    """seconds one reward call may take: past it the completion scores 0 and counts in
+    charts/reward_errors"""
     log_samples: int = 10
-    """every N steps, the first 2 prompts of the step with their completions, rewards and advantages go to
-    tensorboard (text, 'samples') and to samples.jsonl in the run folder (0: never)"""
+    """every N steps, the first 2 prompts of the step with their completions, rewards and
+    advantages go to tensorboard (text, 'samples') and to samples.jsonl in the run folder
+    (0: never)"""
     # Algorithm-specific arguments
     clip_low: float = 3e-4
     """eps_low: s_i is clipped below at 1 - eps_low (GSPO paper: 3e-4)"""
@@ -140,140 +153,196 @@ class Args:
     """eps_high: s_i is clipped above at 1 + eps_high (GSPO paper: 4e-4)"""
 
 
-def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: float, norm: float | None = None):
-    """-J_GSPO (eq. 42) over the minibatch. logp, old_logp, mask: [B, T] completion tokens; advantages: [B].
-    norm: the count the summed objective is divided by (None: B, the mean); the loop passes the minibatch's
-    sequences on all ranks, so that micro-batches and ranks add up to one gradient. Returns (loss, stats): detached
-    scalars, and "m" [B], each sequence's term m_i = A_i s_bar_i, from which the loop computes the group metrics
-    over whole groups."""
-    m = mask.bool()
+def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: float,
+              norm: float | None = None):
+    """-J_GSPO (eq. 42) over the minibatch. logp, old_logp, mask: [B, T] completion tokens;
+    advantages: [B].
+    norm: the count the summed objective is divided by (None: this batch's); the loop passes the
+    minibatch's count over all ranks, so that micro-batches and ranks add up to one gradient.
+    Returns (loss, seq_terms, stats): seq_terms [B] is each sequence's term m_i = w_i A_i
+    (detached), from which the loop computes the group metrics over whole groups; stats are
+    detached scalars for the logs.
+    Here w_i = s_bar_i."""
+    valid = mask.bool()
     lengths = mask.sum(1).clamp(min=1)
-    log_w = torch.where(m, logp - old_logp, 0.0)  # log w_it, token log-ratios
+    log_w = torch.where(valid, logp - old_logp, 0.0)  # log w_it, token log-ratios
     s = torch.exp(log_w.sum(1) / lengths)  # eq. 44: s_i = exp(1/|y_i| sum_t log w_it)
     s_clipped = s.clamp(1 - clip_low, 1 + clip_high)
-    objective = torch.min(s * advantages, s_clipped * advantages)  # eq. 42, one term per sequence (= A_i s_bar_i, eq. 49)
-    loss = -objective.sum() / (norm or objective.numel())  # 1/G sum_i over every group of the minibatch (norm)
-    with torch.no_grad():  # clipped: the min takes the constant branch, so the sequence gives no gradient
+    objective = torch.min(s * advantages, s_clipped * advantages)  # eq. 42 (= A_i s_bar_i, eq. 49)
+    loss = -objective.sum() / (norm or objective.numel())  # 1/G sum_i over every group (norm)
+    with torch.no_grad():  # clipped: the min takes the constant branch, so no gradient
         clipped = ((s > 1 + clip_high) & (advantages > 0)) | ((s < 1 - clip_low) & (advantages < 0))
         stats = {
             "losses/policy_loss": -objective.mean(),  # over the rows given
-            "losses/clipfrac": (clipped * lengths).sum() / lengths.sum(),  # tokens whose gradient the clip removes
+            "losses/clipfrac": (clipped * lengths).sum() / lengths.sum(),  # tokens the clip stops
             "losses/clipfrac_seq": clipped.float().mean(),  # sequences
-            "losses/ratio_mean": s.mean(), "losses/ratio_min": s.min(), "losses/ratio_max": s.max(),
-            "losses/approx_kl": ((log_w.exp() - 1 - log_w) * mask).sum() / mask.sum(),  # k3 estimate of KL(old||new)
-            "m": objective.detach(),  # m_i = w_i A_i with w_i = s_bar_i
+            "losses/ratio_mean": s.mean(),
+            "losses/ratio_min": s.min(),
+            "losses/ratio_max": s.max(),
+            # k3 estimate of KL(old||new)
+            "losses/approx_kl": ((log_w.exp() - 1 - log_w) * mask).sum() / mask.sum(),
         }
-    return loss, stats
+    return loss, objective.detach(), stats
 
 
 def main():
     args = tyro.cli(Args)
+    # Defaults that depend on the model and the task, filled in here: the run is logged,
+    # checkpointed and compared on resume with these values; nothing changes args after this
+    learning_rate = args.learning_rate
+    if learning_rate is None:
+        learning_rate = default_learning_rate(args.model)
+    max_new_tokens = args.max_new_tokens
+    if max_new_tokens is None:
+        max_new_tokens = default_max_new_tokens(args.dataset)
+    args = dataclasses.replace(args, learning_rate=learning_rate, max_new_tokens=max_new_tokens)
+
     # TRY NOT TO MODIFY: set-up (bad input fails here, before any model is built)
     check_common_args(args)
     reward = load_reward(args.reward, args.reward_timeout)  # a bad --reward fails here too
-    d = setup_distributed(args.seed)
+    dist_env = setup_distributed(args.seed)
     check_model(args.model, args.trust_remote_code)
-    run_dir, ckpt = run_paths(args, d, os.path.basename(__file__))  # a fresh run, or the checkpoint to resume
+    script = os.path.basename(__file__)
+    run_dir, ckpt = run_paths(args, dist_env, script)  # a fresh run, or the checkpoint to resume
     tok = load_tokenizer(args.model, args.trust_remote_code)
-    train, held, dropped = load_task(args.dataset, args.data_files, args.eval_size, args.seed, tok, args.enable_thinking,
-                                     args.max_prompt_tokens)
-    run_dir = claim_run_dir(run_dir, ckpt, d)  # one writer per run folder: a live one holds its writer.lock
-    lm = load_model(ckpt or args.model, tok, d, args.seed, args.trust_remote_code, args.dtype)
+    train, held, dropped = load_task(args.dataset, args.data_files, args.eval_size, args.seed, tok,
+                                     args.enable_thinking, args.max_prompt_tokens)
+    run_dir = claim_run_dir(run_dir, ckpt, dist_env)  # one writer per run folder (writer.lock)
+    lm = load_model(ckpt or args.model, tok, dist_env, args.seed, args.trust_remote_code,
+                    args.dtype)
     eos = eos_ids(lm, tok)
-    policy = wrap_policy(lm, d, args.temperature, args.logprob_chunk_tokens, args.activation_checkpointing,
-                         args.dtype, args.cpu_offload)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    policy = wrap_policy(lm, dist_env, args.temperature, args.logprob_chunk_tokens,
+                         args.activation_checkpointing, args.dtype, args.cpu_offload)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate,
+                                  weight_decay=args.weight_decay)
     scheduler = lr_scheduler(optimizer, args)
-    seed_rank(args.seed, d)
-    state = resume_state(ckpt, optimizer, scheduler, d)  # resumed: optimizer, lr schedule, RNG of each rank, step
-    logger = Logger(run_dir, d, args, first_step=state["step"] + 1)
-    if d.main:
-        print(f"{len(train)} train / {len(held)} held-out prompts (dropped: {dropped['no_answer']} without an answer, "
-              f"{dropped['too_long']} over --max-prompt-tokens); "
-              f"world size {d.world}; logs: tensorboard --logdir {args.output_dir}")
-    gen_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                  top_k=args.top_k, gen_batch_size=args.gen_batch_size, unshard=args.gen_unshard,
-                  mode=args.gen_mode)
-    eval_now = lambda step: args.eval_every > 0 and (step % args.eval_every == 0 or step == args.num_steps)  # noqa: E731
+    seed_rank(args.seed, dist_env)
+    # resumed: optimizer, lr schedule, RNG of each rank, step
+    state = resume_state(ckpt, optimizer, scheduler, dist_env)
+    logger = Logger(run_dir, dist_env, args, first_step=state["step"] + 1)
+    if dist_env.main:
+        print(f"{len(train)} train / {len(held)} held-out prompts (dropped: {dropped['no_answer']} "
+              f"without an answer, {dropped['too_long']} over --max-prompt-tokens); "
+              f"world size {dist_env.world}; logs: tensorboard --logdir {args.output_dir}")
+    gen_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                  top_p=args.top_p, top_k=args.top_k, gen_batch_size=args.gen_batch_size,
+                  unshard=args.gen_unshard, mode=args.gen_mode)
+    eval_kw = dict(k=args.eval_k, n=args.eval_n, reward=reward, **gen_kw)
+
+    def eval_now(step: int) -> bool:
+        return args.eval_every > 0 and (step % args.eval_every == 0 or step == args.num_steps)
+
     if args.eval_only:  # the table a paper reports, for --model as it is
         policy.eval()
-        result = evaluate(policy, tok, held, eos, d, k=args.eval_k, n=args.eval_n, reward=reward, **gen_kw)
+        result = evaluate(policy, tok, held, eos, dist_env, **eval_kw)
         logger.log(0, result)
-        eval_report(result, args.dataset, run_dir, d)
+        eval_report(result, args.dataset, run_dir, dist_env)
         logger.close()
         return cleanup()
     if eval_now(0) and state["step"] == 0:
         policy.eval()
-        logger.log(0, evaluate(policy, tok, held, eos, d, k=args.eval_k, n=args.eval_n, reward=reward, **gen_kw))
-    start, reward_curve, nonfinite_run = time.time() - state["wall_time"], state["reward_curve"], state["nonfinite_run"]
-    bar = tqdm(range(state["step"] + 1, args.num_steps + 1), initial=state["step"], total=args.num_steps,
-               disable=not d.main, desc=args.exp_name)
-    catch_stop_signals()  # SIGTERM or SIGINT: every rank saves a checkpoint at the end of the step and stops
+        logger.log(0, evaluate(policy, tok, held, eos, dist_env, **eval_kw))
+    start = time.time() - state["wall_time"]
+    reward_curve = state["reward_curve"]
+    nonfinite_run = state["nonfinite_run"]
+    bar = tqdm(range(state["step"] + 1, args.num_steps + 1), initial=state["step"],
+               total=args.num_steps, disable=not dist_env.main, desc=args.exp_name)
+    catch_stop_signals()  # SIGTERM or SIGINT: every rank saves at the end of the step and stops
     for step in bar:
         # TRY NOT TO MODIFY: rollout -> rewards -> group advantages
         policy.eval()
-        rows = train.select(prompt_indices(len(train), step, args.prompts_per_rank, d, args.seed))
+        indices = prompt_indices(len(train), step, args.prompts_per_rank, dist_env, args.seed)
+        rows = train.select(indices)
         t = time.time()
-        roll = generate(policy, tok, rows["text"], args.group_size, eos, d, **gen_kw)
+        roll = generate(policy, tok, rows["text"], args.group_size, eos, dist_env, **gen_kw)
         gen_time = time.time() - t
         rewards, reward_errors = score(roll["texts"], rows["answer"], args.group_size, reward)
         advantages, zero_groups = group_advantages(rewards, args.group_size, args.scale_rewards)
-        log_samples(logger, run_dir, step, args.log_samples, rows["prompt"], rows["answer"], roll["texts"], rewards,
-                    advantages, args.group_size)  # what the model writes, how it was scored
-        ids, am, mask, P = roll["input_ids"], roll["attention_mask"], roll["mask"], roll["n_prompt"]
-        if args.mask_truncated:  # the loss mask: truncated completions weigh nothing (the logs keep roll["mask"])
+        log_samples(logger, run_dir, step, args.log_samples, rows["prompt"], rows["answer"],
+                    roll["texts"], rewards, advantages, args.group_size)  # texts and scores
+        ids = roll["input_ids"]
+        attention_mask = roll["attention_mask"]
+        n_prompt = roll["n_prompt"]  # ids[:, n_prompt:] are the completions
+        mask = roll["mask"]  # completion tokens up to the first EOS
+        if args.mask_truncated:  # the loss mask (the logs keep roll["mask"])
             mask = mask * ~roll["truncated"][:, None]
         advantages = advantages.to(ids.device)
-        mbs = minibatches(args.prompts_per_rank, args.group_size, args.num_minibatches)
+        minibatch_slices = minibatches(args.prompts_per_rank, args.group_size, args.num_minibatches)
 
-        # old log-probs: pi_old is the policy that generated the rollout (no grad); entropy for the logs
+        # old log-probs: pi_old is the policy that generated the rollout (no grad); entropy for logs
         t = time.time()
         with torch.no_grad():
-            old = [policy(ids[mb], am[mb], P, entropy=True) for mb in mbs]
-        old_logp, entropy = torch.cat([o[0] for o in old]), torch.cat([o[1] for o in old])
+            old = [policy(ids[minibatch], attention_mask[minibatch], n_prompt, entropy=True)
+                   for minibatch in minibatch_slices]
+        old_logp = torch.cat([minibatch_logp for minibatch_logp, _ in old])
+        entropy = torch.cat([minibatch_entropy for _, minibatch_entropy in old])
 
         # ALGO LOGIC: num_minibatches optimizer steps, each over whole groups
         policy.train()
-        stats, skipped = [], 0
-        for mb in mbs:
+        stats = []
+        skipped = 0
+        for minibatch in minibatch_slices:
             optimizer.zero_grad(set_to_none=True)
-            seqs = (mb.stop - mb.start) * d.world  # the minibatch's sequences on all ranks
-            norm = seqs  # 1/G sum_i over every group: the loss is divided by the whole minibatch's count
-            mb_loss, micro_stats, m, d_first = 0.0, [], [], []
-            for mu in micro_batches(mb, args.micro_batch_size):  # gradient accumulation
-                logp = policy(ids[mu], am[mu], P)
+            seqs = (minibatch.stop - minibatch.start) * dist_env.world  # its sequences on all ranks
+            norm = seqs  # 1/G sum_i over every group: the loss is divided by the minibatch's count
+            minibatch_loss = 0.0
+            micro_stats = []
+            seq_terms = []  # each sequence's m_i = w_i A_i, for the group metrics
+            first_token_grads = []  # d loss / d logp at each sequence's first completion token
+            for micro in micro_batches(minibatch, args.micro_batch_size):  # gradient accumulation
+                logp = policy(ids[micro], attention_mask[micro], n_prompt)
                 logp.retain_grad()  # d loss / d logp: the shared-token coefficient
-                loss, mu_stats = gspo_loss(logp, old_logp[mu], advantages[mu], mask[mu], clip_low=args.clip_low,
-                                           clip_high=args.clip_high, norm=norm)
+                loss, terms, loss_stats = gspo_loss(
+                    logp, old_logp[micro], advantages[micro], mask[micro],
+                    clip_low=args.clip_low, clip_high=args.clip_high, norm=norm)
                 loss.backward()
-                m.append(mu_stats.pop("m"))  # each sequence's m_i = w_i A_i, for the group metrics
-                d_first.append(logp.grad[:, 0])  # at each sequence's first completion token
-                mb_loss, micro_stats = mb_loss + loss.detach(), micro_stats + [mu_stats]
+                seq_terms.append(terms)
+                first_token_grads.append(logp.grad[:, 0])
+                minibatch_loss = minibatch_loss + loss.detach()
+                micro_stats.append(loss_stats)
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: DTensor
-            if all_finite(mb_loss, grad_norm):
+            if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+                grad_norm = grad_norm.full_tensor()
+            if all_finite(minibatch_loss, grad_norm):
                 optimizer.step()
                 scheduler.step()
                 nonfinite_run = 0
             else:  # skipped on every rank together, counted; max_nonfinite in a row stop the run
-                skipped, nonfinite_run = skipped + 1, nonfinite_run + 1
+                skipped += 1
+                nonfinite_run += 1
                 if nonfinite_run >= args.max_nonfinite:
-                    fail(f"step {step}: {nonfinite_run} non-finite updates in a row (loss {mb_loss.item()}, grad norm "
-                         f"{grad_norm.item()}); lower the learning rate or look at this step's data")
-            groups = group_metrics(torch.cat(m), torch.cat(d_first), args.group_size, seqs // args.group_size)
-            stats += [{**mu_stats, "losses/policy_loss": mb_loss * d.world, "losses/grad_norm": grad_norm, **groups}
-                      for mu_stats in micro_stats]  # the minibatch's loss: the mean over ranks of world x their share
+                    fail(f"step {step}: {nonfinite_run} non-finite updates in a row (loss "
+                         f"{minibatch_loss.item()}, grad norm {grad_norm.item()}); lower the "
+                         "learning rate or look at this step's data")
+            groups = group_metrics(torch.cat(seq_terms), torch.cat(first_token_grads),
+                                   args.group_size, seqs // args.group_size)
+            minibatch_stats = {
+                # the minibatch's loss: the mean over ranks of world x their share
+                "losses/policy_loss": minibatch_loss * dist_env.world,
+                "losses/grad_norm": grad_norm,
+                **groups,
+            }
+            stats += [{**loss_stats, **minibatch_stats} for loss_stats in micro_stats]
         train_time = time.time() - t
 
         # TRY NOT TO MODIFY: logging, evaluation, checkpoints
-        r, lengths = all_gather_cat(rewards.to(ids.device)), all_gather_cat(roll["mask"].sum(1))
-        tokens = all_gather_cat(am.sum().view(1).float()).sum()
+        all_rewards = all_gather_cat(rewards.to(ids.device))
+        lengths = all_gather_cat(roll["mask"].sum(1))
+        tokens = all_gather_cat(attention_mask.sum().view(1).float()).sum()
+        truncated_frac = all_gather_cat(roll["truncated"].float()).mean().item()
+        masked_truncated = 0
+        if args.mask_truncated:
+            masked_truncated = all_reduce(roll["truncated"].sum().float()).item()
+        zero_frac = torch.tensor(zero_groups / args.prompts_per_rank)  # this rank's
+        zero_group_frac = all_reduce(zero_frac).item() / dist_env.world  # the mean over ranks
         log = {
-            "charts/reward_mean": r.mean().item(), "charts/reward_std": r.std(unbiased=False).item(),
-            "charts/response_length_mean": lengths.mean().item(), "charts/response_length_max": lengths.max().item(),
-            "charts/truncated_frac": all_gather_cat(roll["truncated"].float()).mean().item(),
-            "charts/masked_truncated": all_reduce(roll["truncated"].sum().float()).item() if args.mask_truncated else 0,
-            "charts/zero_adv_group_frac": all_reduce(torch.tensor(zero_groups / args.prompts_per_rank)).item() / d.world,
+            "charts/reward_mean": all_rewards.mean().item(),
+            "charts/reward_std": all_rewards.std(unbiased=False).item(),
+            "charts/response_length_mean": lengths.mean().item(),
+            "charts/response_length_max": lengths.max().item(),
+            "charts/truncated_frac": truncated_frac,
+            "charts/masked_truncated": masked_truncated,
+            "charts/zero_adv_group_frac": zero_group_frac,
             "charts/learning_rate": optimizer.param_groups[0]["lr"],
             "charts/reward_errors": all_reduce(torch.tensor(float(reward_errors))).item(),
             "losses/skipped_updates": skipped,
@@ -285,25 +354,27 @@ def main():
         }
         if eval_now(step):
             policy.eval()
-            log.update(evaluate(policy, tok, held, eos, d, k=args.eval_k, n=args.eval_n, reward=reward, **gen_kw))
+            log.update(evaluate(policy, tok, held, eos, dist_env, **eval_kw))
         reward_curve.append(log["charts/reward_mean"])
-        if step == args.num_steps:  # Jitter2 of the whole run's reward curve (DFPO eq. 20), in its last row
+        if step == args.num_steps:  # Jitter2 of the reward curve (DFPO eq. 20), last row
             log["charts/reward_jitter2"] = jitter2(reward_curve)
         logger.log(step, log)
-        bar.set_postfix(reward=f"{log['charts/reward_mean']:.3f}", clip=f"{log['losses/clipfrac']:.3f}",
-                        asym=f"{log['losses/asym']:.3f}")
-        stop = stop_requested()  # a SIGTERM or SIGINT on any rank: every rank saves this step and stops
+        bar.set_postfix(reward=f"{log['charts/reward_mean']:.3f}",
+                        clip=f"{log['losses/clipfrac']:.3f}", asym=f"{log['losses/asym']:.3f}")
+        stop = stop_requested()  # SIGTERM or SIGINT on any rank: all save this step, stop
         if stop or step == args.num_steps or args.save_every and step % args.save_every == 0:
-            ckpt = save_checkpoint(run_dir, step, policy, tok, optimizer, scheduler, d, args,
-                                   os.path.basename(__file__), reward_curve=reward_curve, nonfinite_run=nonfinite_run,
+            ckpt = save_checkpoint(run_dir, step, policy, tok, optimizer, scheduler, dist_env, args,
+                                   script, reward_curve=reward_curve, nonfinite_run=nonfinite_run,
                                    wall_time=time.time() - start)
         if stop:
             break
     n = max(1, len(reward_curve) // 10)
-    first, last, jitter = sum(reward_curve[:n]) / n, sum(reward_curve[-n:]) / n, jitter2(reward_curve)
-    if d.main:
-        print(f"done in {time.time() - start:.0f}s: reward {first:.3f} (first 10% of steps) -> {last:.3f} (last 10%), "
-              f"Jitter2 (DFPO eq. 20) {jitter:.4f}{eval_summary(log)}; checkpoint: {ckpt}")
+    first = sum(reward_curve[:n]) / n
+    last = sum(reward_curve[-n:]) / n
+    if dist_env.main:
+        print(f"done in {time.time() - start:.0f}s: reward {first:.3f} (first 10% of steps) -> "
+              f"{last:.3f} (last 10%), Jitter2 (DFPO eq. 20) {jitter2(reward_curve):.4f}"
+              f"{eval_summary(log)}; checkpoint: {ckpt}")
     logger.close()
     cleanup()
 

@@ -1,27 +1,20 @@
-"""GSPO-token: GSPO with token-level advantages (Zheng et al., 2025, arXiv:2507.18071, the GSPO-token variant).
+"""GSPO-token: GSPO with token-level advantages (Zheng et al., 2025, arXiv:2507.18071).
 
-    J(theta)   = E[ 1/G sum_i 1/|y_i| sum_t min( s_it A_it, clip(s_it, 1 - eps_low, 1 + eps_high) A_it ) ]
-    s_it       = sg[s_i] * pi_theta(y_it | x, y_i,<t) / sg[pi_theta(y_it | x, y_i,<t)]      value: s_i (eq. 44)
-    grad s_it  = sg[s_i] * grad log pi_theta(y_it | x, y_i,<t)                            (Observation 3)
+    J(theta)      = E[ 1/G sum_i 1/|y_i| sum_t min(s_it A_it, clip(s_it, 1-eps_lo, 1+eps_hi) A_it) ]
+    s_it          = sg[s_i] pi_theta(y_it) / sg[pi_theta(y_it)], of value s_i           (eq. 44)
+    grad s_it     = sg[s_i] grad log pi_theta(y_it)                                 (Observation 3)
+                    with pi_theta(y_it) = pi_theta(y_it | x, y_i,<t)
+    A_i           = (r_i - mean_j r_j) / std_j r_j                                       (eq. 43)
+    A_it          = A_i, or A_i - lambda after the final answer (--post-answer-penalty lambda)
 
-Equations: GSPO-token in the GSPO paper (arXiv:2507.18071); Observations 1-3 below (why both stop-gradients) are
-checked in tests/test_gspo_token.py.
-
-Different from gspo.py: the advantage may change from token to token. s_it has the value of s_i, so clipping is
-decided as in GSPO (per token, with the sign of A_it), but its gradient flows only through the token's own
-log-likelihood, scaled by the frozen s_i. With A_it = A_i for every t it is GSPO exactly: same loss, clip decisions
-and gradient. Without the two stop-gradients s_it would be s_i(theta) itself (Observation 2): every token would be
-pushed by the sequence's mean advantage and the per-token credit would be lost.
-
-Per-token advantages: group-relative rewards give one A_i per completion, so by default A_it = A_i on every token.
---post-answer-penalty lambda switches on a real source: tokens written after the final answer (the end of the last
-\\boxed{...}, of the number after '####', or of the last number; the closing EOS excluded) get A_it = A_i - lambda,
-so text written after the answer never shares the answer's credit, while the answer and the reasoning keep A_i.
-
-    python gspo_token.py                             # built-in tiny model and task, CPU, a few minutes
-    torchrun --nproc-per-node 8 gspo_token.py --model Qwen/Qwen3-32B --dataset dapo17k --post-answer-penalty 0.1
+Equation numbers are the DFPO paper's (arXiv:2604.13088); derivations: docs/objectives.md.
+Different from gspo.py: the advantage may change from token to token. s_it has the value of s_i, so
+clipping is decided as in GSPO, but its gradient flows only through the token's own log-likelihood,
+scaled by the frozen s_i. With A_it = A_i it is GSPO exactly; Observations 1-3 (why both
+stop-gradients) are checked in tests/test_gspo_token.py.
 """
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -31,13 +24,17 @@ import torch
 import tyro
 from tqdm import tqdm
 
-from common import (Logger, all_finite, all_gather_cat, all_reduce, answer_span, check_common_args, check_model,
-                    cleanup, eos_ids, eval_report, evaluate, fail, generate, group_advantages, group_metrics, jitter2,
-                    load_model, load_task, load_tokenizer, lr_scheduler, micro_batches, minibatches, prompt_indices,
-                    reduce_stats, resume_state, run_paths, save_checkpoint, score, seed_rank, setup_distributed,
+from common import (Logger, all_finite, all_gather_cat, all_reduce, catch_stop_signals,
+                    check_common_args, check_model, claim_run_dir, cleanup, default_learning_rate,
+                    default_max_new_tokens, eos_ids, eval_report, eval_summary, evaluate, fail,
+                    generate, group_advantages, group_metrics, jitter2, load_model, load_reward,
+                    load_task, load_tokenizer, log_samples, lr_scheduler, micro_batches,
+                    minibatches, prompt_indices, reduce_stats, resume_state, run_paths,
+                    save_checkpoint, score, seed_rank, setup_distributed, stop_requested,
                     wrap_policy)
-from common import eval_summary, load_reward, log_samples
-from common import catch_stop_signals, claim_run_dir, stop_requested
+from common import answer_span
+
+LossAgg = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]  # --loss-agg
 
 
 @dataclass
@@ -47,13 +44,16 @@ class Args:
     seed: int = 1
     """seed of the model init (tiny), data order and sampling (offset per rank)"""
     model: str = "tiny"
-    """'tiny' (built-in random-init Qwen3-architecture model, offline), a local folder, or a hub id"""
+    """'tiny' (built-in random-init Qwen3-architecture model, offline), a local folder, or a hub
+    id"""
     trust_remote_code: bool = False
     """let transformers run code shipped with the model (off unless you trust the model's source)"""
     dataset: str = "builtin"
-    """'builtin' (offline: 'x%10=' for a digit x), 'gsm8k', 'math500', 'dapo17k', or a local .jsonl of {prompt, answer}"""
+    """'builtin' (offline: 'x%10=' for a digit x), 'gsm8k', 'math500', 'dapo17k', or a local .jsonl
+    of {prompt, answer}"""
     data_files: str | None = None
-    """local json/jsonl files laid out in --dataset's own hub columns, read instead of the hub (offline mirror)"""
+    """local json/jsonl files laid out in --dataset's own hub columns, read instead of the hub
+    (offline mirror)"""
     enable_thinking: bool = False
     """passed to the chat template (Qwen3: think before answering)"""
     max_prompt_tokens: int = 2048
@@ -61,17 +61,20 @@ class Args:
     num_steps: int = 200
     """RL steps (one rollout batch each)"""
     prompts_per_rank: int = 16
-    """prompts per rank per step; the rollout batch is prompts_per_rank x group_size completions per rank"""
+    """prompts per rank per step; the rollout batch is prompts_per_rank x group_size completions per
+    rank"""
     group_size: int = 8
     """G: completions per prompt"""
     num_minibatches: int = 4
     """optimizer steps per rollout batch, each over whole groups (4 in the GSPO paper)"""
-    loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
-    """how token terms become the loss: 1/B sum_i 1/|y_i| sum_t (GRPO paper), token-mean (DAPO: over all tokens of the
-    minibatch), seq-mean-token-sum-norm (Dr. GRPO: sum_t / --max-new-tokens, then over sequences)"""
+    loss_agg: LossAgg = "seq-mean-token-mean"
+    """how token terms become the loss: 1/B sum_i 1/|y_i| sum_t (GRPO paper), token-mean (DAPO:
+    over all tokens of the minibatch), seq-mean-token-sum-norm (Dr. GRPO: sum_t / --max-new-tokens,
+    then over sequences)"""
     micro_batch_size: int = 0
-    """sequences per forward/backward inside a minibatch (0: the whole minibatch); gradients accumulate and the loss
-    is divided by the minibatch's count over all ranks, so this changes memory, never the gradient"""
+    """sequences per forward/backward inside a minibatch (0: the whole minibatch); gradients
+    accumulate and the loss is divided by the minibatch's count over all ranks, so this changes
+    memory, never the gradient"""
     max_new_tokens: int | None = None
     """completion length limit (default: 2 for --dataset builtin, 1024 otherwise)"""
     temperature: float = 1.0
@@ -89,7 +92,8 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient clipping by global norm"""
     max_nonfinite: int = 3
-    """a non-finite loss or gradient skips that update on every rank; this many in a row stop the run"""
+    """a non-finite loss or gradient skips that update on every rank; this many in a row stop the
+    run"""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """learning-rate schedule after the warm-up, per optimizer step (DFPO paper: cosine)"""
     warmup_frac: float = 0.0
@@ -97,23 +101,27 @@ class Args:
     min_lr_ratio: float = 0.2
     """cosine: the last learning rate as a fraction of the peak (DFPO paper: 0.2)"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    """divide the centred group rewards by the group's std (eq. 43), the whole batch's std (all ranks), or nothing"""
+    """divide the centred group rewards by the group's std (eq. 43), the whole batch's std (all
+    ranks), or nothing"""
     mask_truncated: bool = False
-    """completions cut at --max-new-tokens (no EOS) get zero loss weight; their rewards still set the group's A"""
+    """completions cut at --max-new-tokens (no EOS) get zero loss weight; their rewards still set
+    the group's A"""
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
-    """compute dtype (auto: bf16 on GPU, fp32 on CPU); under torchrun the FSDP2 master weights, gradient reduction
-    and AdamW state stay fp32, and log-probs are always fp32"""
+    """compute dtype (auto: bf16 on GPU, fp32 on CPU); under torchrun the FSDP2 master weights,
+    gradient reduction and AdamW state stay fp32, and log-probs are always fp32"""
     activation_checkpointing: bool = False
     """recompute decoder layers in the backward pass (less memory, ~30% more compute)"""
     cpu_offload: bool = False
-    """FSDP2: keep parameter shards, gradients and the AdamW step on the CPU (larger models per GPU, slower)"""
+    """FSDP2: keep parameter shards, gradients and the AdamW step on the CPU (larger models per GPU,
+    slower)"""
     gen_unshard: bool = False
-    """FSDP2: gather each layer once per generate call, not once per decoded token (every GPU then holds the whole
-    model in the compute dtype while generating)"""
+    """FSDP2: gather each layer once per generate call, not once per decoded token (every GPU then
+    holds the whole model in the compute dtype while generating)"""
     gen_mode: Literal["repeat", "shared-prefill", "static"] = "shared-prefill"
-    """shared-prefill: each prompt prefilled once and its KV cache repeated to its group, whole groups a generate call;
-    repeat: each prompt repeated group_size times and prefilled as many times; static: as repeat with a KV cache
-    allocated once (compiled decoding on one GPU) (same tokens; benchmarks/README.md)"""
+    """shared-prefill: each prompt prefilled once and its KV cache repeated to its group, whole
+    groups a generate call; repeat: each prompt repeated group_size times and prefilled as many
+    times; static: as repeat, with a KV cache allocated once (compiled decoding on one GPU)
+    (same tokens; benchmarks/README.md)"""
     logprob_chunk_tokens: int = 1024
     """tokens per LM-head chunk: log-probs never hold more than chunk x vocab logits"""
     eval_every: int = 50
@@ -123,76 +131,89 @@ class Args:
     eval_k: int = 8
     """k of avg@k and pass@k"""
     eval_n: int | None = None
-    """samples per held-out prompt, n >= k (default k); pass@k is the unbiased 1 - C(n-c, k) / C(n, k)"""
+    """samples per held-out prompt, n >= k (default k); pass@k is the unbiased
+    1 - C(n-c, k) / C(n, k)"""
     eval_only: bool = False
-    """evaluate --model (e.g. a checkpoint folder) on the held-out split, print the table, write eval.json, stop"""
+    """evaluate --model (e.g. a checkpoint folder) on the held-out split, print the table, write
+    eval.json, stop"""
     save_every: int = 0
     """write a checkpoint every N steps, and always at the end (0: only at the end)"""
     keep_checkpoints: int = 2
     """keep the newest K checkpoints of the run and delete older ones (0: keep all)"""
     resume: str | None = None
-    """continue exactly from a checkpoint folder (.../step_N), or 'auto': the newest one of this exp_name and seed
-    under --output-dir, a fresh run if there is none (use it with torchrun --max-restarts)"""
+    """continue exactly from a checkpoint folder (.../step_N), or 'auto': the newest one of this
+    exp_name and seed under --output-dir, a fresh run if there is none (use it with torchrun
+    --max-restarts)"""
     output_dir: str = "runs"
     """where runs are written"""
     reward: str | None = None
-    """the reward: the built-in math grader, or 'module:function' naming your f(completion, answer) -> float
-    (imported from the current folder or the Python path; runs in worker processes, so sandbox code you execute)"""
+    """the reward: the built-in math grader, or 'module:function' naming your
+    f(completion, answer) -> float (imported from the current folder or the Python path; runs in
+    worker processes, so sandbox code you execute)"""
     reward_timeout: float = 1.0
-    """seconds one reward call may take: past it the completion scores 0 and counts in charts/reward_errors"""
+    """seconds one reward call may take: past it the completion scores 0 and counts in
+    charts/reward_errors"""
     log_samples: int = 10
-    """every N steps, the first 2 prompts of the step with their completions, rewards and advantages go to
-    tensorboard (text, 'samples') and to samples.jsonl in the run folder (0: never)"""
+    """every N steps, the first 2 prompts of the step with their completions, rewards and
+    advantages go to tensorboard (text, 'samples') and to samples.jsonl in the run folder
+    (0: never)"""
     # Algorithm-specific arguments
     clip_low: float = 3e-4
     """eps_low: s_i is clipped below at 1 - eps_low (GSPO paper: 3e-4)"""
     clip_high: float = 4e-4
     """eps_high: s_i is clipped above at 1 + eps_high (GSPO paper: 4e-4)"""
     post_answer_penalty: float = 0.0
-    """per-token advantages: tokens after the final answer (EOS excluded) get A_i - this; 0: A_it = A_i (= GSPO)"""
+    """per-token advantages: tokens after the final answer (EOS excluded) get A_i - this; 0: A_it =
+    A_i (= GSPO)"""
 
 
-def gspo_token_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: float, stop_grad: bool = True,
-                    loss_agg: str = "seq-mean-token-mean", max_new_tokens: int | None = None, norm: float | None = None):
-    """-J_GSPO-token over the minibatch. logp, old_logp, mask and advantages: [B, T] completion tokens.
-    stop_grad=False drops both sg[.] (Observation 2, for the tests that show why they are needed). loss_agg: how
-    token terms are summed and divided (see aggregate). norm: the count the summed objective is divided by (None:
-    this batch's, B or its tokens); the loop passes the minibatch's count over all ranks, so that micro-batches and
-    ranks add up to one gradient. Returns (loss, stats): detached scalars, and "m" [B], each sequence's term
-    m_i = 1/|y_i| sum_t s_bar_it A_it, from which the loop computes the group metrics over whole groups."""
-    m = mask.bool()
+def gspo_token_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: float,
+                    loss_agg: str = "seq-mean-token-mean", max_new_tokens: int | None = None,
+                    norm: float | None = None):
+    """-J_GSPO-token over the minibatch. logp, old_logp, mask and advantages: [B, T] completion
+    tokens. loss_agg: how token terms are summed and divided (see aggregate).
+    norm: the count the summed objective is divided by (None: this batch's); the loop passes the
+    minibatch's count over all ranks, so that micro-batches and ranks add up to one gradient.
+    Returns (loss, seq_terms, stats): seq_terms [B] is each sequence's term m_i = w_i A_i
+    (detached), from which the loop computes the group metrics over whole groups; stats are
+    detached scalars for the logs.
+    Here m_i = 1/|y_i| sum_t s_bar_it A_it."""
+    valid = mask.bool()
     lengths = mask.sum(1).clamp(min=1)
-    log_w = torch.where(m, logp - old_logp, 0.0)  # log w_it, token log-ratios
+    log_w = torch.where(valid, logp - old_logp, 0.0)  # log w_it, token log-ratios
     s = torch.exp(log_w.sum(1) / lengths)  # eq. 44: s_i = exp(1/|y_i| sum_t log w_it)
-    if stop_grad:  # s_it = sg[s_i] pi / sg[pi]: value s_i, gradient sg[s_i] grad log pi_t (Observation 3)
-        s_t = s.detach()[:, None] * torch.exp(torch.where(m, logp - logp.detach(), 0.0))
-    else:  # s_it = s_i(theta) pi / pi = s_i(theta): gradient grad s_i on every token (Observation 2)
-        s_t = s[:, None] * torch.exp(torch.where(m, logp - logp, 0.0))
-    A = advantages
-    per_token = torch.where(m, torch.min(s_t * A, s_t.clamp(1 - clip_low, 1 + clip_high) * A), 0.0)
-    objective = per_token.sum(1) / lengths  # 1/|y_i| sum_t, for the group metrics
-    rows, count = aggregate(per_token, mask, loss_agg, max_new_tokens)
-    loss = -rows.sum() / (norm or count)  # divided by the minibatch's count over all ranks (norm)
-    with torch.no_grad():  # clipped: the min takes the constant branch, so the token gives no gradient
-        clipped = (((s_t > 1 + clip_high) & (A > 0)) | ((s_t < 1 - clip_low) & (A < 0))) & m
+    # s_it = sg[s_i] pi / sg[pi]: value s_i, gradient sg[s_i] grad log pi_t (Observation 3)
+    s_it = s.detach()[:, None] * torch.exp(torch.where(valid, logp - logp.detach(), 0.0))
+    A = advantages  # A_it
+    clipped_term = s_it.clamp(1 - clip_low, 1 + clip_high) * A
+    per_token = torch.where(valid, torch.min(s_it * A, clipped_term), 0.0)  # the J(theta) term
+    seq_terms = per_token.sum(1) / lengths  # 1/|y_i| sum_t, for the group metrics
+    per_seq, count = aggregate(per_token, mask, loss_agg, max_new_tokens)
+    loss = -per_seq.sum() / (norm or count)  # divided by the minibatch's count on all ranks (norm)
+    with torch.no_grad():  # clipped: the min takes the constant branch, so no gradient
+        clipped = (((s_it > 1 + clip_high) & (A > 0)) | ((s_it < 1 - clip_low) & (A < 0))) & valid
         stats = {
-            "losses/policy_loss": -rows.sum() / count,  # over the rows given
+            "losses/policy_loss": -per_seq.sum() / count,  # over the rows given
             "losses/clipfrac": clipped.sum() / mask.sum(),  # tokens
-            "losses/clipfrac_seq": clipped.any(1).float().mean(),  # sequences with at least one clipped token
-            "losses/ratio_mean": s.mean(), "losses/ratio_min": s.min(), "losses/ratio_max": s.max(),
-            "losses/approx_kl": ((log_w.exp() - 1 - log_w) * mask).sum() / mask.sum(),  # k3 estimate of KL(old||new)
-            "m": objective.detach(),  # m_i = w_i A_i = 1/|y_i| sum_t s_bar_it A_it
+            "losses/clipfrac_seq": clipped.any(1).float().mean(),  # sequences with a clipped token
+            "losses/ratio_mean": s.mean(),
+            "losses/ratio_min": s.min(),
+            "losses/ratio_max": s.max(),
+            # k3 estimate of KL(old||new)
+            "losses/approx_kl": ((log_w.exp() - 1 - log_w) * mask).sum() / mask.sum(),
         }
-    return loss, stats
+    return loss, seq_terms.detach(), stats
 
 
 def aggregate(token_terms, mask, loss_agg: str, max_new_tokens: int | None):
-    """--loss-agg: per-sequence sums of the masked [B, T] token terms, and the count their sum is divided by:
-        seq-mean-token-mean      1/B sum_i 1/|y_i| sum_t       (GRPO paper; TRL "grpo", verl "seq-mean-token-mean")
-        token-mean               1/sum_i |y_i| sum_i sum_t     (DAPO; TRL "dapo", verl "token-mean")
-        seq-mean-token-sum-norm  1/B sum_i 1/L_max sum_t      (Dr. GRPO, L_max = --max-new-tokens; TRL "dr_grpo",
-                                                               verl "seq-mean-token-sum-norm")
-    The loop replaces the count by the minibatch's over all ranks (sequences, or tokens for token-mean)."""
+    """--loss-agg: per-sequence sums of the masked [B, T] token terms, and the count their sum is
+    divided by (in brackets: TRL's loss_type / verl's loss_agg_mode):
+        seq-mean-token-mean      1/B sum_i 1/|y_i| sum_t    GRPO paper (grpo / seq-mean-token-mean)
+        token-mean               1/sum_i |y_i| sum_i sum_t  DAPO (dapo / token-mean)
+        seq-mean-token-sum-norm  1/B sum_i 1/L_max sum_t    Dr. GRPO, L_max = --max-new-tokens
+                                                            (dr_grpo / seq-mean-token-sum-norm)
+    The loop replaces the count by the minibatch's over all ranks (sequences, or tokens for
+    token-mean)."""
     if loss_agg == "seq-mean-token-mean":
         return token_terms.sum(1) / mask.sum(1).clamp(min=1), mask.shape[0]
     if loss_agg == "token-mean":
@@ -205,145 +226,200 @@ def aggregate(token_terms, mask, loss_agg: str, max_new_tokens: int | None):
 
 
 def post_answer_tokens(tok, completion_ids, mask, texts: list[str], eos: list[int]) -> torch.Tensor:
-    """[B, T] bool: completion tokens written after the end of the final answer (common.answer_span on the decoded
-    text), EOS tokens excluded. The answer's last token is found by bisection on the decoded prefix length."""
+    """[B, T] bool: completion tokens written after the end of the final answer (common.answer_span
+    on the decoded text), EOS tokens excluded. The answer's last token is found by bisection on the
+    decoded prefix length."""
     after = torch.zeros(mask.shape, dtype=torch.bool, device=mask.device)
     for b, text in enumerate(texts):
         span = answer_span(text)
-        end = span[1] + (text[span[1]:span[1] + 1] == "}") if span else 0  # \boxed{...}: its closing brace too
+        end = span[1] + (text[span[1]:span[1] + 1] == "}") if span else 0  # \boxed{}: its "}" too
         if span is None or not text[end:].strip():
             continue  # no answer, or nothing but whitespace after it
         ids = [i for i in completion_ids[b, :int(mask[b].sum())].tolist() if i not in eos]
-        lo, hi = 0, len(ids)  # the fewest tokens whose text reaches the answer's end
+        lo = 0  # bisection: the fewest tokens whose text reaches the answer's end
+        hi = len(ids)
         while lo < hi:
             mid = (lo + hi) // 2
             if len(tok.decode(ids[:mid], skip_special_tokens=True)) >= end:
                 hi = mid
             else:
                 lo = mid + 1
-        after[b, lo:len(ids)] = True  # the mask ends at the first EOS, so an EOS can only follow these positions
+        after[b, lo:len(ids)] = True  # the mask ends at the first EOS: an EOS can only follow these
     return after
 
 
 def main():
     args = tyro.cli(Args)
+    # Defaults that depend on the model and the task, filled in here: the run is logged,
+    # checkpointed and compared on resume with these values; nothing changes args after this
+    learning_rate = args.learning_rate
+    if learning_rate is None:
+        learning_rate = default_learning_rate(args.model)
+    max_new_tokens = args.max_new_tokens
+    if max_new_tokens is None:
+        max_new_tokens = default_max_new_tokens(args.dataset)
+    args = dataclasses.replace(args, learning_rate=learning_rate, max_new_tokens=max_new_tokens)
+
     # TRY NOT TO MODIFY: set-up (bad input fails here, before any model is built)
     check_common_args(args)
     reward = load_reward(args.reward, args.reward_timeout)  # a bad --reward fails here too
     if args.post_answer_penalty < 0:
-        fail(f"--post-answer-penalty {args.post_answer_penalty}: must be >= 0 (a negative one rewards text after the answer)")
-    d = setup_distributed(args.seed)
+        fail(f"--post-answer-penalty {args.post_answer_penalty}: must be >= 0 (a negative one "
+             "rewards text after the answer)")
+    dist_env = setup_distributed(args.seed)
     check_model(args.model, args.trust_remote_code)
-    run_dir, ckpt = run_paths(args, d, os.path.basename(__file__))  # a fresh run, or the checkpoint to resume
+    script = os.path.basename(__file__)
+    run_dir, ckpt = run_paths(args, dist_env, script)  # a fresh run, or the checkpoint to resume
     tok = load_tokenizer(args.model, args.trust_remote_code)
-    train, held, dropped = load_task(args.dataset, args.data_files, args.eval_size, args.seed, tok, args.enable_thinking,
-                                     args.max_prompt_tokens)
-    run_dir = claim_run_dir(run_dir, ckpt, d)  # one writer per run folder: a live one holds its writer.lock
-    lm = load_model(ckpt or args.model, tok, d, args.seed, args.trust_remote_code, args.dtype)
+    train, held, dropped = load_task(args.dataset, args.data_files, args.eval_size, args.seed, tok,
+                                     args.enable_thinking, args.max_prompt_tokens)
+    run_dir = claim_run_dir(run_dir, ckpt, dist_env)  # one writer per run folder (writer.lock)
+    lm = load_model(ckpt or args.model, tok, dist_env, args.seed, args.trust_remote_code,
+                    args.dtype)
     eos = eos_ids(lm, tok)
-    policy = wrap_policy(lm, d, args.temperature, args.logprob_chunk_tokens, args.activation_checkpointing,
-                         args.dtype, args.cpu_offload)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    policy = wrap_policy(lm, dist_env, args.temperature, args.logprob_chunk_tokens,
+                         args.activation_checkpointing, args.dtype, args.cpu_offload)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate,
+                                  weight_decay=args.weight_decay)
     scheduler = lr_scheduler(optimizer, args)
-    seed_rank(args.seed, d)
-    state = resume_state(ckpt, optimizer, scheduler, d)  # resumed: optimizer, lr schedule, RNG of each rank, step
-    logger = Logger(run_dir, d, args, first_step=state["step"] + 1)
-    if d.main:
-        print(f"{len(train)} train / {len(held)} held-out prompts (dropped: {dropped['no_answer']} without an answer, "
-              f"{dropped['too_long']} over --max-prompt-tokens); "
-              f"world size {d.world}; logs: tensorboard --logdir {args.output_dir}")
-    gen_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                  top_k=args.top_k, gen_batch_size=args.gen_batch_size, unshard=args.gen_unshard,
-                  mode=args.gen_mode)
-    eval_now = lambda step: args.eval_every > 0 and (step % args.eval_every == 0 or step == args.num_steps)  # noqa: E731
+    seed_rank(args.seed, dist_env)
+    # resumed: optimizer, lr schedule, RNG of each rank, step
+    state = resume_state(ckpt, optimizer, scheduler, dist_env)
+    logger = Logger(run_dir, dist_env, args, first_step=state["step"] + 1)
+    if dist_env.main:
+        print(f"{len(train)} train / {len(held)} held-out prompts (dropped: {dropped['no_answer']} "
+              f"without an answer, {dropped['too_long']} over --max-prompt-tokens); "
+              f"world size {dist_env.world}; logs: tensorboard --logdir {args.output_dir}")
+    gen_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                  top_p=args.top_p, top_k=args.top_k, gen_batch_size=args.gen_batch_size,
+                  unshard=args.gen_unshard, mode=args.gen_mode)
+    eval_kw = dict(k=args.eval_k, n=args.eval_n, reward=reward, **gen_kw)
+
+    def eval_now(step: int) -> bool:
+        return args.eval_every > 0 and (step % args.eval_every == 0 or step == args.num_steps)
+
     if args.eval_only:  # the table a paper reports, for --model as it is
         policy.eval()
-        result = evaluate(policy, tok, held, eos, d, k=args.eval_k, n=args.eval_n, reward=reward, **gen_kw)
+        result = evaluate(policy, tok, held, eos, dist_env, **eval_kw)
         logger.log(0, result)
-        eval_report(result, args.dataset, run_dir, d)
+        eval_report(result, args.dataset, run_dir, dist_env)
         logger.close()
         return cleanup()
     if eval_now(0) and state["step"] == 0:
         policy.eval()
-        logger.log(0, evaluate(policy, tok, held, eos, d, k=args.eval_k, n=args.eval_n, reward=reward, **gen_kw))
-    start, reward_curve, nonfinite_run = time.time() - state["wall_time"], state["reward_curve"], state["nonfinite_run"]
-    bar = tqdm(range(state["step"] + 1, args.num_steps + 1), initial=state["step"], total=args.num_steps,
-               disable=not d.main, desc=args.exp_name)
-    catch_stop_signals()  # SIGTERM or SIGINT: every rank saves a checkpoint at the end of the step and stops
+        logger.log(0, evaluate(policy, tok, held, eos, dist_env, **eval_kw))
+    start = time.time() - state["wall_time"]
+    reward_curve = state["reward_curve"]
+    nonfinite_run = state["nonfinite_run"]
+    bar = tqdm(range(state["step"] + 1, args.num_steps + 1), initial=state["step"],
+               total=args.num_steps, disable=not dist_env.main, desc=args.exp_name)
+    catch_stop_signals()  # SIGTERM or SIGINT: every rank saves at the end of the step and stops
     for step in bar:
         # TRY NOT TO MODIFY: rollout -> rewards -> group advantages
         policy.eval()
-        rows = train.select(prompt_indices(len(train), step, args.prompts_per_rank, d, args.seed))
+        indices = prompt_indices(len(train), step, args.prompts_per_rank, dist_env, args.seed)
+        rows = train.select(indices)
         t = time.time()
-        roll = generate(policy, tok, rows["text"], args.group_size, eos, d, **gen_kw)
+        roll = generate(policy, tok, rows["text"], args.group_size, eos, dist_env, **gen_kw)
         gen_time = time.time() - t
         rewards, reward_errors = score(roll["texts"], rows["answer"], args.group_size, reward)
         advantages, zero_groups = group_advantages(rewards, args.group_size, args.scale_rewards)
-        log_samples(logger, run_dir, step, args.log_samples, rows["prompt"], rows["answer"], roll["texts"], rewards,
-                    advantages, args.group_size)  # what the model writes, how it was scored
-        ids, am, mask, P = roll["input_ids"], roll["attention_mask"], roll["mask"], roll["n_prompt"]
-        if args.mask_truncated:  # the loss mask: truncated completions weigh nothing (the logs keep roll["mask"])
+        log_samples(logger, run_dir, step, args.log_samples, rows["prompt"], rows["answer"],
+                    roll["texts"], rewards, advantages, args.group_size)  # texts and scores
+        ids = roll["input_ids"]
+        attention_mask = roll["attention_mask"]
+        n_prompt = roll["n_prompt"]  # ids[:, n_prompt:] are the completions
+        mask = roll["mask"]  # completion tokens up to the first EOS
+        if args.mask_truncated:  # the loss mask (the logs keep roll["mask"])
             mask = mask * ~roll["truncated"][:, None]
         advantages = advantages.to(ids.device)
-        mbs = minibatches(args.prompts_per_rank, args.group_size, args.num_minibatches)
-        after = post_answer_tokens(tok, ids[:, P:], roll["mask"], roll["texts"], eos)  # A_it = A_i - lambda after it
+        minibatch_slices = minibatches(args.prompts_per_rank, args.group_size, args.num_minibatches)
+        # A_it = A_i - lambda on the tokens after the final answer
+        after = post_answer_tokens(tok, ids[:, n_prompt:], roll["mask"], roll["texts"], eos)
         token_adv = (advantages[:, None] - args.post_answer_penalty * after.float()) * mask
 
-        # old log-probs: pi_old is the policy that generated the rollout (no grad); entropy for the logs
+        # old log-probs: pi_old is the policy that generated the rollout (no grad); entropy for logs
         t = time.time()
         with torch.no_grad():
-            old = [policy(ids[mb], am[mb], P, entropy=True) for mb in mbs]
-        old_logp, entropy = torch.cat([o[0] for o in old]), torch.cat([o[1] for o in old])
+            old = [policy(ids[minibatch], attention_mask[minibatch], n_prompt, entropy=True)
+                   for minibatch in minibatch_slices]
+        old_logp = torch.cat([minibatch_logp for minibatch_logp, _ in old])
+        entropy = torch.cat([minibatch_entropy for _, minibatch_entropy in old])
 
         # ALGO LOGIC: num_minibatches optimizer steps, each over whole groups
         policy.train()
-        stats, skipped = [], 0
-        for mb in mbs:
+        stats = []
+        skipped = 0
+        for minibatch in minibatch_slices:
             optimizer.zero_grad(set_to_none=True)
-            seqs = (mb.stop - mb.start) * d.world  # the minibatch's sequences on all ranks
-            norm = seqs  # 1/G sum_i over every group: the loss is divided by the whole minibatch's count
-            mb_loss, micro_stats, m, d_first = 0.0, [], [], []
-            if args.loss_agg == "token-mean":  # 1 / its completion tokens on all ranks, summed before the backward pass
-                norm = all_reduce(mask[mb].sum()).item()
-            for mu in micro_batches(mb, args.micro_batch_size):  # gradient accumulation
-                logp = policy(ids[mu], am[mu], P)
+            seqs = (minibatch.stop - minibatch.start) * dist_env.world  # its sequences on all ranks
+            norm = seqs  # 1/G sum_i over every group: the loss is divided by the minibatch's count
+            if args.loss_agg == "token-mean":  # 1 / its completion tokens on all ranks
+                norm = all_reduce(mask[minibatch].sum()).item()
+            minibatch_loss = 0.0
+            micro_stats = []
+            seq_terms = []  # each sequence's m_i = w_i A_i, for the group metrics
+            first_token_grads = []  # d loss / d logp at each sequence's first completion token
+            for micro in micro_batches(minibatch, args.micro_batch_size):  # gradient accumulation
+                logp = policy(ids[micro], attention_mask[micro], n_prompt)
                 logp.retain_grad()  # d loss / d logp: the shared-token coefficient
-                loss, mu_stats = gspo_token_loss(logp, old_logp[mu], token_adv[mu], mask[mu], clip_low=args.clip_low,
-                                                 clip_high=args.clip_high, loss_agg=args.loss_agg,
-                                                 max_new_tokens=args.max_new_tokens, norm=norm)
+                loss, terms, loss_stats = gspo_token_loss(
+                    logp, old_logp[micro], token_adv[micro], mask[micro],
+                    clip_low=args.clip_low, clip_high=args.clip_high, loss_agg=args.loss_agg,
+                    max_new_tokens=args.max_new_tokens, norm=norm)
                 loss.backward()
-                m.append(mu_stats.pop("m"))  # each sequence's m_i = w_i A_i, for the group metrics
-                d_first.append(logp.grad[:, 0])  # at each sequence's first completion token
-                mb_loss, micro_stats = mb_loss + loss.detach(), micro_stats + [mu_stats]
+                seq_terms.append(terms)
+                first_token_grads.append(logp.grad[:, 0])
+                minibatch_loss = minibatch_loss + loss.detach()
+                micro_stats.append(loss_stats)
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: DTensor
-            if all_finite(mb_loss, grad_norm):
+            if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+                grad_norm = grad_norm.full_tensor()
+            if all_finite(minibatch_loss, grad_norm):
                 optimizer.step()
                 scheduler.step()
                 nonfinite_run = 0
             else:  # skipped on every rank together, counted; max_nonfinite in a row stop the run
-                skipped, nonfinite_run = skipped + 1, nonfinite_run + 1
+                skipped += 1
+                nonfinite_run += 1
                 if nonfinite_run >= args.max_nonfinite:
-                    fail(f"step {step}: {nonfinite_run} non-finite updates in a row (loss {mb_loss.item()}, grad norm "
-                         f"{grad_norm.item()}); lower the learning rate or look at this step's data")
-            groups = group_metrics(torch.cat(m), torch.cat(d_first), args.group_size, seqs // args.group_size)
-            stats += [{**mu_stats, "losses/policy_loss": mb_loss * d.world, "losses/grad_norm": grad_norm, **groups}
-                      for mu_stats in micro_stats]  # the minibatch's loss: the mean over ranks of world x their share
+                    fail(f"step {step}: {nonfinite_run} non-finite updates in a row (loss "
+                         f"{minibatch_loss.item()}, grad norm {grad_norm.item()}); lower the "
+                         "learning rate or look at this step's data")
+            groups = group_metrics(torch.cat(seq_terms), torch.cat(first_token_grads),
+                                   args.group_size, seqs // args.group_size)
+            minibatch_stats = {
+                # the minibatch's loss: the mean over ranks of world x their share
+                "losses/policy_loss": minibatch_loss * dist_env.world,
+                "losses/grad_norm": grad_norm,
+                **groups,
+            }
+            stats += [{**loss_stats, **minibatch_stats} for loss_stats in micro_stats]
         train_time = time.time() - t
 
         # TRY NOT TO MODIFY: logging, evaluation, checkpoints
-        r, lengths = all_gather_cat(rewards.to(ids.device)), all_gather_cat(roll["mask"].sum(1))
-        tokens = all_gather_cat(am.sum().view(1).float()).sum()
+        all_rewards = all_gather_cat(rewards.to(ids.device))
+        lengths = all_gather_cat(roll["mask"].sum(1))
+        tokens = all_gather_cat(attention_mask.sum().view(1).float()).sum()
+        truncated_frac = all_gather_cat(roll["truncated"].float()).mean().item()
+        masked_truncated = 0
+        if args.mask_truncated:
+            masked_truncated = all_reduce(roll["truncated"].sum().float()).item()
+        zero_frac = torch.tensor(zero_groups / args.prompts_per_rank)  # this rank's
+        zero_group_frac = all_reduce(zero_frac).item() / dist_env.world  # the mean over ranks
         log = {
-            "charts/reward_mean": r.mean().item(), "charts/reward_std": r.std(unbiased=False).item(),
-            "charts/response_length_mean": lengths.mean().item(), "charts/response_length_max": lengths.max().item(),
-            "charts/truncated_frac": all_gather_cat(roll["truncated"].float()).mean().item(),
-            "charts/masked_truncated": all_reduce(roll["truncated"].sum().float()).item() if args.mask_truncated else 0,
-            "charts/zero_adv_group_frac": all_reduce(torch.tensor(zero_groups / args.prompts_per_rank)).item() / d.world,
+            "charts/reward_mean": all_rewards.mean().item(),
+            "charts/reward_std": all_rewards.std(unbiased=False).item(),
+            "charts/response_length_mean": lengths.mean().item(),
+            "charts/response_length_max": lengths.max().item(),
+            "charts/truncated_frac": truncated_frac,
+            "charts/masked_truncated": masked_truncated,
+            "charts/zero_adv_group_frac": zero_group_frac,
             "charts/learning_rate": optimizer.param_groups[0]["lr"],
             "charts/reward_errors": all_reduce(torch.tensor(float(reward_errors))).item(),
             "losses/skipped_updates": skipped,
-            "charts/post_answer_frac": (all_gather_cat(after.sum().view(1).float()).sum() / lengths.sum()).item(),
+            "charts/post_answer_frac": (all_gather_cat(after.sum().view(1).float()).sum()
+                                        / lengths.sum()).item(),
             "losses/entropy": ((entropy * roll["mask"]).sum() / roll["mask"].sum()).item(),
             "perf/gen_tokens_per_s": lengths.sum().item() / gen_time,
             "perf/train_tokens_per_s": tokens.item() / train_time,
@@ -352,25 +428,27 @@ def main():
         }
         if eval_now(step):
             policy.eval()
-            log.update(evaluate(policy, tok, held, eos, d, k=args.eval_k, n=args.eval_n, reward=reward, **gen_kw))
+            log.update(evaluate(policy, tok, held, eos, dist_env, **eval_kw))
         reward_curve.append(log["charts/reward_mean"])
-        if step == args.num_steps:  # Jitter2 of the whole run's reward curve (DFPO eq. 20), in its last row
+        if step == args.num_steps:  # Jitter2 of the reward curve (DFPO eq. 20), last row
             log["charts/reward_jitter2"] = jitter2(reward_curve)
         logger.log(step, log)
-        bar.set_postfix(reward=f"{log['charts/reward_mean']:.3f}", clip=f"{log['losses/clipfrac']:.3f}",
-                        asym=f"{log['losses/asym']:.3f}")
-        stop = stop_requested()  # a SIGTERM or SIGINT on any rank: every rank saves this step and stops
+        bar.set_postfix(reward=f"{log['charts/reward_mean']:.3f}",
+                        clip=f"{log['losses/clipfrac']:.3f}", asym=f"{log['losses/asym']:.3f}")
+        stop = stop_requested()  # SIGTERM or SIGINT on any rank: all save this step, stop
         if stop or step == args.num_steps or args.save_every and step % args.save_every == 0:
-            ckpt = save_checkpoint(run_dir, step, policy, tok, optimizer, scheduler, d, args,
-                                   os.path.basename(__file__), reward_curve=reward_curve, nonfinite_run=nonfinite_run,
+            ckpt = save_checkpoint(run_dir, step, policy, tok, optimizer, scheduler, dist_env, args,
+                                   script, reward_curve=reward_curve, nonfinite_run=nonfinite_run,
                                    wall_time=time.time() - start)
         if stop:
             break
     n = max(1, len(reward_curve) // 10)
-    first, last, jitter = sum(reward_curve[:n]) / n, sum(reward_curve[-n:]) / n, jitter2(reward_curve)
-    if d.main:
-        print(f"done in {time.time() - start:.0f}s: reward {first:.3f} (first 10% of steps) -> {last:.3f} (last 10%), "
-              f"Jitter2 (DFPO eq. 20) {jitter:.4f}{eval_summary(log)}; checkpoint: {ckpt}")
+    first = sum(reward_curve[:n]) / n
+    last = sum(reward_curve[-n:]) / n
+    if dist_env.main:
+        print(f"done in {time.time() - start:.0f}s: reward {first:.3f} (first 10% of steps) -> "
+              f"{last:.3f} (last 10%), Jitter2 (DFPO eq. 20) {jitter2(reward_curve):.4f}"
+              f"{eval_summary(log)}; checkpoint: {ckpt}")
     logger.close()
     cleanup()
 

@@ -112,7 +112,7 @@ def bench_training(lm, policy, shape, a, d, checkpointing: bool) -> dict:
     def step():
         opt.zero_grad(set_to_none=True)
         logp = policy(ids, am, P)
-        loss, _ = gspo_loss(logp, logp.detach(), adv, mask, clip_low=3e-4, clip_high=4e-4)
+        loss, _, _ = gspo_loss(logp, logp.detach(), adv, mask, clip_low=3e-4, clip_high=4e-4)
         loss.backward()
         opt.step()
 

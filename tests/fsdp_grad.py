@@ -57,7 +57,7 @@ if loss_name == "grpo_token_mean":  # DAPO's token-mean: the ranks hold differen
     loss_name, kw["loss_agg"], norm = "grpo", "token-mean", mask.sum().item()
 loss_fn = {"gspo": gspo_loss, "grpo": grpo_loss, "gspo_token": gspo_token_loss, "dfpo": dfpo_loss}[loss_name]
 
-loss, stats = loss_fn(single(ids, am, P), old, adv, mask, **kw)  # the mean over the B rows
+loss, _, stats = loss_fn(single(ids, am, P), old, adv, mask, **kw)  # the mean over the B rows
 loss.backward()
 half = slice(d.rank * B // 2, (d.rank + 1) * B // 2)  # whole groups on each rank
 s_tilde = {}  # DFPO with micro-batches that split groups: s_tilde of the rank's rows first, from whole groups
@@ -70,7 +70,7 @@ if loss_name == "dfpo" and micro % 4:
                                              floor=1e-6, length_aware=False))
 for mu in common.micro_batches(half, micro):  # as the scripts: divided by the global count B
     given = {k: v[mu.start - half.start:mu.stop - half.start] for k, v in s_tilde.items()}
-    loss, _ = loss_fn(policy(ids[mu], am[mu], P), old[mu], adv[mu], mask[mu], **kw, **given,
+    loss, _, _ = loss_fn(policy(ids[mu], am[mu], P), old[mu], adv[mu], mask[mu], **kw, **given,
                       norm=(half.stop - half.start) if per_rank_mean else norm)
     loss.backward()
 assert 0 < stats["losses/clipfrac"] < 1 or dtype == "bf16", stats  # some sequences/tokens clipped, some not

@@ -171,7 +171,7 @@ def test_dfpo_loss_matches_reference(transform, form, seed):
         pytest.skip("length-aware needs a cancelling transform")
     logp, old, adv, mask = ragged_batch(B=8, seed=seed, spread=0.1)
     kw = dict(length_aware=form == "length-aware", clip_gated=form == "clip-gated")
-    loss, stats = dfpo_loss(logp, old, adv, mask, group_size=4, clip_low=0.02, clip_high=0.03, transform=transform,
+    loss, _, stats = dfpo_loss(logp, old, adv, mask, group_size=4, clip_low=0.02, clip_high=0.03, transform=transform,
                             **kw)
     loss.backward()
     ref_loss, ref_grad, n_clipped = dfpo_reference(logp.detach(), old, adv, mask, 0.02, 0.03, 4, transform, **kw)
@@ -213,7 +213,7 @@ def test_theorem_k1_no_reverse_update(transform, seed):
     A_i (min-replace and orth-proj: strictly; the exact QP may give a weight of 0: weakly), and for min-replace it is
     phi_i (in (0, 1]) times the post-clip baseline's s_bar_i A_i / |y_i| / B (eq. 86-88), clipped sequences included."""
     logp, old, adv, mask = ragged_batch(B=8, seed=seed, spread=0.1)
-    loss, _ = dfpo_loss(logp, old, adv, mask, group_size=4, clip_low=0.02, clip_high=0.03, transform=transform)
+    loss, _, _ = dfpo_loss(logp, old, adv, mask, group_size=4, clip_low=0.02, clip_high=0.03, transform=transform)
     (grad,) = torch.autograd.grad(loss, logp)
     coef = -torch.nan_to_num(grad)
     on = mask.bool()
@@ -256,7 +256,7 @@ def test_no_stop_grad_min_replace_has_zero_gradient(seed):
     adv = adv - adv.view(-1, 3).mean(1).repeat_interleave(3)  # group-centred, as eq. 43 makes them
     kw = dict(group_size=3, clip_low=0.5, clip_high=0.5, transform="min-replace")
     (g_sg,) = torch.autograd.grad(dfpo_loss(logp, old, adv, mask, **kw)[0], logp)
-    loss, _ = dfpo_loss(logp, old, adv, mask, stop_grad=False, **kw)
+    loss, _, _ = dfpo_loss(logp, old, adv, mask, stop_grad=False, **kw)
     (g_no,) = torch.autograd.grad(loss, logp)
     assert abs(loss.item()) < 1e-15 and torch.nan_to_num(g_sg).norm() > 1e-2
     assert torch.nan_to_num(g_no).abs().max() < 1e-15
@@ -268,7 +268,7 @@ def test_given_s_tilde_lets_micro_batches_split_groups(transform):
     slice of rows on its own, divided by the whole count, adds up to the whole batch's value and gradient."""
     logp, old, adv, mask = ragged_batch(B=8, seed=5, spread=0.1)
     kw = dict(group_size=4, clip_low=0.02, clip_high=0.03, transform=transform)
-    loss, stats = dfpo_loss(logp, old, adv, mask, **kw)
+    loss, _, stats = dfpo_loss(logp, old, adv, mask, **kw)
     (whole,) = torch.autograd.grad(loss, logp)
     assert 0 < stats["losses/clipfrac_seq"] < 1
     _, _, s_bar = sequence_weights(logp, old, adv, mask, clip_low=0.02, clip_high=0.03)
@@ -276,7 +276,7 @@ def test_given_s_tilde_lets_micro_batches_split_groups(transform):
                             length_aware=False)
     total = 0.0
     for rows in (slice(0, 3), slice(3, 4), slice(4, 5), slice(5, 8)):  # 3 + 1 + 1 + 3: every group split
-        part, _ = dfpo_loss(logp[rows], old[rows], adv[rows], mask[rows], **kw, norm=8, s_tilde=s_tilde[rows])
+        part, _, _ = dfpo_loss(logp[rows], old[rows], adv[rows], mask[rows], **kw, norm=8, s_tilde=s_tilde[rows])
         total = total + part
     (split,) = torch.autograd.grad(total, logp)
     assert total.item() == pytest.approx(loss.item(), abs=1e-14)

@@ -27,14 +27,14 @@ def test_equals_gspo_when_token_advantages_are_the_sequence_advantage(seed, clip
     """The blog's claim: with A_it = A_i, GSPO-token is GSPO in objective, clipping condition and gradient."""
     logp, old, adv, mask = ragged_batch(seed=seed, spread=0.1)
     kw = dict(clip_low=clip[0], clip_high=clip[1])
-    loss, stats = gspo_loss(logp, old, adv, mask, **kw)
+    loss, seq_terms, stats = gspo_loss(logp, old, adv, mask, **kw)
     (g_seq,) = torch.autograd.grad(loss, logp)
-    loss_t, stats_t = gspo_token_loss(logp, old, adv[:, None].expand_as(mask), mask, **kw)
+    loss_t, seq_terms_t, stats_t = gspo_token_loss(logp, old, adv[:, None].expand_as(mask), mask, **kw)
     (g_tok,) = torch.autograd.grad(loss_t, logp)
     assert loss_t.item() == pytest.approx(loss.item(), abs=1e-10)
     for k in ["losses/clipfrac", "losses/clipfrac_seq", "losses/ratio_mean"]:
         assert stats_t[k].item() == pytest.approx(stats[k].item(), abs=1e-10), k
-    assert torch.allclose(stats_t["m"], stats["m"], atol=1e-10, rtol=0)  # m_i = w_i A_i, so the group metrics agree
+    assert torch.allclose(seq_terms_t, seq_terms, atol=1e-10, rtol=0)  # m_i = w_i A_i, so the group metrics agree
     assert torch.allclose(torch.nan_to_num(g_tok), torch.nan_to_num(g_seq), atol=1e-10, rtol=0)
     if clip == (0.02, 0.03):
         assert 0 < stats["losses/clipfrac_seq"] < 1  # the comparison crosses the clip boundary
@@ -67,12 +67,22 @@ def token_advantages(adv, mask, seed):
 def test_token_advantages_match_reference(seed, clip):
     logp, old, adv, mask = ragged_batch(seed=seed, spread=0.1)
     A = token_advantages(adv, mask, seed)
-    loss, stats = gspo_token_loss(logp, old, A, mask, clip_low=clip[0], clip_high=clip[1])
+    loss, _, stats = gspo_token_loss(logp, old, A, mask, clip_low=clip[0], clip_high=clip[1])
     loss.backward()
     ref_loss, ref_grad = token_reference(logp.detach(), old, A, mask, *clip)
     assert loss.item() == pytest.approx(ref_loss, abs=1e-12)
     assert torch.allclose(torch.nan_to_num(logp.grad), ref_grad, atol=1e-12)
     assert torch.all(logp.grad[mask == 0] == 0)
+
+
+def without_stop_gradients(logp, old, A, mask, clip_low, clip_high):
+    """GSPO-token with both sg[.] dropped (Observation 2): s_it = s_i(theta) pi / pi = s_i(theta), in gspo_token_loss's
+    default aggregation, 1/G sum_i 1/|y_i| sum_t min(s_it A_it, clip(s_it) A_it)."""
+    valid = mask.bool()
+    lengths = mask.sum(1).clamp(min=1)
+    s = torch.exp(torch.where(valid, logp - old, 0.0).sum(1) / lengths)[:, None]  # s_i(theta), on every token
+    per_token = torch.where(valid, torch.min(s * A, s.clamp(1 - clip_low, 1 + clip_high) * A), 0.0)
+    return -(per_token.sum(1) / lengths).sum() / len(A)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -88,7 +98,7 @@ def test_without_stop_gradients_token_credit_is_lost(seed):
     G = len(adv)
     for A, same in [(token_advantages(adv, mask, seed), False), (adv[:, None].expand_as(mask) * mask, True)]:
         (g_sg,) = torch.autograd.grad(gspo_token_loss(logp, old, A, mask, **kw)[0], logp)
-        (g_no,) = torch.autograd.grad(gspo_token_loss(logp, old, A, mask, stop_grad=False, **kw)[0], logp)
+        (g_no,) = torch.autograd.grad(without_stop_gradients(logp, old, A, mask, **kw), logp)
         g_sg, g_no = torch.nan_to_num(g_sg), torch.nan_to_num(g_no)
         mean_A = (A * mask).sum(1, keepdim=True) / lengths
         assert torch.allclose(g_no, -(mean_A * s / lengths / G) * mask, atol=1e-12)  # every token: the mean advantage

@@ -60,7 +60,7 @@ def minibatch_grad(setup, name, micro, per_micro_mean=False, dfpo_own_groups=Fal
     policy.zero_grad(set_to_none=True)
     for mu in micro_batches:
         given = {"group_size": micro} if dfpo_own_groups else {} if s_tilde is None else {"s_tilde": s_tilde[mu]}
-        loss, stats = loss_fn(policy(ids[mu], am[mu], P), old[mu], a[mu], mask[mu], **{**kw, **given},
+        loss, _, _ = loss_fn(policy(ids[mu], am[mu], P), old[mu], a[mu], mask[mu], **{**kw, **given},
                               norm=None if per_micro_mean else norm)
         loss.backward()
     return [p.grad.clone() for p in policy.parameters()]

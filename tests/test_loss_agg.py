@@ -50,10 +50,10 @@ def test_loss_agg_matches_its_equation(mode, script):
     logp, old, adv, token_adv, mask = batch(1)
     kw = dict(clip_low=0.2, clip_high=0.2, loss_agg=mode, max_new_tokens=L_MAX)
     if script == "grpo":
-        loss, _ = grpo_loss(logp, old, adv, mask, **kw)
+        loss, _, _ = grpo_loss(logp, old, adv, mask, **kw)
         ref = by_hand(logp, old, adv[:, None].expand(B, T), mask, mode)
     else:
-        loss, _ = gspo_token_loss(logp, old, token_adv, mask, **kw)
+        loss, _, _ = gspo_token_loss(logp, old, token_adv, mask, **kw)
         ref = by_hand(logp, old, token_adv, mask, mode, seq_ratio=True)
     (grad,) = torch.autograd.grad(loss, logp)
     (grad_ref,) = torch.autograd.grad(ref, logp)

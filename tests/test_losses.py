@@ -37,7 +37,7 @@ def test_blog_512_token_example():
     old = torch.zeros(1, 512)
     logp = old.clone()
     logp[0, 100], logp[0, 300] = math.log(1.9), math.log(0.4)
-    _, stats = gspo_loss(logp, old, torch.ones(1), torch.ones(1, 512), clip_low=3e-4, clip_high=4e-4)
+    _, _, stats = gspo_loss(logp, old, torch.ones(1), torch.ones(1, 512), clip_low=3e-4, clip_high=4e-4)
     s = stats["losses/ratio_mean"].item()
     assert s == pytest.approx(math.exp((math.log(1.9) + math.log(0.4)) / 512), abs=1e-15)
     assert round(s, 4) == 0.9995
@@ -64,7 +64,7 @@ def gspo_reference(logp, old, adv, mask, lo, hi):
 @pytest.mark.parametrize("clip", [(3e-4, 4e-4), (0.05, 0.08), (10.0, 10.0)])
 def test_gspo_matches_reference(seed, clip):
     logp, old, adv, mask = ragged_batch(seed=seed, spread=0.1)
-    loss, _ = gspo_loss(logp, old, adv, mask, clip_low=clip[0], clip_high=clip[1])
+    loss, _, _ = gspo_loss(logp, old, adv, mask, clip_low=clip[0], clip_high=clip[1])
     loss.backward()
     ref_loss, ref_grad = gspo_reference(logp.detach(), old, adv, mask, *clip)
     assert loss.item() == pytest.approx(ref_loss, abs=1e-12)
@@ -79,14 +79,14 @@ def test_gspo_clipped_sequence_gives_zero_gradient():
     logp[0] = 0.01  # s_0 = e^0.01 > 1 + 4e-4 with A > 0: clipped
     logp[1] = -0.01  # s_1 = e^-0.01 < 1 - 3e-4 with A < 0: clipped
     logp.requires_grad_()
-    loss, stats = gspo_loss(logp, old, torch.tensor([1.0, -1.0]), torch.ones(2, 4), clip_low=3e-4,
+    loss, _, stats = gspo_loss(logp, old, torch.tensor([1.0, -1.0]), torch.ones(2, 4), clip_low=3e-4,
                             clip_high=4e-4)
     loss.backward()
     assert torch.all(logp.grad == 0)
     assert stats["losses/clipfrac"] == 1 and stats["losses/clipfrac_seq"] == 1
     # the same ratios on the other side of the advantage are not clipped (the min keeps the unclipped branch)
     logp.grad = None
-    loss, stats = gspo_loss(logp, old, torch.tensor([-1.0, 1.0]), torch.ones(2, 4), clip_low=3e-4,
+    loss, _, stats = gspo_loss(logp, old, torch.tensor([-1.0, 1.0]), torch.ones(2, 4), clip_low=3e-4,
                             clip_high=4e-4)
     loss.backward()
     assert torch.all(logp.grad != 0) and stats["losses/clipfrac"] == 0
@@ -122,7 +122,7 @@ def grpo_reference(logp, old, adv, mask, lo, hi, ref=None, beta=0.0, symmetric=F
 def test_grpo_matches_reference(seed, beta):
     logp, old, adv, mask = ragged_batch(seed=seed, spread=0.3)  # many tokens outside [0.8, 1.27]
     ref = old + 0.2 * torch.randn(old.shape, generator=torch.Generator().manual_seed(seed + 99))
-    loss, stats = grpo_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.27,
+    loss, _, stats = grpo_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.27,
                             ref_logp=ref if beta else None, kl_coef=beta)
     loss.backward()
     ref_loss, ref_grad = grpo_reference(logp.detach(), old, adv, mask, 0.2, 0.27, ref, beta)
@@ -135,7 +135,7 @@ def test_grpo_token_clipping_is_per_token():
     """One token far outside the band with A > 0 is silenced; its neighbours still get A w / |y| / G."""
     old = torch.zeros(1, 3)
     logp = torch.tensor([[math.log(1.9), 0.0, math.log(0.4)]], requires_grad=True)
-    loss, stats = grpo_loss(logp, old, torch.ones(1), torch.ones(1, 3), clip_low=0.2, clip_high=0.27)
+    loss, _, stats = grpo_loss(logp, old, torch.ones(1), torch.ones(1, 3), clip_low=0.2, clip_high=0.27)
     loss.backward()
     assert logp.grad[0, 0] == 0  # w = 1.9 > 1.27 with A > 0: clipped
     assert logp.grad[0, 1] == pytest.approx(-1 / 3) and logp.grad[0, 2] == pytest.approx(-0.4 / 3)
@@ -146,13 +146,13 @@ def test_grpo_token_clipping_is_per_token():
 @pytest.mark.parametrize("seed", range(4))
 def test_grpo_symmetric_clip_matches_reference(seed):
     logp, old, adv, mask = ragged_batch(seed=seed, spread=0.3)
-    loss, stats = grpo_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.27, symmetric_clip=True)
+    loss, _, stats = grpo_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.27, symmetric_clip=True)
     loss.backward()
     ref_loss, ref_grad = grpo_reference(logp.detach(), old, adv, mask, 0.2, 0.27, symmetric=True)
     assert loss.item() == pytest.approx(ref_loss, abs=1e-12)
     assert torch.allclose(torch.nan_to_num(logp.grad, nan=0.0), ref_grad, atol=1e-12)
     assert 0 < stats["losses/clipfrac"] < 1
-    std, _ = grpo_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.27)
+    std, _, _ = grpo_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.27)
     assert abs(std.item() - loss.item()) > 1e-6  # the two clippings really differ on this batch
 
 
@@ -167,7 +167,7 @@ def test_asymmetric_clip_breaks_shared_token_cancellation(w):
     coef = A * ((1 + hi) - w) if w > 1 + hi else A * (w - (1 - lo))  # eq. 75 / 76: sum_i A_i w_bar_i
     for symmetric in (False, True):
         logp = torch.full((2, 1), math.log(w), requires_grad=True)  # the same token in the same context
-        loss, _ = grpo_loss(logp, old, adv, torch.ones(2, 1), clip_low=lo, clip_high=hi,
+        loss, _, _ = grpo_loss(logp, old, adv, torch.ones(2, 1), clip_low=lo, clip_high=hi,
                             symmetric_clip=symmetric)
         loss.backward()
         shared = logp.grad.sum().item()  # both rows have the same grad log pi: this is its group coefficient
@@ -183,7 +183,7 @@ def test_asymmetric_clip_breaks_shared_token_cancellation(w):
 def test_gspo_is_advantage_times_post_clip_weight(seed):
     """Eq. 47-49: min(s A, clip(s) A) = A min(s, c) for A >= 0 and A max(s, c) for A < 0, so J_GSPO = 1/G sum A s_bar."""
     logp, old, adv, mask = ragged_batch(seed=seed, spread=0.1)
-    loss, stats = gspo_loss(logp, old, adv, mask, clip_low=0.02, clip_high=0.03)
+    loss, seq_terms, stats = gspo_loss(logp, old, adv, mask, clip_low=0.02, clip_high=0.03)
     J, terms = 0.0, []
     for i in range(len(adv)):
         L = int(mask[i].sum())
@@ -194,9 +194,9 @@ def test_gspo_is_advantage_times_post_clip_weight(seed):
         J += terms[-1] / len(adv)
     assert -loss.item() == pytest.approx(J, abs=1e-14)
     assert 0 < stats["losses/clipfrac_seq"] < 1
-    assert torch.allclose(stats["m"], torch.tensor(terms, dtype=torch.float64), atol=1e-14, rtol=0)  # m_i = A_i s_bar_i
+    assert torch.allclose(seq_terms, torch.tensor(terms, dtype=torch.float64), atol=1e-14, rtol=0)  # m_i = A_i s_bar_i
     (grad,) = torch.autograd.grad(loss, logp)
-    group = common.group_metrics(stats["m"], grad[:, 0], 3, 2)  # Asym (eq. 23) on m_i = w_i A_i, by hand
+    group = common.group_metrics(seq_terms, grad[:, 0], 3, 2)  # Asym (eq. 23) on m_i = w_i A_i, by hand
     m = torch.tensor(terms).view(2, 3)
     assert group["losses/asym"].item() == pytest.approx(float(((m - m.mean(1, keepdim=True)) ** 2).mean()), abs=1e-14)
 

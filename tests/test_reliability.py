@@ -44,8 +44,8 @@ def nan_on(calls, loss_fn):
 
     def wrapped(*a, **k):
         count[0] += 1
-        loss, stats = loss_fn(*a, **k)
-        return (loss * float("nan") if calls == "all" or count[0] in calls else loss), stats
+        loss, seq_terms, stats = loss_fn(*a, **k)
+        return (loss * float("nan") if calls == "all" or count[0] in calls else loss), seq_terms, stats
 
     return wrapped
 

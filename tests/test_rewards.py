@@ -84,7 +84,7 @@ def test_mask_truncated_takes_a_completion_out_of_the_gradient(monkeypatch, tmp_
     g = torch.Generator().manual_seed(0)
     logp = torch.randn(4, 3, generator=g, dtype=torch.float64).requires_grad_()
     mask, truncated = torch.ones(4, 3, dtype=torch.float64), torch.tensor([False, True, False, True])
-    loss, _ = gspo_loss(logp, logp.detach() + 0.001, torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64),
+    loss, _, _ = gspo_loss(logp, logp.detach() + 0.001, torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64),
                         mask * ~truncated[:, None], clip_low=0.2, clip_high=0.2)
     (grad,) = torch.autograd.grad(loss, logp)
     assert torch.all(grad[truncated] == 0) and torch.all(grad[~truncated] != 0)

@@ -39,9 +39,9 @@ def shared_first_token_batch(seed, lengths, spread=0.1, B=8):
 
 def metric(loss_fn, logp, old, adv, mask, **kw):
     """What the scripts log: autograd's d loss / d logp at the first token, through common.group_metrics."""
-    loss, stats = loss_fn(logp, old, adv, mask, **kw)
+    loss, seq_terms, _ = loss_fn(logp, old, adv, mask, **kw)
     (grad,) = torch.autograd.grad(loss, logp)
-    return common.group_metrics(stats["m"], grad[:, 0], G, len(adv) // G)["losses/shared_coef"].item()
+    return common.group_metrics(seq_terms, grad[:, 0], G, len(adv) // G)["losses/shared_coef"].item()
 
 
 def seq_ratios(logp, old, mask):
@@ -69,8 +69,8 @@ def test_grpo_unclipped_equal_lengths_cancels(seed):
     logp, old, adv, mask = shared_first_token_batch(seed, [5] * 8, spread=0.05)
     assert metric(grpo_loss, logp, old, adv, mask, clip_low=0.5, clip_high=0.5) < 1e-15
     # and the old metric, |1/G sum_i m_i|, is not 0 here: it is the objective, not the gradient
-    _, stats = grpo_loss(logp, old, adv, mask, clip_low=0.5, clip_high=0.5)
-    assert stats["m"].view(-1, G).mean(1).abs().mean() > 1e-4
+    _, seq_terms, _ = grpo_loss(logp, old, adv, mask, clip_low=0.5, clip_high=0.5)
+    assert seq_terms.view(-1, G).mean(1).abs().mean() > 1e-4
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -94,7 +94,7 @@ def test_first_minibatch_ratio_is_one():
         old = policy(ids, am, P)  # the whole rollout at once
     mb = slice(0, 8)  # two groups
     logp = policy.train()(ids[mb], am[mb], P)
-    loss, stats = gspo_loss(logp, old[mb], torch.randn(8), mask[mb], clip_low=3e-4, clip_high=4e-4)
+    loss, _, stats = gspo_loss(logp, old[mb], torch.randn(8), mask[mb], clip_low=3e-4, clip_high=4e-4)
     assert abs(stats["losses/ratio_min"] - 1) < 1e-6 and abs(stats["losses/ratio_max"] - 1) < 1e-6
     assert stats["losses/clipfrac"] == 0
 

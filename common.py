@@ -1,6 +1,14 @@
-"""What every algorithm script shares: torchrun/FSDP2 set-up, model and tokenizer loading (with the
-built-in `tiny` model), tasks and the math reward, HF generation, memory-bounded log-probs, group
-advantages, logging, evaluation and checkpoints. The training loop itself lives in each script.
+"""What every algorithm script shares, in the order a script's loop uses it; the training loop itself lives in
+each script. Sections:
+  distributed set-up   torchrun, ranks, seeds, collectives, one-line errors
+  the model            tokenizer, weights (the built-in `tiny` model too), Policy, chunked log-probs, FSDP2
+  generation           HF `generate`: repeat, shared-prefill, static
+  tasks                prompts and reference answers (built-in, hub sets, local .jsonl)
+  rewards              the math grader (math-verify in worker processes), --reward, scoring a rollout
+  group advantages     A_i and the mechanism metrics (Asym, shared-token coefficient)
+  data order           prompts a step, minibatches of whole groups, micro-batches
+  the optimizer step   learning-rate schedule, finite checks, statistics over ranks
+then the plumbing: held-out evaluation, logging, checkpoints and exact resume, graceful stop, argument checks.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 
+# -------------------- distributed set-up: torchrun, ranks, seeds, collectives, errors
 def fail(msg: str):
     """Stop with one line on stderr that says what was wrong and what to do (no traceback). Under torchrun every rank
     exits with code 1 and rank 0 alone prints the line: a check that can fail runs on every rank with the same
@@ -63,13 +72,11 @@ def on_rank0(fn, d):
     return out[0]
 
 
-# ----------------------------------------------------------------------------- distributed set-up
 @dataclass
 class Dist:
     rank: int
     world: int
-    local_rank: int
-    device: torch.device
+    device: torch.device  # this process's GPU (LOCAL_RANK under torchrun), else the CPU
     sharded: bool = False  # FSDP2: every run launched by torchrun, one process included (fp32 master weights)
 
     @property
@@ -101,7 +108,7 @@ def setup_distributed(seed: int) -> Dist:
             dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store), rank=rank,
                                     world_size=world, device_id=dev)
     seed_everything(seed)  # same seed on every rank while the model is built; see seed_rank()
-    return Dist(rank, world, local_rank, device, sharded=dist.is_initialized())
+    return Dist(rank, world, device, sharded=dist.is_initialized())
 
 
 def seed_everything(seed: int):
@@ -140,7 +147,28 @@ def _device() -> torch.device:
         dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-# ----------------------------------------------------------------------------- the built-in tiny model
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def cleanup():
+    """The end of a torchrun process: every rank done with every collective, the group destroyed, then the process
+    leaves without the interpreter's exit-time destructors. Under torch 2.13 + gloo, process-group objects that the
+    FSDP2 model still references are destroyed there and sometimes abort ("terminate called without an active
+    exception", about 1 run in 60 on 2 busy cores) after all the work is done and saved. World size 1: nothing but
+    letting go of the run folder's lock."""
+    release_run_dir()
+    release_stop_signals()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+# -------------------- the model: tokenizer, weights, Policy, chunked log-probs, FSDP2
 TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # pad, turn start, turn end (= EOS)
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -178,7 +206,6 @@ def tiny_model(tok):
     return lm
 
 
-# ----------------------------------------------------------------------------- model loading
 def check_model(name: str, trust_remote_code: bool):
     """Fail fast, before any weights are read: 'tiny', a local folder with a config, or a hub id."""
     if name == "tiny":
@@ -216,7 +243,9 @@ def load_model(name: str, tok, d: Dist, seed: int, trust_remote_code: bool = Fal
     """One process: the model on its device in the compute dtype. Under torchrun: fp32 master weights (FSDP2 casts
     them to the compute dtype, wrap_policy) built on the meta device on every rank, while rank 0 alone reads the
     weights into CPU memory; wrap_policy shards the model and sends each rank its shards. A node thus holds one full
-    copy on CPU, not one per rank, and no GPU ever holds the whole fp32 model."""
+    copy on CPU, not one per rank, and no GPU ever holds the whole fp32 model.
+    Returns (model, rank0_weights): rank0_weights is rank 0's (state dict, buffers) for wrap_policy to scatter under
+    FSDP2, None otherwise."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     seed_everything(seed)  # `tiny` is random-init: the same seed gives the same weights (policy and reference)
@@ -227,6 +256,7 @@ def load_model(name: str, tok, d: Dist, seed: int, trust_remote_code: bool = Fal
             return tiny_model(tok).to(dt)
         return AutoModelForCausalLM.from_pretrained(path, dtype=dt, trust_remote_code=trust_remote_code)
 
+    rank0_weights = None
     if not d.sharded:
         lm = build(compute_dtype(dtype, d)).to(d.device)
     else:
@@ -238,9 +268,9 @@ def load_model(name: str, tok, d: Dist, seed: int, trust_remote_code: bool = Fal
             with contextlib.suppress(OSError):  # EOS ids as from_pretrained reads them (the file, else the config)
                 lm.generation_config = GenerationConfig.from_pretrained(path)
         src = build(torch.float32) if d.main else None
-        lm.rank0_state = (src.state_dict(), dict(src.named_buffers())) if d.main else None  # taken by wrap_policy
+        rank0_weights = (src.state_dict(), dict(src.named_buffers())) if d.main else None  # for wrap_policy
     lm.config.use_cache = True
-    return lm
+    return lm, rank0_weights
 
 
 def eos_ids(lm, tok) -> list[int]:
@@ -348,11 +378,11 @@ class _ChunkLogprobs(torch.autograd.Function):
 
 
 def wrap_policy(lm, d: Dist, temperature: float, chunk_tokens: int, activation_checkpointing: bool,
-                dtype: str = "auto", cpu_offload: bool = False) -> Policy:
+                dtype: str = "auto", cpu_offload: bool = False, rank0_weights=None) -> Policy:
     """Plain `python`: the plain model. Under torchrun (one process too): FSDP2, `fully_shard` on each decoder layer,
-    then the root (the
-    tied embedding/LM head stay together in the root unit), with fp32 shards computed in `dtype` and gradients
-    reduced in fp32 (MixedPrecisionPolicy); rank 0's weights (load_model) are then scattered to the shards."""
+    then the root (the tied embedding/LM head stay together in the root unit), with fp32 shards computed in `dtype`
+    and gradients reduced in fp32 (MixedPrecisionPolicy); rank 0's weights (load_model's rank0_weights) are then
+    scattered to the shards."""
     if activation_checkpointing:
         lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         lm.config.use_cache = True  # generation still uses the KV cache (checkpointing acts only in training)
@@ -375,7 +405,7 @@ def wrap_policy(lm, d: Dist, temperature: float, chunk_tokens: int, activation_c
                 m.set_gradient_divide_factor(1.0)
                 m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
         register_fsdp_forward_method(policy, "generate")
-        state, buffers = lm.__dict__.pop("rank0_state") or ({}, {})
+        state, buffers = rank0_weights or ({}, {})
         policy.to_empty(device="cpu" if cpu_offload else d.device)  # meta -> real (uninitialised) shards
         set_model_state_dict(lm, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         for mod in lm.modules():  # buffers (rotary inv_freq: outside the state dict) live on the GPU even with
@@ -390,7 +420,75 @@ def wrap_policy(lm, d: Dist, temperature: float, chunk_tokens: int, activation_c
     return policy
 
 
-# ----------------------------------------------------------------------------- tasks and rewards
+# -------------------- generation
+GEN_MODES = ("repeat", "shared-prefill", "static")
+
+
+@torch.no_grad()
+def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d: Dist, *, max_new_tokens: int,
+             temperature: float, top_p: float, top_k: int, gen_batch_size: int, unshard: bool = False,
+             mode: str = "shared-prefill") -> dict:
+    """n completions per prompt (rows of one prompt are adjacent: a group). Returns input_ids [B, P+T],
+    attention_mask, n_prompt P, completion mask [B, T] (up to and including the first EOS), truncated [B].
+    mode "repeat": each prompt repeated n times, so `generate` prefills it n times, gen_batch_size rows a call.
+    mode "shared-prefill": each prompt prefilled once and its KV cache repeated to its n rows (Policy.generate),
+    whole groups a call, max(1, gen_batch_size // n) prompts. mode "static": as repeat, with a KV cache allocated
+    once for the whole call and written in place (no copy of the cache per token); on a GPU, with the model unsharded
+    (plain `python`), transformers compiles the decoding step (torch.compile; recompiled only when the cache or batch
+    grows); under FSDP2 it stays eager. Same tokens under greedy decoding (top_k=1)."""
+    if mode not in GEN_MODES:
+        raise ValueError(f"unknown generation mode {mode!r} ({', '.join(GEN_MODES)})")
+    enc = tok(list(prompts), padding=True, return_tensors="pt", add_special_tokens=False)
+    ids, am = enc.input_ids.to(d.device), enc.attention_mask.to(d.device)
+    shared = mode == "shared-prefill"
+    if shared and ids.shape[1] < 2:  # one-token prompts: a pad column, so that the prefilled prefix is not empty
+        ids, am = F.pad(ids, (1, 0), value=tok.pad_token_id), F.pad(am, (1, 0), value=0)
+    rows = max(1, gen_batch_size // n) if shared else gen_batch_size  # prompts (shared) or rows (repeat) a call
+    if not shared:
+        ids, am = ids.repeat_interleave(n, 0), am.repeat_interleave(n, 0)
+    static = dict(cache_implementation="static", disable_compile=d.sharded) if mode == "static" else {}
+    outs = []
+    with gathered(policy, unshard):
+        for i in range(0, ids.shape[0], rows):
+            outs.append(policy.generate(
+                input_ids=ids[i:i + rows], attention_mask=am[i:i + rows], n=n if shared else 1, do_sample=True,
+                temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                pad_token_id=tok.pad_token_id, synced_gpus=d.sharded,  # FSDP: every rank steps until all are done
+                **static,
+            )[:, ids.shape[1]:])
+    if shared:
+        ids, am = ids.repeat_interleave(n, 0), am.repeat_interleave(n, 0)
+    T = max(o.shape[1] for o in outs)
+    comp = torch.cat([F.pad(o, (0, T - o.shape[1]), value=tok.pad_token_id) for o in outs])
+    is_eos = torch.isin(comp, torch.tensor(eos, device=comp.device))
+    before_eos = (is_eos.long().cumsum(1) - is_eos.long()) == 0  # positions up to and including the first EOS
+    comp = comp.masked_fill(~before_eos, tok.pad_token_id)
+    return {"input_ids": torch.cat([ids, comp], 1), "attention_mask": torch.cat([am, before_eos.long()], 1),
+            "n_prompt": ids.shape[1], "mask": before_eos.float(), "truncated": ~is_eos.any(1),  # no EOS: cut at the limit
+            "texts": tok.batch_decode(comp.masked_fill(is_eos, tok.pad_token_id), skip_special_tokens=True)}
+
+
+@contextlib.contextmanager
+def gathered(policy, on: bool):
+    """FSDP2 with --gen-unshard: every unit keeps its full parameters from its first forward to the end of the block,
+    so decoding gathers each layer once per generate call instead of once per token; resharded after."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not on or not isinstance(policy, FSDPModule):
+        yield
+        return
+    policy.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        policy.set_reshard_after_forward(True)  # the decoder layers' default
+        policy.set_reshard_after_forward(False, recurse=False)  # the root's
+        for m in policy.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+
+# -------------------- tasks: prompts and reference answers
 DATASETS = {  # name: (hub id, config, train split, held-out split, prompt column, answer column, instruction)
     "gsm8k": ("openai/gsm8k", "main", "train", "test", "question", "answer",
               "Solve the problem step by step and end with '#### <answer>'."),
@@ -579,6 +677,7 @@ def chat_prompts(tok, prompts: list[str], enable_thinking: bool) -> list[str]:
                                     enable_thinking=enable_thinking) for p in prompts]
 
 
+# -------------------- rewards: the math grader, --reward, scoring a rollout
 # Numbers as answers write them: -12, 3.5, .5, 3/4, and thousands in groups of three (1,234). A comma that three
 # digits do not follow ends the number, so "the answer is 72, in total" gives 72.
 _NUM = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+"
@@ -944,106 +1043,6 @@ def load_reward(spec: str | None, timeout_s: float) -> Reward:
     return Reward(spec, timeout_s)
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-6):
-    """A_i = (r_i - mean_g r) / (std + eps), population std (DFPO eq. 43; the blog's worked example: rewards [1,0,1,0]
-    give A = [+1,-1,+1,-1]). scale: the std of the group (eq. 43), of the whole batch over all ranks (TRL/verl
-    "batch"), or none (centring only, Dr. GRPO). Groups with equal rewards get A = 0; their count is returned."""
-    r = rewards.view(-1, group_size).double()
-    centred = r - r.mean(1, keepdim=True)
-    std = r.std(1, unbiased=False, keepdim=True)
-    if scale == "group":
-        adv = centred / (std + eps)
-    elif scale == "batch":
-        adv = centred / (all_gather_cat(rewards.double()).std(unbiased=False).item() + eps)
-    elif scale == "none":
-        adv = centred
-    else:
-        raise ValueError(f"unknown scale {scale!r} (group, batch or none)")
-    return adv.view(-1).float(), int((std.squeeze(1) == 0).sum())
-
-
-def group_metrics(m: torch.Tensor, d_first: torch.Tensor, group_size: int, groups_total: int) -> dict:
-    """Mechanism metrics of one minibatch, over its whole groups (rows in group order).
-    m [B]: each sequence's term m_i = w_i A_i in the objective (w_i: the weight the objective applies after clipping
-    and any in-group transform). losses/asym: mean over groups of Var_i(m_i) (DFPO eq. 23).
-    d_first [B]: d loss / d log pi(y_i1), the gradient of the minibatch's loss with respect to the log-prob of each
-    sequence's first completion token (autograd; every sequence has one, after the same prompt). groups_total: the
-    minibatch's groups on all ranks, so that J = -loss = 1/groups_total sum_g J_g. losses/shared_coef: mean over
-    groups of |sum_{i in g} dJ_g / d log pi(y_i1)|, the coefficient that a token shared by the whole group gets in
-    the gradient (DFPO eq. 70-72): 0 when the group's updates on a shared token cancel."""
-    m = m.detach().double().view(-1, group_size)
-    coef = -groups_total * d_first.detach().double().view(-1, group_size).sum(1)
-    return {"losses/asym": m.var(1, unbiased=False).mean(), "losses/shared_coef": coef.abs().mean()}
-
-
-# ----------------------------------------------------------------------------- generation
-GEN_MODES = ("repeat", "shared-prefill", "static")
-
-
-@torch.no_grad()
-def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d: Dist, *, max_new_tokens: int,
-             temperature: float, top_p: float, top_k: int, gen_batch_size: int, unshard: bool = False,
-             mode: str = "shared-prefill") -> dict:
-    """n completions per prompt (rows of one prompt are adjacent: a group). Returns input_ids [B, P+T],
-    attention_mask, n_prompt P, completion mask [B, T] (up to and including the first EOS), truncated [B].
-    mode "repeat": each prompt repeated n times, so `generate` prefills it n times, gen_batch_size rows a call.
-    mode "shared-prefill": each prompt prefilled once and its KV cache repeated to its n rows (Policy.generate),
-    whole groups a call, max(1, gen_batch_size // n) prompts. mode "static": as repeat, with a KV cache allocated
-    once for the whole call and written in place (no copy of the cache per token); on a GPU, with the model unsharded
-    (plain `python`), transformers compiles the decoding step (torch.compile; recompiled only when the cache or batch
-    grows); under FSDP2 it stays eager. Same tokens under greedy decoding (top_k=1)."""
-    if mode not in GEN_MODES:
-        raise ValueError(f"unknown generation mode {mode!r} ({', '.join(GEN_MODES)})")
-    enc = tok(list(prompts), padding=True, return_tensors="pt", add_special_tokens=False)
-    ids, am = enc.input_ids.to(d.device), enc.attention_mask.to(d.device)
-    shared = mode == "shared-prefill"
-    if shared and ids.shape[1] < 2:  # one-token prompts: a pad column, so that the prefilled prefix is not empty
-        ids, am = F.pad(ids, (1, 0), value=tok.pad_token_id), F.pad(am, (1, 0), value=0)
-    rows = max(1, gen_batch_size // n) if shared else gen_batch_size  # prompts (shared) or rows (repeat) a call
-    if not shared:
-        ids, am = ids.repeat_interleave(n, 0), am.repeat_interleave(n, 0)
-    static = dict(cache_implementation="static", disable_compile=d.sharded) if mode == "static" else {}
-    outs = []
-    with gathered(policy, unshard):
-        for i in range(0, ids.shape[0], rows):
-            outs.append(policy.generate(
-                input_ids=ids[i:i + rows], attention_mask=am[i:i + rows], n=n if shared else 1, do_sample=True,
-                temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                pad_token_id=tok.pad_token_id, synced_gpus=d.sharded,  # FSDP: every rank steps until all are done
-                **static,
-            )[:, ids.shape[1]:])
-    if shared:
-        ids, am = ids.repeat_interleave(n, 0), am.repeat_interleave(n, 0)
-    T = max(o.shape[1] for o in outs)
-    comp = torch.cat([F.pad(o, (0, T - o.shape[1]), value=tok.pad_token_id) for o in outs])
-    is_eos = torch.isin(comp, torch.tensor(eos, device=comp.device))
-    before_eos = (is_eos.long().cumsum(1) - is_eos.long()) == 0  # positions up to and including the first EOS
-    comp = comp.masked_fill(~before_eos, tok.pad_token_id)
-    return {"input_ids": torch.cat([ids, comp], 1), "attention_mask": torch.cat([am, before_eos.long()], 1),
-            "n_prompt": ids.shape[1], "mask": before_eos.float(), "truncated": ~is_eos.any(1),  # no EOS: cut at the limit
-            "texts": tok.batch_decode(comp.masked_fill(is_eos, tok.pad_token_id), skip_special_tokens=True)}
-
-
-@contextlib.contextmanager
-def gathered(policy, on: bool):
-    """FSDP2 with --gen-unshard: every unit keeps its full parameters from its first forward to the end of the block,
-    so decoding gathers each layer once per generate call instead of once per token; resharded after."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if not on or not isinstance(policy, FSDPModule):
-        yield
-        return
-    policy.set_reshard_after_forward(False)
-    try:
-        yield
-    finally:
-        policy.set_reshard_after_forward(True)  # the decoder layers' default
-        policy.set_reshard_after_forward(False, recurse=False)  # the root's
-        for m in policy.modules():
-            if isinstance(m, FSDPModule):
-                m.reshard()
-
-
 def score(texts: list[str], answers: list, n: int, reward: Reward | None = None,
           watch: bool = True) -> tuple[torch.Tensor, int]:
     """Reward per completion (reward: a Reward, default the math grader), and on how many completions it failed
@@ -1114,6 +1113,115 @@ def watch_flat_groups(reward: Reward, r: torch.Tensor, n: int):
                   file=sys.stderr)
 
 
+# -------------------- group advantages and the mechanism metrics
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-6):
+    """A_i = (r_i - mean_g r) / (std + eps), population std (DFPO eq. 43; the blog's worked example: rewards [1,0,1,0]
+    give A = [+1,-1,+1,-1]). scale: the std of the group (eq. 43), of the whole batch over all ranks (TRL/verl
+    "batch"), or none (centring only, Dr. GRPO). Groups with equal rewards get A = 0; their count is returned."""
+    r = rewards.view(-1, group_size).double()
+    centred = r - r.mean(1, keepdim=True)
+    std = r.std(1, unbiased=False, keepdim=True)
+    if scale == "group":
+        adv = centred / (std + eps)
+    elif scale == "batch":
+        adv = centred / (all_gather_cat(rewards.double()).std(unbiased=False).item() + eps)
+    elif scale == "none":
+        adv = centred
+    else:
+        raise ValueError(f"unknown scale {scale!r} (group, batch or none)")
+    return adv.view(-1).float(), int((std.squeeze(1) == 0).sum())
+
+
+def group_metrics(seq_terms: torch.Tensor, first_token_grads: torch.Tensor, group_size: int,
+                  groups_total: int) -> dict:
+    """Mechanism metrics of one minibatch, over its whole groups (rows in group order).
+    seq_terms [B]: each sequence's term m_i = w_i A_i in the objective (w_i: the weight the objective applies after
+    clipping and any in-group transform). losses/asym: mean over groups of Var_i(m_i) (DFPO eq. 23).
+    first_token_grads [B]: d loss / d log pi(y_i1), the gradient of the minibatch's loss with respect to the log-prob
+    of each sequence's first completion token (autograd; every sequence has one, after the same prompt).
+    groups_total: the minibatch's groups on all ranks, so that J = -loss = 1/groups_total sum_g J_g.
+    losses/shared_coef: mean over groups of |sum_{i in g} dJ_g / d log pi(y_i1)|, the coefficient that a token
+    shared by the whole group gets in the gradient (DFPO eq. 70-72): 0 when the group's updates on a shared token
+    cancel."""
+    m = seq_terms.detach().double().view(-1, group_size)
+    coef = -groups_total * first_token_grads.detach().double().view(-1, group_size).sum(1)
+    return {"losses/asym": m.var(1, unbiased=False).mean(), "losses/shared_coef": coef.abs().mean()}
+
+
+# -------------------- data order: prompts a step, minibatches, micro-batches
+def prompt_indices(n_rows: int, step: int, per_rank: int, d: Dist, seed: int) -> list[int]:
+    """This rank's prompts for `step` (1-based): a fresh seeded permutation each epoch, global batch
+    split across ranks, so the data position is a pure function of the step."""
+    first = (step - 1) * per_rank * d.world + d.rank * per_rank
+    perms = {}  # one permutation per epoch this batch touches (at most two), not one per prompt
+    out = []
+    for j in range(first, first + per_rank):
+        epoch, pos = divmod(j, n_rows)
+        if epoch not in perms:
+            perms[epoch] = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed + epoch))
+        out.append(int(perms[epoch][pos]))
+    return out
+
+
+def minibatches(n_groups: int, group_size: int, num_minibatches: int) -> list[slice]:
+    """Row slices of whole groups: a group never straddles two minibatches."""
+    per = n_groups // num_minibatches * group_size
+    return [slice(i * per, (i + 1) * per) for i in range(num_minibatches)]
+
+
+def micro_batches(mb: slice, size: int) -> list[slice]:
+    """Consecutive slices of `size` rows inside a minibatch (the last may be shorter; a slice may split a group);
+    size 0 is the whole minibatch."""
+    size = size or mb.stop - mb.start
+    return [slice(i, min(i + size, mb.stop)) for i in range(mb.start, mb.stop, size)]
+
+
+# -------------------- the optimizer step: learning rate, finite checks, statistics
+def lr_scheduler(optimizer, args):
+    """Per optimizer step: linear warm-up over --warmup-frac of the steps, then constant or cosine decay to
+    --min-lr-ratio x the peak (the DFPO paper's App. I: cosine, 3% warm-up, 0.2)."""
+    total = args.num_steps * args.num_minibatches
+    warmup = round(args.warmup_frac * total)
+
+    def factor(i: int) -> float:
+        if i < warmup:
+            return (i + 1) / warmup
+        if args.lr_schedule == "constant":
+            return 1.0
+        progress = (i - warmup) / max(1, total - warmup)
+        return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def all_finite(*tensors: torch.Tensor) -> bool:
+    """True when every tensor is finite on every rank: one decision that all ranks share."""
+    ok = torch.tensor([float(all(torch.isfinite(t).all() for t in tensors))], device=tensors[0].device)
+    return bool(all_reduce(ok, dist.ReduceOp.MIN).item())
+
+
+def reduce_stats(stats: list[dict]) -> dict:
+    """Mean over minibatches then ranks; keys ending in _min/_max take min/max."""
+    out = {}
+    for k in stats[0]:
+        v = torch.tensor([float(s[k]) for s in stats], dtype=torch.float64)
+        if k.endswith("_min"):
+            out[k] = all_reduce(v.min(), dist.ReduceOp.MIN).item()
+        elif k.endswith("_max"):
+            out[k] = all_reduce(v.max(), dist.ReduceOp.MAX).item()
+        else:
+            out[k] = (all_reduce(v.mean()) / (dist.get_world_size() if dist.is_initialized() else 1)).item()
+    return out
+
+
+def jitter2(m: list[float]) -> float:
+    """Second-order difference jitter of a curve, DFPO eq. 20: 1/(T-2) sum_t |m_t+2 - 2 m_t+1 + m_t| (nan if T < 3)."""
+    if len(m) < 3:
+        return float("nan")
+    return sum(abs(m[t + 2] - 2 * m[t + 1] + m[t]) for t in range(len(m) - 2)) / (len(m) - 2)
+
+
+# -------------------- held-out evaluation
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples of which c are correct (Chen et al., 2021): 1 - C(n - c, k) / C(n, k), the
     probability that k samples drawn without replacement from the n include a correct one."""
@@ -1171,110 +1279,7 @@ def eval_summary(log: dict) -> str:
     return f"; held-out avg@{k} {log[f'eval/avg@{k}']:.3f}, pass@{k} {log[f'eval/pass@{k}']:.3f}"
 
 
-SAMPLE_PROMPTS = 2  # prompts a --log-samples step shows, each with all its completions
-_SAMPLES_TRIMMED = set()  # samples.jsonl files already cut back to the resumed step in this process
-
-
-def log_samples(logger: Logger, run_dir: str, step: int, every: int, prompts, answers, texts: list[str],
-                rewards: torch.Tensor, advantages: torch.Tensor, n: int):
-    """Every `every` steps (0: never; main rank only): the first SAMPLE_PROMPTS prompts of this rank's step with
-    their n completions, rewards and advantages, as a text table in tensorboard ('samples') and as one JSON object
-    a completion in {run_dir}/samples.jsonl. A resumed run first drops the rows of the steps it will redo."""
-    if not every or step % every or not logger.d.main:
-        return
-    path = os.path.join(run_dir, "samples.jsonl")
-    if path not in _SAMPLES_TRIMMED and os.path.exists(path):
-        kept = [line for line in open(path) if json.loads(line)["step"] < step]
-        with open(path, "w") as f:
-            f.writelines(kept)
-    _SAMPLES_TRIMMED.add(path)
-    rows, md = [], []
-    for g in range(min(SAMPLE_PROMPTS, len(prompts))):
-        md.append(f"**prompt:** {prompts[g]}  \n**answer:** {answers[g]}\n\n"
-                  "| reward | advantage | completion |\n|---|---|---|")
-        for i in range(g * n, (g + 1) * n):
-            rows.append({"step": step, "prompt": prompts[g], "answer": answers[g], "completion": texts[i],
-                         "reward": rewards[i].item(), "advantage": advantages[i].item()})
-            cell = texts[i].replace("|", "\\|").replace("\n", "<br>")
-            md.append(f"| {rewards[i].item():.3f} | {advantages[i].item():+.3f} | {cell} |")
-    logger.writer.add_text("samples", "\n".join(md), step)
-    with open(path, "a") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-
-
-# ----------------------------------------------------------------------------- data order
-def prompt_indices(n_rows: int, step: int, per_rank: int, d: Dist, seed: int) -> list[int]:
-    """This rank's prompts for `step` (1-based): a fresh seeded permutation each epoch, global batch
-    split across ranks, so the data position is a pure function of the step."""
-    first = (step - 1) * per_rank * d.world + d.rank * per_rank
-    perms = {}  # one permutation per epoch this batch touches (at most two), not one per prompt
-    out = []
-    for j in range(first, first + per_rank):
-        epoch, pos = divmod(j, n_rows)
-        if epoch not in perms:
-            perms[epoch] = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed + epoch))
-        out.append(int(perms[epoch][pos]))
-    return out
-
-
-def minibatches(n_groups: int, group_size: int, num_minibatches: int) -> list[slice]:
-    """Row slices of whole groups: a group never straddles two minibatches."""
-    per = n_groups // num_minibatches * group_size
-    return [slice(i * per, (i + 1) * per) for i in range(num_minibatches)]
-
-
-def micro_batches(mb: slice, size: int) -> list[slice]:
-    """Consecutive slices of `size` rows inside a minibatch (the last may be shorter; a slice may split a group);
-    size 0 is the whole minibatch."""
-    size = size or mb.stop - mb.start
-    return [slice(i, min(i + size, mb.stop)) for i in range(mb.start, mb.stop, size)]
-
-
-# ----------------------------------------------------------------------------- logging and checkpoints
-def reduce_stats(stats: list[dict]) -> dict:
-    """Mean over minibatches then ranks; keys ending in _min/_max take min/max."""
-    out = {}
-    for k in stats[0]:
-        v = torch.tensor([float(s[k]) for s in stats], dtype=torch.float64)
-        if k.endswith("_min"):
-            out[k] = all_reduce(v.min(), dist.ReduceOp.MIN).item()
-        elif k.endswith("_max"):
-            out[k] = all_reduce(v.max(), dist.ReduceOp.MAX).item()
-        else:
-            out[k] = (all_reduce(v.mean()) / (dist.get_world_size() if dist.is_initialized() else 1)).item()
-    return out
-
-
-def all_finite(*tensors: torch.Tensor) -> bool:
-    """True when every tensor is finite on every rank: one decision that all ranks share."""
-    ok = torch.tensor([float(all(torch.isfinite(t).all() for t in tensors))], device=tensors[0].device)
-    return bool(all_reduce(ok, dist.ReduceOp.MIN).item())
-
-
-def jitter2(m: list[float]) -> float:
-    """Second-order difference jitter of a curve, DFPO eq. 20: 1/(T-2) sum_t |m_t+2 - 2 m_t+1 + m_t| (nan if T < 3)."""
-    if len(m) < 3:
-        return float("nan")
-    return sum(abs(m[t + 2] - 2 * m[t + 1] + m[t]) for t in range(len(m) - 2)) / (len(m) - 2)
-
-
-def lr_scheduler(optimizer, args):
-    """Per optimizer step: linear warm-up over --warmup-frac of the steps, then constant or cosine decay to
-    --min-lr-ratio x the peak (the DFPO paper's App. I: cosine, 3% warm-up, 0.2)."""
-    total = args.num_steps * args.num_minibatches
-    warmup = round(args.warmup_frac * total)
-
-    def factor(i: int) -> float:
-        if i < warmup:
-            return (i + 1) / warmup
-        if args.lr_schedule == "constant":
-            return 1.0
-        progress = (i - warmup) / max(1, total - warmup)
-        return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
+# -------------------- logging: tensorboard, metrics.jsonl, samples
 class Logger:
     """Tensorboard + metrics.jsonl on rank 0 only, one row a step, in strict JSON (a non-finite number is null). A
     resumed run (first_step > 1) continues both at first_step: rows a killed run logged after its checkpoint are
@@ -1342,7 +1347,38 @@ def read_metrics(path: str, keep_below: int | None = None) -> list[dict]:
     return rows
 
 
-# ----------------------------------------------------------------------------- checkpoints and exact resume
+SAMPLE_PROMPTS = 2  # prompts a --log-samples step shows, each with all its completions
+_SAMPLES_TRIMMED = set()  # samples.jsonl files already cut back to the resumed step in this process
+
+
+def log_samples(logger: Logger, run_dir: str, step: int, every: int, prompts, answers, texts: list[str],
+                rewards: torch.Tensor, advantages: torch.Tensor, n: int):
+    """Every `every` steps (0: never; main rank only): the first SAMPLE_PROMPTS prompts of this rank's step with
+    their n completions, rewards and advantages, as a text table in tensorboard ('samples') and as one JSON object
+    a completion in {run_dir}/samples.jsonl. A resumed run first drops the rows of the steps it will redo."""
+    if not every or step % every or not logger.d.main:
+        return
+    path = os.path.join(run_dir, "samples.jsonl")
+    if path not in _SAMPLES_TRIMMED and os.path.exists(path):
+        kept = [line for line in open(path) if json.loads(line)["step"] < step]
+        with open(path, "w") as f:
+            f.writelines(kept)
+    _SAMPLES_TRIMMED.add(path)
+    rows, md = [], []
+    for g in range(min(SAMPLE_PROMPTS, len(prompts))):
+        md.append(f"**prompt:** {prompts[g]}  \n**answer:** {answers[g]}\n\n"
+                  "| reward | advantage | completion |\n|---|---|---|")
+        for i in range(g * n, (g + 1) * n):
+            rows.append({"step": step, "prompt": prompts[g], "answer": answers[g], "completion": texts[i],
+                         "reward": rewards[i].item(), "advantage": advantages[i].item()})
+            cell = texts[i].replace("|", "\\|").replace("\n", "<br>")
+            md.append(f"| {rewards[i].item():.3f} | {advantages[i].item():+.3f} | {cell} |")
+    logger.writer.add_text("samples", "\n".join(md), step)
+    with open(path, "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+# -------------------- checkpoints and exact resume
 # A checkpoint is a folder {run_dir}/step_N: the model and tokenizer as `save_pretrained` writes them (safetensors,
 # loads with from_pretrained), trainer_state.json (step, world size, script, reward curve) and rank{r}.pt per rank
 # (this rank's optimizer shard, the lr schedule, the RNG states; plain tensors, read with weights_only=True), and,
@@ -1385,7 +1421,7 @@ def _digests(folder: str, names: list[str], d: Dist) -> dict:
 
 def write_manifest(folder: str, d: Dist | None = None):
     """manifest.json: size and sha256 of every other file in folder (ranks hash in parallel), written last, whole."""
-    d = d or Dist(0, 1, 0, torch.device("cpu"))
+    d = d or Dist(0, 1, torch.device("cpu"))
     barrier()
     names = [None]
     if d.main:
@@ -1664,7 +1700,7 @@ def save_checkpoint(run_dir: str, step: int, policy: Policy, tok, optimizer, sch
     return path
 
 
-# ----------------------------------------------------------------------------- graceful stop
+# -------------------- graceful stop (SIGTERM, SIGINT)
 # SIGTERM (a cluster's preemption) or SIGINT (Ctrl-C) on any rank: every rank finishes the step, saves a checkpoint
 # and exits 0; --resume auto then continues exactly. A second signal exits at once (code 128 + signal), if it comes a
 # second or more after the first: within that second it is the same event delivered twice (Ctrl-C or a scheduler
@@ -1706,27 +1742,7 @@ def release_stop_signals():
     _stop["handlers"].clear()
 
 
-def barrier():
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def cleanup():
-    """The end of a torchrun process: every rank done with every collective, the group destroyed, then the process
-    leaves without the interpreter's exit-time destructors. Under torch 2.13 + gloo, process-group objects that the
-    FSDP2 model still references are destroyed there and sometimes abort ("terminate called without an active
-    exception", about 1 run in 60 on 2 busy cores) after all the work is done and saved. World size 1: nothing but
-    letting go of the run folder's lock."""
-    release_run_dir()
-    release_stop_signals()
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-
-
+# -------------------- argument checks: every flag before any heavy work
 def default_learning_rate(model: str) -> float:
     """--learning-rate when not given: the tiny model learns fast with a large step; real models follow the papers'
     scale. Each script's main() fills it in, in view, before anything reads it."""

@@ -259,17 +259,18 @@ def main():
     train, held, dropped = load_task(args.dataset, args.data_files, args.eval_size, args.seed, tok,
                                      args.enable_thinking, args.max_prompt_tokens)
     run_dir = claim_run_dir(run_dir, ckpt, dist_env)  # one writer per run folder (writer.lock)
-    lm = load_model(ckpt or args.model, tok, dist_env, args.seed, args.trust_remote_code,
-                    args.dtype)
+    lm, rank0_weights = load_model(ckpt or args.model, tok, dist_env, args.seed,
+                                   args.trust_remote_code, args.dtype)
     eos = eos_ids(lm, tok)
     policy = wrap_policy(lm, dist_env, args.temperature, args.logprob_chunk_tokens,
-                         args.activation_checkpointing, args.dtype, args.cpu_offload)
+                         args.activation_checkpointing, args.dtype, args.cpu_offload, rank0_weights)
     ref = None  # the frozen reference of the KL penalty: the initial model (none at --kl-coef 0)
     if args.kl_coef > 0:
-        ref_lm = load_model(args.model, tok, dist_env, args.seed, args.trust_remote_code,
-                            args.dtype)
+        ref_lm, ref_weights = load_model(args.model, tok, dist_env, args.seed,
+                                         args.trust_remote_code, args.dtype)
         ref = wrap_policy(ref_lm.requires_grad_(False), dist_env, args.temperature,
-                          args.logprob_chunk_tokens, False, args.dtype, args.cpu_offload).eval()
+                          args.logprob_chunk_tokens, False, args.dtype, args.cpu_offload,
+                          ref_weights).eval()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
     scheduler = lr_scheduler(optimizer, args)

@@ -199,7 +199,7 @@ def main():
     if not set(models) <= set(shapes.QWEN3) | {"tiny"}:
         raise SystemExit(f"error: --models takes {', '.join(shapes.QWEN3)}")
     hf_logging.set_verbosity_error()
-    d = common.Dist(0, 1, 0, torch.device("cuda", 0) if torch.cuda.is_available() and not a.smoke else
+    d = common.Dist(0, 1, torch.device("cuda", 0) if torch.cuda.is_available() and not a.smoke else
                     torch.device("cpu"))
     dtype = torch.bfloat16 if d.device.type == "cuda" else torch.float32
     device_name = torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else "CPU (--smoke)"

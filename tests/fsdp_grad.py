@@ -23,9 +23,10 @@ d = common.setup_distributed(0)
 assert d.world == 2, "run me with torchrun --nproc-per-node 2"
 tok = common.tiny_tokenizer()
 # FSDP2: built on the meta device, rank 0's weights scattered to fp32 shards, computed in `dtype`, reduced in fp32
-policy = common.wrap_policy(common.load_model("tiny", tok, d, seed=0), d, 1.0, 16, ac, dtype)
-one = common.Dist(d.rank, 1, 0, d.device)
-single = common.Policy(common.load_model("tiny", tok, one, seed=0, dtype=dtype), 1.0, 16)  # same init, one process
+lm, rank0_weights = common.load_model("tiny", tok, d, seed=0)
+policy = common.wrap_policy(lm, d, 1.0, 16, ac, dtype, rank0_weights=rank0_weights)
+one = common.Dist(d.rank, 1, d.device)
+single = common.Policy(common.load_model("tiny", tok, one, seed=0, dtype=dtype)[0], 1.0, 16)  # same init, one process
 policy.train(), single.train()
 for (name, p), (_, q) in zip(policy.named_parameters(), single.named_parameters()):
     assert p.dtype == torch.float32 and torch.equal(p.full_tensor().to(q.dtype), q.detach()), name  # fp32 masters

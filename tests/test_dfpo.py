@@ -298,10 +298,10 @@ def toy_gradients(loss_fn):
     the first two completion tokens and differ in the last, advantages (-1, +1). Returns the parameter gradient of
     the loss restricted to the shared-prefix tokens (sum over the group of dL/dlogp_it grad logp_it for t < 2), the
     whole gradient, the per-token log-ratios, and g* = grad of the two prefix log-probs of trajectory 1."""
-    d = common.Dist(0, 1, 0, torch.device("cpu"))
+    d = common.Dist(0, 1, torch.device("cpu"))
     tok = common.tiny_tokenizer()
-    lm_old = common.load_model("tiny", tok, d, seed=0).double()
-    lm = common.load_model("tiny", tok, d, seed=0).double()
+    lm_old = common.load_model("tiny", tok, d, seed=0)[0].double()
+    lm = common.load_model("tiny", tok, d, seed=0)[0].double()
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for p in lm.parameters():

@@ -8,9 +8,9 @@ import common
 
 @pytest.fixture(scope="module")
 def setup():
-    d = common.Dist(0, 1, 0, torch.device("cpu"))
+    d = common.Dist(0, 1, torch.device("cpu"))
     tok = common.tiny_tokenizer()
-    lm = common.load_model("tiny", tok, d, seed=0)
+    lm, _ = common.load_model("tiny", tok, d, seed=0)
     policy = common.wrap_policy(lm, d, 1.0, 64, False).eval()
     prompts = common.chat_prompts(tok, ["1%10=", "a longer prompt, 23%10=", "7%10="], False)  # ragged: left padding
     return d, tok, policy, prompts, common.eos_ids(lm, tok)

@@ -28,7 +28,7 @@ LOSSES = {
 def setup():
     """The tiny model and one minibatch of 4 groups: left padding, ragged completions, pi_old a little off."""
     tok = common.tiny_tokenizer()
-    policy = common.Policy(common.load_model("tiny", tok, common.Dist(0, 1, 0, torch.device("cpu")), seed=0), 1.0, 16)
+    policy = common.Policy(common.load_model("tiny", tok, common.Dist(0, 1, torch.device("cpu")), seed=0)[0], 1.0, 16)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(3, len(tok), (B, P + T), generator=g)
     am = torch.ones(B, P + T, dtype=torch.long)

@@ -61,7 +61,7 @@ def straight(world, tmp_path_factory):
         _straight[world] = result(out)
         weights, rows = _straight[world]
         tok = common.tiny_tokenizer()
-        init = common.load_model("tiny", tok, common.Dist(0, 1, 0, torch.device("cpu")), 1).state_dict()
+        init = common.load_model("tiny", tok, common.Dist(0, 1, torch.device("cpu")), 1)[0].state_dict()
         assert not torch.equal(weights["model.layers.0.mlp.up_proj.weight"], init["model.layers.0.mlp.up_proj.weight"])
         assert sum(r.get("charts/reward_mean", 0) for r in rows) > 0  # some groups had signal: the runs learn
     return _straight[world]
@@ -226,7 +226,7 @@ def test_one_writer_per_run_folder(tmp_path, monkeypatch):
     finally:
         holder.kill()
         holder.wait()
-    d = common.Dist(0, 1, 0, torch.device("cpu"))
+    d = common.Dist(0, 1, torch.device("cpu"))
     assert common.claim_run_dir(str(run), str(ckpt), d) == str(run)  # the dead writer's lock, taken over
     assert (run / "writer.lock").read_text() == f"pid {os.getpid()} on {socket.gethostname()}\n"
     fresh = str(tmp_path / "gspo__1__1795365514")

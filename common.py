@@ -84,6 +84,12 @@ class Dist:
         return self.rank == 0
 
 
+def launched() -> bool:
+    """Started by torchrun (or any env:// launcher, which sets RANK): the run is sharded with FSDP2, one process
+    included. setup_distributed and the argument checks both ask this, so they cannot disagree."""
+    return "RANK" in os.environ
+
+
 def setup_distributed(seed: int) -> Dist:
     """Read torchrun's environment (plain `python x.py` is world size 1, unsharded); NCCL on CUDA, gloo on CPU. Under
     torchrun the process group exists even for one process, so that FSDP2 (fp32 master weights, --cpu-offload,
@@ -95,7 +101,7 @@ def setup_distributed(seed: int) -> Dist:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if "RANK" in os.environ and not dist.is_initialized():  # torchrun (or any env:// launcher), one process too
+    if launched() and not dist.is_initialized():
         backend, dev = ("nccl", device) if device.type == "cuda" else ("gloo", None)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
         if attempt is None:  # launched by something other than torchrun: plain env:// rendezvous
@@ -1781,7 +1787,7 @@ def check_common_args(args):
     if args.cpu_offload and not torch.cuda.is_available():
         fail("--cpu-offload moves FSDP2 shards between GPU and CPU memory: it needs a GPU (drop it on CPU)")
     for flag in ("cpu_offload", "gen_unshard"):
-        if getattr(args, flag) and "RANK" not in os.environ:
+        if getattr(args, flag) and not launched():
             fail(f"--{flag.replace('_', '-')} acts on FSDP2 shards, which plain `python` does not make: launch with "
                  "`torchrun --nproc-per-node N` (N = 1 is fine)")
     if args.eval_n is not None and args.eval_n < args.eval_k or args.eval_k < 1:

@@ -161,29 +161,21 @@ class Args:
     clip_high: float = 4e-4
     """eps_high: s_i is clipped above at 1 + eps_high (GSPO paper: 4e-4)"""
     transform: Literal["min-replace", "orth-proj", "orth-proj-qp", "scale", "none"] = "min-replace"
-    """in-group transform of the post-clip weights (docs/objectives.md; the paper's main method:
-    min-replace)"""
+    """the in-group transform T of eq. 63: eq. 50, 52-55, 51, or Table 3's ablations"""
     length_aware: bool = False
-    """transform s_bar_i / |y_i| and map back, so that sum_i A_i s_tilde_i / |y_i| = 0: a token
-    shared by the group cancels at any lengths (eq. 72), not only at equal ones (eq. 73);
-    min-replace, orth-proj and orth-proj-qp"""
+    """T acts on s_bar_i / |y_i|: a shared token cancels at any lengths (eq. 72), not only equal"""
     clip_gated: bool = False
-    """a clipped sequence (s_bar_i = c_i) gets no gradient, as in GSPO, while its s_bar still enters
-    the transform; the default is eq. 68: every sequence carries s_tilde_i A_i grad log s_i, and
-    clipping acts only through s_tilde"""
+    """a clipped sequence gets no gradient, as in GSPO (default: eq. 68, every sequence does)"""
     stop_grad: bool = True
-    """treat s_tilde as a constant (App. D); --no-stop-grad differentiates through the transform
-    (Table 3 ablation)"""
+    """s_tilde is a constant (App. D); --no-stop-grad differentiates through T (Table 3)"""
     orth_floor: float = 1e-6
     """eps of eq. 52: orth-proj first raises every weight to at least this"""
 
 
 def orth_proj_qp(s_bar, A):
-    """Eq. 51 exactly, per group: argmin_v 1/2 ||v - s_bar||^2 s.t. A.v = 0, v >= 0.
-    KKT: v = max(s_bar - lam A, 0), and f(lam) = A.v(lam) is piecewise linear and decreasing, with
-    breakpoints s_bar_i / A_i. Between two consecutive breakpoints the active set S = {v_i > 0} is
-    fixed and f = 0 at lam = sum_S A s_bar / sum_S A^2; the segment whose lam falls inside it holds
-    the root. s_bar, A: [groups, G]. Differentiable in s_bar given S."""
+    """Eq. 51 exactly, per group: argmin_v 1/2 ||v - s_bar||^2 s.t. A.v = 0, v >= 0; s_bar, A:
+    [groups, G]. v = max(s_bar - lam A, 0) (KKT); on the segment of lam between two breakpoints
+    s_bar_i / A_i holding the root, the active set S = {v_i > 0} is fixed and A.v = 0 is linear."""
     with torch.no_grad():
         x = s_bar.double()
         a = A.double()
@@ -217,13 +209,10 @@ def in_group_transform(s_bar, A, transform: str, floor: float):
         s_plus = s_bar.clamp(min=floor)  # eq. 52
         pos = torch.where(A > 0, A * s_plus, 0.0).sum(1, keepdim=True)  # sum_P A_i s+_i
         neg = torch.where(A < 0, -A * s_plus, 0.0).sum(1, keepdim=True)  # sum_N (-A_i) s+_i
-        # delta = pos - neg (eq. 53)
-        alpha = neg / torch.where(pos > neg, pos, 1.0)  # eq. 55, used when delta > 0
-        beta = pos / torch.where(neg > pos, neg, 1.0)  # eq. 55, sign corrected, used when delta < 0
-        scaled_pos = (pos > neg) & (A > 0)
-        scaled_neg = (neg > pos) & (A < 0)
-        return torch.where(scaled_pos, alpha * s_plus,
-                           torch.where(scaled_neg, beta * s_plus, s_plus))
+        alpha = neg / torch.where(pos > neg, pos, 1.0)  # eq. 55, when delta = pos - neg > 0
+        beta = pos / torch.where(neg > pos, neg, 1.0)  # eq. 55 (sign corrected), when delta < 0
+        scaled_pos = torch.where((pos > neg) & (A > 0), alpha * s_plus, s_plus)
+        return torch.where((neg > pos) & (A < 0), beta * s_plus, scaled_pos)
     if transform == "orth-proj-qp":
         return orth_proj_qp(s_bar, A)
     if transform == "scale":  # Table 3: "DFPO (scale by 0.5)"
@@ -246,13 +235,8 @@ def sequence_weights(logp, old_logp, advantages, mask, *, clip_low: float, clip_
 
 def group_weights(s_bar, advantages, mask, *, group_size: int, transform: str, floor: float,
                   length_aware: bool):
-    """s_tilde [B] from s_bar [B], advantages [B] and mask [B, T] (|y_i|: its rows' sums); rows are
-    whole groups of group_size, in order.
-    Plain: s_tilde = T(s_bar) with sum_i A_i s_tilde_i = 0 (eq. 63), so a token shared by the whole
-    group cancels when the lengths are equal (eq. 72-73). length_aware: T acts on
-    u_i = s_bar_i L / |y_i| (L: the group's mean length) and s_tilde_i = u_tilde_i |y_i| / L, so
-    sum_i A_i s_tilde_i / |y_i| = 0: eq. 72 cancels at any lengths (at equal lengths u = s_bar, and
-    nothing changes)."""
+    """s_tilde = T(s_bar) [B], sum_i A_i s_tilde_i = 0 in each group (eq. 63); whole groups in rows.
+    length_aware: T acts on u_i = s_bar_i L / |y_i| (L: the group's mean length), mapped back."""
     A = advantages.view(-1, group_size)
     if not length_aware:
         return in_group_transform(s_bar.view(-1, group_size), A, transform, floor).flatten()
@@ -267,10 +251,7 @@ def dfpo_loss(logp, old_logp, advantages, mask, *, group_size: int, clip_low: fl
               length_aware: bool = False, clip_gated: bool = False, stop_grad: bool = True,
               norm: float | None = None, s_tilde=None):
     """-J_DFPO over the minibatch. logp, old_logp, mask: [B, T] completion tokens; advantages: [B];
-    rows are whole groups of group_size, in order (the transform acts inside each group), unless
-    s_tilde [B] is given: the transformed weights of these rows, which the caller computed (no
-    grad, with sequence_weights and group_weights) from their whole groups, so that a micro-batch
-    may split a group (stop_grad only).
+    rows are whole groups of group_size, unless s_tilde [B] (from their whole groups) is given.
     norm: the count the summed objective is divided by (None: this batch's); the loop passes the
     minibatch's count over all ranks, so that micro-batches and ranks add up to one gradient.
     Returns (loss, seq_terms, stats): seq_terms [B] is each sequence's term m_i = w_i A_i

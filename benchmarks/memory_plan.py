@@ -6,7 +6,8 @@
 
 What is counted (bytes; P parameters, L layers, H hidden, I intermediate, V vocabulary):
 - sharded state, 16 P / n: fp32 master weights (4), fp32 gradients (4), AdamW's two fp32 moments (8). With
-  --cpu-offload all of it lives in CPU memory instead.
+  --cpu-offload all of it lives in CPU memory instead. The scripts free the gradients after each optimizer step,
+  so generation and checkpoint saves hold 12 P / n of it.
 - gathered units: FSDP2 gathers one unit at a time (plus one prefetched) in bf16, with its bf16 gradient and an
   fp32 reduce-scatter buffer (8 bytes a parameter); the root unit (embeddings, final norm, LM head) stays gathered
   for the whole forward and backward.
@@ -60,7 +61,7 @@ def cpu_process(c: dict, procs: int, seqs: int, tokens: int, gen_seqs: int, chun
       freed, so training's peak is the larger of the two, not their sum.
     Rank 0 under FSDP2 (rank0 True) also holds the whole fp32 model (4 P) while it reads the weights, freed once
     they are scattered (common.load_model), and while it saves a checkpoint (the full state dict gathered on CPU,
-    next to its shards, gradients and AdamW state); gathering it over gloo holds one to two copies of the largest
+    next to its shards and AdamW state: the gradients were freed after the optimizer step); gathering it over gloo holds one to two copies of the largest
     tensor, whole, on every rank (measured: +0.8-1.2 GB on rank 1 of the 0.6B shape while rank 0 saved): two here."""
     n = procs if fsdp else 1
     r = plan(c, n, seqs, tokens, gen_seqs, chunk, dtype="fp32")
@@ -69,7 +70,7 @@ def cpu_process(c: dict, procs: int, seqs: int, tokens: int, gen_seqs: int, chun
     work = r["activations"] + r["log-prob chunk"] + (r["gathered units"] if fsdp else 0)
     out = {"training": baseline + 16 * P / n + max(work, adam_tmp)}
     if rank0 and fsdp:
-        out.update(loading=baseline + 4 * P + 4 * P / n, saving=baseline + 16 * P / n + 4 * P + adam_tmp * n)
+        out.update(loading=baseline + 4 * P + 4 * P / n, saving=baseline + 12 * P / n + 4 * P + adam_tmp * n)
     return out
 
 
@@ -98,7 +99,8 @@ def main():
         print(f"| {k} | " + " | ".join(f"{rows[n][k]:.1f}" for n in a.gpus) + " |")
     train = {n: sum(rows[n][k] for k in ("sharded state 16P/n", "gathered units", "activations", "log-prob chunk"))
              for n in a.gpus}
-    gen = {n: rows[n]["sharded state 16P/n"] + rows[n]["KV cache (generation)"] for n in a.gpus}
+    # gradients freed after each optimizer step: 12 of the 16 bytes a parameter while generating
+    gen = {n: rows[n]["sharded state 16P/n"] * 12 / 16 + rows[n]["KV cache (generation)"] for n in a.gpus}
     print("| **training peak** | " + " | ".join(f"**{train[n]:.1f}**" for n in a.gpus) + " |")
     print("| **generation peak** (sharded) | " + " | ".join(f"**{gen[n]:.1f}**" for n in a.gpus) + " |")
     print("| training peak, --cpu-offload | " + " | ".join(

@@ -906,14 +906,14 @@ def math_reward(completion: str, answer: str) -> float:
 # replaces the process's SIGALRM handler, and cannot interrupt a long call into C (a huge integer
 # power); a separate process can always be killed, and bounds memory too (RLIMIT_AS for the math
 # grader).
-_WORKER_SRC = (r'''
+_WORKER_SRC = r'''
 import json
 import os
 import sys
 sys.path[:0] = json.loads(sys.argv[1])
 spec = sys.argv[2]
-out = os.fdopen(os.dup(1), "w")  # replies only: a print() or a child process of the reward '''
-r'''writes to stderr
+# replies only: a print() or a child process of the reward writes to stderr
+out = os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)
 sys.stdout = sys.stderr
 def reply(**kw):
@@ -930,8 +930,9 @@ try:
         resource.setrlimit(resource.RLIMIT_AS, (4 << 30, resource.getrlimit(resource.RLIMIT_AS)[1]))
         logging.disable(logging.WARNING)
         from math_verify import LatexExtractionConfig, parse, verify
-        try:  # ANTLR's two-stage parse: the fast SLL prediction first, full LL only where SLL '''
-r'''fails (~4x faster)
+        # ANTLR's two-stage parse: the fast SLL prediction first, full LL only where SLL fails
+        # (~4x faster)
+        try:
             from antlr4.atn.PredictionMode import PredictionMode
             from latex2sympy2_extended.latex2sympy2 import _Latex2Sympy
             ll_create, ll_parse = _Latex2Sympy.create_parser, _Latex2Sympy.parse
@@ -955,8 +956,8 @@ r'''fails (~4x faster)
             if len(parsed) > 4096:
                 parsed.clear()
             if s not in parsed:
-                parsed[s] = parse("$" + s + "$", extraction_config=config, '''
-r'''fallback_mode="no_fallback",
+                parsed[s] = parse("$" + s + "$", extraction_config=config,
+                                  fallback_mode="no_fallback",
                                   parsing_timeout=None)
             return parsed[s]
         def fn(pred, gold):
@@ -975,7 +976,7 @@ for line in sys.stdin:
         reply(r=r)
     except Exception as e:
         reply(e=f"{type(e).__name__}: {e}"[:300])
-''')
+'''
 
 
 # worker processes per Reward (per rank): math-verify's parser is pure Python, one core each

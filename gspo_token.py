@@ -11,7 +11,7 @@ Equation numbers are the DFPO paper's (arXiv:2604.13088); derivations: docs/obje
 Different from gspo.py: the advantage may change from token to token. s_it has the value of s_i, so
 clipping is decided as in GSPO, but its gradient flows only through the token's own log-likelihood,
 scaled by the frozen s_i. With A_it = A_i it is GSPO exactly; Observations 1-3 (why both
-stop-gradients) are checked in tests/test_gspo_token.py.
+stop-gradients: docs/objectives.md) are checked in tests/test_gspo_token.py.
 """
 
 import dataclasses

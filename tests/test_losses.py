@@ -1,4 +1,5 @@
-"""The objectives against float64 values derived by hand from the seeds' equations: values and gradients."""
+"""The objectives against float64 values derived by hand from the papers' equations (GSPO arXiv:2507.18071, GRPO
+arXiv:2402.03300, DFPO arXiv:2604.13088; numbering as in docs/objectives.md): values and gradients."""
 import math
 
 import pytest
@@ -33,7 +34,8 @@ def ragged_batch(B=6, T=7, seed=0, spread=0.3):
 
 # ------------------------------------------------------------------------------------------- GSPO
 def test_blog_512_token_example():
-    """seeds/gspo-blog...: 510 tokens at ratio 1, two at 1.9 and 0.4 -> s_i = exp((log 1.9 + log 0.4)/512) = 0.9995."""
+    """GSPO's length normalisation on a worked example: 510 tokens at ratio 1, two at 1.9 and 0.4 ->
+    s_i = exp((log 1.9 + log 0.4)/512) = 0.9995 (eq. 44), far inside the clip range although two tokens are not."""
     old = torch.zeros(1, 512)
     logp = old.clone()
     logp[0, 100], logp[0, 300] = math.log(1.9), math.log(0.4)

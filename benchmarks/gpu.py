@@ -159,16 +159,19 @@ def trl_step(a, out_dir: str) -> dict:
     del lm
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "rl_step.py"), "--model-folder", folder,
            "--steps", "2" if a.smoke else "4", "--prompts", "4" if a.smoke else "16",
-           "--max-new-tokens", "8" if a.smoke else "256"] + ([] if a.smoke else ["--gpu"])
+           "--max-new-tokens", "8" if a.smoke else "256"] + ([] if a.smoke else ["--gpu"]) + (
+        ["--phases"] if getattr(a, "trl_phases", False) else [])
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode:
         return {"error": p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"exit {p.returncode}"}
-    return {"table": [line for line in p.stdout.splitlines() if line.startswith(("|", "ratio"))]}
+    lines = [line for line in p.stdout.splitlines() if line.startswith(("|", "ratio", "phases"))]
+    return {"table": [f"\n{line}\n" if line.startswith("phases") else line for line in lines]}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="0.6B,1.7B,4B,8B", help="keys of shapes.QWEN3, smallest first")
+    ap.add_argument("--models", default="0.6B,1.7B,4B,8B",
+                    help="keys of shapes.QWEN3, smallest first ('': none, the TRL comparison alone)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group-size", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=256)
@@ -182,6 +185,8 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"), help="folder for gpu.md/json")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: every code path in seconds")
     ap.add_argument("--no-trl", action="store_true", help="skip the TRL comparison (benchmarks/rl_step.py)")
+    ap.add_argument("--trl-phases", action="store_true",
+                    help="the TRL comparison with rl_step.py --phases: each trainer's time by phase, fenced")
     a = ap.parse_args()
     if a.smoke:  # tiny everything, the same code paths (flags given explicitly still win)
         ap.set_defaults(prompts=2, group_size=3, prompt_tokens=8, new_tokens=6, mean_length=3, train_seqs=2,
@@ -193,7 +198,7 @@ def main():
     import common
     import shapes
 
-    models = ["tiny"] if a.smoke else a.models.split(",")
+    models = ["tiny"] if a.smoke else [m for m in a.models.split(",") if m]  # --models "": TRL only
     if not a.smoke and not torch.cuda.is_available():
         raise SystemExit("error: no GPU here: run with --smoke on CPU (tiny shapes), or on a machine with a GPU")
     if not set(models) <= set(shapes.QWEN3) | {"tiny"}:

@@ -44,14 +44,72 @@ def save_tiny(folder: str, seed: int):
     tok.save_pretrained(folder)
 
 
+PHASES = {}  # --phases: phase -> {RL step: seconds}, filled by fenced() calls in a child process
+RL_STEP = [0]  # the RL step under way: each generation call starts the next one
+
+
+def fenced(fn, name: str, new_step: bool = False, by_grad: bool = False):
+    """fn, timed between two device synchronizations into PHASES[name] (by_grad: the name says whether autograd is
+    on); new_step: a call starts the next RL step. Fencing serializes CPU and GPU at each call, so the phases add
+    up to the step, at the cost of the overlap between them (the fenced step is slower than the plain one)."""
+    import torch
+
+    def wrapped(*args, **kw):
+        RL_STEP[0] += new_step
+        key = f"{name} ({'grad' if torch.is_grad_enabled() else 'no grad'})" if by_grad else name
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = fn(*args, **kw)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        per_step = PHASES.setdefault(key, {})
+        per_step[RL_STEP[0]] = per_step.get(RL_STEP[0], 0.0) + time.perf_counter() - t
+        return out
+    return wrapped
+
+
+def fence_training(torch):
+    """The phases both trainers share, fenced where both call them: backward, grad-norm clipping, AdamW."""
+    torch.Tensor.backward = fenced(torch.Tensor.backward, "backward")
+    torch.nn.utils.clip_grad_norm_ = fenced(torch.nn.utils.clip_grad_norm_, "grad-norm clipping")
+    torch.optim.AdamW.step = fenced(torch.optim.AdamW.step, "AdamW step")
+
+
+def ours_argv(a, folder: str, out_dir: str) -> list[str]:
+    return ["--model", folder, "--seed", str(a.seed), "--num-steps", str(a.steps), "--prompts-per-rank",
+            str(a.prompts), "--group-size", str(a.group_size), "--num-minibatches", str(a.minibatches),
+            "--max-new-tokens", str(a.max_new_tokens), "--learning-rate", str(a.lr), "--eval-every", "0",
+            "--output-dir", out_dir]
+
+
 def run_ours(a, folder: str, out_dir: str) -> dict:
-    cmd = [sys.executable, os.path.join(ROOT, "gspo.py"), "--model", folder, "--seed", str(a.seed),
-           "--num-steps", str(a.steps), "--prompts-per-rank", str(a.prompts), "--group-size", str(a.group_size),
-           "--num-minibatches", str(a.minibatches), "--max-new-tokens", str(a.max_new_tokens),
-           "--learning-rate", str(a.lr), "--eval-every", "0", "--output-dir", out_dir]
+    cmd = [sys.executable, os.path.join(ROOT, "gspo.py"), *ours_argv(a, folder, out_dir)]
     p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(a.threads)})
     if p.returncode:
         raise SystemExit(f"error: {' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
+    return ours_result(a, out_dir)
+
+
+def run_ours_fenced(a, folder: str, out_dir: str) -> dict:
+    """In this (fresh) process: gspo.py's main() with its phases fenced (--phases)."""
+    import runpy
+
+    import torch
+
+    sys.path.insert(0, ROOT)
+    import common
+
+    fence_training(torch)
+    common.generate = fenced(common.generate, "generate", new_step=True)
+    common.score = fenced(common.score, "rewards")
+    common.Policy.forward = fenced(common.Policy.forward, "log-prob forward", by_grad=True)
+    sys.argv = ["gspo.py", *ours_argv(a, folder, out_dir)]
+    runpy.run_path(os.path.join(ROOT, "gspo.py"), run_name="__main__")
+    return ours_result(a, out_dir)
+
+
+def ours_result(a, out_dir: str) -> dict:
     rows = [json.loads(line) for path in [os.path.join(r, "metrics.jsonl") for r, _, f in os.walk(out_dir)
                                           if "metrics.jsonl" in f] for line in open(path)]
     rows = sorted((r for r in rows if "perf/wall_time" in r), key=lambda r: r["step"])
@@ -63,7 +121,8 @@ def run_ours(a, folder: str, out_dir: str) -> dict:
 
 
 def run_trl(a, folder: str, out_dir: str) -> dict:
-    """In this (fresh) process: TRL's GRPOTrainer as GSPO, matched field by field to gspo.py's defaults."""
+    """In this (fresh) process: TRL's GRPOTrainer as GSPO, matched field by field to gspo.py's defaults (--phases:
+    with its phases fenced)."""
     import torch
 
     torch.set_num_threads(a.threads)
@@ -123,6 +182,11 @@ def run_trl(a, folder: str, out_dir: str) -> dict:
         return out
 
     trainer._generate = timed_generate
+    if a.phases:
+        fence_training(torch)
+        trainer._generate = fenced(trainer._generate, "generate", new_step=True)
+        trainer._get_per_token_logps_and_entropies = fenced(trainer._get_per_token_logps_and_entropies,
+                                                            "log-prob forward", by_grad=True)
     trainer.train()
     M, n = a.minibatches, a.prompts * a.group_size
     # the setup check: one reward call of P x G completions (P groups of G) per RL step, M optimizer steps each
@@ -138,10 +202,11 @@ def run_trl(a, folder: str, out_dir: str) -> dict:
             "completions": seen["completions"], "length": statistics.mean(seen["lengths"])}
 
 
-def child(a, folder: str) -> dict:
-    cmd = [sys.executable, __file__, "--run", "trl", "--folder", folder] + [
-        f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items() if k not in ("run", "folder", "model_folder", "gpu")
-    ] + (["--gpu"] if a.gpu else [])
+def child(a, folder: str, run: str = "trl") -> dict:
+    flags = ("run", "folder", "model_folder", "gpu", "phases")
+    cmd = [sys.executable, __file__, "--run", run, "--folder", folder] + [
+        f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items() if k not in flags
+    ] + (["--gpu"] if a.gpu else []) + (["--phases"] if a.phases else [])
     p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(a.threads)})
     if p.returncode:
         raise SystemExit(f"error: {' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
@@ -162,12 +227,16 @@ def main():
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads for both trainers")
     ap.add_argument("--model-folder", help="a saved model and tokenizer to train (default: the tiny model, --seed)")
     ap.add_argument("--gpu", action="store_true", help="TRL on the GPU in bf16 (gspo.py: bf16 on a GPU anyway)")
-    ap.add_argument("--run", help=argparse.SUPPRESS)  # internal: run TRL in this process
+    ap.add_argument("--phases", action="store_true",
+                    help="also time each phase (generation, log-prob passes, backward, clipping, AdamW) of both "
+                         "trainers, each call fenced by device synchronizations; a second table")
+    ap.add_argument("--run", help=argparse.SUPPRESS)  # internal: run TRL (or ours, --phases) in this process
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.run:
         with tempfile.TemporaryDirectory() as out:
-            print(json.dumps(run_trl(a, a.folder, out)))
+            r = (run_trl if a.run == "trl" else run_ours_fenced)(a, a.folder, out)
+            print(json.dumps({**r, "phases": PHASES}))
         return
     if importlib.util.find_spec("trl") is None:
         raise SystemExit("error: this benchmark compares against TRL: pip install -r benchmarks/requirements.txt")
@@ -182,8 +251,8 @@ def main():
         folder = a.model_folder or os.path.join(tmp, "tiny")
         if not a.model_folder:
             save_tiny(folder, a.seed)
-        results = {"ours (gspo.py)": run_ours(a, folder, os.path.join(tmp, "runs")),  # one after the other
-                   f"TRL {trl.__version__} GRPOTrainer": child(a, folder)}
+        ours = child(a, folder, "ours") if a.phases else run_ours(a, folder, os.path.join(tmp, "runs"))
+        results = {"ours (gspo.py)": ours, f"TRL {trl.__version__} GRPOTrainer": child(a, folder)}  # in turn
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}; "
           f"{a.threads} threads; P={a.prompts} prompts x G={a.group_size}, M={a.minibatches} optimizer steps per RL "
           f"step, L={a.max_new_tokens} new tokens, {a.steps} RL steps (first skipped)")
@@ -197,7 +266,24 @@ def main():
               f"{sum(gen) / sum(steps):.0%} |")
     ours, theirs = med.values()
     print(f"\nratio ours / TRL = {ours / theirs:.2f} (total {time.time() - t0:.0f}s)")
+    if a.phases:
+        print_phases(results, a.steps)
     print(" ".join(["command: python", f"benchmarks/{os.path.basename(__file__)}"] + sys.argv[1:]))
+
+
+def print_phases(results: dict, steps: int):
+    """Seconds per RL step in each fenced phase, the mean over RL steps 2..N, and what no fence covers."""
+    names = list(dict.fromkeys(k for r in results.values() for k in r["phases"]))
+    print("\nphases, s / RL step (mean of RL steps 2..N; every phase fenced by device synchronizations)\n")
+    print("| phase | " + " | ".join(results) + " |\n|---|" + "---|" * len(results))
+    mean = {}
+    for trainer, r in results.items():  # JSON made the step numbers strings
+        mean[trainer] = {k: sum(v.get(str(s), 0.0) for s in range(2, steps + 1)) / (steps - 1)
+                         for k, v in r["phases"].items()}
+        mean[trainer]["step (fenced)"] = statistics.mean(r["step_s"][1:])
+        mean[trainer]["not fenced"] = mean[trainer]["step (fenced)"] - sum(mean[trainer][k] for k in r["phases"])
+    for k in names + ["not fenced", "step (fenced)"]:
+        print(f"| {k} | " + " | ".join(f"{m[k]:.3f}" if k in m else "-" for m in mean.values()) + " |")
 
 
 if __name__ == "__main__":

@@ -107,3 +107,42 @@ def test_memory_plan_cpu_terms(tmp_path):
                         "--gpus", "2", "--seqs", "8", "--tokens", "40", "--cpu", "0.5"], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 0 and "| saving | - | 7.71 |" in p.stdout, p.stdout + p.stderr
+
+
+def test_rl_step_fences_sum_each_phase_per_rl_step():
+    """rl_step.py --phases: a fenced call adds its time to its phase in the RL step under way; a generation call
+    starts the next step; by_grad phases are split by autograd's state."""
+    import time
+
+    import torch
+
+    import rl_step
+    rl_step.PHASES.clear()
+    rl_step.RL_STEP[0] = 0
+    gen = rl_step.fenced(lambda: time.sleep(0.02), "generate", new_step=True)
+    fwd = rl_step.fenced(lambda: time.sleep(0.01), "forward", by_grad=True)
+    for _ in range(2):  # two RL steps: generate, a no-grad pass, two passes with grad
+        gen()
+        with torch.no_grad():
+            fwd()
+        fwd()
+        fwd()
+    assert set(rl_step.PHASES) == {"generate", "forward (no grad)", "forward (grad)"}
+    assert set(rl_step.PHASES["forward (grad)"]) == {1, 2}
+    for step in (1, 2):
+        assert 0.02 <= rl_step.PHASES["forward (grad)"][step] < 0.04  # two calls of 10 ms, summed
+        assert 0.01 <= rl_step.PHASES["forward (no grad)"][step] < 0.02
+        assert 0.02 <= rl_step.PHASES["generate"][step] < 0.03
+
+
+def test_rl_step_phases_against_trl(tmp_path):
+    """rl_step.py --phases on the tiny model: both trainers' tables, the fenced phases within each step."""
+    import pytest
+    pytest.importorskip("trl")
+    p = subprocess.run([sys.executable, "benchmarks/rl_step.py", "--steps", "3", "--prompts", "4", "--max-new-tokens",
+                        "4", "--phases"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line.split("|")[2:4] for line in p.stdout.splitlines() if line.startswith("| ")}
+    for phase in ("generate", "log-prob forward (no grad)", "log-prob forward (grad)", "backward", "AdamW step"):
+        assert all(float(x) > 0 for x in rows[phase]), (phase, p.stdout)
+    assert all(float(x) >= -0.01 for x in rows["not fenced"]), p.stdout  # the phases fit inside the step

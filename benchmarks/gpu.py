@@ -1,12 +1,13 @@
 """The project on one GPU, in the real shapes of Qwen3-0.6B, 1.7B, 4B and 8B with random bf16 weights (random
 weights run at the speed of trained ones; no download):
 
-    python benchmarks/gpu.py                  # one GPU, about 9 minutes; writes gpu.md and gpu.json under --out
+    python benchmarks/gpu.py --models 0.6B,1.7B,4B --minutes 4   # one 10-minute call; gpu.md, gpu.json in --out
+    python benchmarks/gpu.py --models 8B --gen-modes shared-prefill  # 8B alone: every mode outlasts 10 minutes
     python benchmarks/gpu.py --smoke          # every code path on CPU with tiny shapes, in seconds (the test suite)
 
 Per model, as far as each fits:
 - generation: a GSPO rollout through common.generate, --prompts x --group-size completions of --prompt-tokens-token
-  prompts, up to --new-tokens new tokens, in every mode of common.GEN_MODES. Random weights never say EOS, so
+  prompts, up to --new-tokens new tokens, in each mode of --gen-modes (default: all of common.GEN_MODES). Random weights never say EOS, so
   realistic early stops are made by declaring V / --mean-length token ids EOS: a completion stops at each step with
   probability about 1 / --mean-length (roughly geometric lengths; the table gives the measured mean). static is
   timed after one untimed call, which compiles.
@@ -74,7 +75,7 @@ def bench_generation(policy, tok, shape, a, d) -> dict:
     common.generate(policy, tok, texts[:1], 2, eos, d, max_new_tokens=2, temperature=1.0, top_p=1.0, top_k=0,
                     gen_batch_size=2)  # untimed: CUDA/cuBLAS start-up is not the first mode's cost
     out = {}
-    for mode in common.GEN_MODES:
+    for mode in a.gen_modes.split(","):
         for timed in (False, True) if mode == "static" else (True,):  # static: the first call compiles (untimed)
             torch.manual_seed(0)
             sync(d.device)
@@ -169,9 +170,13 @@ def trl_step(a, out_dir: str) -> dict:
 
 
 def main():
+    import common
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="0.6B,1.7B,4B,8B",
                     help="keys of shapes.QWEN3, smallest first ('': none, the TRL comparison alone)")
+    ap.add_argument("--gen-modes", default=",".join(common.GEN_MODES),
+                    help="generation modes to time, comma-separated (common.GEN_MODES)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group-size", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=256)
@@ -203,6 +208,8 @@ def main():
         raise SystemExit("error: no GPU here: run with --smoke on CPU (tiny shapes), or on a machine with a GPU")
     if not set(models) <= set(shapes.QWEN3) | {"tiny"}:
         raise SystemExit(f"error: --models takes {', '.join(shapes.QWEN3)}")
+    if not a.gen_modes or not set(a.gen_modes.split(",")) <= set(common.GEN_MODES):
+        raise SystemExit(f"error: --gen-modes takes {', '.join(common.GEN_MODES)}")
     hf_logging.set_verbosity_error()
     d = common.Dist(0, 1, torch.device("cuda", 0) if torch.cuda.is_available() and not a.smoke else
                     torch.device("cpu"))
@@ -263,12 +270,13 @@ def table(results: dict, a, device: str, command: str, seconds: float) -> str:
     import common
 
     f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
+    modes = a.gen_modes.split(",")
     lines = [f"{device}; {a.prompts} prompts x {a.group_size} completions, {a.prompt_tokens}-token prompts, up to "
              f"{a.new_tokens} new tokens (mean aimed at {a.mean_length}); training {a.train_seqs} x "
              f"{a.train_tokens} tokens; {seconds:.0f}s in all", "",
-             "| model | params (B) | " + " | ".join(f"gen tok/s {m}" for m in common.GEN_MODES) +
+             "| model | params (B) | " + " | ".join(f"gen tok/s {m}" for m in modes) +
              " | mean length | train tok/s | MFU | train tok/s, AC | MFU, AC | peak GB, AC | plan GB, AC |",
-             "|---|---|" + "---|" * len(common.GEN_MODES) + "---|---|---|---|---|---|---|"]
+             "|---|---|" + "---|" * len(modes) + "---|---|---|---|---|---|---|"]
     for name, r in results.items():
         if name == "trl":
             continue
@@ -277,8 +285,8 @@ def table(results: dict, a, device: str, command: str, seconds: float) -> str:
             continue
         gen = r["generation"]
         cells = [f"{name}", f"{r['parameters_B']:.3f}"]
-        cells += ["OOM" if gen == "OOM" else f"{gen[m]['tokens_per_s']:.0f}" for m in common.GEN_MODES]
-        cells.append("-" if gen == "OOM" else f"{gen[common.GEN_MODES[0]]['mean_length']:.0f}")
+        cells += ["OOM" if gen == "OOM" else f"{gen[m]['tokens_per_s']:.0f}" for m in modes]
+        cells.append("-" if gen == "OOM" else f"{gen[modes[0]]['mean_length']:.0f}")
         for ac in (0, 1):
             t = r[f"training_ac{ac}"]
             cells += ["OOM", "-"] if t == "OOM" else [f"{t['tokens_per_s']:.0f}", f(t["mfu"], ".1%")]

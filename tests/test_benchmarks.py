@@ -69,6 +69,18 @@ def test_gpu_benchmark_smoke(tmp_path):
     assert "| tiny | 0.000 |" in md and "command: python benchmarks/gpu.py --smoke" in p.stdout
 
 
+def test_gpu_benchmark_gen_modes(tmp_path):
+    """--gen-modes times the modes named, in its table's columns; an unknown mode fails in one line."""
+    p = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--no-trl", "--gen-modes", "static,repeat",
+                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert set(json.load(open(tmp_path / "gpu.json"))["results"]["tiny"]["generation"]) == {"static", "repeat"}
+    assert "| gen tok/s static | gen tok/s repeat | mean length |" in open(tmp_path / "gpu.md").read()
+    p = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--gen-modes", "static,fast"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode and p.stderr.strip() == "error: --gen-modes takes repeat, shared-prefill, static"
+
+
 def test_cpu_0p6b_benchmark_smoke(tmp_path):
     """benchmarks/cpu_0p6b.py --smoke: the model folder, both runs (python, torchrun with FSDP2 over 2 ranks) and each
     process's peak memory against memory_plan.cpu_process, with tiny shapes."""

@@ -139,6 +139,7 @@ def test_sigterm_on_one_rank_saves_on_every_rank_and_resume_is_exact(tmp_path, t
 def test_second_stop_signal_exits_at_once(monkeypatch):
     exits = []
     monkeypatch.setattr(os, "_exit", exits.append)
+    common.release_stop_signals()  # a main() run earlier in this process may have left its handlers
     before = signal.getsignal(signal.SIGINT)  # Python's default_int_handler; SIG_IGN in a background job
     common.catch_stop_signals()
     try:

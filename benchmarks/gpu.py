@@ -7,11 +7,11 @@ weights run at the speed of trained ones; no download):
 
 Per model, as far as each fits:
 - generation: a GSPO rollout through common.generate, --prompts x --group-size completions of --prompt-tokens-token
-  prompts, up to --new-tokens new tokens, in each mode of --gen-modes (default: all of common.GEN_MODES). Random weights never say EOS, so
-  realistic early stops are made by declaring V / --mean-length token ids EOS: a completion stops at each step with
-  probability about 1 / --mean-length (roughly geometric lengths; the table gives the measured mean). static is
-  timed after one untimed call, which compiles.
-  tokens/s = completion tokens (up to and including EOS) / wall time of the call.
+  prompts, up to --new-tokens new tokens, in each mode of --gen-modes (default: all of common.GEN_MODES). Random weights
+  never say EOS, so realistic early stops are made by declaring V / --mean-length token ids EOS: a completion stops at
+  each step with probability about 1 / --mean-length (roughly geometric lengths; the table gives the measured mean).
+  static is timed after one untimed call, which compiles. tokens/s = completion tokens (up to and including EOS) / wall
+  time of the call.
 - training: forward + backward of Policy.forward (chunked log-probs) and gspo_loss, then an AdamW step, on
   --train-seqs sequences of --train-tokens tokens, with and without activation checkpointing. tokens/s over the
   timed steps; MFU = model FLOPs / (time x the GPU's dense bf16 peak), model FLOPs a token = 6 N + 12 L h T (N the

@@ -59,10 +59,11 @@ def cpu_process(c: dict, procs: int, seqs: int, tokens: int, gen_seqs: int, chun
       largest tensor, the V x H embedding (its 1/n shard under FSDP2), holds two temporaries of that size
       (sqrt of the second moment, then its division); they come after the backward, when the gathered units are
       freed, so training's peak is the larger of the two, not their sum.
-    Rank 0 under FSDP2 (rank0 True) also holds the whole fp32 model (4 P) while it reads the weights, freed once
-    they are scattered (common.load_model), and while it saves a checkpoint (the full state dict gathered on CPU,
-    next to its shards and AdamW state: the gradients were freed after the optimizer step); gathering it over gloo holds one to two copies of the largest
-    tensor, whole, on every rank (measured: +0.8-1.2 GB on rank 1 of the 0.6B shape while rank 0 saved): two here."""
+    Rank 0 under FSDP2 (rank0 True) also holds the whole fp32 model (4 P) while it reads the weights, freed once they
+    are scattered (common.load_model), and while it saves a checkpoint (the full state dict gathered on CPU, next to its
+    shards and AdamW state: the gradients were freed after the optimizer step); gathering it over gloo holds one to two
+    copies of the largest tensor, whole, on every rank (measured: +0.8-1.2 GB on rank 1 of the 0.6B shape while rank 0
+    saved): two here."""
     n = procs if fsdp else 1
     r = plan(c, n, seqs, tokens, gen_seqs, chunk, dtype="fp32")
     P = r["parameters (B)"] * 1e9 / GB  # GB a byte a parameter

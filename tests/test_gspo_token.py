@@ -1,6 +1,6 @@
-"""GSPO-token (arXiv:2507.18071, GSPO-token) against hand-derived float64 values: equal to GSPO when A_it = A_i (value, clip decisions, gradient), its own
-hand-derived gradient with per-token advantages, why the two stop-gradients are needed (Observation 2), and the
-post-answer source of per-token advantages."""
+"""GSPO-token (arXiv:2507.18071, GSPO-token) against hand-derived float64 values: equal to GSPO when A_it = A_i (value,
+clip decisions, gradient), its own hand-derived gradient with per-token advantages, why the two stop-gradients are
+needed (Observation 2), and the post-answer source of per-token advantages."""
 import math
 
 import pytest

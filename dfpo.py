@@ -161,11 +161,11 @@ class Args:
     clip_high: float = 4e-4
     """eps_high: s_i is clipped above at 1 + eps_high (GSPO paper: 4e-4)"""
     transform: Literal["min-replace", "orth-proj", "orth-proj-qp", "scale", "none"] = "min-replace"
-    """the in-group transform T of eq. 63: eq. 50, 52-55, 51, or Table 3's ablations"""
+    """T of eq. 63: min-replace eq. 50, orth-proj 52-55, orth-proj-qp 51; scale, none: Table 3"""
     length_aware: bool = False
     """T acts on s_bar_i / |y_i|: a shared token cancels at any lengths (eq. 72), not only equal"""
     clip_gated: bool = False
-    """a clipped sequence gets no gradient, as in GSPO (default: eq. 68, every sequence does)"""
+    """a clipped sequence gets no gradient, as in GSPO (off: eq. 68, every sequence gets one)"""
     stop_grad: bool = True
     """s_tilde is a constant (App. D); --no-stop-grad differentiates through T (Table 3)"""
     orth_floor: float = 1e-6

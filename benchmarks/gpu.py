@@ -75,7 +75,7 @@ def bench_generation(policy, tok, shape, a, d) -> dict:
     common.generate(policy, tok, texts[:1], 2, eos, d, max_new_tokens=2, temperature=1.0, top_p=1.0, top_k=0,
                     gen_batch_size=2)  # untimed: CUDA/cuBLAS start-up is not the first mode's cost
     out = {}
-    for mode in a.gen_modes.split(","):
+    for mode in a.gen_modes:
         for timed in (False, True) if mode == "static" else (True,):  # static: the first call compiles (untimed)
             torch.manual_seed(0)
             sync(d.device)
@@ -161,7 +161,7 @@ def trl_step(a, out_dir: str) -> dict:
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "rl_step.py"), "--model-folder", folder,
            "--steps", "2" if a.smoke else "4", "--prompts", "4" if a.smoke else "16",
            "--max-new-tokens", "8" if a.smoke else "256"] + ([] if a.smoke else ["--gpu"]) + (
-        ["--phases"] if getattr(a, "trl_phases", False) else [])
+        ["--phases"] if a.trl_phases else [])
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode:
         return {"error": p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"exit {p.returncode}"}
@@ -175,7 +175,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="0.6B,1.7B,4B,8B",
                     help="keys of shapes.QWEN3, smallest first ('': none, the TRL comparison alone)")
-    ap.add_argument("--gen-modes", default=",".join(common.GEN_MODES),
+    ap.add_argument("--gen-modes", type=lambda s: s.split(","), default=list(common.GEN_MODES),
                     help="generation modes to time, comma-separated (common.GEN_MODES)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group-size", type=int, default=16)
@@ -200,7 +200,6 @@ def main():
     import torch
     from transformers.utils import logging as hf_logging
 
-    import common
     import shapes
 
     models = ["tiny"] if a.smoke else [m for m in a.models.split(",") if m]  # --models "": TRL only
@@ -208,7 +207,7 @@ def main():
         raise SystemExit("error: no GPU here: run with --smoke on CPU (tiny shapes), or on a machine with a GPU")
     if not set(models) <= set(shapes.QWEN3) | {"tiny"}:
         raise SystemExit(f"error: --models takes {', '.join(shapes.QWEN3)}")
-    if not a.gen_modes or not set(a.gen_modes.split(",")) <= set(common.GEN_MODES):
+    if not set(a.gen_modes) <= set(common.GEN_MODES):
         raise SystemExit(f"error: --gen-modes takes {', '.join(common.GEN_MODES)}")
     hf_logging.set_verbosity_error()
     d = common.Dist(0, 1, torch.device("cuda", 0) if torch.cuda.is_available() and not a.smoke else
@@ -267,10 +266,8 @@ def write(results: dict, a, device_name: str, seconds: float) -> str:
 
 
 def table(results: dict, a, device: str, command: str, seconds: float) -> str:
-    import common
-
     f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
-    modes = a.gen_modes.split(",")
+    modes = a.gen_modes
     lines = [f"{device}; {a.prompts} prompts x {a.group_size} completions, {a.prompt_tokens}-token prompts, up to "
              f"{a.new_tokens} new tokens (mean aimed at {a.mean_length}); training {a.train_seqs} x "
              f"{a.train_tokens} tokens; {seconds:.0f}s in all", "",

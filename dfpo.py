@@ -173,32 +173,26 @@ class Args:
 
 
 def orth_proj_qp(s_bar, A):
-    """Eq. 51 exactly, per group: argmin_v 1/2 ||v - s_bar||^2 s.t. A.v = 0, v >= 0; s_bar, A:
-    [groups, G]. v = max(s_bar - lam A, 0) (KKT); on the segment of lam between two breakpoints
-    s_bar_i / A_i holding the root, the active set S = {v_i > 0} is fixed and A.v = 0 is linear."""
+    """Eq. 51 exactly, per group: argmin_v 1/2 ||v - s_bar||^2 s.t. A.v = 0, v >= 0; s_bar >= 0
+    and A: [groups, G]. KKT: v = max(s_bar - lam A, 0), with the lam that makes A.v = 0."""
+    G = s_bar.shape[1]
     with torch.no_grad():
+        # A.v = 0 is (-A).v = 0: with a = +-A such that a.s_bar >= 0 the root lam is >= 0, so only
+        # the v_i with a_i > 0 fall as lam grows, each to 0 at its breakpoint s_bar_i / a_i
+        a = torch.where((A * s_bar).sum(1, keepdim=True) < 0, -A, A).double()
         x = s_bar.double()
-        a = A.double()
-        nonzero = a != 0
-        inf = torch.full_like(x[:, :1], float("inf"))
-        # breakpoints s_bar_i / A_i, sorted; A_i = 0 never binds
-        breakpoints = torch.where(nonzero, x / torch.where(nonzero, a, 1.0), inf).sort(1).values
-        lo = torch.cat([-inf, breakpoints], 1)  # G + 1 segments [lo, hi]
-        hi = torch.cat([breakpoints, inf], 1)
-        probe = torch.where(lo.isfinite() & hi.isfinite(), (lo + hi) / 2,
-                            torch.where(hi.isfinite(), hi - 1,
-                                        torch.where(lo.isfinite(), lo + 1, 0.0)))
-        # [groups, segment, G]
-        active = (x[:, None] - probe[..., None] * a[:, None] > 0) & nonzero[:, None]
-        den = (active * a[:, None] ** 2).sum(-1)
-        lam = (active * a[:, None] * x[:, None]).sum(-1) / torch.where(den > 0, den, 1.0)
-        tol = 1e-12 * (1 + lam.abs())
-        ok = (den > 0) & (lam >= lo - tol) & (lam <= hi + tol)
-        # no root: A = 0 and v = s_bar
-        S = active[torch.arange(len(x)), ok.double().argmax(1)] & ok.any(1, keepdim=True)
+        breakpoints, order = torch.where(a > 0, x / a, float("inf")).sort(1)
+        # lam_k: the root of a.v = 0 when the first k in breakpoint order are 0 (sums over the rest)
+        num = (a * x).gather(1, order).flip(1).cumsum(1).flip(1)
+        den = (a * a).gather(1, order).flip(1).cumsum(1).flip(1)
+        stays = num / den < breakpoints  # the k-th v > 0 at lam_k; den = 0 gives nan: False
+        # the first such k is the root's; none (a of one sign): every v_i with A_i != 0 is 0
+        k = torch.where(stays.any(1), stays.double().argmax(1), G)
+        kept = torch.arange(G, device=k.device) >= k[:, None]  # in breakpoint order
+        S = torch.zeros_like(kept).scatter(1, order, kept) & (a != 0)
     den = (S * A ** 2).sum(1, keepdim=True)
-    lam = (S * A * s_bar).sum(1, keepdim=True) / torch.where(den > 0, den, 1.0)  # 0 where A = 0
-    return (s_bar - lam * A).clamp(min=0)
+    lam = (S * A * s_bar).sum(1, keepdim=True) / torch.where(den > 0, den, 1.0)  # 0 where S is empty
+    return torch.where(S | (A == 0), s_bar - lam * A, 0.0).clamp(min=0)
 
 
 def in_group_transform(s_bar, A, transform: str, floor: float):

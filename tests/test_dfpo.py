@@ -101,6 +101,11 @@ def test_exact_qp_hand_examples():
     v = in_group_transform(torch.tensor([[0.01, 0.1, 5.0]]), torch.tensor([[2.0, -1.0, -1.0]]), "orth-proj-qp", FLOOR)
     lam = -4.98 / 5
     assert torch.allclose(v, torch.tensor([[0.01 - 2 * lam, 0.0, 5.0 + lam]]), atol=1e-14)
+    # A of one sign (eq. 43 never gives one, a caller may): A.v = 0 with v >= 0 leaves v_i = 0 wherever A_i != 0
+    for sign in (1.0, -1.0):
+        v = in_group_transform(torch.tensor([[0.7, 1.3, 0.9]]), sign * torch.tensor([[1.0, 0.5, 0.0]]), "orth-proj-qp",
+                               FLOOR)
+        assert torch.equal(v, torch.tensor([[0.0, 0.0, 0.9]]))
 
 
 def reference_transform(x, a, transform):

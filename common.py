@@ -1182,7 +1182,7 @@ def score(texts: list[str], answers: list, n: int, reward: Reward | None = None,
                     raise ValueError(f"an answer of {len(pred)} characters (over "
                                      f"{_MAX_ANSWER_CHARS}) is not graded")
                 p = preds[pred] if pred in preds else preds.setdefault(pred, canonical(pred))
-                key = (p[0], gold[0])
+                key = (p, gold)  # the values too: '50%' and '50' share the text '50'
                 if key not in results:
                     results[key] = (decide(p, gold), None)
                     if results[key][0] is None:
@@ -1195,7 +1195,10 @@ def score(texts: list[str], answers: list, n: int, reward: Reward | None = None,
     else:
         keys = [(text, answers[i // n]) for i, text in enumerate(texts)]
         requests = list(dict.fromkeys(keys))
-    results.update(zip(requests, reward.run(requests)))
+    if reward.spec is None:  # math-verify compares the texts
+        results.update(zip(requests, reward.run([(p[0], gold[0]) for p, gold in requests])))
+    else:
+        results.update(zip(requests, reward.run(requests)))
     rewards = [results[k][0] if k is not None else 0.0 for k in keys]
     errors = [results[k][1] for k in keys if k is not None and results[k][1] is not None]
     if errors:

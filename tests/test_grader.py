@@ -83,6 +83,21 @@ def test_different_answers_score_0(pred, gold):
     assert math_reward(f"so the answer is \\boxed{{{pred}}}.", gold) == 0.0
 
 
+@pytest.mark.parametrize("preds, golds, n", [
+    (["50\\%", "50"], ["0.5"], 2),  # one reference; two answers with the same text '50', one a percent
+    (["0.05", "0.05"], ["5", "5\\%"], 1),  # two references with the same text '5'
+])
+def test_a_batch_grades_each_completion_as_it_would_alone(preds, golds, n):
+    """Each reward is the one math_reward gives that completion alone, in either order of the batch."""
+    alone = [math_reward(f"\\boxed{{{p}}}", golds[i // n]) for i, p in enumerate(preds)]
+    assert sorted(alone) == [0.0, 1.0]
+    for order in ([0, 1], [1, 0]):
+        texts = [f"\\boxed{{{preds[i]}}}" for i in order]
+        answers = [golds[i // n] for i in order][::n]
+        rewards, errors = score(texts, answers, n, watch=False)
+        assert rewards.tolist() == [alone[i] for i in order] and errors == 0
+
+
 @pytest.mark.parametrize("text, gold", [
     ("the answer is 72, in total, for both", "72"),  # a comma after a number in prose
     ("She pays $18.90.", "18.90"),

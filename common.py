@@ -805,7 +805,7 @@ def extract_answer(text: str) -> str | None:
 _TEXT_CMD = r"\\(?:text|textbf|textrm|textit|mbox|mathrm|mathbf|operatorname)\s*"
 _UNIT = re.compile(r"(?<=\S)\s*" + _TEXT_CMD
                    + r"\{\s*[A-Za-z][A-Za-z\s.]*\}(?:\s*\^\s*\{?[23]\}?)?$")
-_WORDS_AFTER_NUMBER = re.compile(r"([-+]?[\d.,/]*\d)\s+[A-Za-z]{2,}(?:\s+[A-Za-z]+)*\.?")
+_WORDS_AFTER_NUMBER = re.compile(r"([-+]?[\d.,/]*\d)\s+([A-Za-z]{2,}(?:\s+[A-Za-z]+)*)\.?")
 _WORD = re.compile(r"[A-Za-z]+(?: [A-Za-z]+)*")
 # a longer extracted answer is not graded: it scores 0 and counts as a reward error
 _MAX_ANSWER_CHARS = 1000
@@ -815,8 +815,9 @@ def normalize_answer(s: str) -> tuple[str, bool]:
     """An answer in one canonical spelling, and whether it carried a percent sign: \\dfrac and
     \\tfrac become \\frac, \\sqrt3 and \\frac12 get their braces; \\left/\\right, spacing commands,
     $ and \\$, degrees (^\\circ), %, a trailing unit (\\text{ cm}, or words after a number: '18.90
-    dollars'), a \\text{...} around the whole answer, a leading + and a final period go; 1{,}000 is
-    1,000; spaces go except between two letters. Pure text."""
+    dollars', but 'percent' is a % and 'pi' is \\pi), a \\text{...} around the whole answer, a
+    leading + and a final period go; 1{,}000 is 1,000; spaces go except between two letters. Pure
+    text."""
     s = s.strip()
     s = re.sub(r"\\[dt]frac", r"\\frac", s)
     s = re.sub(r"\\left(?![a-zA-Z])|\\right(?![a-zA-Z])|\\displaystyle", "", s)
@@ -829,7 +830,12 @@ def normalize_answer(s: str) -> tuple[str, bool]:
     whole = re.fullmatch(_TEXT_CMD + r"\{([^{}]*)\}", s)
     if whole:
         s = whole.group(1).strip()
-    s = _WORDS_AFTER_NUMBER.sub(r"\1", s) if _WORDS_AFTER_NUMBER.fullmatch(s) else s
+    after = _WORDS_AFTER_NUMBER.fullmatch(s)
+    if after and after.group(2).lower() == "pi":  # '2 pi' is a number times pi, not a unit
+        s = after.group(1) + "\\pi"
+    elif after:
+        percent = percent or after.group(2).lower() in ("percent", "per cent")
+        s = after.group(1)
     s = re.sub(r"\\sqrt\s*(\d)", r"\\sqrt{\1}", s)
     s = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", s)
     s = re.sub(r"\s+", " ", s).rstrip(".").strip()

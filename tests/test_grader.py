@@ -41,6 +41,8 @@ SAME = [
     ("\\$1,250", "1250"),  # currency and thousands
     ("1{,}000", "1000"),
     ("18.90 dollars", "\\$18.90"),
+    ("10 percent", "0.1"),  # words after a number: a unit, a percent, or pi
+    ("2 pi", "2\\pi"),
     ("10 \\text{ cm}^2", "10"),  # units
     ("+7", "7"),
     ("\\text{5}", "5"),
@@ -65,6 +67,7 @@ DIFFERENT = [
     ("44^\\circ", "45"),
     ("5\\%", "0.5"),
     ("\\$12", "13"),
+    ("2 pi", "2"),  # pi is not a unit
     ("\\text{Monday}", "\\text{Tuesday}"),
     ("\\text{Evenly}", "\\text{Evelyn}"),  # the same letters: as products of symbols these would be equal
     ("1+\\sqrt{3}", "1 \\pm \\sqrt{3}"),  # one root of two

@@ -1424,9 +1424,9 @@ def eval_summary(log: dict) -> str:
 class Logger:
     """Tensorboard + metrics.jsonl on rank 0 only, one row a step, in strict JSON (a non-finite
     number is null). A resumed run (first_step > 1) continues both at first_step: rows a killed run
-    logged after its checkpoint are dropped from metrics.jsonl and purged from tensorboard, and a
-    torn last line (a write cut short) is dropped and said so; the kept rows are rewritten into a
-    new file that replaces the old one whole."""
+    logged after its checkpoint are dropped from metrics.jsonl and samples.jsonl and purged from
+    tensorboard, and a torn last line (a write cut short) is dropped and said so; the kept rows are
+    rewritten into a new file that replaces the old one whole."""
 
     def __init__(self, run_dir: str, d: Dist, args, first_step: int = 1):
         self.d, self.writer = d, None
@@ -1444,9 +1444,10 @@ class Logger:
             f"|{k}|{v}|" for k, v in vars(args).items()))
         with open(os.path.join(run_dir, "args.json"), "w") as f:
             json.dump(vars(args), f, indent=1, default=str)
-        with open(path + ".tmp", "w") as f:
-            f.writelines(json.dumps(row, allow_nan=False) + "\n" for row in kept)
-        os.replace(path + ".tmp", path)
+        rewrite_rows(path, kept)
+        samples = os.path.join(run_dir, "samples.jsonl")
+        if first_step > 1 and os.path.exists(samples):  # the steps this run redoes log new samples
+            rewrite_rows(samples, read_metrics(samples, keep_below=first_step))
         self.metrics = open(path, "a")
 
     def log(self, step: int, scalars: dict):
@@ -1466,10 +1467,17 @@ class Logger:
             self.metrics.close()
 
 
+def rewrite_rows(path: str, rows: list[dict]):
+    """path holds rows, one JSON object a line; replaced whole, never half written."""
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(row, allow_nan=False) + "\n" for row in rows)
+    os.replace(path + ".tmp", path)
+
+
 def read_metrics(path: str, keep_below: int | None = None) -> list[dict]:
-    """The rows of a metrics.jsonl (those with step < keep_below if given). A last line cut short by
-    a killed writer is dropped, and said so; any other line that is not JSON raises Refused with its
-    line number."""
+    """The rows of a metrics.jsonl or samples.jsonl (those with step < keep_below if given). A last
+    line cut short by a killed writer is dropped, and said so; any other line that is not JSON
+    raises Refused with its line number."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
@@ -1494,23 +1502,17 @@ def read_metrics(path: str, keep_below: int | None = None) -> list[dict]:
 
 
 SAMPLE_PROMPTS = 2  # prompts a --log-samples step shows, each with all its completions
-_SAMPLES_TRIMMED = set()  # samples.jsonl files already cut back to the resumed step in this process
 
 
 def log_samples(logger: Logger, run_dir: str, step: int, every: int, prompts, answers,
                 texts: list[str], rewards: torch.Tensor, advantages: torch.Tensor, n: int):
     """Every `every` steps (0: never; main rank only): the first SAMPLE_PROMPTS prompts of this
     rank's step with their n completions, rewards and advantages, as a text table in tensorboard
-    ('samples') and as one JSON object a completion in {run_dir}/samples.jsonl. A resumed run first
-    drops the rows of the steps it will redo."""
+    ('samples') and as one JSON object a completion in {run_dir}/samples.jsonl (a resumed run's
+    Logger has dropped the rows of the steps it redoes)."""
     if not every or step % every or not logger.d.main:
         return
     path = os.path.join(run_dir, "samples.jsonl")
-    if path not in _SAMPLES_TRIMMED and os.path.exists(path):
-        kept = [line for line in open(path) if json.loads(line)["step"] < step]
-        with open(path, "w") as f:
-            f.writelines(kept)
-    _SAMPLES_TRIMMED.add(path)
     rows, md = [], []
     for g in range(min(SAMPLE_PROMPTS, len(prompts))):
         md.append(f"**prompt:** {prompts[g]}  \n**answer:** {answers[g]}\n\n"
@@ -1768,7 +1770,27 @@ def _claim_run_dir(run_dir: str, ckpt: str | None) -> str:
     f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     f.flush()
     _run_lock = f
+    if ckpt is not None:
+        set_aside_later_checkpoints(run_dir, int(STEP_DIR.search(ckpt)[1]))
     return run_dir
+
+
+def set_aside_later_checkpoints(run_dir: str, step: int):
+    """A run resumed from step_k (an earlier one than the newest, say) goes on from there: the
+    checkpoints after step k belong to the run it branches from. They are moved into one
+    abandoned_* folder, so that pruning (--keep-checkpoints) and --resume auto never take them for
+    this run's, and said so; nothing is deleted."""
+    later = sorted((int(m[1]), p) for p in glob.glob(os.path.join(glob.escape(run_dir), "step_*"))
+                   if (m := STEP_DIR.search(p)) and int(m[1]) > step)
+    if not later:
+        return
+    aside = os.path.join(run_dir, f"abandoned_{time.strftime('%Y%m%d_%H%M%S')}")
+    os.makedirs(aside, exist_ok=True)
+    for _, p in later:
+        os.rename(p, os.path.join(aside, os.path.basename(p)))
+    print(f"resuming from step {step}: the later checkpoints of the run that went on from it "
+          f"({', '.join(os.path.basename(p) for _, p in later)}) are moved to {aside}; delete it "
+          "when you no longer need them")
 
 
 def release_run_dir():

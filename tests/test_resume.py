@@ -283,3 +283,32 @@ def test_resume_errors_before_any_heavy_work(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert f"--resume auto: skipping {ckpt}: no manifest.json" in out and "starting a fresh run" in out
     common.release_run_dir()
+
+
+def test_resume_from_an_earlier_checkpoint_branches_the_run(tmp_path, monkeypatch, capsys):
+    """--resume step_2 of a run that went on to step 4: the new branch's checkpoints, metrics and samples are its own.
+    Steps 3 and 4 of the old branch are set aside (not pruned in place of the new ones, never resumed by --resume auto),
+    its rows after step 2 are dropped from metrics.jsonl and samples.jsonl, a torn last samples line included."""
+    from test_train import run_script
+
+    base = ["--prompts-per-rank", "4", "--save-every", "1", "--log-samples", "1", "--eval-every", "0"]
+    _, run = run_script("gspo", [*base, "--num-steps", "4", "--keep-checkpoints", "0"], monkeypatch, tmp_path)
+    with open(os.path.join(run, "samples.jsonl"), "a") as f:
+        f.write('{"step": 4, "prom')  # a write cut short
+    branch = [*base, "--keep-checkpoints", "2", "--learning-rate", "1e-4"]
+    rows, _ = run_script("gspo", [*branch, "--num-steps", "3", "--resume", f"{run}/step_2"], monkeypatch, tmp_path)
+    (aside,) = glob.glob(f"{run}/abandoned_*")
+    assert sorted(os.listdir(aside)) == ["step_3", "step_4"]
+    assert sorted(p for p in os.listdir(run) if p.startswith("step_")) == ["step_2", "step_3"]  # the newest 2 of its own
+    assert common.read_trainer_state(f"{run}/step_3")["args"]["learning_rate"] == 1e-4
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    samples = [json.loads(line)["step"] for line in open(os.path.join(run, "samples.jsonl"))]
+    assert samples == [1] * 16 + [2] * 16 + [3] * 16
+    capsys.readouterr()
+    import gspo
+
+    monkeypatch.setattr(sys, "argv", ["gspo.py", *branch, "--num-steps", "4", "--resume", "auto", "--output-dir",
+                                      str(tmp_path)])
+    gspo.main()
+    assert f"resuming {run}/step_3 (step 3)" in capsys.readouterr().out
+    assert [r["step"] for r in common.read_metrics(f"{run}/metrics.jsonl")] == [1, 2, 3, 4]

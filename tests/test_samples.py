@@ -38,21 +38,19 @@ def test_samples_and_final_eval_line(monkeypatch, tmp_path, capsys):
                                             f"pass@2 {final['eval/pass@2']:.3f}; checkpoint: ") in last
 
 
-def test_resumed_run_redoes_its_sample_rows(tmp_path, monkeypatch):
+def test_samples_every_k_steps(tmp_path):
+    """Rows of steps k, 2k, ...; a resumed run's rows: test_resume.py's branch test."""
     logged = []
     writer = types.SimpleNamespace(add_text=lambda tag, text, step: logged.append((tag, step)))
     logger = types.SimpleNamespace(d=types.SimpleNamespace(main=True), writer=writer)
     r, adv = torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([1.5, -0.5, -0.5, -0.5])
     args = (["a", "b", "c"], ["1", "2", "3"], ["x", "y", "z", "w"], r, adv, 2)
-    monkeypatch.setattr(common, "_SAMPLES_TRIMMED", set())
     for step in (1, 2, 3, 4):
         common.log_samples(logger, str(tmp_path), step, 2, *args)  # every 2 steps: 2 and 4
-    monkeypatch.setattr(common, "_SAMPLES_TRIMMED", set())  # a new process, resumed after step 2
-    common.log_samples(logger, str(tmp_path), 4, 2, *args)
     steps = [json.loads(line)["step"] for line in open(tmp_path / "samples.jsonl")]
-    assert steps == [2, 2, 2, 2, 4, 4, 4, 4] and logged == [("samples", 2), ("samples", 4), ("samples", 4)]
+    assert steps == [2, 2, 2, 2, 4, 4, 4, 4] and logged == [("samples", 2), ("samples", 4)]
     common.log_samples(logger, str(tmp_path), 6, 0, *args)  # 0: never
-    assert len(logged) == 3
+    assert len(logged) == 2
 
 
 @pytest.mark.parametrize("log, expected", [({"eval/avg@8": 0.25, "eval/pass@8": 0.5}, "; held-out avg@8 0.250, pass@8 0.500"),

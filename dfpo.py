@@ -161,11 +161,11 @@ class Args:
     clip_high: float = 4e-4
     """eps_high: s_i is clipped above at 1 + eps_high (GSPO paper: 4e-4)"""
     transform: Literal["min-replace", "orth-proj", "orth-proj-qp", "scale", "none"] = "min-replace"
-    """T of eq. 63: min-replace eq. 50, orth-proj 52-55, orth-proj-qp 51; scale, none: Table 3"""
+    """T of eq. 63: min-replace eq. 50, orth-proj 52-55, orth-proj-qp 51; scale (Table 3), none"""
     length_aware: bool = False
     """T acts on s_bar_i / |y_i|: a shared token cancels at any lengths (eq. 72), not only equal"""
     clip_gated: bool = False
-    """a clipped sequence gets no gradient, as in GSPO (off: eq. 68, every sequence gets one)"""
+    """a clipped sequence gets no gradient, as in GSPO (off: eq. 68); with --transform none: GSPO"""
     stop_grad: bool = True
     """s_tilde is a constant (App. D); --no-stop-grad differentiates through T (Table 3)"""
     orth_floor: float = 1e-6
@@ -191,7 +191,7 @@ def orth_proj_qp(s_bar, A):
         kept = torch.arange(G, device=k.device) >= k[:, None]  # in breakpoint order
         S = torch.zeros_like(kept).scatter(1, order, kept) & (a != 0)
     den = (S * A ** 2).sum(1, keepdim=True)
-    lam = (S * A * s_bar).sum(1, keepdim=True) / torch.where(den > 0, den, 1.0)  # 0 where S is empty
+    lam = (S * A * s_bar).sum(1, keepdim=True) / torch.where(den > 0, den, 1.0)  # S empty: 0
     return torch.where(S | (A == 0), s_bar - lam * A, 0.0).clamp(min=0)
 
 

@@ -1334,9 +1334,16 @@ def all_finite(*tensors: torch.Tensor) -> bool:
 
 
 def reduce_stats(stats: list[dict]) -> dict:
-    """Mean over minibatches then ranks; keys ending in _min/_max take min/max."""
+    """One value a key over a step's micro-batches and all ranks: a mean given as (sum, count) is
+    the sum of the sums over the sum of the counts, whatever the rows' split; keys ending in
+    _min/_max take min/max; any other scalar (one a minibatch) the mean over entries, then ranks."""
     out = {}
     for k in stats[0]:
+        if isinstance(stats[0][k], tuple):
+            total = all_reduce(torch.tensor([[float(x) for x in s[k]] for s in stats],
+                                            dtype=torch.float64).sum(0))
+            out[k] = (total[0] / total[1]).item()
+            continue
         v = torch.tensor([float(s[k]) for s in stats], dtype=torch.float64)
         if k.endswith("_min"):
             out[k] = all_reduce(v.min(), dist.ReduceOp.MIN).item()

@@ -250,7 +250,8 @@ def dfpo_loss(logp, old_logp, advantages, mask, *, group_size: int, clip_low: fl
     minibatch's count over all ranks, so that micro-batches and ranks add up to one gradient.
     Returns (loss, seq_terms, stats): seq_terms [B] is each sequence's term m_i = w_i A_i
     (detached), from which the loop computes the group metrics over whole groups; stats are
-    detached scalars for the logs.
+    detached scalars for the logs, a mean given as (sum, count) so that micro-batches and ranks
+    add up to the minibatch's mean.
     Here w_i = s_tilde_i."""
     if s_tilde is None and logp.shape[0] % group_size:
         raise ValueError(f"{logp.shape[0]} rows do not split into whole groups of {group_size}")
@@ -276,15 +277,16 @@ def dfpo_loss(logp, old_logp, advantages, mask, *, group_size: int, clip_low: fl
         # clipped: s_bar_i = c_i
         clipped = ((s > 1 + clip_high) & (advantages > 0)) | ((s < 1 - clip_low) & (advantages < 0))
         stats = {
-            "losses/policy_loss": -objective.mean(),  # over the rows given
-            "losses/clipfrac": (clipped * lengths).sum() / lengths.sum(),  # tokens the clip stops
-            "losses/clipfrac_seq": clipped.float().mean(),  # sequences
-            "losses/ratio_mean": s.mean(),
+            "losses/policy_loss": (-objective.sum(), len(s)),  # over the rows given
+            "losses/clipfrac": ((clipped * lengths).sum(), lengths.sum()),  # tokens the clip bounds
+            "losses/clipfrac_seq": (clipped.sum(), len(s)),  # sequences
+            "losses/ratio_mean": (s.sum(), len(s)),
             "losses/ratio_min": s.min(),
             "losses/ratio_max": s.max(),
             # k3 estimate of KL(old||new)
-            "losses/approx_kl": ((log_w.exp() - 1 - log_w) * mask).sum() / mask.sum(),
-            "losses/shrink_mean": (s_tilde / s_bar).mean(),  # phi_i = s_tilde_i / s_bar_i (eq. 87)
+            "losses/approx_kl": (((log_w.exp() - 1 - log_w) * mask).sum(), mask.sum()),
+            # phi_i = s_tilde_i / s_bar_i (eq. 87)
+            "losses/shrink_mean": ((s_tilde / s_bar).sum(), len(s)),
         }
     return loss, objective.detach(), stats
 
@@ -476,7 +478,7 @@ def main():
             "charts/learning_rate": optimizer.param_groups[0]["lr"],
             "charts/reward_errors": all_reduce(torch.tensor(float(reward_errors))).item(),
             "losses/skipped_updates": skipped,
-            "losses/entropy": ((entropy * roll["mask"]).sum() / roll["mask"].sum()).item(),
+            "losses/entropy": (all_reduce((entropy * roll["mask"]).sum()) / lengths.sum()).item(),
             "perf/gen_tokens_per_s": lengths.sum().item() / gen_time,
             "perf/train_tokens_per_s": tokens.item() / train_time,
             "perf/wall_time": time.time() - start,

@@ -176,7 +176,8 @@ def grpo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: f
     minibatch's count over all ranks, so that micro-batches and ranks add up to one gradient.
     Returns (loss, seq_terms, stats): seq_terms [B] is each sequence's term m_i = w_i A_i
     (detached), from which the loop computes the group metrics over whole groups; stats are
-    detached scalars for the logs.
+    detached scalars for the logs, a mean given as (sum, count) so that micro-batches and ranks
+    add up to the minibatch's mean.
     Here w_i = 1/|y_i| sum_t of the post-clip token weights."""
     valid = mask.bool()
     lengths = mask.sum(1).clamp(min=1)
@@ -200,17 +201,17 @@ def grpo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: f
         else:
             clipped = (((w > 1 + clip_high) & (A > 0)) | ((w < 1 - clip_low) & (A < 0))) & valid
         stats = {
-            "losses/policy_loss": -per_seq.sum() / count,  # over the rows given
-            "losses/clipfrac": clipped.sum() / mask.sum(),  # tokens
-            "losses/clipfrac_seq": clipped.any(1).float().mean(),  # sequences with a clipped token
-            "losses/ratio_mean": w[valid].mean(),
+            "losses/policy_loss": (-per_seq.sum(), count),  # over the rows given
+            "losses/clipfrac": (clipped.sum(), mask.sum()),  # tokens
+            "losses/clipfrac_seq": (clipped.any(1).sum(), len(mask)),  # sequences, a token clipped
+            "losses/ratio_mean": ((w * mask).sum(), mask.sum()),
             "losses/ratio_min": w[valid].min(),
             "losses/ratio_max": w[valid].max(),
             # k3 estimate of KL(old||new)
-            "losses/approx_kl": ((log_w.exp() - 1 - log_w) * mask).sum() / mask.sum(),
+            "losses/approx_kl": (((log_w.exp() - 1 - log_w) * mask).sum(), mask.sum()),
         }
         if ref_logp is not None and kl_coef > 0:
-            stats["losses/kl_ref"] = ((log_ref.exp() - log_ref - 1) * mask).sum() / mask.sum()
+            stats["losses/kl_ref"] = (((log_ref.exp() - log_ref - 1) * mask).sum(), mask.sum())
     return loss, seq_terms.detach(), stats
 
 
@@ -414,7 +415,7 @@ def main():
             "charts/learning_rate": optimizer.param_groups[0]["lr"],
             "charts/reward_errors": all_reduce(torch.tensor(float(reward_errors))).item(),
             "losses/skipped_updates": skipped,
-            "losses/entropy": ((entropy * roll["mask"]).sum() / roll["mask"].sum()).item(),
+            "losses/entropy": (all_reduce((entropy * roll["mask"]).sum()) / lengths.sum()).item(),
             "perf/gen_tokens_per_s": lengths.sum().item() / gen_time,
             "perf/train_tokens_per_s": tokens.item() / train_time,
             "perf/wall_time": time.time() - start,

@@ -161,7 +161,8 @@ def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: f
     minibatch's count over all ranks, so that micro-batches and ranks add up to one gradient.
     Returns (loss, seq_terms, stats): seq_terms [B] is each sequence's term m_i = w_i A_i
     (detached), from which the loop computes the group metrics over whole groups; stats are
-    detached scalars for the logs.
+    detached scalars for the logs, a mean given as (sum, count) so that micro-batches and ranks
+    add up to the minibatch's mean.
     Here w_i = s_bar_i."""
     valid = mask.bool()
     lengths = mask.sum(1).clamp(min=1)
@@ -173,14 +174,14 @@ def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: f
     with torch.no_grad():  # clipped: the min takes the constant branch, so no gradient
         clipped = ((s > 1 + clip_high) & (advantages > 0)) | ((s < 1 - clip_low) & (advantages < 0))
         stats = {
-            "losses/policy_loss": -objective.mean(),  # over the rows given
-            "losses/clipfrac": (clipped * lengths).sum() / lengths.sum(),  # tokens the clip stops
-            "losses/clipfrac_seq": clipped.float().mean(),  # sequences
-            "losses/ratio_mean": s.mean(),
+            "losses/policy_loss": (-objective.sum(), len(s)),  # over the rows given
+            "losses/clipfrac": ((clipped * lengths).sum(), lengths.sum()),  # tokens the clip stops
+            "losses/clipfrac_seq": (clipped.sum(), len(s)),  # sequences
+            "losses/ratio_mean": (s.sum(), len(s)),
             "losses/ratio_min": s.min(),
             "losses/ratio_max": s.max(),
             # k3 estimate of KL(old||new)
-            "losses/approx_kl": ((log_w.exp() - 1 - log_w) * mask).sum() / mask.sum(),
+            "losses/approx_kl": (((log_w.exp() - 1 - log_w) * mask).sum(), mask.sum()),
         }
     return loss, objective.detach(), stats
 
@@ -348,7 +349,7 @@ def main():
             "charts/learning_rate": optimizer.param_groups[0]["lr"],
             "charts/reward_errors": all_reduce(torch.tensor(float(reward_errors))).item(),
             "losses/skipped_updates": skipped,
-            "losses/entropy": ((entropy * roll["mask"]).sum() / roll["mask"].sum()).item(),
+            "losses/entropy": (all_reduce((entropy * roll["mask"]).sum()) / lengths.sum()).item(),
             "perf/gen_tokens_per_s": lengths.sum().item() / gen_time,
             "perf/train_tokens_per_s": tokens.item() / train_time,
             "perf/wall_time": time.time() - start,

@@ -176,7 +176,8 @@ def gspo_token_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_h
     minibatch's count over all ranks, so that micro-batches and ranks add up to one gradient.
     Returns (loss, seq_terms, stats): seq_terms [B] is each sequence's term m_i = w_i A_i
     (detached), from which the loop computes the group metrics over whole groups; stats are
-    detached scalars for the logs.
+    detached scalars for the logs, a mean given as (sum, count) so that micro-batches and ranks
+    add up to the minibatch's mean.
     Here m_i = 1/|y_i| sum_t s_bar_it A_it."""
     valid = mask.bool()
     lengths = mask.sum(1).clamp(min=1)
@@ -193,14 +194,14 @@ def gspo_token_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_h
     with torch.no_grad():  # clipped: the min takes the constant branch, so no gradient
         clipped = (((s_it > 1 + clip_high) & (A > 0)) | ((s_it < 1 - clip_low) & (A < 0))) & valid
         stats = {
-            "losses/policy_loss": -per_seq.sum() / count,  # over the rows given
-            "losses/clipfrac": clipped.sum() / mask.sum(),  # tokens
-            "losses/clipfrac_seq": clipped.any(1).float().mean(),  # sequences with a clipped token
-            "losses/ratio_mean": s.mean(),
+            "losses/policy_loss": (-per_seq.sum(), count),  # over the rows given
+            "losses/clipfrac": (clipped.sum(), mask.sum()),  # tokens
+            "losses/clipfrac_seq": (clipped.any(1).sum(), len(mask)),  # sequences, a token clipped
+            "losses/ratio_mean": (s.sum(), len(s)),
             "losses/ratio_min": s.min(),
             "losses/ratio_max": s.max(),
             # k3 estimate of KL(old||new)
-            "losses/approx_kl": ((log_w.exp() - 1 - log_w) * mask).sum() / mask.sum(),
+            "losses/approx_kl": (((log_w.exp() - 1 - log_w) * mask).sum(), mask.sum()),
         }
     return loss, seq_terms.detach(), stats
 
@@ -422,7 +423,7 @@ def main():
             "losses/skipped_updates": skipped,
             "charts/post_answer_frac": (all_gather_cat(after.sum().view(1).float()).sum()
                                         / lengths.sum()).item(),
-            "losses/entropy": ((entropy * roll["mask"]).sum() / roll["mask"].sum()).item(),
+            "losses/entropy": (all_reduce((entropy * roll["mask"]).sum()) / lengths.sum()).item(),
             "perf/gen_tokens_per_s": lengths.sum().item() / gen_time,
             "perf/train_tokens_per_s": tokens.item() / train_time,
             "perf/wall_time": time.time() - start,

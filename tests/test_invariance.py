@@ -96,18 +96,24 @@ def test_micro_batches():
                                            ("grpo", ["--loss-agg", "token-mean"])])
 def test_script_micro_batching_logs_the_same_gradient(script, extra, monkeypatch, tmp_path):
     """End to end through each script's loop: one step, 2 minibatches of 8 groups of 8, in micro-batches of the whole
-    minibatch, of 1 sequence and of 2 sequences (DFPO: s_tilde from the whole groups first)."""
+    minibatch, of 1 sequence and of 3 sequences (21 x 3 + 1; DFPO: s_tilde from the whole groups first). The logged
+    means too: a token-weighted one (clipfrac, approx_kl) is the minibatch's, not a mean over micro-batches."""
+    (tmp_path / "dense_reward14.py").write_text("def f(completion, answer):\n    return float(len(completion) % 3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # every group has a spread: the first minibatch moves the policy
     rows = []
-    for micro in ("0", "1", "2"):
+    for micro in ("0", "1", "3"):
         out = tmp_path / micro
         rows.append(run_script(script, ["--num-steps", "1", "--prompts-per-rank", "16", "--num-minibatches", "2",
-                                        "--eval-every", "0", "--micro-batch-size", micro, *extra], monkeypatch,
+                                        "--eval-every", "0", "--micro-batch-size", micro, "--reward",
+                                        "dense_reward14:f", "--learning-rate", "1e-3", *extra], monkeypatch,
                                out)[0][0])
     for row in rows[1:]:
-        for key in ("losses/grad_norm", "losses/policy_loss", "losses/ratio_mean", "losses/asym", "losses/shared_coef"):
+        for key in ("losses/grad_norm", "losses/policy_loss", "losses/ratio_mean", "losses/asym", "losses/shared_coef",
+                    "losses/clipfrac", "losses/clipfrac_seq", "losses/approx_kl"):
             assert row[key] == pytest.approx(rows[0][key], rel=1e-5, abs=1e-7), key
         assert row["charts/reward_mean"] == rows[0]["charts/reward_mean"]
     assert rows[0]["losses/grad_norm"] > 0 and rows[0]["losses/asym"] > 0
+    assert rows[0]["losses/clipfrac"] > 0 and rows[0]["losses/approx_kl"] > 0  # the first minibatch moved the policy
 
 
 @pytest.mark.parametrize("script, argv, message", [

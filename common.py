@@ -1384,6 +1384,10 @@ def evaluate(policy, tok, held, eos, d: Dist, *, k: int, n: int | None = None,
     unbiased 1 - C(n - c, k) / C(n, k) (pass_at_k)."""
     n = n or k
     m = len(held) // d.world * d.world  # equal shares, or the FSDP all-gathers would hang
+    if m == 0:
+        fail(f"the held-out split has {len(held)} prompt(s), fewer than the {d.world} ranks that "
+             "share it: give a larger dataset (a local file holds out a tenth, at most "
+             "--eval-size) or --eval-every 0")
     rows = held.select(range(d.rank, m, d.world))
     r, errors = torch.zeros(0), 0
     per_call = max(1, gen_batch_size // n)  # prompts per generate call
@@ -2034,7 +2038,7 @@ def check_common_args(args):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.eval_size < max(1, world):
         fail(f"--eval-size {args.eval_size}: must be >= 1 and at least the world size {world} "
-             "(every rank evaluates an equal share; --eval-every 0 turns evaluation off)")
+             "(every rank evaluates an equal share of the held-out prompts)")
     if args.eval_every < 0:
         fail(f"--eval-every {args.eval_every}: must be >= 0 (0: never)")
     check_dataset(args.dataset, args.data_files)

@@ -121,3 +121,14 @@ def test_flat_rewards_in_the_first_steps_are_reported_once(capsys):
         common.score(flat, ["7", "8"], 2, fresh)
     assert "gradable" not in capsys.readouterr().err and fresh.flat_steps < 0
     assert torch.equal(common.score(flat, ["1", "1"], 2, fresh)[0], torch.ones(4))
+
+
+def test_fewer_held_out_prompts_than_ranks_fail_before_any_generation():
+    """Each rank evaluates an equal share: with 1 held-out prompt and 2 ranks no rank has one (it logged NaN)."""
+    from datasets import Dataset
+
+    held = Dataset.from_list([{"prompt": "1+1", "answer": "2", "text": "1+1"}])
+    with pytest.raises(SystemExit) as e:  # no model: it stops before any generation
+        common.evaluate(None, None, held, None, common.Dist(0, 2, torch.device("cpu")), k=2, max_new_tokens=4,
+                        temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=8)
+    assert str(e.value.code).startswith("error: the held-out split has 1 prompt(s), fewer than the 2 ranks")

@@ -64,7 +64,10 @@ def main():
     lines = ["| command | reward, first 10% of steps | reward, last 10% | held-out avg@8, step 0 | avg@8, last step "
              "| Jitter2 (eq. 20) | shared-token coef. (eq. 72), mean over steps | clip fraction (tokens) "
              "| wall s |", "|---|---|---|---|---|---|---|---|---|"]
-    for name in [n for n in COMMANDS if glob.glob(os.path.join(runs, f"{exp_name(n)}__*", "metrics.jsonl"))]:
+    present = [n for n in COMMANDS if glob.glob(os.path.join(runs, f"{exp_name(n)}__*", "metrics.jsonl"))]
+    if not present:
+        raise SystemExit(f"no runs under {runs}")
+    for name in present:
         cols = {k: [] for k in ("first", "last", "eval0", "eval1", "jitter", "shared", "clip", "wall")}
         for s in seeds:
             rows = metrics(runs, name, s)

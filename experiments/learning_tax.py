@@ -118,8 +118,10 @@ def exp_name(name: str) -> str:
 
 def run_dir(root: str, name: str, seed: int) -> str:
     """The one run folder of this configuration and seed ({exp_name}__{seed}__{time}, as the scripts name it)."""
-    (path,) = glob.glob(os.path.join(root, f"{exp_name(name)}__{seed}__*"))
-    return path
+    paths = glob.glob(os.path.join(root, f"{exp_name(name)}__{seed}__*"))
+    if len(paths) != 1:
+        raise SystemExit(f"{len(paths)} run folders of {name!r} seed {seed} under {root} (expected one)")
+    return paths[0]
 
 
 def metrics(root: str, name: str, seed: int) -> list[dict]:

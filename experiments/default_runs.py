@@ -1,10 +1,12 @@
 """Each script with its defaults on the built-in task (200 steps, evaluation every 50), on several seeds, as the
-README's "Measured on the built-in task" table: mean ± std over the seeds, read from each run's metrics.jsonl.
+README's "Measured on the built-in task" table: mean ± sample std over the seeds, read from each run's
+metrics.jsonl.
 
 One seed is bitwise repeatable on one machine, not across CPUs (float rounding differs and RL amplifies it), so
 the table gives the spread over seeds, and only differences larger than it mean anything.
 
-    python experiments/default_runs.py                 # 4 commands x 3 seeds, two at a time: ~10 min on 2 cores
+    python experiments/default_runs.py                 # 5 commands x 3 seeds, two at a time: ~30 min on 2 cores
+    python experiments/default_runs.py --table-only    # the table again from the runs already there, running nothing
 """
 import glob
 import os
@@ -38,6 +40,8 @@ class Args:
     """runs at once, one CPU thread each"""
     only: str | None = None
     """comma-separated command names to run (default: all); the others' earlier runs stay in the table"""
+    table_only: bool = False
+    """run nothing: rebuild table.md from the runs already under {out}/runs"""
 
 
 def main():
@@ -47,19 +51,23 @@ def main():
     if unknown := set(wanted) - set(COMMANDS):
         raise SystemExit(f"--only {sorted(unknown)}: unknown (choose from {', '.join(COMMANDS)})")
     runs = os.path.join(args.out, "runs")
-    for name in wanted:
-        for path in glob.glob(os.path.join(runs, f"{exp_name(name)}__*")):
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    os.makedirs(runs, exist_ok=True)
     seeds = list(range(1, args.seeds + 1))
-    jobs = [(f"{name} seed {s}", [*COMMANDS[name], "--seed", str(s), "--exp-name", exp_name(name), "--output-dir",
-                                  runs], os.path.join(runs, f"{exp_name(name)}__{s}.log"))
-            for name in wanted for s in seeds]
-    run_jobs(jobs, args.workers)
+    if not args.table_only:
+        for name in wanted:
+            for path in glob.glob(os.path.join(runs, f"{exp_name(name)}__*")):
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        os.makedirs(runs, exist_ok=True)
+        jobs = [(f"{name} seed {s}", [*COMMANDS[name], "--seed", str(s), "--exp-name", exp_name(name),
+                                      "--output-dir", runs], os.path.join(runs, f"{exp_name(name)}__{s}.log"))
+                for name in wanted for s in seeds]
+        run_jobs(jobs, args.workers)
     lines = ["| command | reward, first 10% of steps | reward, last 10% | held-out avg@8, step 0 | avg@8, last step "
              "| Jitter2 (eq. 20) | shared-token coef. (eq. 72), mean over steps | clip fraction (tokens) "
              "| wall s |", "|---|---|---|---|---|---|---|---|---|"]
-    for name in [n for n in COMMANDS if glob.glob(os.path.join(runs, f"{exp_name(n)}__*", "metrics.jsonl"))]:
+    present = [n for n in COMMANDS if glob.glob(os.path.join(runs, f"{exp_name(n)}__*", "metrics.jsonl"))]
+    if not present:
+        raise SystemExit(f"no runs under {runs}")
+    for name in present:
         cols = {k: [] for k in ("first", "last", "eval0", "eval1", "jitter", "shared", "clip", "wall")}
         for s in seeds:
             rows = metrics(runs, name, s)
@@ -79,8 +87,10 @@ def main():
                      f"{fmt(cols['eval1'])} | {fmt(cols['jitter'])} | {sci(cols['shared'])} | {fmt(cols['clip'])} | "
                      f"{fmt(cols['wall'], 0)} |")
     table = "\n".join(lines)
-    report = (f"`python experiments/default_runs.py {' '.join(sys.argv[1:])}`: seeds {seeds}, "
-              f"{time.time() - t0:.0f} s, {args.workers} runs at a time. Mean ± std over seeds.\n\n{table}\n")
+    what = ("the table rebuilt from the runs under runs/" if args.table_only
+            else f"{time.time() - t0:.0f} s, {args.workers} runs at a time")
+    report = (f"`python experiments/default_runs.py {' '.join(sys.argv[1:])}`: seeds {seeds}, {what}. "
+              f"Mean ± sample std (ddof 1) over seeds.\n\n{table}\n")
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(report)
     print(report)

@@ -23,6 +23,7 @@ Energy on frequent tokens (eq. 24) needs a backward pass per token: not cheap, n
     pip install -r experiments/requirements.txt     # matplotlib for the plots (the table needs nothing more)
     python experiments/learning_tax.py              # ~12 min on 2 CPU cores; results in experiments/results/
     python experiments/learning_tax.py --smoke      # a reduced form, under a minute
+    python experiments/learning_tax.py --table-only # the table, summary.json and plots again from the runs there
 """
 import glob
 import json
@@ -88,6 +89,9 @@ class Args:
     """comma-separated configuration names to run (default: all)"""
     smoke: bool = False
     """a reduced form for the test suite: 1 seed, 3 + 4 steps, gspo and dfpo min-replace --length-aware only"""
+    table_only: bool = False
+    """run nothing: rebuild table.md, summary.json and the plots from the runs already under {out}/runs (their
+    metrics.jsonl and checkpoints), with the same --seeds, --steps, --only ... as the run that wrote them"""
 
 
 def run_jobs(jobs: list[tuple[str, list[str], str]], workers: int):
@@ -114,8 +118,10 @@ def exp_name(name: str) -> str:
 
 def run_dir(root: str, name: str, seed: int) -> str:
     """The one run folder of this configuration and seed ({exp_name}__{seed}__{time}, as the scripts name it)."""
-    (path,) = glob.glob(os.path.join(root, f"{exp_name(name)}__{seed}__*"))
-    return path
+    paths = glob.glob(os.path.join(root, f"{exp_name(name)}__{seed}__*"))
+    if len(paths) != 1:
+        raise SystemExit(f"{len(paths)} run folders of {name!r} seed {seed} under {root} (expected one)")
+    return paths[0]
 
 
 def metrics(root: str, name: str, seed: int) -> list[dict]:
@@ -132,19 +138,22 @@ def steps_to(curve: list[float], threshold: float, window: int) -> int | None:
 
 
 def mean_std(xs: list[float]) -> tuple[float, float]:
+    """The mean and the sample std (ddof 1, the usual for mean ± std over seeds; nan for one value)."""
     m = sum(xs) / len(xs)
-    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
+    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else math.nan
 
 
 def fmt(xs: list[float], digits=3) -> str:
+    """Mean ± sample std; one value alone."""
     m, s = mean_std(xs)
-    return f"{m:.{digits}f} ± {s:.{digits}f}"
+    return f"{m:.{digits}f}" + (f" ± {s:.{digits}f}" if len(xs) > 1 else "")
 
 
 def sci(xs: list[float]) -> str:
-    """Mean ± std in scientific notation: the shared-token coefficient spans 1e-10 (float32 zero) to 1e-2."""
+    """Mean ± sample std in scientific notation: the shared-token coefficient spans 1e-10 (float32 zero) to
+    1e-2."""
     m, s = mean_std(xs)
-    return f"{m:.1e} ± {s:.1e}"
+    return f"{m:.1e}" + (f" ± {s:.1e}" if len(xs) > 1 else "")
 
 
 # ----------------------------------------------------------------------------- part 1: the built-in task
@@ -153,8 +162,9 @@ def part1(args, configs: dict, seeds: list[int]) -> dict:
     jobs = [(f"{name} seed {s}", [*argv, "--seed", str(s), "--num-steps", str(args.steps), "--eval-every", "0",
                                   "--exp-name", exp_name(name), "--output-dir", root],
              os.path.join(root, f"{exp_name(name)}__{s}.log")) for name, argv in configs.items() for s in seeds]
-    os.makedirs(root, exist_ok=True)
-    run_jobs(jobs, args.workers)
+    if not args.table_only:
+        os.makedirs(root, exist_ok=True)
+        run_jobs(jobs, args.workers)
     result = {}
     for name in configs:
         per_seed = []
@@ -185,14 +195,21 @@ def table1(result: dict, args) -> str:
 
 
 # ----------------------------------------------------------------------------- part 2: Appendix A's task
-def two_form_data(out: str, probes: int, seed: int) -> tuple[str, list[tuple[int, int]]]:
-    """All 'What is a+b?' for a, b in 0..9 as a {prompt, answer} .jsonl the scripts read; returns it and the probes."""
-    pairs = [(a, b) for a in range(10) for b in range(10)]
+TWO_FORM_PAIRS = [(a, b) for a in range(10) for b in range(10)]
+
+
+def two_form_data(out: str) -> str:
+    """All 'What is a+b?' for a, b in 0..9 as a {prompt, answer} .jsonl the scripts read; returns its path."""
     path = os.path.join(out, "two_form.jsonl")
     with open(path, "w") as f:
-        for a, b in pairs:
+        for a, b in TWO_FORM_PAIRS:
             f.write(json.dumps({"prompt": f"What is {a}+{b}?", "answer": str(a + b)}) + "\n")
-    return path, random.Random(seed).sample(pairs, probes)
+    return path
+
+
+def probe_pairs(probes: int, seed: int) -> list[tuple[int, int]]:
+    """The (a, b) of the fixed probe prompts."""
+    return random.Random(seed).sample(TWO_FORM_PAIRS, probes)
 
 
 def warm_start(out: str, steps: int, seed: int) -> str:
@@ -272,16 +289,19 @@ def measure(ckpt: str, probes: list[tuple[int, int]]) -> dict:
 
 def part2(args, configs: dict, seeds: list[int]) -> dict:
     root = os.path.join(args.out, "runs", "two_form")
-    os.makedirs(root, exist_ok=True)
-    data, probes = two_form_data(root, args.probes, 0)
-    model = warm_start(root, args.sft_steps, 0)
-    common_flags = ["--model", model, "--dataset", data, "--learning-rate", "5e-4", "--max-new-tokens", "24",
-                    "--eval-every", "0", "--eval-size", "4", "--num-steps", str(args.two_form_steps),
-                    "--save-every", str(args.save_every), "--keep-checkpoints", "0", "--output-dir", root]
-    jobs = [(f"{name} seed {s} (two forms)", [*argv, *common_flags, "--seed", str(s), "--exp-name",
-                                              exp_name(name)],
-             os.path.join(root, f"{exp_name(name)}__{s}.log")) for name, argv in configs.items() for s in seeds]
-    run_jobs(jobs, args.workers)
+    probes = probe_pairs(args.probes, 0)
+    model = os.path.join(root, "warm_start")
+    if not args.table_only:
+        os.makedirs(root, exist_ok=True)
+        data = two_form_data(root)
+        model = warm_start(root, args.sft_steps, 0)
+        common_flags = ["--model", model, "--dataset", data, "--learning-rate", "5e-4", "--max-new-tokens", "24",
+                        "--eval-every", "0", "--eval-size", "4", "--num-steps", str(args.two_form_steps),
+                        "--save-every", str(args.save_every), "--keep-checkpoints", "0", "--output-dir", root]
+        jobs = [(f"{name} seed {s} (two forms)", [*argv, *common_flags, "--seed", str(s), "--exp-name",
+                                                  exp_name(name)],
+                 os.path.join(root, f"{exp_name(name)}__{s}.log")) for name, argv in configs.items() for s in seeds]
+        run_jobs(jobs, args.workers)
     start = measure(model, probes)
     result = {}
     for name in configs:
@@ -394,7 +414,8 @@ def main():
     if not 1 <= args.probes <= 100:
         raise SystemExit(f"--probes {args.probes}: between 1 and the task's 100 prompts")
     t0 = time.time()
-    shutil.rmtree(os.path.join(args.out, "runs"), ignore_errors=True)
+    if not args.table_only:
+        shutil.rmtree(os.path.join(args.out, "runs"), ignore_errors=True)
     os.makedirs(args.out, exist_ok=True)
     seeds = list(range(1, args.seeds + 1))
     print(f"part 1: the built-in task, {len(wanted)} objectives x {len(seeds)} seeds x {args.steps} steps", flush=True)
@@ -404,8 +425,10 @@ def main():
           flush=True)
     r2 = part2(args, two, seeds) if two else {}
     t1, t2 = table1(r1, args), table2(r2) if r2 else ""
+    what = "the tables rebuilt from the runs under runs/" if args.table_only else "runs and tables"
     report = (f"# Learning-tax lab\n\n`python experiments/learning_tax.py {' '.join(sys.argv[1:])}`: {len(seeds)} "
-              f"seeds, {time.time() - t0:.0f} s. Mean ± std over seeds.\n\n## Built-in task, {args.steps} steps\n\n"
+              f"seeds, {what} in {time.time() - t0:.0f} s. Mean ± sample std (ddof 1) over seeds.\n\n"
+              f"## Built-in task, {args.steps} steps\n\n"
               f"{t1}\n\n## Two surface forms (Appendix A), {args.two_form_steps} steps\n\n{t2}\n")
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(report)

@@ -839,6 +839,8 @@ def normalize_answer(s: str) -> tuple[str, bool]:
     s = re.sub(r"\\sqrt\s*(\d)", r"\\sqrt{\1}", s)
     s = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", s)
     s = re.sub(r"\s+", " ", s).rstrip(".").strip()
+    # the word: compared as text, 'infinity' never equals \\infty
+    s = re.sub(r"^([-+]?)(?:infinity|inf|∞)$", r"\1\\infty", s, flags=re.I)
     s = re.sub(r"^\+(?=[\d.\\])", "", s)
     # "x + 1" -> "x+1"; "\pi r" keeps its space
     s = re.sub(r"(?<=[^A-Za-z]) | (?=[^A-Za-z])", "", s)

@@ -43,6 +43,8 @@ SAME = [
     ("18.90 dollars", "\\$18.90"),
     ("10 percent", "0.1"),  # words after a number: a unit, a percent, or pi
     ("2 pi", "2\\pi"),
+    ("infinity", "\\infty"),  # the word
+    ("-\\infty", "-Infinity"),
     ("10 \\text{ cm}^2", "10"),  # units
     ("+7", "7"),
     ("\\text{5}", "5"),
@@ -68,6 +70,7 @@ DIFFERENT = [
     ("5\\%", "0.5"),
     ("\\$12", "13"),
     ("2 pi", "2"),  # pi is not a unit
+    ("infinity", "-\\infty"),
     ("\\text{Monday}", "\\text{Tuesday}"),
     ("\\text{Evenly}", "\\text{Evelyn}"),  # the same letters: as products of symbols these would be equal
     ("1+\\sqrt{3}", "1 \\pm \\sqrt{3}"),  # one root of two

@@ -218,3 +218,16 @@ def test_jitter2_by_hand():
     assert jitter2([0.1 * t for t in range(10)]) == pytest.approx(0.0, abs=1e-15)
     assert jitter2([0.0, 0.5, 0.25, 1.0]) == pytest.approx((abs(0.25 - 1 + 0) + abs(1 - 0.5 + 0.5)) / 2)
     assert math.isnan(jitter2([1.0, 2.0]))
+
+
+def test_grpo_micro_batch_without_a_counted_token():
+    """--mask-truncated can leave a micro-batch with no token in the loss (every row truncated): it adds nothing, and
+    its ratio min / max are +inf / -inf, which the step's min / max skip (it raised on the empty min)."""
+    logp = torch.zeros(2, 3, requires_grad=True)
+    loss, _, stats = grpo_loss(logp, torch.zeros(2, 3), torch.tensor([1.0, -1.0]), torch.zeros(2, 3),
+                               clip_low=0.2, clip_high=0.2, norm=8)
+    loss.backward()
+    assert loss.item() == 0 and torch.equal(logp.grad, torch.zeros(2, 3))
+    assert stats["losses/ratio_min"] == math.inf and stats["losses/ratio_max"] == -math.inf
+    reduced = common.reduce_stats([stats, {**stats, "losses/ratio_min": 0.5, "losses/ratio_max": 2.0}])
+    assert reduced["losses/ratio_min"] == 0.5 and reduced["losses/ratio_max"] == 2.0

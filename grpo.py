@@ -228,7 +228,7 @@ def aggregate(token_terms, mask, loss_agg: str, max_new_tokens: int | None):
     if loss_agg == "seq-mean-token-mean":
         return token_terms.sum(1) / mask.sum(1).clamp(min=1), mask.shape[0]
     if loss_agg == "token-mean":
-        return token_terms.sum(1), mask.sum()
+        return token_terms.sum(1), mask.sum().clamp(min=1)
     if loss_agg == "seq-mean-token-sum-norm":
         if not max_new_tokens:
             raise ValueError("seq-mean-token-sum-norm divides by max_new_tokens: pass it")
@@ -348,7 +348,7 @@ def main():
             seqs = (minibatch.stop - minibatch.start) * dist_env.world  # its sequences on all ranks
             norm = seqs  # 1/G sum_i over every group: the loss is divided by the minibatch's count
             if args.loss_agg == "token-mean":  # 1 / its completion tokens on all ranks
-                norm = all_reduce(mask[minibatch].sum()).item()
+                norm = max(1.0, all_reduce(mask[minibatch].sum()).item())  # none: it adds 0
             minibatch_loss = 0.0
             micro_stats = []
             seq_terms = []  # each sequence's m_i = w_i A_i, for the group metrics

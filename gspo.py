@@ -175,7 +175,7 @@ def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: f
         clipped = ((s > 1 + clip_high) & (advantages > 0)) | ((s < 1 - clip_low) & (advantages < 0))
         stats = {
             "losses/policy_loss": (-objective.sum(), len(s)),  # over the rows given
-            "losses/clipfrac": ((clipped * lengths).sum(), lengths.sum()),  # tokens the clip stops
+            "losses/clipfrac": ((clipped * lengths).sum(), mask.sum()),  # tokens the clip stops
             "losses/clipfrac_seq": (clipped.sum(), len(s)),  # sequences
             "losses/ratio_mean": (s.sum(), len(s)),
             "losses/ratio_min": s.min(),

@@ -80,3 +80,23 @@ def test_norm_replaces_the_count_the_sum_is_divided_by():
         assert summed.item() == pytest.approx(mean.item() * count, rel=1e-12)
     with pytest.raises(ValueError, match="max_new_tokens"):
         grpo_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2, loss_agg="seq-mean-token-sum-norm")
+
+
+@pytest.mark.parametrize("script", ["grpo", "gspo_token"])
+def test_token_mean_minibatch_without_a_counted_token_is_not_a_non_finite_update(script, monkeypatch, tmp_path):
+    """--mask-truncated with token-mean: a minibatch whose completions are all truncated has 0 tokens in the loss. It
+    adds 0; it was 0/0, a NaN loss, a skipped update, and three in a row stopped the run."""
+    from test_train import run_script
+
+    rows, _ = run_script(script, ["--num-steps", "3", "--mask-truncated", "--loss-agg", "token-mean", "--max-new-tokens",
+                                  "1", "--prompts-per-rank", "4", "--num-minibatches", "4", "--eval-every", "0"],
+                         monkeypatch, tmp_path)
+    assert any(r["charts/masked_truncated"] == 32 for r in rows)  # a step whose 4 minibatches had no token
+    assert all(r["losses/skipped_updates"] == 0 and r["losses/policy_loss"] == 0 for r in rows
+               if r["charts/masked_truncated"] == 32)
+    logp = torch.zeros(2, 3, requires_grad=True)
+    loss_fn = grpo_loss if script == "grpo" else gspo_token_loss
+    adv = torch.ones(2) if script == "grpo" else torch.ones(2, 3)
+    loss, _, _ = loss_fn(logp, torch.zeros(2, 3), adv, torch.zeros(2, 3), clip_low=0.2, clip_high=0.2,
+                         loss_agg="token-mean")  # no norm given: its own count, none
+    assert loss.item() == 0

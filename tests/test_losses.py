@@ -7,6 +7,7 @@ import torch
 
 import common
 from grpo import grpo_loss
+from dfpo import dfpo_loss
 from gspo import gspo_loss
 
 
@@ -231,3 +232,14 @@ def test_grpo_micro_batch_without_a_counted_token():
     assert stats["losses/ratio_min"] == math.inf and stats["losses/ratio_max"] == -math.inf
     reduced = common.reduce_stats([stats, {**stats, "losses/ratio_min": 0.5, "losses/ratio_max": 2.0}])
     assert reduced["losses/ratio_min"] == 0.5 and reduced["losses/ratio_max"] == 2.0
+
+
+@pytest.mark.parametrize("loss_fn", [gspo_loss, dfpo_loss])
+def test_sequence_clipfrac_counts_only_tokens_in_the_loss(loss_fn):
+    """A row with no token in the loss (--mask-truncated) adds none to clipfrac's denominator (it added 1): one row of
+    4 clipped tokens and one masked row are 4 / 4 clipped."""
+    logp = torch.tensor([[0.5, 0.5, 0.5, 0.5], [0.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
+    kw = dict(group_size=2) if loss_fn is dfpo_loss else {}
+    _, _, stats = loss_fn(logp, torch.zeros(2, 4), torch.tensor([1.0, -1.0]), mask, clip_low=0.2, clip_high=0.2, **kw)
+    assert mean(stats["losses/clipfrac"]) == 1.0

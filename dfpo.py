@@ -276,13 +276,14 @@ def dfpo_loss(logp, old_logp, advantages, mask, *, group_size: int, clip_low: fl
         s = log_s.exp()
         # clipped: s_bar_i = c_i
         clipped = ((s > 1 + clip_high) & (advantages > 0)) | ((s < 1 - clip_low) & (advantages < 0))
+        in_loss = mask.sum(1) > 0  # rows with a token in the loss (--mask-truncated: maybe not)
         stats = {
             "losses/policy_loss": (-objective.sum(), len(s)),  # over the rows given
             "losses/clipfrac": ((clipped * lengths).sum(), mask.sum()),  # tokens the clip bounds
-            "losses/clipfrac_seq": (clipped.sum(), len(s)),  # sequences
-            "losses/ratio_mean": (s.sum(), len(s)),
-            "losses/ratio_min": s.min(),
-            "losses/ratio_max": s.max(),
+            "losses/clipfrac_seq": (clipped.sum(), in_loss.sum()),  # sequences
+            "losses/ratio_mean": ((s * in_loss).sum(), in_loss.sum()),
+            "losses/ratio_min": torch.where(in_loss, s, torch.inf).min(),  # inf: no row counts
+            "losses/ratio_max": torch.where(in_loss, s, -torch.inf).max(),
             # k3 estimate of KL(old||new)
             "losses/approx_kl": (((log_w.exp() - 1 - log_w) * mask).sum(), mask.sum()),
             # phi_i = s_tilde_i / s_bar_i (eq. 87)

@@ -205,8 +205,7 @@ def grpo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: f
             "losses/clipfrac": (clipped.sum(), mask.sum()),  # tokens
             "losses/clipfrac_seq": (clipped.any(1).sum(), len(mask)),  # sequences, a token clipped
             "losses/ratio_mean": ((w * mask).sum(), mask.sum()),
-            # inf / -inf where no token counts (--mask-truncated): the step's min / max skip them
-            "losses/ratio_min": torch.where(valid, w, torch.inf).min(),
+            "losses/ratio_min": torch.where(valid, w, torch.inf).min(),  # inf: no token counts
             "losses/ratio_max": torch.where(valid, w, -torch.inf).max(),
             # k3 estimate of KL(old||new)
             "losses/approx_kl": (((log_w.exp() - 1 - log_w) * mask).sum(), mask.sum()),

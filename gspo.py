@@ -173,13 +173,14 @@ def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: f
     loss = -objective.sum() / (norm or objective.numel())  # 1/G sum_i over every group (norm)
     with torch.no_grad():  # clipped: the min takes the constant branch, so no gradient
         clipped = ((s > 1 + clip_high) & (advantages > 0)) | ((s < 1 - clip_low) & (advantages < 0))
+        in_loss = mask.sum(1) > 0  # rows with a token in the loss (--mask-truncated: maybe not)
         stats = {
             "losses/policy_loss": (-objective.sum(), len(s)),  # over the rows given
             "losses/clipfrac": ((clipped * lengths).sum(), mask.sum()),  # tokens the clip stops
-            "losses/clipfrac_seq": (clipped.sum(), len(s)),  # sequences
-            "losses/ratio_mean": (s.sum(), len(s)),
-            "losses/ratio_min": s.min(),
-            "losses/ratio_max": s.max(),
+            "losses/clipfrac_seq": (clipped.sum(), in_loss.sum()),  # sequences
+            "losses/ratio_mean": ((s * in_loss).sum(), in_loss.sum()),
+            "losses/ratio_min": torch.where(in_loss, s, torch.inf).min(),  # inf: no row counts
+            "losses/ratio_max": torch.where(in_loss, s, -torch.inf).max(),
             # k3 estimate of KL(old||new)
             "losses/approx_kl": (((log_w.exp() - 1 - log_w) * mask).sum(), mask.sum()),
         }

@@ -193,13 +193,14 @@ def gspo_token_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_h
     loss = -per_seq.sum() / (norm or count)  # divided by the minibatch's count on all ranks (norm)
     with torch.no_grad():  # clipped: the min takes the constant branch, so no gradient
         clipped = (((s_it > 1 + clip_high) & (A > 0)) | ((s_it < 1 - clip_low) & (A < 0))) & valid
+        in_loss = mask.sum(1) > 0  # rows with a token in the loss (--mask-truncated: maybe not)
         stats = {
             "losses/policy_loss": (-per_seq.sum(), count),  # over the rows given
             "losses/clipfrac": (clipped.sum(), mask.sum()),  # tokens
-            "losses/clipfrac_seq": (clipped.any(1).sum(), len(mask)),  # sequences, a token clipped
-            "losses/ratio_mean": (s.sum(), len(s)),
-            "losses/ratio_min": s.min(),
-            "losses/ratio_max": s.max(),
+            "losses/clipfrac_seq": (clipped.any(1).sum(), in_loss.sum()),  # a token clipped
+            "losses/ratio_mean": ((s * in_loss).sum(), in_loss.sum()),
+            "losses/ratio_min": torch.where(in_loss, s, torch.inf).min(),  # inf: no row counts
+            "losses/ratio_max": torch.where(in_loss, s, -torch.inf).max(),
             # k3 estimate of KL(old||new)
             "losses/approx_kl": (((log_w.exp() - 1 - log_w) * mask).sum(), mask.sum()),
         }

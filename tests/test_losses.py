@@ -6,9 +6,10 @@ import pytest
 import torch
 
 import common
-from grpo import grpo_loss
 from dfpo import dfpo_loss
+from grpo import grpo_loss
 from gspo import gspo_loss
+from gspo_token import gspo_token_loss
 
 
 
@@ -234,12 +235,18 @@ def test_grpo_micro_batch_without_a_counted_token():
     assert reduced["losses/ratio_min"] == 0.5 and reduced["losses/ratio_max"] == 2.0
 
 
-@pytest.mark.parametrize("loss_fn", [gspo_loss, dfpo_loss])
-def test_sequence_clipfrac_counts_only_tokens_in_the_loss(loss_fn):
-    """A row with no token in the loss (--mask-truncated) adds none to clipfrac's denominator (it added 1): one row of
-    4 clipped tokens and one masked row are 4 / 4 clipped."""
+@pytest.mark.parametrize("loss_fn", [gspo_loss, dfpo_loss, gspo_token_loss])
+def test_sequence_stats_count_only_what_is_in_the_loss(loss_fn):
+    """A row with no token in the loss (--mask-truncated) is in none of the stats: one row of 4 clipped tokens with
+    s = e^0.5 and one masked row (s = 1) are 4 / 4 clipped tokens, 1 / 1 clipped sequences, ratios e^0.5 (the
+    masked row added a token to clipfrac's count, and its s = 1 to the ratio stats)."""
     logp = torch.tensor([[0.5, 0.5, 0.5, 0.5], [0.0, 0.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
+    adv = torch.tensor([1.0, -1.0])
     kw = dict(group_size=2) if loss_fn is dfpo_loss else {}
-    _, _, stats = loss_fn(logp, torch.zeros(2, 4), torch.tensor([1.0, -1.0]), mask, clip_low=0.2, clip_high=0.2, **kw)
-    assert mean(stats["losses/clipfrac"]) == 1.0
+    if loss_fn is gspo_token_loss:
+        adv = adv[:, None].expand(2, 4)
+    _, _, stats = loss_fn(logp, torch.zeros(2, 4), adv, mask, clip_low=0.2, clip_high=0.2, **kw)
+    assert mean(stats["losses/clipfrac"]) == 1.0 and mean(stats["losses/clipfrac_seq"]) == 1.0
+    s = math.exp(0.5)
+    assert mean(stats["losses/ratio_mean"]) == pytest.approx(s) and stats["losses/ratio_min"].item() == pytest.approx(s)

@@ -182,13 +182,14 @@ def orth_proj_qp(s_bar, A):
         a = torch.where((A * s_bar).sum(1, keepdim=True) < 0, -A, A).double()
         x = s_bar.double()
         breakpoints, order = torch.where(a > 0, x / a, float("inf")).sort(1)
-        # lam_k: the root of a.v = 0 when the first k in breakpoint order are 0 (sums over the rest)
+        # column j: lam_j, the root of a.v = 0 when the first j in breakpoint order are 0 (sums over
+        # the rest), and whether the j-th v stays > 0 there (den = 0 gives nan: False)
         num = (a * x).gather(1, order).flip(1).cumsum(1).flip(1)
         den = (a * a).gather(1, order).flip(1).cumsum(1).flip(1)
-        stays = num / den < breakpoints  # the k-th v > 0 at lam_k; den = 0 gives nan: False
-        # the first such k is the root's; none (a of one sign): every v_i with A_i != 0 is 0
-        k = torch.where(stays.any(1), stays.double().argmax(1), G)
-        kept = torch.arange(G, device=k.device) >= k[:, None]  # in breakpoint order
+        stays = num / den < breakpoints
+        # the first j that stays is the root's; none (a of one sign): every v_i with A_i != 0 is 0
+        n_zero = torch.where(stays.any(1), stays.double().argmax(1), G)
+        kept = torch.arange(G, device=n_zero.device) >= n_zero[:, None]  # in breakpoint order
         S = torch.zeros_like(kept).scatter(1, order, kept) & (a != 0)
     den = (S * A ** 2).sum(1, keepdim=True)
     lam = (S * A * s_bar).sum(1, keepdim=True) / torch.where(den > 0, den, 1.0)  # S empty: 0

@@ -57,6 +57,13 @@ def test_transforms_restore_group_orthogonality(transform, G, seed):
         assert (s_t >= 0).all()
 
 
+def test_orth_proj_floor():
+    """Eq. 52 raises a weight to eps before the rebalance: s_bar = (0, 1.2), A = (1, -1) gives (eps, eps), so every
+    weight stays strictly positive (Theorem K.1); without the floor it would be (0, 0)."""
+    s_t = in_group_transform(torch.tensor([[0.0, 1.2]]), torch.tensor([[1.0, -1.0]]), "orth-proj", FLOOR)
+    assert torch.allclose(s_t, torch.tensor([[FLOOR, FLOOR]]), rtol=1e-12, atol=0)
+
+
 def test_beta_sign_erratum():
     """Eq. 55 printed beta = -sum_P A s+ / sum_N (-A) s+, which is negative; the corrected beta lies in (0, 1]:
     A = (+1, -1), s_bar = (0.8, 1.2): delta = -0.4 < 0, beta = 0.8 / 1.2, s_tilde = (0.8, 0.8)."""

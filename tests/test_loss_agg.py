@@ -82,18 +82,25 @@ def test_norm_replaces_the_count_the_sum_is_divided_by():
         grpo_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2, loss_agg="seq-mean-token-sum-norm")
 
 
-@pytest.mark.parametrize("script", ["grpo", "gspo_token"])
-def test_token_mean_minibatch_without_a_counted_token_is_not_a_non_finite_update(script, monkeypatch, tmp_path):
-    """--mask-truncated with token-mean: a minibatch whose completions are all truncated has 0 tokens in the loss. It
-    adds 0; it was 0/0, a NaN loss, a skipped update, and three in a row stopped the run."""
+@pytest.mark.parametrize("script, agg", [("grpo", "token-mean"), ("gspo_token", "token-mean"), ("gspo", None),
+                                         ("dfpo", None)])
+def test_minibatch_without_a_counted_token_adds_nothing(script, agg, monkeypatch, tmp_path):
+    """--mask-truncated: a minibatch whose completions are all truncated has 0 tokens in the loss and adds 0 (no
+    gradient). With token-mean it was 0/0, a NaN loss, a skipped update, and three in a row stopped the run."""
     from test_train import run_script
 
-    rows, _ = run_script(script, ["--num-steps", "3", "--mask-truncated", "--loss-agg", "token-mean", "--max-new-tokens",
-                                  "1", "--prompts-per-rank", "4", "--num-minibatches", "4", "--eval-every", "0"],
-                         monkeypatch, tmp_path)
+    agg_flags = ["--loss-agg", agg] if agg else []
+    reward = "def f(completion, answer):\n    return float(sum(map(ord, completion)) % 2)\n"
+    (tmp_path / "parity_reward14.py").write_text(reward)
+    monkeypatch.syspath_prepend(str(tmp_path))  # groups with a spread: unmasked, they would give a gradient
+    rows, _ = run_script(script, ["--num-steps", "3", "--mask-truncated", *agg_flags, "--max-new-tokens", "1",
+                                  "--prompts-per-rank", "4", "--num-minibatches", "4", "--eval-every", "0",
+                                  "--reward", "parity_reward14:f"], monkeypatch, tmp_path / "out")
     assert any(r["charts/masked_truncated"] == 32 for r in rows)  # a step whose 4 minibatches had no token
-    assert all(r["losses/skipped_updates"] == 0 and r["losses/policy_loss"] == 0 for r in rows
-               if r["charts/masked_truncated"] == 32)
+    assert all(r["losses/skipped_updates"] == 0 and abs(r["losses/policy_loss"]) < 1e-6 and r["losses/grad_norm"] == 0
+               for r in rows if r["charts/masked_truncated"] == 32)  # the mask took them out (GSPO's value: -mean A)
+    if agg is None:
+        return
     logp = torch.zeros(2, 3, requires_grad=True)
     loss_fn = grpo_loss if script == "grpo" else gspo_token_loss
     adv = torch.ones(2) if script == "grpo" else torch.ones(2, 3)

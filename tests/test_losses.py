@@ -235,7 +235,7 @@ def test_grpo_micro_batch_without_a_counted_token():
     assert reduced["losses/ratio_min"] == 0.5 and reduced["losses/ratio_max"] == 2.0
 
 
-@pytest.mark.parametrize("loss_fn", [gspo_loss, dfpo_loss, gspo_token_loss])
+@pytest.mark.parametrize("loss_fn", [gspo_loss, dfpo_loss, gspo_token_loss, grpo_loss])
 def test_sequence_stats_count_only_what_is_in_the_loss(loss_fn):
     """A row with no token in the loss (--mask-truncated) is in none of the stats: one row of 4 clipped tokens with
     s = e^0.5 and one masked row (s = 1) are 4 / 4 clipped tokens, 1 / 1 clipped sequences, ratios e^0.5 (the
@@ -248,5 +248,5 @@ def test_sequence_stats_count_only_what_is_in_the_loss(loss_fn):
         adv = adv[:, None].expand(2, 4)
     _, _, stats = loss_fn(logp, torch.zeros(2, 4), adv, mask, clip_low=0.2, clip_high=0.2, **kw)
     assert mean(stats["losses/clipfrac"]) == 1.0 and mean(stats["losses/clipfrac_seq"]) == 1.0
-    s = math.exp(0.5)
+    s = math.exp(0.5)  # s_i, and in GRPO each token ratio w_it
     assert mean(stats["losses/ratio_mean"]) == pytest.approx(s) and stats["losses/ratio_min"].item() == pytest.approx(s)

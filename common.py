@@ -1553,6 +1553,12 @@ STEP_DIR = re.compile(r"step_(\d+)$")
 MANIFEST = "manifest.json"
 
 
+def step_folders(run_dir: str) -> list[tuple[int, str]]:
+    """The run's step_N folders as (N, path), oldest first, complete or not."""
+    return sorted((int(m[1]), p) for p in glob.glob(os.path.join(glob.escape(run_dir), "step_*"))
+                  if (m := STEP_DIR.search(p)))
+
+
 def is_checkpoint(path: str) -> bool:
     """A step_N folder with its manifest: complete when written (verify_checkpoint says whether it
     still is)."""
@@ -1793,8 +1799,7 @@ def set_aside_later_checkpoints(run_dir: str, step: int):
     checkpoints after step k belong to the run it branches from. They are moved into one
     abandoned_* folder, so that pruning (--keep-checkpoints) and --resume auto never take them for
     this run's, and said so; nothing is deleted."""
-    later = sorted((int(m[1]), p) for p in glob.glob(os.path.join(glob.escape(run_dir), "step_*"))
-                   if (m := STEP_DIR.search(p)) and int(m[1]) > step)
+    later = [(n, p) for n, p in step_folders(run_dir) if n > step]
     if not later:
         return
     aside = os.path.join(run_dir, f"abandoned_{time.strftime('%Y%m%d_%H%M%S')}")
@@ -1906,9 +1911,7 @@ def save_checkpoint(run_dir: str, step: int, policy: Policy, tok, optimizer, sch
             os.rename(path, tmp + ".old")
         os.rename(tmp, path)
         shutil.rmtree(tmp + ".old", ignore_errors=True)
-        done = sorted((int(STEP_DIR.search(p)[1]), p) for p in glob.glob(os.path.join(run_dir,
-                                                                                      "step_*"))
-                      if is_checkpoint(p))
+        done = [(n, p) for n, p in step_folders(run_dir) if is_checkpoint(p)]
         for _, old in done[:-args.keep_checkpoints] if args.keep_checkpoints else []:
             shutil.rmtree(old)
     barrier()

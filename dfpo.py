@@ -28,14 +28,16 @@ import torch
 import tyro
 from tqdm import tqdm
 
-from common import (Logger, all_finite, all_gather_cat, all_reduce, catch_stop_signals,
-                    check_common_args, check_model, claim_run_dir, cleanup, default_learning_rate,
-                    default_max_new_tokens, eos_ids, eval_report, eval_summary, evaluate, fail,
-                    generate, group_advantages, group_metrics, jitter2, load_model, load_reward,
-                    load_task, load_tokenizer, log_samples, lr_scheduler, micro_batches,
-                    minibatches, prompt_indices, reduce_stats, resume_state, run_paths,
-                    save_checkpoint, score, seed_rank, setup_distributed, stop_requested,
-                    wrap_policy)
+from checkpoint import (catch_stop_signals, claim_run_dir, cleanup, resume_state, run_paths,
+                        save_checkpoint, stop_requested)
+from cli import check_common_args, default_learning_rate, default_max_new_tokens
+from common import (Logger, all_finite, check_model, eos_ids, eval_report, eval_summary, evaluate,
+                    generate, group_advantages, group_metrics, jitter2, load_model, load_tokenizer,
+                    log_samples, lr_scheduler, micro_batches, minibatches, prompt_indices,
+                    reduce_stats, score, wrap_policy)
+from data import load_task
+from distributed import all_gather_cat, all_reduce, fail, seed_rank, setup_distributed
+from grader import load_reward
 
 
 @dataclass

@@ -39,6 +39,7 @@ def main():
     from transformers.utils import logging as hf_logging
 
     import common
+    import distributed
     import shapes
 
     hf_logging.set_verbosity_error()  # EOS id -1 below is on purpose (transformers warns about it)
@@ -55,7 +56,7 @@ def main():
     lm = shapes.random_model(shape, tok, torch.float32)
     print(f"model built in {time.perf_counter() - t:.0f}s: {sum(p.numel() for p in lm.parameters()) / 1e9:.3f}B "
           f"parameters, fp32, {a.threads} threads, torch {torch.__version__}")
-    d = common.Dist(0, 1, torch.device("cpu"))
+    d = distributed.Dist(0, 1, torch.device("cpu"))
     policy = common.Policy(lm).eval()
     texts = shapes.prompts(a.prompts, a.prompt_tokens, shape["vocab_size"])
     assert len(tok(texts[0]).input_ids) == a.prompt_tokens

@@ -171,6 +171,7 @@ def trl_step(a, out_dir: str) -> dict:
 
 def main():
     import common
+    import distributed
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="0.6B,1.7B,4B,8B",
@@ -210,7 +211,7 @@ def main():
     if not set(a.gen_modes) <= set(common.GEN_MODES):
         raise SystemExit(f"error: --gen-modes takes {', '.join(common.GEN_MODES)}")
     hf_logging.set_verbosity_error()
-    d = common.Dist(0, 1, torch.device("cuda", 0) if torch.cuda.is_available() and not a.smoke else
+    d = distributed.Dist(0, 1, torch.device("cuda", 0) if torch.cuda.is_available() and not a.smoke else
                     torch.device("cpu"))
     dtype = torch.bfloat16 if d.device.type == "cuda" else torch.float32
     device_name = torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else "CPU (--smoke)"

@@ -21,6 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
+import grader  # noqa: E402
 
 def symbolic_pool(i: int, k: int) -> tuple[str, list[str], list[str]]:
     """Prompt i's reference (one of ten MATH-style kinds, made distinct by k), three correct spellings and three
@@ -99,17 +100,17 @@ def main():
     p.add_argument("--group-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workers", type=int, default=common.GRADING_WORKERS, help="grading worker processes")
+    p.add_argument("--workers", type=int, default=grader.GRADING_WORKERS, help="grading worker processes")
     p.add_argument("--timeout", type=float, default=1.0, help="seconds a request may take (--reward-timeout)")
     a = p.parse_args()
-    common.GRADING_WORKERS = a.workers
+    grader.GRADING_WORKERS = a.workers
     rng = random.Random(a.seed)
     n = a.prompts * a.group_size
     ks = [k for k in range(4, 100_000) if k % 3 and math.isqrt(k) ** 2 != k]  # not squares, not multiples of 3
     print(f"| answers | step | completions | sent to math-verify | reward errors | grader right | seconds | CPU s "
           f"({a.workers} workers + this process) | completions / s |\n|---|---|---|---|---|---|---|---|---|")
     for name in ["numeric", "symbolic"]:
-        reward = common.Reward(timeout_s=a.timeout)
+        reward = grader.Reward(timeout_s=a.timeout)
         t = time.perf_counter()
         reward.run([("1", "1")])  # the worker starts (imports math-verify)
         start = time.perf_counter() - t

@@ -35,7 +35,8 @@ def save_tiny(folder: str, seed: int):
     sys.path.insert(0, ROOT)
     from transformers.utils import logging as hf_logging
 
-    from common import seed_everything, tiny_model, tiny_tokenizer
+    from common import tiny_model, tiny_tokenizer
+    from distributed import seed_everything
 
     hf_logging.disable_progress_bar()
     seed_everything(seed)
@@ -130,7 +131,8 @@ def run_trl(a, folder: str, out_dir: str) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from common import load_task, math_reward
+    from common import math_reward
+    from data import load_task
 
     tok = AutoTokenizer.from_pretrained(folder)
     tok.padding_side = "left"  # as common.load_tokenizer: left-padded prompts for generation

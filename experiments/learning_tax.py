@@ -43,6 +43,7 @@ import tyro
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import common  # noqa: E402
+import data  # noqa: E402
 
 # name -> the script and its flags; everything else is the script's default (the papers' settings)
 BUILTIN = {
@@ -245,7 +246,7 @@ def warm_start(out: str, steps: int, seed: int) -> str:
 
 def encode(tok, prompts: list[str], completions: list[str]):
     """Chat-templated prompt + completion + EOS, right-padded; labels -100 outside the completion."""
-    texts = common.chat_prompts(tok, prompts, False)
+    texts = data.chat_prompts(tok, prompts, False)
     seqs = [(tok(p, add_special_tokens=False).input_ids, tok(c, add_special_tokens=False).input_ids + [tok.eos_token_id])
             for p, c in zip(texts, completions)]
     L = max(len(p) + len(c) for p, c in seqs)

@@ -10,7 +10,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import checkpoint  # noqa: E402
 import common  # noqa: E402
+import distributed  # noqa: E402
 from dfpo import dfpo_loss, group_weights, sequence_weights  # noqa: E402
 from grpo import grpo_loss  # noqa: E402
 from gspo import gspo_loss  # noqa: E402
@@ -20,13 +22,13 @@ from test_losses import mean  # noqa: E402
 loss_name, ac, dtype = sys.argv[1], sys.argv[2] == "1", sys.argv[3] if len(sys.argv) > 3 else "fp32"
 micro = int(sys.argv[4]) if len(sys.argv) > 4 else 0  # micro-batch size on each rank (0: its whole half)
 per_rank_mean = len(sys.argv) > 5 and sys.argv[5] == "per-rank-mean"  # the bug: divide by this rank's count only
-d = common.setup_distributed(0)
+d = distributed.setup_distributed(0)
 assert d.world == 2, "run me with torchrun --nproc-per-node 2"
 tok = common.tiny_tokenizer()
 # FSDP2: built on the meta device, rank 0's weights scattered to fp32 shards, computed in `dtype`, reduced in fp32
 lm, rank0_weights = common.load_model("tiny", tok, d, seed=0)
 policy = common.wrap_policy(lm, d, 1.0, 16, ac, dtype, rank0_weights=rank0_weights)
-one = common.Dist(d.rank, 1, d.device)
+one = distributed.Dist(d.rank, 1, d.device)
 single = common.Policy(common.load_model("tiny", tok, one, seed=0, dtype=dtype)[0], 1.0, 16)  # same init, one process
 policy.train(), single.train()
 for (name, p), (_, q) in zip(policy.named_parameters(), single.named_parameters()):
@@ -90,4 +92,4 @@ for (name, p), (_, q) in zip(policy.named_parameters(), single.named_parameters(
 if d.main:
     print(f"FSDP2 gradient OK ({loss_name}, activation checkpointing {ac}, {dtype}, micro-batch {micro}): worst "
           f"relative difference {worst:.2e}")
-common.cleanup()
+checkpoint.cleanup()

@@ -9,7 +9,9 @@ import time
 
 import pytest
 
+import checkpoint
 import common
+import data
 from conftest import ROOT
 
 SCRIPTS = ["gspo", "grpo", "gspo_token", "dfpo"]
@@ -119,7 +121,7 @@ def test_error_under_torchrun_is_printed_once_and_every_rank_exits(tmp_path):
     ckpt = tmp_path / "gspo__1__5" / "step_4"
     ckpt.mkdir(parents=True)
     (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4, "world": 1, "script": "gspo.py"}))
-    common.write_manifest(str(ckpt))
+    checkpoint.write_manifest(str(ckpt))
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         "gspo.py", "--resume", str(ckpt), "--output-dir", str(tmp_path)], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
@@ -152,7 +154,7 @@ def test_hub_columns_through_local_files(tmp_path):
     gsm = write_jsonl(tmp_path / "gsm8k.jsonl", [
         {"question": f"What is {i}+1?", "answer": f"{i}+1 = {i + 1}\n#### {i + 1:,}"} for i in range(998, 1018)
     ] + [{"question": "no answer here", "answer": None}])
-    train, held, dropped = common.load_task("gsm8k", gsm, 4, 0, tok, False, 2048)
+    train, held, dropped = data.load_task("gsm8k", gsm, 4, 0, tok, False, 2048)
     assert dropped == {"no_answer": 1, "too_long": 0} and len(train) + len(held) == 20 and len(held) == 2
     row = train[0]
     assert set(train.column_names) == {"prompt", "answer", "text"}
@@ -161,16 +163,16 @@ def test_hub_columns_through_local_files(tmp_path):
     assert row["text"].startswith("<|im_start|>user\n") and row["text"].endswith("<|im_start|>assistant\n")
     math = write_jsonl(tmp_path / "math.jsonl", [{"problem": f"Compute {i}/2.", "answer": f"\\frac{{{i}}}{{2}}"}
                                                   for i in range(30)])
-    train, held, _ = common.load_task("math500", math, 3, 0, tok, False, 2048)
+    train, held, _ = data.load_task("math500", math, 3, 0, tok, False, 2048)
     assert len(held) == 3 and "\\boxed{}" in train[0]["prompt"]
     own = write_jsonl(tmp_path / "own.jsonl", [{"prompt": "2+2=", "answer": "4"}] * 20)
-    train, held, _ = common.load_task(own, None, 2, 0, tok, False, 2048)
+    train, held, _ = data.load_task(own, None, 2, 0, tok, False, 2048)
     assert train[0]["prompt"] == "2+2=" and train[0]["answer"] == "4"
 
 
 def test_builtin_task_is_deterministic_and_uniform():
-    a, b = common.builtin_task(2000, 3), common.builtin_task(2000, 3)
-    assert a == b and a != common.builtin_task(2000, 4)
+    a, b = data.builtin_task(2000, 3), data.builtin_task(2000, 3)
+    assert a == b and a != data.builtin_task(2000, 4)
     counts = [sum(r["answer"] == str(k) for r in a) for k in range(10)]
     assert max(counts) / len(a) < 0.13  # no constant answer scores much above 0.1
     assert all(common.math_reward(str(int(r["prompt"].split("%")[0]) % 10), r["answer"]) == 1 for r in a)

@@ -10,6 +10,9 @@ import pytest
 import torch
 
 import common
+import data
+import distributed
+import grader
 from conftest import ROOT
 
 ROWS = [{"prompt": f"{i}%10=", "answer": str(i % 10)} for i in range(20)]
@@ -101,21 +104,21 @@ def test_numbers_as_answers_and_chat_prompts_are_text(tmp_path):
             {"prompt": [{"role": "user", "content": "4%10="}], "answer": 4}, {"prompt": "none", "answer": None}]
     path = tmp_path / "mixed.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows * 4))
-    train, held, dropped = common.load_task(str(path), None, 2, 0, common.tiny_tokenizer(), False, 2048)
+    train, held, dropped = data.load_task(str(path), None, 2, 0, common.tiny_tokenizer(), False, 2048)
     assert dropped == {"no_answer": 4, "too_long": 0} and len(train) + len(held) == 16
     assert sorted(set(train["answer"]) | set(held["answer"])) == ["2", "3", "4", "5.0"]
     assert "4%10=" in set(train["prompt"]) | set(held["prompt"])
 
 
 def test_flat_rewards_in_the_first_steps_are_reported_once(capsys):
-    reward = common.Reward()
+    reward = grader.Reward()
     flat, spread = ["\\boxed{1}"] * 4, ["\\boxed{1}", "\\boxed{2}"] * 2
     for step in range(common.FLAT_STEPS + 2):
         common.score(flat, ["7", "8"], 2, reward)
         common.score(spread, ["1"], 4, reward, watch=False)  # an evaluation between steps does not count
         err = capsys.readouterr().err
         assert ("the answers may not be gradable" in err) == (step == common.FLAT_STEPS - 1), (step, err)
-    fresh = common.Reward()
+    fresh = grader.Reward()
     common.score(spread, ["1"], 4, fresh)  # a first step with a spread: never reported
     for _ in range(common.FLAT_STEPS):
         common.score(flat, ["7", "8"], 2, fresh)
@@ -129,6 +132,6 @@ def test_fewer_held_out_prompts_than_ranks_fail_before_any_generation():
 
     held = Dataset.from_list([{"prompt": "1+1", "answer": "2", "text": "1+1"}])
     with pytest.raises(SystemExit) as e:  # no model: it stops before any generation
-        common.evaluate(None, None, held, None, common.Dist(0, 2, torch.device("cpu")), k=2, max_new_tokens=4,
+        common.evaluate(None, None, held, None, distributed.Dist(0, 2, torch.device("cpu")), k=2, max_new_tokens=4,
                         temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=8)
     assert str(e.value.code).startswith("error: the held-out split has 1 prompt(s), fewer than the 2 ranks")

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import common
+import data
+import distributed
 from dfpo import dfpo_loss, group_weights, in_group_transform, sequence_weights
 from gspo import gspo_loss
 from test_losses import mean, ragged_batch
@@ -310,7 +312,7 @@ def toy_gradients(loss_fn):
     the first two completion tokens and differ in the last, advantages (-1, +1). Returns the parameter gradient of
     the loss restricted to the shared-prefix tokens (sum over the group of dL/dlogp_it grad logp_it for t < 2), the
     whole gradient, the per-token log-ratios, and g* = grad of the two prefix log-probs of trajectory 1."""
-    d = common.Dist(0, 1, torch.device("cpu"))
+    d = distributed.Dist(0, 1, torch.device("cpu"))
     tok = common.tiny_tokenizer()
     lm_old = common.load_model("tiny", tok, d, seed=0)[0].double()
     lm = common.load_model("tiny", tok, d, seed=0)[0].double()
@@ -318,7 +320,7 @@ def toy_gradients(loss_fn):
     with torch.no_grad():
         for p in lm.parameters():
             p.add_(0.2 * p.std().nan_to_num(0.02) * torch.randn(p.shape, generator=g))
-    prompt = common.chat_prompts(tok, ["What is 10+10?"], False)[0]
+    prompt = data.chat_prompts(tok, ["What is 10+10?"], False)[0]
     ids = torch.tensor([tok(prompt + c, add_special_tokens=False).input_ids for c in ["is25", "is20"]])[:, :-1]
     P = ids.shape[1] - 3  # completions: 'i', 's', then '2' + ('5' | '0')... the last token differs
     ids = torch.cat([ids[:, :P], ids[:, P:P + 2], torch.tensor([[tok.convert_tokens_to_ids("5")],

@@ -4,15 +4,17 @@ import pytest
 import torch
 
 import common
+import data
+import distributed
 
 
 @pytest.fixture(scope="module")
 def setup():
-    d = common.Dist(0, 1, torch.device("cpu"))
+    d = distributed.Dist(0, 1, torch.device("cpu"))
     tok = common.tiny_tokenizer()
     lm, _ = common.load_model("tiny", tok, d, seed=0)
     policy = common.wrap_policy(lm, d, 1.0, 64, False).eval()
-    prompts = common.chat_prompts(tok, ["1%10=", "a longer prompt, 23%10=", "7%10="], False)  # ragged: left padding
+    prompts = data.chat_prompts(tok, ["1%10=", "a longer prompt, 23%10=", "7%10="], False)  # ragged: left padding
     return d, tok, policy, prompts, common.eos_ids(lm, tok)
 
 

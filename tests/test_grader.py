@@ -6,6 +6,7 @@ import time
 import pytest
 
 import common
+import grader
 from common import math_reward, score
 
 
@@ -14,7 +15,7 @@ def roomy_grader():
     """Correctness tests grade with a 30 s bound, so that a busy machine cannot turn a slow answer into a 0; the
     bound itself is tested below with its own Reward."""
     saved = list(common._MATH_GRADER)
-    common._MATH_GRADER[:] = [common.Reward(timeout_s=30.0)]
+    common._MATH_GRADER[:] = [grader.Reward(timeout_s=30.0)]
     yield
     common._MATH_GRADER[0].stop()
     common._MATH_GRADER[:] = saved
@@ -117,7 +118,7 @@ def test_extraction_from_prose(text, gold):
 
 def test_pathological_answer_scores_0_within_about_a_second_and_is_counted(capsys):
     """9^(9^(9^9)) is a number no machine can write out: the comparison with 1 runs until it is stopped."""
-    reward = common.Reward(timeout_s=1.0)
+    reward = grader.Reward(timeout_s=1.0)
     reward.run([("2", "2")])  # start the worker, so that the time below is the grading alone
     t = time.time()
     r, errors = score(["\\boxed{9^{9^{9^{9}}}}"], ["1"], 1, reward)
@@ -139,9 +140,9 @@ def test_grading_works_off_the_main_thread():
 
 def test_each_reference_once_per_prompt_each_answer_once_per_group(monkeypatch):
     calls, requests = [], []
-    real_canonical, real_run = common.canonical, common.Reward.run
+    real_canonical, real_run = grader.canonical, grader.Reward.run
     monkeypatch.setattr(common, "canonical", lambda s: calls.append(s) or real_canonical(s))
-    monkeypatch.setattr(common.Reward, "run", lambda self, reqs: requests.extend(reqs) or real_run(self, reqs))
+    monkeypatch.setattr(grader.Reward, "run", lambda self, reqs: requests.extend(reqs) or real_run(self, reqs))
     texts = ["\\boxed{2\\sqrt{2}}"] * 10 + ["\\boxed{\\sqrt{8}}"] * 5 + ["\\boxed{3}"]  # group 1: 3 distinct
     texts += ["\\boxed{x}"] * 16  # group 2: one
     r, errors = score(texts, ["\\sqrt{8}", "x"], 16)
@@ -196,9 +197,9 @@ def user_rewards(tmp_path, monkeypatch):
 
 def test_user_reward_scores_each_distinct_completion_once(user_rewards, monkeypatch):
     requests = []
-    real_run = common.Reward.run
-    monkeypatch.setattr(common.Reward, "run", lambda self, reqs: requests.extend(reqs) or real_run(self, reqs))
-    reward = common.load_reward(f"{user_rewards}:length", 1.0)
+    real_run = grader.Reward.run
+    monkeypatch.setattr(grader.Reward, "run", lambda self, reqs: requests.extend(reqs) or real_run(self, reqs))
+    reward = grader.load_reward(f"{user_rewards}:length", 1.0)
     r, errors = score(["ab", "abcd", "ab", "xyz"], ["1", "2"], 2, reward)
     assert r.tolist() == [2.0, 4.0, 2.0, 3.0] and errors == 0
     assert requests == [("ab", "1"), ("abcd", "1"), ("ab", "2"), ("xyz", "2")]  # "ab" once per prompt
@@ -209,7 +210,7 @@ def test_user_reward_scores_each_distinct_completion_once(user_rewards, monkeypa
                                           ("nan", "ValueError: the reward returned nan"),
                                           ("slow", "TimeoutError: no reward within 0.3 s")])
 def test_user_reward_failures_score_0_are_counted_and_bounded(user_rewards, name, needle, capsys):
-    reward = common.load_reward(f"{user_rewards}:{name}", 0.3)
+    reward = grader.load_reward(f"{user_rewards}:{name}", 0.3)
     t = time.time()
     r, errors = score(["a", "b"], ["1"], 2, reward)
     assert time.time() - t < 5  # slow: 2 x 0.3 s and a worker restart in between
@@ -240,7 +241,7 @@ def test_user_reward_reaches_training_and_evaluation(user_rewards, monkeypatch, 
 
 
 def test_user_reward_may_print(user_rewards, capfd):
-    reward = common.load_reward(f"{user_rewards}:chatty", 5.0)
+    reward = grader.load_reward(f"{user_rewards}:chatty", 5.0)
     r, errors = score(["a", "b"], ["1"], 2, reward)
     assert r.tolist() == [1.0, 1.0] and errors == 0
     err = capfd.readouterr().err

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import common
+import distributed
 from conftest import ROOT
 
 
@@ -51,7 +52,7 @@ def test_chunked_equals_naive_value_and_gradient(dtype, rtol, chunk, bias, tempe
 def test_policy_logprobs_equal_the_model_logits():
     """Policy.forward (decoder -> chunked head over the completion) against the full model's logits, fp32."""
     tok = common.tiny_tokenizer()
-    lm, _ = common.load_model("tiny", tok, common.Dist(0, 1, torch.device("cpu")), seed=0)
+    lm, _ = common.load_model("tiny", tok, distributed.Dist(0, 1, torch.device("cpu")), seed=0)
     g = torch.Generator().manual_seed(0)
     B, P, T = 4, 5, 6
     ids = torch.randint(3, len(tok), (B, P + T), generator=g)

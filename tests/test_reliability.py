@@ -5,11 +5,14 @@ import pytest
 import torch
 
 import common
+import data
+import distributed
+import grader
 from test_train import run_script
 
 
 def test_grader_that_raises_scores_zero_and_is_counted(monkeypatch, capsys):
-    real = common.extract_answer
+    real = grader.extract_answer
 
     def flaky(text):
         if "boom" in text:
@@ -73,7 +76,7 @@ def test_nonfinite_updates_never_touch_the_weights(monkeypatch, tmp_path):
     assert rows[0]["losses/skipped_updates"] == 4
     trained = AutoModelForCausalLM.from_pretrained(f"{run}/step_1")
     tok = common.tiny_tokenizer()
-    start, _ = common.load_model("tiny", tok, common.Dist(0, 1, torch.device("cpu")), seed=1)  # the run's init
+    start, _ = common.load_model("tiny", tok, distributed.Dist(0, 1, torch.device("cpu")), seed=1)  # the run's init
     for (n, p), q in zip(trained.named_parameters(), start.parameters()):
         assert torch.equal(p, q), n
 
@@ -97,6 +100,6 @@ def test_rows_without_answer_and_long_prompts_are_dropped_and_counted(tmp_path):
             + [{"prompt": "no answer", "answer": None}, {"prompt": "empty answer", "answer": "  "}])
     path = tmp_path / "data.jsonl"
     path.write_text("".join(__import__("json").dumps(r) + "\n" for r in rows))
-    train, held, dropped = common.load_task(str(path), None, 3, 0, tok, False, max_prompt_tokens=100)
+    train, held, dropped = data.load_task(str(path), None, 3, 0, tok, False, max_prompt_tokens=100)
     assert dropped == {"no_answer": 2, "too_long": 5} and len(train) + len(held) == 30
     assert all(len(tok(t).input_ids) <= 100 for t in list(train["text"]) + list(held["text"]))

@@ -13,7 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import checkpoint
 import common
+import distributed
 from conftest import ROOT
 from test_train import read_rows
 
@@ -61,7 +63,7 @@ def straight(world, tmp_path_factory):
         _straight[world] = result(out)
         weights, rows = _straight[world]
         tok = common.tiny_tokenizer()
-        init = common.load_model("tiny", tok, common.Dist(0, 1, torch.device("cpu")), 1)[0].state_dict()
+        init = common.load_model("tiny", tok, distributed.Dist(0, 1, torch.device("cpu")), 1)[0].state_dict()
         assert not torch.equal(weights["model.layers.0.mlp.up_proj.weight"], init["model.layers.0.mlp.up_proj.weight"])
         assert sum(r.get("charts/reward_mean", 0) for r in rows) > 0  # some groups had signal: the runs learn
     return _straight[world]
@@ -139,20 +141,20 @@ def test_sigterm_on_one_rank_saves_on_every_rank_and_resume_is_exact(tmp_path, t
 def test_second_stop_signal_exits_at_once(monkeypatch):
     exits = []
     monkeypatch.setattr(os, "_exit", exits.append)
-    common.release_stop_signals()  # a main() run earlier in this process may have left its handlers
+    checkpoint.release_stop_signals()  # a main() run earlier in this process may have left its handlers
     before = signal.getsignal(signal.SIGINT)  # Python's default_int_handler; SIG_IGN in a background job
-    common.catch_stop_signals()
+    checkpoint.catch_stop_signals()
     try:
-        assert not common.stop_requested()
+        assert not checkpoint.stop_requested()
         os.kill(os.getpid(), signal.SIGINT)
-        assert common.stop_requested() and exits == []
+        assert checkpoint.stop_requested() and exits == []
         os.kill(os.getpid(), signal.SIGTERM)  # within a second: the same event (torchrun forwards what it gets)
         assert exits == []
-        common._stop["at"] -= 1.0  # a second later
+        checkpoint._stop["at"] -= 1.0  # a second later
         os.kill(os.getpid(), signal.SIGTERM)
         assert exits == [128 + signal.SIGTERM]
     finally:
-        common.release_stop_signals()
+        checkpoint.release_stop_signals()
     assert signal.getsignal(signal.SIGINT) is before  # released: the handler from before is back
 
 
@@ -162,7 +164,7 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, tmp
     (run,) = glob.glob(f"{tmp_path}/*/")
     assert sorted(n for n in os.listdir(run) if "step" in n) == [".tmp_step_4", "step_2"]
     assert open(f"{run}/.tmp_step_4/rank0.pt", "rb").read() == b"half an optimizer state"
-    assert not common.is_checkpoint(f"{run}/.tmp_step_4") and common.is_checkpoint(f"{run}/step_2")
+    assert not checkpoint.is_checkpoint(f"{run}/.tmp_step_4") and checkpoint.is_checkpoint(f"{run}/step_2")
     assert [json.loads(line)["step"] for line in open(f"{run}/metrics.jsonl")][-1] == 4  # logged past the checkpoint
     with open(f"{run}/metrics.jsonl", "a") as f:
         f.write('{"step": 5, "charts/reward_me')  # and a row torn by the kill
@@ -188,7 +190,7 @@ def test_metrics_rows_read_back(tmp_path):
     assert common.read_metrics(str(path)) == [{"step": 1, "a": None}, {"step": 2, "a": 1}]  # older files: NaN read
     assert common.read_metrics(str(path), keep_below=2) == [{"step": 1, "a": None}]
     path.write_text('{"step": 1}\n{"step": 2\n{"step": 3}\n')
-    with pytest.raises(common.Refused, match="metrics.jsonl line 2 is not JSON: repair or remove that line"):
+    with pytest.raises(distributed.Refused, match="metrics.jsonl line 2 is not JSON: repair or remove that line"):
         common.read_metrics(str(path))
 
 
@@ -228,20 +230,20 @@ def test_one_writer_per_run_folder(tmp_path, monkeypatch):
     finally:
         holder.kill()
         holder.wait()
-    d = common.Dist(0, 1, torch.device("cpu"))
-    assert common.claim_run_dir(str(run), str(ckpt), d) == str(run)  # the dead writer's lock, taken over
+    d = distributed.Dist(0, 1, torch.device("cpu"))
+    assert checkpoint.claim_run_dir(str(run), str(ckpt), d) == str(run)  # the dead writer's lock, taken over
     assert (run / "writer.lock").read_text() == f"pid {os.getpid()} on {socket.gethostname()}\n"
     fresh = str(tmp_path / "gspo__1__1795365514")
-    assert common.claim_run_dir(fresh, None, d) == fresh
-    assert common.claim_run_dir(fresh, None, d) == fresh[:-1] + "5"  # the same name: the next second's folder
-    common.release_run_dir()
+    assert checkpoint.claim_run_dir(fresh, None, d) == fresh
+    assert checkpoint.claim_run_dir(fresh, None, d) == fresh[:-1] + "5"  # the same name: the next second's folder
+    checkpoint.release_run_dir()
 
 
 def fake_checkpoint(ckpt, **state):
     """A checkpoint folder holding only trainer_state.json and its manifest."""
     ckpt.mkdir(parents=True, exist_ok=True)
     (ckpt / "trainer_state.json").write_text(json.dumps(state))
-    common.write_manifest(str(ckpt))
+    checkpoint.write_manifest(str(ckpt))
 
 
 def test_resume_errors_before_any_heavy_work(tmp_path, monkeypatch, capsys):
@@ -264,7 +266,7 @@ def test_resume_errors_before_any_heavy_work(tmp_path, monkeypatch, capsys):
     assert "is at step 4 and --num-steps is 4: nothing to do" in capsys.readouterr().out
 
     (ckpt / "rank0.pt").write_bytes(b"0123")
-    common.write_manifest(str(ckpt))
+    checkpoint.write_manifest(str(ckpt))
     (ckpt / "rank0.pt").write_bytes(b"0124")  # damaged in place: same size
     assert main("--resume", str(ckpt)) == (f"error: --resume {ckpt}: rank0.pt does not match its sha256 in the "
                                            "manifest; resume from another checkpoint (or --resume auto)")
@@ -272,7 +274,7 @@ def test_resume_errors_before_any_heavy_work(tmp_path, monkeypatch, capsys):
     assert main("--resume", str(ckpt)).endswith(f"{ckpt}: rank0.pt is missing; resume from another checkpoint "
                                                 "(or --resume auto)")
     (ckpt / "trainer_state.json").write_text("{")  # damaged before the manifest was written: read, and one line
-    common.write_manifest(str(ckpt))
+    checkpoint.write_manifest(str(ckpt))
     assert main("--resume", str(ckpt)).startswith(f"error: {ckpt}/trainer_state.json: cannot read it "
                                                   "(JSONDecodeError")
     (ckpt / "manifest.json").unlink()
@@ -282,7 +284,7 @@ def test_resume_errors_before_any_heavy_work(tmp_path, monkeypatch, capsys):
     assert main("--resume", "auto") == "stopped at the model"
     out = capsys.readouterr().out
     assert f"--resume auto: skipping {ckpt}: no manifest.json" in out and "starting a fresh run" in out
-    common.release_run_dir()
+    checkpoint.release_run_dir()
 
 
 def test_resume_from_an_earlier_checkpoint_branches_the_run(tmp_path, monkeypatch, capsys):
@@ -300,7 +302,7 @@ def test_resume_from_an_earlier_checkpoint_branches_the_run(tmp_path, monkeypatc
     (aside,) = glob.glob(f"{run}/abandoned_*")
     assert sorted(os.listdir(aside)) == ["step_3", "step_4"]
     assert sorted(p for p in os.listdir(run) if p.startswith("step_")) == ["step_2", "step_3"]  # the newest 2 of its own
-    assert common.read_trainer_state(f"{run}/step_3")["args"]["learning_rate"] == 1e-4
+    assert checkpoint.read_trainer_state(f"{run}/step_3")["args"]["learning_rate"] == 1e-4
     assert [r["step"] for r in rows] == [1, 2, 3]
     samples = [json.loads(line)["step"] for line in open(os.path.join(run, "samples.jsonl"))]
     assert samples == [1] * 16 + [2] * 16 + [3] * 16

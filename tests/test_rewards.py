@@ -4,7 +4,8 @@ import os
 import pytest
 import torch
 
-from common import extract_answer, group_advantages, math_reward, parse_number
+from common import group_advantages, math_reward
+from grader import extract_answer, parse_number
 from test_train import run_script
 
 

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 import common
+import data
+import distributed
 from conftest import ROOT
 from test_losses import mean
 
@@ -78,11 +80,11 @@ def test_first_minibatch_ratio_is_one():
     """On the first minibatch of a step the policy is the old policy: s_i == 1 within 1e-6 in fp32."""
     from gspo import gspo_loss
 
-    d = common.Dist(0, 1, torch.device("cpu"))
+    d = distributed.Dist(0, 1, torch.device("cpu"))
     tok = common.tiny_tokenizer()
     lm, _ = common.load_model("tiny", tok, d, seed=0)
     policy = common.wrap_policy(lm, d, 1.0, 64, False)
-    prompts = common.chat_prompts(tok, [r["prompt"] for r in common.builtin_task(8, 0)], False)
+    prompts = data.chat_prompts(tok, [r["prompt"] for r in data.builtin_task(8, 0)], False)
     roll = common.generate(policy.eval(), tok, prompts, 4, common.eos_ids(lm, tok), d, max_new_tokens=12,
                            temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=64)
     ids, am, mask, P = roll["input_ids"], roll["attention_mask"], roll["mask"], roll["n_prompt"]

@@ -11,7 +11,7 @@ lives in each script. Sections:
 The subsystems a reader of an algorithm need not read live in files named for them, each
 imported by the scripts or by this file, none importing a script:
   distributed.py       torchrun set-up, ranks, seeds, collectives, one-line errors (the base)
-  cli.py               the checks on every flag, before any heavy work
+  cli.py               the flags every script shares (CommonArgs) and their checks
   data.py              tasks: prompts and reference answers (built-in, hub sets, local .jsonl)
   grader.py            the math grader, math-verify and --reward in worker processes
   checkpoint.py        run folders, checkpoints, exact resume, graceful stop, a run's end

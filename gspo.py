@@ -14,7 +14,6 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import tyro
@@ -22,7 +21,7 @@ from tqdm import tqdm
 
 from checkpoint import (catch_stop_signals, claim_run_dir, cleanup, resume_state, run_paths,
                         save_checkpoint, stop_requested)
-from cli import check_common_args, default_learning_rate, default_max_new_tokens
+from cli import CommonArgs, check_common_args, default_learning_rate, default_max_new_tokens
 from common import (Logger, all_finite, check_model, eos_ids, eval_report, eval_summary, evaluate,
                     generate, group_advantages, group_metrics, jitter2, load_model, load_tokenizer,
                     log_samples, lr_scheduler, micro_batches, minibatches, prompt_indices,
@@ -33,122 +32,10 @@ from grader import load_reward
 
 
 @dataclass
-class Args:
+class Args(CommonArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of the run: logs and checkpoints go to {output_dir}/{exp_name}__{seed}__{unix time}"""
-    seed: int = 1
-    """seed of the model init (tiny), data order and sampling (offset per rank)"""
-    model: str = "tiny"
-    """'tiny' (built-in random-init Qwen3-architecture model, offline), a local folder, or a hub
-    id"""
-    trust_remote_code: bool = False
-    """let transformers run code shipped with the model (off unless you trust the model's source)"""
-    dataset: str = "builtin"
-    """'builtin' (offline: 'x%10=' for a digit x), 'gsm8k', 'math500', 'dapo17k', or a local .jsonl
-    of {prompt, answer}"""
-    data_files: str | None = None
-    """local json/jsonl files laid out in --dataset's own hub columns, read instead of the hub
-    (offline mirror)"""
-    enable_thinking: bool = False
-    """passed to the chat template (Qwen3: think before answering)"""
-    max_prompt_tokens: int = 2048
-    """prompts longer than this (tokens, after the chat template) are dropped at load and counted"""
-    num_steps: int = 200
-    """RL steps (one rollout batch each)"""
-    prompts_per_rank: int = 16
-    """prompts per rank per step; the rollout batch is prompts_per_rank x group_size completions per
-    rank"""
-    group_size: int = 8
-    """G: completions per prompt"""
-    num_minibatches: int = 4
-    """optimizer steps per rollout batch, each over whole groups (4 in the GSPO paper)"""
-    micro_batch_size: int = 0
-    """sequences per forward/backward inside a minibatch (0: the whole minibatch); gradients
-    accumulate and the loss is divided by the minibatch's count over all ranks, so this changes
-    memory, never the gradient"""
-    max_new_tokens: int | None = None
-    """completion length limit (default: 2 for --dataset builtin, 1024 otherwise)"""
-    temperature: float = 1.0
-    """sampling temperature (log-probs are taken at the same temperature)"""
-    top_p: float = 1.0
-    """nucleus sampling; 1.0 is off"""
-    top_k: int = 0
-    """top-k sampling; 0 is off"""
-    gen_batch_size: int = 256
-    """completions per `generate` call"""
-    learning_rate: float | None = None
-    """AdamW learning rate (default: 5e-4 for --model tiny, 1e-6 otherwise)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping by global norm"""
-    max_nonfinite: int = 3
-    """a non-finite loss or gradient skips that update on every rank; this many in a row stop the
-    run"""
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    """learning-rate schedule after the warm-up, per optimizer step (DFPO paper: cosine)"""
-    warmup_frac: float = 0.0
-    """fraction of the optimizer steps spent in a linear warm-up (DFPO paper: 0.03)"""
-    min_lr_ratio: float = 0.2
-    """cosine: the last learning rate as a fraction of the peak (DFPO paper: 0.2)"""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    """divide the centred group rewards by the group's std (eq. 43), the whole batch's std (all
-    ranks), or nothing"""
-    mask_truncated: bool = False
-    """completions cut at --max-new-tokens (no EOS) get zero loss weight; their rewards still set
-    the group's A"""
-    dtype: Literal["auto", "bf16", "fp32"] = "auto"
-    """compute dtype (auto: bf16 on GPU, fp32 on CPU); under torchrun the FSDP2 master weights,
-    gradient reduction and AdamW state stay fp32, and log-probs are always fp32"""
-    activation_checkpointing: bool = False
-    """recompute decoder layers in the backward pass (less memory, ~30% more compute)"""
-    cpu_offload: bool = False
-    """FSDP2: keep parameter shards, gradients and the AdamW step on the CPU (larger models per GPU,
-    slower)"""
-    gen_unshard: bool = False
-    """FSDP2: gather each layer once per generate call, not once per decoded token (every GPU then
-    holds the whole model in the compute dtype while generating)"""
-    gen_mode: Literal["repeat", "shared-prefill", "static"] = "shared-prefill"
-    """shared-prefill: each prompt prefilled once and its KV cache repeated to its group, whole
-    groups a generate call; repeat: each prompt repeated group_size times and prefilled as many
-    times; static: as repeat, with a KV cache allocated once (compiled decoding on one GPU)
-    (same tokens; benchmarks/README.md)"""
-    logprob_chunk_tokens: int = 1024
-    """tokens per LM-head chunk: log-probs never hold more than chunk x vocab logits"""
-    eval_every: int = 50
-    """evaluate on the held-out split every N steps, and at the start and the end (0: never)"""
-    eval_size: int = 64
-    """held-out prompts"""
-    eval_k: int = 8
-    """k of avg@k and pass@k"""
-    eval_n: int | None = None
-    """samples per held-out prompt, n >= k (default k); pass@k is the unbiased
-    1 - C(n-c, k) / C(n, k)"""
-    eval_only: bool = False
-    """evaluate --model (e.g. a checkpoint folder) on the held-out split, print the table, write
-    eval.json, stop"""
-    save_every: int = 0
-    """write a checkpoint every N steps, and always at the end (0: only at the end)"""
-    keep_checkpoints: int = 2
-    """keep the newest K checkpoints of the run and delete older ones (0: keep all)"""
-    resume: str | None = None
-    """continue exactly from a checkpoint folder (.../step_N), or 'auto': the newest one of this
-    exp_name and seed under --output-dir, a fresh run if there is none (use it with torchrun
-    --max-restarts)"""
-    output_dir: str = "runs"
-    """where runs are written"""
-    reward: str | None = None
-    """the reward: the built-in math grader, or 'module:function' naming your
-    f(completion, answer) -> float (imported from the current folder or the Python path; runs in
-    worker processes, so sandbox code you execute)"""
-    reward_timeout: float = 1.0
-    """seconds one reward call may take: past it the completion scores 0 and counts in
-    charts/reward_errors"""
-    log_samples: int = 10
-    """every N steps, the first 2 prompts of the step with their completions, rewards and
-    advantages go to tensorboard (text, 'samples') and to samples.jsonl in the run folder
-    (0: never)"""
-    # Algorithm-specific arguments
+    # Algorithm-specific arguments (the flags every script shares: cli.CommonArgs)
     clip_low: float = 3e-4
     """eps_low: s_i is clipped below at 1 - eps_low (GSPO paper: 3e-4)"""
     clip_high: float = 4e-4

@@ -142,11 +142,15 @@ def test_every_arg_documented(script):
     help_text = " ".join(p.stdout.split())
     for f in dataclasses.fields(mod.Args):
         assert "--" + f.name.replace("_", "-") in help_text
-    src = open(f"{ROOT}/{script}.py").read()
-    body = src[src.index("class Args"):src.index("\n\n\n", src.index("class Args"))].splitlines()
-    fields = [i for i, line in enumerate(body) if ": " in line and "=" in line and not line.strip().startswith(('"', "#"))]
-    assert len(fields) == len(dataclasses.fields(mod.Args))
-    assert all(body[i + 1].strip().startswith('"""') for i in fields)  # a docstring under every field
+    names = set()
+    for path, cls in ((f"{ROOT}/{script}.py", "class Args"), (f"{ROOT}/cli.py", "class CommonArgs")):
+        src = open(path).read()
+        body = src[src.index(cls):src.index("\n\n\n", src.index(cls))].splitlines()
+        fields = [i for i, line in enumerate(body)
+                  if ": " in line and "=" in line and not line.strip().startswith(('"', "#"))]
+        assert all(body[i + 1].strip().startswith('"""') for i in fields)  # a docstring under every field
+        names |= {body[i].split(":")[0].strip() for i in fields}
+    assert names == {f.name for f in dataclasses.fields(mod.Args)}  # every field is one of the two classes'
 
 
 def test_hub_columns_through_local_files(tmp_path):

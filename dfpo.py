@@ -181,8 +181,8 @@ def dfpo_loss(logp, old_logp, advantages, mask, *, group_size: int, clip_low: fl
             "losses/ratio_max": torch.where(in_loss, s, -torch.inf).max(),
             # k3 estimate of KL(old||new)
             "losses/approx_kl": (((log_w.exp() - 1 - log_w) * mask).sum(), mask.sum()),
-            # phi_i = s_tilde_i / s_bar_i (eq. 87)
-            "losses/shrink_mean": ((s_tilde / s_bar).sum(), len(s)),
+            # phi_i = s_tilde_i / s_bar_i (eq. 87), over the rows in the loss
+            "losses/shrink_mean": ((s_tilde / s_bar * in_loss).sum(), in_loss.sum()),
         }
     return loss, objective.detach(), stats
 

@@ -4,7 +4,8 @@
     w_it          = pi_theta(y_it | x, y_i,<t) / pi_old(y_it | x, y_i,<t)
     A_i           = (r_i - mean_j r_j) / std_j r_j                                       (eq. 43)
     (--kl-coef)   - beta 1/G sum_i 1/|y_i| sum_t [pi_ref/pi_theta - log(pi_ref/pi_theta) - 1]   (k3)
-    GRPO-fix (--symmetric-clip): the token term is A_i clip(w_it, 0, 1 + eps_high)     (eq. 79-80)
+    GRPO-fix (--symmetric-clip): the token term is A_i clip(w_it, 0, 1 + eps_high)     (eq. 79-80),
+        summed over tokens without 1/|y_i| (eq. 80: --loss-agg seq-mean-token-sum-norm)
 
 Equation numbers are the DFPO paper's (arXiv:2604.13088); derivations: docs/objectives.md.
 Different from gspo.py: one importance ratio per token, each clipped on its own (in GSPO's decoupled
@@ -51,7 +52,8 @@ class Args(CommonArgs):
     """eps_high: each w_it is clipped above at 1 + eps_high (GSPO paper's GRPO baseline: 0.27)"""
     symmetric_clip: bool = False
     """GRPO-fix (DFPO paper App. H): weight each token by clip(w_it, 0, 1 + eps_high) A_i whatever
-    the sign of A_i"""
+    the sign of A_i; with --loss-agg seq-mean-token-sum-norm it is eq. 80, whose shared tokens cancel at
+    any lengths (eq. 82)"""
     kl_coef: float = 0.0
     """beta of the k3 KL penalty to the initial model (0: no reference model is loaded at all)"""
 

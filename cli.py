@@ -130,7 +130,8 @@ class CommonArgs:
     f(completion, answer) -> float (imported from the current folder or the Python path; runs in
     worker processes, so sandbox code you execute)"""
     reward_timeout: float = 1.0
-    """seconds one reward call may take: past it the completion scores 0 and counts in
+    """seconds one reward call may take (the math grader: its worker's CPU seconds, at most 30x in
+    wall time; a --reward function: wall seconds): past it the completion scores 0 and counts in
     charts/reward_errors"""
     log_samples: int = 10
     """every N steps, the first 2 prompts of the step with their completions, rewards and

@@ -4,7 +4,7 @@ processes that run it and users' --reward functions under a time bound. Called b
 
 from __future__ import annotations
 
-import contextlib
+import bisect
 import json
 import os
 import re
@@ -16,46 +16,279 @@ from fractions import Fraction
 from distributed import fail
 
 
-# -------------------- the math grader: answers read, normalised and decided exactly
+# -------------------- the math grader: answers read where models write them
 # Numbers as answers write them: -12, 3.5, .5, 3/4, and thousands in groups of three (1,234). A
 # comma that three digits do not follow ends the number, so "the answer is 72, in total" gives 72.
 _NUM = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+"
+_NUM_RE = re.compile(_NUM)
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*(\{)?")
+_BRACE = re.compile(r"[{}]")
+_SPACE = re.compile(r"\s*")
+# Math spans: $$..$$, \[..\] and \(..\) may run over lines; $..$ may not, and its closing $ is not
+# followed by a digit, so that the currency in "$5 and $6" is no span.
+_MATH_OPEN = re.compile(r"\$\$|\\\[|\\\(|(?<!\\)\$")
+_MATH_CLOSE = {"$$": re.compile(r"\$\$"), "\\[": re.compile(r"\\\]"), "\\(": re.compile(r"\\\)"),
+               "$": re.compile(r"\n|(?<!\\)\$(?!\d)")}
+# three words in a row: prose, not math
+_PROSE_RUN = re.compile(r"(?<![\\A-Za-z{])[A-Za-z]{2,}(?:[ ,.:;]+[A-Za-z]{2,}\b){2}")
+# What may stand between the items of one list of answers: "\boxed{2}, \boxed{3}", "$-2$ and $1$",
+# "\boxed{1} \quad \text{or} \quad \boxed{4}". Words other than 'and'/'or' end the list.
+_GLUE = re.compile(r"(?:\s|[,;&$]|\\[,;:! ]|\\q?quad(?![A-Za-z])|\\\\|\\[\[\]()]|and|or"
+                   r"|\\(?:text|mbox|textrm|mathrm)\s*\{\s*(?:and|or|,)?\s*\})*")
+# The final answer sentence begins after the last "answer is", "answers are", "answer:", "final
+# answer is", or a "Final Answer" heading that ends its line.
+_MARKER = re.compile(r"(?i)\b(?:(?:final\s+)?answers?[ \t]*\**[ \t]*(?:(?:is|are|was|would be|"
+                     r"should be|will be)\b[ \t]*:?|[:=])|final\s+answer[ \t]*\**[ \t]*(?=\n))")
+# it ends at a newline or at . ! ? before a space (not inside a math span)
+_SENTENCE_END = re.compile(r"\n|[.!?](?=\s|\*|$)")
+# A number belongs to an expression, and is never the answer, when an operator, ^, _, { or a LaTeX
+# command touches it: the 2 of 2\pi, x^2, 1+\sqrt{5}, \sqrt 5, 2x+1 or 48+24 (not the 72 of
+# "= 72", a degree 45^\circ, a percent 5\%, or a unit 5\text{ cm}).
+# A * is a product, ** markdown's bold: "**42**".
+_RELATION = r"approx|equiv|quad|qquad|text|textbf|mbox|mathrm"
+_BEFORE_EXPR = re.compile(r"(?:[-+/^_{<>×·÷≤≥≠]|(?<!\*)\*|\\(?!(?:" + _RELATION
+                          + r")(?![A-Za-z]))"
+                          r"[A-Za-z]+)\s*$")
+_AFTER_EXPR = re.compile(r"\s*(?:[-+/_{<>×·÷≤≥≠]|\*(?!\*)|\^(?!\s*\{?\s*\\circ)"
+                         r"|\\(?!(?:" + _RELATION + r"|circ|degree)(?![A-Za-z]))[A-Za-z])"
+                         r"|\(|[A-Za-z]\s*[-+*/^_(]")
+_PERCENT = re.compile(r"(?:\s*(?:\\?%|percent\b|per cent\b))?")
+# the most answers one list holds: a longer run of boxes or numbers is cut to its last ones
+MAX_LIST = 50
+# the longest answer read as text: after a marker ("The answer is (C).", "the answer is
+# \frac{1}{2}" without $), or math without delimiters ending a completion
+_MAX_REMAINDER = 200
+# a word of prose (2 letters or more, a function name excepted), and what makes text math
+_PROSE = re.compile(r"(?<![\\A-Za-z0-9])(?!(?:sqrt|sin|cos|tan|cot|sec|csc|log|ln|exp|mod|gcd|lcm"
+                    r"|max|min)(?![A-Za-z]))[A-Za-z]{2,}")
+_OPERATOR = re.compile(r"\\(?!(?:text|textbf|textrm|textit|mbox|mathrm|quad|qquad)(?![A-Za-z]))"
+                       r"[A-Za-z]+|[-+*/^=<>≤≥]")
+
+
+def math_spans(text: str) -> list[tuple[int, int, int, int]]:
+    """Each math span of text, in order: (start, end, content start, content end), the span from its
+    opening to after its closing delimiter. A $ that no $ closes on its line, or whose $...$ would
+    hold a run of prose ("$10,455. The final answer is $"), is a dollar sign."""
+    spans, pos, unclosed = [], 0, set()  # delimiters that nothing after pos closes: linear time
+    while (m := _MATH_OPEN.search(text, pos)) is not None:
+        kind = m.group()
+        close = None if kind in unclosed else _MATH_CLOSE[kind].search(text, m.end())
+        if close is None:
+            unclosed.add(kind)
+        if close is None or close.group() == "\n":  # a $ whose line closes none: the next line
+            pos = close.start() if close is not None else m.end()
+            continue
+        if kind == "$" and _prose(text, m.end(), close.start()):
+            pos = m.end()
+            continue
+        spans.append((m.start(), close.end(), m.end(), close.start()))
+        pos = close.end()
+    return spans
+
+
+def _outside_braces(text: str, lo: int, matches):
+    """The matches (in order, from lo on) that no brace opened after lo encloses."""
+    depth, pos = 0, lo
+    for w in matches:
+        depth += text.count("{", pos, w.start()) - text.count("}", pos, w.start())
+        pos = w.start()
+        if depth <= 0:
+            yield w
+
+
+def _prose(text: str, lo: int, hi: int) -> bool:
+    """Whether text[lo:hi] holds three words in a row outside braces (\\text{...} excepted)."""
+    return next(_outside_braces(text, lo, _PROSE_RUN.finditer(text, lo, hi)), None) is not None
+
+
+def _closing_brace(text: str, start: int) -> int | None:
+    """Where the } that closes the brace opened just before start is; None when none does."""
+    depth = 1
+    for m in _BRACE.finditer(text, start):
+        depth += 1 if m.group() == "{" else -1
+        if depth == 0:
+            return m.start()
+    return None
+
+
+def _glued(text: str, end: int, start: int) -> bool:
+    """Whether only list glue (commas, 'and', 'or', spacing, $) lies between two answers."""
+    return end <= start and _GLUE.fullmatch(text, end, start) is not None
+
+
+def _boxes(text: str) -> list[tuple[int, int, int, int]] | None:
+    """The last \\boxed{...} (or \\fbox, or a brace-less `\\boxed 5`) with the boxes glued before
+    it, as (start, end, content start, content end) each; [] when the last box is unclosed (no
+    answer), None when there is no box."""
+    boxes = list(_BOX.finditer(text))
+    out = []
+    for b in reversed(boxes):
+        if b.group(1) is None:
+            m = re.compile(r"\s*([^\s$]+)").match(text, b.end())
+            piece = (b.start(), m.end(1), m.start(1), m.end(1)) if m else None
+        else:
+            close = _closing_brace(text, b.end())
+            piece = (b.start(), close + 1, b.end(), close) if close is not None else None
+        if not out and piece is None:
+            return []  # an unclosed last box: the completion was cut inside its answer
+        if out and (piece is None or not _glued(text, piece[1], out[-1][0])):
+            break  # a box that no glue joins to the next one: the list starts after it
+        if len(out) == MAX_LIST:
+            break
+        out.append(piece)
+    return out[::-1] if boxes else None
+
+
+def _standalone(text: str, m: re.Match, spans: list, braces: int) -> bool:
+    """Whether the number m stands alone: outside math spans and braces (braces: how many are open
+    where it starts), and touching no operator or LaTeX command (_BEFORE_EXPR, _AFTER_EXPR). A minus
+    sign after a digit or a letter is binary."""
+    s, e = m.span()
+    k = bisect.bisect_right(spans, (s, len(text) + 1)) - 1
+    if braces > 0 or k >= 0 and spans[k][1] > s:
+        return False
+    before = text[max(0, s - 40):s]
+    if _BEFORE_EXPR.search(before):
+        return False
+    if m.group().startswith("-") and re.search(r"[\w)}\]]\s*$", before):
+        return False
+    if before[-1:].isalpha():  # part of a word or a name: K2, x2
+        return False
+    return _AFTER_EXPR.match(text, e, min(len(text), e + 40)) is None
+
+
+def _items(text: str, lo: int, hi: int, spans: list, variables: bool) -> list[tuple]:
+    """The last answer-like item of text[lo:hi] (a math span, or a standalone number) with the items
+    glued before it, as (start, end, content start, content end) each. variables: whether a span of
+    letters alone ($n$, $AB$) counts; in running text it names a variable, not an answer."""
+    cands = [sp for sp in spans if lo <= sp[0] and sp[1] <= hi
+             and (variables or not re.fullmatch(r"\s*[A-Za-z]{1,3}\s*", text[sp[2]:sp[3]]))]
+    nums = list(_NUM_RE.finditer(text, lo, hi))
+    out, j = [], len(cands) - 1
+    braces, at = text.count("{", 0, hi) - text.count("}", 0, hi), hi  # braces open at `at`
+    for m in [*reversed(nums), None]:
+        # the spans that end after this number come first, latest first
+        while j >= 0 and (m is None or cands[j][0] >= m.end()):
+            if out and not _glued(text, cands[j][1], out[-1][0]) or len(out) == MAX_LIST:
+                return out[::-1]
+            out.append(cands[j])
+            j -= 1
+        if m is None:
+            break
+        braces -= text.count("{", m.start(), at) - text.count("}", m.start(), at)
+        at = m.start()
+        if not _standalone(text, m, spans, braces):
+            continue
+        end = _PERCENT.match(text, m.end()).end()  # its percent sign: "33.5 percent", "20\\%"
+        if out and not _glued(text, end, out[-1][0]) or len(out) == MAX_LIST:
+            return out[::-1]
+        out.append((m.start(), end, m.start(), end))
+    return out[::-1]
+
+
+def _sentence(text: str, marker: re.Match, spans: list, boxed: bool) -> list[tuple]:
+    """The answer of the final answer sentence that marker begins: its last math span or standalone
+    number, with the items glued before it; else, with no box in the completion, the sentence's
+    text after the marker ("The answer is (C).", "the answer is \\frac{1}{2}" without $)."""
+    lo = marker.end()
+    pos = _SPACE.match(text, lo).end()
+    k = bisect.bisect_left(spans, (pos,))
+    while True:  # the sentence's end, outside math spans
+        end = _SENTENCE_END.search(text, pos)
+        hi = end.start() if end else len(text)
+        if k < len(spans) and spans[k][0] < hi:
+            pos, k = max(pos, spans[k][1]), k + 1
+            continue
+        break
+    found = _items(text, lo, hi, spans, variables=True)
+    rest = text[lo:hi].strip().strip("*").strip()
+    if found or boxed or not rest or len(rest) > _MAX_REMAINDER:
+        return found
+    s = text.index(rest, lo)
+    return [(s, s + len(rest), s, s + len(rest))]
+
+
+def _bare_math(text: str, spans: list) -> list[tuple]:
+    """The end of the completion's last line when it is math written without delimiters: what
+    follows its last word of prose, when that holds an operator or a LaTeX command ('x<2',
+    '(-\\infty,-8)\\cup (8,\\infty)', 'so x = 1 + \\sqrt 5'); [] otherwise."""
+    end = len(text.rstrip().rstrip(".*").rstrip())
+    start = text.rfind("\n", 0, end) + 1
+    k = bisect.bisect_left(spans, (start,))
+    if k < len(spans) or (k > 0 and spans[k - 1][1] > start):
+        return []  # a math span on the line: its items say
+    words = list(_outside_braces(text, start, _PROSE.finditer(text, start, end)))  # not \text{cm}'s
+    start = words[-1].end() if words else start
+    tail = text[start:end].strip(" \t:,")
+    if (not tail or len(tail) > _MAX_REMAINDER or _NUM_RE.fullmatch(tail)
+            or not _OPERATOR.search(tail)):
+        return []
+    s = text.index(tail, start)
+    return [(s, s + len(tail), s, s + len(tail))]
+
+
+def _final_answer(text: str) -> list[tuple[int, int, int, int]]:
+    """The final answer's pieces, (start, end, content start, content end) each ([] when there is
+    none). The last of these statements of it in the completion: the last \\boxed{} (with the boxes
+    glued before it: a list), the final answer sentence (_sentence; after the last box only when it
+    holds a math span or a number) and '####' (optionally with a colon: the number after it, else
+    the rest of its line). Without one: the last math span or standalone number of the completion
+    (with the items glued before it) when it is a math span that ends the completion, else the
+    completion's last line when it is math without delimiters (_bare_math: 'x=2' rather than its 2),
+    else that last math span or number."""
+    box = _boxes(text)
+    if box == []:
+        return []  # an unclosed last box: cut inside its answer
+    spans = math_spans(text)
+    after = box[-1][1] if box else 0
+    said = []  # (where the statement starts, its pieces)
+    if box:
+        k = bisect.bisect_right(spans, (box[-1][0], len(text) + 1)) - 1
+        if k >= 0 and spans[k][1] >= box[-1][1]:  # a box in a math span ends with it: $\\boxed{5}$
+            box[-1] = (box[-1][0], spans[k][1], box[-1][2], box[-1][3])
+        said.append((box[0][0], box))
+    marker = None
+    for marker in _MARKER.finditer(text, after):
+        pass
+    if marker is not None and (found := _sentence(text, marker, spans, box is not None)):
+        said.append((marker.start(), found))
+    hashes = text.rfind("####", after)
+    if hashes >= 0:
+        m = (re.compile(r"\s*:?\s*(" + _NUM + ")").match(text, hashes + 4)
+             or re.compile(r"\s*:?\s*(\S[^\n]*)").match(text, hashes + 4))
+        said.append((hashes, [(hashes, m.end(1), m.start(1), m.end(1))] if m else []))
+    if said:
+        return max(said, key=lambda x: x[0])[1]
+    found = _items(text, 0, len(text), spans, variables=False)
+    span_last = found and found[-1][2] > found[-1][0]  # a span's contents start after its $
+    if span_last and not text[found[-1][1]:].strip(" \t\n.,;:!*"):
+        return found  # a math span ends the completion
+    return _bare_math(text, spans) or found
 
 
 def answer_span(text: str) -> tuple[int, int] | None:
-    """Where the final answer lies in text, as (start, end) character offsets: the contents of the
-    last \\boxed{...} (or the token after a brace-less `\\boxed 5`), else the number (or the first
-    non-empty line) after the last '####', else the last number."""
-    box = None
-    for box in _BOX.finditer(text):
-        pass
-    if box is not None and box.group(1) is None:
-        m = re.compile(r"\s*([^\s$]+)").match(text, box.end())
-        return m.span(1) if m else None
-    if box is not None:
-        depth = 1
-        for k in range(box.end(), len(text)):
-            depth += {"{": 1, "}": -1}.get(text[k], 0)
-            if depth == 0:
-                return box.end(), k
-        return None  # unbalanced \boxed{
-    i = text.rfind("####")
-    if i >= 0:
-        m = (re.compile(r"\s*(" + _NUM + ")").match(text, i + 4)
-             or re.compile(r"\s*(\S[^\n]*)").match(text, i + 4))
-        return m.span(1) if m else None
-    last = None
-    for last in re.finditer(_NUM, text):
-        pass
-    return last.span() if last else None
+    """Where the final answer (_final_answer) lies in text, as (start, end) character offsets: from
+    its first piece's start (\\boxed, the opening $, '####', the number) to after its last piece:
+    after the } that closes a box (or the $ that closes the math span holding it), the closing $ of
+    a math span, the last digit of a number. What follows end is written after the answer."""
+    pieces = _final_answer(text)
+    return (pieces[0][0], pieces[-1][1]) if pieces else None
 
 
 def extract_answer(text: str) -> str | None:
-    """The final answer: the last \\boxed{...}, else what follows the last '####', else the last
-    number."""
-    span = answer_span(text)
-    return text[span[0]:span[1]].strip() if span else None
+    """The final answer (_final_answer), as text: one piece's contents, or a list of several
+    distinct ones as a set, '\\{2, 3\\}', which equals a reference only when it holds the same
+    values: '\\boxed{-2} and \\boxed{1}' is right for '1,-2' and wrong for '1', so listing guesses
+    never scores. Repeats count once: '\\boxed{4}, \\boxed{4}' is 4. None when there is no
+    answer."""
+    pieces = _final_answer(text)
+    if not pieces:
+        return None
+    seen = {}
+    for p in pieces:
+        s = text[p[2]:p[3]].strip()
+        seen.setdefault(normalize_answer(s)[0], s)
+    return next(iter(seen.values())) if len(seen) == 1 else "\\{" + ", ".join(seen.values()) + "\\}"
 
 
 _TEXT_CMD = r"\\(?:text|textbf|textrm|textit|mbox|mathrm|mathbf|operatorname)\s*"
@@ -139,11 +372,16 @@ def canonical(answer: str) -> tuple[str, frozenset]:
 def decide(pred: tuple[str, frozenset], gold: tuple[str, frozenset]) -> float | None:
     """The fast path: 1.0 or 0.0 where canonical forms settle it (equal text, two numbers, or plain
     words, compared without case), None where a symbolic comparison must decide (math-verify, in the
-    grading worker)."""
+    grading worker). Numbers compare exactly (0.33 is not 1/3), except against a reference of 6 or
+    more decimals, which the answer rounded to as many decimals must give."""
     if pred[0] == gold[0] and pred[0]:
         return 1.0
     if pred[1] and gold[1]:
-        return float(bool(pred[1] & gold[1]))
+        # a reference written with 6 or more decimals is a rounded value: 2/3 is right for 0.6666667
+        places = re.fullmatch(r"-?\d*\.(\d{6,})%?", gold[0])
+        k = len(places.group(1)) if places else None
+        return float(bool(pred[1] & gold[1]) or k is not None
+                     and any(round(p, k) == g for p in pred[1] for g in gold[1]))
     # text answers; math-verify would read a word as a product of symbols, so 'Evenly' would equal
     # 'Evelyn'
     if _WORD.fullmatch(pred[0]) or _WORD.fullmatch(gold[0]):
@@ -155,12 +393,16 @@ def decide(pred: tuple[str, frozenset], gold: tuple[str, frozenset]) -> float | 
 
 # Grading runs math-verify (LaTeX parsed by an ANTLR grammar into sympy, never eval) and users'
 # reward functions in worker processes (GRADING_WORKERS), each answering one request at a time, with
-# a hard time bound: a request not answered within the bound kills its worker (restarted on its next
-# request) and scores 0, counted as a reward error. Not math-verify's own timeout: it uses
-# signal.alarm, which raises ValueError off the main thread, has a resolution of whole seconds,
-# replaces the process's SIGALRM handler, and cannot interrupt a long call into C (a huge integer
-# power); a separate process can always be killed, and bounds memory too (RLIMIT_AS for the math
-# grader).
+# a hard time bound: a request not answered within the bound kills its worker and scores 0,
+# counted as a reward error. Not math-verify's own timeout: it uses signal.alarm, which raises
+# ValueError off the main thread, has a resolution of whole seconds, replaces the process's SIGALRM
+# handler, and cannot interrupt a long call into C (a huge integer power); a separate process can
+# always be killed, and bounds memory too (RLIMIT_AS for the math grader).
+# The math grader's bound counts the worker's CPU seconds (Linux /proc), not the wall clock: on a
+# busy machine a request waits for a core without using its bound, so a correct answer is never
+# scored 0 because other processes ran (benchmarks/grading.py --busy). A killed worker is replaced
+# at once, in the background: the next requests go to the workers that are ready, never to one
+# still importing math-verify.
 _WORKER_SRC = r'''
 import json
 import os
@@ -236,13 +478,19 @@ for line in sys.stdin:
 
 # worker processes per Reward (per rank): math-verify's parser is pure Python, one core each
 GRADING_WORKERS = 2
+# seconds a worker may take to start (importing math-verify or the user's module)
+START_TIMEOUT_S = 120.0
+# the math grader's bound is in CPU seconds; a request past this many times it in wall seconds
+# (a worker that makes no progress) is stopped too
+WALL_FACTOR = 30.0
 
 
 class _Worker:
-    """One grading process, answering one request at a time over pipes (JSON lines)."""
+    """One grading process, answering one request at a time over pipes (JSON lines). It starts in
+    the background (launch) and takes requests once it has said it is ready."""
 
     def __init__(self, spec: str | None):
-        self.spec, self.proc, self.buf = spec, None, b""
+        self.spec, self.proc, self.buf, self.ready, self.started = spec, None, b"", False, 0.0
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -255,22 +503,33 @@ class _Worker:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
                                      # a user's prints show
                                      stderr=None if self.spec else subprocess.DEVNULL)
-        self.buf = b""
+        self.buf, self.ready, self.started = b"", False, time.monotonic()
 
-    def wait_ready(self):
-        import select
+    def relaunch(self):
+        self.stop()
+        self.launch()
 
-        deadline = time.monotonic() + 120.0  # importing math-verify or the user's module
-        while self.line() is None and time.monotonic() < deadline:
-            if (select.select([self.proc.stdout], [], [], deadline - time.monotonic())[0]
-                    and not self.pull()):
-                break
+    def check_start(self, died: bool):
+        """Note the ready line of a starting worker; one that failed to start stops the run."""
         msg = self.take()
-        if msg is None or "fatal" in msg:
-            self.stop()
-            why = msg["fatal"] if msg else "no answer in 120 s"
-            raise RuntimeError(f"the reward worker ({self.spec or 'math grader'}) did not start: "
-                               f"{why}")
+        if msg is not None and "ready" in msg:
+            self.ready = True
+            return
+        if msg is None and not died and time.monotonic() - self.started < START_TIMEOUT_S:
+            return
+        self.stop()
+        why = (msg.get("fatal", msg) if msg else "it exited" if died
+               else f"no answer in {START_TIMEOUT_S:g} s")
+        raise RuntimeError(f"the reward worker ({self.spec or 'math grader'}) did not start: {why}")
+
+    def cpu_seconds(self) -> float | None:
+        """The worker's CPU seconds so far (user + system, Linux /proc); None where unreadable."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            return None
 
     def pull(self) -> bool:
         """Read what the worker wrote; False when it has died."""
@@ -291,30 +550,29 @@ class _Worker:
         except ValueError:
             return {"e": f"RuntimeError: the reward worker wrote {line[:80]!r}"}
 
-    def send(self, request):
-        for attempt in range(2):
-            if not self.alive():
-                self.launch()
-                self.wait_ready()
-            try:
-                self.proc.stdin.write((json.dumps(request) + "\n").encode())
-                return
-            except OSError:  # it died after alive() looked: once more with a new one
-                self.stop()
-        raise RuntimeError(f"the reward worker ({self.spec or 'math grader'}) dies as it starts")
+    def send(self, request) -> bool:
+        """False when the worker has died (it is then restarted in the background)."""
+        try:
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            return True
+        except OSError:
+            self.relaunch()
+            return False
 
     def stop(self):
         if self.proc is not None:
             self.proc.kill()
             self.proc.wait()
-            self.proc = None
+            self.proc, self.ready = None, False
 
 
 class Reward:
     """The reward of a completion given its prompt's answer: the math grader (spec None) or a user's
     function f(completion, answer) -> float named 'module:function'. What score() cannot settle in
     this process (decide) runs in GRADING_WORKERS worker processes, each request bounded by
-    timeout_s (see above)."""
+    timeout_s: CPU seconds of its worker for the math grader (wall seconds where /proc is missing,
+    and at most WALL_FACTOR x timeout_s of wall time), wall seconds for a user's function, which may
+    wait on a sandbox of its own (see above)."""
 
     def __init__(self, spec: str | None = None, timeout_s: float = 1.0):
         self.spec, self.timeout_s = spec, timeout_s
@@ -327,45 +585,67 @@ class Reward:
             w.stop()
 
     def __del__(self):
-        with contextlib.suppress(Exception):
+        try:  # at interpreter exit the modules it uses may be gone already
             self.stop()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def time_left(self, w: _Worker, sent: float, cpu: float | None) -> float:
+        """Seconds left of the bound of the request sent to w at wall time sent, when w had used cpu
+        CPU seconds (<= 0: out of time)."""
+        wall = time.monotonic() - sent
+        if self.spec is not None or cpu is None:
+            return self.timeout_s - wall
+        now = w.cpu_seconds()
+        if now is None:
+            return self.timeout_s - wall
+        return min(self.timeout_s - (now - cpu), WALL_FACTOR * self.timeout_s - wall)
 
     def run(self, requests: list[tuple[str, str]]) -> list[tuple[float, str | None]]:
-        """(reward, error) per request, each within timeout_s of being sent: a request that raises,
-        returns a non-finite value, kills its worker or runs out of time gives (0.0, the error); the
-        worker is restarted."""
+        """(reward, error) per request, each within its bound (timeout_s) of being sent: a request
+        that raises, returns a non-finite value, kills its worker or runs out of time gives (0.0,
+        the error), and its worker is replaced in the background."""
         import select
 
         out, todo = [None] * len(requests), list(range(len(requests)))[::-1]
-        busy = {}  # worker -> (request index, deadline)
+        busy = {}  # worker -> (request index, wall time sent, its CPU time then)
         with self.lock:
-            idle = [w for w in self.workers[:len(requests)] if not w.alive()]
-            for w in idle:  # start them side by side
-                w.launch()
-            for w in idle:
-                w.wait_ready()
+            for w in self.workers[:len(requests)]:  # start them side by side
+                if not w.alive():
+                    w.launch()
             while todo or busy:
                 for w in self.workers:
-                    if w not in busy and todo:
+                    if w.ready and w not in busy and not w.alive():
+                        w.relaunch()  # died while idle
+                    if todo and w.ready and w not in busy:
                         i = todo.pop()
-                        w.send(requests[i])
-                        busy[w] = (i, time.monotonic() + self.timeout_s)
-                wait = max(0.0, min(d for _, d in busy.values()) - time.monotonic())
-                ready = select.select([w.proc.stdout for w in busy], [], [], wait)[0]
-                for w, (i, deadline) in list(busy.items()):
+                        if w.send(requests[i]):
+                            busy[w] = (i, time.monotonic(), w.cpu_seconds())
+                        else:
+                            todo.append(i)
+                starting = [w for w in self.workers if w.proc is not None and not w.ready]
+                wait = min([self.time_left(w, t, c) for w, (_, t, c) in busy.items()],
+                           default=START_TIMEOUT_S)  # a starting worker says when it is ready
+                ready = select.select([w.proc.stdout for w in [*busy, *starting]], [], [],
+                                      max(0.01, wait))[0]
+                for w in starting:
+                    w.check_start(w.proc.stdout in ready and not w.pull())
+                for w, (i, sent, cpu) in list(busy.items()):
                     died = w.proc.stdout in ready and not w.pull()
                     msg = w.take()
                     if msg is not None:
                         out[i] = (msg.get("r", 0.0), msg.get("e"))
                     elif died:
                         out[i] = (0.0, "RuntimeError: the reward worker died (restarted)")
-                    elif time.monotonic() >= deadline:
-                        out[i] = (0.0, f"TimeoutError: no reward within {self.timeout_s:g} s "
-                                       "(worker restarted)")
+                    elif self.time_left(w, sent, cpu) <= 0:
+                        bound = (f"{self.timeout_s:g} s" if self.spec is not None or cpu is None
+                                 else f"{self.timeout_s:g} s of CPU time")
+                        out[i] = (0.0, f"TimeoutError: no reward within {bound} (worker "
+                                       "restarted)")
                     else:
                         continue
                     if msg is None:
-                        w.stop()
+                        w.relaunch()
                     del busy[w]
         return out
 

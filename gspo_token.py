@@ -123,11 +123,9 @@ def post_answer_tokens(tok, completion_ids, mask, texts: list[str], eos: list[in
     after = torch.zeros(mask.shape, dtype=torch.bool, device=mask.device)
     for b, text in enumerate(texts):
         span = answer_span(text)
-        # the contents of \boxed{...} (or \fbox{...}) end at its closing brace, which belongs to the
-        # answer; any other answer ends at its own last character, and a "}" after it is text after it
-        before = text[:span[0]] if span else ""
-        boxed = before.endswith("{") and before[:-1].rstrip().endswith(("\\boxed", "\\fbox"))
-        end = span[1] + boxed if span else 0
+        # the span ends after a box's closing brace or a math span's closing $: both belong to the
+        # answer; a "}" after any other answer is text after it
+        end = span[1] if span else 0
         if span is None or not text[end:].strip():
             continue  # no answer, or nothing but whitespace after it
         ids = [i for i in completion_ids[b, :int(mask[b].sum())].tolist() if i not in eos]

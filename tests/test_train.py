@@ -44,7 +44,9 @@ def read_rows(path, jitter_row=True):
 
 @pytest.mark.parametrize("script", ["gspo", "grpo", "gspo_token", "dfpo"])
 def test_reward_rises(script, monkeypatch, tmp_path):
-    rows, _ = run_script(script, ["--num-steps", "80", "--eval-every", "0"], monkeypatch, tmp_path)
+    # 100 steps: since the grader stopped reading a digit glued to a letter ('x7') as the answer, the built-in
+    # task's early rewards are sparser (at 80 steps gspo had reached 0.19, at 100 0.25, at 120 0.38)
+    rows, _ = run_script(script, ["--num-steps", "100", "--eval-every", "0"], monkeypatch, tmp_path)
     r = [row["charts/reward_mean"] for row in rows]
     first, last = sum(r[:10]) / 10, sum(r[-10:]) / 10
     assert last > 3 * first and last > 0.2, (first, last)  # 0.1 is the best a constant answer can do

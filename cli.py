@@ -17,6 +17,9 @@ from data import check_dataset
 from distributed import fail, launched
 
 
+GenMode = Literal["repeat", "shared-prefill", "static", "engine", "engine-tp"]  # common.GEN_MODES
+
+
 # -------------------- the flags every script shares (each script's Args extends these)
 @dataclass
 class CommonArgs:
@@ -85,9 +88,13 @@ class CommonArgs:
     mask_truncated: bool = False
     """completions cut at --max-new-tokens (no EOS) get zero loss weight; their rewards still set
     the group's A"""
-    dtype: Literal["auto", "bf16", "fp32"] = "auto"
-    """compute dtype (auto: bf16 on GPU, fp32 on CPU); under torchrun the FSDP2 master weights,
-    gradient reduction and AdamW state stay fp32, and log-probs are always fp32"""
+    dtype: Literal["auto", "bf16", "fp32", "bf16-pure"] = "auto"
+    """compute dtype (auto: bf16 on GPU, fp32 on CPU). bf16 keeps fp32 master weights,
+    gradients and AdamW state (16 bytes a parameter) and computes in bf16: torch.autocast in
+    plain `python`, FSDP2's MixedPrecisionPolicy under torchrun. bf16-pure (plain `python`
+    only) holds weights, gradients and AdamW state in bf16 (8 bytes a parameter): an update
+    below half the bf16 spacing at its weight (2^-9 to 2^-8 of it) rounds away, so at lr 1e-6
+    nearly every AdamW step is lost. Log-probs are always fp32"""
     activation_checkpointing: bool = False
     """recompute decoder layers in the backward pass (less memory, ~30% more compute)"""
     cpu_offload: bool = False
@@ -96,11 +103,14 @@ class CommonArgs:
     gen_unshard: bool = False
     """FSDP2: gather each layer once per generate call, not once per decoded token (every GPU then
     holds the whole model in the compute dtype while generating)"""
-    gen_mode: Literal["repeat", "shared-prefill", "static"] = "shared-prefill"
+    gen_mode: GenMode = "shared-prefill"
     """shared-prefill: each prompt prefilled once and its KV cache repeated to its group, whole
     groups a generate call; repeat: each prompt repeated group_size times and prefilled as many
-    times; static: as repeat, with a KV cache allocated once (compiled decoding on one GPU)
-    (same tokens; benchmarks/README.md)"""
+    times; static: as repeat, with a KV cache allocated once (compiled decoding on one GPU);
+    engine: engine.py, --gen-batch-size rows decoding at once, finished rows replaced while
+    decoding (Qwen3/Qwen2/Llama; others: HF shared-prefill, said once); engine-tp: the engine's
+    layers split over the torchrun ranks (tensor parallel), for models whose bf16 copy does not
+    fit one GPU beside the training state (same tokens; benchmarks/README.md)"""
     logprob_chunk_tokens: int = 1024
     """tokens per LM-head chunk: log-probs never hold more than chunk x vocab logits"""
     eval_every: int = 50
@@ -183,6 +193,12 @@ def check_common_args(args):
     if args.cpu_offload and not torch.cuda.is_available():
         fail("--cpu-offload moves FSDP2 shards between GPU and CPU memory: it needs a GPU (drop it "
              "on CPU)")
+    if args.gen_mode in ("engine", "engine-tp") and args.gen_unshard:
+        fail("--gen-unshard keeps FSDP2 units gathered for HF generate; --gen-mode engine gathers "
+             "each weight once per rollout itself: drop --gen-unshard")
+    if args.dtype == "bf16-pure" and launched():
+        fail("--dtype bf16-pure: under torchrun FSDP2 keeps fp32 master weights; use --dtype bf16 "
+             "(or auto), or plain `python` for bf16 weights")
     for flag in ("cpu_offload", "gen_unshard"):
         if getattr(args, flag) and not launched():
             fail(f"--{flag.replace('_', '-')} acts on FSDP2 shards, which plain `python` does not "

@@ -15,6 +15,7 @@ imported by the scripts or by this file, none importing a script:
   data.py              tasks: prompts and reference answers (built-in, hub sets, local .jsonl)
   grader.py            the math grader, math-verify and --reward in worker processes
   checkpoint.py        run folders, checkpoints, exact resume, graceful stop, a run's end
+  engine.py            the rollout engine (--gen-mode engine, engine-tp)
 """
 
 from __future__ import annotations
@@ -105,18 +106,26 @@ def load_tokenizer(name: str, trust_remote_code: bool):
 
 
 def compute_dtype(dtype: str, d: Dist) -> torch.dtype:
-    """--dtype: auto is bf16 on GPU, fp32 on CPU."""
-    return {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
-        dtype, torch.bfloat16 if d.device.type == "cuda" else torch.float32)
+    """--dtype's compute dtype: auto is bf16 on GPU, fp32 on CPU; bf16 and bf16-pure are bf16."""
+    if dtype == "auto":
+        return torch.bfloat16 if d.device.type == "cuda" else torch.float32
+    return torch.float32 if dtype == "fp32" else torch.bfloat16
+
+
+def weights_dtype(dtype: str) -> torch.dtype:
+    """--dtype's dtype of the weights, and so of their gradients and AdamW state: fp32 master
+    weights (computed in bf16 where the compute dtype is bf16), except with bf16-pure."""
+    return torch.bfloat16 if dtype == "bf16-pure" else torch.float32
 
 
 def load_model(name: str, tok, d: Dist, seed: int, trust_remote_code: bool = False,
                dtype: str = "auto"):
-    """One process: the model on its device in the compute dtype. Under torchrun: fp32 master
-    weights (FSDP2 casts them to the compute dtype, wrap_policy) built on the meta device on every
-    rank, while rank 0 alone reads the weights into CPU memory; wrap_policy shards the model and
-    sends each rank its shards. A node thus holds one full copy on CPU, not one per rank, and no GPU
-    ever holds the whole fp32 model.
+    """One process: the model on its device, fp32 master weights (bf16 with --dtype bf16-pure);
+    wrap_policy has them computed in the compute dtype. Under torchrun: fp32 master weights (FSDP2
+    casts them to the compute dtype, wrap_policy) built on the meta device on every rank, while
+    rank 0 alone reads the weights into CPU memory; wrap_policy shards the model and sends each rank
+    its shards. A node thus holds one full copy on CPU, not one per rank, and no GPU ever holds the
+    whole fp32 model.
     Returns (model, rank0_weights): rank0_weights is rank 0's (state dict, buffers) for wrap_policy
     to scatter under FSDP2, None otherwise."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -133,7 +142,7 @@ def load_model(name: str, tok, d: Dist, seed: int, trust_remote_code: bool = Fal
 
     rank0_weights = None
     if not d.sharded:
-        lm = build(compute_dtype(dtype, d)).to(d.device)
+        lm = build(weights_dtype(dtype)).to(d.device)
     else:
         with torch.device("meta"):
             lm = tiny_model(tok) if name == "tiny" else AutoModelForCausalLM.from_config(
@@ -163,11 +172,48 @@ def eos_ids(lm, tok) -> list[int]:
 class Policy(torch.nn.Module):
     """The causal LM plus memory-bounded completion log-probs. Under FSDP2 this is the root unit, so
     its forward (and `generate`, registered below) gathers the root parameters (embeddings, norm, LM
-    head)."""
+    head).
+    autocast: None (the weights' own dtype), or the dtype fp32 weights are computed in (wrap_policy:
+    plain `python` with a bf16 compute dtype). forward then runs the model under torch.autocast,
+    which casts each weight to bf16 once per call (the copy is cached for the call) while the
+    residual stream and the norms stay fp32; the LM head takes bf16 copies of its input and
+    weight, as autocast's matmul would, and its log-probs are fp32 as always (chunked_logprobs).
+    generate runs on bf16 copies of the weights instead, made once per call: the model as FSDP2's
+    MixedPrecisionPolicy runs it (bf16 weights and activations, a bf16 KV cache). Under autocast
+    HF's KV cache would be fp32 (the q/k norms' fp32 weights promote the keys, and the values
+    follow them): twice the memory, a cast of the activations before every matmul of every decoded
+    token, and a static cache (--gen-mode static) that fails on the values' dtype."""
 
-    def __init__(self, lm, temperature: float = 1.0, chunk_tokens: int = 1024):
+    def __init__(self, lm, temperature: float = 1.0, chunk_tokens: int = 1024,
+                 autocast: torch.dtype | None = None):
         super().__init__()
         self.lm, self.temperature, self.chunk_tokens = lm, temperature, chunk_tokens
+        self.autocast = autocast
+
+    def compute(self):
+        """The context forward runs the model in: torch.autocast to self.autocast on the model's
+        device, or nothing."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.lm.device.type, dtype=self.autocast)
+
+    @contextlib.contextmanager
+    def compute_weights(self):
+        """The context generate runs the model in: each weight replaced by a copy in self.autocast
+        for the block (one cast a call, for the prefill and every decoded token), the fp32 master
+        weights put back after; nothing without autocast."""
+        if self.autocast is None:
+            yield
+            return
+        params = list(self.lm.parameters())  # each once: the tied embedding and LM head are one
+        masters = [p.data for p in params]
+        try:
+            for p in params:
+                p.data = p.data.to(self.autocast)
+            yield
+        finally:
+            for p, master in zip(params, masters):
+                p.data = master
 
     def generate(self, input_ids, attention_mask, n: int = 1, **kw):
         """HF `generate` for the prompts input_ids [B, P] (left-padded). n > 1: n completions of
@@ -175,122 +221,245 @@ class Policy(torch.nn.Module):
         all its tokens but the last is computed for the B prompts and repeated n times, and
         `generate` starts from the last prompt token of each of the B x n rows, as if every prompt
         had been given n times. Under FSDP2 the root unit stays gathered for the whole call
-        (register_fsdp_forward_method), the prefill included."""
-        if n == 1:
-            return self.lm.generate(input_ids=input_ids, attention_mask=attention_mask, **kw)
-        from transformers import DynamicCache
+        (register_fsdp_forward_method), the prefill included. With autocast, on bf16 copies of the
+        weights (compute_weights)."""
+        with self.compute_weights():
+            if n == 1:
+                return self.lm.generate(input_ids=input_ids, attention_mask=attention_mask, **kw)
+            from transformers import DynamicCache
 
-        cache = DynamicCache(config=self.lm.config)
-        prefix_mask = attention_mask[:, :-1]
-        # as generate() does with left padding
-        position_ids = (prefix_mask.long().cumsum(-1) - 1).clamp(min=0)
-        self.lm.get_decoder()(input_ids=input_ids[:, :-1], attention_mask=prefix_mask,
-                              position_ids=position_ids, past_key_values=cache, use_cache=True)
-        cache.batch_repeat_interleave(n)  # [B, heads, P-1, d] -> [B n, heads, P-1, d]
-        return self.lm.generate(input_ids=input_ids.repeat_interleave(n, 0),
-                                attention_mask=attention_mask.repeat_interleave(n, 0),
-                                past_key_values=cache, **kw)
+            cache = DynamicCache(config=self.lm.config)
+            prefix_mask = attention_mask[:, :-1]
+            # as generate() does with left padding
+            position_ids = (prefix_mask.long().cumsum(-1) - 1).clamp(min=0)
+            self.lm.get_decoder()(input_ids=input_ids[:, :-1], attention_mask=prefix_mask,
+                                  position_ids=position_ids, past_key_values=cache, use_cache=True)
+            cache.batch_repeat_interleave(n)  # [B, heads, P-1, d] -> [B n, heads, P-1, d]
+            return self.lm.generate(input_ids=input_ids.repeat_interleave(n, 0),
+                                    attention_mask=attention_mask.repeat_interleave(n, 0),
+                                    past_key_values=cache, **kw)
 
     def forward(self, input_ids, attention_mask, n_prompt: int, entropy: bool = False):
         """log pi(y_t | x, y_<t) for the completion tokens input_ids[:, n_prompt:] -> [B, T] float32
         (and per-token entropy if asked). The LM head runs on chunks of tokens, each recomputed in
-        the backward pass, so the extra memory is O(chunk x V), never O(B x T x V)."""
+        the backward pass, so the extra memory is O(chunk x V), never O(B x T x V). Completion
+        positions the attention mask leaves out (the padding after the first EOS) read 0 and get no
+        gradient; a pass without gradient does not score them at all (chunked_logprobs' keep)."""
         # as generate() does with left padding
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        h = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                  position_ids=position_ids, use_cache=False).last_hidden_state
+        with self.compute():
+            h = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                      position_ids=position_ids, use_cache=False).last_hidden_state
         B, T = input_ids.shape[0], input_ids.shape[1] - n_prompt
         h = h[:, n_prompt - 1:-1].reshape(B * T, -1)  # hidden state at t-1 predicts token t
         targets = input_ids[:, n_prompt:].reshape(B * T)
+        keep = attention_mask[:, n_prompt:].reshape(B * T).bool()
         head = self.lm.get_output_embeddings()
-        out = chunked_logprobs(h, head.weight, head.bias, targets, self.temperature,
-                               self.chunk_tokens, entropy)
+        weight, bias = head.weight, head.bias
+        if self.autocast is not None:  # the LM head's product in bf16, as autocast runs a matmul
+            h, weight = h.to(self.autocast), weight.to(self.autocast)
+            bias = None if bias is None else bias.to(self.autocast)
+        out = chunked_logprobs(h, weight, bias, targets, self.temperature, self.chunk_tokens,
+                               entropy, keep)
         logp, ent = out if entropy else (out, None)
         logp = logp.view(B, T).clone()  # not a view: FSDP2 hooks the output for backward
         return (logp, ent.view(B, T)) if entropy else logp
 
 
 def chunked_logprobs(h, weight, bias, targets, temperature: float = 1.0, chunk_tokens: int = 1024,
-                     entropy: bool = False):
+                     entropy: bool = False, keep=None):
     """log softmax(z)[target] with z = (h W^T + b) / temperature (and the entropy of that softmax if
     asked) for N rows of hidden states h [N, H] -> [N] in float32 (float64 for a float64 model). The
-    LM head runs on `chunk_tokens` rows at a time and each chunk's backward recomputes its logits,
+    LM head runs on `chunk_tokens` rows at a time and the backward recomputes each chunk's logits,
     so the extra memory is O(chunk x V) instead of the O(N x V) of log_softmax(logits).gather(...),
-    in training and no-grad passes alike."""
-    logps, ents = [], []
-    for i in range(0, h.shape[0], chunk_tokens):
-        lp, ent = _ChunkLogprobs.apply(h[i:i + chunk_tokens], weight, bias,
-                                       targets[i:i + chunk_tokens], temperature, entropy)
-        logps.append(lp)
-        ents.append(ent)
-    return (torch.cat(logps), torch.cat(ents)) if entropy else torch.cat(logps)
+    in training and no-grad passes alike.
+    keep [N] bool (None: all rows): the rows outside it read 0 (log-prob and entropy) and get no
+    gradient. A pass without gradient skips them: each chunk's logits are computed for all its rows
+    as without keep (a matmul's bits can depend on its number of rows), then the softmax passes run
+    on the kept rows only, so a kept row gets the bits it gets without keep. A pass with gradient
+    computes every row: the backward multiplies each whole chunk's logit gradient into the weight
+    gradient, whose sums dropped rows would group differently."""
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (h, weight, bias))
+    logp, ent = _ChunkedLogprobs.apply(h, weight, bias, targets, temperature, chunk_tokens,
+                                       entropy, keep, keep is not None and not grad)
+    return (logp, ent) if entropy else logp
 
 
-class _ChunkLogprobs(torch.autograd.Function):
-    """One chunk. Forward keeps only logsumexp (and the entropy) per row; backward recomputes the
-    logits and applies d logp_t / dz = onehot(target) - p and d H / dz = -p (log p + H), with p =
-    softmax(z), in place on one buffer."""
+def _logsumexp_(z, tmp):
+    """torch.logsumexp(z, -1), the same operations in the same order (so the same bits), with its
+    [rows, V] intermediate written into tmp (which may be z itself, when z is not needed after)."""
+    m = z.amax(-1, keepdim=True)
+    m.masked_fill_(m.abs() == math.inf, 0)
+    s = torch.sub(z, m, out=tmp).exp_().sum(-1)
+    return s.log_().add_(m.squeeze(-1))
+
+
+def _logits(h, weight, bias, temperature: float, out, low):
+    """z = (h W^T + b) / temperature written into out [rows, V] (float32; float64 for a float64
+    model), the bits of F.linear(h, weight, bias).to(out.dtype) / temperature: the product in the
+    weights' dtype, into `low` (a [rows, V] buffer of that dtype) when that is not out's."""
+    prod = out if low is None else low
+    if bias is None:
+        torch.mm(h, weight.t(), out=prod)
+    else:
+        torch.addmm(bias, h, weight.t(), out=prod)
+    if low is not None:
+        out.copy_(low)  # bf16 -> fp32
+    if temperature != 1:  # dividing by 1 changes nothing
+        out.div_(temperature)
+    return out
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """Every chunk in one autograd node. Forward keeps only logsumexp (and the entropy) per row;
+    backward recomputes each chunk's logits and applies d logp_t / dz = onehot(target) - p and
+    d H / dz = -p (log p + H), with p = softmax(z), in place. One set of [chunk, V] buffers serves
+    every chunk (the logits in fp32, a second fp32 buffer for the softmax passes or the entropy's
+    coefficient, and for a bf16 model the bf16 product), each chunk's gradient for h is written into
+    its rows of one [N, H] tensor, and the chunks' weight gradients are summed into one [V, H]
+    tensor, last chunk first: the order autograd summed them in when each chunk was its own node,
+    so the gradient has the same bits."""
 
     @staticmethod
-    def _logits(h, weight, bias, temperature):
-        z = F.linear(h, weight, bias)
-        # bf16 -> fp32; fp64 stays
-        return z.to(torch.promote_types(z.dtype, torch.float32)).div_(temperature)
-
-    @staticmethod
-    def forward(ctx, h, weight, bias, targets, temperature: float, entropy: bool):
-        z = _ChunkLogprobs._logits(h, weight, bias, temperature)
-        lse = z.logsumexp(-1)
-        logp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
-        ent = None
-        if entropy:  # H = -sum_v p log p, with log p = z - lse (z is not needed any more)
-            logp_all = z.sub_(lse[:, None])
-            ent = -logp_all.exp().mul_(logp_all).sum(-1)
-        ctx.save_for_backward(h, weight, bias, targets, lse, ent)
-        ctx.temperature = temperature
-        return logp, ent
+    def forward(ctx, h, weight, bias, targets, temperature: float, chunk_tokens: int,
+                entropy: bool, keep, compact: bool):
+        N, V, C = h.shape[0], weight.shape[0], chunk_tokens
+        acc = torch.promote_types(weight.dtype, torch.float32)  # bf16 -> fp32; fp64 stays
+        rows_max = min(C, N)
+        z_buf = h.new_empty(rows_max, V, dtype=acc)
+        low = h.new_empty(rows_max, V, dtype=weight.dtype) if weight.dtype != acc else None
+        tmp = h.new_empty(rows_max, V, dtype=acc) if entropy or compact else None
+        logp, lse = h.new_zeros(N, dtype=acc), h.new_zeros(N, dtype=acc)
+        ent = h.new_zeros(N, dtype=acc) if entropy else None
+        kept = keep.cpu() if compact else None  # which rows to score, read once
+        for i in range(0, N, C):
+            c = min(C, N - i)
+            rows, idx = slice(i, i + c), None
+            if compact:
+                k = int(kept[rows].sum())
+                if k == 0:
+                    continue
+                # gathered when it pays (1/8 of the chunk dropped or more), and not for 1 row:
+                # torch sums a single row over V >= 32768 on both threads, in another order
+                if 2 <= k <= c - max(1, c // 8):
+                    idx = kept[rows].nonzero().squeeze(1)
+                    # the runs of kept rows [start, end): each sequence's positions up to its EOS
+                    edges = F.pad(kept[rows].to(torch.int8), (1, 1)).diff().nonzero().squeeze(1)
+                    runs = edges.view(-1, 2).tolist()
+                    idx = idx.to(h.device)
+            z = _logits(h[rows], weight, bias, temperature, z_buf[:c],
+                        None if low is None else low[:c])
+            t = targets[rows]
+            if idx is not None:  # the kept rows, gathered after the product of the whole chunk
+                k, start = len(idx), 0
+                for a, b in runs:  # a copy a run (index_select of rows is many times slower on CPU)
+                    tmp[start:start + b - a].copy_(z[a:b])
+                    start += b - a
+                z, t, spare = tmp[:k], t[idx], z_buf[:k]
+            else:
+                spare = tmp[:c] if tmp is not None else z  # z is not needed after, without entropy
+            target_z = z.gather(-1, t[:, None]).squeeze(-1)
+            lse_c = _logsumexp_(z, spare)
+            logp_c = target_z - lse_c
+            ent_c = None
+            if entropy:  # H = -sum_v p log p, with log p = z - lse (z is not needed any more)
+                logp_all = z.sub_(lse_c[:, None])
+                ent_c = torch.exp(logp_all, out=spare).mul_(logp_all).sum(-1).neg_()
+            if idx is None:
+                logp[rows], lse[rows] = logp_c, lse_c
+                if entropy:
+                    ent[rows] = ent_c
+            else:
+                logp.index_copy_(0, idx + i, logp_c)
+                if entropy:
+                    ent.index_copy_(0, idx + i, ent_c)
+        ent_out = ent
+        if keep is not None:  # rows outside keep computed with their whole chunk read 0 too
+            logp.masked_fill_(~keep, 0)
+            ent_out = None if ent is None else ent.masked_fill(~keep, 0)
+        ctx.save_for_backward(h, weight, bias, targets, lse, ent, keep)
+        ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
+        return logp, ent_out
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        h, weight, bias, targets, lse, ent = ctx.saved_tensors
-        logp = _ChunkLogprobs._logits(h, weight, bias, ctx.temperature).sub_(lse[:, None])  # log p
-        coef = (g_logp[:, None] if g_ent is None
-                else g_logp[:, None] + g_ent[:, None] * (logp + ent[:, None]))
-        grad_z = logp.exp_().mul_(coef).neg_()  # -p * (g_logp + g_ent (log p + H))
-        # + onehot(target) * g_logp
-        grad_z.scatter_add_(-1, targets[:, None], g_logp[:, None].to(grad_z.dtype))
-        grad_z = grad_z.div_(ctx.temperature).to(h.dtype)
-        grad_h = grad_z @ weight if ctx.needs_input_grad[0] else None
-        grad_w = grad_z.T @ h if ctx.needs_input_grad[1] else None
-        grad_b = grad_z.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
-        return grad_h, grad_w, grad_b, None, None, None
+        h, weight, bias, targets, lse, ent, keep = ctx.saved_tensors
+        N, V, C, T = h.shape[0], weight.shape[0], ctx.chunk_tokens, ctx.temperature
+        if keep is not None:  # the rows outside keep read 0: no gradient
+            g_logp = g_logp.masked_fill(~keep, 0)
+            g_ent = None if g_ent is None else g_ent.masked_fill(~keep, 0)
+        rows_max = min(C, N)
+        z_buf = h.new_empty(rows_max, V, dtype=lse.dtype)
+        low = h.new_empty(rows_max, V, dtype=weight.dtype) if weight.dtype != lse.dtype else None
+        coef_buf = h.new_empty(rows_max, V, dtype=lse.dtype) if g_ent is not None else None
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = grad_w_chunk = grad_b = None
+        for i in reversed(range(0, N, C)):  # last chunk first (the class docstring says why)
+            c = min(C, N - i)
+            rows = slice(i, i + c)
+            hc = h[rows]
+            logp = _logits(hc, weight, bias, T, z_buf[:c], None if low is None else low[:c])
+            logp = logp.sub_(lse[rows, None])  # log p
+            g = g_logp[rows, None]
+            coef = g if g_ent is None else (torch.add(logp, ent[rows, None], out=coef_buf[:c])
+                                            .mul_(g_ent[rows, None]).add_(g))
+            grad_z = logp.exp_().mul_(coef).neg_()  # -p * (g_logp + g_ent (log p + H))
+            grad_z.scatter_add_(-1, targets[rows, None], g.to(grad_z.dtype))  # + onehot * g_logp
+            if T != 1:
+                grad_z.div_(T)
+            if low is not None:
+                grad_z = low[:c].copy_(grad_z)  # fp32 -> the model's dtype
+            if need_h:
+                torch.mm(grad_z, weight, out=grad_h[rows])
+            if need_w:
+                if grad_w is None:
+                    grad_w = torch.mm(grad_z.t(), hc)
+                else:
+                    if grad_w_chunk is None:
+                        grad_w_chunk = torch.empty_like(grad_w)
+                    grad_w.add_(torch.mm(grad_z.t(), hc, out=grad_w_chunk))
+            if bias is not None and need_b:
+                grad_b = grad_z.sum(0) if grad_b is None else grad_b.add_(grad_z.sum(0))
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
 def wrap_policy(lm, d: Dist, temperature: float, chunk_tokens: int, activation_checkpointing: bool,
                 dtype: str = "auto", cpu_offload: bool = False, rank0_weights=None) -> Policy:
-    """Plain `python`: the plain model. Under torchrun (one process too): FSDP2, `fully_shard` on
-    each decoder layer, then the root (the tied embedding/LM head stay together in the root unit),
-    with fp32 shards computed in `dtype` and gradients reduced in fp32 (MixedPrecisionPolicy); rank
-    0's weights (load_model's rank0_weights) are then scattered to the shards."""
+    """Plain `python`: the plain model, its weights (fp32, bf16 with --dtype bf16-pure, load_model)
+    computed in the compute dtype under torch.autocast (Policy) where that is not theirs. Under
+    torchrun (one process too): FSDP2, `fully_shard` on each decoder layer, then the root (the tied
+    embedding/LM head stay together in the root unit), with fp32 shards computed in `dtype` and
+    gradients reduced in fp32 (MixedPrecisionPolicy); rank 0's weights (load_model's rank0_weights)
+    are then scattered to the shards."""
     if activation_checkpointing:
         lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         # generation still uses the KV cache (checkpointing acts only in training)
         lm.config.use_cache = True
-    policy = Policy(lm, temperature, chunk_tokens)
+    compute = compute_dtype(dtype, d)
+    weights = next(lm.parameters()).dtype
+    autocast = compute if not d.sharded and compute != weights else None
+    policy = Policy(lm, temperature, chunk_tokens, autocast)
+    policy.compute_dtype = compute  # what --gen-mode engine decodes in
+    if not d.sharded and d.main and compute == torch.bfloat16:
+        print("one process: " + ("fp32 master weights and AdamW state, computed in bf16 "
+                                 "(torch.autocast)" if autocast else
+                                 "bf16 weights and AdamW state (updates below bf16's resolution "
+                                 "are lost)"))
     if d.sharded:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
                                             fully_shard, register_fsdp_forward_method)
 
-        kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=compute_dtype(dtype, d),
-                                                 reduce_dtype=torch.float32),
+        kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32),
                   offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
         for layer in lm.get_decoder().layers:
             fully_shard(layer, **kw)
         fully_shard(policy, **kw)
         if d.main:
             print(f"FSDP2 over {d.world} process(es): {len(lm.get_decoder().layers)} decoder "
-                  f"layers + the root, fp32 master weights computed in {compute_dtype(dtype, d)}"
+                  f"layers + the root, fp32 master weights computed in {compute}"
                   + (", CPU offload" if cpu_offload else ""))
         # sum the gradients over ranks: each rank's loss is already divided by the minibatch's count
         # over all ranks (the loss's `norm`)
@@ -319,7 +488,7 @@ def wrap_policy(lm, d: Dist, temperature: float, chunk_tokens: int, activation_c
 
 
 # -------------------- generation
-GEN_MODES = ("repeat", "shared-prefill", "static")
+GEN_MODES = ("repeat", "shared-prefill", "static", "engine", "engine-tp")
 
 
 @torch.no_grad()
@@ -328,7 +497,7 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
              unshard: bool = False, mode: str = "shared-prefill") -> dict:
     """n completions per prompt (rows of one prompt are adjacent: a group). Returns input_ids [B,
     P+T], attention_mask, n_prompt P, completion mask [B, T] (up to and including the first EOS),
-    truncated [B].
+    truncated [B], texts, and with mode "engine" logp [B, T], each token's log-prob as sampled.
     mode "repeat": each prompt repeated n times, so `generate` prefills it n times, gen_batch_size
     rows a call.
     mode "shared-prefill": each prompt prefilled once and its KV cache repeated to its n rows
@@ -336,12 +505,45 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
     repeat, with a KV cache allocated once for the whole call and written in place (no copy of the
     cache per token); on a GPU, with the model unsharded (plain `python`), transformers compiles the
     decoding step (torch.compile; recompiled only when the cache or batch grows); under FSDP2 it
-    stays eager. Same tokens under greedy decoding (top_k=1)."""
+    stays eager. mode "engine": engine.py, gen_batch_size rows decoding at once (continuous
+    batching), whole groups admitted. mode "engine-tp": the engine's layers split over the ranks
+    (tensor parallel), every rank decoding every rank's prompts (world x gen_batch_size rows) and
+    keeping its own. Same tokens under greedy decoding (top_k=1)."""
     if mode not in GEN_MODES:
         raise ValueError(f"unknown generation mode {mode!r} ({', '.join(GEN_MODES)})")
     enc = tok(list(prompts), padding=True, return_tensors="pt", add_special_tokens=False)
     ids, am = enc.input_ids.to(d.device), enc.attention_mask.to(d.device)
-    shared = mode == "shared-prefill"
+    if mode in ("engine", "engine-tp") and engine_covers(policy.lm.config, d):
+        import engine
+
+        mine = [row[m.bool()].tolist() for row, m in zip(ids, am)]  # this rank's prompts, unpadded
+        tp = d.world if mode == "engine-tp" else 1
+        if tp > 1 and (why := engine.tensor_parallel_fits(policy.lm.config, tp)):
+            fail(f"--gen-mode engine-tp: {why}; use --gen-mode engine, or a number of processes "
+                 "that divides them")
+        everyone, generator = [mine], None
+        if tp > 1:  # every rank decodes every rank's prompts, with the same random stream
+            everyone = [None] * tp
+            dist.all_gather_object(everyone, mine)
+            seed = all_reduce(torch.randint(2 ** 62, (1,)) * d.main)  # rank 0's draw
+            generator = torch.Generator(d.device).manual_seed(int(seed))
+        completions, logps = engine.generate(
+            policy.lm, sum(everyone, []), n, eos, max_new_tokens=max_new_tokens,
+            temperature=temperature, top_k=top_k, top_p=top_p,
+            slots=tp * max(n, gen_batch_size // n * n), device=d.device,
+            dtype=getattr(policy, "compute_dtype", None) or (
+                torch.bfloat16 if d.device.type == "cuda" else torch.float32),
+            rank=d.rank if tp > 1 else 0, world=tp, generator=generator)
+        first = sum(len(p) for p in everyone[:d.rank]) * n if tp > 1 else 0  # this rank's rows
+        completions = completions[first:first + len(mine) * n]
+        logps = logps[first:first + len(mine) * n]
+        T = max(len(c) for c in completions)
+        comp = torch.tensor([c + [tok.pad_token_id] * (T - len(c)) for c in completions],
+                            device=d.device)
+        roll = rollout(ids.repeat_interleave(n, 0), am.repeat_interleave(n, 0), comp, tok, eos)
+        roll["logp"] = torch.tensor([lp + [0.0] * (T - len(lp)) for lp in logps], device=d.device)
+        return roll
+    shared = mode in ("shared-prefill", "engine")  # engine: HF's path for a model it does not cover
     # one-token prompts: a pad column, so that the prefilled prefix is not empty
     if shared and ids.shape[1] < 2:
         ids, am = F.pad(ids, (1, 0), value=tok.pad_token_id), F.pad(am, (1, 0), value=0)
@@ -366,6 +568,12 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
         ids, am = ids.repeat_interleave(n, 0), am.repeat_interleave(n, 0)
     T = max(o.shape[1] for o in outs)
     comp = torch.cat([F.pad(o, (0, T - o.shape[1]), value=tok.pad_token_id) for o in outs])
+    return rollout(ids, am, comp, tok, eos)
+
+
+def rollout(ids, am, comp, tok, eos: list[int]) -> dict:
+    """Prompts ids, am [B, P] (left-padded) and completions comp [B, T] -> generate()'s dict: each
+    completion kept up to and including its first EOS, truncated where it has none."""
     is_eos = torch.isin(comp, torch.tensor(eos, device=comp.device))
     # positions up to and including the first EOS
     before_eos = (is_eos.long().cumsum(1) - is_eos.long()) == 0
@@ -376,6 +584,34 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
             "n_prompt": ids.shape[1], "mask": before_eos.float(), "truncated": ~is_eos.any(1),
             "texts": tok.batch_decode(comp.masked_fill(is_eos, tok.pad_token_id),
                                       skip_special_tokens=True)}
+
+
+_ENGINE_FALLBACK = []  # the one line saying why HF generate runs in the engine's place, said once
+
+
+def engine_covers(config, d: Dist) -> bool:
+    """--gen-mode engine: True when engine.py covers this architecture; else one line (once) that
+    HF generate (shared-prefill) runs instead."""
+    import engine
+
+    why = engine.unsupported(config)
+    if why and not _ENGINE_FALLBACK:
+        _ENGINE_FALLBACK.append(why)
+        if d.main:
+            print(f"--gen-mode engine does not cover {why}: generating with HF generate "
+                  "(shared-prefill) instead", file=sys.stderr)
+    return why is None
+
+
+def logp_drift(roll: dict, old_logp: torch.Tensor) -> dict:
+    """gen/logp_drift: the mean |log-prob as sampled - old log-prob| over the completion tokens of
+    every rank (the engine's decode against the training forward; it catches engine bugs). Empty
+    when the rollout has no sampled log-probs (the HF modes)."""
+    if "logp" not in roll:
+        return {}
+    mask = roll["mask"]
+    total = all_reduce(((roll["logp"] - old_logp).abs() * mask).sum())
+    return {"gen/logp_drift": (total / all_reduce(mask.sum()).clamp(min=1)).item()}
 
 
 @contextlib.contextmanager
@@ -581,9 +817,8 @@ def lr_scheduler(optimizer, args):
 
 def all_finite(*tensors: torch.Tensor) -> bool:
     """True when every tensor is finite on every rank: one decision that all ranks share."""
-    ok = torch.tensor([float(all(torch.isfinite(t).all() for t in tensors))],
-                      device=tensors[0].device)
-    return bool(all_reduce(ok, dist.ReduceOp.MIN).item())
+    ok = torch.stack([torch.isfinite(t).all() for t in tensors]).all().float().view(1)
+    return bool(all_reduce(ok, dist.ReduceOp.MIN).item())  # one host sync, not one a tensor
 
 
 def reduce_stats(stats: list[dict]) -> dict:

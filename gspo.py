@@ -24,8 +24,8 @@ from checkpoint import (catch_stop_signals, claim_run_dir, cleanup, resume_state
 from cli import CommonArgs, check_common_args, default_learning_rate, default_max_new_tokens
 from common import (Logger, all_finite, check_model, eos_ids, eval_report, eval_summary, evaluate,
                     generate, group_advantages, group_metrics, jitter2, load_model, load_tokenizer,
-                    log_samples, lr_scheduler, micro_batches, minibatches, prompt_indices,
-                    reduce_stats, score, wrap_policy)
+                    log_samples, logp_drift, lr_scheduler, micro_batches, minibatches,
+                    prompt_indices, reduce_stats, score, wrap_policy)
 from data import load_task
 from distributed import all_gather_cat, all_reduce, fail, seed_rank, setup_distributed
 from grader import load_reward
@@ -244,6 +244,7 @@ def main():
             "perf/train_tokens_per_s": tokens.item() / train_time,
             "perf/wall_time": time.time() - start,
             **reduce_stats(stats),
+            **logp_drift(roll, old_logp),  # --gen-mode engine: decode vs training forward
         }
         if eval_now(step):
             policy.eval()

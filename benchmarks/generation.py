@@ -2,12 +2,13 @@
 
     python benchmarks/generation.py          # Qwen3-0.6B shape, fp32, 4 prompts x 8 completions, 256 + 64 tokens
 
-repeat          today's path: each prompt repeated G times, so `generate` prefills it G times
-shared-prefill  each prompt prefilled once, its KV cache repeated to the G rows of its group
+repeat          each prompt repeated G times, so HF `generate` prefills it G times
+shared-prefill  each prompt prefilled once, its KV cache repeated to the G rows of its group (the default)
+engine          engine.py: plain-PyTorch decoding over a KV cache allocated once, each prompt prefilled once
 
 Every completion runs to --new-tokens (EOS disabled: the same work for every mode and repeat). The modes take turns
 (repeat, shared-prefill, repeat, ...) after one short warm-up call each, so a drift in the machine's speed hits them
-alike; the table gives min / median / max seconds per mode and the per-round ratio of each mode to repeat.
+alike; the table gives min / median / max seconds per mode and the per-round ratio of each mode to --baseline.
 --profile records round 1's calls with torch.profiler and prints each mode's top operators by self CPU time.
 """
 import argparse
@@ -30,7 +31,8 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2, help="timed calls of each mode, in turns")
-    ap.add_argument("--modes", default="repeat,shared-prefill")
+    ap.add_argument("--modes", default="repeat,shared-prefill,engine")
+    ap.add_argument("--baseline", default="shared-prefill", help="the mode the ratios are taken against")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--profile", action="store_true", help="profile round 1 (torch.profiler) and print its tables")
     a = ap.parse_args()
@@ -82,10 +84,10 @@ def main():
     n = a.prompts * a.group_size * a.new_tokens
     print(f"\n{a.prompts} prompts x {a.group_size} completions, {a.prompt_tokens}-token prompts, {a.new_tokens} new "
           f"tokens, {a.rounds} rounds\n")
-    print("| mode | s / call: min | median | max | new tokens / s (median) | time / repeat, per round |")
+    print(f"| mode | s / call: min | median | max | new tokens / s (median) | time / {a.baseline}, per round |")
     print("|---|---|---|---|---|---|")
     for m in modes:
-        ratios = [x / y for x, y in zip(times[m], times["repeat"])] if "repeat" in modes else []
+        ratios = [x / y for x, y in zip(times[m], times[a.baseline])] if a.baseline in modes else []
         print(f"| {m} | {min(times[m]):.2f} | {statistics.median(times[m]):.2f} | {max(times[m]):.2f} | "
               f"{n / statistics.median(times[m]):.0f} | {' '.join(f'{x:.2f}' for x in ratios) or '-'} |")
     for mode, table in profiles.items():

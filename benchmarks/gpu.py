@@ -11,7 +11,10 @@ Per model, as far as each fits:
   never say EOS, so realistic early stops are made by declaring V / --mean-length token ids EOS: a completion stops at
   each step with probability about 1 / --mean-length (roughly geometric lengths; the table gives the measured mean).
   static is timed after one untimed call, which compiles. tokens/s = completion tokens (up to and including EOS) / wall
-  time of the call.
+  time of the call. share of bound: the memory-bandwidth bound of the same rollout over the measured time. The bound
+  reads, at every decoding step, the weights once and each live row's KV cache over its length (prompt + tokens so
+  far), from the config and the lengths actually generated, at the bandwidth a device-to-device copy reaches in the
+  same run (read + write bytes / time); prefill is left out, so the bound is a little optimistic.
 - training: forward + backward of Policy.forward (chunked log-probs) and gspo_loss, then an AdamW step, on
   --train-seqs sequences of --train-tokens tokens, with and without activation checkpointing. tokens/s over the
   timed steps; MFU = model FLOPs / (time x the GPU's dense bf16 peak), model FLOPs a token = 6 N + 12 L h T (N the
@@ -62,6 +65,33 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+def bandwidth(device) -> float:
+    """Bytes/s a device-to-device copy of 1 GiB (64 MiB on CPU) reaches: read + write bytes over the best of 5."""
+    import torch
+
+    x = torch.empty((1 << 30) if device.type == "cuda" else (64 << 20), dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        t = time.perf_counter()
+        y.copy_(x)
+        sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * x.numel() / best
+
+
+def bound_seconds(lengths: list[int], prompt_tokens: int, weight_bytes: int, kv_bytes_per_token: int,
+                  bytes_per_s: float) -> float:
+    """Decoding time at the memory-bandwidth limit: every step reads the weights and each live row's KV cache."""
+    total = 0
+    for t in range(1, max(lengths) + 1):  # decoding step t makes each live row's t-th token
+        live = [n for n in lengths if n >= t]
+        total += weight_bytes + kv_bytes_per_token * len(live) * (prompt_tokens + t - 1)
+    return total / bytes_per_s
+
+
 def bench_generation(policy, tok, shape, a, d) -> dict:
     import torch
 
@@ -75,6 +105,10 @@ def bench_generation(policy, tok, shape, a, d) -> dict:
     common.generate(policy, tok, texts[:1], 2, eos, d, max_new_tokens=2, temperature=1.0, top_p=1.0, top_k=0,
                     gen_batch_size=2)  # untimed: CUDA/cuBLAS start-up is not the first mode's cost
     out = {}
+    bytes_per_s = bandwidth(d.device)
+    elem = next(policy.parameters()).element_size()
+    weight_bytes = sum(p.numel() for p in policy.parameters()) * elem
+    kv_bytes_per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * elem
     for mode in a.gen_modes:
         for timed in (False, True) if mode == "static" else (True,):  # static: the first call compiles (untimed)
             torch.manual_seed(0)
@@ -86,7 +120,10 @@ def bench_generation(policy, tok, shape, a, d) -> dict:
             sync(d.device)
             s = time.perf_counter() - t
         tokens = roll["mask"].sum().item()
-        out[mode] = {"s": s, "tokens_per_s": tokens / s, "mean_length": tokens / roll["mask"].shape[0]}
+        bound = bound_seconds(roll["mask"].sum(1).long().tolist(), a.prompt_tokens, weight_bytes, kv_bytes_per_token,
+                              bytes_per_s)
+        out[mode] = {"s": s, "tokens_per_s": tokens / s, "mean_length": tokens / roll["mask"].shape[0],
+                     "bound_share": bound / s, "bandwidth_GBps": bytes_per_s / 1e9}
     return out
 
 
@@ -269,10 +306,12 @@ def write(results: dict, a, device_name: str, seconds: float) -> str:
 def table(results: dict, a, device: str, command: str, seconds: float) -> str:
     f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
     modes = a.gen_modes
+    bw = [g[m]["bandwidth_GBps"] for r in results.values() if isinstance(g := r.get("generation"), dict) for m in g]
+    device = device + (f" (copy bandwidth {bw[0]:.0f} GB/s)" if bw else "")
     lines = [f"{device}; {a.prompts} prompts x {a.group_size} completions, {a.prompt_tokens}-token prompts, up to "
              f"{a.new_tokens} new tokens (mean aimed at {a.mean_length}); training {a.train_seqs} x "
              f"{a.train_tokens} tokens; {seconds:.0f}s in all", "",
-             "| model | params (B) | " + " | ".join(f"gen tok/s {m}" for m in modes) +
+             "| model | params (B) | " + " | ".join(f"gen tok/s {m} (share of bound)" for m in modes) +
              " | mean length | train tok/s | MFU | train tok/s, AC | MFU, AC | peak GB, AC | plan GB, AC |",
              "|---|---|" + "---|" * len(modes) + "---|---|---|---|---|---|---|"]
     for name, r in results.items():
@@ -283,7 +322,8 @@ def table(results: dict, a, device: str, command: str, seconds: float) -> str:
             continue
         gen = r["generation"]
         cells = [f"{name}", f"{r['parameters_B']:.3f}"]
-        cells += ["OOM" if gen == "OOM" else f"{gen[m]['tokens_per_s']:.0f}" for m in modes]
+        cells += ["OOM" if gen == "OOM" else f"{gen[m]['tokens_per_s']:.0f} ({gen[m]['bound_share']:.1%})"
+                  for m in modes]
         cells.append("-" if gen == "OOM" else f"{gen[modes[0]]['mean_length']:.0f}")
         for ac in (0, 1):
             t = r[f"training_ac{ac}"]

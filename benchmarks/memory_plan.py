@@ -16,6 +16,8 @@ What is counted (bytes; P parameters, L layers, H hidden, I intermediate, V voca
 - log-probs: one chunk of --logprob-chunk-tokens x V logits in bf16 and two fp32 buffers (common.chunked_logprobs).
 - KV cache while generating: 2 (k, v) x L x kv_heads x head_dim x 2 bytes a token, for --gen-batch-size sequences.
 - --gen-unshard: the whole model in bf16 (2 P) while generating.
+- --gen-mode engine: its own copy of the whole model in the compute dtype (2 P: each weight's full tensor, q/k/v
+  and gate/up fused) and its KV pool, allocated once: --gen-batch-size rows of --tokens positions (the KV cache term).
 Real runs add the CUDA context, allocator fragmentation and NCCL buffers (a few GB): keep ~10% headroom.
 --dtype fp32 counts 4 bytes where bf16 counts 2 (gathered units then 12 bytes a parameter). --cpu: the RAM of each
 process of a CPU job (fp32; plain `python` and torchrun's ranks), by cpu_process below, checked against
@@ -102,8 +104,10 @@ def main():
              for n in a.gpus}
     # gradients freed after each optimizer step: 12 of the 16 bytes a parameter while generating
     gen = {n: rows[n]["sharded state 16P/n"] * 12 / 16 + rows[n]["KV cache (generation)"] for n in a.gpus}
+    engine = {n: gen[n] + rows[n][f"--gen-unshard ({a.dtype or 'bf16'} model)"] for n in a.gpus}
     print("| **training peak** | " + " | ".join(f"**{train[n]:.1f}**" for n in a.gpus) + " |")
     print("| **generation peak** (sharded) | " + " | ".join(f"**{gen[n]:.1f}**" for n in a.gpus) + " |")
+    print("| generation peak, --gen-mode engine | " + " | ".join(f"{engine[n]:.1f}" for n in a.gpus) + " |")
     print("| training peak, --cpu-offload | " + " | ".join(
         f"{train[n] - rows[n]['sharded state 16P/n']:.1f}" for n in a.gpus) + " |")
     print(command(a))

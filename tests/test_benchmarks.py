@@ -63,6 +63,7 @@ def test_gpu_benchmark_smoke(tmp_path):
     assert set(row["generation"]) == set(common.GEN_MODES)
     for mode, g in row["generation"].items():
         assert g["tokens_per_s"] > 0 and 1 <= g["mean_length"] < 6, (mode, g)  # EOS ids stop some completions early
+        assert 0 < g["bound_share"] and g["bandwidth_GBps"] > 0, (mode, g)
     assert row["training_ac0"]["tokens_per_s"] > 0 and row["training_ac1"]["plan_gb"] > 0
     assert "skipped" in out["results"]["trl"] or "table" in out["results"]["trl"]
     md = open(tmp_path / "gpu.md").read()
@@ -75,10 +76,11 @@ def test_gpu_benchmark_gen_modes(tmp_path):
                         "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert set(json.load(open(tmp_path / "gpu.json"))["results"]["tiny"]["generation"]) == {"static", "repeat"}
-    assert "| gen tok/s static | gen tok/s repeat | mean length |" in open(tmp_path / "gpu.md").read()
+    assert ("| gen tok/s static (share of bound) | gen tok/s repeat (share of bound) | mean length |"
+            in open(tmp_path / "gpu.md").read())
     p = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--gen-modes", "static,fast"], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
-    assert p.returncode and p.stderr.strip() == "error: --gen-modes takes repeat, shared-prefill, static"
+    assert p.returncode and p.stderr.strip() == "error: --gen-modes takes repeat, shared-prefill, static, engine, engine-tp"
 
 
 def test_cpu_0p6b_benchmark_smoke(tmp_path):
@@ -158,3 +160,11 @@ def test_rl_step_phases_against_trl(tmp_path):
     for phase in ("generate", "log-prob forward (no grad)", "log-prob forward (grad)", "backward", "AdamW step"):
         assert all(float(x) > 0 for x in rows[phase]), (phase, p.stdout)
     assert all(float(x) >= -0.01 for x in rows["not fenced"]), p.stdout  # the phases fit inside the step
+
+
+def test_memory_bandwidth_bound_by_hand():
+    """gpu.bound_seconds: two rows of 1 and 2 tokens after a 3-token prompt, weights 100 bytes, KV 10 bytes a token:
+    step 1 reads 100 + 2 rows x 3 positions x 10, step 2 100 + 1 row x 4 positions x 10: 300 bytes."""
+    import gpu
+
+    assert gpu.bound_seconds([1, 2], 3, 100, 10, 2.0) == 150.0

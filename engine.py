@@ -1,0 +1,341 @@
+"""The rollout engine (--gen-mode engine): sampling G completions per prompt in plain PyTorch, with
+a KV cache allocated once, each prompt prefilled once for its group, and finished rows replaced by
+waiting ones while decoding (continuous batching). Called by common.generate; HF `generate` (the
+other --gen-mode values) stays the reference it is tested against.
+
+The model is read, not wrapped: its weights are taken once per rollout into plain tensors (under
+FSDP2 each parameter's full tensor, gathered in turn), so decoding runs no collective and ranks that
+finish early wait at the next collective the loop already has. The forward covers the Qwen3 / Qwen2
+/ Llama family (RMSNorm, q/k-norm when present, the model's own rotary embedding so that
+rope_scaling stays exact, SwiGLU, grouped KV heads read without copies, tied or untied head).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+ARCHITECTURES = ("qwen3", "qwen2", "llama")  # config.model_type values the forward below covers
+SYNC_EVERY = 8  # decoding steps between two looks from the host at which rows have finished
+
+
+def unsupported(config) -> str | None:
+    """Why the engine cannot run a model of this config (one line), or None if it can."""
+    if config.model_type not in ARCHITECTURES:
+        return f"model_type {config.model_type!r} (the engine covers {', '.join(ARCHITECTURES)})"
+    layer_types = getattr(config, "layer_types", None) or []
+    if getattr(config, "use_sliding_window", False) or any(t != "full_attention"
+                                                           for t in layer_types):
+        return "sliding-window attention layers"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):
+        return f"rope type {rope.get('rope_type', rope.get('type'))!r}, which changes with length"
+    if getattr(config, "hidden_act", "silu") not in ("silu", "gelu", "gelu_pytorch_tanh", "relu"):
+        return f"hidden_act {config.hidden_act!r}"
+    return None
+
+
+# -------------------- weights: plain tensors taken from the policy once per rollout
+@dataclass
+class Weights:
+    embed: torch.Tensor
+    layers: list[dict]  # per layer: ln1, ln2, qkv (weight, bias), o, q_norm, k_norm, gate_up, down
+    norm: torch.Tensor
+    head: torch.Tensor  # the LM head's weight (the embedding itself when tied)
+    cos: torch.Tensor  # [max_len, head_dim] rotary tables from the model's own rotary embedding
+    sin: torch.Tensor
+
+
+def full(p: torch.Tensor | None, device, dtype, dim: int = 0, rank: int = 0,
+         world: int = 1) -> torch.Tensor | None:
+    """A parameter as one plain tensor on `device` in `dtype`: under FSDP2 its full tensor (an
+    all-gather every rank runs in the same order; with --cpu-offload the shard is moved to the GPU
+    first); with world > 1, this rank's part of it along `dim` (tensor parallel). Unsharded, on the
+    same device and dtype and whole, the parameter itself (no copy; nothing writes to it)."""
+    if p is None:
+        return None
+    t = p.to(device).full_tensor() if hasattr(p, "full_tensor") else p
+    t = t.detach().to(device=device, dtype=dtype)
+    return t.chunk(world, dim)[rank].contiguous() if world > 1 else t
+
+
+def take_weights(lm, max_len: int, device, dtype, rank: int = 0, world: int = 1) -> Weights:
+    """The decoder's weights, q/k/v and gate/up each fused into one matrix (one matmul each). Tensor
+    parallel over `world` ranks: this rank's heads of q/k/v and its columns of gate/up (split along
+    their outputs), the matching inputs of o and down (their outputs summed over the ranks, biases
+    added once after), everything else whole."""
+    model = lm.get_decoder()
+    tp = dict(rank=rank, world=world)
+    layers = []
+    for layer in model.layers:
+        a, m = layer.self_attn, layer.mlp
+        qkv = [full(lin.weight, device, dtype, 0, **tp) for lin in (a.q_proj, a.k_proj, a.v_proj)]
+        qkv_bias = [full(lin.bias, device, dtype, 0, **tp)
+                    for lin in (a.q_proj, a.k_proj, a.v_proj)]
+        gate_up = [full(lin.weight, device, dtype, 0, **tp) for lin in (m.gate_proj, m.up_proj)]
+        gate_up_bias = [full(lin.bias, device, dtype, 0, **tp) for lin in (m.gate_proj, m.up_proj)]
+        layers.append({
+            "ln1": full(layer.input_layernorm.weight, device, dtype),
+            "ln2": full(layer.post_attention_layernorm.weight, device, dtype),
+            "qkv": (torch.cat(qkv), None if qkv_bias[0] is None else torch.cat(qkv_bias)),
+            "o": (full(a.o_proj.weight, device, dtype, 1, **tp),
+                  full(a.o_proj.bias, device, dtype)),
+            "q_norm": full(getattr(getattr(a, "q_norm", None), "weight", None), device, dtype),
+            "k_norm": full(getattr(getattr(a, "k_norm", None), "weight", None), device, dtype),
+            "gate_up": (torch.cat(gate_up),
+                        None if gate_up_bias[0] is None else torch.cat(gate_up_bias)),
+            "down": (full(m.down_proj.weight, device, dtype, 1, **tp),
+                     full(m.down_proj.bias, device, dtype)),
+        })
+    embed = full(model.embed_tokens.weight, device, dtype)
+    head = lm.get_output_embeddings().weight
+    tied = head is lm.get_input_embeddings().weight
+    # the model's own rotary embedding over every position a row can reach (rope_scaling included)
+    positions = torch.arange(max_len, device=device)[None]
+    cos, sin = model.rotary_emb(torch.empty(0, device=device, dtype=dtype), positions)
+    return Weights(embed, layers, full(model.norm.weight, device, dtype),
+                   embed if tied else full(head, device, dtype), cos[0], sin[0])
+
+
+def tensor_parallel_fits(config, world: int) -> str | None:
+    """Why the engine's layers cannot split over `world` ranks (one line), or None if they can."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if heads % world or kv_heads % world or config.intermediate_size % world:
+        return (f"{heads} attention heads, {kv_heads} KV heads and an MLP of "
+                f"{config.intermediate_size} do not split evenly over {world} ranks")
+    return None
+
+
+# -------------------- the forward: Qwen3 / Qwen2 / Llama decoder layers
+def rms_norm(x, weight, eps: float):
+    """As the models' RMSNorm: normalised in float32, cast back, then scaled."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rotate(x, cos, sin):
+    """Rotary embedding, HF's convention (two halves): x [.., heads, L, d], cos/sin [.., L, d]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), -1)
+    return x * cos + rotated * sin
+
+
+class Engine:
+    """One rollout's decoder over a KV cache of `slots` rows, each up to `max_len` tokens."""
+
+    def __init__(self, lm, slots: int, max_len: int, device, dtype, rank: int = 0, world: int = 1):
+        from transformers.activations import ACT2FN
+
+        cfg = lm.config
+        self.cfg, self.slots, self.max_len, self.world = cfg, slots, max_len, world
+        # this rank's heads: all of them, or 1/world of them under tensor parallelism
+        self.heads = cfg.num_attention_heads // world
+        self.kv_heads = cfg.num_key_value_heads // world
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps, self.act = cfg.rms_norm_eps, ACT2FN[cfg.hidden_act]
+        self.w = take_weights(lm, max_len, device, dtype, rank, world)
+        # the KV cache, allocated once: [layers, k/v, slots, kv heads, positions, head_dim]; zeros,
+        # not empty: a masked position still multiplies its value by 0, and 0 x NaN is NaN
+        self.cache = torch.zeros(len(self.w.layers), 2, slots, self.kv_heads, max_len,
+                                 self.head_dim, device=device, dtype=dtype)
+
+    def layers(self, h, positions, attend):
+        """The decoder layers over h [B, L, D] at positions [B, L]; attend(i, q, k, v) -> [B, H, L,
+        d] writes layer i's keys and values to the cache and attends."""
+        B, L, _ = h.shape
+        cos, sin = self.w.cos[positions][:, None], self.w.sin[positions][:, None]  # [B, 1, L, d]
+        nq, nk = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        for i, w in enumerate(self.w.layers):
+            x = rms_norm(h, w["ln1"], self.eps)
+            q, k, v = F.linear(x, *w["qkv"]).split([nq, nk, nk], -1)
+            q = q.view(B, L, self.heads, self.head_dim)
+            k = k.view(B, L, self.kv_heads, self.head_dim)
+            if w["q_norm"] is not None:  # Qwen3: RMSNorm over each head's dimensions
+                q, k = rms_norm(q, w["q_norm"], self.eps), rms_norm(k, w["k_norm"], self.eps)
+            q = rotate(q.transpose(1, 2), cos, sin)
+            k = rotate(k.transpose(1, 2), cos, sin)
+            v = v.view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)
+            out = attend(i, q, k, v).transpose(1, 2).reshape(B, L, nq)
+            h = h + self.row_parallel(out, *w["o"])
+            gate, up = F.linear(rms_norm(h, w["ln2"], self.eps), *w["gate_up"]).chunk(2, -1)
+            h = h + self.row_parallel(self.act(gate) * up, *w["down"])
+        return h
+
+    def row_parallel(self, x, weight, bias):
+        """x @ weight.T; under tensor parallelism each rank holds some of the inputs, so the outputs
+        are summed over the ranks (one all-reduce) and the bias added once, after."""
+        if self.world == 1:
+            return F.linear(x, weight, bias)
+        y = F.linear(x, weight)
+        torch.distributed.all_reduce(y)
+        return y if bias is None else y + bias
+
+    def logits(self, h):
+        """[N, D] last hidden states -> [N, V] float32 logits, as HF's generate takes them."""
+        return F.linear(rms_norm(h, self.w.norm, self.eps), self.w.head).float()
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]], slots: torch.Tensor, n: int) -> torch.Tensor:
+        """Prompts (token ids) computed once each, their keys and values copied to their n slots
+        each (slots [len(prompts) x n], a prompt's adjacent); -> logits at each prompt's last token,
+        [len(prompts), V]."""
+        lengths = torch.tensor([len(p) for p in prompts], device=self.cache.device)
+        P = int(lengths.max())
+        ids = torch.zeros(len(prompts), P, dtype=torch.long, device=self.cache.device)
+        for b, p in enumerate(prompts):  # right-padded: position t is the prompt's t-th token
+            ids[b, :len(p)] = torch.tensor(p, device=ids.device)
+        positions = torch.arange(P, device=ids.device).expand(len(prompts), P)
+
+        def attend(i, q, k, v):
+            # every slot of a prompt gets its keys and values (padding too: masked when decoding)
+            self.cache[i, 0, slots, :, :P] = k.repeat_interleave(n, 0)
+            self.cache[i, 1, slots, :, :P] = v.repeat_interleave(n, 0)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                                  scale=self.head_dim ** -0.5)
+
+        h = self.layers(F.embedding(ids, self.w.embed), positions, attend)
+        return self.logits(h[torch.arange(len(prompts)), lengths - 1])
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, reach: int) -> torch.Tensor:
+        """One token for every slot: tokens, positions [slots] -> logits [slots, V]. Slot s attends
+        to its positions 0..positions[s] and no further, through a mask over the cache read up to
+        `reach` (> every position, known on the host without a sync); grouped heads, no copies."""
+        mask = (torch.arange(reach, device=tokens.device) <= positions[:, None])[:, None, None]
+        # where each slot's new key and value go: rows of a layer's cache viewed as [-1, head_dim]
+        # (index_copy_ along one dimension: an index_put over slots and positions copies far more)
+        heads = torch.arange(self.kv_heads, device=tokens.device)
+        rows = torch.arange(self.slots, device=tokens.device)[:, None] * self.kv_heads + heads
+        at = (rows * self.max_len + positions[:, None]).flatten()
+
+        def attend(i, q, k, v):
+            self.cache[i, 0].view(-1, self.head_dim).index_copy_(0, at, k.flatten(0, 2))
+            self.cache[i, 1].view(-1, self.head_dim).index_copy_(0, at, v.flatten(0, 2))
+            keys, values = self.cache[i, 0, :, :, :reach], self.cache[i, 1, :, :, :reach]
+            # grouped heads as queries of their KV head: head h reads KV head h // group (HF's
+            # repeat_kv), so [S, H, 1, d] -> [S, kv heads, group, d] attends with no KV copy
+            grouped = q.view(self.slots, self.kv_heads, -1, self.head_dim)
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask,
+                                                 scale=self.head_dim ** -0.5)
+            return out.view(q.shape)
+
+        h = self.layers(F.embedding(tokens[:, None], self.w.embed), positions[:, None], attend)
+        return self.logits(h[:, 0])
+
+
+# -------------------- sampling: HF's semantics and order
+def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator=None):
+    """As HF's sampling: temperature, then top-k, then top-p (at least one token kept), then one
+    draw from the softmax of what is left. -> (tokens [N], log-probs [N] of the tokens under the
+    temperature-scaled softmax before top-k/top-p: the policy's own log-prob at this
+    temperature). generator: the random stream (default torch's global one)."""
+    scores = logits / temperature
+    logp = torch.log_softmax(scores, -1)
+    scores = top_k_top_p(scores, top_k, top_p)
+    tokens = torch.multinomial(torch.softmax(scores, -1), 1, generator=generator)
+    return tokens[:, 0], logp.gather(1, tokens)[:, 0]
+
+
+def top_k_top_p(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """transformers' TopKLogitsWarper then TopPLogitsWarper (min_tokens_to_keep 1): removed
+    tokens get -inf. top_k 0 and top_p 1 are off."""
+    if top_k > 0:
+        kth = torch.topk(scores, min(top_k, scores.shape[-1])).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, -math.inf)
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=False)
+        remove = sorted_scores.softmax(-1).cumsum(-1) <= 1 - top_p
+        remove[..., -1:] = False  # the most likely token stays
+        scores = scores.masked_fill(remove.scatter(-1, order, remove), -math.inf)
+    return scores
+
+
+# -------------------- the scheduler: continuous batching over a fixed pool of slots
+@torch.no_grad()
+def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_tokens: int,
+             temperature: float, top_k: int, top_p: float, slots: int, device, dtype,
+             sync_every: int = SYNC_EVERY, stats: dict | None = None, rank: int = 0, world: int = 1,
+             generator=None) -> tuple[list[list[int]], list[list[float]]]:
+    """n completions of each prompt (token ids, no padding): rows prompt * n + j, a group's rows
+    adjacent. A completion ends at its first EOS (kept) or after max_new_tokens. `slots` rows decode
+    at once; a prompt is admitted (prefilled once, its KV copied to n free slots) whenever n slots
+    are free, and the host looks at which rows have finished every `sync_every` steps. Returns the
+    completions' token ids and the log-prob of each under the temperature-scaled softmax. `stats`,
+    if given, gets the counts of decoding steps, prefills, and prefills made while other rows were
+    decoding (continuous batching at work). world > 1: tensor parallel, every rank running this call
+    on the same prompts with its share of the heads (tensor_parallel_fits) and the same `generator`,
+    so that every rank samples the same tokens."""
+    if slots < n:
+        raise ValueError(f"{slots} slots cannot hold a group of {n}")
+    max_len = max(len(p) for p in prompts) + max_new_tokens
+    engine = Engine(lm, slots, max_len, device, dtype, rank, world)
+    eos_t = torch.tensor(eos, device=device)
+    tokens = torch.zeros(slots, dtype=torch.long, device=device)  # each slot's last token
+    positions = torch.zeros(slots, dtype=torch.long, device=device)  # ... and its position
+    count = torch.zeros(slots, dtype=torch.long, device=device)  # tokens generated so far
+    live = torch.zeros(slots, dtype=torch.bool, device=device)  # decoding a row, not finished
+    out = torch.zeros(slots, max_new_tokens, dtype=torch.long, device=device)
+    out_logp = torch.zeros(slots, max_new_tokens, device=device)
+    slot_rows = torch.arange(slots, device=device)
+    row_of = [-1] * slots  # the row each slot decodes (host side), -1: free
+    waiting = deque(range(len(prompts)))
+    completions, logps = [None] * (len(prompts) * n), [None] * (len(prompts) * n)
+    reach = 0  # on the host: one more than any slot's position, an upper bound between syncs
+    counts = {"decode_steps": 0, "prefills": 0, "prefills_while_decoding": 0}
+
+    def admit():
+        nonlocal reach
+        free = [s for s in range(slots) if row_of[s] < 0]
+        k = min(len(free) // n, len(waiting))
+        if k == 0:
+            return
+        batch = [waiting.popleft() for _ in range(k)]
+        counts["prefills"] += 1
+        counts["prefills_while_decoding"] += any(r >= 0 for r in row_of)
+        sel = torch.tensor(free[:k * n], device=device)
+        for j, s in enumerate(free[:k * n]):
+            row_of[s] = batch[j // n] * n + j % n
+        logits = engine.prefill([prompts[p] for p in batch], sel, n).repeat_interleave(n, 0)
+        new, new_logp = sample(logits, temperature, top_k, top_p, generator)
+        out[sel, 0], out_logp[sel, 0], count[sel] = new, new_logp, 1
+        live[sel] = ~torch.isin(new, eos_t) & (max_new_tokens > 1)
+        lengths = [len(prompts[p]) for p in batch]
+        tokens[sel] = new
+        positions[sel] = torch.tensor(lengths, device=device).repeat_interleave(n)
+        reach = max(reach, max(lengths) + 1)
+
+    def retire():
+        nonlocal reach
+        running, counts = live.tolist(), count.tolist()  # the host sync
+        for s in range(slots):
+            if row_of[s] >= 0 and not running[s]:
+                completions[row_of[s]] = out[s, :counts[s]].tolist()
+                logps[row_of[s]] = out_logp[s, :counts[s]].tolist()
+                row_of[s] = -1
+                positions[s] = 0
+        reach = int(positions.max()) + 1
+
+    while any(r >= 0 for r in row_of) or waiting:
+        admit()
+        retire()  # one-token completions finish at their prefill
+        for _ in range(sync_every if any(r >= 0 for r in row_of) else 0):
+            new, new_logp = sample(engine.decode(tokens, positions, reach), temperature, top_k,
+                                   top_p, generator)
+            at = count.clamp(max=max_new_tokens - 1)  # finished rows write nowhere new
+            out[slot_rows, at] = torch.where(live, new, out[slot_rows, at])
+            out_logp[slot_rows, at] = torch.where(live, new_logp, out_logp[slot_rows, at])
+            count += live.long()
+            tokens = torch.where(live, new, tokens)
+            positions += live.long()  # finished rows and free slots stay where they are
+            live &= ~torch.isin(new, eos_t) & (count < max_new_tokens)
+            reach = min(reach + 1, max_len)
+            counts["decode_steps"] += 1
+        retire()
+    assert all(c is not None for c in completions), "a request never finished"
+    if stats is not None:
+        stats.update(counts)
+    return completions, logps

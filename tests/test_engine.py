@@ -1,0 +1,229 @@
+"""The rollout engine (engine.py) against the HF reference: greedy tokens equal to `generate`'s, per-token log-probs
+equal to Policy.forward's, logits equal to the HF forward's for the Qwen3 / Qwen2 / Llama shapes, the sampler equal
+to transformers' warpers and to the softmax, and the scheduler's bookkeeping (fp32, CPU)."""
+import math
+
+import pytest
+import torch
+
+import common
+import engine
+from data import chat_prompts
+from distributed import Dist, seed_everything
+
+CPU = torch.device("cpu")
+PROMPTS = ["1%10=", "a longer prompt, 23%10=", "7%10=", "xy", "a much longer prompt than the others, 5%10="]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tok = common.tiny_tokenizer()
+    seed_everything(0)
+    lm = common.tiny_model(tok).eval()
+    g = torch.Generator().manual_seed(0)
+    for p in lm.parameters():  # larger weights than the init's: greedy rows that differ token by token
+        if p.dim() == 2:
+            p.data.normal_(0, 0.3, generator=g)
+    ids = [tok(p, add_special_tokens=False).input_ids for p in chat_prompts(tok, PROMPTS, False)]
+    return tok, lm, ids
+
+
+def hf_greedy(lm, tok, ids, n, eos, max_new_tokens):
+    """HF generate, each prompt repeated n times (--gen-mode repeat), greedy: completions up to the first EOS."""
+    d = Dist(0, 1, CPU)
+    texts = [tok.decode(p) for p in ids]
+    roll = common.generate(common.Policy(lm), tok, texts, n, eos, d, max_new_tokens=max_new_tokens,
+                           temperature=1.0, top_p=1.0, top_k=1, gen_batch_size=64, mode="repeat")
+    P = roll["n_prompt"]
+    comps = [row[P:][m.bool()].tolist() for row, m in zip(roll["input_ids"], roll["mask"])]
+    return comps, roll["truncated"].tolist()
+
+
+def run(lm, ids, n, eos, max_new_tokens, slots, **kw):
+    kw = {"temperature": 1.0, "top_k": 1, "top_p": 1.0, **kw}
+    return engine.generate(lm, ids, n, eos, max_new_tokens=max_new_tokens, slots=slots, device=CPU,
+                           dtype=torch.float32, **kw)
+
+
+def ragged_eos(lm, tok, ids):
+    """An EOS set that greedy decoding meets at different lengths in different rows: tokens that three rows write
+    at steps 1, 3 and 5 (some rows may meet them earlier, others run to the limit)."""
+    comps, _ = hf_greedy(lm, tok, ids, 1, [tok.eos_token_id], 8)
+    return sorted({comps[2][1], comps[0][3], comps[1][5], tok.eos_token_id})
+
+
+@pytest.mark.parametrize("n, slots", [(1, 1), (2, 2), (3, 3), (3, 7), (4, 64)])
+def test_greedy_tokens_equal_hf_generate(setup, n, slots):
+    """Ragged prompts, several group sizes, and pools too small for every row at once (rows wait and are
+    admitted as others finish): the same completions, ends and truncation flags as HF's `generate`."""
+    tok, lm, ids = setup
+    eos = ragged_eos(lm, tok, ids)
+    ref, truncated = hf_greedy(lm, tok, ids, n, eos, 8)
+    assert len({len(c) for c in ref}) > 1  # ragged completions: the case worth testing
+    comps, logps = run(lm, ids, n, eos, 8, slots, sync_every=3)
+    assert comps == ref
+    assert [c[-1] not in eos for c in comps] == truncated
+    assert [len(lp) for lp in logps] == [len(c) for c in comps]
+
+
+def test_logprobs_equal_policy_forward(setup):
+    """Sampled (temperature 0.7, no top-k/top-p): each token's log-prob equals Policy.forward's at the same
+    temperature to 1e-5 (the built-in model as it is initialised)."""
+    tok, _, ids = setup
+    seed_everything(0)
+    lm = common.tiny_model(tok).eval()
+    torch.manual_seed(3)
+    comps, logps = run(lm, ids, 3, [tok.eos_token_id], 10, 6, temperature=0.7, top_k=0)
+    policy = common.Policy(lm, temperature=0.7, chunk_tokens=16)
+    for b, (c, lp) in enumerate(zip(comps, logps)):
+        x = torch.tensor([ids[b // 3] + c])
+        want = policy(x, torch.ones_like(x), len(ids[b // 3]))[0]
+        torch.testing.assert_close(torch.tensor(lp), want.detach(), atol=1e-5, rtol=0)
+
+
+def small_config(kind: str, tied: bool, vocab: int):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tied)
+    if kind == "qwen3":
+        return Qwen3Config(head_dim=16, **kw)
+    if kind == "qwen2":
+        return Qwen2Config(**kw)  # q/k/v biases, no q/k-norm
+    return LlamaConfig(rope_scaling={"rope_type": "linear", "factor": 2.0}, **kw)  # rope_scaling kept exact
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_logits_equal_hf_forward(kind, tied):
+    """Prefill and then token-by-token decoding give the HF forward's logits at every position: a tied and an
+    untied head, with q/k-norm (Qwen3) and without (Qwen2 with q/k/v biases, Llama with linear rope scaling)."""
+    from transformers import AutoModelForCausalLM
+
+    seed_everything(1)
+    cfg = small_config(kind, tied, 97)
+    lm = AutoModelForCausalLM.from_config(cfg).eval()
+    for p in lm.parameters():  # biases and norms away from their init, so that they count
+        p.data.add_(0.02 * torch.randn_like(p))
+    assert engine.unsupported(lm.config) is None
+    x = torch.randint(0, 97, (2, 11))
+    with torch.no_grad():
+        want = lm(x).logits.float()
+    eng = engine.Engine(lm, 2, 11, CPU, torch.float32)
+    got = [eng.prefill([x[0, :5].tolist(), x[1, :5].tolist()], torch.tensor([0, 1]), 1)]
+    for t in range(5, 11):
+        got.append(eng.decode(x[:, t], torch.full((2,), t), t + 1))
+    torch.testing.assert_close(torch.stack(got[1:], 1), want[:, 5:], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(got[0], want[:, 4], atol=2e-5, rtol=1e-5)
+
+
+def test_unsupported_architectures_named():
+    from transformers import GPT2Config, Qwen2Config
+
+    assert "model_type 'gpt2'" in engine.unsupported(GPT2Config())
+    assert "sliding-window" in engine.unsupported(Qwen2Config(use_sliding_window=True, max_window_layers=0))
+
+
+def test_top_k_top_p_equal_transformers_warpers():
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(0)
+    for top_k, top_p in [(0, 0.9), (5, 1.0), (5, 0.5), (1, 0.3), (50, 0.99), (0, 0.01)]:
+        scores = torch.randn(16, 40, generator=g) * 3
+        scores[0, :4] = 2.5  # ties at the k-th value
+        want = scores
+        if top_k:
+            want = TopKLogitsWarper(top_k)(None, want)
+        if top_p < 1:
+            want = TopPLogitsWarper(top_p)(None, want)
+        got = engine.top_k_top_p(scores, top_k, top_p)
+        assert torch.equal(got.isinf(), want.isinf()), (top_k, top_p)
+        assert torch.equal(got[~got.isinf()], want[~want.isinf()])
+
+
+def test_sampled_frequencies_follow_the_softmax():
+    """Chi-square over 20,000 draws of one row at temperature 0.5: the frequencies are the temperature-scaled
+    softmax's (the test fails when the temperature is left out), and the returned log-prob is that softmax's."""
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    p = torch.softmax(logits / 0.5, -1)[0]
+    tokens, logp = engine.sample(logits.expand(20000, -1), 0.5, 0, 1.0)
+    counts = torch.bincount(tokens, minlength=6).double()
+    expected = 20000 * p.double()
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 20.5  # 5 degrees of freedom: p = 0.001
+    torch.testing.assert_close(logp, p.log()[tokens])
+
+
+def test_one_seed_one_run(setup):
+    tok, lm, ids = setup
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        runs.append(run(lm, ids, 3, [tok.eos_token_id], 6, 4, top_k=0, top_p=0.9))
+    assert runs[0] == runs[1]
+    torch.manual_seed(6)
+    assert run(lm, ids, 3, [tok.eos_token_id], 6, 4, top_k=0, top_p=0.9)[0] != runs[0][0]
+
+
+def test_every_request_once_groups_adjacent(setup, monkeypatch):
+    """Rows come back in prompt order, a group's rows adjacent; each prompt is prefilled exactly once; a group
+    is admitted while others still decode (4 slots, groups of 2, 5 prompts of ragged lengths)."""
+    tok, lm, ids = setup
+    prefilled = []
+    real = engine.Engine.prefill
+    monkeypatch.setattr(engine.Engine, "prefill",
+                        lambda self, prompts, slots, n: prefilled.extend(map(tuple, prompts)) or real(self, prompts,
+                                                                                                       slots, n))
+    eos = ragged_eos(lm, tok, ids)
+    stats = {}
+    comps, _ = run(lm, ids, 2, eos, 8, 4, sync_every=2, stats=stats)
+    assert sorted(prefilled) == sorted(map(tuple, ids)) and len(prefilled) == len(ids)
+    assert stats["prefills_while_decoding"] >= 1  # a finished group's slots were refilled while others decoded
+    ref, _ = hf_greedy(lm, tok, ids, 2, eos, 8)
+    assert comps == ref and len(comps) == 2 * len(ids)
+
+
+def test_engine_under_fsdp2_torchrun():
+    """World size 2, FSDP2: the gathered weights sample the plain model's tokens and log-probs with the same seed;
+    ranks that stop at different lengths meet at the next collective; the sharded policy trains on after; and
+    --gen-mode engine-tp (the layers split over the ranks) gives one process's greedy tokens."""
+    from test_train import torchrun
+
+    p = torchrun("tests/engine_fsdp.py")
+    assert p.returncode == 0 and p.stdout.count("engine FSDP2 OK") == 2, p.stdout[-2000:] + p.stderr[-4000:]
+    assert p.stdout.count("engine-tp OK") == 2, p.stdout[-2000:]  # tensor parallel: one process's greedy tokens
+
+
+@pytest.mark.parametrize("script", ["gspo", "grpo", "gspo_token", "dfpo"])
+def test_scripts_train_with_the_engine(script, monkeypatch, tmp_path):
+    """Every script runs its loop on the engine's rollouts and logs gen/logp_drift, the sampled log-probs against
+    the training forward's (fp32: float rounding only)."""
+    from test_train import run_script
+
+    rows, _ = run_script(script, ["--num-steps", "3", "--prompts-per-rank", "4", "--eval-every", "0", "--gen-mode",
+                                  "engine", "--max-new-tokens", "4"], monkeypatch, tmp_path)
+    drift = [r["gen/logp_drift"] for r in rows]
+    assert len(drift) == 3 and all(0 <= x < 1e-5 for x in drift), drift
+
+
+def test_an_architecture_the_engine_does_not_cover_falls_back_with_one_line(setup, monkeypatch, capsys):
+    tok, lm, ids = setup
+    monkeypatch.setattr(engine, "unsupported", lambda config: "model_type 'other' (the engine covers ...)")
+    monkeypatch.setattr(common, "_ENGINE_FALLBACK", [])
+    d = Dist(0, 1, CPU)
+    kw = dict(max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=1, gen_batch_size=8)
+    texts = [tok.decode(p) for p in ids]
+    got = [common.generate(common.Policy(lm), tok, texts, 2, [tok.eos_token_id], d, mode="engine", **kw)
+           for _ in range(2)]
+    want = common.generate(common.Policy(lm), tok, texts, 2, [tok.eos_token_id], d, mode="shared-prefill", **kw)
+    assert torch.equal(got[0]["input_ids"], want["input_ids"]) and "logp" not in got[0]
+    err = capsys.readouterr().err
+    assert err.count("--gen-mode engine does not cover model_type 'other'") == 1  # said once, not every step
+
+
+def test_engine_refuses_gen_unshard(monkeypatch, tmp_path):
+    from test_cli import fails_before_any_model
+
+    fails_before_any_model("gspo", ["--gen-mode", "engine", "--gen-unshard"], "drop --gen-unshard", monkeypatch,
+                           tmp_path)

@@ -163,24 +163,56 @@ def default_max_new_tokens(dataset: str) -> int:
     return 2 if dataset == "builtin" else 1024
 
 
+# Upper bounds of the integer flags past which a run would load the model and then crash (a tensor,
+# a KV cache or a seed too large) instead of failing here: far above any real run's values.
+MAX_SEED = 2**32 - 1  # numpy's seed range (torch's is 2**64 - 1, less the per-rank offsets)
+MAX_COMPLETIONS = 2**20  # completions a rank a step, held-out completions, rows a generate call
+MAX_NEW_TOKENS = 2**20  # beyond any model's context
+MAX_REWARD_TIMEOUT_S = 86400.0  # a day; past ~9e9 s select() overflows in the reward pool
+
+
+def check_float(flag: str, x: float, low: float, high: float = math.inf, *, low_open: bool = False,
+                high_open: bool = False, why: str = ""):
+    """--flag x is finite and lies in [low, high] (each end open if asked); written so that NaN
+    fails every comparison and is refused with the rest."""
+    ok = (math.isfinite(x) and (x > low if low_open else x >= low)
+          and (x < high if high_open else x <= high))
+    if not ok:
+        if high == math.inf:
+            rule = f"be {'>' if low_open else '>='} {low:g} and finite"
+        else:
+            rule = (f"lie in {'(' if low_open else '['}{low:g}, {high:g}"
+                    f"{')' if high_open else ']'}")
+        fail(f"--{flag} {x}: must {rule}{why}")
+
+
+def check_int(flag: str, n: int, low: int, high: int | None = None, why: str = ""):
+    """--flag n lies in [low, high] (no upper bound if high is None)."""
+    if not (n >= low and (high is None or n <= high)):
+        rule = f"be >= {low}" if high is None else f"lie in [{low}, {high}]"
+        fail(f"--{flag} {n}: must {rule}{why}")
+
+
 def check_common_args(args):
     """Bad input fails with one line before any heavy work. Reads args, never writes them: main()
     has filled in --learning-rate and --max-new-tokens already (default_learning_rate,
     default_max_new_tokens)."""
-    if args.group_size < 2:
-        fail(f"--group-size {args.group_size}: group-relative advantages need at least 2 "
-             "completions a prompt")
-    if args.max_new_tokens <= 0:
-        fail(f"--max-new-tokens {args.max_new_tokens}: must be > 0")
-    if args.clip_low <= 0 or args.clip_high <= 0:
-        fail(f"--clip-low {args.clip_low} / --clip-high {args.clip_high}: clip ranges must be > 0")
-    if args.prompts_per_rank < 1:
-        fail(f"--prompts-per-rank {args.prompts_per_rank}: must be >= 1")
+    check_int("seed", args.seed, 0, MAX_SEED, " (numpy's seed range)")
+    check_int("group-size", args.group_size, 2, MAX_COMPLETIONS,
+              " (group-relative advantages need at least 2 completions a prompt)")
+    check_int("max-new-tokens", args.max_new_tokens, 1, MAX_NEW_TOKENS)
+    check_float("clip-low", args.clip_low, 0, low_open=True)
+    check_float("clip-high", args.clip_high, 0, low_open=True)
+    check_int("prompts-per-rank", args.prompts_per_rank, 1, MAX_COMPLETIONS)
+    if args.prompts_per_rank * args.group_size > MAX_COMPLETIONS:
+        fail(f"--prompts-per-rank {args.prompts_per_rank} x --group-size {args.group_size} = "
+             f"{args.prompts_per_rank * args.group_size} completions a rank a step: must be at "
+             f"most {MAX_COMPLETIONS}")
     if args.num_minibatches < 1 or args.prompts_per_rank % args.num_minibatches:
         fail(f"--prompts-per-rank {args.prompts_per_rank} must be a multiple of --num-minibatches "
              f"{args.num_minibatches} (each minibatch holds whole groups)")
-    if not (math.isfinite(args.temperature) and args.temperature > 0):
-        fail(f"--temperature {args.temperature}: must be > 0 (RL samples from the policy)")
+    check_float("temperature", args.temperature, 0, low_open=True,
+                why=" (RL samples from the policy)")
     if args.num_steps < 1:
         fail(f"--num-steps {args.num_steps}: must be >= 1")
     if args.micro_batch_size < 0:
@@ -206,6 +238,14 @@ def check_common_args(args):
     if args.eval_n is not None and args.eval_n < args.eval_k or args.eval_k < 1:
         fail(f"--eval-n {args.eval_n} / --eval-k {args.eval_k}: pass@k needs n >= k >= 1 samples a "
              "prompt")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_int("eval-size", args.eval_size, max(1, world), MAX_COMPLETIONS,
+              f" (at least the world size {world}: every rank evaluates an equal share of the "
+              "held-out prompts)")
+    n_flag, n = ("eval-k", args.eval_k) if args.eval_n is None else ("eval-n", args.eval_n)
+    if args.eval_size * n > MAX_COMPLETIONS:
+        fail(f"--eval-size {args.eval_size} x --{n_flag} {n} = {args.eval_size * n} held-out "
+             f"completions: must be at most {MAX_COMPLETIONS}")
     resume_dir = os.path.basename(os.path.normpath(args.resume or ""))
     if args.resume not in (None, "auto") and not (os.path.isdir(args.resume)
                                                   and STEP_DIR.match(resume_dir)):
@@ -214,26 +254,22 @@ def check_common_args(args):
     if args.keep_checkpoints < 0 or args.save_every < 0:
         fail(f"--keep-checkpoints {args.keep_checkpoints} / --save-every {args.save_every}: must "
              "be >= 0")
-    if not 0 <= args.warmup_frac < 1 or not 0 <= args.min_lr_ratio <= 1:
-        fail(f"--warmup-frac {args.warmup_frac} must lie in [0, 1) and --min-lr-ratio "
-             f"{args.min_lr_ratio} in [0, 1]")
-    if not (math.isfinite(args.learning_rate) and args.learning_rate > 0):
-        fail(f"--learning-rate {args.learning_rate}: must be > 0")
-    if not 0 < args.top_p <= 1:
-        fail(f"--top-p {args.top_p}: must lie in (0, 1] (1 is off)")
+    check_float("warmup-frac", args.warmup_frac, 0, 1, high_open=True)
+    check_float("min-lr-ratio", args.min_lr_ratio, 0, 1)
+    check_float("learning-rate", args.learning_rate, 0, low_open=True)
+    check_float("top-p", args.top_p, 0, 1, low_open=True, why=" (1 is off)")
     if args.top_k < 0:
         fail(f"--top-k {args.top_k}: must be >= 0 (0 is off)")
-    if args.gen_batch_size < 1:
-        fail(f"--gen-batch-size {args.gen_batch_size}: must be >= 1 completions a generate call")
+    check_int("gen-batch-size", args.gen_batch_size, 1, MAX_COMPLETIONS,
+              " (completions a generate call)")
     if args.logprob_chunk_tokens < 1:
         fail(f"--logprob-chunk-tokens {args.logprob_chunk_tokens}: must be >= 1")
-    if not args.weight_decay >= 0 or not args.max_grad_norm > 0:
-        fail(f"--weight-decay {args.weight_decay} must be >= 0 and --max-grad-norm "
-             f"{args.max_grad_norm} > 0")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.eval_size < max(1, world):
-        fail(f"--eval-size {args.eval_size}: must be >= 1 and at least the world size {world} "
-             "(every rank evaluates an equal share of the held-out prompts)")
+    check_float("weight-decay", args.weight_decay, 0)
+    check_float("max-grad-norm", args.max_grad_norm, 0, low_open=True)
+    # grader.load_reward refuses <= 0 too; here also NaN, inf and past what select() takes
+    if not (0 < args.reward_timeout <= MAX_REWARD_TIMEOUT_S):
+        fail(f"--reward-timeout {args.reward_timeout}: must be > 0 seconds and at most "
+             f"{MAX_REWARD_TIMEOUT_S:g} (a day)")
     if args.eval_every < 0:
         fail(f"--eval-every {args.eval_every}: must be >= 0 (0: never)")
     check_dataset(args.dataset, args.data_files)

@@ -202,8 +202,9 @@ def main():
     # TRY NOT TO MODIFY: set-up (bad input fails here, before any model is built)
     check_common_args(args)
     reward = load_reward(args.reward, args.reward_timeout)  # a bad --reward fails here too
-    if args.orth_floor <= 0:
-        fail(f"--orth-floor {args.orth_floor}: must be > 0 (eq. 52 keeps every weight positive)")
+    if not 0 < args.orth_floor < float("inf"):  # NaN fails it too
+        fail(f"--orth-floor {args.orth_floor}: must be > 0 and finite (eq. 52 keeps every weight "
+             "positive)")
     if args.length_aware and args.transform in ("scale", "none"):
         fail(f"--length-aware makes a cancelling transform exact at any lengths: --transform "
              f"{args.transform} does not cancel; use min-replace, orth-proj or orth-proj-qp")

@@ -142,8 +142,9 @@ def main():
     # TRY NOT TO MODIFY: set-up (bad input fails here, before any model is built)
     check_common_args(args)
     reward = load_reward(args.reward, args.reward_timeout)  # a bad --reward fails here too
-    if not args.kl_coef >= 0:
-        fail(f"--kl-coef {args.kl_coef}: must be >= 0 (0: no KL penalty and no reference model)")
+    if not 0 <= args.kl_coef < float("inf"):  # NaN fails it too
+        fail(f"--kl-coef {args.kl_coef}: must be >= 0 and finite (0: no KL penalty and no "
+             "reference model)")
     dist_env = setup_distributed(args.seed)
     check_model(args.model, args.trust_remote_code)
     script = os.path.basename(__file__)

@@ -156,9 +156,9 @@ def main():
     # TRY NOT TO MODIFY: set-up (bad input fails here, before any model is built)
     check_common_args(args)
     reward = load_reward(args.reward, args.reward_timeout)  # a bad --reward fails here too
-    if args.post_answer_penalty < 0:
-        fail(f"--post-answer-penalty {args.post_answer_penalty}: must be >= 0 (a negative one "
-             "rewards text after the answer)")
+    if not 0 <= args.post_answer_penalty < float("inf"):  # NaN fails it too
+        fail(f"--post-answer-penalty {args.post_answer_penalty}: must be >= 0 and finite (a "
+             "negative one rewards text after the answer)")
     dist_env = setup_distributed(args.seed)
     check_model(args.model, args.trust_remote_code)
     script = os.path.basename(__file__)

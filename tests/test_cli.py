@@ -30,13 +30,13 @@ def bad_dataset(tmp_path):
 @pytest.mark.parametrize("argv, needle", [
     (["--model", "./no/such/model"], "--model './no/such/model': no such folder"),
     (["--group-size", "1"], "--group-size 1"),
-    (["--clip-low", "0"], "clip ranges must be > 0"),
-    (["--clip-high", "-0.1"], "clip ranges must be > 0"),
+    (["--clip-low", "0"], "--clip-low 0.0: must be > 0 and finite"),
+    (["--clip-high", "-0.1"], "--clip-high -0.1: must be > 0 and finite"),
     (["--max-new-tokens", "0"], "--max-new-tokens 0"),
     (["--prompts-per-rank", "6"], "multiple of --num-minibatches"),
     (["--dataset", "nosuchset"], "unknown"),
     (["--dataset", "BAD"], "has no column(s) ['prompt', 'answer']"),
-    (["--warmup-frac", "1.5"], "--warmup-frac 1.5 must lie in [0, 1)"),
+    (["--warmup-frac", "1.5"], "--warmup-frac 1.5: must lie in [0, 1)"),
     (["--max-prompt-tokens", "5"], "no usable rows (dropped 0 without an answer, 4160 over --max-prompt-tokens 5)"),
     (["--max-nonfinite", "0"], "--max-nonfinite 0: must be >= 1"),
 ])
@@ -46,12 +46,12 @@ def test_bad_input_fails_before_any_model(script, argv, needle, monkeypatch, tmp
 
 BAD_FLAGS = [  # every one fails in check_common_args: before the tokenizer, the data, the model and the run folder
     (["--top-k", "-5"], "--top-k -5: must be >= 0 (0 is off)"),
-    (["--gen-batch-size", "0"], "--gen-batch-size 0: must be >= 1"),
+    (["--gen-batch-size", "0"], "--gen-batch-size 0: must lie in [1, 1048576]"),
     (["--logprob-chunk-tokens", "0"], "--logprob-chunk-tokens 0: must be >= 1"),
-    (["--prompts-per-rank", "0"], "--prompts-per-rank 0: must be >= 1"),
+    (["--prompts-per-rank", "0"], "--prompts-per-rank 0: must lie in [1, 1048576]"),
     (["--learning-rate", "-1e-3"], "--learning-rate -0.001: must be > 0"),
     (["--learning-rate", "0"], "--learning-rate 0.0: must be > 0"),
-    (["--eval-size", "0"], "--eval-size 0: must be >= 1"),
+    (["--eval-size", "0"], "--eval-size 0: must lie in [1, 1048576]"),
     (["--top-p", "0"], "--top-p 0.0: must lie in (0, 1]"),
     (["--top-p", "2"], "--top-p 2.0: must lie in (0, 1]"),
     (["--output-dir", "FILE"], "afile: is a file, not a folder"),
@@ -60,6 +60,42 @@ BAD_FLAGS = [  # every one fails in check_common_args: before the tokenizer, the
     (["--exp-name", "../../x"], "--exp-name '../../x': must be one folder name"),
     (["--dataset", "nosuchset"], "--dataset 'nosuchset': unknown"),
     (["--data-files", "x.jsonl"], "--dataset builtin would ignore it: drop it"),
+    # non-finite and out-of-range floats (issue 27): each would load the model, then skip every update or crash
+    (["--clip-low", "nan"], "--clip-low nan: must be > 0 and finite"),
+    (["--clip-high", "nan"], "--clip-high nan: must be > 0 and finite"),
+    (["--clip-high", "inf"], "--clip-high inf: must be > 0 and finite"),
+    (["--temperature", "nan"], "--temperature nan: must be > 0 and finite"),
+    (["--temperature", "inf"], "--temperature inf: must be > 0 and finite"),
+    (["--learning-rate", "nan"], "--learning-rate nan: must be > 0 and finite"),
+    (["--learning-rate", "inf"], "--learning-rate inf: must be > 0 and finite"),
+    (["--top-p", "nan"], "--top-p nan: must lie in (0, 1]"),
+    (["--weight-decay", "nan"], "--weight-decay nan: must be >= 0 and finite"),
+    (["--weight-decay", "inf"], "--weight-decay inf: must be >= 0 and finite"),
+    (["--weight-decay", "-0.1"], "--weight-decay -0.1: must be >= 0 and finite"),
+    (["--max-grad-norm", "nan"], "--max-grad-norm nan: must be > 0 and finite"),
+    (["--max-grad-norm", "inf"], "--max-grad-norm inf: must be > 0 and finite"),
+    (["--max-grad-norm", "0"], "--max-grad-norm 0.0: must be > 0 and finite"),
+    (["--warmup-frac", "nan"], "--warmup-frac nan: must lie in [0, 1)"),
+    (["--min-lr-ratio", "nan"], "--min-lr-ratio nan: must lie in [0, 1]"),
+    (["--min-lr-ratio", "-0.5"], "--min-lr-ratio -0.5: must lie in [0, 1]"),
+    (["--reward-timeout", "nan"], "--reward-timeout nan: must be > 0 seconds and at most 86400"),
+    (["--reward-timeout", "inf"], "--reward-timeout inf: must be > 0 seconds and at most 86400"),
+    (["--reward-timeout", "1e10"], "--reward-timeout 10000000000.0: must be > 0 seconds and at most 86400"),
+    (["--reward-timeout", "0"], "--reward-timeout 0.0: must be > 0 seconds and at most 86400"),
+    (["--reward-timeout", "-1"], "--reward-timeout -1.0: must be > 0 seconds and at most 86400"),
+    # integers past what seeding, generation or evaluation can take (issue 27): tracebacks after the model loaded
+    (["--seed", "99999999999999999999"], "--seed 99999999999999999999: must lie in [0, 4294967295]"),
+    (["--seed", "-1"], "--seed -1: must lie in [0, 4294967295]"),
+    (["--group-size", "1000000000000"], "--group-size 1000000000000: must lie in [2, 1048576]"),
+    (["--prompts-per-rank", "1048576", "--group-size", "2"],
+     "--prompts-per-rank 1048576 x --group-size 2 = 2097152 completions a rank a step: must be at most 1048576"),
+    (["--max-new-tokens", "1000000000000"], "--max-new-tokens 1000000000000: must lie in [1, 1048576]"),
+    (["--gen-batch-size", "1000000000000"], "--gen-batch-size 1000000000000: must lie in [1, 1048576]"),
+    (["--eval-size", "1000000000000"], "--eval-size 1000000000000: must lie in [1, 1048576]"),
+    (["--eval-k", "1000000000000"],
+     "--eval-size 64 x --eval-k 1000000000000 = 64000000000000 held-out completions: must be at most 1048576"),
+    (["--eval-size", "1024", "--eval-n", "2048"],
+     "--eval-size 1024 x --eval-n 2048 = 2097152 held-out completions: must be at most 1048576"),
 ]
 
 
@@ -75,14 +111,20 @@ def test_bad_flag_fails_before_tokenizer_data_and_model(script, argv, needle, mo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # nothing written, inside or outside
 
 
-def test_grpo_kl_coef(monkeypatch, tmp_path):
-    fails_before_any_model("grpo", ["--kl-coef", "-1"], "--kl-coef -1.0: must be >= 0", monkeypatch, tmp_path)
+@pytest.mark.parametrize("value, shown", [("-1", "-1.0"), ("nan", "nan"), ("inf", "inf")])
+def test_grpo_kl_coef(value, shown, monkeypatch, tmp_path):
+    fails_before_any_model("grpo", ["--kl-coef", value], f"--kl-coef {shown}: must be >= 0 and finite", monkeypatch,
+                           tmp_path)
 
 
 @pytest.mark.parametrize("script, argv, needle", [
-    ("dfpo", ["--orth-floor", "0"], "--orth-floor 0.0: must be > 0"),
+    ("dfpo", ["--orth-floor", "0"], "--orth-floor 0.0: must be > 0 and finite"),
+    ("dfpo", ["--orth-floor", "nan"], "--orth-floor nan: must be > 0 and finite"),
+    ("dfpo", ["--orth-floor", "inf"], "--orth-floor inf: must be > 0 and finite"),
     ("dfpo", ["--transform", "nope"], None),  # tyro's own choice check: exit code 2 with the choices listed
-    ("gspo_token", ["--post-answer-penalty", "-1"], "--post-answer-penalty -1.0: must be >= 0"),
+    ("gspo_token", ["--post-answer-penalty", "-1"], "--post-answer-penalty -1.0: must be >= 0 and finite"),
+    ("gspo_token", ["--post-answer-penalty", "nan"], "--post-answer-penalty nan: must be >= 0 and finite"),
+    ("gspo_token", ["--post-answer-penalty", "inf"], "--post-answer-penalty inf: must be >= 0 and finite"),
 ])
 def test_bad_algorithm_args(script, argv, needle, monkeypatch, tmp_path):
     fails_before_any_model(script, argv, needle, monkeypatch, tmp_path)

@@ -310,11 +310,11 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
 
     def retire():
         nonlocal reach
-        running, counts = live.tolist(), count.tolist()  # the host sync
+        running, made = live.tolist(), count.tolist()  # the host sync
         for s in range(slots):
             if row_of[s] >= 0 and not running[s]:
-                completions[row_of[s]] = out[s, :counts[s]].tolist()
-                logps[row_of[s]] = out_logp[s, :counts[s]].tolist()
+                completions[row_of[s]] = out[s, :made[s]].tolist()
+                logps[row_of[s]] = out_logp[s, :made[s]].tolist()
                 row_of[s] = -1
                 positions[s] = 0
         reach = int(positions.max()) + 1

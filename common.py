@@ -543,7 +543,8 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
         roll = rollout(ids.repeat_interleave(n, 0), am.repeat_interleave(n, 0), comp, tok, eos)
         roll["logp"] = torch.tensor([lp + [0.0] * (T - len(lp)) for lp in logps], device=d.device)
         return roll
-    shared = mode in ("shared-prefill", "engine")  # engine: HF's path for a model it does not cover
+    # engine, engine-tp: HF shared-prefill for a model the engine does not cover
+    shared = mode in ("shared-prefill", "engine", "engine-tp")
     # one-token prompts: a pad column, so that the prefilled prefix is not empty
     if shared and ids.shape[1] < 2:
         ids, am = F.pad(ids, (1, 0), value=tok.pad_token_id), F.pad(am, (1, 0), value=0)

@@ -30,7 +30,8 @@ from tqdm import tqdm
 
 from checkpoint import (catch_stop_signals, claim_run_dir, cleanup, resume_state, run_paths,
                         save_checkpoint, stop_requested)
-from cli import CommonArgs, check_common_args, default_learning_rate, default_max_new_tokens
+from cli import (CommonArgs, check_common_args, check_float, default_learning_rate,
+                 default_max_new_tokens)
 from common import (Logger, all_finite, check_model, eos_ids, eval_report, eval_summary, evaluate,
                     generate, group_advantages, group_metrics, jitter2, load_model, load_tokenizer,
                     log_samples, logp_drift, lr_scheduler, micro_batches, minibatches,
@@ -202,9 +203,8 @@ def main():
     # TRY NOT TO MODIFY: set-up (bad input fails here, before any model is built)
     check_common_args(args)
     reward = load_reward(args.reward, args.reward_timeout)  # a bad --reward fails here too
-    if not 0 < args.orth_floor < float("inf"):  # NaN fails it too
-        fail(f"--orth-floor {args.orth_floor}: must be > 0 and finite (eq. 52 keeps every weight "
-             "positive)")
+    check_float("orth-floor", args.orth_floor, 0, low_open=True,
+                why=" (eq. 52 keeps every weight positive)")
     if args.length_aware and args.transform in ("scale", "none"):
         fail(f"--length-aware makes a cancelling transform exact at any lengths: --transform "
              f"{args.transform} does not cancel; use min-replace, orth-proj or orth-proj-qp")

@@ -25,7 +25,8 @@ from tqdm import tqdm
 
 from checkpoint import (catch_stop_signals, claim_run_dir, cleanup, resume_state, run_paths,
                         save_checkpoint, stop_requested)
-from cli import CommonArgs, check_common_args, default_learning_rate, default_max_new_tokens
+from cli import (CommonArgs, check_common_args, check_float, default_learning_rate,
+                 default_max_new_tokens)
 from common import (Logger, all_finite, check_model, eos_ids, eval_report, eval_summary, evaluate,
                     generate, group_advantages, group_metrics, jitter2, load_model, load_tokenizer,
                     log_samples, logp_drift, lr_scheduler, micro_batches, minibatches,
@@ -142,9 +143,7 @@ def main():
     # TRY NOT TO MODIFY: set-up (bad input fails here, before any model is built)
     check_common_args(args)
     reward = load_reward(args.reward, args.reward_timeout)  # a bad --reward fails here too
-    if not 0 <= args.kl_coef < float("inf"):  # NaN fails it too
-        fail(f"--kl-coef {args.kl_coef}: must be >= 0 and finite (0: no KL penalty and no "
-             "reference model)")
+    check_float("kl-coef", args.kl_coef, 0, why=" (0: no KL penalty and no reference model)")
     dist_env = setup_distributed(args.seed)
     check_model(args.model, args.trust_remote_code)
     script = os.path.basename(__file__)

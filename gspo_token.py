@@ -26,7 +26,8 @@ from tqdm import tqdm
 
 from checkpoint import (catch_stop_signals, claim_run_dir, cleanup, resume_state, run_paths,
                         save_checkpoint, stop_requested)
-from cli import CommonArgs, check_common_args, default_learning_rate, default_max_new_tokens
+from cli import (CommonArgs, check_common_args, check_float, default_learning_rate,
+                 default_max_new_tokens)
 from common import (Logger, all_finite, check_model, eos_ids, eval_report, eval_summary, evaluate,
                     generate, group_advantages, group_metrics, jitter2, load_model, load_tokenizer,
                     log_samples, logp_drift, lr_scheduler, micro_batches, minibatches,
@@ -156,9 +157,8 @@ def main():
     # TRY NOT TO MODIFY: set-up (bad input fails here, before any model is built)
     check_common_args(args)
     reward = load_reward(args.reward, args.reward_timeout)  # a bad --reward fails here too
-    if not 0 <= args.post_answer_penalty < float("inf"):  # NaN fails it too
-        fail(f"--post-answer-penalty {args.post_answer_penalty}: must be >= 0 and finite (a "
-             "negative one rewards text after the answer)")
+    check_float("post-answer-penalty", args.post_answer_penalty, 0,
+                why=" (a negative one rewards text after the answer)")
     dist_env = setup_distributed(args.seed)
     check_model(args.model, args.trust_remote_code)
     script = os.path.basename(__file__)

@@ -60,27 +60,33 @@ def tiny_tokenizer():
     )
 
 
-def tiny_model(tok):
-    """A randomly initialised Qwen3-architecture model sized for CPU (tied embeddings, as small
-    Qwen3s)."""
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+def tiny_config(tok):
+    """The config of `--model tiny`: a Qwen3 sized for CPU (tied embeddings, as small Qwen3s)."""
+    from transformers import Qwen3Config
 
-    cfg = Qwen3Config(
+    return Qwen3Config(
         vocab_size=len(tok), hidden_size=128, intermediate_size=384, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
         tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
         bos_token_id=None,
     )
-    lm = Qwen3ForCausalLM(cfg)
+
+
+def tiny_model(tok):
+    """A randomly initialised Qwen3-architecture model of tiny_config."""
+    from transformers import GenerationConfig, Qwen3ForCausalLM
+
+    lm = Qwen3ForCausalLM(tiny_config(tok))
     lm.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id,
                                             pad_token_id=tok.pad_token_id)
     return lm
 
 
-def check_model(name: str, trust_remote_code: bool):
-    """Fail fast, before any weights are read: 'tiny', a local folder with a config, or a hub id."""
+def check_model(name: str, trust_remote_code: bool, gen_mode: str = "shared-prefill"):
+    """Fail fast, before any weights are read: 'tiny', a local folder with a config, or a hub id;
+    and for --gen-mode engine / engine-tp, what the config alone tells (check_engine)."""
     if name == "tiny":
-        return
+        return check_engine(tiny_config(tiny_tokenizer()), gen_mode)
     looks_local = name.startswith((".", "/", "~")) or os.path.exists(name) or name.count("/") != 1
     if looks_local and not os.path.isdir(os.path.expanduser(name)):
         fail(f"--model {name!r}: no such folder (give 'tiny', a local model folder, or a hub id "
@@ -88,10 +94,27 @@ def check_model(name: str, trust_remote_code: bool):
     from transformers import AutoConfig
 
     try:
-        AutoConfig.from_pretrained(os.path.expanduser(name), trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(os.path.expanduser(name),
+                                            trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - any failure here means the same thing to the user
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         fail(f"--model {name!r}: cannot read its config ({first})")
+    check_engine(config, gen_mode)
+
+
+def check_engine(config, gen_mode: str):
+    """--gen-mode engine / engine-tp, before the model is built: an architecture the engine does
+    not cover is said in one line (HF generate runs instead, engine_covers); heads that do not split
+    over the processes fail in one line."""
+    if gen_mode not in ("engine", "engine-tp") or not engine_covers(
+            config, main=int(os.environ.get("RANK", "0")) == 0):
+        return
+    import engine
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if gen_mode == "engine-tp" and (why := engine.tensor_parallel_fits(config, world)):
+        fail(f"--gen-mode engine-tp: {why}; use --gen-mode engine, or a number of processes that "
+             "divides them")
 
 
 def load_tokenizer(name: str, trust_remote_code: bool):
@@ -513,7 +536,7 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
         raise ValueError(f"unknown generation mode {mode!r} ({', '.join(GEN_MODES)})")
     enc = tok(list(prompts), padding=True, return_tensors="pt", add_special_tokens=False)
     ids, am = enc.input_ids.to(d.device), enc.attention_mask.to(d.device)
-    if mode in ("engine", "engine-tp") and engine_covers(policy.lm.config, d):
+    if mode in ("engine", "engine-tp") and engine_covers(policy.lm.config, d.main):
         import engine
 
         mine = [row[m.bool()].tolist() for row, m in zip(ids, am)]  # this rank's prompts, unpadded
@@ -527,13 +550,17 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
             dist.all_gather_object(everyone, mine)
             seed = all_reduce(torch.randint(2 ** 62, (1,)) * d.main)  # rank 0's draw
             generator = torch.Generator(d.device).manual_seed(int(seed))
-        completions, logps = engine.generate(
-            policy.lm, sum(everyone, []), n, eos, max_new_tokens=max_new_tokens,
-            temperature=temperature, top_k=top_k, top_p=top_p,
-            slots=tp * max(n, gen_batch_size // n * n), device=d.device,
-            dtype=getattr(policy, "compute_dtype", None) or (
-                torch.bfloat16 if d.device.type == "cuda" else torch.float32),
-            rank=d.rank if tp > 1 else 0, world=tp, generator=generator)
+        try:
+            completions, logps = engine.generate(
+                policy.lm, sum(everyone, []), n, eos, max_new_tokens=max_new_tokens,
+                temperature=temperature, top_k=top_k, top_p=top_p,
+                slots=tp * max(n, gen_batch_size // n * n), device=d.device,
+                dtype=getattr(policy, "compute_dtype", None) or (
+                    torch.bfloat16 if d.device.type == "cuda" else torch.float32),
+                rank=d.rank if tp > 1 else 0, world=tp, generator=generator)
+        except MemoryError as e:  # said before anything is allocated (engine.check_memory)
+            fail(f"--gen-mode {mode}: {e}; lower --gen-batch-size (now {gen_batch_size}) or "
+                 f"--max-new-tokens (now {max_new_tokens})")
         first = sum(len(p) for p in everyone[:d.rank]) * n if tp > 1 else 0  # this rank's rows
         completions = completions[first:first + len(mine) * n]
         logps = logps[first:first + len(mine) * n]
@@ -590,15 +617,15 @@ def rollout(ids, am, comp, tok, eos: list[int]) -> dict:
 _ENGINE_FALLBACK = []  # the one line saying why HF generate runs in the engine's place, said once
 
 
-def engine_covers(config, d: Dist) -> bool:
-    """--gen-mode engine: True when engine.py covers this architecture; else one line (once) that
-    HF generate (shared-prefill) runs instead."""
+def engine_covers(config, main: bool) -> bool:
+    """--gen-mode engine: True when engine.py covers this architecture; else one line (once, from
+    the main process) that HF generate (shared-prefill) runs instead."""
     import engine
 
     why = engine.unsupported(config)
     if why and not _ENGINE_FALLBACK:
         _ENGINE_FALLBACK.append(why)
-        if d.main:
+        if main:
             print(f"--gen-mode engine does not cover {why}: generating with HF generate "
                   "(shared-prefill) instead", file=sys.stderr)
     return why is None

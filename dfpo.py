@@ -212,7 +212,7 @@ def main():
         fail(f"--no-stop-grad differentiates through each group's transform: --micro-batch-size "
              f"{args.micro_batch_size} must be a multiple of --group-size {args.group_size} (or 0)")
     dist_env = setup_distributed(args.seed)
-    check_model(args.model, args.trust_remote_code)
+    check_model(args.model, args.trust_remote_code, args.gen_mode)
     script = os.path.basename(__file__)
     run_dir, ckpt = run_paths(args, dist_env, script)  # a fresh run, or the checkpoint to resume
     tok = load_tokenizer(args.model, args.trust_remote_code)

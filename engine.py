@@ -110,6 +110,29 @@ def tensor_parallel_fits(config, world: int) -> str | None:
     return None
 
 
+def memory_needed(lm, slots: int, max_len: int, dtype, world: int = 1) -> tuple[int, int]:
+    """Bytes the engine allocates on its device: (the KV cache of `slots` rows of `max_len`
+    positions, the weight copy). The copy is counted whole: an upper bound, since unsharded weights
+    already in `dtype` on the device are read in place (all but the fused q/k/v and gate/up)."""
+    cfg, size = lm.config, torch.empty(0, dtype=dtype).element_size()
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv = 2 * cfg.num_hidden_layers * slots * cfg.num_key_value_heads // world * max_len * head_dim
+    return kv * size, sum(p.numel() for p in lm.parameters()) // world * size
+
+
+def check_memory(lm, slots: int, max_len: int, device, dtype, world: int = 1) -> str | None:
+    """Why the engine's cache and weights cannot fit the GPU's free memory (one line), or None."""
+    if torch.device(device).type != "cuda":
+        return None
+    kv, weights = memory_needed(lm, slots, max_len, dtype, world)
+    free = torch.cuda.mem_get_info(device)[0]
+    if kv + weights <= free:
+        return None
+    gib = 2 ** 30
+    return (f"the KV cache of {slots} rows x {max_len} positions ({kv / gib:.1f} GiB) and the "
+            f"weight copy ({weights / gib:.1f} GiB) exceed the {free / gib:.1f} GiB free on the GPU")
+
+
 # -------------------- the forward: Qwen3 / Qwen2 / Llama decoder layers
 def rms_norm(x, weight, eps: float):
     """As the models' RMSNorm: normalised in float32, cast back, then scaled."""
@@ -272,6 +295,8 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
     if slots < n:
         raise ValueError(f"{slots} slots cannot hold a group of {n}")
     max_len = max(len(p) for p in prompts) + max_new_tokens
+    if why := check_memory(lm, slots, max_len, device, dtype, world):
+        raise MemoryError(why)
     engine = Engine(lm, slots, max_len, device, dtype, rank, world)
     eos_t = torch.tensor(eos, device=device)
     tokens = torch.zeros(slots, dtype=torch.long, device=device)  # each slot's last token

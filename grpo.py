@@ -145,7 +145,7 @@ def main():
     reward = load_reward(args.reward, args.reward_timeout)  # a bad --reward fails here too
     check_float("kl-coef", args.kl_coef, 0, why=" (0: no KL penalty and no reference model)")
     dist_env = setup_distributed(args.seed)
-    check_model(args.model, args.trust_remote_code)
+    check_model(args.model, args.trust_remote_code, args.gen_mode)
     script = os.path.basename(__file__)
     run_dir, ckpt = run_paths(args, dist_env, script)  # a fresh run, or the checkpoint to resume
     tok = load_tokenizer(args.model, args.trust_remote_code)

@@ -160,7 +160,7 @@ def main():
     check_float("post-answer-penalty", args.post_answer_penalty, 0,
                 why=" (a negative one rewards text after the answer)")
     dist_env = setup_distributed(args.seed)
-    check_model(args.model, args.trust_remote_code)
+    check_model(args.model, args.trust_remote_code, args.gen_mode)
     script = os.path.basename(__file__)
     run_dir, ckpt = run_paths(args, dist_env, script)  # a fresh run, or the checkpoint to resume
     tok = load_tokenizer(args.model, args.trust_remote_code)

@@ -228,3 +228,49 @@ def test_engine_refuses_gen_unshard(monkeypatch, tmp_path):
 
     fails_before_any_model("gspo", ["--gen-mode", "engine", "--gen-unshard"], "drop --gen-unshard", monkeypatch,
                            tmp_path)
+
+
+def test_engine_tp_heads_that_do_not_split_fail_before_any_model(monkeypatch, tmp_path):
+    """The tiny model's 4 heads and 2 KV heads do not split over 3 processes: one line from the config alone, before
+    any weights are built (not at the first rollout)."""
+    import importlib
+
+    from test_cli import fails_before_any_model
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    for script in ("gspo", "grpo"):
+        monkeypatch.setattr(importlib.import_module(script), "setup_distributed", lambda seed: Dist(0, 1, CPU))
+        fails_before_any_model(script, ["--gen-mode", "engine-tp"], "do not split evenly over 3 ranks", monkeypatch,
+                               tmp_path)
+
+
+def test_check_model_says_the_fallback_before_the_model_is_built(monkeypatch, capsys):
+    """An architecture the engine does not cover: the one line comes at check_model (config only), once."""
+    monkeypatch.setattr(engine, "unsupported", lambda config: "model_type 'other' (the engine covers ...)")
+    monkeypatch.setattr(common, "_ENGINE_FALLBACK", [])
+    common.check_model("tiny", False, "engine")
+    common.check_model("tiny", False, "engine")
+    common.check_model("tiny", False, "shared-prefill")
+    assert capsys.readouterr().err.count("--gen-mode engine does not cover model_type 'other'") == 1
+
+
+def test_memory_needed_and_a_pool_the_gpu_cannot_hold(setup, monkeypatch):
+    """The KV cache is layers x k/v x rows x KV heads x positions x head_dim elements; with less free GPU memory
+    than cache + weights, one line naming --gen-batch-size before anything is allocated."""
+    tok, lm, ids = setup
+    kv, weights = engine.memory_needed(lm, 8, 100, torch.float32)
+    assert kv == 2 * 2 * 8 * 2 * 100 * 32 * 4  # tiny: 2 layers, 2 KV heads, head_dim 32, fp32
+    assert weights == 4 * sum(p.numel() for p in lm.parameters())
+    assert engine.memory_needed(lm, 8, 100, torch.bfloat16, world=2) == (kv // 4, weights // 4)
+    assert engine.check_memory(lm, 8, 100, CPU, torch.float32) is None  # host memory: not checked
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (kv + weights - 1, 2 ** 40))
+    why = engine.check_memory(lm, 8, 100, "cuda", torch.float32)
+    assert why.startswith("the KV cache of 8 rows x 100 positions") and "free on the GPU" in why
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (kv + weights, 2 ** 40))
+    assert engine.check_memory(lm, 8, 100, "cuda", torch.float32) is None
+    monkeypatch.setattr(engine, "check_memory", lambda *a: "the KV cache of ... exceed the 1.0 GiB free on the GPU")
+    with pytest.raises(SystemExit) as e:
+        common.generate(common.Policy(lm), tok, [tok.decode(ids[0])], 2, [tok.eos_token_id], Dist(0, 1, CPU),
+                        max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=8, mode="engine")
+    msg = str(e.value.code)
+    assert "\n" not in msg and "lower --gen-batch-size (now 8) or --max-new-tokens (now 5)" in msg, msg

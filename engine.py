@@ -130,7 +130,8 @@ def check_memory(lm, slots: int, max_len: int, device, dtype, world: int = 1) ->
         return None
     gib = 2 ** 30
     return (f"the KV cache of {slots} rows x {max_len} positions ({kv / gib:.1f} GiB) and the "
-            f"weight copy ({weights / gib:.1f} GiB) exceed the {free / gib:.1f} GiB free on the GPU")
+            f"weight copy ({weights / gib:.1f} GiB) exceed the {free / gib:.1f} GiB free on the "
+            "GPU")
 
 
 # -------------------- the forward: Qwen3 / Qwen2 / Llama decoder layers

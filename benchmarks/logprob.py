@@ -1,6 +1,6 @@
 """Completion log-probs on CPU: peak extra memory and time of
 
-    chunked  common.chunked_logprobs: the LM head on --chunk rows at a time, each chunk recomputed in backward
+    chunked  logprobs.chunked_logprobs: the LM head on --chunk rows at a time, each chunk recomputed in backward
     naive    log_softmax(h W^T).gather(target): the [N, V] logits and log-softmax are materialised
     trl      F.linear then TRL's selective_log_softmax (trl.trainer.utils): gather minus a per-row logsumexp
              loop; it still takes the [B, T, V] logits as input (pip install -r benchmarks/requirements.txt)
@@ -50,7 +50,7 @@ def measure(method: str, tokens: int, vocab: int, hidden: int, chunk: int, repea
     import torch.nn.functional as F
 
     sys.path.insert(0, ROOT)
-    from common import chunked_logprobs
+    from logprobs import chunked_logprobs
 
     torch.manual_seed(0)
     B = 8 if tokens % 8 == 0 else 1

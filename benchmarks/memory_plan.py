@@ -13,7 +13,7 @@ What is counted (bytes; P parameters, L layers, H hidden, I intermediate, V voca
   for the whole forward and backward.
 - activations, decoder layers checkpointed: each layer keeps its bf16 input (2 H a token); the layer being
   recomputed holds about 2 (6 H + 4 I) bytes a token (q, k, v, o, MLP gate/up/product).
-- log-probs: one chunk of --logprob-chunk-tokens x V logits in bf16 and two fp32 buffers (common.chunked_logprobs).
+- log-probs: one chunk of --logprob-chunk-tokens x V logits in bf16 and two fp32 buffers (logprobs.chunked_logprobs).
 - KV cache while generating: 2 (k, v) x L x kv_heads x head_dim x 2 bytes a token, for --gen-batch-size sequences.
 - --gen-unshard: the whole model in bf16 (2 P) while generating.
 - --gen-mode engine: its own copy of the whole model in the compute dtype (2 P: each weight's full tensor, q/k/v

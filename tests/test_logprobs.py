@@ -1,4 +1,4 @@
-"""Chunked log-probs and entropy (common.chunked_logprobs): equal to log_softmax + gather, value and gradient, and
+"""Chunked log-probs and entropy (logprobs.chunked_logprobs): equal to log_softmax + gather, value and gradient, and
 their extra memory does not grow with the number of tokens times the vocabulary."""
 import json
 import subprocess
@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import common
 import distributed
+import logprobs
 from conftest import ROOT
 
 
@@ -82,7 +83,7 @@ def test_chunked_equals_naive_value_and_gradient(dtype, rtol, chunk, bias, tempe
     g_logp, g_ent = torch.randn(N, generator=g, dtype=dtype), torch.randn(N, generator=g, dtype=dtype)
     params = [h, w] + ([b] if bias else [])
 
-    lp, ent = common.chunked_logprobs(h, w, b, t, temperature, chunk, entropy=True)
+    lp, ent = logprobs.chunked_logprobs(h, w, b, t, temperature, chunk, entropy=True)
     grads = torch.autograd.grad((lp * g_logp).sum() + (ent * g_ent).sum(), params)
     lp_ref, ent_ref = naive(h, w, b, t, temperature)
     grads_ref = torch.autograd.grad((lp_ref * g_logp).sum() + (ent_ref * g_ent).sum(), params)
@@ -92,7 +93,7 @@ def test_chunked_equals_naive_value_and_gradient(dtype, rtol, chunk, bias, tempe
     for a, r in zip(grads, grads_ref):
         torch.testing.assert_close(a, r, rtol=rtol, atol=rtol * r.abs().max().item())
     # log-probs alone (the training pass): the gradient of logp only
-    lp = common.chunked_logprobs(h, w, b, t, temperature, chunk)
+    lp = logprobs.chunked_logprobs(h, w, b, t, temperature, chunk)
     grads = torch.autograd.grad((lp * g_logp).sum(), params)
     lp_ref, _ = naive(h, w, b, t, temperature)
     grads_ref = torch.autograd.grad((lp_ref * g_logp).sum(), params)
@@ -110,7 +111,7 @@ def test_shared_buffers_keep_the_bits(dtype, N, H, V, chunk, bias, temperature, 
     gradient are the bits of one node a chunk (PerChunk), fp32, fp64 and bf16 alike."""
     h, w, b, t, g_logp, g_ent = inputs(N, H, V, dtype, bias, seed=N + chunk)
     params = [h, w] + ([b] if bias else [])
-    got = common.chunked_logprobs(h, w, b, t, temperature, chunk, entropy)
+    got = logprobs.chunked_logprobs(h, w, b, t, temperature, chunk, entropy)
     lp, ent = got if entropy else (got, None)
     lp_ref, ent_ref = per_chunk(h, w, b, t, temperature, chunk, entropy)
     assert torch.equal(lp, lp_ref) and (not entropy or torch.equal(ent, ent_ref))
@@ -125,12 +126,12 @@ def test_logsumexp_written_out_is_torchs():
     for shape in [(64, 100), (3, 40000), (1, 40000)]:
         z = torch.randn(*shape, generator=g) * 7
         z[0, :5] = -torch.inf
-        assert torch.equal(common._logsumexp_(z.clone(), torch.empty_like(z)), torch.logsumexp(z, -1))
+        assert torch.equal(logprobs._logsumexp_(z.clone(), torch.empty_like(z)), torch.logsumexp(z, -1))
         in_place = z.clone()  # its intermediate written over z itself (the training pass: z is not needed after)
-        assert torch.equal(common._logsumexp_(in_place, in_place), torch.logsumexp(z, -1))
+        assert torch.equal(logprobs._logsumexp_(in_place, in_place), torch.logsumexp(z, -1))
     z = torch.full((2, 10), -torch.inf)
     z[1] = 1.0
-    assert torch.equal(common._logsumexp_(z.clone(), torch.empty_like(z)), torch.logsumexp(z, -1))
+    assert torch.equal(logprobs._logsumexp_(z.clone(), torch.empty_like(z)), torch.logsumexp(z, -1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -143,9 +144,9 @@ def test_no_grad_pass_scores_only_the_kept_rows(dtype, N, H, V, chunk, dropped):
     h, w, _, t, _, _ = inputs(N, H, V, dtype, False, seed=N)
     keep = torch.rand(N, generator=torch.Generator().manual_seed(1)) >= dropped
     with torch.no_grad():
-        lp, ent = common.chunked_logprobs(h, w, None, t, 0.8, chunk, True)
-        lp_keep, ent_keep = common.chunked_logprobs(h, w, None, t, 0.8, chunk, True, keep)
-        lp_only = common.chunked_logprobs(h, w, None, t, 0.8, chunk, False, keep)
+        lp, ent = logprobs.chunked_logprobs(h, w, None, t, 0.8, chunk, True)
+        lp_keep, ent_keep = logprobs.chunked_logprobs(h, w, None, t, 0.8, chunk, True, keep)
+        lp_only = logprobs.chunked_logprobs(h, w, None, t, 0.8, chunk, False, keep)
     assert torch.equal(lp_keep[keep], lp[keep]) and torch.equal(ent_keep[keep], ent[keep])
     assert torch.equal(lp_only[keep], lp[keep])
     assert (lp_keep[~keep] == 0).all() and (ent_keep[~keep] == 0).all() and (lp_only[~keep] == 0).all()
@@ -160,8 +161,8 @@ def test_grad_pass_with_keep_computes_every_row(entropy):
     h, w, b, t, g_logp, g_ent = inputs(N, 16, 40000, torch.float32, True, seed=3)
     keep = torch.rand(N, generator=torch.Generator().manual_seed(2)) >= 0.4
     params = [h, w, b]
-    out = common.chunked_logprobs(h, w, b, t, 0.7, chunk, entropy, keep)
-    ref = common.chunked_logprobs(h, w, b, t, 0.7, chunk, entropy)
+    out = logprobs.chunked_logprobs(h, w, b, t, 0.7, chunk, entropy, keep)
+    ref = logprobs.chunked_logprobs(h, w, b, t, 0.7, chunk, entropy)
     lp, ent = out if entropy else (out, None)
     lp_ref, ent_ref = ref if entropy else (ref, None)
     assert torch.equal(lp[keep], lp_ref[keep]) and (lp[~keep] == 0).all()

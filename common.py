@@ -400,7 +400,7 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
                 dtype=getattr(policy, "compute_dtype", None) or (
                     torch.bfloat16 if d.device.type == "cuda" else torch.float32),
                 rank=d.rank if tp > 1 else 0, world=tp, generator=generator)
-        except MemoryError as e:  # said before anything is allocated (engine.check_memory)
+        except MemoryError as e:  # said before anything is allocated (engine.kv_plan)
             fail(f"--gen-mode {mode}: {e}; lower --gen-batch-size (now {gen_batch_size}) or "
                  f"--max-new-tokens (now {max_new_tokens})")
         first = sum(len(p) for p in everyone[:d.rank]) * n if tp > 1 else 0  # this rank's rows

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 ARCHITECTURES = ("qwen3", "qwen2", "llama")  # config.model_type values the forward below covers
 SYNC_EVERY = 8  # decoding steps between two looks from the host at which rows have finished
+PAGE = 16  # positions a block of a paged KV cache holds (as vLLM's default)
 
 
 def unsupported(config) -> str | None:
@@ -120,18 +121,26 @@ def memory_needed(lm, slots: int, max_len: int, dtype, world: int = 1) -> tuple[
     return kv * size, sum(p.numel() for p in lm.parameters()) // world * size
 
 
-def check_memory(lm, slots: int, max_len: int, device, dtype, world: int = 1) -> str | None:
-    """Why the engine's cache and weights cannot fit the GPU's free memory (one line), or None."""
+def kv_plan(lm, slots: int, max_len: int, n: int, device, dtype, world: int = 1) -> int | None:
+    """The KV cache a rollout gets on a GPU: None (whole: every slot max_len positions) when that
+    and the weight copy fit the free memory; else the positions a paged pool can hold in 90% of
+    what the weights leave; MemoryError (one line) when that is less than one group of n rows at
+    max_len. On the CPU always whole (host memory is not checked)."""
     if torch.device(device).type != "cuda":
         return None
     kv, weights = memory_needed(lm, slots, max_len, dtype, world)
     free = torch.cuda.mem_get_info(device)[0]
     if kv + weights <= free:
         return None
+    pool = int((0.9 * free - weights) / (kv / (slots * max_len)))
+    if pool >= n * max_len:
+        return pool
     gib = 2 ** 30
-    return (f"the KV cache of {slots} rows x {max_len} positions ({kv / gib:.1f} GiB) and the "
-            f"weight copy ({weights / gib:.1f} GiB) exceed the {free / gib:.1f} GiB free on the "
-            "GPU")
+    raise MemoryError(
+        f"the KV cache of {slots} rows x {max_len} positions ({kv / gib:.1f} GiB) and the weight "
+        f"copy ({weights / gib:.1f} GiB) exceed the {free / gib:.1f} GiB free on the GPU, and a "
+        f"paged cache in what is left holds {max(pool, 0)} positions, less than one group of {n} "
+        f"x {max_len}")
 
 
 # -------------------- the forward: Qwen3 / Qwen2 / Llama decoder layers
@@ -149,9 +158,17 @@ def rotate(x, cos, sin):
 
 
 class Engine:
-    """One rollout's decoder over a KV cache of `slots` rows, each up to `max_len` tokens."""
+    """One rollout's decoder over a KV cache of `slots` rows, each up to `max_len` tokens.
 
-    def __init__(self, lm, slots: int, max_len: int, device, dtype, rank: int = 0, world: int = 1):
+    The cache is addressed in blocks of positions through a table [slots, blocks a row]. Whole
+    (pool_blocks None): every row owns ceil(max_len / block) blocks for the whole rollout, adjacent,
+    so attention reads the cache as a view. Paged (pool_blocks given, `block` positions each): rows
+    take blocks from a shared pool as they grow (take/give, on the host) and attention gathers a
+    row's blocks (one copy a layer and step), so that rows that finish early leave room for more
+    rows: the pool holds fewer positions than slots x max_len."""
+
+    def __init__(self, lm, slots: int, max_len: int, device, dtype, rank: int = 0, world: int = 1,
+                 pool_blocks: int | None = None, block: int = PAGE):
         from transformers.activations import ACT2FN
 
         cfg = lm.config
@@ -162,10 +179,59 @@ class Engine:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps, self.act = cfg.rms_norm_eps, ACT2FN[cfg.hidden_act]
         self.w = take_weights(lm, max_len, device, dtype, rank, world)
-        # the KV cache, allocated once: [layers, k/v, slots, kv heads, positions, head_dim]; zeros,
-        # not empty: a masked position still multiplies its value by 0, and 0 x NaN is NaN
-        self.cache = torch.zeros(len(self.w.layers), 2, slots, self.kv_heads, max_len,
+        self.paged = pool_blocks is not None
+        self.block = block if self.paged else max_len
+        per_row = -(-max_len // self.block)  # blocks a row of max_len positions spans
+        blocks = pool_blocks + 1 if self.paged else slots  # paged: + a block nobody owns (spare)
+        # [layers, k/v, blocks, positions in a block, kv heads, head_dim]; zeros, not empty: a
+        # masked position still multiplies its value by 0, and 0 x NaN is NaN
+        self.cache = torch.zeros(len(self.w.layers), 2, blocks, self.block, self.kv_heads,
                                  self.head_dim, device=device, dtype=dtype)
+        # each row's blocks; paged, unowned entries point at the spare block, where free slots and
+        # rows waiting for a block write what nobody reads
+        self.spare = blocks - 1
+        self.table = (torch.full((slots, per_row), self.spare, device=device) if self.paged else
+                      torch.arange(slots, device=device)[:, None])
+        self.owned = [[] for _ in range(slots)]  # paged: each slot's blocks, on the host
+        self.free = list(range(pool_blocks or 0))
+
+    def blocks_for(self, positions: int) -> int:
+        return -(-positions // self.block)
+
+    def take(self, s: int, blocks: int) -> bool:
+        """Paged: slot s holds `blocks` blocks (its first positions) after this, or False if the
+        pool is short (nothing taken)."""
+        need = blocks - len(self.owned[s])
+        if need > len(self.free):
+            return False
+        if need > 0:
+            new = [self.free.pop() for _ in range(need)]
+            at = len(self.owned[s])
+            self.owned[s] += new
+            self.table[s, at:at + need] = torch.tensor(new, device=self.table.device)
+        return True
+
+    def give(self, s: int):
+        """Paged: slot s's blocks back to the pool."""
+        if self.paged:
+            self.free += self.owned[s]
+            self.owned[s] = []
+            self.table[s] = self.spare
+
+    def where(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rows of a layer's keys (or values) viewed as [-1, head_dim] for slots [N] at positions
+        [N] -> [N, kv heads], through the block table."""
+        blk = self.table[slots, positions // self.block]
+        heads = torch.arange(self.kv_heads, device=slots.device)
+        return ((blk * self.block + positions % self.block)[:, None]) * self.kv_heads + heads
+
+    def read(self, i: int, kv: int, reach: int) -> torch.Tensor:
+        """Layer i's keys (kv 0) or values (1) of every slot at positions < reach (rounded up to a
+        block) -> [slots, kv heads, positions, head_dim]: whole, a view; paged, a gather."""
+        c = self.cache[i, kv]  # whole: [slots, max_len, heads, d]
+        if self.paged:  # [slots, blocks, block, heads, d] -> [slots, positions, heads, d]
+            c = c[self.table[:, :self.blocks_for(reach)]].flatten(1, 2)
+        return c[:, :reach].transpose(1, 2)
 
     def layers(self, h, positions, attend):
         """The decoder layers over h [B, L, D] at positions [B, L]; attend(i, q, k, v) -> [B, H, L,
@@ -214,10 +280,15 @@ class Engine:
             ids[b, :len(p)] = torch.tensor(p, device=ids.device)
         positions = torch.arange(P, device=ids.device).expand(len(prompts), P)
 
+        # where the prompts' keys and values go: every slot of a prompt gets them (not the padding)
+        valid = (positions < lengths[:, None]).repeat_interleave(n, 0)  # [slots, P]
+        at = self.where(slots[:, None].expand(-1, P)[valid],
+                        positions.repeat_interleave(n, 0)[valid]).flatten()
+
         def attend(i, q, k, v):
-            # every slot of a prompt gets its keys and values (padding too: masked when decoding)
-            self.cache[i, 0, slots, :, :P] = k.repeat_interleave(n, 0)
-            self.cache[i, 1, slots, :, :P] = v.repeat_interleave(n, 0)
+            for kv, x in enumerate((k, v)):  # [prompts, kv heads, P, d] -> rows of the cache
+                x = x.transpose(1, 2).repeat_interleave(n, 0)[valid].flatten(0, 1)
+                self.cache[i, kv].view(-1, self.head_dim).index_copy_(0, at, x)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
                                                   scale=self.head_dim ** -0.5)
 
@@ -232,14 +303,12 @@ class Engine:
         mask = (torch.arange(reach, device=tokens.device) <= positions[:, None])[:, None, None]
         # where each slot's new key and value go: rows of a layer's cache viewed as [-1, head_dim]
         # (index_copy_ along one dimension: an index_put over slots and positions copies far more)
-        heads = torch.arange(self.kv_heads, device=tokens.device)
-        rows = torch.arange(self.slots, device=tokens.device)[:, None] * self.kv_heads + heads
-        at = (rows * self.max_len + positions[:, None]).flatten()
+        at = self.where(torch.arange(self.slots, device=tokens.device), positions).flatten()
 
         def attend(i, q, k, v):
             self.cache[i, 0].view(-1, self.head_dim).index_copy_(0, at, k.flatten(0, 2))
             self.cache[i, 1].view(-1, self.head_dim).index_copy_(0, at, v.flatten(0, 2))
-            keys, values = self.cache[i, 0, :, :, :reach], self.cache[i, 1, :, :, :reach]
+            keys, values = self.read(i, 0, reach), self.read(i, 1, reach)
             # grouped heads as queries of their KV head: head h reads KV head h // group (HF's
             # repeat_kv), so [S, H, 1, d] -> [S, kv heads, group, d] attends with no KV copy
             grouped = q.view(self.slots, self.kv_heads, -1, self.head_dim)
@@ -283,22 +352,33 @@ def top_k_top_p(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_tokens: int,
              temperature: float, top_k: int, top_p: float, slots: int, device, dtype,
              sync_every: int = SYNC_EVERY, stats: dict | None = None, rank: int = 0, world: int = 1,
-             generator=None) -> tuple[list[list[int]], list[list[float]]]:
+             generator=None, pool_tokens: int | None = None,
+             ) -> tuple[list[list[int]], list[list[float]]]:
     """n completions of each prompt (token ids, no padding): rows prompt * n + j, a group's rows
     adjacent. A completion ends at its first EOS (kept) or after max_new_tokens. `slots` rows decode
     at once; a prompt is admitted (prefilled once, its KV copied to n free slots) whenever n slots
     are free, and the host looks at which rows have finished every `sync_every` steps. Returns the
     completions' token ids and the log-prob of each under the temperature-scaled softmax. `stats`,
-    if given, gets the counts of decoding steps, prefills, and prefills made while other rows were
-    decoding (continuous batching at work). world > 1: tensor parallel, every rank running this call
-    on the same prompts with its share of the heads (tensor_parallel_fits) and the same `generator`,
-    so that every rank samples the same tokens."""
+    if given, gets the counts of decoding steps, prefills, prefills made while other rows were
+    decoding (continuous batching at work), groups preempted, and KV blocks still taken at the end.
+    pool_tokens: the KV cache's positions, paged (Engine) in blocks of PAGE; None: whole (slots x
+    the longest prompt + max_new_tokens), or paged where that cannot fit the GPU (kv_plan). Paged,
+    a group is admitted only when the pool also holds its next sync_every positions beside those the
+    running rows need, and when running rows outgrow the pool the youngest group is preempted: its
+    blocks freed, its prompt first in line again, its completions made anew.
+    world > 1: tensor parallel, every rank running this call on the same prompts with its share of
+    the heads (tensor_parallel_fits) and the same `generator`, so that every rank samples the same
+    tokens."""
     if slots < n:
         raise ValueError(f"{slots} slots cannot hold a group of {n}")
     max_len = max(len(p) for p in prompts) + max_new_tokens
-    if why := check_memory(lm, slots, max_len, device, dtype, world):
-        raise MemoryError(why)
-    engine = Engine(lm, slots, max_len, device, dtype, rank, world)
+    if pool_tokens is None:
+        pool_tokens = kv_plan(lm, slots, max_len, n, device, dtype, world)
+    pool_blocks = None if pool_tokens is None else pool_tokens // PAGE
+    if pool_blocks is not None and pool_blocks < n * -(-max_len // PAGE):
+        raise ValueError(f"a KV pool of {pool_tokens} positions cannot hold one group of {n} rows "
+                         f"of up to {max_len} positions")
+    engine = Engine(lm, slots, max_len, device, dtype, rank, world, pool_blocks)
     eos_t = torch.tensor(eos, device=device)
     tokens = torch.zeros(slots, dtype=torch.long, device=device)  # each slot's last token
     positions = torch.zeros(slots, dtype=torch.long, device=device)  # ... and its position
@@ -308,23 +388,41 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
     out_logp = torch.zeros(slots, max_new_tokens, device=device)
     slot_rows = torch.arange(slots, device=device)
     row_of = [-1] * slots  # the row each slot decodes (host side), -1: free
+    made = [0] * slots  # the tokens each slot has made, as of the host's last look
     waiting = deque(range(len(prompts)))
+    running = []  # prompts with rows decoding, oldest first
     completions, logps = [None] * (len(prompts) * n), [None] * (len(prompts) * n)
     reach = 0  # on the host: one more than any slot's position, an upper bound between syncs
-    counts = {"decode_steps": 0, "prefills": 0, "prefills_while_decoding": 0}
+    counts = {"decode_steps": 0, "prefills": 0, "prefills_while_decoding": 0, "preempted": 0}
+
+    def blocks_ahead(s):
+        """Paged: the blocks slot s needs to write its next sync_every positions."""
+        return engine.blocks_for(min(len(prompts[row_of[s] // n]) + made[s] - 1 + sync_every,
+                                     max_len))
 
     def admit():
         nonlocal reach
         free = [s for s in range(slots) if row_of[s] < 0]
         k = min(len(free) // n, len(waiting))
+        if engine.paged:  # only what the pool holds beside what the running rows need next
+            left = len(engine.free) - sum(blocks_ahead(s) - len(engine.owned[s])
+                                          for s in range(slots) if row_of[s] >= 0)
+            for j in range(k):
+                left -= n * engine.blocks_for(min(len(prompts[waiting[j]]) + sync_every, max_len))
+                if left < 0:
+                    k = j
+                    break
         if k == 0:
             return
         batch = [waiting.popleft() for _ in range(k)]
+        running.extend(batch)
         counts["prefills"] += 1
         counts["prefills_while_decoding"] += any(r >= 0 for r in row_of)
         sel = torch.tensor(free[:k * n], device=device)
         for j, s in enumerate(free[:k * n]):
-            row_of[s] = batch[j // n] * n + j % n
+            row_of[s], made[s] = batch[j // n] * n + j % n, 1
+            if engine.paged and not engine.take(s, blocks_ahead(s)):
+                raise RuntimeError("admitted beyond the KV pool")  # admit() counted them above
         logits = engine.prefill([prompts[p] for p in batch], sel, n).repeat_interleave(n, 0)
         new, new_logp = sample(logits, temperature, top_k, top_p, generator)
         out[sel, 0], out_logp[sel, 0], count[sel] = new, new_logp, 1
@@ -336,18 +434,45 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
 
     def retire():
         nonlocal reach
-        running, made = live.tolist(), count.tolist()  # the host sync
+        going, made[:] = live.tolist(), count.tolist()  # the host sync
         for s in range(slots):
-            if row_of[s] >= 0 and not running[s]:
+            if row_of[s] >= 0 and not going[s]:
                 completions[row_of[s]] = out[s, :made[s]].tolist()
                 logps[row_of[s]] = out_logp[s, :made[s]].tolist()
                 row_of[s] = -1
                 positions[s] = 0
+                engine.give(s)
+        running[:] = [p for p in running if any(r // n == p for r in row_of if r >= 0)]
         reach = int(positions.max()) + 1
+
+    def preempt(p):
+        """Paged: prompt p's rows out of their slots, its blocks freed, p first in line again."""
+        for s in range(slots):
+            if row_of[s] >= 0 and row_of[s] // n == p:
+                row_of[s] = -1
+                positions[s] = 0
+                live[s] = False
+                engine.give(s)
+        for row in range(p * n, p * n + n):  # rows already finished are made anew with the rest
+            completions[row] = logps[row] = None
+        running.remove(p)
+        waiting.appendleft(p)
+        counts["preempted"] += 1
+
+    def grow():
+        """Paged: every running row's blocks for its next sync_every positions, oldest first,
+        preempting the youngest groups while the pool is short."""
+        for p in list(running):
+            for s in range(slots):
+                while p in running and row_of[s] >= 0 and row_of[s] // n == p and not engine.take(
+                        s, blocks_ahead(s)):
+                    preempt(running[-1])
 
     while any(r >= 0 for r in row_of) or waiting:
         admit()
         retire()  # one-token completions finish at their prefill
+        if engine.paged:
+            grow()
         for _ in range(sync_every if any(r >= 0 for r in row_of) else 0):
             new, new_logp = sample(engine.decode(tokens, positions, reach), temperature, top_k,
                                    top_p, generator)
@@ -363,5 +488,5 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
         retire()
     assert all(c is not None for c in completions), "a request never finished"
     if stats is not None:
-        stats.update(counts)
+        stats.update(counts, blocks_taken=sum(len(o) for o in engine.owned))
     return completions, logps

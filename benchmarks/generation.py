@@ -5,6 +5,7 @@
 repeat          each prompt repeated G times, so HF `generate` prefills it G times
 shared-prefill  each prompt prefilled once, its KV cache repeated to the G rows of its group (the default)
 engine          engine.py: plain-PyTorch decoding over a KV cache allocated once, each prompt prefilled once
+engine-paged    the same with a paged KV pool of --pool-tokens positions (blocks of engine.PAGE, gathered per step)
 
 Every completion runs to --new-tokens (EOS disabled: the same work for every mode and repeat). The modes take turns
 (repeat, shared-prefill, repeat, ...) after one short warm-up call each, so a drift in the machine's speed hits them
@@ -32,6 +33,8 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2, help="timed calls of each mode, in turns")
     ap.add_argument("--modes", default="repeat,shared-prefill,engine")
+    ap.add_argument("--pool-tokens", type=int, default=0,
+                    help="engine-paged's KV pool (default: half of what every row at full length needs)")
     ap.add_argument("--baseline", default="shared-prefill", help="the mode the ratios are taken against")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--profile", action="store_true", help="profile round 1 (torch.profiler) and print its tables")
@@ -46,10 +49,12 @@ def main():
 
     hf_logging.set_verbosity_error()  # EOS id -1 below is on purpose (transformers warns about it)
 
+    import engine
+
     modes = a.modes.split(",")
-    if a.shape != "tiny" and a.shape not in shapes.QWEN3 or not set(modes) <= set(common.GEN_MODES):
+    if a.shape != "tiny" and a.shape not in shapes.QWEN3 or not set(modes) <= {*common.GEN_MODES, "engine-paged"}:
         raise SystemExit(f"error: --shape is one of tiny, {', '.join(shapes.QWEN3)} and --modes a comma list of "
-                         f"{', '.join(common.GEN_MODES)}")
+                         f"{', '.join(common.GEN_MODES)}, engine-paged")
     torch.set_num_threads(a.threads)
     shape = shapes.TINY if a.shape == "tiny" else shapes.QWEN3[a.shape]
     tok = shapes.word_tokenizer(shape["vocab_size"])
@@ -63,11 +68,17 @@ def main():
     texts = shapes.prompts(a.prompts, a.prompt_tokens, shape["vocab_size"])
     assert len(tok(texts[0]).input_ids) == a.prompt_tokens
 
+    pool = a.pool_tokens or a.prompts * a.group_size * (a.prompt_tokens + a.new_tokens) // 2
+    whole = engine.generate
+
     def run(mode, prompts, new_tokens):
         t = time.perf_counter()
+        engine.generate = (lambda *p, **k: whole(*p, **k, pool_tokens=max(pool, a.group_size * (
+            a.prompt_tokens + new_tokens)))) if mode == "engine-paged" else whole
         out = common.generate(policy, tok, prompts, a.group_size, [-1], d, max_new_tokens=new_tokens,
                               temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=a.prompts * a.group_size,
-                              mode=mode)  # EOS id -1: never produced, every completion has new_tokens tokens
+                              mode=mode.replace("-paged", ""))  # EOS id -1: never produced, every completion
+        # has new_tokens tokens
         assert out["input_ids"].shape == (len(prompts) * a.group_size, a.prompt_tokens + new_tokens)
         return time.perf_counter() - t
 

@@ -1,8 +1,6 @@
 """The rollout engine (engine.py) against the HF reference: greedy tokens equal to `generate`'s, per-token log-probs
 equal to Policy.forward's, logits equal to the HF forward's for the Qwen3 / Qwen2 / Llama shapes, the sampler equal
 to transformers' warpers and to the softmax, and the scheduler's bookkeeping (fp32, CPU)."""
-import math
-
 import pytest
 import torch
 
@@ -64,6 +62,29 @@ def test_greedy_tokens_equal_hf_generate(setup, n, slots):
     assert comps == ref
     assert [c[-1] not in eos for c in comps] == truncated
     assert [len(lp) for lp in logps] == [len(c) for c in comps]
+
+
+@pytest.mark.parametrize("n, slots, pool", [(1, 5, 96), (3, 9, 400)])
+def test_paged_pool_greedy_tokens_equal_hf_generate(setup, n, slots, pool):
+    """A paged KV pool (blocks of engine.PAGE positions) far smaller than slots x the longest row (62-token prompt +
+    24 new): rows wait for blocks, and when every row runs to the limit (no EOS met) the youngest groups are
+    preempted and made anew; the completions are still HF's, and every block is back in the pool at the end."""
+    new = 24
+    tok, lm, ids = setup
+    assert pool < slots * (max(map(len, ids)) + new)  # the whole cache would not fit the pool
+    for eos, preempts in ((ragged_eos(lm, tok, ids), False), ([0], True)):  # token 0 (pad) is never sampled
+        ref, truncated = hf_greedy(lm, tok, ids, n, eos, new)
+        stats = {}
+        comps, logps = run(lm, ids, n, eos, new, slots, sync_every=3, stats=stats, pool_tokens=pool)
+        assert comps == ref and [c[-1] not in eos for c in comps] == truncated
+        assert [len(lp) for lp in logps] == [len(c) for c in comps]
+        assert stats["blocks_taken"] == 0 and (stats["preempted"] > 0) == preempts, stats
+
+
+def test_paged_pool_too_small_for_one_group(setup):
+    tok, lm, ids = setup
+    with pytest.raises(ValueError, match="a KV pool of 223 positions cannot hold one group of 2 rows of up to 102"):
+        run(lm, ids, 2, [0], 40, 10, pool_tokens=223)  # 2 rows x 7 blocks of 16 = 224
 
 
 def test_logprobs_equal_policy_forward(setup):
@@ -255,20 +276,33 @@ def test_check_model_says_the_fallback_before_the_model_is_built(monkeypatch, ca
 
 
 def test_memory_needed_and_a_pool_the_gpu_cannot_hold(setup, monkeypatch):
-    """The KV cache is layers x k/v x rows x KV heads x positions x head_dim elements; with less free GPU memory
-    than cache + weights, one line naming --gen-batch-size before anything is allocated."""
+    """The KV cache is layers x k/v x rows x KV heads x positions x head_dim elements. On a GPU: whole when it and the
+    weights fit the free memory, else paged in 90% of what the weights leave, and one line naming --gen-batch-size
+    when that cannot hold one group at full length, before anything is allocated."""
     tok, lm, ids = setup
     kv, weights = engine.memory_needed(lm, 8, 100, torch.float32)
     assert kv == 2 * 2 * 8 * 2 * 100 * 32 * 4  # tiny: 2 layers, 2 KV heads, head_dim 32, fp32
     assert weights == 4 * sum(p.numel() for p in lm.parameters())
     assert engine.memory_needed(lm, 8, 100, torch.bfloat16, world=2) == (kv // 4, weights // 4)
-    assert engine.check_memory(lm, 8, 100, CPU, torch.float32) is None  # host memory: not checked
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (kv + weights - 1, 2 ** 40))
-    why = engine.check_memory(lm, 8, 100, "cuda", torch.float32)
-    assert why.startswith("the KV cache of 8 rows x 100 positions") and "free on the GPU" in why
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (kv + weights, 2 ** 40))
-    assert engine.check_memory(lm, 8, 100, "cuda", torch.float32) is None
-    monkeypatch.setattr(engine, "check_memory", lambda *a: "the KV cache of ... exceed the 1.0 GiB free on the GPU")
+    assert engine.kv_plan(lm, 8, 100, 2, CPU, torch.float32) is None  # host memory: not checked
+    per_position = kv // 800
+
+    def free(b):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (b, 2 ** 40))
+
+    free(kv + weights)
+    assert engine.kv_plan(lm, 8, 100, 2, "cuda", torch.float32) is None  # whole
+    free(kv + weights - 1)  # paged: 90% of the free memory less the weights
+    assert engine.kv_plan(lm, 8, 100, 2, "cuda", torch.float32) == int((0.9 * (kv + weights - 1) - weights)
+                                                                        / per_position)
+    free(int((weights + 199.5 * per_position) / 0.9))  # 199 positions: less than a group of 2 x 100
+    with pytest.raises(MemoryError, match="holds 199 positions, less than one group of 2 x 100"):
+        engine.kv_plan(lm, 8, 100, 2, "cuda", torch.float32)
+
+    def short(*a):
+        raise MemoryError("the KV cache of ... exceed the 1.0 GiB free on the GPU")
+
+    monkeypatch.setattr(engine, "kv_plan", short)
     with pytest.raises(SystemExit) as e:
         common.generate(common.Policy(lm), tok, [tok.decode(ids[0])], 2, [tok.eos_token_id], Dist(0, 1, CPU),
                         max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=8, mode="engine")

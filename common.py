@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from checkpoint import is_checkpoint, state_dir
 from distributed import Dist, Refused, all_gather_cat, all_reduce, fail, on_rank0, seed_everything
 from grader import MAX_ANSWER_CHARS, Reward, canonical, decide, extract_answer
 
@@ -133,6 +134,8 @@ def load_model(name: str, tok, d: Dist, seed: int, trust_remote_code: bool = Fal
     # `tiny` is random-init: the same seed gives the same weights (policy and reference)
     seed_everything(seed)
     path = os.path.expanduser(name)
+    if is_checkpoint(path):  # resume: the master weights of its training state, not the export
+        path = state_dir(path)
 
     def build(dt):
         if name == "tiny":

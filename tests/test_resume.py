@@ -40,7 +40,7 @@ def result(out):
     """(final weights, logged rows without timings) of the one run under `out`."""
     (run,) = glob.glob(f"{out}/*/metrics.jsonl")
     rows = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_rows(run)]
-    return load_file(os.path.join(os.path.dirname(run), "step_6", "model.safetensors")), rows
+    return load_file(os.path.join(os.path.dirname(run), "step_6", "state", "model.safetensors")), rows  # fp32 masters
 
 
 def assert_same(a, b):
@@ -85,10 +85,10 @@ def test_damaged_newest_checkpoint_is_skipped(tmp_path, tmp_path_factory, monkey
     assert p.returncode == -9  # SIGKILL at the start of step 5, after step_4 was written
     (run,) = glob.glob(f"{tmp_path}/*/")
     assert sorted(n for n in os.listdir(run) if "step" in n) == ["step_2", "step_4"]
-    model = f"{run}step_4/model.safetensors"
+    model = f"{run}step_4/state/model.safetensors"  # big files: checked by size
     size = os.path.getsize(model)
     os.truncate(model, size // 2)
-    damage = f"model.safetensors has {size // 2} bytes, the manifest says {size}"
+    damage = f"state/model.safetensors has {size // 2} bytes, the manifest says {size}"
     assert main_exits(monkeypatch, tmp_path, "--resume", f"{run}step_4") == (
         f"error: --resume {run}step_4: {damage}; resume from another checkpoint (or --resume auto)")
 
@@ -101,7 +101,8 @@ def test_damaged_newest_checkpoint_is_skipped(tmp_path, tmp_path_factory, monkey
     for flag, new, old in [("--group-size", "4", "8"), ("--clip-low", "0.1", "0.0003")]:  # the objective too
         assert main_exits(monkeypatch, tmp_path, "--resume", f"{run}step_6", flag, new) == (
             f"error: {flag} {new} differs from {old} in {run}step_6: it cannot change on resume (the data order, the "
-            "objective, the optimizer state or the weights depend on it); start a new run")
+            f"objective, the optimizer state or the weights depend on it); pass {flag} {old} to resume, or start a new "
+            "run without --resume")
     p = launch(tmp_path, "--save-every", "2", "--resume", f"{run}step_6", "--num-steps", "8",
                "--learning-rate", "4e-3")
     assert p.returncode == 0, p.stderr[-3000:]
@@ -163,7 +164,7 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, tmp
     assert p.returncode == -9
     (run,) = glob.glob(f"{tmp_path}/*/")
     assert sorted(n for n in os.listdir(run) if "step" in n) == [".tmp_step_4", "step_2"]
-    assert open(f"{run}/.tmp_step_4/rank0.pt", "rb").read() == b"half an optimizer state"
+    assert open(f"{run}/.tmp_step_4/state/rank0.pt", "rb").read() == b"half an optimizer state"
     assert not checkpoint.is_checkpoint(f"{run}/.tmp_step_4") and checkpoint.is_checkpoint(f"{run}/step_2")
     assert [json.loads(line)["step"] for line in open(f"{run}/metrics.jsonl")][-1] == 4  # logged past the checkpoint
     with open(f"{run}/metrics.jsonl", "a") as f:
@@ -240,9 +241,9 @@ def test_one_writer_per_run_folder(tmp_path, monkeypatch):
 
 
 def fake_checkpoint(ckpt, **state):
-    """A checkpoint folder holding only trainer_state.json and its manifest."""
-    ckpt.mkdir(parents=True, exist_ok=True)
-    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    """A checkpoint folder holding only state/trainer_state.json and its manifest."""
+    (ckpt / "state").mkdir(parents=True, exist_ok=True)
+    (ckpt / "state" / "trainer_state.json").write_text(json.dumps(state))
     checkpoint.write_manifest(str(ckpt))
 
 
@@ -265,17 +266,17 @@ def test_resume_errors_before_any_heavy_work(tmp_path, monkeypatch, capsys):
     assert main("--resume", str(ckpt), "--num-steps", "4") == "0"
     assert "is at step 4 and --num-steps is 4: nothing to do" in capsys.readouterr().out
 
-    (ckpt / "rank0.pt").write_bytes(b"0123")
+    (ckpt / "state" / "rank0.pt").write_bytes(b"0123")
     checkpoint.write_manifest(str(ckpt))
-    (ckpt / "rank0.pt").write_bytes(b"0124")  # damaged in place: same size
-    assert main("--resume", str(ckpt)) == (f"error: --resume {ckpt}: rank0.pt does not match its sha256 in the "
-                                           "manifest; resume from another checkpoint (or --resume auto)")
-    (ckpt / "rank0.pt").unlink()
-    assert main("--resume", str(ckpt)).endswith(f"{ckpt}: rank0.pt is missing; resume from another checkpoint "
-                                                "(or --resume auto)")
-    (ckpt / "trainer_state.json").write_text("{")  # damaged before the manifest was written: read, and one line
+    (ckpt / "state" / "rank0.pt").write_bytes(b"0124")  # damaged in place: same size (a small file: hashed)
+    assert main("--resume", str(ckpt)) == (f"error: --resume {ckpt}: state/rank0.pt does not match its sha256 in "
+                                           "the manifest; resume from another checkpoint (or --resume auto)")
+    (ckpt / "state" / "rank0.pt").unlink()
+    assert main("--resume", str(ckpt)).endswith(f"{ckpt}: state/rank0.pt is missing; resume from another "
+                                                "checkpoint (or --resume auto)")
+    (ckpt / "state" / "trainer_state.json").write_text("{")  # damaged before the manifest was written: one line
     checkpoint.write_manifest(str(ckpt))
-    assert main("--resume", str(ckpt)).startswith(f"error: {ckpt}/trainer_state.json: cannot read it "
+    assert main("--resume", str(ckpt)).startswith(f"error: {ckpt}/state/trainer_state.json: cannot read it "
                                                   "(JSONDecodeError")
     (ckpt / "manifest.json").unlink()
     assert main("--resume", str(ckpt)).endswith(f"{ckpt}: no manifest.json (written before manifests, or never "

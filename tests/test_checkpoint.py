@@ -183,3 +183,21 @@ def test_deleting_writer_lock_does_not_admit_a_second_writer(tmp_path, monkeypat
         holder.wait()
     assert checkpoint.claim_run_dir(str(run), str(ckpt), D) == str(run)  # the dead writer's locks, taken over
     checkpoint.release_run_dir()
+
+
+def test_a_checkpoint_in_the_flat_layout_before_model_and_state_still_resumes(tmp_path):
+    """step_N/ holding trainer_state.json and rank0.pt beside the weights, every file hashed in its manifest: the
+    training state is read from step_N itself, and only its small files are rehashed."""
+    import hashlib
+
+    ckpt = tmp_path / "step_2"
+    ckpt.mkdir()
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 2, "world": 1, "script": "gspo.py"}))
+    (ckpt / "rank0.pt").write_bytes(b"x" * 64)
+    files = {n: [os.path.getsize(ckpt / n), hashlib.sha256((ckpt / n).read_bytes()).hexdigest()]
+             for n in ("trainer_state.json", "rank0.pt")}
+    (ckpt / "manifest.json").write_text(json.dumps({"files": files}))
+    assert checkpoint.state_dir(str(ckpt)) == str(ckpt) and checkpoint.verify_checkpoint(str(ckpt), D) is None
+    assert checkpoint.read_trainer_state(str(ckpt))["step"] == 2
+    (ckpt / "rank0.pt").write_bytes(b"y" * 64)
+    assert checkpoint.verify_checkpoint(str(ckpt), D) == "rank0.pt does not match its sha256 in the manifest"

@@ -315,3 +315,20 @@ def test_resume_from_an_earlier_checkpoint_branches_the_run(tmp_path, monkeypatc
     gspo.main()
     assert f"resuming {run}/step_3 (step 3)" in capsys.readouterr().out
     assert [r["step"] for r in common.read_metrics(f"{run}/metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_full_disk_on_one_rank_stops_every_rank_with_one_line(tmp_path):
+    """Rank 1 alone gets ENOSPC writing its part of step_2: every rank stops, rank 0 prints the one line, the partial
+    folder is gone and step_1 is intact (the single-process test in test_checkpoint.py resumes after it)."""
+    p = launch(tmp_path, "--num-steps", "2", "--save-every", "1", "--eval-every", "0", world=2, crash="nospace:2",
+               crash_rank=1)
+    (run,) = glob.glob(f"{tmp_path}/*/")
+    errors = [line[line.index("error: "):] for line in p.stderr.splitlines() if "error: " in line]  # after tqdm's bar
+    mount = os.path.abspath(run)
+    while not os.path.ismount(mount):
+        mount = os.path.dirname(mount)
+    assert p.returncode == 1 and len(errors) == 1, p.stderr[-3000:]
+    assert errors[0].startswith(f"error: no space left on the disk mounted at {mount} (") and errors[0].endswith(
+        f"GiB free) while writing {run}.tmp_step_2 (removed): free space there, then continue with --resume auto from "
+        "the previous checkpoint")
+    assert sorted(n for n in os.listdir(run) if "step" in n) == ["step_1"] and checkpoint.is_checkpoint(f"{run}step_1")

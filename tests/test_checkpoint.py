@@ -201,3 +201,13 @@ def test_a_checkpoint_in_the_flat_layout_before_model_and_state_still_resumes(tm
     assert checkpoint.read_trainer_state(str(ckpt))["step"] == 2
     (ckpt / "rank0.pt").write_bytes(b"y" * 64)
     assert checkpoint.verify_checkpoint(str(ckpt), D) == "rank0.pt does not match its sha256 in the manifest"
+
+
+def test_a_checkpoint_given_as_model_names_its_export(saved):
+    import common
+
+    with pytest.raises(SystemExit) as e:
+        common.check_model(saved, False)
+    assert e.value.code == (f"error: --model {saved!r}: a checkpoint folder; give its model, {saved}/model (or "
+                            f"continue the run with --resume {saved})")
+    common.check_model(f"{saved}/model", False)  # the export is a model folder

@@ -87,8 +87,9 @@ def check_model(name: str, trust_remote_code: bool):
         fail(f"--model {name!r}: no such folder (give 'tiny', a local model folder, or a hub id "
              "like Qwen/Qwen3-0.6B)")
     if is_checkpoint(os.path.expanduser(name)):  # step_N holds model/ (the export) and state/
-        fail(f"--model {name!r}: a checkpoint folder; give its model, {os.path.join(name, 'model')} "
-             f"(or continue the run with --resume {name})")
+        export = os.path.join(name, "model")
+        fail(f"--model {name!r}: a checkpoint folder; give its model, {export} (or continue the "
+             f"run with --resume {name})")
     from transformers import AutoConfig
 
     try:

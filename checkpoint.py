@@ -4,6 +4,7 @@ restoring a run's state, graceful stop on SIGTERM/SIGINT, and a run's end. Calle
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import glob
 import hashlib
@@ -16,6 +17,7 @@ import signal
 import socket
 import sys
 import time
+import traceback
 
 import numpy as np
 import torch
@@ -25,15 +27,25 @@ from distributed import Dist, Refused, all_reduce, barrier, fail, on_rank0
 
 
 # -------------------- checkpoints and exact resume
-# A checkpoint is a folder {run_dir}/step_N: the model and tokenizer as `save_pretrained` writes
-# them (safetensors, loads with from_pretrained), trainer_state.json (step, world size, script,
-# reward curve) and rank{r}.pt per rank (this rank's optimizer shard, the lr schedule, the RNG
-# states; plain tensors, read with weights_only=True), and, written last, manifest.json: the size
-# and sha256 of every other file. It is written into .tmp_step_N and renamed into place when
-# complete, so a crash mid-write leaves the previous ones intact; a file damaged later (a full disk,
-# a bad copy) fails the manifest, and resume says so instead of loading it.
+# A checkpoint is a folder {run_dir}/step_N holding two folders and a manifest:
+#   model/  the model a user ships: bf16 safetensors (save_pretrained), config, generation config,
+#           tokenizer and chat template; from_pretrained and pipeline load it as it is.
+#   state/  what exact resume needs: the weights as training holds them (fp32 master weights;
+#           save_pretrained, so from_pretrained loads them too), rank{r}.pt per rank (this rank's
+#           optimizer shard, the lr schedule, the RNG states; plain tensors, read with
+#           weights_only=True) and trainer_state.json (step, world size, script, flags, reward
+#           curve).
+#   manifest.json, written last by the writer once every rank has written its files: the size of
+#           every file it wrote, and the sha256 of the small ones (< HASH_BELOW bytes).
+# It is written into .tmp_step_N and renamed into place when complete, so a crash mid-write leaves
+# the previous ones intact. Resume checks the manifest's sizes and small files' hashes: a truncated
+# or missing file is caught, a same-size change inside a big file is not (rereading hundreds of GB
+# a save and a resume is what this avoids). Files a user adds (a README, notes) are not listed and
+# not looked at. Checkpoints written before model/ and state/ (one flat folder) resume too.
 STEP_DIR = re.compile(r"step_(\d+)$")
 MANIFEST = "manifest.json"
+MODEL, STATE = "model", "state"
+HASH_BELOW = 16 << 20  # bytes: smaller files are hashed (trainer_state, configs, tokenizer)
 
 
 def step_folders(run_dir: str) -> list[tuple[int, str]]:
@@ -49,6 +61,13 @@ def is_checkpoint(path: str) -> bool:
         os.path.join(path, MANIFEST))
 
 
+def state_dir(ckpt: str) -> str:
+    """The folder of a checkpoint's training state: step_N/state, or step_N itself in the flat
+    layout of older checkpoints. load_model reads the master weights from it on resume."""
+    state = os.path.join(ckpt, STATE)
+    return state if os.path.isdir(state) else ckpt
+
+
 def _sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -57,14 +76,19 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def _digests(folder: str, names: list[str], d: Dist) -> dict:
-    """{name: [bytes, sha256]} of files in folder, each rank hashing its share (names: the same on
-    every rank)."""
+def _entry(path: str) -> list:
+    """[bytes, sha256 or None]: only files below HASH_BELOW are hashed."""
+    size = os.path.getsize(path)
+    return [size, _sha256(path) if size < HASH_BELOW else None]
+
+
+def _entries(folder: str, names: list[str], d: Dist) -> dict:
+    """{name: [bytes, sha256 or None]} of files in folder, each rank hashing its share of the small
+    ones (names: the same on every rank)."""
     mine = {}
     for name in names[d.rank::d.world]:
-        path = os.path.join(folder, name)
         try:
-            mine[name] = [os.path.getsize(path), _sha256(path)]
+            mine[name] = _entry(os.path.join(folder, name))
         except OSError as e:
             mine[name] = [-1, f"{type(e).__name__}: {e}"]
     if d.world > 1:
@@ -74,10 +98,8 @@ def _digests(folder: str, names: list[str], d: Dist) -> dict:
     return mine
 
 
-def write_manifest(folder: str, d: Dist | None = None):
-    """manifest.json: size and sha256 of every other file in folder (ranks hash in parallel),
-    written last, whole."""
-    d = d or Dist(0, 1, torch.device("cpu"))
+def _manifest_files(folder: str, d: Dist) -> dict:
+    """What manifest.json lists for folder: every file in it (rank 0 lists them), collectively."""
     barrier()
     names = [None]
     if d.main:
@@ -86,47 +108,71 @@ def write_manifest(folder: str, d: Dist | None = None):
                         for f in files if f != MANIFEST)]
     if d.world > 1:
         dist.broadcast_object_list(names, src=0)
-    files = _digests(folder, names[0], d)
+    return _entries(folder, names[0], d)
+
+
+def _write_manifest_file(folder: str, files: dict):
+    with open(os.path.join(folder, MANIFEST + ".tmp"), "w") as f:
+        json.dump({"files": files}, f, indent=1)
+    os.replace(os.path.join(folder, MANIFEST + ".tmp"), os.path.join(folder, MANIFEST))
+
+
+def write_manifest(folder: str, d: Dist | None = None):
+    """manifest.json: the size of every other file in folder and the sha256 of the small ones
+    (ranks hash in parallel), written last, whole."""
+    d = d or Dist(0, 1, torch.device("cpu"))
+    files = _manifest_files(folder, d)
     if d.main:
-        with open(os.path.join(folder, MANIFEST + ".tmp"), "w") as f:
-            json.dump({"files": files}, f, indent=1)
-        os.replace(os.path.join(folder, MANIFEST + ".tmp"), os.path.join(folder, MANIFEST))
+        _write_manifest_file(folder, files)
     barrier()
 
 
+def _check_listed(ckpt: str, files: dict) -> str | None:
+    """Why the files a manifest lists are not there as written (None: they are): a listed file
+    missing or of another size. A manifest that lists nothing, or not the training state, is no
+    checkpoint's."""
+    if not isinstance(files, dict) or not files:
+        return f"{MANIFEST} lists no files (not written by a complete save)"
+    state = "trainer_state.json" if "trainer_state.json" in files else f"{STATE}/trainer_state.json"
+    if state not in files:
+        return f"{MANIFEST} does not list {STATE}/trainer_state.json (not a checkpoint's manifest)"
+    for name, (size, _) in files.items():
+        path = os.path.join(ckpt, name)
+        if not os.path.isfile(path):
+            return f"{name} is missing"
+        if os.path.getsize(path) != size:
+            return f"{name} has {os.path.getsize(path)} bytes, the manifest says {size}"
+    return None
+
+
 def verify_checkpoint(ckpt: str, d: Dist) -> str | None:
-    """None when every file the manifest lists has its size and sha256; else why not, in a few
-    words, the same answer on every rank (rank 0 reads the manifest and the sizes, then the ranks
-    hash a share each)."""
+    """None when every file the manifest lists has its size, and the small ones their sha256; else
+    why not, in a few words, the same answer on every rank (rank 0 reads the manifest and the sizes,
+    then the ranks hash a share of the small files each). Big files are not reread: sizes and the
+    manifest (written last, once every rank is done) are what says a save completed."""
     out = [None, []]  # (reason, files to hash)
     if d.main:
         try:
             with open(os.path.join(ckpt, MANIFEST)) as f:
                 files = json.load(f)["files"]
-            for name, (size, _) in files.items():
-                path = os.path.join(ckpt, name)
-                if not os.path.isfile(path):
-                    out[0] = out[0] or f"{name} is missing"
-                elif os.path.getsize(path) != size:
-                    out[0] = out[0] or (f"{name} has {os.path.getsize(path)} bytes, the manifest "
-                                        f"says {size}")
-            out[1] = sorted(files)
+            out[0] = _check_listed(ckpt, files)
+            # older manifests hash every file: only the small ones are reread
+            out[1] = sorted(name for name, (size, digest) in files.items()
+                            if digest is not None and size < HASH_BELOW)
         except FileNotFoundError:
             out[0] = f"no {MANIFEST} (written before manifests, or never completed)"
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             out[0] = f"{MANIFEST} cannot be read ({type(e).__name__}: {e})"
     if d.world > 1:
         dist.broadcast_object_list(out, src=0)
     if out[0] is not None:
         return out[0]
-    found = _digests(ckpt, out[1], d)
-    wanted = {}
+    found = _entries(ckpt, out[1], d)
+    bad = [None]
     if d.main:
         with open(os.path.join(ckpt, MANIFEST)) as f:
             wanted = json.load(f)["files"]
-    bad = [None]
-    if d.main:
-        mismatched = [name for name in out[1] if found[name] != wanted[name]]
+        mismatched = [name for name in out[1] if found[name][1] != wanted[name][1]]
         bad = [f"{mismatched[0]} does not match its sha256 in the manifest" if mismatched else None]
     if d.world > 1:
         dist.broadcast_object_list(bad, src=0)
@@ -184,7 +230,8 @@ def run_paths(args, d: Dist, script: str) -> tuple[str, str | None]:
             if name in then and then[name] != now[name]:
                 fail(f"--{name.replace('_', '-')} {now[name]} differs from {then[name]} in {ckpt}: "
                      "it cannot change on resume (the data order, the objective, the optimizer "
-                     "state or the weights depend on it); start a new run")
+                     f"state or the weights depend on it); pass {as_flag(name, then[name])} to "
+                     "resume, or start a new run without --resume")
         changed = [f"--{k.replace('_', '-')} {then[k]} -> {v}" for k, v in now.items()
                    if k in then and then[k] != v and k != "resume"]
         if d.main:
@@ -209,25 +256,37 @@ RESUME_FIXED = ("seed", "model", "dataset", "data_files", "prompts_per_rank", "g
                 "clip_gated", "stop_grad", "orth_floor")
 
 
+def as_flag(name: str, value) -> str:
+    """The command-line words that set flag `name` to `value` (tyro's spelling of booleans)."""
+    flag = name.replace("_", "-")
+    if isinstance(value, bool):
+        return f"--{flag}" if value else f"--no-{flag}"
+    return f"--{flag} {value}"
+
+
 def read_trainer_state(ckpt: str) -> dict:
     """A checkpoint's trainer_state.json, or one line saying why it cannot be read."""
+    path = os.path.join(state_dir(ckpt), "trainer_state.json")
     try:
-        with open(os.path.join(ckpt, "trainer_state.json")) as f:
+        with open(path) as f:
             state = json.load(f)
         missing = [k for k in ("step", "world", "script") if k not in state]
     except (OSError, ValueError, TypeError) as e:
-        fail(f"{ckpt}/trainer_state.json: cannot read it ({type(e).__name__}: {e}); resume from "
-             "another checkpoint")
+        fail(f"{path}: cannot read it ({type(e).__name__}: {e}); resume from another checkpoint")
     if missing:
-        fail(f"{ckpt}/trainer_state.json has no {missing}: resume from another checkpoint")
+        fail(f"{path} has no {missing}: resume from another checkpoint")
     return state
 
 
-# One writer per run folder: rank 0 holds an exclusive flock on {run_dir}/writer.lock (which names
-# its pid and host) from before the model loads until the process ends. The kernel lets go of it
-# when the process dies, however it dies, so a dead writer's lock is taken over by the next run; a
-# live writer's stops the next one with one line.
-_run_lock = None  # rank 0's open writer.lock
+# One writer per run folder: rank 0 holds an exclusive flock on the run folder itself and on
+# {run_dir}/writer.lock (which names its pid and host), from before the model loads until the
+# process ends. The kernel lets go of both when the process dies, however it dies, so a dead
+# writer's locks are taken over by the next run; a live writer's stop the next one with one line.
+# The folder's lock is what deleting writer.lock (a stale-looking file naming a pid) cannot undo: a
+# second writer that recreates the file still finds the folder locked. writer.lock's own lock is
+# kept for file systems that lock files but not folders (NFS turns flock into byte-range locks,
+# which a folder opened read-only cannot take).
+_run_lock = []  # rank 0's open run folder and writer.lock
 
 
 def claim_run_dir(run_dir: str, ckpt: str | None, d: Dist) -> str:
@@ -238,8 +297,27 @@ def claim_run_dir(run_dir: str, ckpt: str | None, d: Dist) -> str:
     return on_rank0(lambda: _claim_run_dir(run_dir, ckpt), d)
 
 
+def _lock(fd: int, run_dir: str, path: str) -> bool:
+    """An exclusive flock on fd: True when taken, False where the file system refuses locks;
+    a live holder is refused with one line naming it (writer.lock's text, when it is still
+    there)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        os.close(fd)
+        try:
+            with open(path) as f:
+                holder = f.read().strip() or "another process"
+        except OSError:
+            holder = "another process (its writer.lock, which names it, was deleted)"
+        raise Refused(f"{run_dir} is being written by {holder} (it holds {path}): wait for that "
+                      "run to end, or start another with a different --exp-name or --seed")
+    except OSError:
+        return False
+
+
 def _claim_run_dir(run_dir: str, ckpt: str | None) -> str:
-    global _run_lock
     if ckpt is None:
         os.makedirs(os.path.dirname(run_dir) or ".", exist_ok=True)
         head, t = run_dir.rsplit("__", 1)
@@ -254,27 +332,43 @@ def _claim_run_dir(run_dir: str, ckpt: str | None) -> str:
                 run_dir = f"{head}__{t}"
     release_run_dir()  # an earlier run in this process (tests call main() more than once)
     path = os.path.join(run_dir, "writer.lock")
-    f = open(path, "a+")
+    folder = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    locked = _lock(folder, run_dir, path)  # first: a refused writer leaves writer.lock as it is
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "another process"
-        f.close()
-        raise Refused(f"{run_dir} is being written by {holder} (it holds {path}): wait for that "
-                      "run to end, or start another with a different --exp-name or --seed")
-    # a file system without locks (e.g. NFS mounted with nolock refuses some): said, not hidden
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        print(f"warning: cannot lock {path} ({e}): no one-writer guarantee on this file system",
-              file=sys.stderr)
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    f.flush()
-    _run_lock = f
+        os.close(folder)
+        raise Refused(f"{run_dir}: cannot write {path} ({e.strerror}): make the folder writable "
+                      "(or free space on its disk) and start again")
+    try:
+        locked = _lock(fd, run_dir, path) or locked
+    except Refused:
+        os.close(folder)
+        raise
+    if not locked:  # a file system without locks (e.g. NFS mounted with nolock): said, not hidden
+        print(f"warning: cannot lock {run_dir} or {path}: no one-writer guarantee on this file "
+              "system", file=sys.stderr)
+    _run_lock.extend([folder, fd])
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    except OSError as e:  # a full disk: one line, not a traceback
+        release_run_dir()
+        raise Refused(f"{run_dir}: cannot write {path} ({e.strerror}): free space on its disk "
+                      "and start again")
+    remove_partial_checkpoints(run_dir)
     if ckpt is not None:
         set_aside_later_checkpoints(run_dir, int(STEP_DIR.search(ckpt)[1]))
     return run_dir
+
+
+def remove_partial_checkpoints(run_dir: str):
+    """A .tmp_step_N folder is a save that never completed (a kill, a full disk): never resumed,
+    and the space it holds may be what the next save needs. Its writer is gone (this process holds
+    the run's lock), so it is removed, and said so."""
+    for p in sorted(glob.glob(os.path.join(glob.escape(run_dir), ".tmp_step_*"))):
+        shutil.rmtree(p, ignore_errors=True)
+        print(f"removed {p}: a checkpoint whose writing never completed")
 
 
 def set_aside_later_checkpoints(run_dir: str, step: int):
@@ -295,11 +389,9 @@ def set_aside_later_checkpoints(run_dir: str, step: int):
 
 
 def release_run_dir():
-    """Let go of writer.lock (the end of a run; process exit does the same)."""
-    global _run_lock
-    if _run_lock is not None:
-        _run_lock.close()
-        _run_lock = None
+    """Let go of the run folder's locks (the end of a run; process exit does the same)."""
+    while _run_lock:
+        os.close(_run_lock.pop())
 
 
 def _rng_state(d: Dist) -> dict:
@@ -323,8 +415,9 @@ def resume_state(ckpt: str | None, optimizer, scheduler, d: Dist) -> dict:
     The data position is a pure function of the step (prompt_indices), so the step restores it."""
     if ckpt is None:
         return {"step": 0, "reward_curve": [], "nonfinite_run": 0, "wall_time": 0.0}
-    state = json.load(open(os.path.join(ckpt, "trainer_state.json")))
-    blob = torch.load(os.path.join(ckpt, f"rank{d.rank}.pt"), map_location="cpu", weights_only=True)
+    state = read_trainer_state(ckpt)
+    blob = torch.load(os.path.join(state_dir(ckpt), f"rank{d.rank}.pt"), map_location="cpu",
+                      weights_only=True)
     # this run's
     flags = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     optimizer.load_state_dict(blob["optimizer"])
@@ -357,38 +450,37 @@ def save_checkpoint(run_dir: str, step: int, policy, tok, optimizer, scheduler, 
                     args, script: str, **loop_state):
     """Write {run_dir}/step_{step} (see above; trainer_state.json holds the run's flags too)
     atomically, then delete all but the newest --keep-checkpoints (0: keep all).
-    The model is gathered from FSDP2 shards into one full state dict; the optimizer stays sharded,
-    one file a rank."""
-    from torch.distributed.tensor import DTensor
-
+    The model is gathered from FSDP2 shards into one full state dict on rank 0, which writes the
+    export (write_model) and the master weights; every rank writes its optimizer shard
+    (write_training_state). A write that fails on any rank (a full disk) stops every rank with one
+    line, the partial .tmp_step_N removed: the previous checkpoints stay what --resume auto
+    takes."""
     if d.sharded:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(policy.lm,
                                   options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:
-        sd = None
+        sd = None  # one process: the model's own tensors
     path, tmp = os.path.join(run_dir, f"step_{step}"), os.path.join(run_dir, f".tmp_step_{step}")
-    if d.main:
-        from transformers.utils import logging as hf_logging
 
+    def weights():
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed mid-write
-        hf_logging.disable_progress_bar()  # one bar a save would break the training bar
-        policy.lm.save_pretrained(tmp, state_dict=sd)
-        hf_logging.enable_progress_bar()
-        tok.save_pretrained(tmp)
-    barrier()
-    optim = optimizer.state_dict()
-    optim["state"] = {i: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in s.items()}
-                      for i, s in optim["state"].items()}
-    torch.save({"optimizer": optim, "scheduler": scheduler.state_dict(), "rng": _rng_state(d)},
-               os.path.join(tmp, f"rank{d.rank}.pt"))
-    barrier()
-    if d.main:
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+        write_model(os.path.join(tmp, MODEL), policy.lm, sd, tok)
+        os.makedirs(os.path.join(tmp, STATE))
+        _save_pretrained(policy.lm, os.path.join(tmp, STATE), sd)  # the master weights, as held
+
+    def trainer_state():
+        with open(os.path.join(tmp, STATE, "trainer_state.json"), "w") as f:
             json.dump({"step": step, "world": d.world, "script": script, "args": vars(args),
                        **loop_state}, f)
-    write_manifest(tmp, d)  # last: a folder without it is incomplete
+
+    _or_stop(_attempt(weights, tmp) if d.main else None, tmp, d)
+    _or_stop(_attempt(lambda: write_training_state(os.path.join(tmp, STATE), optimizer,
+                                                   scheduler, d), tmp), tmp, d)
+    _or_stop(_attempt(trainer_state, tmp) if d.main else None, tmp, d)
+    files = _manifest_files(tmp, d)  # last: a folder without it is incomplete
+    _or_stop(_attempt(lambda: _write_manifest_file(tmp, files), tmp) if d.main else None, tmp, d)
     if d.main:
         if os.path.exists(path):  # the same step written again: swap, then delete the old copy
             os.rename(path, tmp + ".old")
@@ -399,6 +491,95 @@ def save_checkpoint(run_dir: str, step: int, policy, tok, optimizer, scheduler, 
             shutil.rmtree(old)
     barrier()
     return path
+
+
+def _save_pretrained(lm, folder: str, sd: dict | None):
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar a save would break the training bar
+    try:
+        lm.save_pretrained(folder, state_dict=sd)
+    finally:
+        hf_logging.enable_progress_bar()
+
+
+def write_model(folder: str, lm, sd: dict | None, tok, dtype: torch.dtype = torch.bfloat16):
+    """The model a user ships, into folder: the weights cast to dtype (bf16: half an fp32 master
+    copy) as save_pretrained writes them, config.json saying so (from_pretrained then loads them in
+    it), the generation config, the tokenizer and its chat template. sd: the full state dict (FSDP2,
+    rank 0), None for the model's own tensors."""
+    cast = {}  # one copy per tensor: tied weights (embed_tokens, lm_head) stay one tensor
+    sd = {k: cast.setdefault(v.data_ptr(), v.to(dtype) if v.is_floating_point() else v)
+          for k, v in (lm.state_dict() if sd is None else sd).items()}
+    _save_pretrained(lm, folder, sd)
+    config = os.path.join(folder, "config.json")
+    with open(config) as f:
+        fields = json.load(f)
+    fields["dtype"] = str(dtype).removeprefix("torch.")  # save_pretrained names the model's own
+    with open(config, "w") as f:
+        json.dump(fields, f, indent=2, sort_keys=True)
+    tok.save_pretrained(folder)
+
+
+def write_training_state(folder: str, optimizer, scheduler, d: Dist):
+    """rank{r}.pt into folder: this rank's optimizer shard (FSDP2: its local tensors), the lr
+    schedule and this rank's RNG states."""
+    from torch.distributed.tensor import DTensor
+
+    optim = optimizer.state_dict()
+    optim["state"] = {i: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in s.items()}
+                      for i, s in optim["state"].items()}
+    torch.save({"optimizer": optim, "scheduler": scheduler.state_dict(), "rng": _rng_state(d)},
+               os.path.join(folder, f"rank{d.rank}.pt"))
+
+
+# What a short write looks like where the error is not an OSError: torch.save's zip writer, and
+# safetensors' Rust writer.
+_NO_SPACE = ("unexpected pos", "No space left", "os error 28", "StorageFull", "Disk quota")
+
+
+def _attempt(write, folder: str) -> str | None:
+    """write(), or the one line that says why it failed: a full disk (ENOSPC, EDQUOT, or a short
+    write that torch or safetensors report in their own words) names the disk."""
+    try:
+        write()
+        return None
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others would wait
+        if (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+                or any(s in str(e) for s in _NO_SPACE)):
+            return no_space_line(folder)
+        if not isinstance(e, OSError):
+            traceback.print_exc()
+        return f"cannot write the checkpoint {folder} (removed): {type(e).__name__}: {e}"
+
+
+def no_space_line(folder: str) -> str:
+    """No space left on the disk holding folder: which disk, how much is free, what to do."""
+    mount = os.path.abspath(folder)
+    while not os.path.ismount(mount):
+        mount = os.path.dirname(mount)
+    try:
+        free = f"{shutil.disk_usage(mount).free / 2**30:.1f} GiB free"
+    except OSError:
+        free = "free space unknown"
+    return (f"no space left on the disk mounted at {mount} ({free}) while writing {folder} "
+            "(removed): free space there, then continue with --resume auto from the previous "
+            "checkpoint")
+
+
+def _or_stop(err: str | None, tmp: str, d: Dist):
+    """Every rank learns of any rank's failed write (the first one's line); then the partial folder
+    is removed and every rank stops with that line."""
+    errs = [err]
+    if d.world > 1:
+        errs = [None] * d.world
+        dist.all_gather_object(errs, err)
+    err = next((e for e in errs if e is not None), None)
+    if err is None:
+        return
+    if d.main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    fail(err)
 
 
 # -------------------- graceful stop (SIGTERM, SIGINT)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass
 from typing import Literal
 
@@ -147,6 +148,48 @@ class CommonArgs:
     """every N steps, the first 2 prompts of the step with their completions, rewards and
     advantages go to tensorboard (text, 'samples') and to samples.jsonl in the run folder
     (0: never)"""
+
+
+# -------------------- parsing: tyro, its errors in one line, printed once
+def parse_args(cls, argv: list[str] | None = None):
+    """tyro.cli(cls), whose own errors (an unknown flag, a value of the wrong type) stop with one
+    line, printed by rank 0 alone under torchrun, instead of a box of 6-9 lines from every rank:
+    tyro's first sentence, the flag it suggests if any, and where the flags are listed. --help is
+    tyro's, printed once."""
+    import contextlib
+    import io
+
+    import tyro
+
+    main = int(os.environ.get("RANK", "0")) == 0
+    box = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(box):
+            args = tyro.cli(cls, args=argv, console_outputs=main)
+    except SystemExit as e:
+        if e.code in (0, None):  # --help
+            raise
+        raise SystemExit(f"error: {tyro_error_line(box.getvalue())}" if main else 2) from None
+    sys.stderr.write(box.getvalue())  # anything else tyro said (warnings) is not lost
+    return args
+
+
+def tyro_error_line(box: str) -> str:
+    """One line from tyro's error box: its first paragraph, the flags under 'Perhaps you meant',
+    and the script's --help."""
+    # rich draws a box, or plain rules where it guesses the terminal cannot show one; either way the
+    # first row is the title and the first paragraph after it says what was wrong
+    rows = [row for line in box.splitlines() if (row := line.strip().strip("│|╭╰╮╯").strip())][1:]
+    rules = [i for i, row in enumerate(rows) if set(row) <= set("─-━=")] + [len(rows)]
+    start = 1 if rules[0] == 0 else 0
+    first = rows[start:min(i for i in rules if i >= start)]
+    meant = next((i for i, row in enumerate(rows) if row.startswith("Perhaps you meant")), None)
+    suggested = [] if meant is None else [
+        row.split()[0] for row in rows[meant + 1:min(i for i in rules if i > meant)]
+        if row.startswith("--")]
+    said = " ".join(first).rstrip(".") or "cannot parse the flags"
+    hint = f" (did you mean {' or '.join(dict.fromkeys(suggested))}?)" if suggested else ""
+    return f"{said}{hint}; python {os.path.basename(sys.argv[0])} --help lists every flag"
 
 
 # -------------------- argument checks: every flag before any heavy work

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from checkpoint import is_checkpoint, state_dir
 from distributed import Dist, Refused, all_gather_cat, all_reduce, fail, on_rank0, seed_everything
 from grader import MAX_ANSWER_CHARS, Reward, canonical, decide, extract_answer
 from logprobs import chunked_logprobs
@@ -92,6 +93,10 @@ def check_model(name: str, trust_remote_code: bool, gen_mode: str = "shared-pref
     if looks_local and not os.path.isdir(os.path.expanduser(name)):
         fail(f"--model {name!r}: no such folder (give 'tiny', a local model folder, or a hub id "
              "like Qwen/Qwen3-0.6B)")
+    if is_checkpoint(os.path.expanduser(name)):  # step_N holds model/ (the export) and state/
+        export = os.path.join(name, "model")
+        fail(f"--model {name!r}: a checkpoint folder; give its model, {export} (or continue the "
+             f"run with --resume {name})")
     from transformers import AutoConfig
 
     try:
@@ -157,6 +162,8 @@ def load_model(name: str, tok, d: Dist, seed: int, trust_remote_code: bool = Fal
     # `tiny` is random-init: the same seed gives the same weights (policy and reference)
     seed_everything(seed)
     path = os.path.expanduser(name)
+    if is_checkpoint(path):  # resume: the master weights of its training state, not the export
+        path = state_dir(path)
 
     def build(dt):
         if name == "tiny":

@@ -20,13 +20,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import tyro
 from tqdm import tqdm
 
 from checkpoint import (catch_stop_signals, claim_run_dir, cleanup, resume_state, run_paths,
                         save_checkpoint, stop_requested)
 from cli import (CommonArgs, check_common_args, check_float, default_learning_rate,
-                 default_max_new_tokens)
+                 default_max_new_tokens, parse_args)
 from common import (Logger, all_finite, check_model, eos_ids, eval_report, eval_summary, evaluate,
                     generate, group_advantages, group_metrics, jitter2, load_model, load_tokenizer,
                     log_samples, logp_drift, lr_scheduler, micro_batches, minibatches,
@@ -129,7 +128,7 @@ def aggregate(token_terms, mask, loss_agg: str, max_new_tokens: int | None):
 
 
 def main():
-    args = tyro.cli(Args)
+    args = parse_args(Args)  # tyro; its errors in one line, once
     # Defaults that depend on the model and the task, filled in here: the run is logged,
     # checkpointed and compared on resume with these values; nothing changes args after this
     learning_rate = args.learning_rate

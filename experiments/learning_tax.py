@@ -276,8 +276,11 @@ def measure(ckpt: str, probes: list[tuple[int, int]]) -> dict:
     from transformers.utils import logging
 
     logging.disable_progress_bar()
-    tok = AutoTokenizer.from_pretrained(ckpt)
-    lm = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    tok_dir, weights_dir = ckpt, ckpt
+    if os.path.isdir(os.path.join(ckpt, "state")):  # a run's step_N: its fp32 master weights, its export's tokenizer
+        tok_dir, weights_dir = os.path.join(ckpt, "model"), os.path.join(ckpt, "state")
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    lm = AutoModelForCausalLM.from_pretrained(weights_dir, dtype=torch.float32).eval()
     prompts = [f"What is {a}+{b}?" for a, b in probes]
     la = seq_logprob(lm, tok, prompts, [FORM_A.format(a=a, b=b, n=a + b) for a, b in probes])
     lb = seq_logprob(lm, tok, prompts, [FORM_B.format(a=a, b=b, n=a + b) for a, b in probes])

@@ -4,6 +4,7 @@
     CRASH=checkpoint:4 python tests/crash.py gspo.py ARGS...   SIGKILL while step_4 is being written (the model is
                                                                written, this rank's optimizer file half written)
     CRASH=sigterm:3    python tests/crash.py gspo.py ARGS...   SIGTERM at the start of step 3 (a graceful stop)
+    CRASH=nospace:2    python tests/crash.py gspo.py ARGS...   ENOSPC when the rank writes its rank<r>.pt of step_2
 CRASH_RANK (default 0) picks the rank that dies; under torchrun only the first attempt crashes (restarts run clean)."""
 import os
 import runpy
@@ -47,7 +48,18 @@ elif armed and where == "checkpoint":
         return real_save(obj, f, *a, **k)
 
     torch.save = save
+elif armed and where == "nospace":
+    import errno
+
+    real_save = torch.save
+
+    def save(obj, f, *a, **k):  # a full disk while this rank writes its part of step_{at}
+        if f"step_{at}" in str(f):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
+        return real_save(obj, f, *a, **k)
+
+    torch.save = save
 elif where:
-    assert where in ("start", "checkpoint", "sigterm"), where
+    assert where in ("start", "checkpoint", "sigterm", "nospace"), where
 sys.argv = sys.argv[1:]
 runpy.run_path(os.path.join(ROOT, sys.argv[0]), run_name="__main__")

@@ -168,3 +168,10 @@ def test_memory_bandwidth_bound_by_hand():
     import gpu
 
     assert gpu.bound_seconds([1, 2], 3, 100, 10, 2.0) == 150.0
+
+
+def test_checkpoint_benchmark_prints_its_table():
+    p = subprocess.run([sys.executable, "benchmarks/checkpoint_io.py", "--smoke"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "| tiny | 0.4 |" in p.stdout and "`python benchmarks/checkpoint_io.py --smoke`" in p.stdout

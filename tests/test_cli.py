@@ -121,7 +121,7 @@ def test_grpo_kl_coef(value, shown, monkeypatch, tmp_path):
     ("dfpo", ["--orth-floor", "0"], "--orth-floor 0.0: must be > 0 and finite"),
     ("dfpo", ["--orth-floor", "nan"], "--orth-floor nan: must be > 0 and finite"),
     ("dfpo", ["--orth-floor", "inf"], "--orth-floor inf: must be > 0 and finite"),
-    ("dfpo", ["--transform", "nope"], None),  # tyro's own choice check: exit code 2 with the choices listed
+    ("dfpo", ["--transform", "nope"], "invalid choice 'nope' for argument '--transform'"),  # tyro's own check
     ("gspo_token", ["--post-answer-penalty", "-1"], "--post-answer-penalty -1.0: must be >= 0 and finite"),
     ("gspo_token", ["--post-answer-penalty", "nan"], "--post-answer-penalty nan: must be >= 0 and finite"),
     ("gspo_token", ["--post-answer-penalty", "inf"], "--post-answer-penalty inf: must be >= 0 and finite"),
@@ -161,8 +161,8 @@ def test_error_is_one_line_on_stderr(tmp_path):
 def test_error_under_torchrun_is_printed_once_and_every_rank_exits(tmp_path):
     """A checkpoint written by 1 rank, resumed under 2: rank 0 alone prints the line, both ranks exit 1 at once."""
     ckpt = tmp_path / "gspo__1__5" / "step_4"
-    ckpt.mkdir(parents=True)
-    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4, "world": 1, "script": "gspo.py"}))
+    (ckpt / "state").mkdir(parents=True)
+    (ckpt / "state" / "trainer_state.json").write_text(json.dumps({"step": 4, "world": 1, "script": "gspo.py"}))
     checkpoint.write_manifest(str(ckpt))
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         "gspo.py", "--resume", str(ckpt), "--output-dir", str(tmp_path)], cwd=ROOT,
@@ -174,6 +174,41 @@ def test_error_under_torchrun_is_printed_once_and_every_rank_exits(tmp_path):
         "shards and RNG states are per rank)"], out
     assert "exitcode  : 1" in out  # torchrun's own failure report (ChildFailedError) follows
     assert out.count("Traceback") == 1 and "torch/distributed/run.py" in out  # torchrun's; none from the ranks
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--sed", "3"], "Unrecognized options: --sed, 3 (did you mean --seed?); python gspo.py --help lists every flag"),
+    (["--seed", "abc"], "Error parsing --seed: invalid literal for int() with base 10: 'abc'; python gspo.py --help "
+                        "lists every flag"),
+    (["--gen-mode", "foo"], "invalid choice 'foo' for argument '--gen-mode'. Expected one of ('repeat', "
+                            "'shared-prefill', 'static', 'engine', 'engine-tp'); python gspo.py --help lists every flag"),
+    (["--num-steps"], "Missing value for argument '--num-steps'. Expected 1 values; python gspo.py --help lists every "
+                      "flag"),
+])
+def test_tyro_errors_are_one_line(argv, line, monkeypatch, capsys):
+    """tyro's own errors (6-9 lines in a box) come out as one line: what tyro said first, the flag it suggests."""
+    import cli
+    import gspo
+
+    monkeypatch.setattr(sys, "argv", ["gspo.py", *argv])
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(gspo.Args, argv)
+    assert e.value.code == f"error: {line}"
+    assert capsys.readouterr() == ("", "")  # the box is not printed
+    monkeypatch.setenv("RANK", "1")  # another rank under torchrun: silent, a failing exit code
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(gspo.Args, argv)
+    assert e.value.code == 2 and capsys.readouterr() == ("", "")
+
+
+def test_tyro_error_under_torchrun_is_printed_once(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "gspo.py", "--num-step", "3", "--output-dir", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and "╭" not in out and "Unrecognized options" not in out.replace(
+        "error: Unrecognized options: --num-step, 3 (did you mean --num-steps?); python gspo.py --help lists every "
+        "flag\n", "", 1), out
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

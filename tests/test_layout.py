@@ -84,5 +84,5 @@ def test_the_copied_files_run_one_step_alone(tmp_path):
                           "0", "--output-dir", "runs"], cwd=dest, env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert glob.glob(str(dest / "runs" / "gspo__1__*" / "step_1" / "model.safetensors"))
+    assert glob.glob(str(dest / "runs" / "gspo__1__*" / "step_1" / "model" / "model.safetensors"))
     assert sorted(os.listdir(dest)) == sorted(files + ["runs"])  # nothing else was needed, nothing else written

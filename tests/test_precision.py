@@ -126,9 +126,9 @@ def test_script_trains_fp32_masters_in_bf16(monkeypatch, tmp_path):
                                     "4", "--num-minibatches", "1", "--reward", "precision_reward:f"], monkeypatch,
                            tmp_path / "runs")
     assert rows[-1]["losses/grad_norm"] > 0
-    weights = load_file(f"{run}/step_1/model.safetensors")
+    weights = load_file(f"{run}/step_1/state/model.safetensors")  # the master weights
     assert weights and all(w.dtype == torch.float32 for w in weights.values())
-    state = torch.load(f"{run}/step_1/rank0.pt", weights_only=True)["optimizer"]["state"]
+    state = torch.load(f"{run}/step_1/state/rank0.pt", weights_only=True)["optimizer"]["state"]
     assert all(s["exp_avg"].dtype == torch.float32 for s in state.values())
 
 

@@ -63,7 +63,7 @@ def test_nonfinite_update_is_skipped_and_counted(script, monkeypatch, tmp_path):
     assert [r["losses/skipped_updates"] for r in rows] == [1, 1]  # 4 updates a step: calls 2 and 5
     from transformers import AutoModelForCausalLM
 
-    assert all(torch.isfinite(p).all() for p in AutoModelForCausalLM.from_pretrained(f"{run}/step_2").parameters())
+    assert all(torch.isfinite(p).all() for p in AutoModelForCausalLM.from_pretrained(f"{run}/step_2/model").parameters())
 
 
 def test_nonfinite_updates_never_touch_the_weights(monkeypatch, tmp_path):
@@ -74,7 +74,7 @@ def test_nonfinite_updates_never_touch_the_weights(monkeypatch, tmp_path):
     rows, run = run_script("gspo", ["--num-steps", "1", "--prompts-per-rank", "4", "--eval-every", "0",
                                     "--max-nonfinite", "10"], monkeypatch, tmp_path)
     assert rows[0]["losses/skipped_updates"] == 4
-    trained = AutoModelForCausalLM.from_pretrained(f"{run}/step_1")
+    trained = AutoModelForCausalLM.from_pretrained(f"{run}/step_1/state")  # fp32 masters, not the bf16 export
     tok = common.tiny_tokenizer()
     start, _ = common.load_model("tiny", tok, distributed.Dist(0, 1, torch.device("cpu")), seed=1)  # the run's init
     for (n, p), q in zip(trained.named_parameters(), start.parameters()):

@@ -40,7 +40,7 @@ def result(out):
     """(final weights, logged rows without timings) of the one run under `out`."""
     (run,) = glob.glob(f"{out}/*/metrics.jsonl")
     rows = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_rows(run)]
-    return load_file(os.path.join(os.path.dirname(run), "step_6", "model.safetensors")), rows
+    return load_file(os.path.join(os.path.dirname(run), "step_6", "state", "model.safetensors")), rows  # fp32 masters
 
 
 def assert_same(a, b):
@@ -85,10 +85,10 @@ def test_damaged_newest_checkpoint_is_skipped(tmp_path, tmp_path_factory, monkey
     assert p.returncode == -9  # SIGKILL at the start of step 5, after step_4 was written
     (run,) = glob.glob(f"{tmp_path}/*/")
     assert sorted(n for n in os.listdir(run) if "step" in n) == ["step_2", "step_4"]
-    model = f"{run}step_4/model.safetensors"
+    model = f"{run}step_4/state/model.safetensors"  # big files: checked by size
     size = os.path.getsize(model)
     os.truncate(model, size // 2)
-    damage = f"model.safetensors has {size // 2} bytes, the manifest says {size}"
+    damage = f"state/model.safetensors has {size // 2} bytes, the manifest says {size}"
     assert main_exits(monkeypatch, tmp_path, "--resume", f"{run}step_4") == (
         f"error: --resume {run}step_4: {damage}; resume from another checkpoint (or --resume auto)")
 
@@ -101,7 +101,8 @@ def test_damaged_newest_checkpoint_is_skipped(tmp_path, tmp_path_factory, monkey
     for flag, new, old in [("--group-size", "4", "8"), ("--clip-low", "0.1", "0.0003")]:  # the objective too
         assert main_exits(monkeypatch, tmp_path, "--resume", f"{run}step_6", flag, new) == (
             f"error: {flag} {new} differs from {old} in {run}step_6: it cannot change on resume (the data order, the "
-            "objective, the optimizer state or the weights depend on it); start a new run")
+            f"objective, the optimizer state or the weights depend on it); pass {flag} {old} to resume, or start a new "
+            "run without --resume")
     p = launch(tmp_path, "--save-every", "2", "--resume", f"{run}step_6", "--num-steps", "8",
                "--learning-rate", "4e-3")
     assert p.returncode == 0, p.stderr[-3000:]
@@ -163,7 +164,7 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, tmp
     assert p.returncode == -9
     (run,) = glob.glob(f"{tmp_path}/*/")
     assert sorted(n for n in os.listdir(run) if "step" in n) == [".tmp_step_4", "step_2"]
-    assert open(f"{run}/.tmp_step_4/rank0.pt", "rb").read() == b"half an optimizer state"
+    assert open(f"{run}/.tmp_step_4/state/rank0.pt", "rb").read() == b"half an optimizer state"
     assert not checkpoint.is_checkpoint(f"{run}/.tmp_step_4") and checkpoint.is_checkpoint(f"{run}/step_2")
     assert [json.loads(line)["step"] for line in open(f"{run}/metrics.jsonl")][-1] == 4  # logged past the checkpoint
     with open(f"{run}/metrics.jsonl", "a") as f:
@@ -240,9 +241,9 @@ def test_one_writer_per_run_folder(tmp_path, monkeypatch):
 
 
 def fake_checkpoint(ckpt, **state):
-    """A checkpoint folder holding only trainer_state.json and its manifest."""
-    ckpt.mkdir(parents=True, exist_ok=True)
-    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    """A checkpoint folder holding only state/trainer_state.json and its manifest."""
+    (ckpt / "state").mkdir(parents=True, exist_ok=True)
+    (ckpt / "state" / "trainer_state.json").write_text(json.dumps(state))
     checkpoint.write_manifest(str(ckpt))
 
 
@@ -265,17 +266,17 @@ def test_resume_errors_before_any_heavy_work(tmp_path, monkeypatch, capsys):
     assert main("--resume", str(ckpt), "--num-steps", "4") == "0"
     assert "is at step 4 and --num-steps is 4: nothing to do" in capsys.readouterr().out
 
-    (ckpt / "rank0.pt").write_bytes(b"0123")
+    (ckpt / "state" / "rank0.pt").write_bytes(b"0123")
     checkpoint.write_manifest(str(ckpt))
-    (ckpt / "rank0.pt").write_bytes(b"0124")  # damaged in place: same size
-    assert main("--resume", str(ckpt)) == (f"error: --resume {ckpt}: rank0.pt does not match its sha256 in the "
-                                           "manifest; resume from another checkpoint (or --resume auto)")
-    (ckpt / "rank0.pt").unlink()
-    assert main("--resume", str(ckpt)).endswith(f"{ckpt}: rank0.pt is missing; resume from another checkpoint "
-                                                "(or --resume auto)")
-    (ckpt / "trainer_state.json").write_text("{")  # damaged before the manifest was written: read, and one line
+    (ckpt / "state" / "rank0.pt").write_bytes(b"0124")  # damaged in place: same size (a small file: hashed)
+    assert main("--resume", str(ckpt)) == (f"error: --resume {ckpt}: state/rank0.pt does not match its sha256 in "
+                                           "the manifest; resume from another checkpoint (or --resume auto)")
+    (ckpt / "state" / "rank0.pt").unlink()
+    assert main("--resume", str(ckpt)).endswith(f"{ckpt}: state/rank0.pt is missing; resume from another "
+                                                "checkpoint (or --resume auto)")
+    (ckpt / "state" / "trainer_state.json").write_text("{")  # damaged before the manifest was written: one line
     checkpoint.write_manifest(str(ckpt))
-    assert main("--resume", str(ckpt)).startswith(f"error: {ckpt}/trainer_state.json: cannot read it "
+    assert main("--resume", str(ckpt)).startswith(f"error: {ckpt}/state/trainer_state.json: cannot read it "
                                                   "(JSONDecodeError")
     (ckpt / "manifest.json").unlink()
     assert main("--resume", str(ckpt)).endswith(f"{ckpt}: no manifest.json (written before manifests, or never "
@@ -314,3 +315,20 @@ def test_resume_from_an_earlier_checkpoint_branches_the_run(tmp_path, monkeypatc
     gspo.main()
     assert f"resuming {run}/step_3 (step 3)" in capsys.readouterr().out
     assert [r["step"] for r in common.read_metrics(f"{run}/metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_full_disk_on_one_rank_stops_every_rank_with_one_line(tmp_path):
+    """Rank 1 alone gets ENOSPC writing its part of step_2: every rank stops, rank 0 prints the one line, the partial
+    folder is gone and step_1 is intact (the single-process test in test_checkpoint.py resumes after it)."""
+    p = launch(tmp_path, "--num-steps", "2", "--save-every", "1", "--eval-every", "0", world=2, crash="nospace:2",
+               crash_rank=1)
+    (run,) = glob.glob(f"{tmp_path}/*/")
+    errors = [line[line.index("error: "):] for line in p.stderr.splitlines() if "error: " in line]  # after tqdm's bar
+    mount = os.path.abspath(run)
+    while not os.path.ismount(mount):
+        mount = os.path.dirname(mount)
+    assert p.returncode == 1 and len(errors) == 1, p.stderr[-3000:]
+    assert errors[0].startswith(f"error: no space left on the disk mounted at {mount} (") and errors[0].endswith(
+        f"GiB free) while writing {run}.tmp_step_2 (removed): free space there, then continue with --resume auto from "
+        "the previous checkpoint")
+    assert sorted(n for n in os.listdir(run) if "step" in n) == ["step_1"] and checkpoint.is_checkpoint(f"{run}step_1")

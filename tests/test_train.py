@@ -69,9 +69,9 @@ def test_local_model_folder_and_checkpoint(tiny_dir, monkeypatch, tmp_path):
         assert key in rows[1], key
     assert rows[-1]["step"] == 2 and rows[-1]["charts/reward_jitter2"] is None  # eq. 20 needs 3 points: null
     assert glob.glob(f"{run}/events.out.tfevents.*")
-    trained = AutoModelForCausalLM.from_pretrained(f"{run}/step_2")
+    trained = AutoModelForCausalLM.from_pretrained(f"{run}/step_2/model")
     start = AutoModelForCausalLM.from_pretrained(tiny_dir)
-    tok = AutoTokenizer.from_pretrained(f"{run}/step_2")
+    tok = AutoTokenizer.from_pretrained(f"{run}/step_2/model")
     assert tok("12%10=").input_ids == common.tiny_tokenizer()("12%10=").input_ids
     assert trained.config.model_type == "qwen3" and trained.generation_config.eos_token_id == tok.eos_token_id
     assert [n for n, _ in trained.named_parameters()] == [n for n, _ in start.named_parameters()]
@@ -232,7 +232,7 @@ def test_torchrun_two_ranks_runs_and_saves(tmp_path):
     (run,) = glob.glob(f"{tmp_path}/*/metrics.jsonl")
     rows = read_rows(run)
     assert [row["step"] for row in rows] == [0, 1, 2] and rows[0]["eval/prompts"] == 4  # 5 -> equal shares of 2
-    model = AutoModelForCausalLM.from_pretrained(os.path.join(os.path.dirname(run), "step_2"))  # gathered from shards
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(os.path.dirname(run), "step_2", "model"))  # gathered from shards
     assert sum(p.numel() for p in model.parameters()) == sum(
         p.numel() for p in common.tiny_model(common.tiny_tokenizer()).parameters())
 

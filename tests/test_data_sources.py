@@ -179,3 +179,24 @@ def test_readme_think_format_scores_on_the_builtin_task(tmp_path, monkeypatch):
             [r["answer"] for r in rows]
     r, errors = common.score(texts, [r["answer"] for r in rows] * 2, 1, reward, watch=False)
     assert r.tolist() == [1.0, 1.0, 0.0, 0.0] and errors == 0
+
+
+def test_readme_trl_and_verl_tables_name_real_flags():
+    """Every flag the README's TRL and verl tables map to is a flag of one of the scripts (--reward-weights comes with
+    issue 26's rewards, merged from another branch)."""
+    import dataclasses
+    import importlib
+    import re
+
+    readme = open(f"{common.__file__.rsplit('/', 1)[0]}/README.md").read()
+    tables = readme.split("## Coming from TRL or verl", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`--([a-z-]+)", tables))
+    flags = {f.name.replace("_", "-") for s in ("gspo", "grpo", "gspo_token", "dfpo")
+             for f in dataclasses.fields(importlib.import_module(s).Args)}
+    assert len(named) > 25 and named - flags <= {"reward-weights"}, named - flags
+    for name in ("num_generations", "max_completion_length", "beta", "epsilon_high", "steps_per_generation",
+                     "per_device_train_batch_size", "reward_weights", "mask_truncated_completions", "loss_type",
+                     "scale_rewards", "importance_sampling_level", "data.train_batch_size",
+                     "actor_rollout_ref.rollout.n", "clip_ratio_low", "loss_agg_mode", "kl_ctrl", "use_kl_loss",
+                     "kl_loss_coef", "data.max_response_length", "ppo_mini_batch_size"):
+        assert name in tables, name

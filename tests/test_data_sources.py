@@ -200,3 +200,26 @@ def test_readme_trl_and_verl_tables_name_real_flags():
                      "actor_rollout_ref.rollout.n", "clip_ratio_low", "loss_agg_mode", "kl_ctrl", "use_kl_loss",
                      "kl_loss_coef", "data.max_response_length", "ppo_mini_batch_size"):
         assert name in tables, name
+
+
+@pytest.mark.parametrize("argv, expected", [([], {"temperature": 0.9, "top_p": 0.8}),
+                                            (["--eval-temperature", "0.6", "--eval-top-p", "0.95"],
+                                             {"temperature": 0.6, "top_p": 0.95})])
+def test_evaluation_samples_at_its_own_temperature_and_top_p(argv, expected, monkeypatch, tmp_path):
+    """--eval-temperature / --eval-top-p reach evaluate(); unset, the training ones do (as before)."""
+    import sys
+
+    import gspo
+
+    seen = []
+
+    def fake_evaluate(policy, tok, held, eos, d, **kw):
+        seen.append({k: kw[k] for k in expected})
+        return {"eval/avg@2": 0.0, "eval/pass@2": 0.0, "eval/prompts": len(held), "eval/samples": 2,
+                "eval/reward_errors": 0.0}
+
+    monkeypatch.setattr(gspo, "evaluate", fake_evaluate)
+    monkeypatch.setattr(sys, "argv", ["gspo.py", "--eval-only", "--eval-k", "2", "--temperature", "0.9", "--top-p",
+                                      "0.8", *argv, "--output-dir", str(tmp_path)])
+    gspo.main()
+    assert seen == [expected]

@@ -129,6 +129,8 @@ def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok,
     splits, train_split, test_split, pcol, acol, instr = read_source("--dataset", name,
                                                                      data_files, *cols)
     train, dropped = task_rows("--dataset", name, splits[train_split], pcol, acol, instr)
+    if len(train) == 0:
+        fail(f"--dataset {name!r}: no usable rows (dropped {dropped} without an answer)")
     if test_split is not None:
         held, n = task_rows("--dataset", name, splits[test_split], pcol, acol, instr)
         dropped += n

@@ -24,6 +24,9 @@ FILES = {  # name: lines
     "null_prompt.jsonl": LINES[:3] + [json.dumps({"prompt": None, "answer": "3"})] + LINES[4:],
     "int_prompt.jsonl": LINES[:4] + [json.dumps({"prompt": 4, "answer": "4"})] + LINES[5:],
     "own_columns.jsonl": LINES,
+    "no_answers.jsonl": [json.dumps({"prompt": r["prompt"], "answer": None}) for r in ROWS],
+    "corrupt.parquet": ["this is not parquet"],
+    "notes.txt": LINES,
 }
 CASES = {  # id: (argv, extra environment, what the line must say)
     "broken line": (["--dataset", "{d}/broken.jsonl"], {}, "broken.jsonl:8: not valid JSON (Expecting ',' delimiter"),
@@ -41,6 +44,12 @@ CASES = {  # id: (argv, extra environment, what the line must say)
                         "--dataset math500: cannot reach http://127.0.0.1:9 (Connection refused)"),
     "hub offline, not cached": (["--dataset", "gsm8k"], {"HF_HUB_OFFLINE": "1"},
                                 "HF_HUB_OFFLINE is set, so only a cached copy can be used"),
+    "no answers": (["--dataset", "{d}/no_answers.jsonl"], {}, "no_answers.jsonl': no usable rows (dropped 20 without an "
+                   "answer)"),
+    "corrupt parquet": (["--dataset", "{d}/corrupt.parquet"], {}, "corrupt.parquet': `datasets` cannot read it ("),
+    "unknown format": (["--dataset", "{d}/notes.txt"], {}, "notes.txt': not a file `datasets` reads here"),
+    "renamed column missing": (["--dataset", "{d}/own_columns.jsonl", "--prompt-column", "question"], {},
+                               "has no column(s) ['question'] (columns: ['prompt', 'answer'])"),
     "reward module missing": (["--reward", "no_such_module14:f"], {}, "cannot import 'no_such_module14'"),
 }
 

@@ -10,6 +10,8 @@ Cancellation", arXiv:2604.13088, Sec. 4 and App. B, D).
     s_tilde       = T(s_bar, A) inside each group, with sum_i A_i s_tilde_i = 0          (eq. 63)
     grad J        = 1/G sum_i s_tilde_i A_i grad log s_i, every sequence, s_tilde constant (eq. 68)
     T (--transform): min-replace (eq. 50), orth-proj (eq. 52-55), orth-proj-qp (eq. 51), scale, none
+    (--kl-coef)   - beta 1/G sum_i 1/|y_i| sum_t [pi_ref/pi_theta - log(pi_ref/pi_theta) - 1]   (k3)
+                  (off by default, as in the GSPO and DFPO recipes)
 
 Equation numbers are the DFPO paper's (arXiv:2604.13088); derivations: docs/objectives.md.
 Different from gspo.py: the sequences of a group get weights whose advantage-weighted sum is zero

@@ -4,6 +4,8 @@
     s_i(theta)    = (pi_theta(y_i|x) / pi_old(y_i|x))^(1/|y_i|)                          (eq. 44)
                   = exp(1/|y_i| sum_t log w_it)
     A_i           = (r_i - mean_j r_j) / std_j r_j                                       (eq. 43)
+    (--kl-coef)   - beta 1/G sum_i 1/|y_i| sum_t [pi_ref/pi_theta - log(pi_ref/pi_theta) - 1]   (k3)
+                  (off by default, as in the GSPO and DFPO recipes)
 
 Equation numbers are the DFPO paper's (arXiv:2604.13088); derivations: docs/objectives.md.
 GSPO restated in its App. B.1: one importance ratio per sequence, clipped once, so every token of

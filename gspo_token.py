@@ -6,6 +6,8 @@
                     with pi_theta(y_it) = pi_theta(y_it | x, y_i,<t)
     A_i           = (r_i - mean_j r_j) / std_j r_j                                       (eq. 43)
     A_it          = A_i, or A_i - lambda after the final answer (--post-answer-penalty lambda)
+    (--kl-coef)   - beta k3_it in each token's term, k3 = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1
+                  (off, as in the GSPO recipe)
 
 Equation numbers are the DFPO paper's (arXiv:2604.13088); derivations: docs/objectives.md.
 Different from gspo.py: the advantage may change from token to token. s_it has the value of s_i, so

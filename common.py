@@ -12,7 +12,7 @@ The subsystems a reader of an algorithm need not read live in files named for th
 imported by the scripts or by this file, none importing a script:
   distributed.py       torchrun set-up, ranks, seeds, collectives, one-line errors (the base)
   cli.py               the flags every script shares (CommonArgs) and their checks
-  data.py              tasks: prompts and reference answers (built-in, hub sets, local .jsonl)
+  data.py              tasks: prompts and reference answers (built-in, hub, local files)
   grader.py            the math grader, math-verify and --reward in worker processes
   checkpoint.py        run folders, checkpoints, exact resume, graceful stop, a run's end
   engine.py            the rollout engine (--gen-mode engine, engine-tp)

@@ -250,7 +250,9 @@ def run_paths(args, d: Dist, script: str) -> tuple[str, str | None]:
 # step (group size), the weights and optimizer state (model), and the objective (the script's loss
 # flags and what shapes the advantages). World size and script are checked on their own; a name the
 # checkpoint's script lacks is skipped.
-RESUME_FIXED = ("seed", "model", "dataset", "data_files", "prompts_per_rank", "group_size",
+RESUME_FIXED = ("seed", "model", "dataset", "data_files", "prompt_column", "answer_column",
+                # with --eval-dataset no held-out split is taken from --dataset: other train rows
+                "eval_dataset", "prompts_per_rank", "group_size",
                 "clip_low", "clip_high", "scale_rewards", "mask_truncated", "loss_agg",
                 "symmetric_clip", "kl_coef", "post_answer_penalty", "transform", "length_aware",
                 "clip_gated", "stop_grad", "orth_floor")

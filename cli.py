@@ -36,13 +36,23 @@ class CommonArgs:
     trust_remote_code: bool = False
     """let transformers run code shipped with the model (off unless you trust the model's source)"""
     dataset: str = "builtin"
-    """'builtin' (offline: 'x%10=' for a digit x), 'gsm8k', 'math500', 'dapo17k', or a local .jsonl
-    of {prompt, answer}"""
+    """'builtin' (offline: 'x%10=' for a digit x), 'gsm8k', 'math500', 'dapo17k' (hub sets with
+    their own columns and instruction), a hub id, or a local json, jsonl, parquet, csv or arrow
+    file (or a glob of them) read by `datasets.load_dataset`"""
     data_files: str | None = None
-    """local json/jsonl files laid out in --dataset's own hub columns, read instead of the hub
-    (offline mirror)"""
-    enable_thinking: bool = False
-    """passed to the chat template (Qwen3: think before answering)"""
+    """local files laid out in a named hub set's own columns (--dataset gsm8k, math500, dapo17k),
+    read instead of the hub (offline mirror)"""
+    prompt_column: str = "prompt"
+    """the column of the prompts: text, or a list of {role, content} messages (conversational: the
+    whole list goes through the chat template, system messages included)"""
+    answer_column: str = "answer"
+    """the column of the reference answers ('a.b': field b of column a); when 'answer' is absent,
+    TRL's 'solution' or verl's 'reward_model.ground_truth' is read. Every other column is kept"""
+    system_prompt: str | None = None
+    """a system message put before each text prompt (conversational prompts keep their own)"""
+    enable_thinking: bool | None = None
+    """passed to the chat template when given (True / False); None: the template's own default
+    (Qwen3: thinks, so the prompt does not end in an empty <think></think>)"""
     max_prompt_tokens: int = 2048
     """prompts longer than this (tokens, after the chat template) are dropped at load and counted"""
     num_steps: int = 200
@@ -117,15 +127,26 @@ class CommonArgs:
     eval_every: int = 50
     """evaluate on the held-out split every N steps, and at the start and the end (0: never)"""
     eval_size: int = 64
-    """held-out prompts"""
+    """held-out prompts kept apart from --dataset's rows (a tenth of them at most) or taken from its
+    test split, when there is no --eval-dataset"""
+    eval_dataset: str | None = None
+    """evaluate on this set instead (any form --dataset takes; its test split if it has one), in
+    full: no held-out split is taken from --dataset"""
+    eval_limit: int = 0
+    """--eval-dataset and --eval-only: evaluate the first N prompts only (0: all)"""
+    eval_temperature: float | None = None
+    """sampling temperature of the evaluation (default: --temperature)"""
+    eval_top_p: float | None = None
+    """nucleus sampling of the evaluation (default: --top-p)"""
     eval_k: int = 8
     """k of avg@k and pass@k"""
     eval_n: int | None = None
     """samples per held-out prompt, n >= k (default k); pass@k is the unbiased
     1 - C(n-c, k) / C(n, k)"""
     eval_only: bool = False
-    """evaluate --model (e.g. a checkpoint folder) on the held-out split, print the table, write
-    eval.json, stop"""
+    """evaluate --model (e.g. a checkpoint folder) on the whole of --eval-dataset, else of --dataset
+    (its test split if it has one; builtin: --eval-size prompts), print the table, write eval.json,
+    stop"""
     save_every: int = 0
     """write a checkpoint every N steps, and always at the end (0: only at the end)"""
     keep_checkpoints: int = 2
@@ -144,6 +165,9 @@ class CommonArgs:
     """seconds one reward call may take (the math grader: its worker's CPU seconds, at most 30x in
     wall time; a --reward function: wall seconds): past it the completion scores 0 and counts in
     charts/reward_errors"""
+    kl_coef: float = 0.0
+    """beta of the k3 KL penalty to the initial model, per token (0: no reference model is loaded
+    at all; the GSPO and DFPO recipes use none)"""
     log_samples: int = 10
     """every N steps, the first 2 prompts of the step with their completions, rewards and
     advantages go to tensorboard (text, 'samples') and to samples.jsonl in the run folder
@@ -204,6 +228,14 @@ def default_max_new_tokens(dataset: str) -> int:
     """--max-new-tokens when not given: the built-in task's answer is one digit, then EOS; real
     tasks reason."""
     return 2 if dataset == "builtin" else 1024
+
+
+def eval_sampling(args) -> dict:
+    """The evaluation's temperature and top_p: --eval-temperature and --eval-top-p, by default the
+    training ones."""
+    return {"temperature": args.temperature if args.eval_temperature is None
+            else args.eval_temperature,
+            "top_p": args.top_p if args.eval_top_p is None else args.eval_top_p}
 
 
 # Upper bounds of the integer flags past which a run would load the model and then crash (a tensor,
@@ -316,6 +348,16 @@ def check_common_args(args):
     if args.eval_every < 0:
         fail(f"--eval-every {args.eval_every}: must be >= 0 (0: never)")
     check_dataset(args.dataset, args.data_files)
+    if args.eval_dataset is not None:
+        check_dataset(args.eval_dataset, None, "--eval-dataset")
+    check_int("eval-limit", args.eval_limit, 0, why=" (0: all)")
+    if args.eval_temperature is not None:
+        check_float("eval-temperature", args.eval_temperature, 0, low_open=True)
+    if args.eval_top_p is not None:
+        check_float("eval-top-p", args.eval_top_p, 0, 1, low_open=True, why=" (1 is off)")
+    if args.system_prompt is not None and not args.system_prompt.strip():
+        fail("--system-prompt is empty: give the text of the system message, or drop it")
+    check_float("kl-coef", args.kl_coef, 0, why=" (0: no KL penalty and no reference model)")
     check_run_name(args.output_dir, args.exp_name)
 
 

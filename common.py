@@ -11,7 +11,7 @@ The subsystems a reader of an algorithm need not read live in files named for th
 imported by the scripts or by this file, none importing a script:
   distributed.py       torchrun set-up, ranks, seeds, collectives, one-line errors (the base)
   cli.py               the flags every script shares (CommonArgs) and their checks
-  data.py              tasks: prompts and reference answers (built-in, hub sets, local .jsonl)
+  data.py              tasks: prompts and reference answers (built-in, hub, local files)
   grader.py            the math grader, math-verify and --reward in worker processes
   checkpoint.py        run folders, checkpoints, exact resume, graceful stop, a run's end
   engine.py            the rollout engine (--gen-mode engine, engine-tp)
@@ -357,6 +357,19 @@ def wrap_policy(lm, d: Dist, temperature: float, chunk_tokens: int, activation_c
             dist.broadcast(b, src=0)
         del state, buffers
     return policy
+
+
+def reference_policy(args, tok, d: Dist) -> Policy | None:
+    """The frozen reference of the KL penalty (--kl-coef): the initial model, --model (not the
+    checkpoint a run resumes from), loaded and wrapped as the policy is, without gradients or
+    activation checkpointing; None at --kl-coef 0, when no second model is loaded at all."""
+    if args.kl_coef == 0:
+        return None
+    ref_lm, ref_weights = load_model(args.model, tok, d, args.seed, args.trust_remote_code,
+                                     args.dtype)
+    return wrap_policy(ref_lm.requires_grad_(False), d, args.temperature,
+                       args.logprob_chunk_tokens, False, args.dtype, args.cpu_offload,
+                       ref_weights).eval()
 
 
 # -------------------- generation
@@ -770,14 +783,19 @@ def evaluate(policy, tok, held, eos, d: Dist, *, k: int, n: int | None = None,
             "eval/prompts": m, "eval/samples": n, "eval/reward_errors": s[3].item()}
 
 
-def eval_report(result: dict, dataset: str, run_dir: str, d: Dist) -> str:
-    """--eval-only: the table printed, and eval.json in the run folder. Returns the JSON path."""
+def eval_report(result: dict, args, run_dir: str, d: Dist) -> str:
+    """--eval-only: the table printed, and eval.json in the run folder (its key: the set
+    evaluated, --eval-dataset or --dataset). Returns the JSON path."""
     path = os.path.join(run_dir, "eval.json")
+    dataset = args.dataset if args.eval_dataset is None else args.eval_dataset
+    part = "held-out" if dataset == "builtin" else "whole set"  # --eval-only: the whole file
+    if args.eval_limit and dataset != "builtin":
+        part = f"first {args.eval_limit}"
     if d.main:
         k = next(key for key in result if key.startswith("eval/avg@")).split("@")[1]
         print(f"\n| dataset | prompts | samples a prompt | avg@{k} | pass@{k} | reward errors |\n"
               "|---|---|---|---|---|---|\n"
-              f"| {dataset} (held-out) | {result['eval/prompts']} | {result['eval/samples']} | "
+              f"| {dataset} ({part}) | {result['eval/prompts']} | {result['eval/samples']} | "
               f"{result[f'eval/avg@{k}']:.4f} | {result[f'eval/pass@{k}']:.4f} | "
               f"{result['eval/reward_errors']:.0f} |")
         os.makedirs(run_dir, exist_ok=True)
@@ -881,20 +899,23 @@ SAMPLE_PROMPTS = 2  # prompts a --log-samples step shows, each with all its comp
 
 
 def log_samples(logger: Logger, run_dir: str, step: int, every: int, prompts, answers,
-                texts: list[str], rewards: torch.Tensor, advantages: torch.Tensor, n: int):
+                texts: list[str], rewards: torch.Tensor, advantages: torch.Tensor, n: int,
+                prompt_texts: list[str] | None = None):
     """Every `every` steps (0: never; main rank only): the first SAMPLE_PROMPTS prompts of this
     rank's step with their n completions, rewards and advantages, as a text table in tensorboard
     ('samples') and as one JSON object a completion in {run_dir}/samples.jsonl (a resumed run's
-    Logger has dropped the rows of the steps it redoes)."""
+    Logger has dropped the rows of the steps it redoes). prompt_texts: the prompts as the model saw
+    them (through the chat template), logged in samples.jsonl as "prompt_text"."""
     if not every or step % every or not logger.d.main:
         return
     path = os.path.join(run_dir, "samples.jsonl")
     rows, md = [], []
     for g in range(min(SAMPLE_PROMPTS, len(prompts))):
+        seen = {} if prompt_texts is None else {"prompt_text": prompt_texts[g]}
         md.append(f"**prompt:** {prompts[g]}  \n**answer:** {answers[g]}\n\n"
                   "| reward | advantage | completion |\n|---|---|---|")
         for i in range(g * n, (g + 1) * n):
-            rows.append({"step": step, "prompt": prompts[g], "answer": answers[g],
+            rows.append({"step": step, "prompt": prompts[g], **seen, "answer": answers[g],
                          "completion": texts[i], "reward": rewards[i].item(),
                          "advantage": advantages[i].item()})
             cell = texts[i].replace("|", "\\|").replace("\n", "<br>")

@@ -1,5 +1,6 @@
-"""Tasks: prompts and reference answers (the built-in task, the hub sets, local .json/.jsonl files)
-as `datasets.Dataset`s through the chat template. Called by the scripts (load_task) and cli.py.
+"""Tasks: prompts and reference answers as `datasets.Dataset`s through the chat template: the
+built-in task, three hub sets by short name, and any hub id or local file (json, jsonl, parquet,
+csv, arrow) that `datasets.load_dataset` reads. Called by the scripts (load_task) and cli.py.
 """
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ import glob
 import json
 import os
 import random
+import re
+from collections.abc import Mapping
 
 from distributed import fail
 
@@ -23,6 +26,12 @@ DATASETS = {
                 # its prompts carry DAPO's own instruction ('The last line ... Answer: $Answer')
                 ""),
 }
+# a local file's ending -> the `datasets` builder that reads it
+FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv",
+           ".arrow": "arrow"}
+# read when --answer-column 'answer' is not there: TRL's column, verl's nested one
+ANSWER_FALLBACKS = ("solution", "reward_model.ground_truth")
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # owner/name
 
 
 def builtin_task(n: int, seed: int) -> list[dict]:
@@ -36,25 +45,73 @@ def builtin_task(n: int, seed: int) -> list[dict]:
 
 
 def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok,
-              enable_thinking: bool, max_prompt_tokens: int):
-    """-> (train, held-out, dropped): `datasets.Dataset`s with columns prompt, answer and text (the
-    prompt through the chat template), and the counts of rows dropped from both, {"no_answer": n,
-    "too_long": m}. `name` is 'builtin', a known hub set (DATASETS), or a local .json/.jsonl file of
-    {prompt, answer}. `data_files` reads local files laid out in a known hub set's own columns (an
-    offline mirror). Rows without an answer, and prompts over max_prompt_tokens tokens after the
-    chat template, are dropped and counted; nothing usable left is an error."""
+              enable_thinking: bool | None, max_prompt_tokens: int, *,
+              prompt_column: str = "prompt", answer_column: str = "answer",
+              system_prompt: str | None = None, eval_dataset: str | None = None,
+              eval_limit: int = 0, eval_only: bool = False):
+    """-> (train, held-out, dropped): `datasets.Dataset`s with columns prompt (text, or a list of
+    {role, content} messages, as given), answer (text), text (the prompt through the chat template)
+    and every other column of the data under its own name, and the counts of rows dropped from
+    both, {"no_answer": n, "too_long": m}. `name` is 'builtin', a known hub set (DATASETS, with its
+    own columns and instruction), a local file or a hub id; `data_files` reads local files laid out
+    in a known hub set's own columns (an offline mirror).
+    The held-out rows: the whole of eval_dataset if given (test split, else its only one); with
+    eval_only the whole of the data (its test split if it has one); else the data's test split, or
+    a tenth of its rows kept apart, at most eval_size of them. eval_limit > 0 caps the first two.
+    Rows without an answer, and prompts over max_prompt_tokens tokens after the chat template, are
+    dropped and counted; nothing usable left is an error."""
     from datasets import Dataset, disable_progress_bars
 
     # the same one-line errors as check_common_args, for callers that skip it
     check_dataset(name, data_files)
+    if eval_dataset is not None:
+        check_dataset(eval_dataset, None, "--eval-dataset")
+    cols = (prompt_column, answer_column)
 
     def templated(d):
         # for map/filter, after any download: the counts of what is dropped are printed
         disable_progress_bars()
-        d = d.add_column("text", chat_prompts(tok, d["prompt"], enable_thinking))
+        if "text" in d.column_names:  # the templated prompt goes there; the data's 'text' is lost
+            print("the data's column 'text' is replaced by the templated prompt")
+            d = d.remove_columns("text")
+        d = d.add_column("text", chat_prompts(tok, d["prompt"], enable_thinking, system_prompt))
         return d.filter(lambda b: [len(ids) <= max_prompt_tokens for ids in
                                    tok(b["text"], add_special_tokens=False).input_ids],
                         batched=True)
+
+    def whole(flag, spec, files):  # every usable row of a set (its test split if it has one)
+        if spec == "builtin":
+            return Dataset.from_list(builtin_task(eval_size, seed + 1)), 0
+        splits, train_split, test_split, pcol, acol, instr = read_source(flag, spec, files, *cols)
+        return task_rows(flag, spec, splits[test_split or train_split], pcol, acol, instr)
+
+    if eval_dataset is not None or eval_only:
+        if eval_dataset is not None:
+            held, no_answer = whole("--eval-dataset", eval_dataset, None)
+        else:
+            held, no_answer = whole("--dataset", name, data_files)
+        train = held.select([])  # --eval-only: no training rows
+        if not eval_only:
+            if name == "builtin":
+                train, n = Dataset.from_list(builtin_task(4096, seed)), 0
+            else:
+                splits, train_split, _, pcol, acol, instr = read_source("--dataset", name,
+                                                                        data_files, *cols)
+                train, n = task_rows("--dataset", name, splits[train_split], pcol, acol, instr)
+            no_answer += n
+        n = len(train) + len(held)
+        train, held = templated(train), templated(held)
+        if eval_limit > 0 and len(held) > eval_limit:
+            held = held.select(range(eval_limit))
+        dropped = {"no_answer": no_answer, "too_long": n - len(train) - len(held)}
+        why = (f"no usable rows (dropped {no_answer} without an answer, {dropped['too_long']} over "
+               f"--max-prompt-tokens {max_prompt_tokens})")
+        if len(held) == 0:
+            fail(f"--eval-dataset {eval_dataset!r}: {why}" if eval_dataset is not None
+                 else f"--dataset {name!r}: {why}")
+        if not eval_only and len(train) == 0:
+            fail(f"--dataset {name!r}: {why}")
+        return train, held, dropped
 
     def finish(train, held, no_answer):
         n = len(train) + len(held)
@@ -69,116 +126,204 @@ def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok,
     if name == "builtin":
         return finish(Dataset.from_list(builtin_task(4096, seed)),
                       Dataset.from_list(builtin_task(eval_size, seed + 1)), 0)
-    if name in DATASETS:
-        hub, cfg, train_split, test_split, pcol, acol, instr = DATASETS[name]
-        if data_files:
-            hint = (f"--dataset {name} reads its own columns '{pcol}' and '{acol}' (a file of "
-                    "'prompt' and 'answer' is given as --dataset path.jsonl)")
-            ds = {"train": read_local("--data-files", data_files, pcol, acol, hint)}
-            train_split, test_split = "train", None
-        else:
-            ds = load_hub(name, hub, cfg)
-    else:  # a local .json/.jsonl file (check_dataset refused anything else)
-        pcol, acol, instr = "prompt", "answer", ""
-        ds = {"train": read_local("--dataset", name, pcol, acol,
-                                  "a local file needs 'prompt' and 'answer'")}
-        train_split, test_split = "train", None
-    train = ds[train_split]
-    missing = [c for c in (pcol, acol) if c not in train.column_names]
-    if missing:
-        fail(f"--dataset {name!r} has no column(s) {missing} (columns: {train.column_names}); a "
-             "local file needs 'prompt' and 'answer'")
-
-    def to_row(r):
-        # chat-format prompts: last user turn
-        p = r[pcol] if isinstance(r[pcol], str) else r[pcol][-1]["content"]
-        a = str(r[acol]) if r[acol] is not None else ""
-        a = a.split("####")[-1].strip() if "####" in a else a.strip()
-        return {"prompt": f"{p}\n{instr}".strip() if instr else p, "answer": a}
-
-    def clean(d):
-        disable_progress_bars()
-        d = d.map(to_row, remove_columns=d.column_names)
-        return d.filter(lambda r: len(r["answer"]) > 0)
-
-    train_c = clean(train)
-    dropped = len(train) - len(train_c)
-    if len(train_c) == 0:
+    splits, train_split, test_split, pcol, acol, instr = read_source("--dataset", name,
+                                                                     data_files, *cols)
+    train, dropped = task_rows("--dataset", name, splits[train_split], pcol, acol, instr)
+    if len(train) == 0:
         fail(f"--dataset {name!r}: no usable rows (dropped {dropped} without an answer)")
     if test_split is not None:
-        held = clean(ds[test_split])
-        dropped += len(ds[test_split]) - len(held)
-    elif len(train_c) < 2:
+        held, n = task_rows("--dataset", name, splits[test_split], pcol, acol, instr)
+        dropped += n
+    elif len(train) < 2:
         fail(f"--dataset {name!r}: 1 usable row (dropped {dropped} without an answer); it needs at "
-             "least 2, one to train on and one held out")
-    else:  # no held-out split: keep the last eval_size rows apart
-        split = train_c.train_test_split(test_size=min(eval_size, len(train_c) // 10 or 1),
-                                         seed=seed)
-        train_c, held = split["train"], split["test"]
-    return finish(train_c, held, dropped)
+             "least 2, one to train on and one held out (or give --eval-dataset)")
+    else:  # no held-out split: keep a tenth of the rows apart, at most eval_size
+        split = train.train_test_split(test_size=min(eval_size, len(train) // 10 or 1), seed=seed)
+        train, held = split["train"], split["test"]
+    return finish(train, held, dropped)
 
 
-def read_local(flag: str, spec: str, pcol: str, acol: str, hint: str):
-    """A local .json/.jsonl file (or a glob of them) as a `datasets.Dataset` of its pcol and acol
-    columns, read here line by line so that a bad row fails with one line naming its file and line:
-    JSON lines (one object a line) or one JSON array of objects. Prompts are text (or chat turns:
-    the last one's content); answers text or numbers, kept as text (null: dropped later and
-    counted)."""
-    from datasets import Dataset
-
-    paths = sorted(glob.glob(spec)) if glob.has_magic(spec) else [spec]
-    if not paths or not all(os.path.isfile(p) for p in paths):
-        fail(f"{flag} {spec!r}: no such file")
-    rows = []
-    for path in paths:
-        try:
-            text = open(path, encoding="utf-8").read()
-        except (OSError, UnicodeDecodeError) as e:
-            fail(f"{path}: cannot be read as UTF-8 text ({e})")
-        if not text.strip():
-            fail(f"{path}: empty file; write one JSON object a line, e.g. "
-                 f"{{\"{pcol}\": \"2+2=\", \"{acol}\": \"4\"}}")
-        if text.lstrip().startswith("["):  # one JSON array
-            try:
-                items = json.loads(text)
-            except json.JSONDecodeError as e:
-                fail(f"{path}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})")
-            numbered = [(f"{path} item {i + 1}", r) for i, r in enumerate(items)]
+def read_source(flag: str, name: str, data_files: str | None, prompt_column: str,
+                answer_column: str):
+    """-> (splits, train split, test split or None, prompt column, answer column, instruction) of
+    a known hub set (its own columns, unless --prompt-column / --answer-column name others), a
+    local file or a hub id (the columns given, the answer column found among ANSWER_FALLBACKS when
+    the given one is absent). A column that is not there fails in one line naming those there
+    are."""
+    if name in DATASETS:
+        hub, cfg, train_split, test_split, pcol, acol, instr = DATASETS[name]
+        pcol = prompt_column if prompt_column != "prompt" else pcol
+        acol = answer_column if answer_column != "answer" else acol
+        if data_files:
+            splits = {"train": read_files("--data-files", data_files)}
+            train_split, test_split = "train", None
+            hint = (f"{flag} {name} reads its own columns '{pcol}' and '{acol}' (a file of "
+                    f"'prompt' and 'answer' is given as {flag} path.jsonl)")
+            flag, name = "--data-files", data_files
         else:
-            numbered = []
-            # not splitlines: JSON strings may hold U+2028
-            for i, line in enumerate(text.split("\n"), 1):
-                if not line.strip():
-                    continue
-                try:
-                    numbered.append((f"{path}:{i}", json.loads(line)))
-                except json.JSONDecodeError as e:
-                    fail(f"{path}:{i}: not valid JSON ({e.msg}, column {e.colno}); each line must "
-                         "be one JSON object")
-        rows += [checked_row(where, r, pcol, acol, hint) for where, r in numbered]
-    return Dataset.from_list(rows)
+            splits = load_hub(flag, name, hub, cfg)
+            hint = "name them with --prompt-column and --answer-column"
+    else:
+        splits = {"train": read_files(flag, name)} if is_local(name) else load_hub(flag, name,
+                                                                                   name, None)
+        train_split = "train" if "train" in splits else next(iter(splits))
+        test_split = "test" if "test" in splits and train_split != "test" else None
+        pcol, acol, instr = prompt_column, answer_column, ""
+        hint = "name them with --prompt-column and --answer-column"
+    for split in {train_split, test_split} - {None}:
+        d = splits[split]
+        if not has_column(d, acol) and acol == "answer":
+            acol = next((c for c in ANSWER_FALLBACKS if has_column(d, c)), acol)
+        missing = [c for c in (pcol, acol) if not has_column(d, c)]
+        if missing:
+            fail(f"{flag} {name!r} has no column(s) {missing} (columns: {d.column_names}); "
+                 f"{hint}")
+    return splits, train_split, test_split, pcol, acol, instr
 
 
-def checked_row(where: str, r, pcol: str, acol: str, hint: str) -> dict:
-    """One row of a local file, or one line naming what is wrong with it."""
-    if not isinstance(r, dict):
-        fail(f"{where}: a JSON {type(r).__name__}, not an object like {{\"{pcol}\": ..., "
-             f"\"{acol}\": ...}}")
-    missing = [c for c in (pcol, acol) if c not in r]
-    if missing:
-        fail(f"{where} has no column(s) {missing} (it has {sorted(r)}); {hint}")
-    p, a = r[pcol], r[acol]
-    if isinstance(p, list) and p and isinstance(p[-1], dict) and isinstance(p[-1].get("content"),
-                                                                            str):
-        p = p[-1]["content"]  # chat format: the last turn
-    if not isinstance(p, str) or not p.strip():
-        fail(f"{where}: '{pcol}' is {p!r:.40}; every row needs a text prompt")
-    if isinstance(a, bool) or not isinstance(a, (str, int, float, type(None))):
-        fail(f"{where}: '{acol}' is a {type(a).__name__}; give the answer as text or a number")
-    return {pcol: p, acol: None if a is None else str(a)}
+def has_column(d, path: str) -> bool:
+    """d has the column `path`, or for 'a.b' a column a of records holding b (verl's
+    reward_model.ground_truth)."""
+    top, *rest = path.split(".")
+    if top not in d.column_names:
+        return False
+    feature = d.features[top]
+    for key in rest:  # a struct column is a dict of its fields
+        if not isinstance(feature, dict) or key not in feature:
+            return False
+        feature = feature[key]
+    return True
 
 
-def load_hub(name: str, hub: str, cfg: str | None):
+def column_value(row: dict, path: str):
+    """row[path], or row[a][b] for 'a.b'."""
+    for key in path.split("."):
+        row = row[key] if isinstance(row, Mapping) and key in row else None
+    return row
+
+
+def task_rows(flag: str, name: str, d, pcol: str, acol: str, instr: str):
+    """-> (rows, dropped): every row of d with "prompt" (pcol's value as given: text, or a list of
+    {role, content} messages; a known set's instruction after a text prompt), "answer" (acol's
+    value as text, after '####' where it has one; rows without one dropped and counted) and every
+    other column of d under its own name. A prompt that is neither fails in one line naming its
+    row."""
+    from datasets import disable_progress_bars
+
+    disable_progress_bars()
+    prompts = d[pcol] if "." not in pcol else [column_value(r, pcol) for r in d]
+    for i, p in enumerate(prompts):
+        if not (isinstance(p, str) and p.strip() or is_messages(p)):
+            fail(f"{flag} {name} row {i + 1}: '{pcol}' is {p!r:.40}; every row needs a text prompt "
+                 "or a list of {role, content} messages")
+    answers = d[acol] if "." not in acol else [column_value(r, acol) for r in d]
+    for i, a in enumerate(answers):
+        if isinstance(a, bool) or not isinstance(a, (str, int, float, type(None))):
+            fail(f"{flag} {name} row {i + 1}: '{acol}' is a {type(a).__name__}; give the answer as "
+                 "text or a number")
+
+    def to_row(r):  # new columns, renamed below: map keeps an overwritten column's type
+        p, a = column_value(r, pcol), column_value(r, acol)
+        a = "" if a is None else str(a)
+        a = a.split("####")[-1].strip() if "####" in a else a.strip()
+        row = {"answer_": a}
+        if pcol != "prompt" or instr:  # else the prompt column stays as it is, whatever its type
+            row["prompt_"] = f"{p}\n{instr}".strip() if instr and isinstance(p, str) else p
+        return row
+
+    rows = d.map(to_row).filter(lambda r: len(r["answer_"]) > 0)
+    for col in ("answer", "prompt"):
+        if col + "_" in rows.column_names:
+            if col in rows.column_names:
+                rows = rows.remove_columns(col)
+            rows = rows.rename_column(col + "_", col)
+    return rows, len(d) - len(rows)
+
+
+def is_messages(p) -> bool:
+    """A conversational prompt: a non-empty list of {role, content} messages with text in both."""
+    return isinstance(p, list) and len(p) > 0 and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in p)
+
+
+def is_local(spec: str) -> bool:
+    """A local file, folder or glob (else a hub id or nothing)."""
+    return (os.path.exists(spec) or spec.endswith(tuple(FORMATS))
+            or glob.has_magic(spec) and bool(glob.glob(spec)))
+
+
+def read_files(flag: str, spec: str):
+    """A local file, folder or glob of files in one of FORMATS, as one `datasets.Dataset`, read by
+    `datasets.load_dataset`; an empty or malformed file fails in one line naming it (a JSON lines
+    file: its first line that is not JSON)."""
+    from datasets import disable_progress_bars, load_dataset
+    from datasets.utils import logging as datasets_logging
+
+    disable_progress_bars()
+    if os.path.isdir(spec):
+        paths, builder = [spec], None
+    else:
+        paths = sorted(glob.glob(spec)) if glob.has_magic(spec) else [spec]
+        if not paths or not all(os.path.isfile(p) for p in paths):
+            fail(f"{flag} {spec!r}: no such file")
+        kinds = {os.path.splitext(p)[1].lower() for p in paths}
+        if len(kinds) > 1 or not kinds <= set(FORMATS):
+            fail(f"{flag} {spec!r}: files of one format, one of {', '.join(FORMATS)} "
+                 f"(got {', '.join(sorted(kinds))})")
+        builder = FORMATS[kinds.pop()]
+        for path in paths:
+            if os.path.getsize(path) == 0 or builder == "json" and not open(
+                    path, "rb").read().strip():
+                fail(f"{path}: empty file" + ("; write one JSON object a line, e.g. "
+                                              "{\"prompt\": \"2+2=\", \"answer\": \"4\"}"
+                                              if builder == "json" else ""))
+    level = datasets_logging.get_verbosity()
+    datasets_logging.set_verbosity(datasets_logging.CRITICAL)  # its own error lines: ours is one
+    try:
+        if builder is None:
+            splits = load_dataset(spec)
+            return splits["train"] if "train" in splits else next(iter(splits.values()))
+        return load_dataset(builder, data_files=paths, split="train")
+    except Exception as e:  # noqa: BLE001 - whatever went wrong, one line says so
+        if builder == "json":
+            for path in paths:
+                json_lines_error(path)
+        cause = e.__cause__ or e
+        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        fail(f"{flag} {spec!r}: `datasets` cannot read it ({type(cause).__name__}: {first})")
+    finally:
+        datasets_logging.set_verbosity(level)
+
+
+def json_lines_error(path: str):
+    """Fail naming the first line of a JSON lines file that is not a JSON object (nothing when it
+    is one JSON array or every line is fine): the line `datasets` only reports as 'row 1' of its
+    block."""
+    try:
+        text = open(path, encoding="utf-8").read()
+    except (OSError, UnicodeDecodeError) as e:
+        fail(f"{path}: cannot be read as UTF-8 text ({e})")
+    if text.lstrip().startswith("["):  # one JSON array
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as e:
+            fail(f"{path}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})")
+        return
+    for i, line in enumerate(text.split("\n"), 1):  # not splitlines: strings may hold U+2028
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError as e:
+            fail(f"{path}:{i}: not valid JSON ({e.msg}, column {e.colno}); each line must be one "
+                 "JSON object")
+        if not isinstance(r, dict):
+            fail(f"{path}:{i}: a JSON {type(r).__name__}, not an object like "
+                 "{\"prompt\": ..., \"answer\": ...}")
+
+
+def load_hub(flag: str, name: str, hub: str, cfg: str | None):
     """A hub set through `datasets`, failing with one line, fast, when the hub cannot be reached:
     without HF_HUB_OFFLINE, one connection to the endpoint (5 s at most) before `datasets` would
     retry for ~30 s; with it, the cached copy or a line saying there is none."""
@@ -199,42 +344,64 @@ def load_hub(name: str, hub: str, cfg: str | None):
                                       url.port or (443 if url.scheme == "https" else 80)),
                                      5).close()
         except OSError as e:
-            fail(f"--dataset {name}: cannot reach {endpoint} ({e.strerror or e}); without a "
+            fail(f"{flag} {name}: cannot reach {endpoint} ({e.strerror or e}); without a "
                  "network, load it once "
                  f"where there is one and set HF_HUB_OFFLINE=1 to use the cached copy, or give a "
                  "local copy of "
-                 f"{hub} with --data-files")
+                 f"{hub} ({local_copy(name)})")
     try:
         return load_dataset(hub, cfg)
     except Exception as e:  # noqa: BLE001 - whatever went wrong, one line says so
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         where = "; HF_HUB_OFFLINE is set, so only a cached copy can be used" if offline else ""
-        fail(f"--dataset {name}: loading {hub} failed ({type(e).__name__}: {first}){where}; or "
-             "give a local copy with --data-files")
+        fail(f"{flag} {name}: loading {hub} failed ({type(e).__name__}: {first}){where}; or "
+             f"give a local copy ({local_copy(name)})")
 
 
-def chat_prompts(tok, prompts: list[str], enable_thinking: bool) -> list[str]:
-    """Through the tokenizer's chat template where it has one."""
+def local_copy(name: str) -> str:
+    """How a local copy of a hub set is given."""
+    if name in DATASETS:
+        return "--data-files, in the set's own columns"
+    return "a json, jsonl, parquet, csv or arrow file as --dataset or --eval-dataset"
+
+
+def chat_prompts(tok, prompts: list, enable_thinking: bool | None = None,
+                 system_prompt: str | None = None) -> list[str]:
+    """Each prompt through the tokenizer's chat template: a text prompt as one user message (after
+    a system message of system_prompt, if given), a conversational prompt (a list of {role,
+    content} messages) whole, its own system message included. enable_thinking is passed to the
+    template only when set (None: the template's own default; Qwen3's thinks). A tokenizer without
+    a chat template gets text prompts as they are."""
     if not getattr(tok, "chat_template", None):
-        return prompts
-    return [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                    add_generation_prompt=True, enable_thinking=enable_thinking)
+        if system_prompt is not None or any(not isinstance(p, str) for p in prompts):
+            fail("the tokenizer has no chat template: conversational prompts and --system-prompt "
+                 "need one (give text prompts, or a model with a chat template)")
+        return list(prompts)
+    kw = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    system = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
+    return [tok.apply_chat_template(system + [{"role": "user", "content": p}]
+                                    if isinstance(p, str) else p,
+                                    tokenize=False, add_generation_prompt=True, **kw)
             for p in prompts]
 
 
-def check_dataset(name: str, data_files: str | None):
-    """--dataset and --data-files name something that exists, before anything is read."""
-    if name not in ("builtin", *DATASETS) and not name.endswith((".json", ".jsonl")):
-        fail(f"--dataset {name!r}: unknown (use builtin, {', '.join(DATASETS)}, or a local .jsonl "
-             "of {prompt, answer})")
-    if name.endswith((".json", ".jsonl")) and not os.path.isfile(name):
-        fail(f"--dataset {name!r}: no such file")
+def check_dataset(name: str, data_files: str | None, flag: str = "--dataset"):
+    """--dataset (or --eval-dataset) and --data-files name something that can exist, before
+    anything is read: builtin, a known hub set, a local file, folder or glob, or a hub id."""
+    kinds = ", ".join(sorted(set(FORMATS.values()) | {"jsonl"}))
+    if name not in ("builtin", *DATASETS) and not is_local(name) and not HUB_ID.fullmatch(name):
+        fail(f"{flag} {name!r}: unknown (use builtin, {', '.join(DATASETS)}, a hub id like "
+             f"trl-lib/DeepMath-103K, or a local {kinds} file)")
+    if is_local(name) and not glob.glob(name):
+        fail(f"{flag} {name!r}: no such file")
+    if os.path.isfile(name) and not name.lower().endswith(tuple(FORMATS)):
+        fail(f"{flag} {name!r}: not a file `datasets` reads here (a {kinds} file)")
     if data_files is not None and name == "builtin":
         fail(f"--data-files {data_files!r} reads a local copy of a hub set (--dataset "
              f"{', '.join(DATASETS)}); --dataset builtin would ignore it: drop it")
     if data_files is not None and name not in DATASETS:
-        fail(f"--dataset {name!r} is a local file already and --data-files {data_files!r} would be "
-             "ignored: drop --data-files (it reads a local copy of a hub set in that set's own "
-             "columns)")
+        fail(f"--dataset {name!r} is a {'local file' if is_local(name) else 'hub id'} already "
+             f"and --data-files {data_files!r} would be ignored: drop --data-files (it reads a "
+             "local copy of a hub set in that set's own columns)")
     if data_files is not None and not glob.glob(data_files):
         fail(f"--data-files {data_files!r}: no such file")

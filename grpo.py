@@ -24,12 +24,12 @@ from tqdm import tqdm
 
 from checkpoint import (catch_stop_signals, claim_run_dir, cleanup, resume_state, run_paths,
                         save_checkpoint, stop_requested)
-from cli import (CommonArgs, check_common_args, check_float, default_learning_rate,
-                 default_max_new_tokens, parse_args)
+from cli import (CommonArgs, check_common_args, default_learning_rate, default_max_new_tokens,
+                 eval_sampling, parse_args)
 from common import (Logger, all_finite, check_model, eos_ids, eval_report, eval_summary, evaluate,
                     generate, group_advantages, group_metrics, jitter2, load_model, load_tokenizer,
                     log_samples, logp_drift, lr_scheduler, micro_batches, minibatches,
-                    prompt_indices, reduce_stats, score, wrap_policy)
+                    prompt_indices, reduce_stats, reference_policy, score, wrap_policy)
 from data import load_task
 from distributed import all_gather_cat, all_reduce, fail, seed_rank, setup_distributed
 from grader import load_reward
@@ -54,8 +54,6 @@ class Args(CommonArgs):
     """GRPO-fix (DFPO paper App. H): weight each token by clip(w_it, 0, 1 + eps_high) A_i whatever
     the sign of A_i; with --loss-agg seq-mean-token-sum-norm it is eq. 80, whose shared tokens
     cancel at any lengths (eq. 82)"""
-    kl_coef: float = 0.0
-    """beta of the k3 KL penalty to the initial model (0: no reference model is loaded at all)"""
 
 
 def grpo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: float,
@@ -142,27 +140,23 @@ def main():
     # TRY NOT TO MODIFY: set-up (bad input fails here, before any model is built)
     check_common_args(args)
     reward = load_reward(args.reward, args.reward_timeout)  # a bad --reward fails here too
-    check_float("kl-coef", args.kl_coef, 0, why=" (0: no KL penalty and no reference model)")
     dist_env = setup_distributed(args.seed)
     check_model(args.model, args.trust_remote_code, args.gen_mode)
     script = os.path.basename(__file__)
     run_dir, ckpt = run_paths(args, dist_env, script)  # a fresh run, or the checkpoint to resume
     tok = load_tokenizer(args.model, args.trust_remote_code)
-    train, held, dropped = load_task(args.dataset, args.data_files, args.eval_size, args.seed, tok,
-                                     args.enable_thinking, args.max_prompt_tokens)
+    train, held, dropped = load_task(
+        args.dataset, args.data_files, args.eval_size, args.seed, tok, args.enable_thinking,
+        args.max_prompt_tokens, prompt_column=args.prompt_column, answer_column=args.answer_column,
+        system_prompt=args.system_prompt, eval_dataset=args.eval_dataset,
+        eval_limit=args.eval_limit, eval_only=args.eval_only)
     run_dir = claim_run_dir(run_dir, ckpt, dist_env)  # one writer per run folder (writer.lock)
     lm, rank0_weights = load_model(ckpt or args.model, tok, dist_env, args.seed,
                                    args.trust_remote_code, args.dtype)
     eos = eos_ids(lm, tok)
     policy = wrap_policy(lm, dist_env, args.temperature, args.logprob_chunk_tokens,
                          args.activation_checkpointing, args.dtype, args.cpu_offload, rank0_weights)
-    ref = None  # the frozen reference of the KL penalty: the initial model (none at --kl-coef 0)
-    if args.kl_coef > 0:
-        ref_lm, ref_weights = load_model(args.model, tok, dist_env, args.seed,
-                                         args.trust_remote_code, args.dtype)
-        ref = wrap_policy(ref_lm.requires_grad_(False), dist_env, args.temperature,
-                          args.logprob_chunk_tokens, False, args.dtype, args.cpu_offload,
-                          ref_weights).eval()
+    ref = reference_policy(args, tok, dist_env)  # the KL's initial model (none at --kl-coef 0)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
     scheduler = lr_scheduler(optimizer, args)
@@ -177,7 +171,7 @@ def main():
     gen_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   top_p=args.top_p, top_k=args.top_k, gen_batch_size=args.gen_batch_size,
                   unshard=args.gen_unshard, mode=args.gen_mode)
-    eval_kw = dict(k=args.eval_k, n=args.eval_n, reward=reward, **gen_kw)
+    eval_kw = dict(gen_kw, k=args.eval_k, n=args.eval_n, reward=reward, **eval_sampling(args))
 
     def eval_now(step: int) -> bool:
         return args.eval_every > 0 and (step % args.eval_every == 0 or step == args.num_steps)
@@ -186,7 +180,7 @@ def main():
         policy.eval()
         result = evaluate(policy, tok, held, eos, dist_env, **eval_kw)
         logger.log(0, result)
-        eval_report(result, args.dataset, run_dir, dist_env)
+        eval_report(result, args, run_dir, dist_env)
         logger.close()
         return cleanup()
     if eval_now(0) and state["step"] == 0:
@@ -209,7 +203,7 @@ def main():
         rewards, reward_errors = score(roll["texts"], rows["answer"], args.group_size, reward)
         advantages, zero_groups = group_advantages(rewards, args.group_size, args.scale_rewards)
         log_samples(logger, run_dir, step, args.log_samples, rows["prompt"], rows["answer"],
-                    roll["texts"], rewards, advantages, args.group_size)  # texts and scores
+                    roll["texts"], rewards, advantages, args.group_size, rows["text"])
         ids = roll["input_ids"]
         attention_mask = roll["attention_mask"]
         n_prompt = roll["n_prompt"]  # ids[:, n_prompt:] are the completions

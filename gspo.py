@@ -4,6 +4,8 @@
     s_i(theta)    = (pi_theta(y_i|x) / pi_old(y_i|x))^(1/|y_i|)                          (eq. 44)
                   = exp(1/|y_i| sum_t log w_it)
     A_i           = (r_i - mean_j r_j) / std_j r_j                                       (eq. 43)
+    (--kl-coef)   - beta 1/G sum_i 1/|y_i| sum_t [pi_ref/pi_theta - log(pi_ref/pi_theta) - 1]   (k3)
+                  (off by default, as in the GSPO and DFPO recipes)
 
 Equation numbers are the DFPO paper's (arXiv:2604.13088); derivations: docs/objectives.md.
 GSPO restated in its App. B.1: one importance ratio per sequence, clipped once, so every token of
@@ -21,11 +23,11 @@ from tqdm import tqdm
 from checkpoint import (catch_stop_signals, claim_run_dir, cleanup, resume_state, run_paths,
                         save_checkpoint, stop_requested)
 from cli import (CommonArgs, check_common_args, default_learning_rate, default_max_new_tokens,
-                 parse_args)
+                 eval_sampling, parse_args)
 from common import (Logger, all_finite, check_model, eos_ids, eval_report, eval_summary, evaluate,
                     generate, group_advantages, group_metrics, jitter2, load_model, load_tokenizer,
                     log_samples, logp_drift, lr_scheduler, micro_batches, minibatches,
-                    prompt_indices, reduce_stats, score, wrap_policy)
+                    prompt_indices, reduce_stats, reference_policy, score, wrap_policy)
 from data import load_task
 from distributed import all_gather_cat, all_reduce, fail, seed_rank, setup_distributed
 from grader import load_reward
@@ -43,9 +45,13 @@ class Args(CommonArgs):
 
 
 def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: float,
-              norm: float | None = None):
+              ref_logp=None, kl_coef: float = 0.0, norm: float | None = None):
     """-J_GSPO (eq. 42) over the minibatch. logp, old_logp, mask: [B, T] completion tokens;
     advantages: [B].
+    ref_logp (with kl_coef = beta > 0): [B, T] log-probs of the reference model; each token adds
+    beta k3_it = beta (pi_ref/pi - log(pi_ref/pi) - 1) to the loss, averaged 1/|y_i| sum_t as s_i
+    averages its token log-ratios, then 1/G sum_i as the objective (the GSPO and DFPO recipes use
+    no KL: beta = 0).
     norm: the count the summed objective is divided by (None: this batch's); the loop passes the
     minibatch's count over all ranks, so that micro-batches and ranks add up to one gradient.
     Returns (loss, seq_terms, stats): seq_terms [B] is each sequence's term m_i = w_i A_i
@@ -59,12 +65,16 @@ def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: f
     s = torch.exp(log_w.sum(1) / lengths)  # eq. 44: s_i = exp(1/|y_i| sum_t log w_it)
     s_clipped = s.clamp(1 - clip_low, 1 + clip_high)
     objective = torch.min(s * advantages, s_clipped * advantages)  # eq. 42 (= A_i s_bar_i, eq. 49)
-    loss = -objective.sum() / (norm or objective.numel())  # 1/G sum_i over every group (norm)
+    per_seq = objective
+    if ref_logp is not None and kl_coef > 0:  # k3: pi_ref/pi - log(pi_ref/pi) - 1 >= 0, per token
+        log_ref = torch.where(valid, ref_logp - logp, 0.0)
+        per_seq = objective - kl_coef * ((log_ref.exp() - log_ref - 1) * mask).sum(1) / lengths
+    loss = -per_seq.sum() / (norm or per_seq.numel())  # 1/G sum_i over every group (norm)
     with torch.no_grad():  # clipped: the min takes the constant branch, so no gradient
         clipped = ((s > 1 + clip_high) & (advantages > 0)) | ((s < 1 - clip_low) & (advantages < 0))
         in_loss = mask.sum(1) > 0  # rows with a token in the loss (--mask-truncated: maybe not)
         stats = {
-            "losses/policy_loss": (-objective.sum(), len(s)),  # over the rows given
+            "losses/policy_loss": (-per_seq.sum(), len(s)),  # over the rows given
             "losses/clipfrac": ((clipped * lengths).sum(), mask.sum()),  # tokens the clip stops
             "losses/clipfrac_seq": (clipped.sum(), in_loss.sum()),  # sequences
             "losses/ratio_mean": ((s * in_loss).sum(), in_loss.sum()),
@@ -73,6 +83,8 @@ def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: f
             # k3 estimate of KL(old||new)
             "losses/approx_kl": (((log_w.exp() - 1 - log_w) * mask).sum(), mask.sum()),
         }
+        if ref_logp is not None and kl_coef > 0:
+            stats["losses/kl_ref"] = (((log_ref.exp() - log_ref - 1) * mask).sum(), mask.sum())
     return loss, objective.detach(), stats
 
 
@@ -96,14 +108,18 @@ def main():
     script = os.path.basename(__file__)
     run_dir, ckpt = run_paths(args, dist_env, script)  # a fresh run, or the checkpoint to resume
     tok = load_tokenizer(args.model, args.trust_remote_code)
-    train, held, dropped = load_task(args.dataset, args.data_files, args.eval_size, args.seed, tok,
-                                     args.enable_thinking, args.max_prompt_tokens)
+    train, held, dropped = load_task(
+        args.dataset, args.data_files, args.eval_size, args.seed, tok, args.enable_thinking,
+        args.max_prompt_tokens, prompt_column=args.prompt_column, answer_column=args.answer_column,
+        system_prompt=args.system_prompt, eval_dataset=args.eval_dataset,
+        eval_limit=args.eval_limit, eval_only=args.eval_only)
     run_dir = claim_run_dir(run_dir, ckpt, dist_env)  # one writer per run folder (writer.lock)
     lm, rank0_weights = load_model(ckpt or args.model, tok, dist_env, args.seed,
                                    args.trust_remote_code, args.dtype)
     eos = eos_ids(lm, tok)
     policy = wrap_policy(lm, dist_env, args.temperature, args.logprob_chunk_tokens,
                          args.activation_checkpointing, args.dtype, args.cpu_offload, rank0_weights)
+    ref = reference_policy(args, tok, dist_env)  # the KL's initial model (none at --kl-coef 0)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
     scheduler = lr_scheduler(optimizer, args)
@@ -118,7 +134,7 @@ def main():
     gen_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   top_p=args.top_p, top_k=args.top_k, gen_batch_size=args.gen_batch_size,
                   unshard=args.gen_unshard, mode=args.gen_mode)
-    eval_kw = dict(k=args.eval_k, n=args.eval_n, reward=reward, **gen_kw)
+    eval_kw = dict(gen_kw, k=args.eval_k, n=args.eval_n, reward=reward, **eval_sampling(args))
 
     def eval_now(step: int) -> bool:
         return args.eval_every > 0 and (step % args.eval_every == 0 or step == args.num_steps)
@@ -127,7 +143,7 @@ def main():
         policy.eval()
         result = evaluate(policy, tok, held, eos, dist_env, **eval_kw)
         logger.log(0, result)
-        eval_report(result, args.dataset, run_dir, dist_env)
+        eval_report(result, args, run_dir, dist_env)
         logger.close()
         return cleanup()
     if eval_now(0) and state["step"] == 0:
@@ -150,7 +166,7 @@ def main():
         rewards, reward_errors = score(roll["texts"], rows["answer"], args.group_size, reward)
         advantages, zero_groups = group_advantages(rewards, args.group_size, args.scale_rewards)
         log_samples(logger, run_dir, step, args.log_samples, rows["prompt"], rows["answer"],
-                    roll["texts"], rewards, advantages, args.group_size)  # texts and scores
+                    roll["texts"], rewards, advantages, args.group_size, rows["text"])
         ids = roll["input_ids"]
         attention_mask = roll["attention_mask"]
         n_prompt = roll["n_prompt"]  # ids[:, n_prompt:] are the completions
@@ -165,6 +181,9 @@ def main():
         with torch.no_grad():
             old = [policy(ids[minibatch], attention_mask[minibatch], n_prompt, entropy=True)
                    for minibatch in minibatch_slices]
+            ref_logp = None if ref is None else torch.cat(
+                [ref(ids[minibatch], attention_mask[minibatch], n_prompt)
+                 for minibatch in minibatch_slices])
         old_logp = torch.cat([minibatch_logp for minibatch_logp, _ in old])
         entropy = torch.cat([minibatch_entropy for _, minibatch_entropy in old])
 
@@ -184,7 +203,9 @@ def main():
                 logp.retain_grad()  # d loss / d logp: the shared-token coefficient
                 loss, terms, loss_stats = gspo_loss(
                     logp, old_logp[micro], advantages[micro], mask[micro],
-                    clip_low=args.clip_low, clip_high=args.clip_high, norm=norm)
+                    clip_low=args.clip_low, clip_high=args.clip_high,
+                    ref_logp=None if ref is None else ref_logp[micro], kl_coef=args.kl_coef,
+                    norm=norm)
                 loss.backward()
                 seq_terms.append(terms)
                 first_token_grads.append(logp.grad[:, 0])

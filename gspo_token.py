@@ -6,6 +6,8 @@
                     with pi_theta(y_it) = pi_theta(y_it | x, y_i,<t)
     A_i           = (r_i - mean_j r_j) / std_j r_j                                       (eq. 43)
     A_it          = A_i, or A_i - lambda after the final answer (--post-answer-penalty lambda)
+    (--kl-coef)   - beta k3_it in each token's term, k3 = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1
+                  (off, as in the GSPO recipe)
 
 Equation numbers are the DFPO paper's (arXiv:2604.13088); derivations: docs/objectives.md.
 Different from gspo.py: the advantage may change from token to token. s_it has the value of s_i, so
@@ -26,11 +28,11 @@ from tqdm import tqdm
 from checkpoint import (catch_stop_signals, claim_run_dir, cleanup, resume_state, run_paths,
                         save_checkpoint, stop_requested)
 from cli import (CommonArgs, check_common_args, check_float, default_learning_rate,
-                 default_max_new_tokens, parse_args)
+                 default_max_new_tokens, eval_sampling, parse_args)
 from common import (Logger, all_finite, check_model, eos_ids, eval_report, eval_summary, evaluate,
                     generate, group_advantages, group_metrics, jitter2, load_model, load_tokenizer,
                     log_samples, logp_drift, lr_scheduler, micro_batches, minibatches,
-                    prompt_indices, reduce_stats, score, wrap_policy)
+                    prompt_indices, reduce_stats, reference_policy, score, wrap_policy)
 from data import load_task
 from distributed import all_gather_cat, all_reduce, fail, seed_rank, setup_distributed
 from grader import answer_span, load_reward
@@ -58,9 +60,12 @@ class Args(CommonArgs):
 
 def gspo_token_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: float,
                     loss_agg: str = "seq-mean-token-mean", max_new_tokens: int | None = None,
-                    norm: float | None = None):
+                    ref_logp=None, kl_coef: float = 0.0, norm: float | None = None):
     """-J_GSPO-token over the minibatch. logp, old_logp, mask and advantages: [B, T] completion
     tokens. loss_agg: how token terms are summed and divided (see aggregate).
+    ref_logp (with kl_coef = beta > 0): [B, T] log-probs of the reference model; each token's term
+    gets - beta k3_it = - beta (pi_ref/pi - log(pi_ref/pi) - 1), summed by loss_agg as the
+    objective's token terms are (the GSPO recipe uses no KL: beta = 0).
     norm: the count the summed objective is divided by (None: this batch's); the loop passes the
     minibatch's count over all ranks, so that micro-batches and ranks add up to one gradient.
     Returns (loss, seq_terms, stats): seq_terms [B] is each sequence's term m_i = w_i A_i
@@ -78,7 +83,11 @@ def gspo_token_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_h
     clipped_term = s_it.clamp(1 - clip_low, 1 + clip_high) * A
     per_token = torch.where(valid, torch.min(s_it * A, clipped_term), 0.0)  # the J(theta) term
     seq_terms = per_token.sum(1) / lengths  # 1/|y_i| sum_t, for the group metrics
-    per_seq, count = aggregate(per_token, mask, loss_agg, max_new_tokens)
+    token_terms = per_token
+    if ref_logp is not None and kl_coef > 0:  # k3: pi_ref/pi - log(pi_ref/pi) - 1 >= 0
+        log_ref = torch.where(valid, ref_logp - logp, 0.0)
+        token_terms = per_token - kl_coef * (log_ref.exp() - log_ref - 1) * mask
+    per_seq, count = aggregate(token_terms, mask, loss_agg, max_new_tokens)
     loss = -per_seq.sum() / (norm or count)  # divided by the minibatch's count on all ranks (norm)
     with torch.no_grad():  # clipped: the min takes the constant branch, so no gradient
         clipped = (((s_it > 1 + clip_high) & (A > 0)) | ((s_it < 1 - clip_low) & (A < 0))) & valid
@@ -93,6 +102,8 @@ def gspo_token_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_h
             # k3 estimate of KL(old||new)
             "losses/approx_kl": (((log_w.exp() - 1 - log_w) * mask).sum(), mask.sum()),
         }
+        if ref_logp is not None and kl_coef > 0:
+            stats["losses/kl_ref"] = (((log_ref.exp() - log_ref - 1) * mask).sum(), mask.sum())
     return loss, seq_terms.detach(), stats
 
 
@@ -163,14 +174,18 @@ def main():
     script = os.path.basename(__file__)
     run_dir, ckpt = run_paths(args, dist_env, script)  # a fresh run, or the checkpoint to resume
     tok = load_tokenizer(args.model, args.trust_remote_code)
-    train, held, dropped = load_task(args.dataset, args.data_files, args.eval_size, args.seed, tok,
-                                     args.enable_thinking, args.max_prompt_tokens)
+    train, held, dropped = load_task(
+        args.dataset, args.data_files, args.eval_size, args.seed, tok, args.enable_thinking,
+        args.max_prompt_tokens, prompt_column=args.prompt_column, answer_column=args.answer_column,
+        system_prompt=args.system_prompt, eval_dataset=args.eval_dataset,
+        eval_limit=args.eval_limit, eval_only=args.eval_only)
     run_dir = claim_run_dir(run_dir, ckpt, dist_env)  # one writer per run folder (writer.lock)
     lm, rank0_weights = load_model(ckpt or args.model, tok, dist_env, args.seed,
                                    args.trust_remote_code, args.dtype)
     eos = eos_ids(lm, tok)
     policy = wrap_policy(lm, dist_env, args.temperature, args.logprob_chunk_tokens,
                          args.activation_checkpointing, args.dtype, args.cpu_offload, rank0_weights)
+    ref = reference_policy(args, tok, dist_env)  # the KL's initial model (none at --kl-coef 0)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
     scheduler = lr_scheduler(optimizer, args)
@@ -185,7 +200,7 @@ def main():
     gen_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   top_p=args.top_p, top_k=args.top_k, gen_batch_size=args.gen_batch_size,
                   unshard=args.gen_unshard, mode=args.gen_mode)
-    eval_kw = dict(k=args.eval_k, n=args.eval_n, reward=reward, **gen_kw)
+    eval_kw = dict(gen_kw, k=args.eval_k, n=args.eval_n, reward=reward, **eval_sampling(args))
 
     def eval_now(step: int) -> bool:
         return args.eval_every > 0 and (step % args.eval_every == 0 or step == args.num_steps)
@@ -194,7 +209,7 @@ def main():
         policy.eval()
         result = evaluate(policy, tok, held, eos, dist_env, **eval_kw)
         logger.log(0, result)
-        eval_report(result, args.dataset, run_dir, dist_env)
+        eval_report(result, args, run_dir, dist_env)
         logger.close()
         return cleanup()
     if eval_now(0) and state["step"] == 0:
@@ -217,7 +232,7 @@ def main():
         rewards, reward_errors = score(roll["texts"], rows["answer"], args.group_size, reward)
         advantages, zero_groups = group_advantages(rewards, args.group_size, args.scale_rewards)
         log_samples(logger, run_dir, step, args.log_samples, rows["prompt"], rows["answer"],
-                    roll["texts"], rewards, advantages, args.group_size)  # texts and scores
+                    roll["texts"], rewards, advantages, args.group_size, rows["text"])
         ids = roll["input_ids"]
         attention_mask = roll["attention_mask"]
         n_prompt = roll["n_prompt"]  # ids[:, n_prompt:] are the completions
@@ -235,6 +250,9 @@ def main():
         with torch.no_grad():
             old = [policy(ids[minibatch], attention_mask[minibatch], n_prompt, entropy=True)
                    for minibatch in minibatch_slices]
+            ref_logp = None if ref is None else torch.cat(
+                [ref(ids[minibatch], attention_mask[minibatch], n_prompt)
+                 for minibatch in minibatch_slices])
         old_logp = torch.cat([minibatch_logp for minibatch_logp, _ in old])
         entropy = torch.cat([minibatch_entropy for _, minibatch_entropy in old])
 
@@ -257,7 +275,9 @@ def main():
                 loss, terms, loss_stats = gspo_token_loss(
                     logp, old_logp[micro], token_adv[micro], mask[micro],
                     clip_low=args.clip_low, clip_high=args.clip_high, loss_agg=args.loss_agg,
-                    max_new_tokens=args.max_new_tokens, norm=norm)
+                    max_new_tokens=args.max_new_tokens,
+                    ref_logp=None if ref is None else ref_logp[micro], kl_coef=args.kl_coef,
+                    norm=norm)
                 loss.backward()
                 seq_terms.append(terms)
                 first_token_grads.append(logp.grad[:, 0])

@@ -35,7 +35,7 @@ def bad_dataset(tmp_path):
     (["--max-new-tokens", "0"], "--max-new-tokens 0"),
     (["--prompts-per-rank", "6"], "multiple of --num-minibatches"),
     (["--dataset", "nosuchset"], "unknown"),
-    (["--dataset", "BAD"], "has no column(s) ['prompt', 'answer']"),
+    (["--dataset", "BAD"], "has no column(s) ['prompt'] (columns: ['question', 'solution'])"),
     (["--warmup-frac", "1.5"], "--warmup-frac 1.5: must lie in [0, 1)"),
     (["--max-prompt-tokens", "5"], "no usable rows (dropped 0 without an answer, 4160 over --max-prompt-tokens 5)"),
     (["--max-nonfinite", "0"], "--max-nonfinite 0: must be >= 1"),
@@ -238,7 +238,7 @@ def test_hub_columns_through_local_files(tmp_path):
     train, held, dropped = data.load_task("gsm8k", gsm, 4, 0, tok, False, 2048)
     assert dropped == {"no_answer": 1, "too_long": 0} and len(train) + len(held) == 20 and len(held) == 2
     row = train[0]
-    assert set(train.column_names) == {"prompt", "answer", "text"}
+    assert set(train.column_names) == {"question", "prompt", "answer", "text"}  # the set's own columns kept
     assert row["answer"].replace(",", "").isdigit() and row["prompt"].startswith("What is")
     assert "####" in row["prompt"]  # the gsm8k instruction asks for the '#### n' ending
     assert row["text"].startswith("<|im_start|>user\n") and row["text"].endswith("<|im_start|>assistant\n")

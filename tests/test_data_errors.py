@@ -24,15 +24,18 @@ FILES = {  # name: lines
     "null_prompt.jsonl": LINES[:3] + [json.dumps({"prompt": None, "answer": "3"})] + LINES[4:],
     "int_prompt.jsonl": LINES[:4] + [json.dumps({"prompt": 4, "answer": "4"})] + LINES[5:],
     "own_columns.jsonl": LINES,
+    "no_answers.jsonl": [json.dumps({"prompt": r["prompt"], "answer": None}) for r in ROWS],
+    "corrupt.parquet": ["this is not parquet"],
+    "notes.txt": LINES,
 }
 CASES = {  # id: (argv, extra environment, what the line must say)
     "broken line": (["--dataset", "{d}/broken.jsonl"], {}, "broken.jsonl:8: not valid JSON (Expecting ',' delimiter"),
     "empty file": (["--dataset", "{d}/empty.jsonl"], {}, "empty.jsonl: empty file; write one JSON object a line"),
     "one row": (["--dataset", "{d}/one.jsonl"], {}, "1 usable row (dropped 0 without an answer); it needs at least 2"),
-    "null prompt": (["--dataset", "{d}/null_prompt.jsonl"], {}, "null_prompt.jsonl:4: 'prompt' is None"),
-    "integer prompt": (["--dataset", "{d}/int_prompt.jsonl"], {}, "int_prompt.jsonl:5: 'prompt' is 4"),
+    "null prompt": (["--dataset", "{d}/null_prompt.jsonl"], {}, "null_prompt.jsonl row 4: 'prompt' is None"),
+    "integer prompt": (["--dataset", "{d}/int_prompt.jsonl"], {}, "int_prompt.jsonl row 5: 'prompt' is 4"),
     "gsm8k columns": (["--dataset", "gsm8k", "--data-files", "{d}/own_columns.jsonl"], {},
-                      "own_columns.jsonl:1 has no column(s) ['question'] (it has ['answer', 'prompt']); --dataset "
+                      "own_columns.jsonl' has no column(s) ['question'] (columns: ['prompt', 'answer']); --dataset "
                       "gsm8k reads its own columns 'question' and 'answer'"),
     "data-files with builtin": (["--data-files", "{d}/own_columns.jsonl"], {}, "--dataset builtin would ignore it"),
     "data-files with a local file": (["--dataset", "{d}/one.jsonl", "--data-files", "{d}/own_columns.jsonl"], {},
@@ -41,6 +44,12 @@ CASES = {  # id: (argv, extra environment, what the line must say)
                         "--dataset math500: cannot reach http://127.0.0.1:9 (Connection refused)"),
     "hub offline, not cached": (["--dataset", "gsm8k"], {"HF_HUB_OFFLINE": "1"},
                                 "HF_HUB_OFFLINE is set, so only a cached copy can be used"),
+    "no answers": (["--dataset", "{d}/no_answers.jsonl"], {}, "no_answers.jsonl': no usable rows (dropped 20 without an "
+                   "answer)"),
+    "corrupt parquet": (["--dataset", "{d}/corrupt.parquet"], {}, "corrupt.parquet': `datasets` cannot read it ("),
+    "unknown format": (["--dataset", "{d}/notes.txt"], {}, "notes.txt': not a file `datasets` reads here"),
+    "renamed column missing": (["--dataset", "{d}/own_columns.jsonl", "--prompt-column", "question"], {},
+                               "has no column(s) ['question'] (columns: ['prompt', 'answer'])"),
     "reward module missing": (["--reward", "no_such_module14:f"], {}, "cannot import 'no_such_module14'"),
 }
 
@@ -107,7 +116,10 @@ def test_numbers_as_answers_and_chat_prompts_are_text(tmp_path):
     train, held, dropped = data.load_task(str(path), None, 2, 0, common.tiny_tokenizer(), False, 2048)
     assert dropped == {"no_answer": 4, "too_long": 0} and len(train) + len(held) == 16
     assert sorted(set(train["answer"]) | set(held["answer"])) == ["2", "3", "4", "5.0"]
-    assert "4%10=" in set(train["prompt"]) | set(held["prompt"])
+    prompts = list(train["prompt"]) + list(held["prompt"])  # a column of text and message lists (datasets' Json)
+    assert [{"role": "user", "content": "4%10="}] in prompts and "3%10=" in prompts  # each as given
+    texts = list(train["text"]) + list(held["text"])
+    assert "<|im_start|>user\n4%10=<|im_end|>\n<|im_start|>assistant\n" in texts
 
 
 def test_flat_rewards_in_the_first_steps_are_reported_once(capsys):

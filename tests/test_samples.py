@@ -22,6 +22,9 @@ def test_samples_and_final_eval_line(monkeypatch, tmp_path, capsys):
             assert len({(s["prompt"], s["answer"]) for s in group}) == 1
             prompt_digit = group[0]["prompt"].split("%")[0]
             assert group[0]["answer"] == prompt_digit  # the built-in task: x%10= has answer x
+            # the prompt as the model saw it: through the chat template (issue 26)
+            assert {s["prompt_text"] for s in group} == {
+                f"<|im_start|>user\n{group[0]['prompt']}<|im_end|>\n<|im_start|>assistant\n"}
             r = torch.tensor([float(common.math_reward(s["completion"], s["answer"])) for s in group])
             assert r.tolist() == [s["reward"] for s in group]  # graded again here: the same rewards
             adv = (r - r.mean()) / (r.std(unbiased=False) + 1e-6)  # DFPO eq. 43

@@ -706,8 +706,9 @@ def score(texts: list[str], answers, n: int, reward: Reward | Rewards | None = N
     columns, values, failed, first = {}, {}, torch.zeros(len(texts), dtype=torch.bool), {}
     for part, _ in reward.parts:
         if part.kind == "trl":
-            columns = columns or _columns(rows, part, len(answers))
-            v, errors = _score_groups(part, texts, columns, n)
+            columns = columns or _columns(rows, len(answers))
+            conversational = isinstance(columns["prompts"][0], list)  # lists of messages
+            v, errors = _score_groups(part, texts, _taken(columns, part, rows), n, conversational)
         else:
             v, errors = _score_pairs(part, texts, answers, n)
         values[part.name] = v
@@ -769,31 +770,33 @@ def _score_pairs(reward: Reward, texts: list[str], answers: list[str], n: int):
             [results[k][1] if k is not None else None for k in keys])
 
 
-def _columns(rows, reward: Reward, n_prompts: int) -> dict:
+def _columns(rows, n_prompts: int) -> dict:
     """A TRL-form reward's keyword arguments, one value per prompt: prompts, and every column of
-    the rows but 'prompt' and 'text' (the templated prompt) by its name, as TRL passes them (those
-    the function takes, when it takes no **kwargs); one line naming the columns there are when it
-    needs one that is not."""
+    the rows but 'prompt' and 'text' (the templated prompt) by its name, as TRL passes them."""
     if rows is None:
-        names = ["answer"]
         rows = {"answer": [None] * n_prompts}
-    else:
-        names = list(rows.column_names if hasattr(rows, "column_names") else rows.keys())
+    names = list(rows.column_names if hasattr(rows, "column_names") else rows.keys())
     kw = {"prompts": list(rows["prompt"]) if "prompt" in names else [None] * n_prompts}
     kw.update({k: list(rows[k]) for k in names if k not in ("prompt", "text")})
-    missing = [p for p in reward.required if p not in kw and p != "completions"]
+    return kw
+
+
+def _taken(columns: dict, reward: Reward, rows) -> dict:
+    """The columns reward takes (all of them when it takes **kwargs); one line naming the columns
+    there are when it needs one that is not."""
+    missing = [p for p in reward.required if p not in columns and p != "completions"]
     if missing:
+        names = list(rows.column_names if hasattr(rows, "column_names") else rows.keys())
         fail(f"--reward {reward.spec}: needs the column {missing[0]!r}, which the data does not "
              f"have (its columns: {', '.join(names)})")
-    return {k: v for k, v in kw.items() if reward.more or k in reward.params}
+    return {k: v for k, v in columns.items() if reward.more or k in reward.params}
 
 
-def _score_groups(reward: Reward, texts: list[str], columns: dict, n: int):
+def _score_groups(reward: Reward, texts: list[str], columns: dict, n: int, conversational: bool):
     """TRL's f(prompts, completions, **columns) -> list[float | None], called once per group of n
     completions, each argument given per completion (a prompt's values repeated n times); the
     completions as [{'role': 'assistant', 'content': text}] when the prompts are message lists.
     A reward per completion (NaN: None, not applicable) and its error."""
-    conversational = isinstance(next(iter(columns.get("prompts", [None])), None), list)
     requests = []
     for g in range(len(texts) // n):
         group = texts[g * n:(g + 1) * n]

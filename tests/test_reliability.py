@@ -235,3 +235,62 @@ def test_a_reward_that_forks_is_an_error_never_another_requests_answer(hole_rewa
     r, errors = common.score(["plain", "fork", "plain"], ["1", "2", "3"], 1, reward)
     assert r.tolist() == [1.0, 0.0, 1.0] and errors == 1
     reward.stop()
+
+
+PG_REWARD = """
+import os, signal, time
+
+
+def r(completion, answer):
+    flag = os.environ.get("PG_FLAG")
+    if flag:
+        try:
+            os.remove(flag)  # once, in whichever worker comes first
+        except FileNotFoundError:
+            pass
+        else:  # what a scheduler sends to the job: SIGTERM to the trainer's process group, a reward in flight
+            os.killpg(os.getpgid(os.getppid()), signal.SIGTERM)
+            time.sleep(0.5)
+    return 1.0 + len(completion) % 2  # never 0, the score of a request whose worker died
+"""
+
+
+def test_sigterm_to_the_process_group_with_a_reward_in_flight_then_resume_is_bitwise(tmp_path, monkeypatch):
+    """The graceful stop of a whole job (SIGTERM to its process group during step 1's rewards) saves step 1 with
+    every reward scored; --resume auto then ends bitwise equal to an unbroken run (hole 1)."""
+    import glob
+    import json
+    import os
+    import subprocess
+
+    from safetensors.torch import load_file
+
+    (tmp_path / "pg27.py").write_text(PG_REWARD)
+    argv = ["--num-steps", "2", "--prompts-per-rank", "4", "--eval-every", "0", "--reward", "pg27:r"]
+
+    def run(out, *extra, flag=None):
+        env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+        env.pop("PG_FLAG", None)
+        if flag:
+            open(flag, "w").close()
+            env["PG_FLAG"] = flag
+        p = subprocess.run([sys.executable, "gspo.py", *argv, *extra, "--output-dir", str(out)], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=600, start_new_session=True)  # a job of its own
+        assert p.returncode == 0, p.stderr[-3000:]
+        return p
+
+    def result(out):
+        (path,) = glob.glob(f"{out}/*/metrics.jsonl")
+        rows = [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")} for line in open(path)]
+        return load_file(os.path.join(os.path.dirname(path), "step_2", "model.safetensors")), rows
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("PG_FLAG", raising=False)
+    run_script("gspo", argv, monkeypatch, tmp_path / "straight")  # unbroken, in this process
+    p = run(tmp_path / "stopped", flag=str(tmp_path / "flag"))
+    assert "SIGTERM: stopping with a checkpoint at the end of this step" in p.stderr
+    assert not glob.glob(f"{tmp_path}/stopped/*/step_2") and glob.glob(f"{tmp_path}/stopped/*/step_1")
+    run(tmp_path / "stopped", "--resume", "auto")
+    (wa, ra), (wb, rb) = result(tmp_path / "straight"), result(tmp_path / "stopped")
+    assert [r["step"] for r in rb] == [1, 2] and ra == rb and rb[0]["charts/reward_errors"] == 0
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

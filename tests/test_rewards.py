@@ -376,6 +376,15 @@ def test_a_user_reward_calling_math_reward_grades_at_once_in_its_worker(tmp_path
     r, errors = score(["\\boxed{2\\sqrt{2}}", "\\boxed{3}", "so \\boxed{\\frac{4}{\\sqrt{2}}}"], ["\\sqrt{8}"], 3,
                       reward)  # math-verify decides each (no exact form settles it)
     assert r.tolist() == [1.0, 0.0, 1.0] and errors == 0
+    (worker,) = [w.proc.pid for w in reward.workers]
+    children = []  # processes the worker started (graders of its own), from /proc
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                children += [pid] if int(f.read().rsplit(")", 1)[1].split()[1]) == worker else []
+        except OSError:
+            pass
+    assert children == []
     reward.stop()
 
 

@@ -706,8 +706,8 @@ def score(texts: list[str], answers, n: int, reward: Reward | Rewards | None = N
     columns, values, failed, first = {}, {}, torch.zeros(len(texts), dtype=torch.bool), {}
     for part, _ in reward.parts:
         if part.kind == "trl":
-            columns = columns or _columns(rows, len(answers))
-            conversational = isinstance(columns["prompts"][0], list)  # lists of messages
+            columns = columns or _columns(rows, answers)
+            conversational = any(isinstance(p, list) for p in columns["prompts"][:1])  # messages
             v, errors = _score_groups(part, texts, _taken(columns, part, rows), n, conversational)
         else:
             v, errors = _score_pairs(part, texts, answers, n)
@@ -770,13 +770,14 @@ def _score_pairs(reward: Reward, texts: list[str], answers: list[str], n: int):
             [results[k][1] if k is not None else None for k in keys])
 
 
-def _columns(rows, n_prompts: int) -> dict:
+def _columns(rows, answers: list[str]) -> dict:
     """A TRL-form reward's keyword arguments, one value per prompt: prompts, and every column of
-    the rows but 'prompt' and 'text' (the templated prompt) by its name, as TRL passes them."""
+    the rows but 'prompt' and 'text' (the templated prompt) by its name, as TRL passes them (given
+    the answers alone: prompts None, and the answers)."""
     if rows is None:
-        rows = {"answer": [None] * n_prompts}
+        rows = {"answer": answers}
     names = list(rows.column_names if hasattr(rows, "column_names") else rows.keys())
-    kw = {"prompts": list(rows["prompt"]) if "prompt" in names else [None] * n_prompts}
+    kw = {"prompts": list(rows["prompt"]) if "prompt" in names else [None] * len(answers)}
     kw.update({k: list(rows[k]) for k in names if k not in ("prompt", "text")})
     return kw
 

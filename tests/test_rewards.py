@@ -396,3 +396,21 @@ def test_trl_style_reward_through_a_script(trl_rewards, monkeypatch, tmp_path):
     assert rows[0]["rewards/only_completions/mean"] == 1.0 and rows[0]["rewards/only_completions/std"] == 0.0
     assert rows[0]["charts/reward_mean"] == pytest.approx(0.5 + rows[0]["rewards/length/mean"])
     assert rows[0]["charts/reward_errors"] == 0
+
+
+def test_trl_own_rewards_through_the_pool(monkeypatch):
+    """trl.rewards' think_format_reward and accuracy_reward (its `solution` column) score conversational rows as in
+    TRL: 1 for the right format / the right boxed answer."""
+    pytest.importorskip("trl")
+    import grader
+    from common import score
+
+    monkeypatch.setattr(grader, "GRADING_WORKERS", 1)
+    reward = grader.load_reward(["trl.rewards:think_format_reward", "trl.rewards:accuracy_reward"], 60.0)
+    rows = {"prompt": [[{"role": "user", "content": "What is 1/2 + 1/3?"}]], "answer": ["5/6"], "text": ["t"],
+            "solution": ["$\\frac{5}{6}$"]}
+    texts = ["<think>add</think> $\\boxed{\\frac{5}{6}}$", "no think, $\\boxed{\\frac{1}{5}}$"]
+    r, errors = score(texts, rows, 2, reward)
+    assert errors == 0 and r.tolist() == [2.0, 0.0]
+    assert reward.metrics()["rewards/accuracy_reward/mean"] == 0.5
+    reward.stop()

@@ -8,10 +8,11 @@ from __future__ import annotations
 import math
 import os
 import sys
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
 
 import torch
+import tyro
 
 from checkpoint import STEP_DIR
 from data import check_dataset
@@ -157,10 +158,18 @@ class CommonArgs:
     --max-restarts)"""
     output_dir: str = "runs"
     """where runs are written"""
-    reward: str | None = None
+    reward: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
     """the reward: the built-in math grader, or 'module:function' naming your
-    f(completion, answer) -> float (imported from the current folder or the Python path; runs in
-    worker processes, so sandbox code you execute)"""
+    f(completion, answer) -> float or TRL's f(prompts, completions, **columns) ->
+    list[float | None] (imported from the current folder or the Python path; runs in worker
+    processes, so sandbox code you execute); repeat it for several, summed with --reward-weights;
+    built in: common:math_reward, common:think_format, common:length_penalty"""
+    reward_weights: list[float] = field(default_factory=list)
+    """one weight per --reward (default 1 each): a completion's reward is the weighted sum of the
+    rewards that apply to it (a TRL reward's None does not)"""
+    reward_fail_steps: int = 3
+    """stop the run when a reward fails on more than half of the completions in N steps in a row
+    (or on every completion of the first step); 0: never"""
     reward_timeout: float = 1.0
     """seconds one reward call may take (the math grader: its worker's CPU seconds, at most 30x in
     wall time; a --reward function: wall seconds): past it the completion scores 0 and counts in

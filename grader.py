@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 import os
 import re
 import sys
@@ -403,76 +404,136 @@ def decide(pred: tuple[str, frozenset], gold: tuple[str, frozenset]) -> float | 
 # scored 0 because other processes ran (benchmarks/grading.py --busy). A killed worker is replaced
 # at once, in the background: the next requests go to the workers that are ready, never to one
 # still importing math-verify.
-_WORKER_SRC = r'''
+# math-verify set up for grading: run by the math grader's workers, and inside a --reward worker
+# whose function calls common.math_reward (in_process_math), so that it grades there at once
+# instead of starting workers of its own within the reward's time bound.
+_MATH_VERIFY_SRC = r'''
+def make_math_verify():
+    import logging
+    logging.disable(logging.WARNING)
+    from math_verify import LatexExtractionConfig, parse, verify
+    # ANTLR's two-stage parse: the fast SLL prediction first, full LL only where SLL fails
+    # (~4x faster)
+    try:
+        from antlr4.atn.PredictionMode import PredictionMode
+        from latex2sympy2_extended.latex2sympy2 import _Latex2Sympy
+        ll_create, ll_parse = _Latex2Sympy.create_parser, _Latex2Sympy.parse
+        def create_parser(self, latex):
+            parser = ll_create(self, latex)
+            if getattr(self, "sll", False):
+                parser._interp.predictionMode = PredictionMode.SLL
+            return parser
+        def two_stage(self, latex):
+            try:
+                self.sll = True
+                return ll_parse(self, latex)
+            except Exception:
+                self.sll = False
+                return ll_parse(self, latex)
+        _Latex2Sympy.create_parser, _Latex2Sympy.parse = create_parser, two_stage
+    except (ImportError, AttributeError):
+        pass
+    config, parsed = [LatexExtractionConfig()], {}
+    def parse_once(s):
+        if len(parsed) > 4096:
+            parsed.clear()
+        if s not in parsed:
+            parsed[s] = parse("$" + s + "$", extraction_config=config,
+                              fallback_mode="no_fallback",
+                              parsing_timeout=None)
+        return parsed[s]
+    def fn(pred, gold):
+        g, p = parse_once(gold), parse_once(pred)
+        return float(bool(g) and bool(p) and verify(g, p, timeout_seconds=None))
+    return fn
+'''
+# A worker lives in a session of its own, so that a Ctrl-C in the terminal or a SIGTERM to the
+# trainer's process group (what a scheduler sends) reaches the trainer alone, which stops at the end
+# of the step with every reward of it scored. It dies with its trainer, even inside a looping
+# reward: the kernel kills it when the thread that started it dies (PR_SET_PDEATHSIG, Linux, when
+# started from the main thread), and a thread of its own exits it when the requests pipe closes or
+# its parent changes. Replies name the request and the process that answers it: a reward that
+# forks and lets the child return answers in the child's name, and that is an error, never the
+# answer of another request.
+_WORKER_SRC = _MATH_VERIFY_SRC + r'''
 import json
 import os
+import queue
+import signal
 import sys
+import threading
+import time
 sys.path[:0] = json.loads(sys.argv[1])
-spec = sys.argv[2]
+spec, kind, parent, deathsig = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1"
+me = os.getpid()
+if deathsig:
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+if os.getppid() != parent:  # the trainer died before the line above
+    os._exit(1)
 # replies only: a print() or a child process of the reward writes to stderr
 out = os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)
 sys.stdout = sys.stderr
 def reply(**kw):
-    out.write(json.dumps(kw) + "\n")
+    out.write(json.dumps({**kw, "pid": os.getpid()}) + "\n")
     out.flush()
+requests = queue.Queue()
+def read():
+    for line in sys.stdin:
+        requests.put(line)
+    os._exit(0)  # the trainer closed the pipe, or died
+def watch():
+    while os.getppid() == parent:
+        time.sleep(0.1)
+    os._exit(0)  # reparented: the trainer died
+threading.Thread(target=read, daemon=True).start()
+threading.Thread(target=watch, daemon=True).start()
 try:
     if spec:
         import importlib
         module, name = spec.split(":")
         fn = getattr(importlib.import_module(module), name)
+        grader = sys.modules.get("grader")
+        if grader is not None:  # the reward may call common.math_reward: math-verify ready now
+            try:
+                grader.in_process_math()
+            except ImportError:  # not installed: an error of the requests that need it
+                pass
     else:
-        import logging
         import resource
         resource.setrlimit(resource.RLIMIT_AS, (4 << 30, resource.getrlimit(resource.RLIMIT_AS)[1]))
-        logging.disable(logging.WARNING)
-        from math_verify import LatexExtractionConfig, parse, verify
-        # ANTLR's two-stage parse: the fast SLL prediction first, full LL only where SLL fails
-        # (~4x faster)
-        try:
-            from antlr4.atn.PredictionMode import PredictionMode
-            from latex2sympy2_extended.latex2sympy2 import _Latex2Sympy
-            ll_create, ll_parse = _Latex2Sympy.create_parser, _Latex2Sympy.parse
-            def create_parser(self, latex):
-                parser = ll_create(self, latex)
-                if getattr(self, "sll", False):
-                    parser._interp.predictionMode = PredictionMode.SLL
-                return parser
-            def two_stage(self, latex):
-                try:
-                    self.sll = True
-                    return ll_parse(self, latex)
-                except Exception:
-                    self.sll = False
-                    return ll_parse(self, latex)
-            _Latex2Sympy.create_parser, _Latex2Sympy.parse = create_parser, two_stage
-        except (ImportError, AttributeError):
-            pass
-        config, parsed = [LatexExtractionConfig()], {}
-        def parse_once(s):
-            if len(parsed) > 4096:
-                parsed.clear()
-            if s not in parsed:
-                parsed[s] = parse("$" + s + "$", extraction_config=config,
-                                  fallback_mode="no_fallback",
-                                  parsing_timeout=None)
-            return parsed[s]
-        def fn(pred, gold):
-            g, p = parse_once(gold), parse_once(pred)
-            return float(bool(g) and bool(p) and verify(g, p, timeout_seconds=None))
+        fn = make_math_verify()
 except BaseException as e:
     reply(fatal=f"{type(e).__name__}: {e}")
     sys.exit(1)
+def finite(r):
+    r = float(r)
+    if r != r or abs(r) == float("inf"):
+        raise ValueError(f"the reward returned {r}")
+    return r
 reply(ready=True)
-for line in sys.stdin:
-    a, b = json.loads(line)
+while True:
+    request = json.loads(requests.get())
     try:
-        r = float(fn(a, b))
-        if r != r or abs(r) == float("inf"):
-            raise ValueError(f"the reward returned {r}")
-        reply(r=r)
+        if kind == "trl":  # a batch: a list of one reward or None per completion
+            rs = fn(**request["kw"])
+            n = len(request["kw"]["completions"])
+            if not isinstance(rs, (list, tuple)) or len(rs) != n:
+                raise ValueError(f"the reward returned {type(rs).__name__} "
+                                 f"{str(rs)[:40]}, not a list of {n} rewards")
+            msg = {"r": [None if r is None else finite(r) for r in rs]}
+        else:
+            msg = {"r": finite(fn(*request["a"]))}
     except Exception as e:
-        reply(e=f"{type(e).__name__}: {e}"[:300])
+        msg = {"e": f"{type(e).__name__}: {e}"[:300]}
+    if os.getpid() != me:  # the reward forked and its child came back here: say so, and leave
+        reply(id=request["id"], e="the reward returned in a process it forked")
+        os._exit(0)
+    reply(id=request["id"], **msg)
 '''
 
 
@@ -483,14 +544,28 @@ START_TIMEOUT_S = 120.0
 # the math grader's bound is in CPU seconds; a request past this many times it in wall seconds
 # (a worker that makes no progress) is stopped too
 WALL_FACTOR = 30.0
+# set in a --reward worker's environment: the math grader grades in that process (in_process_math)
+IN_WORKER_ENV = "GRADER_IN_REWARD_WORKER"
+_IN_PROCESS = []  # math-verify of this process, made once (in_process_math)
+
+
+def in_process_math():
+    """math-verify's comparison in this process (a --reward worker): made once, on first use or
+    before the worker says it is ready."""
+    if not _IN_PROCESS:
+        space = {}
+        exec(_MATH_VERIFY_SRC, space)  # noqa: S102 - this module's own source text, not model text
+        _IN_PROCESS.append(space["make_math_verify"]())
+    return _IN_PROCESS[0]
 
 
 class _Worker:
     """One grading process, answering one request at a time over pipes (JSON lines). It starts in
     the background (launch) and takes requests once it has said it is ready."""
 
-    def __init__(self, spec: str | None):
-        self.spec, self.proc, self.buf, self.ready, self.started = spec, None, b"", False, 0.0
+    def __init__(self, spec: str | None, kind: str = "pair"):
+        self.spec, self.kind, self.proc, self.buf, self.ready, self.started = (spec, kind, None,
+                                                                               b"", False, 0.0)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -499,10 +574,14 @@ class _Worker:
         import subprocess
 
         path = json.dumps([os.getcwd(), *sys.path])
-        self.proc = subprocess.Popen([sys.executable, "-c", _WORKER_SRC, path, self.spec or ""],
+        main = threading.current_thread() is threading.main_thread()  # lives as long as we do
+        env = {**os.environ, IN_WORKER_ENV: "1"} if self.spec else None
+        self.proc = subprocess.Popen([sys.executable, "-c", _WORKER_SRC, path, self.spec or "",
+                                      self.kind, str(os.getpid()), "1" if main else "0"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
                                      # a user's prints show
-                                     stderr=None if self.spec else subprocess.DEVNULL)
+                                     stderr=None if self.spec else subprocess.DEVNULL,
+                                     env=env, start_new_session=True)  # signals to our group
         self.buf, self.ready, self.started = b"", False, time.monotonic()
 
     def relaunch(self):
@@ -546,9 +625,12 @@ class _Worker:
             return None
         self.buf = self.buf[len(line) + 1:]
         try:
-            return json.loads(line)
+            msg = json.loads(line)
+            if isinstance(msg, dict):
+                return msg
         except ValueError:
-            return {"e": f"RuntimeError: the reward worker wrote {line[:80]!r}"}
+            pass
+        return {"e": f"RuntimeError: the reward worker wrote {line[:80]!r}"}
 
     def send(self, request) -> bool:
         """False when the worker has died (it is then restarted in the background)."""
@@ -566,19 +648,58 @@ class _Worker:
             self.proc, self.ready = None, False
 
 
-class Reward:
-    """The reward of a completion given its prompt's answer: the math grader (spec None) or a user's
-    function f(completion, answer) -> float named 'module:function'. What score() cannot settle in
-    this process (decide) runs in GRADING_WORKERS worker processes, each request bounded by
-    timeout_s: CPU seconds of its worker for the math grader (wall seconds where /proc is missing,
-    and at most WALL_FACTOR x timeout_s of wall time), wall seconds for a user's function, which may
-    wait on a sandbox of its own (see above)."""
+class _Watched:
+    """What score() keeps of a run's training steps, on the reward it was given: whether every
+    group's rewards were equal from the first step on (flat_steps, watch_flat_groups), the steps in
+    a row each reward failed on more than half of the completions (bad_steps; the run stops after
+    fail_steps of them, 0: never, or when one fails on every completion of the first step), and
+    each reward's values in the last step (values; NaN where a TRL reward returned None)."""
 
-    def __init__(self, spec: str | None = None, timeout_s: float = 1.0):
-        self.spec, self.timeout_s = spec, timeout_s
-        self.workers, self.lock = [_Worker(spec) for _ in range(GRADING_WORKERS)], threading.Lock()
+    def __init__(self, fail_steps: int = 0):
         # training steps in a row, from the first, in which every group's rewards were equal
         self.flat_steps = 0
+        self.fail_steps, self.steps, self.bad_steps = fail_steps, 0, {}
+        self.values = {}
+
+    def metrics(self) -> dict:
+        """rewards/<name>/mean and rewards/<name>/std of each reward (TRL's names) over the last
+        training step's completions on all ranks, those it applied to (not None); population std,
+        as charts/reward_std."""
+        from distributed import all_gather_cat
+
+        out = {}
+        for name, v in self.values.items():
+            v = all_gather_cat(v)
+            v = v[~v.isnan()]
+            out[f"rewards/{name}/mean"] = v.mean().item() if len(v) else float("nan")
+            out[f"rewards/{name}/std"] = v.std(unbiased=False).item() if len(v) else float("nan")
+        return out
+
+
+class Reward(_Watched):
+    """One reward function: the math grader (spec None) or a user's function named
+    'module:function', of one of two forms (kind): 'pair', f(completion, answer) -> float, one
+    request per distinct (completion, answer); or 'trl', TRL's f(prompts, completions, **columns)
+    -> list[float | None], one request per group of completions. What score() cannot settle in
+    this process (decide) runs in GRADING_WORKERS worker processes, each request bounded by
+    timeout_s (a 'trl' request: timeout_s per completion): CPU seconds of its worker for the math
+    grader (wall seconds where /proc is missing, and at most WALL_FACTOR x timeout_s of wall time),
+    wall seconds for a user's function, which may wait on a sandbox of its own (see above).
+    name: its name in the logs (rewards/<name>/mean); params, required: a 'trl' function's named
+    parameters and those without a default; more: whether it takes **kwargs."""
+
+    def __init__(self, spec: str | None = None, timeout_s: float = 1.0, kind: str = "pair"):
+        self.spec, self.timeout_s, self.kind = spec, timeout_s, kind
+        self.name = spec.partition(":")[2] if spec else "math_reward"
+        self.params, self.required, self.more = (), (), True
+        self.workers = [_Worker(spec, kind) for _ in range(GRADING_WORKERS)]
+        self.lock, self.next_id = threading.Lock(), 0
+        super().__init__()
+
+    @property
+    def parts(self) -> list[tuple[Reward, float]]:
+        """The rewards a completion's reward sums, with their weights: this one."""
+        return [(self, 1.0)]
 
     def stop(self):
         for w in self.workers:
@@ -590,25 +711,35 @@ class Reward:
         except Exception:  # noqa: BLE001
             pass
 
-    def time_left(self, w: _Worker, sent: float, cpu: float | None) -> float:
+    def bound(self, request) -> float:
+        """The request's time bound: timeout_s, per completion for a group ('trl')."""
+        return self.timeout_s * (len(request["completions"]) if self.kind == "trl" else 1)
+
+    def time_left(self, w: _Worker, sent: float, cpu: float | None, bound: float) -> float:
         """Seconds left of the bound of the request sent to w at wall time sent, when w had used cpu
         CPU seconds (<= 0: out of time)."""
         wall = time.monotonic() - sent
         if self.spec is not None or cpu is None:
-            return self.timeout_s - wall
+            return bound - wall
         now = w.cpu_seconds()
         if now is None:
-            return self.timeout_s - wall
-        return min(self.timeout_s - (now - cpu), WALL_FACTOR * self.timeout_s - wall)
+            return bound - wall
+        return min(bound - (now - cpu), WALL_FACTOR * bound - wall)
 
-    def run(self, requests: list[tuple[str, str]]) -> list[tuple[float, str | None]]:
+    def run(self, requests: list) -> list[tuple]:
         """(reward, error) per request, each within its bound (timeout_s) of being sent: a request
         that raises, returns a non-finite value, kills its worker or runs out of time gives (0.0,
-        the error), and its worker is replaced in the background."""
+        the error), and its worker is replaced in the background. A request: (completion, answer)
+        ('pair'; (extracted answer, reference) for the math grader), or a dict of keyword
+        arguments ('trl', whose reward is a list). A reply that does not name the request or the
+        worker is an error too, and its worker is replaced."""
         import select
 
+        if self.spec is None and os.environ.get(IN_WORKER_ENV):  # inside a --reward worker
+            fn = in_process_math()
+            return [(fn(*r), None) for r in requests]
         out, todo = [None] * len(requests), list(range(len(requests)))[::-1]
-        busy = {}  # worker -> (request index, wall time sent, its CPU time then)
+        busy = {}  # worker -> (request index, wall time sent, its CPU time then, request id)
         with self.lock:
             for w in self.workers[:len(requests)]:  # start them side by side
                 if not w.alive():
@@ -619,27 +750,37 @@ class Reward:
                         w.relaunch()  # died while idle
                     if todo and w.ready and w not in busy:
                         i = todo.pop()
-                        if w.send(requests[i]):
-                            busy[w] = (i, time.monotonic(), w.cpu_seconds())
+                        self.next_id += 1
+                        key = "kw" if self.kind == "trl" else "a"
+                        if w.send({"id": self.next_id, key: requests[i]}):
+                            busy[w] = (i, time.monotonic(), w.cpu_seconds(), self.next_id)
                         else:
                             todo.append(i)
                 starting = [w for w in self.workers if w.proc is not None and not w.ready]
-                wait = min([self.time_left(w, t, c) for w, (_, t, c) in busy.items()],
+                wait = min([self.time_left(w, t, c, self.bound(requests[i]))
+                            for w, (i, t, c, _) in busy.items()],
                            default=START_TIMEOUT_S)  # a starting worker says when it is ready
                 ready = select.select([w.proc.stdout for w in [*busy, *starting]], [], [],
                                       max(0.01, wait))[0]
                 for w in starting:
                     w.check_start(w.proc.stdout in ready and not w.pull())
-                for w, (i, sent, cpu) in list(busy.items()):
+                for w, (i, sent, cpu, rid) in list(busy.items()):
                     died = w.proc.stdout in ready and not w.pull()
                     msg = w.take()
-                    if msg is not None:
+                    if msg is not None and (msg.get("id"), msg.get("pid")) != (rid, w.proc.pid):
+                        out[i] = (0.0, f"RuntimeError: a reply from process {msg.get('pid')} for "
+                                       f"request {msg.get('id')} came to request {rid} of worker "
+                                       f"{w.proc.pid}: {msg.get('e', 'a reward that forks?')} "
+                                       "(worker restarted)")
+                        msg = None
+                    elif msg is not None:
                         out[i] = (msg.get("r", 0.0), msg.get("e"))
                     elif died:
                         out[i] = (0.0, "RuntimeError: the reward worker died (restarted)")
-                    elif self.time_left(w, sent, cpu) <= 0:
-                        bound = (f"{self.timeout_s:g} s" if self.spec is not None or cpu is None
-                                 else f"{self.timeout_s:g} s of CPU time")
+                    elif self.time_left(w, sent, cpu, self.bound(requests[i])) <= 0:
+                        b = self.bound(requests[i])
+                        bound = (f"{b:g} s" if self.spec is not None or cpu is None
+                                 else f"{b:g} s of CPU time")
                         out[i] = (0.0, f"TimeoutError: no reward within {bound} (worker "
                                        "restarted)")
                     else:
@@ -650,15 +791,83 @@ class Reward:
         return out
 
 
-def load_reward(spec: str | None, timeout_s: float) -> Reward:
-    """--reward and --reward-timeout, checked before any heavy work: None is the math grader (it
-    needs math-verify); 'module:function' must name a callable f(completion, answer) -> float
-    importable from the current folder or the Python path."""
+class Rewards(_Watched):
+    """Several rewards (--reward repeated), a completion's reward the weighted sum of those that
+    apply to it: sum_k w_k r_k over the rewards that did not return None, as TRL's nansum (0 when
+    none applies)."""
+
+    def __init__(self, parts: list[tuple[Reward, float]], fail_steps: int = 0):
+        super().__init__(fail_steps)
+        self.parts = parts
+
+    def stop(self):
+        for reward, _ in self.parts:
+            reward.stop()
+
+
+def reward_form(fn) -> tuple[str, tuple, tuple, bool] | None:
+    """How a reward function is called, from its signature: ('pair', ...) for the project's
+    f(completion, answer) -> float (two positional arguments, none named 'completions' or
+    'prompts'); ('trl', params, required, more) for TRL's f(prompts, completions, **columns) ->
+    list[float | None] (a parameter 'completions' or 'prompts'; params: its named parameters,
+    required: those without a default, more: whether it takes **kwargs); None for neither."""
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    ps = sig.parameters
+    named = tuple(p.name for p in ps.values()
+                  if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    if "completions" not in named and "prompts" not in named:
+        try:
+            sig.bind("completion", "answer")
+        except TypeError:
+            return None
+        return "pair", (), (), False
+    if any(p.kind == p.POSITIONAL_ONLY for p in ps.values()):
+        return None  # TRL passes every argument by name
+    required = tuple(p.name for p in ps.values() if p.name in named and p.default is p.empty)
+    return "trl", named, required, any(p.kind == p.VAR_KEYWORD for p in ps.values())
+
+
+def load_reward(spec: str | list[str] | None, timeout_s: float, weights: list[float] = (),
+                fail_steps: int = 0) -> Reward | Rewards:
+    """--reward, --reward-timeout, --reward-weights and --reward-fail-steps, checked before any
+    heavy work. spec None (or an empty list) is the math grader (it needs math-verify); each
+    'module:function' must name a function importable from the current folder or the Python path,
+    of either form reward_form reads. A list gives Rewards (weights: one per reward, default 1
+    each), a string or None one Reward."""
+    if not timeout_s > 0:
+        fail(f"--reward-timeout {timeout_s}: must be > 0 seconds")
+    if isinstance(fail_steps, bool) or not isinstance(fail_steps, int) or fail_steps < 0:
+        fail(f"--reward-fail-steps {fail_steps}: must be an integer >= 0 (0: never stop)")
+    if not isinstance(spec, list):
+        reward = _load_one(spec, timeout_s)
+        reward.fail_steps = fail_steps
+        return reward
+    specs = spec or [None]
+    weights = list(weights) or [1.0] * len(specs)
+    if len(weights) != len(specs):
+        fail(f"--reward-weights: {len(weights)} weight(s) for {len(specs)} reward(s) "
+             f"({', '.join(s or 'the math grader' for s in specs)}); give one weight per --reward")
+    bad = [w for w in weights if not math.isfinite(w)]
+    if bad:
+        fail(f"--reward-weights {bad[0]}: must be a finite number")
+    rewards = [_load_one(s, timeout_s) for s in specs]
+    names = [r.name for r in rewards]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        fail(f"--reward: two rewards named {twice[0]!r} (their logs, rewards/<name>/mean, would "
+             "mix): give each --reward once, or wrap one under another name")
+    return Rewards(list(zip(rewards, weights)), fail_steps)
+
+
+def _load_one(spec: str | None, timeout_s: float) -> Reward:
     import importlib
     import importlib.util
 
-    if not timeout_s > 0:
-        fail(f"--reward-timeout {timeout_s}: must be > 0 seconds")
     if spec is None:
         if importlib.util.find_spec("math_verify") is None:
             fail("the math grader needs math-verify: pip install -r requirements.txt")
@@ -682,4 +891,10 @@ def load_reward(spec: str | None, timeout_s: float) -> Reward:
     if not callable(fn):
         fail(f"--reward {spec!r}: {module}.{name} is a {type(fn).__name__}, not a function "
              "f(completion, answer)")
-    return Reward(spec, timeout_s)
+    form = reward_form(fn)
+    if form is None:
+        fail(f"--reward {spec!r}: {module}.{name} fits neither f(completion, answer) -> float nor "
+             "TRL's f(prompts, completions, **columns) -> list[float | None]")
+    reward = Reward(spec, timeout_s, form[0])
+    reward.params, reward.required, reward.more = form[1:]
+    return reward

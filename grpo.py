@@ -139,7 +139,8 @@ def main():
 
     # TRY NOT TO MODIFY: set-up (bad input fails here, before any model is built)
     check_common_args(args)
-    reward = load_reward(args.reward, args.reward_timeout)  # a bad --reward fails here too
+    reward = load_reward(args.reward, args.reward_timeout, args.reward_weights,
+                         args.reward_fail_steps)  # a bad --reward fails here too
     dist_env = setup_distributed(args.seed)
     check_model(args.model, args.trust_remote_code, args.gen_mode)
     script = os.path.basename(__file__)
@@ -200,7 +201,7 @@ def main():
         t = time.time()
         roll = generate(policy, tok, rows["text"], args.group_size, eos, dist_env, **gen_kw)
         gen_time = time.time() - t
-        rewards, reward_errors = score(roll["texts"], rows["answer"], args.group_size, reward)
+        rewards, reward_errors = score(roll["texts"], rows, args.group_size, reward)
         advantages, zero_groups = group_advantages(rewards, args.group_size, args.scale_rewards)
         log_samples(logger, run_dir, step, args.log_samples, rows["prompt"], rows["answer"],
                     roll["texts"], rewards, advantages, args.group_size, rows["text"])
@@ -299,6 +300,7 @@ def main():
             "charts/zero_adv_group_frac": zero_group_frac,
             "charts/learning_rate": optimizer.param_groups[0]["lr"],
             "charts/reward_errors": all_reduce(torch.tensor(float(reward_errors))).item(),
+            **reward.metrics(),  # rewards/<name>/mean and /std, each --reward
             "losses/skipped_updates": skipped,
             "losses/entropy": (all_reduce((entropy * roll["mask"]).sum()) / lengths.sum()).item(),
             "perf/gen_tokens_per_s": lengths.sum().item() / gen_time,

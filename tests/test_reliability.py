@@ -1,4 +1,5 @@
 """Hostile input and numerical accidents: a reward that raises, a completion holding code, non-finite losses."""
+import signal
 import sys
 
 import pytest
@@ -8,6 +9,7 @@ import common
 import data
 import distributed
 import grader
+from conftest import ROOT
 from test_train import run_script
 
 
@@ -33,10 +35,16 @@ def test_code_in_a_completion_is_only_parsed(tmp_path):
     assert r.tolist() == [0.0, 1.0, 1.0] and errors == 0 and not marker.exists()
 
 
-def test_run_goes_on_when_the_reward_always_raises(monkeypatch, tmp_path):
+def test_a_reward_that_always_raises_stops_the_run_in_one_line(monkeypatch, tmp_path):
+    """Every completion of the first step failed: one line naming the first error (issue 26); with
+    --reward-fail-steps 0 the run goes on, each failure scored 0 and counted."""
     monkeypatch.setattr(common, "extract_answer", lambda text: 1 / 0)
-    rows, _ = run_script("gspo", ["--num-steps", "2", "--prompts-per-rank", "4", "--eval-every", "0"], monkeypatch,
-                         tmp_path)
+    argv = ["--num-steps", "2", "--prompts-per-rank", "4", "--eval-every", "0"]
+    with pytest.raises(SystemExit) as e:
+        run_script("gspo", argv, monkeypatch, tmp_path / "a")
+    assert str(e.value.code) == ("error: the reward math_reward failed on every completion of the first step (first "
+                                 "error: ZeroDivisionError: division by zero): fix it (the run would learn from nothing)")
+    rows, _ = run_script("gspo", [*argv, "--reward-fail-steps", "0"], monkeypatch, tmp_path / "b")
     assert [r["charts/reward_errors"] for r in rows] == [32, 32]  # 4 prompts x 8 completions, each step
     assert all(r["charts/reward_mean"] == 0 and r["charts/zero_adv_group_frac"] == 1 for r in rows)
 
@@ -103,3 +111,186 @@ def test_rows_without_answer_and_long_prompts_are_dropped_and_counted(tmp_path):
     train, held, dropped = data.load_task(str(path), None, 3, 0, tok, False, max_prompt_tokens=100)
     assert dropped == {"no_answer": 2, "too_long": 5} and len(train) + len(held) == 30
     assert all(len(tok(t).input_ids) <= 100 for t in list(train["text"]) + list(held["text"]))
+
+
+# -------------------- the reward workers against signals, a killed trainer and a forking reward (issue 27, holes 1-3)
+HOLE_REWARD = """
+import os, time
+
+
+def f(completion, answer):
+    if completion == "slow":
+        time.sleep(1.0)
+    if completion == "loop":
+        open(os.path.join(os.environ["MARKS"], str(os.getpid())), "w").close()
+        while True:
+            pass
+    if completion == "fork":  # the child returns into the worker; the parent waits for it, then returns too
+        pid = os.fork()
+        if pid == 0:
+            return 1.0
+        os.waitpid(pid, 0)
+        return 0.0
+    return 1.0
+"""
+
+# A trainer-like parent: its reward workers, started from the main thread (or another one: thread), answer requests;
+# SIGINT/SIGTERM: the signal is sent to the parent's process group while a request is in flight.
+PARENT = """
+import json, os, signal, sys, threading
+sys.path[:0] = json.loads(sys.argv[2])
+import grader
+mode = sys.argv[1]
+reward = grader.load_reward("hole27:f", 30.0)
+start = lambda: reward.run([("warm", "1"), ("warm", "1")])
+if mode == "thread":
+    th = threading.Thread(target=start)
+    th.start()
+    th.join()
+else:
+    start()
+print(json.dumps([w.proc.pid for w in reward.workers]), flush=True)
+if mode in ("SIGINT", "SIGTERM"):
+    sig, got = getattr(signal, mode), []
+    signal.signal(sig, lambda s, frame: got.append(s))  # the trainer's graceful stop
+    threading.Timer(0.3, lambda: os.killpg(os.getpgid(0), sig)).start()
+    out = reward.run([("slow", "1"), ("slow", "1")]) + reward.run([("warm", "1")])
+    print(json.dumps({"out": out, "got": got, "pids": [w.proc.pid for w in reward.workers]}), flush=True)
+else:
+    reward.run([("loop", "1"), ("loop", "1")])
+"""
+
+
+@pytest.fixture
+def hole_reward(tmp_path, monkeypatch):
+    (tmp_path / "hole27.py").write_text(HOLE_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def parent(mode, folder):
+    import json
+    import subprocess
+
+    return subprocess.Popen([sys.executable, "-c", PARENT, mode, json.dumps([str(folder), ROOT])], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True,  # its own process group
+                            env={**__import__("os").environ, "MARKS": str(folder)})
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_process_group_does_not_reach_the_reward_workers(sig, hole_reward):
+    """Ctrl-C in a terminal (SIGINT) or a scheduler's SIGTERM to the trainer's process group, while rewards are in
+    flight: the trainer alone gets it; the workers answer those requests and the next (hole 1)."""
+    import json
+
+    p = parent(sig, hole_reward)
+    pids = json.loads(p.stdout.readline())
+    result = json.loads(p.stdout.readline())
+    assert p.wait(timeout=60) == 0
+    assert result["got"] == [getattr(signal, sig)]  # the trainer got it (and would stop at the end of the step)
+    assert result["out"] == [[1.0, None]] * 3 and result["pids"] == pids  # no worker died or was replaced
+
+
+def gone(pid: int) -> bool:
+    """Exited (a zombie left for a parent that does not reap counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize("mode", ["main", "thread"])  # thread: no parent-death signal, the worker's own watch
+def test_reward_workers_die_within_a_second_of_their_trainers_kill_9(mode, hole_reward):
+    """A trainer killed with -9 while both workers loop inside the reward: the workers are gone within 1 s (hole 2)."""
+    import json
+    import os
+    import time
+
+    p = parent(mode, hole_reward)
+    pids = json.loads(p.stdout.readline())
+    t = time.monotonic()
+    while not all((hole_reward / str(pid)).exists() for pid in pids):  # both are in the loop
+        assert time.monotonic() - t < 60
+        time.sleep(0.05)
+    p.kill()
+    p.wait()
+    t = time.monotonic()
+    while not all(gone(pid) for pid in pids) and time.monotonic() - t < 5:
+        time.sleep(0.02)
+    took = time.monotonic() - t
+    for pid in pids:
+        if not gone(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert took < 1.0, f"the workers lived {took:.2f} s past their trainer"
+
+
+def test_a_reward_that_forks_is_an_error_never_another_requests_answer(hole_reward, capsys):
+    """The forked child returns 1.0 into the worker and the parent 0.0: the child's reply names its own pid, so each
+    request is counted as an error (0), and the next request gets its own answer (hole 3)."""
+    reward = grader.load_reward("hole27:f", 30.0)
+    r, errors = common.score(["fork"] * 4, ["1", "2", "3", "4"], 1, reward)
+    assert r.tolist() == [0.0] * 4 and errors == 4
+    assert "the reward returned in a process it forked (worker restarted)" in capsys.readouterr().err
+    r, errors = common.score(["plain", "fork", "plain"], ["1", "2", "3"], 1, reward)
+    assert r.tolist() == [1.0, 0.0, 1.0] and errors == 1
+    reward.stop()
+
+
+PG_REWARD = """
+import os, signal, time
+
+
+def r(completion, answer):
+    flag = os.environ.get("PG_FLAG")
+    if flag:
+        try:
+            os.remove(flag)  # once, in whichever worker comes first
+        except FileNotFoundError:
+            pass
+        else:  # what a scheduler sends to the job: SIGTERM to the trainer's process group, a reward in flight
+            os.killpg(os.getpgid(os.getppid()), signal.SIGTERM)
+            time.sleep(0.5)
+    return 1.0 + len(completion) % 2  # never 0, the score of a request whose worker died
+"""
+
+
+def test_sigterm_to_the_process_group_with_a_reward_in_flight_then_resume_is_bitwise(tmp_path, monkeypatch):
+    """The graceful stop of a whole job (SIGTERM to its process group during step 1's rewards) saves step 1 with
+    every reward scored; --resume auto then ends bitwise equal to an unbroken run (hole 1)."""
+    import glob
+    import json
+    import os
+    import subprocess
+
+    from safetensors.torch import load_file
+
+    (tmp_path / "pg27.py").write_text(PG_REWARD)
+    argv = ["--num-steps", "2", "--prompts-per-rank", "4", "--eval-every", "0", "--reward", "pg27:r"]
+
+    def run(out, *extra, flag=None):
+        env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+        env.pop("PG_FLAG", None)
+        if flag:
+            open(flag, "w").close()
+            env["PG_FLAG"] = flag
+        p = subprocess.run([sys.executable, "gspo.py", *argv, *extra, "--output-dir", str(out)], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=600, start_new_session=True)  # a job of its own
+        assert p.returncode == 0, p.stderr[-3000:]
+        return p
+
+    def result(out):
+        (path,) = glob.glob(f"{out}/*/metrics.jsonl")
+        rows = [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")} for line in open(path)]
+        return load_file(os.path.join(os.path.dirname(path), "step_2", "model.safetensors")), rows
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("PG_FLAG", raising=False)
+    run_script("gspo", argv, monkeypatch, tmp_path / "straight")  # unbroken, in this process
+    p = run(tmp_path / "stopped", flag=str(tmp_path / "flag"))
+    assert "SIGTERM: stopping with a checkpoint at the end of this step" in p.stderr
+    assert not glob.glob(f"{tmp_path}/stopped/*/step_2") and glob.glob(f"{tmp_path}/stopped/*/step_1")
+    run(tmp_path / "stopped", "--resume", "auto")
+    (wa, ra), (wb, rb) = result(tmp_path / "straight"), result(tmp_path / "stopped")
+    assert [r["step"] for r in rb] == [1, 2] and ra == rb and rb[0]["charts/reward_errors"] == 0
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -146,3 +146,271 @@ def test_eval_only_on_a_saved_checkpoint_prints_the_table(tiny_dir, monkeypatch,
     assert "| builtin (held-out) | 6 | 4 |" in out
     assert {"step": 0, **json.load(open(os.path.join(run, "eval.json")))["builtin"]} == rows[0]
     assert not [p for p in os.listdir(run) if p.startswith("step_")]  # evaluation only: nothing trained or saved
+
+
+# -------------------- --reward: two signatures, several rewards, built-ins, a failing reward stops the run
+TRL_REWARDS = """
+import json, os
+
+
+def seen(prompts, completions, solution, **kwargs):  # TRL's accuracy_reward shape: a column by name
+    with open(os.environ["SEEN_FILE"], "a") as f:
+        f.write(json.dumps({"prompts": prompts, "completions": completions, "solution": solution, **kwargs}) + "\\n")
+    return [float(c == s) if c != "skip" else None for c, s in zip(completions, solution)]
+
+
+def conv(prompts, completions, **kwargs):
+    return [float(p[-1]["content"] == "q1" and c[0]["role"] == "assistant") + len(c[0]["content"])
+            for p, c in zip(prompts, completions)]
+
+
+def only_completions(completions):  # takes no **kwargs: gets only what it names
+    return [None if c == "skip" else 1.0 for c in completions]
+
+
+def wrong_length(completions, **kwargs):
+    return [1.0]
+
+
+def length(completion, answer):  # the project's form
+    return float(len(completion))
+
+
+def boom(completion, answer):
+    raise KeyError("no such test")
+
+
+def half_boom(completion, answer):
+    if completion.startswith("x"):
+        raise KeyError("x")
+    return 1.0
+
+
+def neither(a, b, c):
+    return 0.0
+"""
+
+
+@pytest.fixture
+def trl_rewards(tmp_path, monkeypatch):
+    (tmp_path / "trl_rewards26.py").write_text(TRL_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("SEEN_FILE", str(tmp_path / "seen.jsonl"))
+    yield "trl_rewards26"
+
+
+def test_reward_form_is_read_from_the_signature():
+    from grader import reward_form
+
+    def pair(completion, answer):
+        return 0.0
+
+    def trl(completions, solution=None, **kw):  # binds two positionals too: its names say TRL
+        return []
+
+    def trl_named(prompts, completions, answer):
+        return []
+
+    assert reward_form(pair)[0] == "pair" and reward_form(math_reward)[0] == "pair"
+    assert reward_form(trl) == ("trl", ("completions", "solution"), ("completions",), True)
+    assert reward_form(trl_named) == ("trl", ("prompts", "completions", "answer"),
+                                      ("prompts", "completions", "answer"), False)
+    assert reward_form(lambda a, b, c: 0) is None and reward_form(lambda a: 0) is None
+
+
+def test_trl_reward_gets_prompts_completions_and_every_column(trl_rewards, tmp_path):
+    import json
+
+    import grader
+    from common import score
+
+    reward = grader.load_reward([f"{trl_rewards}:seen"], 5.0)
+    rows = {"prompt": ["p0", "p1"], "answer": ["4", "5"], "text": ["<t>p0", "<t>p1"], "solution": ["a", "b"]}
+    r, errors = score(["a", "x", "skip", "b"], rows, 2, reward)
+    assert errors == 0 and r.tolist() == [1.0, 0.0, 0.0, 1.0]  # None is not applicable: 0 with no other reward
+    calls = sorted((json.loads(line) for line in open(tmp_path / "seen.jsonl")), key=lambda c: c["prompts"])
+    assert calls == [  # one call per group; each prompt's values repeated per completion; no "text"
+        {"prompts": ["p0", "p0"], "completions": ["a", "x"], "solution": ["a", "a"], "answer": ["4", "4"]},
+        {"prompts": ["p1", "p1"], "completions": ["skip", "b"], "solution": ["b", "b"], "answer": ["5", "5"]}]
+    v = reward.values["seen"]
+    assert v[:2].tolist() == [1.0, 0.0] and v[2].isnan() and v[3] == 1.0
+    assert reward.metrics() == {"rewards/seen/mean": pytest.approx(2 / 3), "rewards/seen/std":
+                                pytest.approx(torch.tensor([1.0, 0.0, 1.0]).std(unbiased=False).item())}
+    reward.stop()
+
+
+def test_trl_reward_gets_conversational_prompts_and_completions_as_messages(trl_rewards):
+    import grader
+    from common import score
+
+    reward = grader.load_reward([f"{trl_rewards}:conv", f"{trl_rewards}:only_completions"], 5.0)
+    chat = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "q1"}],
+            [{"role": "user", "content": "q2"}]]
+    rows = {"prompt": chat, "answer": ["1", "2"], "text": ["t1", "t2"]}
+    r, errors = score(["ab", "skip", "abc", "d"], rows, 2, reward)
+    # conv: 1 for the first prompt's 'q1' as its last message, plus the length; only_completions: 1 (a message list
+    # is not 'skip')
+    assert errors == 0 and r.tolist() == [1 + 2 + 1, 1 + 4 + 1, 3 + 1, 1 + 1]
+    reward.stop()
+
+
+def test_several_rewards_are_a_weighted_sum_that_skips_none(trl_rewards):
+    """r = sum_k w_k r_k over the rewards that apply (TRL's nansum), each logged under its own name."""
+    import grader
+    from common import score
+
+    reward = grader.load_reward([f"{trl_rewards}:length", f"{trl_rewards}:only_completions"], 5.0, [1.0, 0.1])
+    r, errors = score(["ab", "skip", "abc", "skip"], ["1", "2"], 2, reward)
+    w = torch.tensor([1.0, 0.1])
+    expected = [(torch.tensor([2.0, 1.0]) * w).sum(), 4.0, (torch.tensor([3.0, 1.0]) * w).sum(), 4.0]
+    assert errors == 0 and r.tolist() == [float(x) for x in expected]
+    m = reward.metrics()
+    assert m["rewards/length/mean"] == pytest.approx(3.25) and m["rewards/only_completions/mean"] == 1.0
+    assert m["rewards/only_completions/std"] == 0.0 and set(m) == {
+        "rewards/length/mean", "rewards/length/std", "rewards/only_completions/mean", "rewards/only_completions/std"}
+    reward.stop()
+
+
+def test_a_trl_reward_of_the_wrong_length_is_an_error(trl_rewards, capsys):
+    import grader
+    from common import score
+
+    reward = grader.load_reward([f"{trl_rewards}:wrong_length"], 5.0)
+    r, errors = score(["a", "b"], {"prompt": ["p"], "answer": ["1"], "text": ["p"]}, 2, reward, watch=False)
+    assert r.tolist() == [0.0, 0.0] and errors == 2
+    assert "ValueError: the reward returned list [1.0], not a list of 2 rewards" in capsys.readouterr().err
+    reward.stop()
+
+
+def test_a_column_a_trl_reward_needs_is_named_with_those_there_are(trl_rewards):
+    import grader
+    from common import score
+
+    reward = grader.load_reward([f"{trl_rewards}:seen"], 5.0)
+    with pytest.raises(SystemExit) as e:
+        score(["a"], {"prompt": ["p"], "answer": ["1"], "text": ["p"]}, 1, reward)
+    assert str(e.value.code) == (f"error: --reward {trl_rewards}:seen: needs the column 'solution', which the data "
+                                 "does not have (its columns: prompt, answer, text)")
+
+
+def test_a_reward_failing_on_every_completion_of_the_first_step_stops_the_run(trl_rewards):
+    import grader
+    from common import score
+
+    reward = grader.load_reward([f"{trl_rewards}:length", f"{trl_rewards}:boom"], 5.0, fail_steps=3)
+    with pytest.raises(SystemExit) as e:
+        score(["a", "b"], ["1"], 2, reward)
+    assert str(e.value.code) == ("error: the reward boom failed on every completion of the first step (first "
+                                 "error: KeyError: 'no such test'): fix it (the run would learn from nothing)")
+    reward.stop()
+
+
+def test_a_reward_failing_on_more_than_half_for_n_steps_in_a_row_stops_the_run(trl_rewards):
+    import grader
+    from common import score
+
+    reward = grader.load_reward([f"{trl_rewards}:half_boom"], 5.0, fail_steps=2)
+    score(["a", "b", "c", "d"], ["1"], 4, reward)  # the first step: none fails
+    score(["xa", "xb", "c", "d"], ["1"], 4, reward)  # half: not more than half
+    score(["xa", "xb", "xc", "d"], ["1"], 4, reward)  # 1 step in a row over half
+    score(["xa", "b", "c", "d"], ["1"], 4, reward)  # the run of bad steps ends
+    score(["xa", "xb", "xc", "d"], ["1"], 4, reward)
+    with pytest.raises(SystemExit) as e:
+        score(["xa", "xb", "xc", "xd"], ["1"], 4, reward)  # 2 in a row
+    assert str(e.value.code) == ("error: the reward half_boom failed on more than half of the completions in 2 "
+                                 "steps in a row (first error: KeyError: 'x') (--reward-fail-steps 2): fix it")
+    never = grader.load_reward([f"{trl_rewards}:half_boom"], 5.0, fail_steps=0)
+    for _ in range(3):
+        assert score(["xa", "xb"], ["1"], 2, never)[1] == 2  # counted, and the run goes on
+    reward.stop()
+    never.stop()
+
+
+def test_builtin_rewards():
+    """think_format: <think>, reasoning, one </think>, then an answer. length_penalty: DAPO eq. 13 in characters,
+    0 up to L_max - L_cache, linear to -1 at L_max, -1 past it."""
+    import common
+    from common import length_penalty, think_format
+    from grader import load_reward
+
+    assert think_format("<think>\n2+2 is 4\n</think>\nThe answer is 4.", "4") == 1.0
+    assert think_format("2+2 is 4\n</think> 4", "4") == 1.0  # the template opened <think> in the prompt
+    assert think_format("<think>2+2 is 4</think>  ", "4") == 0.0  # no answer after it
+    assert think_format("<think>a</think> 4 <think>b</think> 5", "4") == 0.0  # a second block
+    assert think_format("The answer is 4.", "4") == 0.0 and think_format("<think>never closed 4", "4") == 0.0
+    lmax, cache = common.LENGTH_MAX_CHARS, common.LENGTH_CACHE_CHARS
+    assert length_penalty("a" * (lmax - cache), "") == 0.0
+    assert length_penalty("a" * (lmax - cache // 2), "") == -0.5
+    assert length_penalty("a" * lmax, "") == -1.0 and length_penalty("a" * (lmax + 1), "") == -1.0
+    for name in ("math_reward", "think_format", "length_penalty"):  # named without code
+        assert load_reward([f"common:{name}"], 1.0).parts[0][0].kind == "pair"
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--reward", "trl_rewards26:neither"], "--reward 'trl_rewards26:neither': trl_rewards26.neither fits neither "
+                                            "f(completion, answer) -> float nor TRL's f(prompts, completions"),
+    (["--reward", "trl_rewards26:length", "--reward", "trl_rewards26:boom", "--reward-weights", "1"],
+     "--reward-weights: 1 weight(s) for 2 reward(s) (trl_rewards26:length, trl_rewards26:boom)"),
+    (["--reward-weights", "1", "nan"], "--reward-weights: 2 weight(s) for 1 reward(s)"),
+    (["--reward", "trl_rewards26:length", "--reward-weights", "inf"], "--reward-weights inf: must be a finite"),
+    (["--reward", "trl_rewards26:length", "--reward", "trl_rewards26:length"], "two rewards named 'length'"),
+    (["--reward-fail-steps", "-1"], "--reward-fail-steps -1: must be an integer >= 0"),
+])
+def test_bad_rewards_fail_before_any_model(argv, needle, trl_rewards, monkeypatch, tmp_path):
+    from test_cli import fails_before_any_model
+
+    fails_before_any_model("gspo", argv, needle, monkeypatch, tmp_path)
+
+
+def test_a_user_reward_calling_math_reward_grades_at_once_in_its_worker(tmp_path, monkeypatch):
+    """common.math_reward inside a --reward worker grades there (math-verify made before the worker is ready), not in
+    workers of its own that would start within the reward's 1-s bound and time out (issue 26)."""
+    import grader
+    from common import score
+
+    (tmp_path / "wraps_math26.py").write_text(
+        "from common import math_reward\n\n\ndef r(completion, answer):\n    return math_reward(completion, answer)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(grader, "GRADING_WORKERS", 1)
+    reward = grader.load_reward("wraps_math26:r", 1.0)
+    r, errors = score(["\\boxed{2\\sqrt{2}}", "\\boxed{3}", "so \\boxed{\\frac{4}{\\sqrt{2}}}"], ["\\sqrt{8}"], 3,
+                      reward)  # math-verify decides each (no exact form settles it)
+    assert r.tolist() == [1.0, 0.0, 1.0] and errors == 0
+    (worker,) = [w.proc.pid for w in reward.workers]
+    children = []  # processes the worker started (graders of its own), from /proc
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                children += [pid] if int(f.read().rsplit(")", 1)[1].split()[1]) == worker else []
+        except OSError:
+            pass
+    assert children == []
+    reward.stop()
+
+
+def test_trl_style_reward_through_a_script(trl_rewards, monkeypatch, tmp_path):
+    """TRL's f(completions) through --reward with a project reward beside it: both logged under their names."""
+    rows, _ = run_script("gspo", ["--num-steps", "1", "--prompts-per-rank", "4", "--group-size", "2", "--eval-every",
+                                  "0", "--reward", f"{trl_rewards}:only_completions", "--reward", f"{trl_rewards}:length",
+                                  "--reward-weights", "0.5", "1"], monkeypatch, tmp_path)
+    assert rows[0]["rewards/only_completions/mean"] == 1.0 and rows[0]["rewards/only_completions/std"] == 0.0
+    assert rows[0]["charts/reward_mean"] == pytest.approx(0.5 + rows[0]["rewards/length/mean"])
+    assert rows[0]["charts/reward_errors"] == 0
+
+
+def test_trl_own_rewards_through_the_pool(monkeypatch):
+    """trl.rewards' think_format_reward and accuracy_reward (its `solution` column) score conversational rows as in
+    TRL: 1 for the right format / the right boxed answer."""
+    pytest.importorskip("trl")
+    import grader
+    from common import score
+
+    monkeypatch.setattr(grader, "GRADING_WORKERS", 1)
+    reward = grader.load_reward(["trl.rewards:think_format_reward", "trl.rewards:accuracy_reward"], 60.0)
+    rows = {"prompt": [[{"role": "user", "content": "What is 1/2 + 1/3?"}]], "answer": ["5/6"], "text": ["t"],
+            "solution": ["$\\frac{5}{6}$"]}
+    texts = ["<think>add</think> $\\boxed{\\frac{5}{6}}$", "no think, $\\boxed{\\frac{1}{5}}$"]
+    r, errors = score(texts, rows, 2, reward)
+    assert errors == 0 and r.tolist() == [2.0, 0.0]
+    assert reward.metrics()["rewards/accuracy_reward/mean"] == 0.5
+    reward.stop()

@@ -1,4 +1,5 @@
 """Answer extraction, numeric equivalence, group advantages; model text is parsed, never executed."""
+import json
 import os
 
 import pytest
@@ -414,3 +415,25 @@ def test_trl_own_rewards_through_the_pool(monkeypatch):
     assert errors == 0 and r.tolist() == [2.0, 0.0]
     assert reward.metrics()["rewards/accuracy_reward/mean"] == 0.5
     reward.stop()
+
+
+def test_trl_reward_on_a_conversational_file_end_to_end(monkeypatch, tmp_path):
+    """The data and reward paths together, as a TRL user brings them: a .jsonl of conversational prompts with a system
+    message, TRL's `solution` column and one more column; the TRL-form reward sees the messages whole (system message
+    first), completions as assistant messages, `solution`, `answer` and the extra column by name."""
+    (tmp_path / "conv_reward26.py").write_text(
+        "def acc(prompts, completions, solution, level, **kw):\n"
+        "    assert prompts[0][0] == {'role': 'system', 'content': 'Answer with one digit.'}, prompts[0]\n"
+        "    assert completions[0][0]['role'] == 'assistant' and kw['answer'] == solution\n"
+        "    assert all(lv in (0, 1, 2) for lv in level)\n"
+        "    return [1.0] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with open(tmp_path / "conv.jsonl", "w") as f:
+        for i in range(12):
+            f.write(json.dumps({"prompt": [{"role": "system", "content": "Answer with one digit."},
+                                           {"role": "user", "content": f"{i}%10="}],
+                                "solution": str(i % 10), "level": i % 3}) + "\n")
+    rows, _ = run_script("gspo", ["--num-steps", "1", "--prompts-per-rank", "4", "--group-size", "2", "--eval-every",
+                                  "0", "--max-new-tokens", "3", "--dataset", str(tmp_path / "conv.jsonl"),
+                                  "--reward", "conv_reward26:acc"], monkeypatch, tmp_path)
+    assert rows[0]["charts/reward_errors"] == 0 and rows[0]["rewards/acc/mean"] == 1.0

@@ -79,6 +79,7 @@ def measure(cmd: list[str], log: str) -> dict:
                 name = ("launcher" if "torch.distributed.run" in cmd else "process") if pid == p.pid else \
                     rank_of(pid) if pid in launched else "other child processes (each)"
                 r = procs.setdefault(pid, {"name": name, "peak": 0, "timeline": [], "rss_max": 0, "t_rss_max": 0})
+                r["name"] = name  # the latest: a worker seen between fork and exec has the launcher's environment
                 t = round(time.time() - t0, 1)
                 r["peak"] = max(r["peak"], s["VmHWM"])
                 if s["VmRSS"] > r["rss_max"]:

@@ -22,11 +22,13 @@ import torch
 import torch.distributed as dist
 
 from distributed import Dist, Refused, all_reduce, barrier, fail, on_rank0
+from lora import is_lora, save_lora
 
 
 # -------------------- checkpoints and exact resume
 # A checkpoint is a folder {run_dir}/step_N: the model and tokenizer as `save_pretrained` writes
-# them (safetensors, loads with from_pretrained), trainer_state.json (step, world size, script,
+# them (safetensors, loads with from_pretrained; under LoRA the merged model in bf16 and adapter/,
+# lora.py), trainer_state.json (step, world size, script,
 # reward curve) and rank{r}.pt per rank (this rank's optimizer shard, the lr schedule, the RNG
 # states; plain tensors, read with weights_only=True), and, written last, manifest.json: the size
 # and sha256 of every other file. It is written into .tmp_step_N and renamed into place when
@@ -206,7 +208,8 @@ def run_paths(args, d: Dist, script: str) -> tuple[str, str | None]:
 RESUME_FIXED = ("seed", "model", "dataset", "data_files", "prompts_per_rank", "group_size",
                 "clip_low", "clip_high", "scale_rewards", "mask_truncated", "loss_agg",
                 "symmetric_clip", "kl_coef", "post_answer_penalty", "transform", "length_aware",
-                "clip_gated", "stop_grad", "orth_floor")
+                "clip_gated", "stop_grad", "orth_floor", "lora_rank", "lora_alpha",
+                "lora_target_modules")
 
 
 def read_trainer_state(ckpt: str) -> dict:
@@ -374,7 +377,10 @@ def save_checkpoint(run_dir: str, step: int, policy, tok, optimizer, scheduler, 
 
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed mid-write
         hf_logging.disable_progress_bar()  # one bar a save would break the training bar
-        policy.lm.save_pretrained(tmp, state_dict=sd)
+        if is_lora(policy.lm):  # adapter/ and the merged model in bf16 (lora.py)
+            save_lora(policy.lm, tmp, sd)
+        else:
+            policy.lm.save_pretrained(tmp, state_dict=sd)
         hf_logging.enable_progress_bar()
         tok.save_pretrained(tmp)
     barrier()

@@ -34,6 +34,7 @@ from common import (Logger, all_finite, check_model, eos_ids, eval_report, eval_
 from data import load_task
 from distributed import all_gather_cat, all_reduce, fail, seed_rank, setup_distributed
 from grader import load_reward
+from lora import adapters_disabled, lora_spec
 
 LossAgg = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]  # --loss-agg
 
@@ -153,12 +154,14 @@ def main():
                                      args.enable_thinking, args.max_prompt_tokens)
     run_dir = claim_run_dir(run_dir, ckpt, dist_env)  # one writer per run folder (writer.lock)
     lm, rank0_weights = load_model(ckpt or args.model, tok, dist_env, args.seed,
-                                   args.trust_remote_code, args.dtype)
+                                   args.trust_remote_code, args.dtype, lora_spec(args))
     eos = eos_ids(lm, tok)
     policy = wrap_policy(lm, dist_env, args.temperature, args.logprob_chunk_tokens,
                          args.activation_checkpointing, args.dtype, args.cpu_offload, rank0_weights)
     ref = None  # the frozen reference of the KL penalty: the initial model (none at --kl-coef 0)
-    if args.kl_coef > 0:
+    if args.kl_coef > 0 and args.lora_rank > 0:  # LoRA: the base itself, its adapters off
+        ref = adapters_disabled(policy)
+    elif args.kl_coef > 0:
         ref_lm, ref_weights = load_model(args.model, tok, dist_env, args.seed,
                                          args.trust_remote_code, args.dtype)
         ref = wrap_policy(ref_lm.requires_grad_(False), dist_env, args.temperature,

@@ -35,6 +35,7 @@ from common import (Logger, all_finite, check_model, eos_ids, eval_report, eval_
 from data import load_task
 from distributed import all_gather_cat, all_reduce, fail, seed_rank, setup_distributed
 from grader import answer_span, load_reward
+from lora import lora_spec
 
 LossAgg = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]  # --loss-agg
 
@@ -168,7 +169,7 @@ def main():
                                      args.enable_thinking, args.max_prompt_tokens)
     run_dir = claim_run_dir(run_dir, ckpt, dist_env)  # one writer per run folder (writer.lock)
     lm, rank0_weights = load_model(ckpt or args.model, tok, dist_env, args.seed,
-                                   args.trust_remote_code, args.dtype)
+                                   args.trust_remote_code, args.dtype, lora_spec(args))
     eos = eos_ids(lm, tok)
     policy = wrap_policy(lm, dist_env, args.temperature, args.logprob_chunk_tokens,
                          args.activation_checkpointing, args.dtype, args.cpu_offload, rank0_weights)

@@ -229,6 +229,22 @@ def test_torchrun_two_ranks_give_one_process_adapters():
     assert p.returncode == 0 and p.stdout.count("LoRA FSDP2 OK") == 2, p.stdout[-2000:] + p.stderr[-4000:]
 
 
+def test_memory_plan_counts_the_adapters_exactly():
+    """benchmarks/memory_plan.py's LoRA terms: its adapter count is peft's on the tiny model (rank 4, every linear
+    layer of the decoder), the frozen base 2 bytes a parameter and the adapters 16, sharded."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import memory_plan
+
+    _, full, adapted = policies()
+    A = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+    P = sum(p.numel() for p in full.parameters())
+    config = full.lm.config.to_dict()
+    assert memory_plan.lora_parameters(config, 4) == A
+    row = memory_plan.plan(config, gpus=2, seqs=1, tokens=10, gen_seqs=1, chunk=4, lora_rank=4)
+    assert row["frozen base, bf16 sharded 2P/n"] == 2 * P / 2 / 1e9
+    assert row["adapters, fp32 + grads + AdamW 16A/n"] == 16 * A / 2 / 1e9
+
+
 # -------------------- bad input
 @pytest.mark.parametrize("argv, needle", [
     (["--lora-alpha", "8"], "--lora-rank 0 with --lora-alpha: LoRA needs a rank >= 1"),

@@ -146,7 +146,7 @@ def load_model(name: str, tok, d: Dist, seed: int, trust_remote_code: bool = Fal
     def skeleton(dt):
         """The model without weights (the meta device)."""
         with torch.device("meta"):
-            return tiny_model(tok) if name == "tiny" else AutoModelForCausalLM.from_config(
+            return tiny_model(tok).to(dt) if name == "tiny" else AutoModelForCausalLM.from_config(
                 AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code),
                 dtype=dt, trust_remote_code=trust_remote_code)
 
@@ -461,7 +461,8 @@ def wrap_policy(lm, d: Dist, temperature: float, chunk_tokens: int, activation_c
         # generation still uses the KV cache (checkpointing acts only in training)
         lm.config.use_cache = True
     compute = compute_dtype(dtype, d)
-    weights = next(lm.parameters()).dtype
+    # the trained weights' dtype (under LoRA the adapters', fp32 beside a bf16 base)
+    weights = next((p for p in lm.parameters() if p.requires_grad), next(lm.parameters())).dtype
     autocast = compute if not d.sharded and compute != weights else None
     policy = Policy(lm, temperature, chunk_tokens, autocast)
     policy.compute_dtype = compute  # what --gen-mode engine decodes in

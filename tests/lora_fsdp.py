@@ -2,7 +2,8 @@
 policy with activation checkpointing. The adapters and the base are sharded with their layers and start as one
 process's; after two AdamW steps on one global batch (each rank holding half of the groups) the adapters equal one
 process's on the whole batch (fp32, to 1e-5) and the base is bitwise unchanged; the engine's merged weights
-(engine.take_weights, --gen-mode engine) and a checkpoint's adapters and merged model are one process's too."""
+(engine.take_weights, --gen-mode engine) and a checkpoint's adapters and merged model are one process's too. In bf16
+the base is sharded in bf16 beside fp32 adapters, and trains."""
 import os
 import sys
 import tempfile
@@ -87,5 +88,23 @@ for (name, p), (_, q) in zip(loaded.named_parameters(), single.lm.named_paramete
     assert "lora_" not in name or torch.allclose(p, q, rtol=1e-5, atol=1e-5), name
 merged = load_file(os.path.join(folder[0], "model.safetensors"))
 assert merged["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+
+# bf16 (a GPU's auto): the frozen base sharded in bf16, the adapters fp32 (FSDP2 gathers both in bf16, reduces the
+# adapters' gradients in fp32); one step trains them
+lm, rank0_weights = common.load_model("tiny", tok, d, seed=0, dtype="bf16", lora=spec)
+policy = common.wrap_policy(lm, d, 1.0, 16, True, "bf16", rank0_weights=rank0_weights)
+for name, p in policy.named_parameters():
+    assert p.to_local().dtype == (torch.float32 if "lora_" in name else torch.bfloat16), name
+opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+for _ in range(2):
+    with torch.no_grad():
+        old = policy(ids[half], am[half], P)
+    loss, *_ = gspo_loss(policy(ids[half], am[half], P), old, adv[half], mask[half], clip_low=0.2, clip_high=0.2,
+                         norm=B)
+    loss.backward()
+    assert all(p.grad.dtype == torch.float32 for p in policy.parameters() if p.grad is not None)
+    opt.step()
+    opt.zero_grad()
+assert len(opt.state) == 2 * 2 * 7  # A and B of 7 linear layers in 2 decoder layers
 print(f"LoRA FSDP2 OK rank {d.rank}")
 checkpoint.cleanup()

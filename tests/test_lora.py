@@ -69,6 +69,29 @@ def test_adapters_on_every_decoder_linear_fp32_and_only_they_learn():
             assert torch.equal(p, before[n]), n  # the frozen base: bitwise unchanged
 
 
+def test_bf16_base_fp32_adapters_computed_in_bf16():
+    """--dtype bf16 (a GPU's auto) in one process: the frozen base held in bf16, the adapters and their gradients
+    and AdamW state in fp32, the forward under autocast (bf16 matmuls); log-probs fp32."""
+    tok = common.tiny_tokenizer()
+    lm = common.load_model("tiny", tok, CPU, 0, dtype="bf16", lora=SPEC)[0]
+    policy = common.wrap_policy(lm, CPU, 1.0, 16, False, "bf16")
+    assert policy.autocast == torch.bfloat16
+    for n, p in policy.named_parameters():
+        assert p.dtype == (torch.float32 if "lora_" in n else torch.bfloat16), n
+    ids, am, P, mask, adv = batch(tok)
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    for _ in range(2):
+        with torch.no_grad():
+            old = policy(ids, am, P)
+        logp = policy(ids, am, P)
+        assert logp.dtype == torch.float32
+        gspo_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2)[0].backward()
+        assert all(p.grad.dtype == torch.float32 for p in policy.parameters() if p.grad is not None)
+        opt.step()
+        opt.zero_grad()
+    assert all(s["exp_avg"].dtype == torch.float32 for s in opt.state.values()) and len(opt.state) == 2 * 2 * 7
+
+
 def test_first_step_equals_full_fine_tuning():
     """Same seed: the base is the full model's weights, and B = 0 makes W x + s B A x = W x, so the log-probs and
     the first step's loss are bitwise full fine-tuning's."""

@@ -134,8 +134,9 @@ def apply_lora(lm, spec: LoraSpec, targets: list[str], base: str, adapters: str 
         if (saved["r"], float(saved["lora_alpha"]), sorted(saved["target_modules"])) != (
                 spec.rank, float(spec.alpha), sorted(targets)):
             fail(f"{adapters}: its adapters have rank {saved['r']}, alpha {saved['lora_alpha']} on "
-                 f"{' '.join(sorted(saved['target_modules']))}; this run asks for rank {spec.rank},"
-                 f" alpha {spec.alpha} on {' '.join(sorted(targets))}: give the same --lora-* flags")
+                 f"{' '.join(sorted(saved['target_modules']))}; this run asks for rank "
+                 f"{spec.rank}, "
+                 f"alpha {spec.alpha} on {' '.join(sorted(targets))}: give the same --lora-* flags")
     # adapters in fp32 whatever the base's dtype (autocast_adapter_dtype)
     lm = get_peft_model(lm, config, autocast_adapter_dtype=True)
     lm.peft_config["default"].base_model_name_or_path = base  # peft takes the model's own name
@@ -161,8 +162,8 @@ def describe(lm) -> str:
     total = sum(p.numel() for p in lm.parameters())
     base = next(p for p in lm.parameters() if not p.requires_grad).dtype
     return (f"LoRA rank {cfg.r}, alpha {cfg.lora_alpha:g} on {' '.join(sorted(cfg.target_modules))}"
-            f": {trained:,} trainable parameters (fp32) of {total:,} ({100 * trained / total:.3f}%),"
-            f" the frozen base in {str(base).replace('torch.', '')}")
+            f": {trained:,} trainable parameters (fp32) of {total:,} "
+            f"({100 * trained / total:.3f}%), the frozen base in {str(base).replace('torch.', '')}")
 
 
 def merged_state_dict(lm, state: dict, dtype=torch.bfloat16) -> dict:
@@ -188,9 +189,10 @@ def merged_state_dict(lm, state: dict, dtype=torch.bfloat16) -> dict:
 
 
 def save_lora(lm, folder: str, state: dict | None = None):
-    """Into `folder` (rank 0): adapter/ (peft's save_pretrained: loads with PeftModel.from_pretrained
-    onto the base), and the merged model in bf16 (loads with from_pretrained). state: the
-    PeftModel's full state dict (FSDP2: gathered by the caller); None: lm's own."""
+    """Into `folder` (rank 0): adapter/ (peft's save_pretrained: loads with
+    PeftModel.from_pretrained onto the base), and the merged model in bf16 (loads with
+    from_pretrained). state: the PeftModel's full state dict (FSDP2: gathered by the caller);
+    None: lm's own."""
     state = lm.state_dict() if state is None else state
     lm.save_pretrained(os.path.join(folder, ADAPTER_DIR), state_dict=state)
     base = lm.get_base_model()

@@ -5,7 +5,6 @@ model's greedy tokens, its adapter folder loads with PeftModel.from_pretrained; 
 process's adapters; bad LoRA flags fail in one line."""
 import glob
 import importlib
-import json
 import os
 import sys
 
@@ -14,7 +13,6 @@ import torch
 from safetensors.torch import load_file
 
 import common
-import engine
 import lora
 from conftest import ROOT
 from distributed import Dist, seed_everything

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import Dist, Refused, all_reduce, barrier, fail, on_rank0
+from lora import is_lora, save_lora
 
 
 # -------------------- checkpoints and exact resume
@@ -35,6 +36,9 @@ from distributed import Dist, Refused, all_reduce, barrier, fail, on_rank0
 #           optimizer shard, the lr schedule, the RNG states; plain tensors, read with
 #           weights_only=True) and trainer_state.json (step, world size, script, flags, reward
 #           curve).
+#   adapter/ under LoRA (lora.py), in place of state/'s weights: the fp32 adapters, which
+#           PeftModel.from_pretrained loads onto the base (its --model, which resume reads again);
+#           model/ then holds the merged model in bf16.
 #   manifest.json, written last by the writer once every rank has written its files: the size of
 #           every file it wrote, and the sha256 of the small ones (< HASH_BELOW bytes).
 # It is written into .tmp_step_N and renamed into place when complete, so a crash mid-write leaves
@@ -255,7 +259,8 @@ RESUME_FIXED = ("seed", "model", "dataset", "data_files", "prompt_column", "answ
                 "eval_dataset", "prompts_per_rank", "group_size",
                 "clip_low", "clip_high", "scale_rewards", "mask_truncated", "loss_agg",
                 "symmetric_clip", "kl_coef", "post_answer_penalty", "transform", "length_aware",
-                "clip_gated", "stop_grad", "orth_floor")
+                "clip_gated", "stop_grad", "orth_floor", "lora_rank", "lora_alpha",
+                "lora_target_modules")
 
 
 def as_flag(name: str, value) -> str:
@@ -468,9 +473,13 @@ def save_checkpoint(run_dir: str, step: int, policy, tok, optimizer, scheduler, 
 
     def weights():
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed mid-write
-        write_model(os.path.join(tmp, MODEL), policy.lm, sd, tok)
         os.makedirs(os.path.join(tmp, STATE))
-        _save_pretrained(policy.lm, os.path.join(tmp, STATE), sd)  # the master weights, as held
+        if is_lora(policy.lm):  # model/: merged, in bf16; adapter/: the fp32 adapters (lora.py)
+            save_lora(policy.lm, os.path.join(tmp, MODEL), tmp, sd)
+            tok.save_pretrained(os.path.join(tmp, MODEL))
+        else:
+            write_model(os.path.join(tmp, MODEL), policy.lm, sd, tok)
+            _save_pretrained(policy.lm, os.path.join(tmp, STATE), sd)  # the master weights, as held
 
     def trainer_state():
         with open(os.path.join(tmp, STATE, "trainer_state.json"), "w") as f:

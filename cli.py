@@ -17,6 +17,7 @@ import tyro
 from checkpoint import STEP_DIR
 from data import check_dataset
 from distributed import fail, launched
+from lora import ALL_LINEAR, DEFAULT_ALPHA, check_lora_args
 
 
 GenMode = Literal["repeat", "shared-prefill", "static", "engine", "engine-tp"]  # common.GEN_MODES
@@ -123,6 +124,17 @@ class CommonArgs:
     decoding (Qwen3/Qwen2/Llama; others: HF shared-prefill, said once); engine-tp: the engine's
     layers split over the torchrun ranks (tensor parallel), for models whose bf16 copy does not
     fit one GPU beside the training state (same tokens; benchmarks/README.md)"""
+    lora_rank: int = 0
+    """LoRA rank r (0: off, full fine-tuning): train only adapters B A (alpha / r) on the target
+    linear layers, the base frozen in the compute dtype (bf16 on a GPU); adapters and their AdamW
+    state in fp32 (lora.py)"""
+    lora_alpha: float = DEFAULT_ALPHA
+    """LoRA alpha: the adapters' output is scaled by alpha / r"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input while training"""
+    lora_target_modules: list[str] = field(default_factory=lambda: [ALL_LINEAR])
+    """names of the decoder's linear layers to adapt (e.g. q_proj v_proj); all-linear: every linear
+    layer of the decoder (not the LM head)"""
     logprob_chunk_tokens: int = 1024
     """tokens per LM-head chunk: log-probs never hold more than chunk x vocab logits"""
     eval_every: int = 50
@@ -356,6 +368,7 @@ def check_common_args(args):
              f"{MAX_REWARD_TIMEOUT_S:g} (a day)")
     if args.eval_every < 0:
         fail(f"--eval-every {args.eval_every}: must be >= 0 (0: never)")
+    check_lora_args(args)
     check_dataset(args.dataset, args.data_files)
     if args.eval_dataset is not None:
         check_dataset(args.eval_dataset, None, "--eval-dataset")

@@ -16,6 +16,7 @@ imported by the scripts or by this file, none importing a script:
   checkpoint.py        run folders, checkpoints, exact resume, graceful stop, a run's end
   engine.py            the rollout engine (--gen-mode engine, engine-tp)
   logprobs.py          the LM head's log-probs and entropy in chunks (Policy.forward's last step)
+  lora.py              LoRA adapters (--lora-rank): applied, checked, saved, merged
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from checkpoint import is_checkpoint, state_dir
 from distributed import Dist, Refused, all_gather_cat, all_reduce, fail, on_rank0, seed_everything
 from grader import MAX_ANSWER_CHARS, Reward, Rewards, canonical, decide, extract_answer
 from logprobs import chunked_logprobs
+from lora import (LoraSpec, adapter_folder, adapters_disabled, apply_lora, base_of, describe,
+                  resolve_targets)
 
 
 # -------------------- the model: tokenizer, weights, Policy, chunked log-probs, FSDP2
@@ -149,22 +152,41 @@ def weights_dtype(dtype: str) -> torch.dtype:
 
 
 def load_model(name: str, tok, d: Dist, seed: int, trust_remote_code: bool = False,
-               dtype: str = "auto"):
+               dtype: str = "auto", lora: LoraSpec | None = None):
     """One process: the model on its device, fp32 master weights (bf16 with --dtype bf16-pure);
     wrap_policy has them computed in the compute dtype. Under torchrun: fp32 master weights (FSDP2
     casts them to the compute dtype, wrap_policy) built on the meta device on every rank, while
     rank 0 alone reads the weights into CPU memory; wrap_policy shards the model and sends each rank
     its shards. A node thus holds one full copy on CPU, not one per rank, and no GPU ever holds the
     whole fp32 model.
+    lora (--lora-rank > 0, lora.py): the base frozen in the compute dtype (bf16 on a GPU) with fp32
+    adapters on the target modules (checked first, on a model without weights); a LoRA checkpoint
+    as `name` (resume, or --model step_N) is its base (its --model) with its adapters.
     Returns (model, rank0_weights): rank0_weights is rank 0's (state dict, buffers) for wrap_policy
     to scatter under FSDP2, None otherwise."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     # `tiny` is random-init: the same seed gives the same weights (policy and reference)
     seed_everything(seed)
+    adapters = None
+    if lora is not None:  # LoRA: the base (a checkpoint's own base) and its adapters, if any
+        adapters, name = adapter_folder(name), base_of(name)
     path = os.path.expanduser(name)
     if is_checkpoint(path):  # resume: the master weights of its training state, not the export
         path = state_dir(path)
+    frozen = None if lora is None else compute_dtype(dtype, d)  # the base's dtype under LoRA
+
+    def skeleton(dt):
+        """The model without weights (the meta device)."""
+        with torch.device("meta"):
+            return tiny_model(tok).to(dt) if name == "tiny" else AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code),
+                dtype=dt, trust_remote_code=trust_remote_code)
+
+    targets = None if lora is None else resolve_targets(skeleton(torch.float32), lora.targets)
+
+    def adapt(lm):
+        return lm if lora is None else apply_lora(lm, lora, targets, name, adapters)
 
     def build(dt):
         if name == "tiny":
@@ -174,20 +196,22 @@ def load_model(name: str, tok, d: Dist, seed: int, trust_remote_code: bool = Fal
 
     rank0_weights = None
     if not d.sharded:
-        lm = build(weights_dtype(dtype)).to(d.device)
+        lm = adapt(build(frozen or weights_dtype(dtype)).to(d.device))
     else:
-        with torch.device("meta"):
-            lm = tiny_model(tok) if name == "tiny" else AutoModelForCausalLM.from_config(
-                AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code),
-                dtype=torch.float32, trust_remote_code=trust_remote_code)
+        lm = skeleton(frozen or torch.float32)
         if name != "tiny":
             # EOS ids as from_pretrained reads them (the file, else the config)
             with contextlib.suppress(OSError):
                 lm.generation_config = GenerationConfig.from_pretrained(path)
-        src = build(torch.float32) if d.main else None
+        # rank 0's adapters drawn first, as one process draws them (peft's init on the meta device
+        # still draws from the RNG)
+        src = adapt(build(frozen or torch.float32)) if d.main else None
+        lm = adapt(lm)
         # for wrap_policy
         rank0_weights = (src.state_dict(), dict(src.named_buffers())) if d.main else None
     lm.config.use_cache = True
+    if lora is not None and d.main:
+        print(describe(lm))
     return lm, rank0_weights
 
 
@@ -311,7 +335,8 @@ def wrap_policy(lm, d: Dist, temperature: float, chunk_tokens: int, activation_c
         # generation still uses the KV cache (checkpointing acts only in training)
         lm.config.use_cache = True
     compute = compute_dtype(dtype, d)
-    weights = next(lm.parameters()).dtype
+    # the trained weights' dtype (under LoRA the adapters', fp32 beside a bf16 base)
+    weights = next((p for p in lm.parameters() if p.requires_grad), next(lm.parameters())).dtype
     autocast = compute if not d.sharded and compute != weights else None
     policy = Policy(lm, temperature, chunk_tokens, autocast)
     policy.compute_dtype = compute  # what --gen-mode engine decodes in
@@ -360,12 +385,16 @@ def wrap_policy(lm, d: Dist, temperature: float, chunk_tokens: int, activation_c
     return policy
 
 
-def reference_policy(args, tok, d: Dist) -> Policy | None:
+def reference_policy(args, tok, d: Dist, policy: Policy | None = None):
     """The frozen reference of the KL penalty (--kl-coef): the initial model, --model (not the
     checkpoint a run resumes from), loaded and wrapped as the policy is, without gradients or
-    activation checkpointing; None at --kl-coef 0, when no second model is loaded at all."""
+    activation checkpointing; under LoRA the policy itself with its adapters off (the base: no
+    second copy, lora.adapters_disabled); None at --kl-coef 0, when no second model is loaded at
+    all."""
     if args.kl_coef == 0:
         return None
+    if getattr(args, "lora_rank", 0) > 0:
+        return adapters_disabled(policy)
     ref_lm, ref_weights = load_model(args.model, tok, d, args.seed, args.trust_remote_code,
                                      args.dtype)
     return wrap_policy(ref_lm.requires_grad_(False), d, args.temperature,

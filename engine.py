@@ -64,6 +64,18 @@ def full(p: torch.Tensor | None, device, dtype, dim: int = 0, rank: int = 0,
     return t.chunk(world, dim)[rank].contiguous() if world > 1 else t
 
 
+def weight(lin, device, dtype, dim: int = 0, rank: int = 0, world: int = 1) -> torch.Tensor:
+    """A linear layer's weight as `full` gives it; a peft LoRA layer's (--lora-rank) merged with its
+    active adapters, W + scale B A, computed in fp32 from the full tensors, then cast to dtype."""
+    if not hasattr(lin, "lora_A") or lin.disable_adapters or lin.merged:
+        return full(lin.weight, device, dtype, dim, rank, world)
+    w = full(lin.base_layer.weight, device, torch.float32)
+    for name in lin.active_adapters:
+        w = w + lin.scaling[name] * (full(lin.lora_B[name].weight, device, torch.float32)
+                                     @ full(lin.lora_A[name].weight, device, torch.float32))
+    return full(w, device, dtype, dim, rank, world)
+
+
 def take_weights(lm, max_len: int, device, dtype, rank: int = 0, world: int = 1) -> Weights:
     """The decoder's weights, q/k/v and gate/up each fused into one matrix (one matmul each). Tensor
     parallel over `world` ranks: this rank's heads of q/k/v and its columns of gate/up (split along
@@ -74,22 +86,22 @@ def take_weights(lm, max_len: int, device, dtype, rank: int = 0, world: int = 1)
     layers = []
     for layer in model.layers:
         a, m = layer.self_attn, layer.mlp
-        qkv = [full(lin.weight, device, dtype, 0, **tp) for lin in (a.q_proj, a.k_proj, a.v_proj)]
+        qkv = [weight(lin, device, dtype, 0, **tp) for lin in (a.q_proj, a.k_proj, a.v_proj)]
         qkv_bias = [full(lin.bias, device, dtype, 0, **tp)
                     for lin in (a.q_proj, a.k_proj, a.v_proj)]
-        gate_up = [full(lin.weight, device, dtype, 0, **tp) for lin in (m.gate_proj, m.up_proj)]
+        gate_up = [weight(lin, device, dtype, 0, **tp) for lin in (m.gate_proj, m.up_proj)]
         gate_up_bias = [full(lin.bias, device, dtype, 0, **tp) for lin in (m.gate_proj, m.up_proj)]
         layers.append({
             "ln1": full(layer.input_layernorm.weight, device, dtype),
             "ln2": full(layer.post_attention_layernorm.weight, device, dtype),
             "qkv": (torch.cat(qkv), None if qkv_bias[0] is None else torch.cat(qkv_bias)),
-            "o": (full(a.o_proj.weight, device, dtype, 1, **tp),
+            "o": (weight(a.o_proj, device, dtype, 1, **tp),
                   full(a.o_proj.bias, device, dtype)),
             "q_norm": full(getattr(getattr(a, "q_norm", None), "weight", None), device, dtype),
             "k_norm": full(getattr(getattr(a, "k_norm", None), "weight", None), device, dtype),
             "gate_up": (torch.cat(gate_up),
                         None if gate_up_bias[0] is None else torch.cat(gate_up_bias)),
-            "down": (full(m.down_proj.weight, device, dtype, 1, **tp),
+            "down": (weight(m.down_proj, device, dtype, 1, **tp),
                      full(m.down_proj.bias, device, dtype)),
         })
     embed = full(model.embed_tokens.weight, device, dtype)

@@ -31,6 +31,7 @@ from common import (Logger, all_finite, check_model, eos_ids, eval_report, eval_
 from data import load_task
 from distributed import all_gather_cat, all_reduce, fail, seed_rank, setup_distributed
 from grader import load_reward
+from lora import lora_spec
 
 
 @dataclass
@@ -116,11 +117,11 @@ def main():
         eval_limit=args.eval_limit, eval_only=args.eval_only)
     run_dir = claim_run_dir(run_dir, ckpt, dist_env)  # one writer per run folder (writer.lock)
     lm, rank0_weights = load_model(ckpt or args.model, tok, dist_env, args.seed,
-                                   args.trust_remote_code, args.dtype)
+                                   args.trust_remote_code, args.dtype, lora_spec(args))
     eos = eos_ids(lm, tok)
     policy = wrap_policy(lm, dist_env, args.temperature, args.logprob_chunk_tokens,
                          args.activation_checkpointing, args.dtype, args.cpu_offload, rank0_weights)
-    ref = reference_policy(args, tok, dist_env)  # the KL's initial model (none at --kl-coef 0)
+    ref = reference_policy(args, tok, dist_env, policy)  # the KL's initial model (or none)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
     scheduler = lr_scheduler(optimizer, args)

@@ -3,6 +3,7 @@
     python benchmarks/memory_plan.py                                    # Qwen3-32B on 8, 16 and 32 GPUs
     python benchmarks/memory_plan.py --config path/to/config.json --gpus 8 --seqs 8 --tokens 4608
     python benchmarks/memory_plan.py --config path/to/config.json --gpus 1 2 --cpu 0.5   # RAM a process on CPU
+    python benchmarks/memory_plan.py --config qwen3-8b --gpus 1 --lora-rank 64          # LoRA (README, Scaling)
 
 What is counted (bytes; P parameters, L layers, H hidden, I intermediate, V vocabulary):
 - sharded state, 16 P / n: fp32 master weights (4), fp32 gradients (4), AdamW's two fp32 moments (8). With
@@ -18,6 +19,12 @@ What is counted (bytes; P parameters, L layers, H hidden, I intermediate, V voca
 - --gen-unshard: the whole model in bf16 (2 P) while generating.
 - --gen-mode engine: its own copy of the whole model in the compute dtype (2 P: each weight's full tensor, q/k/v
   and gate/up fused) and its KV pool, allocated once: --gen-batch-size rows of --tokens positions (the KV cache term).
+- --lora-rank R (lora.py): adapters B A on every linear layer of the decoder, A = R x sum over them of (inputs +
+  outputs) parameters. The frozen base is held in bf16 and sharded (2 P / n, no gradient, no AdamW state); the
+  adapters are fp32 with gradients and AdamW (16 A / n); a gathered unit is its bf16 weights only (no gradient or
+  reduce buffer for frozen weights) plus its adapters' (2 b + 4 bytes each). Activations, the log-prob chunk and the
+  KV cache are unchanged (the adapters' rank-R intermediates are small next to a layer's); --gen-mode engine holds
+  the merged weights (2 P).
 Real runs add the CUDA context, allocator fragmentation and NCCL buffers (a few GB): keep ~10% headroom.
 --dtype fp32 counts 4 bytes where bf16 counts 2 (gathered units then 12 bytes a parameter). --cpu: the RAM of each
 process of a CPU job (fp32; plain `python` and torchrun's ranks), by cpu_process below, checked against
@@ -28,11 +35,24 @@ import json
 
 QWEN3_32B = dict(vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
                  num_attention_heads=64, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+PRESETS = {"qwen3-32b": QWEN3_32B, "qwen3-8b": QWEN3_8B}  # --config by name
 GB = 1e9
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 
 
-def plan(c: dict, gpus: int, seqs: int, tokens: int, gen_seqs: int, chunk: int, dtype: str = "bf16") -> dict:
+def lora_parameters(c: dict, rank: int) -> int:
+    """Adapter parameters of LoRA rank `rank` on every linear layer of the decoder: R (inputs + outputs) each."""
+    H, I, L = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    hd = c.get("head_dim") or H // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    # q, k, v, o, then gate, up, down
+    return L * rank * ((H + q) + 2 * (H + kv) + (q + H) + 2 * (H + I) + (I + H))
+
+
+def plan(c: dict, gpus: int, seqs: int, tokens: int, gen_seqs: int, chunk: int, dtype: str = "bf16",
+         lora_rank: int = 0) -> dict:
     H, I, L, V = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
     b = DTYPE_BYTES[dtype]  # the compute dtype: gathered weights, activations, logits, KV cache
     hd = c.get("head_dim") or H // c["num_attention_heads"]
@@ -40,10 +60,17 @@ def plan(c: dict, gpus: int, seqs: int, tokens: int, gen_seqs: int, chunk: int, 
     layer = attn + 3 * H * I + 2 * H + 2 * hd  # + MLP, RMSNorms (layer, q, k)
     root = V * H * (1 if c.get("tie_word_embeddings") else 2) + H
     P = L * layer + root
+    if lora_rank:  # the frozen base in bf16, fp32 adapters with gradients and AdamW (module docstring)
+        A = lora_parameters(c, lora_rank)
+        state = {"LoRA adapters (B)": A / 1e9, "frozen base, bf16 sharded 2P/n": 2 * P / gpus / GB,
+                 "adapters, fp32 + grads + AdamW 16A/n": 16 * A / gpus / GB,
+                 "gathered units": (b * root + 2 * b * layer + 2 * (2 * b + 4) * A / L) / GB}
+    else:
+        state = {"sharded state 16P/n": 16 * P / gpus / GB,
+                 "gathered units": ((2 * b + 4) * root + 2 * (2 * b + 4) * layer) / GB}
     return {
         "parameters (B)": P / 1e9,
-        "sharded state 16P/n": 16 * P / gpus / GB,
-        "gathered units": ((2 * b + 4) * root + 2 * (2 * b + 4) * layer) / GB,
+        **state,
         "activations": seqs * tokens * (b * H * L + b * (6 * H + 4 * I)) / GB,
         "log-prob chunk": chunk * V * (b + 4 + 4) / GB,
         "KV cache (generation)": gen_seqs * tokens * 2 * L * c["num_key_value_heads"] * hd * b / GB,
@@ -79,7 +106,8 @@ def cpu_process(c: dict, procs: int, seqs: int, tokens: int, gen_seqs: int, chun
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", help="a model's config.json (default: Qwen3-32B's numbers)")
+    ap.add_argument("--config", help="a model's config.json, or qwen3-32b / qwen3-8b (default: Qwen3-32B's numbers)")
+    ap.add_argument("--lora-rank", type=int, help="LoRA rank on every linear layer of the decoder (default: off)")
     ap.add_argument("--gpus", type=int, nargs="+", default=[8, 16, 32])
     ap.add_argument("--seqs", type=int, default=4, help="sequences per rank in one forward/backward (minibatch)")
     ap.add_argument("--tokens", type=int, default=512 + 4096, help="prompt + completion tokens a sequence")
@@ -90,26 +118,36 @@ def main():
                     help="CPU instead (fp32): each process's RAM by cpu_process, with this baseline a process "
                          "(~0.5 GB; benchmarks/cpu_0p6b.py measures it); --gpus then counts processes")
     a = ap.parse_args()
-    c = json.load(open(a.config)) if a.config else QWEN3_32B
+    c = PRESETS[a.config] if a.config in PRESETS else json.load(open(a.config)) if a.config else QWEN3_32B
     if a.cpu is not None:
         return print_cpu(c, a)
-    rows = {n: plan(c, n, a.seqs, a.tokens, a.gen_seqs, a.chunk, a.dtype or "bf16") for n in a.gpus}
-    print(f"{rows[a.gpus[0]]['parameters (B)']:.2f}B parameters; {a.seqs} sequences of {a.tokens} tokens per rank "
-          f"per minibatch, {a.gen_seqs} per generate call; GB = 1e9 bytes, per GPU\n")
+    rows = {n: plan(c, n, a.seqs, a.tokens, a.gen_seqs, a.chunk, a.dtype or "bf16", a.lora_rank or 0)
+            for n in a.gpus}
+    lora = f", LoRA rank {a.lora_rank}: {rows[a.gpus[0]]['LoRA adapters (B)']:.3f}B adapters" if a.lora_rank else ""
+    print(f"{rows[a.gpus[0]]['parameters (B)']:.2f}B parameters{lora}; {a.seqs} sequences of {a.tokens} tokens per "
+          f"rank per minibatch, {a.gen_seqs} per generate call; GB = 1e9 bytes, per GPU\n")
     print("| | " + " | ".join(f"{n} GPUs" for n in a.gpus) + " |")
     print("|---|" + "---|" * len(a.gpus))
-    for k in list(rows[a.gpus[0]])[1:]:
+    for k in [k for k in rows[a.gpus[0]] if not k.endswith("(B)")]:
         print(f"| {k} | " + " | ".join(f"{rows[n][k]:.1f}" for n in a.gpus) + " |")
-    train = {n: sum(rows[n][k] for k in ("sharded state 16P/n", "gathered units", "activations", "log-prob chunk"))
+    # the sharded state (GB), and the part of it that the freed gradients leave while generating (12 of 16 bytes)
+    if a.lora_rank:
+        state = {n: rows[n]["frozen base, bf16 sharded 2P/n"] + rows[n]["adapters, fp32 + grads + AdamW 16A/n"]
+                 for n in a.gpus}
+        held = {n: state[n] - rows[n]["adapters, fp32 + grads + AdamW 16A/n"] / 4 for n in a.gpus}
+    else:
+        state = {n: rows[n]["sharded state 16P/n"] for n in a.gpus}
+        held = {n: state[n] * 12 / 16 for n in a.gpus}
+    train = {n: state[n] + sum(rows[n][k] for k in ("gathered units", "activations", "log-prob chunk"))
              for n in a.gpus}
-    # gradients freed after each optimizer step: 12 of the 16 bytes a parameter while generating
-    gen = {n: rows[n]["sharded state 16P/n"] * 12 / 16 + rows[n]["KV cache (generation)"] for n in a.gpus}
+    gen = {n: held[n] + rows[n]["KV cache (generation)"] for n in a.gpus}
     engine = {n: gen[n] + rows[n][f"--gen-unshard ({a.dtype or 'bf16'} model)"] for n in a.gpus}
     print("| **training peak** | " + " | ".join(f"**{train[n]:.1f}**" for n in a.gpus) + " |")
     print("| **generation peak** (sharded) | " + " | ".join(f"**{gen[n]:.1f}**" for n in a.gpus) + " |")
     print("| generation peak, --gen-mode engine | " + " | ".join(f"{engine[n]:.1f}" for n in a.gpus) + " |")
-    print("| training peak, --cpu-offload | " + " | ".join(
-        f"{train[n] - rows[n]['sharded state 16P/n']:.1f}" for n in a.gpus) + " |")
+    if not a.lora_rank:  # LoRA refuses --cpu-offload
+        print("| training peak, --cpu-offload | " + " | ".join(
+            f"{train[n] - rows[n]['sharded state 16P/n']:.1f}" for n in a.gpus) + " |")
     print(command(a))
 
 

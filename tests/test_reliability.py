@@ -282,7 +282,7 @@ def test_sigterm_to_the_process_group_with_a_reward_in_flight_then_resume_is_bit
     def result(out):
         (path,) = glob.glob(f"{out}/*/metrics.jsonl")
         rows = [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")} for line in open(path)]
-        return load_file(os.path.join(os.path.dirname(path), "step_2", "model.safetensors")), rows
+        return load_file(os.path.join(os.path.dirname(path), "step_2", "state", "model.safetensors")), rows
 
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delenv("PG_FLAG", raising=False)

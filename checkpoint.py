@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from distributed import Dist, Refused, all_reduce, barrier, fail, on_rank0
+from distributed import Dist, Refused, all_reduce, barrier, fail, on_rank0, seed_rank
 from lora import is_lora, save_lora
 
 
@@ -46,6 +46,8 @@ from lora import is_lora, save_lora
 # or missing file is caught, a same-size change inside a big file is not (rereading hundreds of GB
 # a save and a resume is what this avoids). Files a user adds (a README, notes) are not listed and
 # not looked at. Checkpoints written before model/ and state/ (one flat folder) resume too.
+# A checkpoint resumes on any world size (torchrun or plain python): on another than its writer's,
+# each rank takes its rows of the optimizer state from the old ranks' shards (resume_state).
 STEP_DIR = re.compile(r"step_(\d+)$")
 MANIFEST = "manifest.json"
 MODEL, STATE = "model", "state"
@@ -221,10 +223,6 @@ def run_paths(args, d: Dist, script: str) -> tuple[str, str | None]:
     step = 0
     if ckpt:
         state = read_trainer_state(ckpt)
-        if state["world"] != d.world:
-            fail(f"{ckpt} was written by {state['world']} ranks and this run has {d.world}: resume "
-                 f"it with --nproc-per-node {state['world']} (optimizer shards and RNG states are "
-                 "per rank)")
         if state["script"] != script:
             fail(f"{ckpt} was written by {state['script']}, not {script}: resume it with that "
                  "script")
@@ -419,12 +417,19 @@ def _set_rng_state(s: dict, d: Dist):
 def resume_state(ckpt: str | None, optimizer, scheduler, d: Dist) -> dict:
     """Restore optimizer, lr schedule and this rank's RNG states from `ckpt` and return the loop's
     state (step, reward curve, non-finite run, wall time); a fresh run's state when ckpt is None.
-    The data position is a pure function of the step (prompt_indices), so the step restores it."""
+    The data position is a pure function of the step (prompt_indices), so the step restores it.
+    On the world size that wrote it, each rank reads its own rank{r}.pt (bitwise); on another, the
+    optimizer state is resharded from every old rank's file (_resharded, exact) and the RNGs are
+    re-seeded (the weights come whole from state/ and are sharded anew by wrap_policy)."""
     if ckpt is None:
         return {"step": 0, "reward_curve": [], "nonfinite_run": 0, "wall_time": 0.0}
     state = read_trainer_state(ckpt)
-    blob = torch.load(os.path.join(state_dir(ckpt), f"rank{d.rank}.pt"), map_location="cpu",
-                      weights_only=True)
+    same_world = state["world"] == d.world
+    if same_world:  # this rank's own file: bitwise what it held
+        blob = torch.load(os.path.join(state_dir(ckpt), f"rank{d.rank}.pt"), map_location="cpu",
+                          weights_only=True)
+    else:
+        blob = _resharded(state_dir(ckpt), state["world"], optimizer, d)
     # this run's
     flags = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     optimizer.load_state_dict(blob["optimizer"])
@@ -449,8 +454,70 @@ def resume_state(ckpt: str | None, optimizer, scheduler, d: Dist) -> dict:
         # as LambdaLR computes it: bitwise the same when unchanged
         group["lr"] = base * factor(scheduler.last_epoch)
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
-    _set_rng_state(blob["rng"], d)
+    if same_world:
+        _set_rng_state(blob["rng"], d)
+    else:  # no rank's RNG states carry over one-to-one: each rank's drawn from (seed, step, rank)
+        seed_rank(state.get("args", {}).get("seed", 0) + state["step"], d)
+        if d.main:
+            print(f"{ckpt} was written by {state['world']} rank(s), this run has {d.world}: the "
+                  "optimizer state is resharded (exact), each rank's RNG re-seeded from (seed, "
+                  f"step {state['step']}, rank), and the data split over ranks is this run's")
     return state
+
+
+def _resharded(folder: str, old_world: int, optimizer, d: Dist) -> dict:
+    """A rank{r}.pt blob for this rank of a new world size, from the old world's files: every
+    moment is the old ranks' shards concatenated along dim 0 (FSDP2's Shard(0): rank r holds rows
+    [r*c, r*c + its length) of the full tensor, c = ceil(rows / world), the last ranks fewer or
+    none), of which this rank takes the rows its parameter holds now. The old files are memory
+    mapped, so a rank reads only the rows it takes. The lr schedule, the param groups and AdamW's
+    step count are the same on every rank: rank 0's."""
+    blobs = [torch.load(os.path.join(folder, f"rank{r}.pt"), map_location="cpu",
+                        weights_only=True, mmap=True) for r in range(old_world)]
+    blob = blobs[0]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for i, s in blob["optimizer"]["state"].items():
+        p = params[i]
+        start, length = _local_rows(p)
+        for k, v in s.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:  # a moment, laid out like p
+                shards = [b["optimizer"]["state"][i][k] for b in blobs]
+                if (sum(t.shape[0] for t in shards) != p.shape[0]
+                        or any(t.shape[1:] != p.shape[1:] for t in shards)):
+                    fail(f"{folder}: the optimizer state {k} of parameter {i} has shards "
+                         f"{[tuple(t.shape) for t in shards]}, which do not make its shape "
+                         f"{tuple(p.shape)}: resume from another checkpoint")
+                s[k] = reshard_rows(shards, start, length)
+    return blob
+
+
+def _local_rows(p) -> tuple[int, int]:
+    """(first row, rows) of the full parameter that this rank holds: FSDP2 lays a parameter out as
+    torch.chunk along dim 0 (Shard(0)); a plain tensor (one process) holds them all."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(p, DTensor):
+        return 0, p.shape[0]
+    if tuple(p.placements) != (Shard(0),):
+        fail(f"resharding the optimizer state supports FSDP2's Shard(0) on one mesh dimension, "
+             f"not {p.placements}: resume with the world size that wrote the checkpoint")
+    rows, world = p.shape[0], p.device_mesh.size()
+    chunk = -(-rows // world)
+    return min(p.device_mesh.get_local_rank() * chunk, rows), p.to_local().shape[0]
+
+
+def reshard_rows(shards: list[torch.Tensor], start: int, length: int) -> torch.Tensor:
+    """Rows [start, start + length) of torch.cat(shards), reading only the shards' rows in that
+    range (the shards may be memory mapped); a new tensor."""
+    out, offset = [], 0
+    for t in shards:
+        lo, hi = max(start, offset), min(start + length, offset + t.shape[0])
+        if lo < hi:
+            out.append(t[lo - offset:hi - offset])
+        offset += t.shape[0]
+    if not out:  # this rank holds none of the rows (FSDP2's last ranks of a short parameter)
+        return shards[0].new_empty((0, *shards[0].shape[1:]))
+    return torch.cat(out) if len(out) > 1 else out[0].clone()
 
 
 def save_checkpoint(run_dir: str, step: int, policy, tok, optimizer, scheduler, d: Dist,

@@ -159,10 +159,11 @@ def test_error_is_one_line_on_stderr(tmp_path):
 
 
 def test_error_under_torchrun_is_printed_once_and_every_rank_exits(tmp_path):
-    """A checkpoint written by 1 rank, resumed under 2: rank 0 alone prints the line, both ranks exit 1 at once."""
+    """A checkpoint written by dfpo.py, resumed by gspo.py under 2 ranks: rank 0 alone prints the line, both ranks
+    exit 1 at once."""
     ckpt = tmp_path / "gspo__1__5" / "step_4"
     (ckpt / "state").mkdir(parents=True)
-    (ckpt / "state" / "trainer_state.json").write_text(json.dumps({"step": 4, "world": 1, "script": "gspo.py"}))
+    (ckpt / "state" / "trainer_state.json").write_text(json.dumps({"step": 4, "world": 1, "script": "dfpo.py"}))
     checkpoint.write_manifest(str(ckpt))
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         "gspo.py", "--resume", str(ckpt), "--output-dir", str(tmp_path)], cwd=ROOT,
@@ -170,8 +171,7 @@ def test_error_under_torchrun_is_printed_once_and_every_rank_exits(tmp_path):
     out = p.stdout + p.stderr
     errors = [line for line in out.splitlines() if line.startswith("error: ")]
     assert p.returncode == 1 and errors == [
-        f"error: {ckpt} was written by 1 ranks and this run has 2: resume it with --nproc-per-node 1 (optimizer "
-        "shards and RNG states are per rank)"], out
+        f"error: {ckpt} was written by dfpo.py, not gspo.py: resume it with that script"], out
     assert "exitcode  : 1" in out  # torchrun's own failure report (ChildFailedError) follows
     assert out.count("Traceback") == 1 and "torch/distributed/run.py" in out  # torchrun's; none from the ranks
 

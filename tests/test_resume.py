@@ -258,8 +258,8 @@ def test_resume_errors_before_any_heavy_work(tmp_path, monkeypatch, capsys):
 
     assert "not a checkpoint" in main("--resume", str(tmp_path))
     ckpt = tmp_path / "gspo__1__5" / "step_4"
-    fake_checkpoint(ckpt, step=4, world=2, script="gspo.py")
-    assert "written by 2 ranks and this run has 1: resume it with --nproc-per-node 2" in main("--resume", "auto")
+    fake_checkpoint(ckpt, step=4, world=2, script="gspo.py")  # another world size: no refusal (it reshards)
+    assert main("--resume", "auto", "--num-steps", "4") == "0"
     fake_checkpoint(ckpt, step=4, world=1, script="dfpo.py")
     assert "written by dfpo.py, not gspo.py" in main("--resume", str(ckpt))
     fake_checkpoint(ckpt, step=4, world=1, script="gspo.py")
@@ -332,3 +332,73 @@ def test_full_disk_on_one_rank_stops_every_rank_with_one_line(tmp_path):
         f"GiB free) while writing {run}.tmp_step_2 (removed): free space there, then continue with --resume auto from "
         "the previous checkpoint")
     assert sorted(n for n in os.listdir(run) if "step" in n) == ["step_1"] and checkpoint.is_checkpoint(f"{run}step_1")
+
+
+def test_reshard_rows_takes_fsdp2_chunks():
+    """The rows a rank of a new world size holds, from the old ranks' shards (torch.chunk along dim 0, as FSDP2's
+    Shard(0) lays them out, the last old rank empty when the rows run out), equal those rows of the full tensor."""
+    full = torch.randn(5, 3)
+    for old in (1, 2, 4):  # 4 ranks of 5 rows: chunks 2, 2, 1 and an empty one
+        shards = list(torch.chunk(full, old))
+        shards += [full[:0]] * (old - len(shards))
+        for new in (1, 2, 3, 4, 8):
+            c = -(-5 // new)
+            for r in range(new):
+                start = min(r * c, 5)
+                length = min(c, 5 - start)
+                got = checkpoint.reshard_rows(shards, start, length)
+                assert torch.equal(got, full[start:start + length]), (old, new, r)
+                assert got.data_ptr() != full.data_ptr()  # a copy, not a view of the (memory-mapped) shards
+
+
+def test_one_process_resumes_two_ranks_optimizer_shards(tmp_path, capsys):
+    """rank0.pt and rank1.pt of a 2-rank checkpoint (uneven shards: 5 rows as 3 + 2), resumed by one process: AdamW's
+    moments are the shards concatenated, the step count and the lr are restored, and the RNG is re-seeded from
+    (seed, step, rank), said in one line."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 5)
+    opt = torch.optim.AdamW(lin.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 ** i)
+    lin(torch.randn(4, 3)).square().sum().backward()
+    opt.step()
+    sched.step()
+    ckpt = tmp_path / "run" / "step_6"
+    (ckpt / "state").mkdir(parents=True)
+    (ckpt / "state" / "trainer_state.json").write_text(json.dumps({"step": 6, "world": 2, "script": "gspo.py",
+                                                                   "args": {"seed": 11}}))
+    full = opt.state_dict()
+    for r in range(2):
+        part = {i: {k: v if v.dim() == 0 else torch.chunk(v, 2)[r].clone() for k, v in s.items()}
+                for i, s in full["state"].items()}
+        torch.save({"optimizer": {**full, "state": part}, "scheduler": sched.state_dict(), "rng": None},
+                   ckpt / "state" / f"rank{r}.pt")
+    lin2 = torch.nn.Linear(3, 5)
+    opt2 = torch.optim.AdamW(lin2.parameters(), lr=1e-2)
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda i: 0.5 ** i)
+    d = distributed.Dist(0, 1, torch.device("cpu"))
+    assert checkpoint.resume_state(str(ckpt), opt2, sched2, d)["step"] == 6
+    draw = torch.rand(4)
+    distributed.seed_rank(11 + 6, d)
+    assert torch.equal(draw, torch.rand(4))
+    out = capsys.readouterr().out
+    assert f"{ckpt} was written by 2 rank(s), this run has 1: the optimizer state is resharded" in out
+    for p, q in zip(lin.parameters(), lin2.parameters()):
+        for k in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][k], opt2.state[q][k]), k
+    assert opt2.param_groups[0]["lr"] == 1e-2 * 0.5
+
+
+def test_resume_on_another_world_size_under_torchrun(tmp_path):
+    """2 ranks -> 1 -> 2 under torchrun (FSDP2, gloo), with odd dim-0 sizes (FSDP2's uneven chunks): after each
+    resume the gathered weights and AdamW moments equal those the writer gathered, bitwise, and the fixed batch's
+    loss the writer computed, to float tolerance; one more step trains with a finite loss (tests/reshard.py)."""
+    def run(world, *argv):
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                            str(world), "tests/reshard.py", str(tmp_path), *argv], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+        return p.stdout
+
+    run(2, "save")
+    assert "resharded resume OK on 1 rank(s)" in run(1, "load", f"{tmp_path}/run/step_2", "3")
+    assert "resharded resume OK on 2 rank(s)" in run(2, "load", f"{tmp_path}/run/step_3", "4")

@@ -94,7 +94,8 @@ def grpo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: f
         stats = {
             "losses/policy_loss": (-per_seq.sum(), count),  # over the rows given
             "losses/clipfrac": (clipped.sum(), mask.sum()),  # tokens
-            "losses/clipfrac_seq": (clipped.any(1).sum(), (mask.sum(1) > 0).sum()),  # a token clipped
+            # sequences with a token clipped
+            "losses/clipfrac_seq": (clipped.any(1).sum(), (mask.sum(1) > 0).sum()),
             "losses/ratio_mean": ((w * mask).sum(), mask.sum()),
             "losses/ratio_min": torch.where(valid, w, torch.inf).min(),  # inf: no token counts
             "losses/ratio_max": torch.where(valid, w, -torch.inf).max(),

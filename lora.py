@@ -8,9 +8,10 @@ off). The loss and the loop do not know LoRA is on.
 Precision: the frozen base is held in the compute dtype (bf16 on a GPU, fp32 on CPU unless --dtype
 bf16): it gets no gradient and no AdamW state, so it needs no fp32 master copy. The adapters, their
 gradients and AdamW state are fp32 (peft's autocast_adapter_dtype).
-A checkpoint holds adapter/ (adapter_config.json + adapter_model.safetensors: loads with
-PeftModel.from_pretrained onto the base) and, beside it, the merged model W + (alpha / r) B A in
-bf16 (computed in fp32), which loads with from_pretrained like a full fine-tuning checkpoint.
+A checkpoint holds step_N/adapter/ (adapter_config.json + adapter_model.safetensors: loads with
+PeftModel.from_pretrained onto the base) and, as its export step_N/model/, the merged model
+W + (alpha / r) B A in bf16 (computed in fp32), which loads with from_pretrained like a full
+fine-tuning checkpoint's export.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 
 from distributed import fail
 
-ADAPTER_DIR = "adapter"  # a LoRA checkpoint's adapter folder, beside the merged model
+ADAPTER_DIR = "adapter"  # a LoRA checkpoint's adapter folder: step_N/adapter
 ALL_LINEAR = "all-linear"  # --lora-target-modules' default: every linear layer of the decoder
 DEFAULT_ALPHA = 16.0  # --lora-alpha's default (TRL's and verl's)
 
@@ -92,7 +93,7 @@ def resolve_targets(skeleton, targets: tuple[str, ...]) -> list[str]:
     """--lora-target-modules as names of the decoder's linear layers (ALL_LINEAR: all of them), read
     from a model built on the meta device (no weights); a name that matches none fails in one line
     listing those there are. The LM head is not one: the log-probs read its weight directly
-    (common.chunked_logprobs), so an adapter on it would be skipped."""
+    (logprobs.chunked_logprobs), so an adapter on it would be skipped."""
     there = decoder_linears(skeleton)
     if list(targets) == [ALL_LINEAR]:
         return there

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from distributed import Dist, Refused, all_reduce, barrier, fail, on_rank0, seed_rank
+from distributed import (Dist, Refused, all_reduce, barrier, fail, main_process, on_rank0,
+                         seed_rank)
 from lora import is_lora, save_lora
 
 
@@ -694,7 +695,7 @@ def stop_requested() -> bool:
     step."""
     flag = torch.tensor([0.0 if _stop["signal"] is None else 1.0])
     stop = bool(all_reduce(flag, dist.ReduceOp.MAX).item())
-    if stop and int(os.environ.get("RANK", "0")) == 0:
+    if stop and main_process():
         print("a stop signal: every rank saves a checkpoint and exits 0 (continue with --resume "
               "auto)")
     return stop

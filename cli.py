@@ -16,8 +16,8 @@ import tyro
 
 from checkpoint import STEP_DIR
 from data import check_dataset
-from distributed import fail, launched
-from lora import ALL_LINEAR, DEFAULT_ALPHA, check_lora_args
+from distributed import fail, launched, main_process
+from lora import ALL_LINEAR, DEFAULT_ALPHA
 
 
 GenMode = Literal["repeat", "shared-prefill", "static", "engine", "engine-tp"]  # common.GEN_MODES
@@ -206,7 +206,7 @@ def parse_args(cls, argv: list[str] | None = None):
 
     import tyro
 
-    main = int(os.environ.get("RANK", "0")) == 0
+    main = main_process()
     box = io.StringIO()
     try:
         with contextlib.redirect_stderr(box):
@@ -381,6 +381,30 @@ def check_common_args(args):
         fail("--system-prompt is empty: give the text of the system message, or drop it")
     check_float("kl-coef", args.kl_coef, 0, why=" (0: no KL penalty and no reference model)")
     check_run_name(args.output_dir, args.exp_name)
+
+
+def check_lora_args(args):
+    """Bad LoRA flags (lora.py) fail in one line before any heavy work."""
+    others = [f"--lora-{name.replace('_', '-')}" for name, off in
+              (("alpha", args.lora_alpha == DEFAULT_ALPHA), ("dropout", args.lora_dropout == 0.0),
+               ("target_modules", list(args.lora_target_modules) == [ALL_LINEAR])) if not off]
+    if args.lora_rank < 0 or args.lora_rank == 0 and others:
+        fail(f"--lora-rank {args.lora_rank}" + (f" with {', '.join(others)}" if others else "")
+             + ": LoRA needs a rank >= 1 (0 is off, and then give no other --lora-* flag)")
+    if args.lora_rank == 0:
+        return
+    check_float("lora-alpha", args.lora_alpha, 0, low_open=True,
+                why=" (the adapters' scale is alpha / rank)")
+    check_float("lora-dropout", args.lora_dropout, 0, 1, high_open=True)
+    if not args.lora_target_modules:
+        fail(f"--lora-target-modules: give module names (e.g. q_proj v_proj) or {ALL_LINEAR}")
+    if args.dtype == "bf16-pure":
+        fail("--dtype bf16-pure with --lora-rank: under LoRA the frozen base is already held in "
+             "bf16 with --dtype bf16 (or auto on a GPU) and the adapters stay fp32; use those")
+    if args.cpu_offload:
+        fail("--cpu-offload with --lora-rank: not supported (untested with LoRA's frozen and "
+             "trainable parameters in one FSDP2 unit); LoRA's state is small enough to stay on the "
+             "GPU (README, Scaling)")
 
 
 def check_run_name(output_dir: str, exp_name: str):

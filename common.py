@@ -33,7 +33,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from checkpoint import is_checkpoint, state_dir
-from distributed import Dist, Refused, all_gather_cat, all_reduce, fail, on_rank0, seed_everything
+from distributed import (Dist, Refused, all_gather_cat, all_reduce, fail, main_process, on_rank0,
+                         seed_everything)
 from grader import MAX_ANSWER_CHARS, Reward, Rewards, canonical, decide, extract_answer
 from logprobs import chunked_logprobs
 from lora import (LoraSpec, adapter_folder, adapters_disabled, apply_lora, base_of, describe,
@@ -116,13 +117,17 @@ def check_engine(config, gen_mode: str):
     """--gen-mode engine / engine-tp, before the model is built: an architecture the engine does
     not cover is said in one line (HF generate runs instead, engine_covers); heads that do not split
     over the processes fail in one line."""
-    if gen_mode not in ("engine", "engine-tp") or not engine_covers(
-            config, main=int(os.environ.get("RANK", "0")) == 0):
+    if gen_mode not in ("engine", "engine-tp") or not engine_covers(config, main_process()):
         return
+    if gen_mode == "engine-tp":
+        check_tensor_parallel(config, int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def check_tensor_parallel(config, world: int):
+    """--gen-mode engine-tp over `world` processes: one line when the heads do not split."""
     import engine
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if gen_mode == "engine-tp" and (why := engine.tensor_parallel_fits(config, world)):
+    if why := engine.tensor_parallel_fits(config, world):
         fail(f"--gen-mode engine-tp: {why}; use --gen-mode engine, or a number of processes that "
              "divides them")
 
@@ -433,9 +438,7 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
 
         mine = [row[m.bool()].tolist() for row, m in zip(ids, am)]  # this rank's prompts, unpadded
         tp = d.world if mode == "engine-tp" else 1
-        if tp > 1 and (why := engine.tensor_parallel_fits(policy.lm.config, tp)):
-            fail(f"--gen-mode engine-tp: {why}; use --gen-mode engine, or a number of processes "
-                 "that divides them")
+        check_tensor_parallel(policy.lm.config, tp)  # for callers that skip check_model
         everyone, generator = [mine], None
         if tp > 1:  # every rank decodes every rank's prompts, with the same random stream
             everyone = [None] * tp

@@ -22,7 +22,7 @@ def fail(msg: str):
     runs on every rank with the same answer (or on rank 0, which broadcasts it: on_rank0), so the
     line is printed once and no rank is left waiting. Once the process group exists the process
     leaves with os._exit, as cleanup() does, for the same reason."""
-    main = int(os.environ.get("RANK", "0")) == 0
+    main = main_process()
     if dist.is_initialized():
         if main:
             print(f"error: {msg}", file=sys.stderr)
@@ -63,6 +63,12 @@ class Dist:
     @property
     def main(self) -> bool:
         return self.rank == 0
+
+
+def main_process() -> bool:
+    """Rank 0 of a torchrun job, or a plain process; known from the environment alone, before (or
+    without) the process group."""
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def launched() -> bool:

@@ -1,9 +1,9 @@
 """LoRA (Hu et al., 2021, arXiv:2106.09685) through `peft`: each targeted linear layer of the
 decoder computes W x + (alpha / r) B A x, with W frozen and only A [r, in], B [out, r] trained (B
-starts at zero, so the first step's model is the base). Called by cli.py (flag checks), common.py
-(load_model applies the adapters, wrap_policy shards them with their layer), checkpoint.py (a
-checkpoint's adapter folder and merged model) and the KL reference (the policy with its adapters
-off). The loss and the loop do not know LoRA is on.
+starts at zero, so the first step's model is the base). Its flags are checked by cli.py
+(check_lora_args); called by common.py (load_model applies the adapters, wrap_policy shards them
+with their layer), checkpoint.py (a checkpoint's adapter folder and merged model) and the KL
+reference (the policy with its adapters off). The loss and the loop do not know LoRA is on.
 
 Precision: the frozen base is held in the compute dtype (bf16 on a GPU, fp32 on CPU unless --dtype
 bf16): it gets no gradient and no AdamW state, so it needs no fp32 master copy. The adapters, their
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 from dataclasses import dataclass
 
@@ -47,32 +46,6 @@ def lora_spec(args) -> LoraSpec | None:
         return None
     return LoraSpec(args.lora_rank, args.lora_alpha, args.lora_dropout,
                     tuple(args.lora_target_modules))
-
-
-def check_lora_args(args):
-    """Bad LoRA flags fail in one line before any heavy work (cli.check_common_args calls this)."""
-    others = [f"--lora-{name.replace('_', '-')}" for name, off in
-              (("alpha", args.lora_alpha == DEFAULT_ALPHA), ("dropout", args.lora_dropout == 0.0),
-               ("target_modules", list(args.lora_target_modules) == [ALL_LINEAR])) if not off]
-    if args.lora_rank < 0 or args.lora_rank == 0 and others:
-        fail(f"--lora-rank {args.lora_rank}" + (f" with {', '.join(others)}" if others else "")
-             + ": LoRA needs a rank >= 1 (0 is off, and then give no other --lora-* flag)")
-    if args.lora_rank == 0:
-        return
-    if not (math.isfinite(args.lora_alpha) and args.lora_alpha > 0):
-        fail(f"--lora-alpha {args.lora_alpha}: must be > 0 and finite (the adapters' scale is "
-             "alpha / rank)")
-    if not (math.isfinite(args.lora_dropout) and 0 <= args.lora_dropout < 1):
-        fail(f"--lora-dropout {args.lora_dropout}: must lie in [0, 1)")
-    if not args.lora_target_modules:
-        fail(f"--lora-target-modules: give module names (e.g. q_proj v_proj) or {ALL_LINEAR}")
-    if args.dtype == "bf16-pure":
-        fail("--dtype bf16-pure with --lora-rank: under LoRA the frozen base is already held in "
-             "bf16 with --dtype bf16 (or auto on a GPU) and the adapters stay fp32; use those")
-    if args.cpu_offload:
-        fail("--cpu-offload with --lora-rank: not supported (untested with LoRA's frozen and "
-             "trainable parameters in one FSDP2 unit); LoRA's state is small enough to stay on the "
-             "GPU (README, Scaling)")
 
 
 def decoder_linears(lm) -> list[str]:

@@ -124,6 +124,9 @@ class CommonArgs:
     decoding (Qwen3/Qwen2/Llama; others: HF shared-prefill, said once); engine-tp: the engine's
     layers split over the torchrun ranks (tensor parallel), for models whose bf16 copy does not
     fit one GPU beside the training state (same tokens; benchmarks/README.md)"""
+    gen_cuda_graphs: bool = True
+    """--gen-mode engine on one GPU: replay the decoding step as CUDA graphs, one per read length
+    (a multiple of 256 positions), captured on first use; --no-gen-cuda-graphs decodes eagerly"""
     lora_rank: int = 0
     """LoRA rank r (0: off, full fine-tuning): train only adapters B A (alpha / r) on the target
     linear layers, the base frozen in the compute dtype (bf16 on a GPU); adapters and their AdamW

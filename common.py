@@ -414,7 +414,7 @@ GEN_MODES = ("repeat", "shared-prefill", "static", "engine", "engine-tp")
 @torch.no_grad()
 def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d: Dist, *,
              max_new_tokens: int, temperature: float, top_p: float, top_k: int, gen_batch_size: int,
-             unshard: bool = False, mode: str = "shared-prefill") -> dict:
+             unshard: bool = False, mode: str = "shared-prefill", cuda_graphs: bool = True) -> dict:
     """n completions per prompt (rows of one prompt are adjacent: a group). Returns input_ids [B,
     P+T], attention_mask, n_prompt P, completion mask [B, T] (up to and including the first EOS),
     truncated [B], texts, and with mode "engine" logp [B, T], each token's log-prob as sampled.
@@ -428,7 +428,8 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
     stays eager. mode "engine": engine.py, gen_batch_size rows decoding at once (continuous
     batching), whole groups admitted. mode "engine-tp": the engine's layers split over the ranks
     (tensor parallel), every rank decoding every rank's prompts (world x gen_batch_size rows) and
-    keeping its own. Same tokens under greedy decoding (top_k=1)."""
+    keeping its own. Same tokens under greedy decoding (top_k=1). cuda_graphs: the engine's decoding
+    step replayed as CUDA graphs on a GPU (one rank; engine.Engine.step), else eager."""
     if mode not in GEN_MODES:
         raise ValueError(f"unknown generation mode {mode!r} ({', '.join(GEN_MODES)})")
     enc = tok(list(prompts), padding=True, return_tensors="pt", add_special_tokens=False)
@@ -452,7 +453,8 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
                 slots=tp * max(n, gen_batch_size // n * n), device=d.device,
                 dtype=getattr(policy, "compute_dtype", None) or (
                     torch.bfloat16 if d.device.type == "cuda" else torch.float32),
-                rank=d.rank if tp > 1 else 0, world=tp, generator=generator)
+                rank=d.rank if tp > 1 else 0, world=tp, generator=generator,
+                graphs=None if cuda_graphs else False)
         except MemoryError as e:  # said before anything is allocated (engine.kv_plan)
             fail(f"--gen-mode {mode}: {e}; lower --gen-batch-size (now {gen_batch_size}) or "
                  f"--max-new-tokens (now {max_new_tokens})")

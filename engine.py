@@ -7,7 +7,8 @@ The model is read, not wrapped: its weights are taken once per rollout into plai
 FSDP2 each parameter's full tensor, gathered in turn), so decoding runs no collective and ranks that
 finish early wait at the next collective the loop already has. The forward covers the Qwen3 / Qwen2
 / Llama family (RMSNorm, q/k-norm when present, the model's own rotary embedding so that
-rope_scaling stays exact, SwiGLU, grouped KV heads read without copies, tied or untied head).
+rope_scaling stays exact, SwiGLU, grouped KV heads read without copies, tied or untied head). On
+a GPU the decoding step is replayed as CUDA graphs (Engine.step), one per rounded read length.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ import torch.nn.functional as F
 ARCHITECTURES = ("qwen3", "qwen2", "llama")  # config.model_type values the forward below covers
 SYNC_EVERY = 8  # decoding steps between two looks from the host at which rows have finished
 PAGE = 16  # positions a block of a paged KV cache holds (as vLLM's default)
+# CUDA graphs of the decoding step are captured per read length, rounded up to a multiple of this
+# (the mask keeps the positions past each row's own out): at most max_len / GRAPH_REACH graphs
+GRAPH_REACH = 256
 
 
 def unsupported(config) -> str | None:
@@ -180,7 +184,7 @@ class Engine:
     rows: the pool holds fewer positions than slots x max_len."""
 
     def __init__(self, lm, slots: int, max_len: int, device, dtype, rank: int = 0, world: int = 1,
-                 pool_blocks: int | None = None, block: int = PAGE):
+                 pool_blocks: int | None = None, block: int = PAGE, graphs: bool = False):
         from transformers.activations import ACT2FN
 
         cfg = lm.config
@@ -206,6 +210,11 @@ class Engine:
                       torch.arange(slots, device=device)[:, None])
         self.owned = [[] for _ in range(slots)]  # paged: each slot's blocks, on the host
         self.free = list(range(pool_blocks or 0))
+        # graphs (step): the decoding step of each read length, over inputs at fixed addresses
+        self.graphs = {} if graphs else None
+        self.static = torch.zeros(2, slots, dtype=torch.long, device=device)  # tokens, positions
+        self.pool = (torch.cuda.graph_pool_handle()
+                     if graphs and torch.device(device).type == "cuda" else None)
 
     def blocks_for(self, positions: int) -> int:
         return -(-positions // self.block)
@@ -309,9 +318,58 @@ class Engine:
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, reach: int) -> torch.Tensor:
-        """One token for every slot: tokens, positions [slots] -> logits [slots, V]. Slot s attends
-        to its positions 0..positions[s] and no further, through a mask over the cache read up to
-        `reach` (> every position, known on the host without a sync); grouped heads, no copies."""
+        """One token for every slot: tokens, positions [slots] -> logits [slots, V]."""
+        return self.logits(self.hidden(tokens, positions, reach))
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, reach: int) -> torch.Tensor:
+        """decode, as the rollout runs it: eager, or (graphs) the captured step of `reach` rounded
+        up to GRAPH_REACH, run on copies of tokens and positions at fixed addresses; the final
+        norm, the LM head and sampling stay outside the graph (no [slots, V] buffer a graph)."""
+        if self.graphs is None:
+            return self.decode(tokens, positions, reach)
+        reach = min(-(-reach // GRAPH_REACH) * GRAPH_REACH, self.max_len)
+        self.static[0].copy_(tokens)
+        self.static[1].copy_(positions)
+        if reach not in self.graphs:
+            self.graphs[reach] = self.capture(reach)
+        return self.logits(self.graphs[reach]())
+
+    def capture(self, reach: int):
+        """The decoding step at read length `reach` over self.static -> a function that runs it
+        and returns the hidden states [slots, D]. On a GPU a CUDA graph: a step's ~15 kernels a
+        layer launched as one replay (HF generate spends ~1.3 ms of Python and launches a layer
+        and token). Its first run is eager on a side stream, as capture requires, and writes the
+        same keys and values the replay then writes again; the graphs of every read length share
+        one memory pool (one runs at a time, and only their outputs outlive a run). Elsewhere (the
+        CPU) the step itself, eager: the same inputs, rounding and outputs, so that tests cover
+        everything but the capture."""
+        def run():
+            return self.hidden(self.static[0], self.static[1], reach)
+
+        if self.pool is None:
+            return run
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = run()
+
+        def replay():
+            graph.replay()
+            return out
+        return replay
+
+    @torch.no_grad()
+    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, reach: int) -> torch.Tensor:
+        """The decoder's last hidden state [slots, D] for one token of every slot (tokens,
+        positions [slots]). Slot s attends to its positions 0..positions[s] and no further,
+        through a mask over the cache read up to `reach` (> every position, known on the host
+        without a sync); grouped heads, no copies. No host sync and no shape that depends on
+        the data: a CUDA graph can capture it (step)."""
         mask = (torch.arange(reach, device=tokens.device) <= positions[:, None])[:, None, None]
         # where each slot's new key and value go: rows of a layer's cache viewed as [-1, head_dim]
         # (index_copy_ along one dimension: an index_put over slots and positions copies far more)
@@ -329,7 +387,7 @@ class Engine:
             return out.view(q.shape)
 
         h = self.layers(F.embedding(tokens[:, None], self.w.embed), positions[:, None], attend)
-        return self.logits(h[:, 0])
+        return h[:, 0]
 
 
 # -------------------- sampling: HF's semantics and order
@@ -364,7 +422,7 @@ def top_k_top_p(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_tokens: int,
              temperature: float, top_k: int, top_p: float, slots: int, device, dtype,
              sync_every: int = SYNC_EVERY, stats: dict | None = None, rank: int = 0, world: int = 1,
-             generator=None, pool_tokens: int | None = None,
+             generator=None, pool_tokens: int | None = None, graphs: bool | None = None,
              ) -> tuple[list[list[int]], list[list[float]]]:
     """n completions of each prompt (token ids, no padding): rows prompt * n + j, a group's rows
     adjacent. A completion ends at its first EOS (kept) or after max_new_tokens. `slots` rows decode
@@ -372,7 +430,8 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
     are free, and the host looks at which rows have finished every `sync_every` steps. Returns the
     completions' token ids and the log-prob of each under the temperature-scaled softmax. `stats`,
     if given, gets the counts of decoding steps, prefills, prefills made while other rows were
-    decoding (continuous batching at work), groups preempted, and KV blocks still taken at the end.
+    decoding (continuous batching at work), groups preempted, KV blocks still taken at the end,
+    and graphs captured.
     pool_tokens: the KV cache's positions, paged (Engine) in blocks of PAGE; None: whole (slots x
     the longest prompt + max_new_tokens), or paged where that cannot fit the GPU (kv_plan). Paged,
     a group is admitted only when the pool also holds its next sync_every positions beside those the
@@ -380,7 +439,10 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
     blocks freed, its prompt first in line again, its completions made anew.
     world > 1: tensor parallel, every rank running this call on the same prompts with its share of
     the heads (tensor_parallel_fits) and the same `generator`, so that every rank samples the same
-    tokens."""
+    tokens.
+    graphs: the decoding step through Engine.step's graphs, one per read length (CUDA graphs on a
+    GPU; on the CPU the same path eager, for tests); None: on a GPU with one rank (tensor
+    parallel decodes eagerly: its all-reduces are not captured)."""
     if slots < n:
         raise ValueError(f"{slots} slots cannot hold a group of {n}")
     max_len = max(len(p) for p in prompts) + max_new_tokens
@@ -390,7 +452,9 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
     if pool_blocks is not None and pool_blocks < n * -(-max_len // PAGE):
         raise ValueError(f"a KV pool of {pool_tokens} positions cannot hold one group of {n} rows "
                          f"of up to {max_len} positions")
-    engine = Engine(lm, slots, max_len, device, dtype, rank, world, pool_blocks)
+    if graphs is None:
+        graphs = torch.device(device).type == "cuda" and world == 1
+    engine = Engine(lm, slots, max_len, device, dtype, rank, world, pool_blocks, graphs=graphs)
     eos_t = torch.tensor(eos, device=device)
     tokens = torch.zeros(slots, dtype=torch.long, device=device)  # each slot's last token
     positions = torch.zeros(slots, dtype=torch.long, device=device)  # ... and its position
@@ -486,7 +550,7 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
         if engine.paged:
             grow()
         for _ in range(sync_every if any(r >= 0 for r in row_of) else 0):
-            new, new_logp = sample(engine.decode(tokens, positions, reach), temperature, top_k,
+            new, new_logp = sample(engine.step(tokens, positions, reach), temperature, top_k,
                                    top_p, generator)
             at = count.clamp(max=max_new_tokens - 1)  # finished rows write nowhere new
             out[slot_rows, at] = torch.where(live, new, out[slot_rows, at])
@@ -500,5 +564,6 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
         retire()
     assert all(c is not None for c in completions), "a request never finished"
     if stats is not None:
-        stats.update(counts, blocks_taken=sum(len(o) for o in engine.owned))
+        stats.update(counts, blocks_taken=sum(len(o) for o in engine.owned),
+                     graphs=len(engine.graphs or {}))
     return completions, logps

@@ -7,7 +7,8 @@ weights run at the speed of trained ones; no download):
 
 Per model, as far as each fits:
 - generation: a GSPO rollout through common.generate, --prompts x --group-size completions of --prompt-tokens-token
-  prompts, up to --new-tokens new tokens, in each mode of --gen-modes (default: all of common.GEN_MODES). Random weights
+  prompts, up to --new-tokens new tokens, in each mode of --gen-modes (default: all of common.GEN_MODES, and
+  engine-eager: the engine without CUDA graphs, --no-gen-cuda-graphs, to show what the graphs gain). Random weights
   never say EOS, so realistic early stops are made by declaring V / --mean-length token ids EOS: a completion stops at
   each step with probability about 1 / --mean-length (roughly geometric lengths; the table gives the measured mean).
   static is timed after one untimed call, which compiles. tokens/s = completion tokens (up to and including EOS) / wall
@@ -116,7 +117,7 @@ def bench_generation(policy, tok, shape, a, d) -> dict:
             t = time.perf_counter()
             roll = common.generate(policy, tok, texts, a.group_size, eos, d, max_new_tokens=a.new_tokens,
                                    temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=a.prompts * a.group_size,
-                                   mode=mode)
+                                   mode=mode.removesuffix("-eager"), cuda_graphs=mode != "engine-eager")
             sync(d.device)
             s = time.perf_counter() - t
         tokens = roll["mask"].sum().item()
@@ -210,11 +211,12 @@ def main():
     import common
     import distributed
 
+    MODES = (*common.GEN_MODES, "engine-eager")  # engine-eager: --gen-mode engine --no-gen-cuda-graphs
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="0.6B,1.7B,4B,8B",
                     help="keys of shapes.QWEN3, smallest first ('': none, the TRL comparison alone)")
-    ap.add_argument("--gen-modes", type=lambda s: s.split(","), default=list(common.GEN_MODES),
-                    help="generation modes to time, comma-separated (common.GEN_MODES)")
+    ap.add_argument("--gen-modes", type=lambda s: s.split(","), default=list(MODES),
+                    help=f"generation modes to time, comma-separated ({', '.join(MODES)})")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group-size", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=256)
@@ -245,8 +247,8 @@ def main():
         raise SystemExit("error: no GPU here: run with --smoke on CPU (tiny shapes), or on a machine with a GPU")
     if not set(models) <= set(shapes.QWEN3) | {"tiny"}:
         raise SystemExit(f"error: --models takes {', '.join(shapes.QWEN3)}")
-    if not set(a.gen_modes) <= set(common.GEN_MODES):
-        raise SystemExit(f"error: --gen-modes takes {', '.join(common.GEN_MODES)}")
+    if not set(a.gen_modes) <= set(MODES):
+        raise SystemExit(f"error: --gen-modes takes {', '.join(MODES)}")
     hf_logging.set_verbosity_error()
     d = distributed.Dist(0, 1, torch.device("cuda", 0) if torch.cuda.is_available() and not a.smoke else
                     torch.device("cpu"))

@@ -81,6 +81,30 @@ def test_paged_pool_greedy_tokens_equal_hf_generate(setup, n, slots, pool):
         assert stats["blocks_taken"] == 0 and (stats["preempted"] > 0) == preempts, stats
 
 
+@pytest.mark.parametrize("n, slots, pool", [(2, 3, None), (3, 9, 400)])
+def test_graphed_step_equals_the_eager_one(setup, monkeypatch, n, slots, pool):
+    """The decoding step as CUDA graphs run it (Engine.step with graphs: tokens and positions copied to fixed
+    buffers, the read length rounded up to engine.GRAPH_REACH, here 16, so that several graphs serve one rollout; on
+    the CPU each runs eagerly, the capture itself needs a GPU), whole and paged: greedy, HF's tokens; sampled with one
+    seed, the eager step's tokens, and log-probs equal to 1e-5."""
+    monkeypatch.setattr(engine, "GRAPH_REACH", 16)
+    tok, lm, ids = setup
+    eos = ragged_eos(lm, tok, ids)
+    ref, _ = hf_greedy(lm, tok, ids, n, eos, 24)
+    stats = {}
+    comps, _ = run(lm, ids, n, eos, 24, slots, sync_every=3, graphs=True, stats=stats, pool_tokens=pool)
+    assert comps == ref
+    # the reads span several multiples of 16 (prompts of 11 to 62 tokens, + 24 new)
+    assert stats["graphs"] >= 3, stats
+    sampled = {}
+    for graphs in (True, False):
+        sampled[graphs] = run(lm, ids, n, eos, 24, slots, sync_every=3, graphs=graphs, pool_tokens=pool,
+                              temperature=0.8, top_k=0, generator=torch.Generator().manual_seed(5))
+    assert sampled[True][0] == sampled[False][0]
+    for a, b in zip(sampled[True][1], sampled[False][1]):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+
+
 def test_paged_pool_too_small_for_one_group(setup):
     tok, lm, ids = setup
     with pytest.raises(ValueError, match="a KV pool of 223 positions cannot hold one group of 2 rows of up to 102"):

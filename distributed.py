@@ -23,6 +23,9 @@ def fail(msg: str):
     line is printed once and no rank is left waiting. Once the process group exists the process
     leaves with os._exit, as cleanup() does, for the same reason."""
     main = main_process()
+    # a progress bar on stderr's last line is ended first, so that the error starts a line of its own
+    for bar in list(getattr(getattr(sys.modules.get("tqdm"), "tqdm", None), "_instances", ())):
+        bar.close()
     if dist.is_initialized():
         if main:
             print(f"error: {msg}", file=sys.stderr)

@@ -158,6 +158,21 @@ def test_error_is_one_line_on_stderr(tmp_path):
     assert p.stderr.strip().count("\n") == 0 and p.stderr.startswith("error: --top-k -5")
 
 
+def test_error_after_a_progress_bar_starts_its_own_line(capsys):
+    """A run that fails mid-training (a disk that fills, a reward that keeps failing) has the tqdm bar on stderr's
+    last line: fail ends it first, so that the error line is a line of its own."""
+    from tqdm import tqdm
+
+    from distributed import fail
+
+    steps = iter(tqdm(range(5), desc="train"))  # held: a generator dropped closes its bar
+    next(steps)
+    with pytest.raises(SystemExit, match="^error: the disk is full$"):
+        fail("the disk is full")
+    err = capsys.readouterr().err
+    assert "train" in err and err.endswith("\n"), repr(err)
+
+
 def test_error_under_torchrun_is_printed_once_and_every_rank_exits(tmp_path):
     """A checkpoint written by dfpo.py, resumed by gspo.py under 2 ranks: rank 0 alone prints the line, both ranks
     exit 1 at once."""

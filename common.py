@@ -917,7 +917,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def evaluate(policy, tok, held, eos, d: Dist, *, k: int, n: int | None = None,
              reward: Reward | None = None, max_new_tokens: int, temperature: float, top_p: float,
              top_k: int, gen_batch_size: int, unshard: bool = False,
-             mode: str = "shared-prefill") -> dict:
+             mode: str = "shared-prefill", cuda_graphs: bool = True) -> dict:
     """Over the held-out prompts (each rank an equal share), from n >= k samples a prompt (n
     defaults to k): avg@k, the mean accuracy of the n samples (an unbiased estimate of the mean
     accuracy of k samples, the DFPO paper's metric), and pass@k, the mean over prompts of the
@@ -935,7 +935,8 @@ def evaluate(policy, tok, held, eos, d: Dist, *, k: int, n: int | None = None,
         part = rows.select(range(i, min(i + per_call, len(rows))))
         out = generate(policy, tok, part["text"], n, eos, d, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_p=top_p, top_k=top_k,
-                       gen_batch_size=gen_batch_size, unshard=unshard, mode=mode)
+                       gen_batch_size=gen_batch_size, unshard=unshard, mode=mode,
+                       cuda_graphs=cuda_graphs)
         part_r, part_errors = score(out["texts"], part, n, reward, watch=False)
         r, errors = torch.cat([r, part_r]), errors + part_errors
     r = r.view(-1, n)

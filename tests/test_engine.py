@@ -313,6 +313,8 @@ def test_memory_needed_and_a_pool_the_gpu_cannot_hold(setup, monkeypatch):
     assert kv == 2 * 2 * 8 * 2 * 100 * 32 * 4  # tiny: 2 layers, 2 KV heads, head_dim 32, fp32
     assert weights == 4 * sum(p.numel() for p in lm.parameters())
     assert engine.memory_needed(lm, 8, 100, torch.bfloat16, world=2) == (kv // 4, weights // 4)
+    cache = engine.Engine(lm, 8, 100, CPU, torch.float32).cache  # what the engine allocates: the count exactly
+    assert cache.numel() * cache.element_size() == kv
     assert engine.kv_plan(lm, 8, 100, 2, CPU, torch.float32) is None  # host memory: not checked
     per_position = kv // 800
 

@@ -32,9 +32,11 @@ from lora import is_lora, save_lora
 # A checkpoint is a folder {run_dir}/step_N holding two folders and a manifest:
 #   model/  the model a user ships: bf16 safetensors (save_pretrained), config, generation config,
 #           tokenizer and chat template; from_pretrained and pipeline load it as it is.
-#   state/  what exact resume needs: the weights as training holds them (fp32 master weights;
-#           save_pretrained, so from_pretrained loads them too), rank{r}.pt per rank (this rank's
-#           optimizer shard, the lr schedule, the RNG states; plain tensors, read with
+#   state/  what exact resume needs: the weights as training holds them (fp32 master weights:
+#           one process, save_pretrained's model.safetensors, which from_pretrained loads too;
+#           under torchrun, masters_rank{r}.safetensors, each rank's own rows of every weight,
+#           written by every rank in parallel, beside config.json), rank{r}.pt per rank (this
+#           rank's optimizer shard, the lr schedule, the RNG states; plain tensors, read with
 #           weights_only=True) and trainer_state.json (step, world size, script, flags, reward
 #           curve).
 #   adapter/ under LoRA (lora.py), in place of state/'s weights: the fp32 adapters, which
@@ -48,11 +50,14 @@ from lora import is_lora, save_lora
 # a save and a resume is what this avoids). Files a user adds (a README, notes) are not listed and
 # not looked at. Checkpoints written before model/ and state/ (one flat folder) resume too.
 # A checkpoint resumes on any world size (torchrun or plain python): on another than its writer's,
-# each rank takes its rows of the optimizer state from the old ranks' shards (resume_state).
+# each rank takes its rows of the master weights (load_masters) and of the optimizer state
+# (resume_state) from the old ranks' shards, reading only those rows.
 STEP_DIR = re.compile(r"step_(\d+)$")
 MANIFEST = "manifest.json"
 MODEL, STATE = "model", "state"
 HASH_BELOW = 16 << 20  # bytes: smaller files are hashed (trainer_state, configs, tokenizer)
+MASTERS = "masters_rank{}.safetensors"  # FSDP2: rank r's rows of the fp32 master weights
+BUFFER = "buffer:"  # rank 0's masters file also holds the buffers (rotary inv_freq), so prefixed
 
 
 def step_folders(run_dir: str) -> list[tuple[int, str]]:
@@ -525,38 +530,48 @@ def save_checkpoint(run_dir: str, step: int, policy, tok, optimizer, scheduler, 
                     args, script: str, **loop_state):
     """Write {run_dir}/step_{step} (see above; trainer_state.json holds the run's flags too)
     atomically, then delete all but the newest --keep-checkpoints (0: keep all).
-    The model is gathered from FSDP2 shards into one full state dict on rank 0, which writes the
-    export (write_model) and the master weights; every rank writes its optimizer shard
-    (write_training_state). A write that fails on any rank (a full disk) stops every rank with one
-    line, the partial .tmp_step_N removed: the previous checkpoints stay what --resume auto
-    takes."""
-    if d.sharded:
+    One process writes it all. Under FSDP2 every rank writes its rows of the master weights
+    (write_masters) and its optimizer shard (write_training_state), in parallel; the export is
+    gathered to rank 0 one tensor at a time, already in bf16 (gathered), and written there (under
+    LoRA the full fp32 state dict, which the merge needs). A write that fails on any rank (a full
+    disk) stops every rank with one line, the partial .tmp_step_N removed: the previous
+    checkpoints stay what --resume auto takes."""
+    lora = is_lora(policy.lm)
+    if d.sharded and lora:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(policy.lm,
                                   options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    elif d.sharded:
+        sd = gathered(policy.lm, d, torch.bfloat16)  # rank 0: the export's tensors; None elsewhere
     else:
         sd = None  # one process: the model's own tensors
     path, tmp = os.path.join(run_dir, f"step_{step}"), os.path.join(run_dir, f".tmp_step_{step}")
 
-    def weights():
+    def export():
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed mid-write
         os.makedirs(os.path.join(tmp, STATE))
-        if is_lora(policy.lm):  # model/: merged, in bf16; adapter/: the fp32 adapters (lora.py)
+        if lora:  # model/: merged, in bf16; adapter/: the fp32 adapters (lora.py)
             save_lora(policy.lm, os.path.join(tmp, MODEL), tmp, sd)
             tok.save_pretrained(os.path.join(tmp, MODEL))
         else:
             write_model(os.path.join(tmp, MODEL), policy.lm, sd, tok)
-            _save_pretrained(policy.lm, os.path.join(tmp, STATE), sd)  # the master weights, as held
+            if not d.sharded:  # the master weights, as held
+                _save_pretrained(policy.lm, os.path.join(tmp, STATE), None)
+
+    def training_state():  # every rank, once rank 0 has made the folder
+        if d.sharded and not lora:
+            write_masters(os.path.join(tmp, STATE), policy.lm, d)
+        write_training_state(os.path.join(tmp, STATE), optimizer, scheduler, d)
 
     def trainer_state():
         with open(os.path.join(tmp, STATE, "trainer_state.json"), "w") as f:
             json.dump({"step": step, "world": d.world, "script": script, "args": vars(args),
                        **loop_state}, f)
 
-    _or_stop(_attempt(weights, tmp) if d.main else None, tmp, d)
-    _or_stop(_attempt(lambda: write_training_state(os.path.join(tmp, STATE), optimizer,
-                                                   scheduler, d), tmp), tmp, d)
+    _or_stop(_attempt(export, tmp) if d.main else None, tmp, d)
+    del sd
+    _or_stop(_attempt(training_state, tmp), tmp, d)
     _or_stop(_attempt(trainer_state, tmp) if d.main else None, tmp, d)
     files = _manifest_files(tmp, d)  # last: a folder without it is incomplete
     _or_stop(_attempt(lambda: _write_manifest_file(tmp, files), tmp) if d.main else None, tmp, d)
@@ -570,6 +585,108 @@ def save_checkpoint(run_dir: str, step: int, policy, tok, optimizer, scheduler, 
             shutil.rmtree(old)
     barrier()
     return path
+
+
+def gathered(lm, d: Dist, dtype: torch.dtype) -> dict | None:
+    """FSDP2: the model's full state dict in dtype on rank 0's CPU (None on the other ranks), every
+    rank taking part. One tensor at a time, each cast before its all-gather: in bf16 rank 0 holds
+    half of an fp32 gather and the GPUs one full tensor at a time beside their shards. Tied weights
+    (embed_tokens, lm_head) stay one tensor. With --cpu-offload the shards are moved to the GPU for
+    the gather (NCCL gathers GPU tensors)."""
+    from torch.distributed.tensor import DTensor
+
+    owner = {name: id(p) for name, p in lm.named_parameters(remove_duplicate=False)}
+    out, seen = {}, {}
+    for name, v in lm.state_dict().items():
+        key = owner.get(name, name)  # the same on every rank: each rank gathers the same tensors
+        if key not in seen:
+            if isinstance(v, DTensor):
+                cast = v.to_local().to(d.device, dtype if v.is_floating_point() else v.dtype)
+                full = DTensor.from_local(cast, v.device_mesh, v.placements, shape=v.shape,
+                                          stride=v.stride(), run_check=False).full_tensor()
+            else:
+                full = v.to(dtype) if v.is_floating_point() else v
+            seen[key] = full.cpu() if d.main else None
+            del full
+        if d.main:
+            out[name] = seen[key]
+    return out if d.main else None
+
+
+def write_masters(folder: str, lm, d: Dist):
+    """FSDP2: this rank's rows of every fp32 master weight (its local shard of FSDP2's Shard(0)) into
+    folder/masters_rank{r}.safetensors, keyed by parameter name (tied weights once); rank 0 adds the
+    buffers and the config and generation config that resume builds the model from. No gather: the
+    ranks write in parallel, each 1/world of the model."""
+    from safetensors.torch import save_file
+    from torch.distributed.tensor import DTensor
+
+    tensors = {n: (p.to_local() if isinstance(p, DTensor) else p).detach().cpu().contiguous()
+               for n, p in lm.named_parameters()}
+    if d.main:
+        tensors.update({BUFFER + n: b.detach().cpu().contiguous() for n, b in lm.named_buffers()})
+        lm.config.save_pretrained(folder)
+        lm.generation_config.save_pretrained(folder)
+    save_file(tensors, os.path.join(folder, MASTERS.format(d.rank)),
+              metadata={"rank": str(d.rank), "world": str(d.world)})
+
+
+def masters_files(folder: str) -> list[str]:
+    """The masters_rank{r}.safetensors of a checkpoint's state folder, rank 0 first; [] where the
+    master weights are one save_pretrained model (one process, older checkpoints)."""
+    files, r = [], 0
+    while os.path.isfile(os.path.join(folder, MASTERS.format(r))):
+        files.append(os.path.join(folder, MASTERS.format(r)))
+        r += 1
+    return files
+
+
+def load_masters(lm, folder: str, d: Dist):
+    """Every parameter of lm (FSDP2: this rank's rows, its local shard; one process: all of them)
+    from the masters_rank*.safetensors in folder, written by any number of ranks: the old shards'
+    rows in order make the full tensor, of which only the rows this rank holds are read (bitwise
+    its own file's on the world size that wrote them). The buffers come from rank 0's file."""
+    from contextlib import ExitStack
+
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor
+
+    paths = masters_files(folder)
+    with ExitStack() as stack, torch.no_grad():
+        files = [stack.enter_context(safe_open(p, framework="pt")) for p in paths]
+        for name, p in lm.named_parameters():
+            if name not in files[0].keys():
+                fail(f"{folder}: no master weight {name} in {os.path.basename(paths[0])}: the "
+                     "checkpoint holds another model; resume it with its own --model")
+            slices = [f.get_slice(name) for f in files]
+            shapes = [s.get_shape() for s in slices]
+            if (sum(s[0] for s in shapes) != p.shape[0]
+                    or any(tuple(s[1:]) != tuple(p.shape[1:]) for s in shapes)):
+                fail(f"{folder}: the master weight {name} has shards {shapes}, which do not make "
+                     f"its shape {list(p.shape)}: resume from another checkpoint")
+            start, length = _local_rows(p)
+            local = p.to_local() if isinstance(p, DTensor) else p
+            offset = 0
+            for s, shape in zip(slices, shapes):
+                lo, hi = max(start, offset), min(start + length, offset + shape[0])
+                if lo < hi:
+                    local[lo - start:hi - start].copy_(s[lo - offset:hi - offset])
+                offset += shape[0]
+        for name, b in lm.named_buffers():
+            b.copy_(files[0].get_tensor(BUFFER + name))
+
+
+def master_weights(ckpt: str) -> dict[str, torch.Tensor]:
+    """A checkpoint's fp32 master weights, whole, on the CPU: state/model.safetensors (one
+    process), or every rank's rows put together (torchrun). For tests and tools."""
+    from safetensors.torch import load_file
+
+    folder = state_dir(ckpt)
+    paths = masters_files(folder)
+    if not paths:
+        return load_file(os.path.join(folder, "model.safetensors"))
+    shards = [load_file(p) for p in paths]
+    return {k: torch.cat([s[k] for s in shards]) for k in shards[0] if not k.startswith(BUFFER)}
 
 
 def _save_pretrained(lm, folder: str, sd: dict | None):

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from checkpoint import is_checkpoint, state_dir
+from checkpoint import is_checkpoint, load_masters, masters_files, state_dir
 from distributed import (Dist, Refused, all_gather_cat, all_reduce, fail, main_process, on_rank0,
                          seed_everything)
 from grader import MAX_ANSWER_CHARS, Reward, Rewards, canonical, decide, extract_answer
@@ -167,8 +167,11 @@ def load_model(name: str, tok, d: Dist, seed: int, trust_remote_code: bool = Fal
     lora (--lora-rank > 0, lora.py): the base frozen in the compute dtype (bf16 on a GPU) with fp32
     adapters on the target modules (checked first, on a model without weights); a LoRA checkpoint
     as `name` (resume, or --model step_N) is its base (its --model) with its adapters.
-    Returns (model, rank0_weights): rank0_weights is rank 0's (state dict, buffers) for wrap_policy
-    to scatter under FSDP2, None otherwise."""
+    A torchrun checkpoint's master weights are each rank's rows (checkpoint.write_masters): under
+    FSDP2 every rank reads its own rows in wrap_policy, and rank 0 reads no full copy; in one process
+    they are put together here.
+    Returns (model, rank0_weights): under FSDP2 rank 0's (state dict, buffers) for wrap_policy to
+    scatter, or the folder of a checkpoint's sharded master weights; None otherwise."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     # `tiny` is random-init: the same seed gives the same weights (policy and reference)
@@ -179,14 +182,23 @@ def load_model(name: str, tok, d: Dist, seed: int, trust_remote_code: bool = Fal
     path = os.path.expanduser(name)
     if is_checkpoint(path):  # resume: the master weights of its training state, not the export
         path = state_dir(path)
+    # written under torchrun, one file a rank (a LoRA checkpoint keeps adapters instead)
+    sharded_masters = lora is None and bool(masters_files(path))
     frozen = None if lora is None else compute_dtype(dtype, d)  # the base's dtype under LoRA
 
     def skeleton(dt):
-        """The model without weights (the meta device)."""
+        """The model without weights (the meta device), with its generation config."""
+        if name == "tiny":
+            with torch.device("meta"):
+                return tiny_model(tok).to(dt)
         with torch.device("meta"):
-            return tiny_model(tok).to(dt) if name == "tiny" else AutoModelForCausalLM.from_config(
+            lm = AutoModelForCausalLM.from_config(
                 AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code),
                 dtype=dt, trust_remote_code=trust_remote_code)
+        # EOS ids as from_pretrained reads them (the file, else the config)
+        with contextlib.suppress(OSError):
+            lm.generation_config = GenerationConfig.from_pretrained(path)
+        return lm
 
     targets = None if lora is None else resolve_targets(skeleton(torch.float32), lora.targets)
 
@@ -200,14 +212,17 @@ def load_model(name: str, tok, d: Dist, seed: int, trust_remote_code: bool = Fal
                                                     trust_remote_code=trust_remote_code)
 
     rank0_weights = None
-    if not d.sharded:
+    if not d.sharded and sharded_masters:  # every old rank's rows, into one model
+        lm = skeleton(weights_dtype(dtype)).to_empty(device="cpu")
+        lm.tie_weights()  # to_empty gives tied weights a tensor each
+        load_masters(lm, path, d)
+        lm = lm.to(d.device)
+    elif not d.sharded:
         lm = adapt(build(frozen or weights_dtype(dtype)).to(d.device))
+    elif sharded_masters:  # each rank reads its own rows in wrap_policy
+        lm, rank0_weights = skeleton(torch.float32), path
     else:
         lm = skeleton(frozen or torch.float32)
-        if name != "tiny":
-            # EOS ids as from_pretrained reads them (the file, else the config)
-            with contextlib.suppress(OSError):
-                lm.generation_config = GenerationConfig.from_pretrained(path)
         # rank 0's adapters drawn first, as one process draws them (peft's init on the meta device
         # still draws from the RNG)
         src = adapt(build(frozen or torch.float32)) if d.main else None
@@ -334,7 +349,8 @@ def wrap_policy(lm, d: Dist, temperature: float, chunk_tokens: int, activation_c
     torchrun (one process too): FSDP2, `fully_shard` on each decoder layer, then the root (the tied
     embedding/LM head stay together in the root unit), with fp32 shards computed in `dtype` and
     gradients reduced in fp32 (MixedPrecisionPolicy); rank 0's weights (load_model's rank0_weights)
-    are then scattered to the shards."""
+    are then scattered to the shards, or each rank reads its rows of a checkpoint's sharded master
+    weights (rank0_weights: their folder, checkpoint.load_masters)."""
     if activation_checkpointing:
         lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         # generation still uses the KV cache (checkpointing acts only in training)
@@ -371,18 +387,20 @@ def wrap_policy(lm, d: Dist, temperature: float, chunk_tokens: int, activation_c
                 m.set_gradient_divide_factor(1.0)
                 m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
         register_fsdp_forward_method(policy, "generate")
-        state, buffers = rank0_weights or ({}, {})
         # meta -> real (uninitialised) shards
         policy.to_empty(device="cpu" if cpu_offload else d.device)
-        set_model_state_dict(lm, state, options=StateDictOptions(full_state_dict=True,
-                                                                 broadcast_from_rank0=True))
-        # buffers (rotary inv_freq: outside the state dict) live on the GPU even with --cpu-offload,
-        # and come from rank 0 too
+        # buffers (rotary inv_freq: outside the state dict) live on the GPU even with --cpu-offload
         for mod in lm.modules():
             for n, b in mod._buffers.items():
                 if b is not None:
                     mod._buffers[n] = b.to(d.device)
-        for n, b in lm.named_buffers():
+        if isinstance(rank0_weights, str):  # a torchrun checkpoint: each rank reads its own rows
+            load_masters(lm, rank0_weights, d)
+            return policy
+        state, buffers = rank0_weights or ({}, {})
+        set_model_state_dict(lm, state, options=StateDictOptions(full_state_dict=True,
+                                                                 broadcast_from_rank0=True))
+        for n, b in lm.named_buffers():  # from rank 0 too
             if d.main:
                 b.copy_(buffers[n])
             dist.broadcast(b, src=0)

@@ -174,4 +174,8 @@ def test_checkpoint_benchmark_prints_its_table():
     p = subprocess.run([sys.executable, "benchmarks/checkpoint_io.py", "--smoke"], cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "| tiny | 0.4 |" in p.stdout and "`python benchmarks/checkpoint_io.py --smoke`" in p.stdout
+    # one process and torchrun x 2 (FSDP2): the masters come back (checked inside), every rank's peak is printed
+    assert "| tiny | 0.1 | 1 |" in p.stdout and "| tiny | 0.1 | 2 |" in p.stdout, p.stdout
+    assert "`python benchmarks/checkpoint_io.py --smoke`" in p.stdout
+    row = next(line for line in p.stdout.splitlines() if line.startswith("| tiny | 0.1 | 2 |")).split("|")
+    assert len(row[7].split(" / ")) == 2 and len(row[9].split(" / ")) == 2, row  # save and resume peaks, by rank

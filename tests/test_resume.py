@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 import checkpoint
 import common
@@ -40,7 +40,7 @@ def result(out):
     """(final weights, logged rows without timings) of the one run under `out`."""
     (run,) = glob.glob(f"{out}/*/metrics.jsonl")
     rows = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_rows(run)]
-    return load_file(os.path.join(os.path.dirname(run), "step_6", "state", "model.safetensors")), rows  # fp32 masters
+    return checkpoint.master_weights(os.path.join(os.path.dirname(run), "step_6")), rows  # fp32 masters (any layout)
 
 
 def assert_same(a, b):
@@ -400,5 +400,19 @@ def test_resume_on_another_world_size_under_torchrun(tmp_path):
         return p.stdout
 
     run(2, "save")
+    # the master weights: each rank wrote its own rows (FSDP2's chunks: 64 + 63 of the 127-wide norms), nothing whole
+    state = tmp_path / "run" / "step_2" / "state"
+    assert not (state / "model.safetensors").exists()
+    with safe_open(state / "masters_rank0.safetensors", "pt") as r0, safe_open(state / "masters_rank1.safetensors",
+                                                                                  "pt") as r1:
+        assert r0.get_slice("model.norm.weight").get_shape() == [64]
+        assert r1.get_slice("model.norm.weight").get_shape() == [63]
+    # plain python (no torchrun, no FSDP2) puts the ranks' rows together: the weights the writer gathered, bitwise
+    ref = torch.load(tmp_path / "ref_2.pt", weights_only=True)["weights"]
+    lm, _ = common.load_model(str(tmp_path / "run" / "step_2"), common.tiny_tokenizer(),
+                              distributed.Dist(0, 1, torch.device("cpu")), seed=0)
+    got = lm.state_dict()
+    assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
+    assert [n for n, _ in lm.named_buffers()] and all(b.isfinite().all() for b in lm.buffers())
     assert "resharded resume OK on 1 rank(s)" in run(1, "load", f"{tmp_path}/run/step_2", "3")
     assert "resharded resume OK on 2 rank(s)" in run(2, "load", f"{tmp_path}/run/step_3", "4")

@@ -532,7 +532,7 @@ def save_checkpoint(run_dir: str, step: int, policy, tok, optimizer, scheduler, 
     atomically, then delete all but the newest --keep-checkpoints (0: keep all).
     One process writes it all. Under FSDP2 every rank writes its rows of the master weights
     (write_masters) and its optimizer shard (write_training_state), in parallel; the export is
-    gathered to rank 0 one tensor at a time, already in bf16 (gathered), and written there (under
+    gathered to rank 0 one tensor at a time, already in bf16 (full_state_dict), and written there (under
     LoRA the full fp32 state dict, which the merge needs). A write that fails on any rank (a full
     disk) stops every rank with one line, the partial .tmp_step_N removed: the previous
     checkpoints stay what --resume auto takes."""
@@ -543,7 +543,7 @@ def save_checkpoint(run_dir: str, step: int, policy, tok, optimizer, scheduler, 
         sd = get_model_state_dict(policy.lm,
                                   options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     elif d.sharded:
-        sd = gathered(policy.lm, d, torch.bfloat16)  # rank 0: the export's tensors; None elsewhere
+        sd = full_state_dict(policy.lm, d, torch.bfloat16)  # rank 0: the export's tensors; None elsewhere
     else:
         sd = None  # one process: the model's own tensors
     path, tmp = os.path.join(run_dir, f"step_{step}"), os.path.join(run_dir, f".tmp_step_{step}")
@@ -587,7 +587,7 @@ def save_checkpoint(run_dir: str, step: int, policy, tok, optimizer, scheduler, 
     return path
 
 
-def gathered(lm, d: Dist, dtype: torch.dtype) -> dict | None:
+def full_state_dict(lm, d: Dist, dtype: torch.dtype) -> dict | None:
     """FSDP2: the model's full state dict in dtype on rank 0's CPU (None on the other ranks), every
     rank taking part. One tensor at a time, each cast before its all-gather: in bf16 rank 0 holds
     half of an fp32 gather and the GPUs one full tensor at a time beside their shards. Tied weights

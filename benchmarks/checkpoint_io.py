@@ -12,7 +12,7 @@ Every (shape, world) runs as two fresh processes (two torchrun jobs at world 2, 
 folder as a run does (common.load_model + wrap_policy: FSDP2 at world 2), makes AdamW state by one step on fixed
 gradients and saves step_1; `resume` then does what a resumed run does before its first step (verify, load_model
 of the checkpoint, wrap_policy, resume_state) and checks the weights equal the saved ones. A thread samples each
-process's resident set every 5 ms: "peak extra" is the highest sample during the phase less the sample before it.
+process's resident set every 5 ms: each phase's RSS before it (freed heap handed back first) and its peak.
 Times are each phase's slowest rank.
 """
 import argparse
@@ -36,9 +36,13 @@ def rss_mb() -> float:
 
 
 class PeakRSS:
-    """The highest resident set seen every 5 ms inside the `with`, less the one before it (MB)."""
+    """The resident set before the `with` (freed heap memory handed back first: malloc_trim) and the highest seen
+    every 5 ms inside it (MB)."""
 
     def __enter__(self):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
         self.before = self.peak = rss_mb()
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._watch, daemon=True)
@@ -53,7 +57,6 @@ class PeakRSS:
         self.done.set()
         self.thread.join()
         self.peak = max(self.peak, rss_mb())
-        self.extra = self.peak - self.before
 
 
 def sha256_all(folder: str) -> float:
@@ -103,7 +106,7 @@ def child(phase: str, shape_name: str, out: str) -> dict:
             checkpoint.resume_state(ckpt, optimizer, scheduler, d)
         distributed.barrier()
         load_s = time.perf_counter() - t
-    row = {"rank": d.rank, "world": d.world, "load_s": load_s, "load_peak_extra_MB": mem.extra,
+    row = {"rank": d.rank, "world": d.world, "load_s": load_s, "load_rss_MB": (mem.before, mem.peak),
            "params_M": sum(p.numel() for p in lm.parameters()) / 1e6}
     if phase == "save":
         for p in policy.parameters():  # AdamW state: one step on fixed gradients
@@ -116,7 +119,7 @@ def child(phase: str, shape_name: str, out: str) -> dict:
             checkpoint.save_checkpoint(run_dir, 1, policy, tok, optimizer, scheduler, d, args, "bench.py",
                                        reward_curve=[])
             save_s = time.perf_counter() - t
-        row.update(save_s=save_s, save_peak_extra_MB=mem.extra)
+        row.update(save_s=save_s, save_rss_MB=(mem.before, mem.peak))
         sums = [float(p.detach().to_local().double().sum()) if hasattr(p, "to_local") else
                 float(p.detach().double().sum()) for p in policy.parameters()]
         row["weights_sum"] = distributed.all_reduce(torch.tensor([sum(sums)], dtype=torch.float64)).item()
@@ -138,7 +141,11 @@ def launch(root: str, phase: str, shape_name: str, world: int, out: str) -> list
     env = {**os.environ, "BENCH_ROOT": root, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))}
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env=env, timeout=3600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    return [json.loads(line.removeprefix("ROW ")) for line in p.stdout.splitlines() if line.startswith("ROW ")]
+    rows = []
+    for r in range(world):  # each rank's row, a file each (ranks' stdout lines can interleave)
+        with open(os.path.join(out, f"{phase}_rank{r}.json")) as f:
+            rows.append(json.load(f))
+    return rows
 
 
 def measure(root: str, shape_name: str, world: int) -> dict:
@@ -157,9 +164,9 @@ def measure(root: str, shape_name: str, world: int) -> dict:
         return {"shape": shape_name, "world": world, "params_M": saved[0]["params_M"],
                 "model_MB": by_rank[0]["model_MB"], "state_MB": by_rank[0]["state_MB"],
                 "save_s": max(r["save_s"] for r in saved),
-                "save_peak": {r["rank"]: r["save_peak_extra_MB"] for r in saved},
+                "save_rss": {r["rank"]: r["save_rss_MB"] for r in saved},
                 "resume_s": max(r["load_s"] for r in resumed),
-                "resume_peak": {r["rank"]: r["load_peak_extra_MB"] for r in resumed},
+                "resume_rss": {r["rank"]: r["load_rss_MB"] for r in resumed},
                 "sha256_all_s": by_rank[0]["sha256_all_s"]}
 
 
@@ -182,7 +189,8 @@ def main():
     sys.path[:0] = [root, HERE]  # the tree under test first; shapes.py from this one
     if a.phase:
         row = child(a.phase, a.shape, a.out)
-        print("ROW " + json.dumps(row), flush=True)
+        with open(os.path.join(a.out, f"{a.phase}_rank{row['rank']}.json"), "w") as f:
+            json.dump(row, f)
         import checkpoint
 
         checkpoint.cleanup()
@@ -195,14 +203,14 @@ def main():
                                  capture_output=True, text=True).stdout.strip():
         commit += " and uncommitted changes"
     print(f"checkpoint code of {root} ({commit or 'not a git tree'})\n")
-    print("| shape | params (M) | ranks | model/ (MB, bf16) | state/ (MB) | save (s) | save peak extra (MB) by rank | "
-          "resume (s) | resume peak extra (MB) by rank | sha256 of every file (s) |")
+    print("| shape | params (M) | ranks | model/ (MB, bf16) | state/ (MB) | save (s) | save RSS before -> peak (MB), "
+          "by rank | resume (s) | resume RSS before -> peak (MB), by rank | sha256 of every file (s) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        peaks = {k: " / ".join(f"{v:.0f}" for _, v in sorted(r[k].items(), key=lambda kv: int(kv[0])))
-                 for k in ("save_peak", "resume_peak")}
+        rss = {k: " / ".join(f"{a:.0f} -> {b:.0f}" for _, (a, b) in sorted(r[k].items(), key=lambda kv: int(kv[0])))
+               for k in ("save_rss", "resume_rss")}
         print(f"| {r['shape']} | {r['params_M']:.1f} | {r['world']} | {r['model_MB']:.0f} | {r['state_MB']:.0f} | "
-              f"{r['save_s']:.2f} | {peaks['save_peak']} | {r['resume_s']:.2f} | {peaks['resume_peak']} | "
+              f"{r['save_s']:.2f} | {rss['save_rss']} | {r['resume_s']:.2f} | {rss['resume_rss']} | "
               f"{r['sha256_all_s']:.2f} |")
     print(f"\n`python benchmarks/checkpoint_io.py{' --smoke' if a.smoke else ''}`")
 

@@ -89,10 +89,11 @@ def cpu_process(c: dict, procs: int, seqs: int, tokens: int, gen_seqs: int, chun
       (sqrt of the second moment, then its division); they come after the backward, when the gathered units are
       freed, so training's peak is the larger of the two, not their sum.
     Rank 0 under FSDP2 (rank0 True) also holds the whole fp32 model (4 P) while it reads the weights, freed once they
-    are scattered (common.load_model), and while it saves a checkpoint (the full state dict gathered on CPU, next to its
-    shards and AdamW state: the gradients were freed after the optimizer step); gathering it over gloo holds one to two
-    copies of the largest tensor, whole, on every rank (measured: +0.8-1.2 GB on rank 1 of the 0.6B shape while rank 0
-    saved): two here."""
+    are scattered (common.load_model), and while it saves a checkpoint the export's bf16 copy of the whole model (2 P,
+    gathered a tensor at a time: checkpoint.full_state_dict) next to its shards and AdamW state (the gradients were
+    freed after the optimizer step), plus one gathered copy of the largest tensor in bf16; the fp32 master weights
+    are written from each rank's own shard, with no gather (checkpoint.write_masters). Measured on the 0.6B shape, 2
+    ranks (benchmarks/checkpoint_io.py): rank 0 rose by 1.27 GB while saving, this term 1.50 GB."""
     n = procs if fsdp else 1
     r = plan(c, n, seqs, tokens, gen_seqs, chunk, dtype="fp32")
     P = r["parameters (B)"] * 1e9 / GB  # GB a byte a parameter
@@ -100,7 +101,7 @@ def cpu_process(c: dict, procs: int, seqs: int, tokens: int, gen_seqs: int, chun
     work = r["activations"] + r["log-prob chunk"] + (r["gathered units"] if fsdp else 0)
     out = {"training": baseline + 16 * P / n + max(work, adam_tmp)}
     if rank0 and fsdp:
-        out.update(loading=baseline + 4 * P + 4 * P / n, saving=baseline + 12 * P / n + 4 * P + adam_tmp * n)
+        out.update(loading=baseline + 4 * P + 4 * P / n, saving=baseline + 12 * P / n + 2 * P + adam_tmp * n / 4)
     return out
 
 

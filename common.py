@@ -476,6 +476,14 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
         except MemoryError as e:  # said before anything is allocated (engine.kv_plan)
             fail(f"--gen-mode {mode}: {e}; lower --gen-batch-size (now {gen_batch_size}) or "
                  f"--max-new-tokens (now {max_new_tokens})")
+        except torch.OutOfMemoryError as e:  # past the plan (another process's memory, say)
+            why = (str(e).strip().splitlines() or ["out of memory"])[0]
+            msg = (f"--gen-mode {mode}: the GPU ran out of memory while generating ({why}); lower "
+                   f"--gen-batch-size (now {gen_batch_size}) or --max-new-tokens (now "
+                   f"{max_new_tokens})")
+            if not d.main:  # only this rank knows: fail() prints on rank 0 alone
+                print(f"error: rank {d.rank}: {msg}", file=sys.stderr)
+            fail(msg)
         first = sum(len(p) for p in everyone[:d.rank]) * n if tp > 1 else 0  # this rank's rows
         completions = completions[first:first + len(mine) * n]
         logps = logps[first:first + len(mine) * n]

@@ -139,14 +139,14 @@ def memory_needed(lm, slots: int, max_len: int, dtype, world: int = 1) -> tuple[
 
 def kv_plan(lm, slots: int, max_len: int, n: int, device, dtype, world: int = 1) -> int | None:
     """The KV cache a rollout gets on a GPU: None (whole: every slot max_len positions) when that
-    and the weight copy fit the free memory; else the positions a paged pool can hold in 90% of
+    and the weight copy fit 90% of the free memory; else the positions a paged pool can hold in 90% of
     what the weights leave; MemoryError (one line) when that is less than one group of n rows at
     max_len. On the CPU always whole (host memory is not checked)."""
     if torch.device(device).type != "cuda":
         return None
     kv, weights = memory_needed(lm, slots, max_len, dtype, world)
     free = torch.cuda.mem_get_info(device)[0]
-    if kv + weights <= free:
+    if kv + weights <= 0.9 * free:  # the rest: prefill activations, logits, sampling, graphs
         return None
     pool = int((0.9 * free - weights) / (kv / (slots * max_len)))
     if pool >= n * max_len:
@@ -154,7 +154,7 @@ def kv_plan(lm, slots: int, max_len: int, n: int, device, dtype, world: int = 1)
     gib = 2 ** 30
     raise MemoryError(
         f"the KV cache of {slots} rows x {max_len} positions ({kv / gib:.1f} GiB) and the weight "
-        f"copy ({weights / gib:.1f} GiB) exceed the {free / gib:.1f} GiB free on the GPU, and a "
+        f"copy ({weights / gib:.1f} GiB) exceed 90% of the {free / gib:.1f} GiB free on the GPU, and a "
         f"paged cache in what is left holds {max(pool, 0)} positions, less than one group of {n} "
         f"x {max_len}")
 
@@ -384,7 +384,9 @@ class Engine:
             grouped = q.view(self.slots, self.kv_heads, -1, self.head_dim)
             out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask,
                                                  scale=self.head_dim ** -0.5)
-            return out.view(q.shape)
+            # reshape, not view: a GPU's memory-efficient kernel returns [S, kv, group, d] laid
+            # out as [S, group, kv, d], whose (kv, group) do not merge into one dimension in place
+            return out.reshape(q.shape)
 
         h = self.layers(F.embedding(tokens[:, None], self.w.embed), positions[:, None], attend)
         return h[:, 0]
@@ -546,6 +548,8 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
 
     while any(r >= 0 for r in row_of) or waiting:
         admit()
+        if waiting and all(r < 0 for r in row_of):  # the checks above make this impossible
+            raise RuntimeError("the engine admitted no group into an empty batch")
         retire()  # one-token completions finish at their prefill
         if engine.paged:
             grow()

@@ -25,8 +25,11 @@ Per model, as far as each fits:
   checkpointed layers. One process trains the plain bf16 model (common.wrap_policy without FSDP): weights, gradients
   and AdamW's two moments in bf16 are 8 bytes a parameter, in place of the plan's sharded fp32 16 P / n and gathered
   units; activations and the log-prob chunk are the plan's own terms.
-- TRL: if `trl` imports, benchmarks/rl_step.py on the 0.6B shape (gspo.py against TRL's GRPOTrainer as GSPO, one
-  RL step's median wall time).
+- engine memory: each engine mode's peak GPU memory above what the call started with, against engine.memory_needed
+  (the KV cache and the weight copy, memory_plan.py's engine row; an upper bound where weights already in bf16 on
+  the GPU are read in place, as here for all but the fused q/k/v and gate/up).
+- TRL: if `trl` imports, benchmarks/rl_step.py on the 0.6B shape (gspo.py --gen-mode engine against TRL's
+  GRPOTrainer as GSPO, no vLLM, one RL step's median wall time).
 A model whose generation or training runs out of memory gets 'OOM' in its cells; once --minutes have passed, the
 remaining models are skipped and listed as such.
 """
@@ -108,12 +111,19 @@ def bench_generation(policy, tok, shape, a, d) -> dict:
     out = {}
     bytes_per_s = bandwidth(d.device)
     elem = next(policy.parameters()).element_size()
-    weight_bytes = sum(p.numel() for p in policy.parameters()) * elem
+    # read every step: every weight but an untied input embedding (a lookup of one row a token)
+    untied_embedding = 0 if shape["tie_word_embeddings"] else shape["vocab_size"] * shape["hidden_size"]
+    weight_bytes = (sum(p.numel() for p in policy.parameters()) - untied_embedding) * elem
     kv_bytes_per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * elem
+    cuda = d.device.type == "cuda"
     for mode in a.gen_modes:
         for timed in (False, True) if mode == "static" else (True,):  # static: the first call compiles (untimed)
             torch.manual_seed(0)
             sync(d.device)
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(d.device)
+            base = torch.cuda.memory_allocated(d.device) if cuda else 0
             t = time.perf_counter()
             roll = common.generate(policy, tok, texts, a.group_size, eos, d, max_new_tokens=a.new_tokens,
                                    temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=a.prompts * a.group_size,
@@ -124,7 +134,15 @@ def bench_generation(policy, tok, shape, a, d) -> dict:
         bound = bound_seconds(roll["mask"].sum(1).long().tolist(), a.prompt_tokens, weight_bytes, kv_bytes_per_token,
                               bytes_per_s)
         out[mode] = {"s": s, "tokens_per_s": tokens / s, "mean_length": tokens / roll["mask"].shape[0],
-                     "bound_share": bound / s, "bandwidth_GBps": bytes_per_s / 1e9}
+                     "bound_share": bound / s, "bandwidth_GBps": bytes_per_s / 1e9,
+                     # the call's peak GPU memory above what it started with
+                     "peak_gb": (torch.cuda.max_memory_allocated(d.device) - base) / 1e9 if cuda else None}
+        if mode.startswith("engine") and cuda:  # against the engine's plan (memory_plan.py's engine row)
+            import engine
+
+            kv, weights = engine.memory_needed(policy.lm, a.prompts * a.group_size,
+                                               a.prompt_tokens + a.new_tokens, next(policy.parameters()).dtype)
+            out[mode]["plan_gb"] = (kv + weights) / 1e9
     return out
 
 
@@ -198,7 +216,7 @@ def trl_step(a, out_dir: str) -> dict:
     del lm
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "rl_step.py"), "--model-folder", folder,
            "--steps", "2" if a.smoke else "4", "--prompts", "4" if a.smoke else "16",
-           "--max-new-tokens", "8" if a.smoke else "256"] + ([] if a.smoke else ["--gpu"]) + (
+           "--max-new-tokens", "8" if a.smoke else "256", "--gen-mode", "engine"] + ([] if a.smoke else ["--gpu"]) + (
         ["--phases"] if a.trl_phases else [])
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode:
@@ -333,6 +351,13 @@ def table(results: dict, a, device: str, command: str, seconds: float) -> str:
         t = r["training_ac1"]
         cells += ["-", "-"] if t == "OOM" else [f(t["peak_gb"], ".1f"), f(t["plan_gb"], ".1f")]
         lines.append("| " + " | ".join(cells) + " |")
+    peaks = [f"{name} {m}: {g[m]['peak_gb']:.2f} GB measured, {g[m]['plan_gb']:.2f} GB planned "
+             f"({g[m]['peak_gb'] / g[m]['plan_gb'] - 1:+.0%})"
+             for name, r in results.items() if isinstance(g := r.get("generation"), dict)
+             for m in modes if g[m].get("plan_gb")]
+    if peaks:  # the engine's KV cache and weight copy (engine.memory_needed, memory_plan.py) against its peak
+        lines += ["", "Engine peak GPU memory above the model's (engine.memory_needed: KV cache + weight copy):",
+                  *[f"- {p}" for p in peaks]]
     trl = results.get("trl", {"skipped": "not run yet"})
     lines += ["", "TRL (benchmarks/rl_step.py, 0.6B shape): " + (
         "\n" + "\n".join(trl["table"]) if "table" in trl else trl.get("skipped") or trl.get("error")),

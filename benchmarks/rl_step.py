@@ -81,7 +81,7 @@ def ours_argv(a, folder: str, out_dir: str) -> list[str]:
     return ["--model", folder, "--seed", str(a.seed), "--num-steps", str(a.steps), "--prompts-per-rank",
             str(a.prompts), "--group-size", str(a.group_size), "--num-minibatches", str(a.minibatches),
             "--max-new-tokens", str(a.max_new_tokens), "--learning-rate", str(a.lr), "--eval-every", "0",
-            "--output-dir", out_dir]
+            "--output-dir", out_dir] + (["--gen-mode", a.gen_mode] if a.gen_mode else [])
 
 
 def run_ours(a, folder: str, out_dir: str) -> dict:
@@ -228,6 +228,7 @@ def main():
     ap.add_argument("--seed", type=int, default=1, help="model init, data order and sampling seed")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads for both trainers")
     ap.add_argument("--model-folder", help="a saved model and tokenizer to train (default: the tiny model, --seed)")
+    ap.add_argument("--gen-mode", help="gspo.py's --gen-mode (default: gspo.py's own default)")
     ap.add_argument("--gpu", action="store_true", help="TRL on the GPU in bf16 (gspo.py: bf16 on a GPU anyway)")
     ap.add_argument("--phases", action="store_true",
                     help="also time each phase (generation, log-prob passes, backward, clipping, AdamW) of both "
@@ -256,7 +257,7 @@ def main():
         ours = child(a, folder, "ours") if a.phases else run_ours(a, folder, os.path.join(tmp, "runs"))
         results = {"ours (gspo.py)": ours, f"TRL {trl.__version__} GRPOTrainer": child(a, folder)}  # in turn
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}; "
-          f"{a.threads} threads; P={a.prompts} prompts x G={a.group_size}, M={a.minibatches} optimizer steps per RL "
+          f"gspo.py --gen-mode {a.gen_mode or 'default'}; {a.threads} threads; P={a.prompts} prompts x G={a.group_size}, M={a.minibatches} optimizer steps per RL "
           f"step, L={a.max_new_tokens} new tokens, {a.steps} RL steps (first skipped)")
     print("\n| trainer | median s / RL step | completions / step | mean completion length | generation share |")
     print("|---|---|---|---|---|")

@@ -1,6 +1,8 @@
 """The rollout engine (engine.py) against the HF reference: greedy tokens equal to `generate`'s, per-token log-probs
 equal to Policy.forward's, logits equal to the HF forward's for the Qwen3 / Qwen2 / Llama shapes, the sampler equal
 to transformers' warpers and to the softmax, and the scheduler's bookkeeping (fp32, CPU)."""
+import math
+
 import pytest
 import torch
 
@@ -162,6 +164,32 @@ def test_logits_equal_hf_forward(kind, tied):
     torch.testing.assert_close(got[0], want[:, 4], atol=2e-5, rtol=1e-5)
 
 
+def test_attention_output_in_a_gpu_kernels_layout(monkeypatch):
+    """A GPU's memory-efficient attention kernel returns [S, kv heads, group, d] laid out as [S, group, kv heads, d]:
+    the engine's decoding step reshapes it (a view cannot merge those dimensions) and gives the HF forward's logits.
+    The CPU's kernel returns a contiguous tensor, so without this the GPU path's layout is never run here."""
+    from transformers import AutoModelForCausalLM
+
+    real = torch.nn.functional.scaled_dot_product_attention
+    calls = []
+
+    def gpu_layout(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw).transpose(1, 2).contiguous().transpose(1, 2)
+
+    seed_everything(1)
+    lm = AutoModelForCausalLM.from_config(small_config("qwen3", False, 97)).eval()
+    x = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        want = lm(x).logits.float()
+    monkeypatch.setattr(engine.F, "scaled_dot_product_attention", gpu_layout)
+    eng = engine.Engine(lm, 2, 9, CPU, torch.float32)
+    eng.prefill([x[0, :5].tolist(), x[1, :5].tolist()], torch.tensor([0, 1]), 1)
+    got = [eng.decode(x[:, t], torch.full((2,), t), t + 1) for t in range(5, 9)]
+    assert calls  # the engine's attention went through it
+    torch.testing.assert_close(torch.stack(got, 1), want[:, 5:], atol=2e-5, rtol=1e-5)
+
+
 def test_unsupported_architectures_named():
     from transformers import GPT2Config, Qwen2Config
 
@@ -306,8 +334,9 @@ def test_check_model_says_the_fallback_before_the_model_is_built(monkeypatch, ca
 
 def test_memory_needed_and_a_pool_the_gpu_cannot_hold(setup, monkeypatch):
     """The KV cache is layers x k/v x rows x KV heads x positions x head_dim elements. On a GPU: whole when it and the
-    weights fit the free memory, else paged in 90% of what the weights leave, and one line naming --gen-batch-size
-    when that cannot hold one group at full length, before anything is allocated."""
+    weights fit 90% of the free memory (the rest for prefill, logits and sampling), else paged in 90% of what the
+    weights leave, and one line naming --gen-batch-size when that cannot hold one group at full length, before
+    anything is allocated."""
     tok, lm, ids = setup
     kv, weights = engine.memory_needed(lm, 8, 100, torch.float32)
     assert kv == 2 * 2 * 8 * 2 * 100 * 32 * 4  # tiny: 2 layers, 2 KV heads, head_dim 32, fp32
@@ -321,11 +350,11 @@ def test_memory_needed_and_a_pool_the_gpu_cannot_hold(setup, monkeypatch):
     def free(b):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (b, 2 ** 40))
 
-    free(kv + weights)
+    free(math.ceil((kv + weights) / 0.9))
     assert engine.kv_plan(lm, 8, 100, 2, "cuda", torch.float32) is None  # whole
-    free(kv + weights - 1)  # paged: 90% of the free memory less the weights
-    assert engine.kv_plan(lm, 8, 100, 2, "cuda", torch.float32) == int((0.9 * (kv + weights - 1) - weights)
-                                                                        / per_position)
+    for b in (int((kv + weights) / 0.9) - 1, kv + weights):  # paged: 90% of the free memory less the weights
+        free(b)
+        assert engine.kv_plan(lm, 8, 100, 2, "cuda", torch.float32) == int((0.9 * b - weights) / per_position)
     free(int((weights + 199.5 * per_position) / 0.9))  # 199 positions: less than a group of 2 x 100
     with pytest.raises(MemoryError, match="holds 199 positions, less than one group of 2 x 100"):
         engine.kv_plan(lm, 8, 100, 2, "cuda", torch.float32)
@@ -339,3 +368,14 @@ def test_memory_needed_and_a_pool_the_gpu_cannot_hold(setup, monkeypatch):
                         max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=8, mode="engine")
     msg = str(e.value.code)
     assert "\n" not in msg and "lower --gen-batch-size (now 8) or --max-new-tokens (now 5)" in msg, msg
+
+    def oom(*a, **kw):  # past the plan: torch's own out-of-memory error, a traceback without this
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nSee the documentation")
+
+    monkeypatch.setattr(engine, "generate", oom)
+    with pytest.raises(SystemExit) as e:
+        common.generate(common.Policy(lm), tok, [tok.decode(ids[0])], 2, [tok.eos_token_id], Dist(0, 1, CPU),
+                        max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=8, mode="engine")
+    assert str(e.value.code) == ("error: --gen-mode engine: the GPU ran out of memory while generating (CUDA out of "
+                                 "memory. Tried to allocate 2.00 GiB.); lower --gen-batch-size (now 8) or "
+                                 "--max-new-tokens (now 5)")

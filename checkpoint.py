@@ -532,9 +532,9 @@ def save_checkpoint(run_dir: str, step: int, policy, tok, optimizer, scheduler, 
     atomically, then delete all but the newest --keep-checkpoints (0: keep all).
     One process writes it all. Under FSDP2 every rank writes its rows of the master weights
     (write_masters) and its optimizer shard (write_training_state), in parallel; the export is
-    gathered to rank 0 one tensor at a time, already in bf16 (full_state_dict), and written there (under
-    LoRA the full fp32 state dict, which the merge needs). A write that fails on any rank (a full
-    disk) stops every rank with one line, the partial .tmp_step_N removed: the previous
+    gathered to rank 0 one tensor at a time, already in bf16 (full_state_dict), and written there
+    (under LoRA the full fp32 state dict, which the merge needs). A write that fails on any rank (a
+    full disk) stops every rank with one line, the partial .tmp_step_N removed: the previous
     checkpoints stay what --resume auto takes."""
     lora = is_lora(policy.lm)
     if d.sharded and lora:
@@ -543,7 +543,7 @@ def save_checkpoint(run_dir: str, step: int, policy, tok, optimizer, scheduler, 
         sd = get_model_state_dict(policy.lm,
                                   options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     elif d.sharded:
-        sd = full_state_dict(policy.lm, d, torch.bfloat16)  # rank 0: the export's tensors; None elsewhere
+        sd = full_state_dict(policy.lm, d, torch.bfloat16)  # rank 0: the export's; None elsewhere
     else:
         sd = None  # one process: the model's own tensors
     path, tmp = os.path.join(run_dir, f"step_{step}"), os.path.join(run_dir, f".tmp_step_{step}")
@@ -614,10 +614,10 @@ def full_state_dict(lm, d: Dist, dtype: torch.dtype) -> dict | None:
 
 
 def write_masters(folder: str, lm, d: Dist):
-    """FSDP2: this rank's rows of every fp32 master weight (its local shard of FSDP2's Shard(0)) into
-    folder/masters_rank{r}.safetensors, keyed by parameter name (tied weights once); rank 0 adds the
-    buffers and the config and generation config that resume builds the model from. No gather: the
-    ranks write in parallel, each 1/world of the model."""
+    """FSDP2: this rank's rows of every fp32 master weight (its local shard of FSDP2's Shard(0))
+    into folder/masters_rank{r}.safetensors, keyed by parameter name (tied weights once); rank 0
+    adds the buffers and the config and generation config that resume builds the model from. No
+    gather: the ranks write in parallel, each 1/world of the model."""
     from safetensors.torch import save_file
     from torch.distributed.tensor import DTensor
 

@@ -168,8 +168,8 @@ def load_model(name: str, tok, d: Dist, seed: int, trust_remote_code: bool = Fal
     adapters on the target modules (checked first, on a model without weights); a LoRA checkpoint
     as `name` (resume, or --model step_N) is its base (its --model) with its adapters.
     A torchrun checkpoint's master weights are each rank's rows (checkpoint.write_masters): under
-    FSDP2 every rank reads its own rows in wrap_policy, and rank 0 reads no full copy; in one process
-    they are put together here.
+    FSDP2 every rank reads its own rows in wrap_policy, and rank 0 reads no full copy; in one
+    process they are put together here.
     Returns (model, rank0_weights): under FSDP2 rank 0's (state dict, buffers) for wrap_policy to
     scatter, or the folder of a checkpoint's sharded master weights; None otherwise."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -432,7 +432,8 @@ GEN_MODES = ("repeat", "shared-prefill", "static", "engine", "engine-tp")
 @torch.no_grad()
 def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d: Dist, *,
              max_new_tokens: int, temperature: float, top_p: float, top_k: int, gen_batch_size: int,
-             unshard: bool = False, mode: str = "shared-prefill", cuda_graphs: bool = True) -> dict:
+             unshard: bool = False, mode: str = "shared-prefill", cuda_graphs: bool = True,
+             flex: bool | None = None) -> dict:
     """n completions per prompt (rows of one prompt are adjacent: a group). Returns input_ids [B,
     P+T], attention_mask, n_prompt P, completion mask [B, T] (up to and including the first EOS),
     truncated [B], texts, and with mode "engine" logp [B, T], each token's log-prob as sampled.
@@ -447,7 +448,9 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
     batching), whole groups admitted. mode "engine-tp": the engine's layers split over the ranks
     (tensor parallel), every rank decoding every rank's prompts (world x gen_batch_size rows) and
     keeping its own. Same tokens under greedy decoding (top_k=1). cuda_graphs: the engine's decoding
-    step replayed as CUDA graphs on a GPU (one rank; engine.Engine.step), else eager."""
+    step replayed as CUDA graphs on a GPU (one rank; engine.Engine.step), else eager. flex: the
+    engine's decoding attention (engine.generate's; None: FlexAttention on a GPU, SDPA on the CPU;
+    benchmarks/gpu.py compares the two)."""
     if mode not in GEN_MODES:
         raise ValueError(f"unknown generation mode {mode!r} ({', '.join(GEN_MODES)})")
     enc = tok(list(prompts), padding=True, return_tensors="pt", add_special_tokens=False)
@@ -472,7 +475,7 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
                 dtype=getattr(policy, "compute_dtype", None) or (
                     torch.bfloat16 if d.device.type == "cuda" else torch.float32),
                 rank=d.rank if tp > 1 else 0, world=tp, generator=generator,
-                graphs=None if cuda_graphs else False)
+                graphs=None if cuda_graphs else False, flex=flex)
         except MemoryError as e:  # said before anything is allocated (engine.kv_plan)
             fail(f"--gen-mode {mode}: {e}; lower --gen-batch-size (now {gen_batch_size}) or "
                  f"--max-new-tokens (now {max_new_tokens})")

@@ -8,7 +8,9 @@ FSDP2 each parameter's full tensor, gathered in turn), so decoding runs no colle
 finish early wait at the next collective the loop already has. The forward covers the Qwen3 / Qwen2
 / Llama family (RMSNorm, q/k-norm when present, the model's own rotary embedding so that
 rope_scaling stays exact, SwiGLU, grouped KV heads read without copies, tied or untied head). On
-a GPU the decoding step is replayed as CUDA graphs (Engine.step), one per rounded read length.
+a GPU the decoding step is replayed as CUDA graphs (Engine.step), one per rounded read length, and
+attends through compiled FlexAttention, each row reading only its own live blocks of the KV cache
+(Engine.live_blocks).
 """
 
 from __future__ import annotations
@@ -26,6 +28,26 @@ PAGE = 16  # positions a block of a paged KV cache holds (as vLLM's default)
 # CUDA graphs of the decoding step are captured per read length, rounded up to a multiple of this
 # (the mask keeps the positions past each row's own out): at most max_len / GRAPH_REACH graphs
 GRAPH_REACH = 256
+# FlexAttention's blocks of keys: a decoding step reads, for each row, only the blocks of this many
+# positions that hold its live ones (its length rounded up), not the whole read length
+FLEX_BLOCK = 128
+_flex = {}  # the flex_attention each device type runs: compiled on a GPU, eager on the CPU
+
+
+def flex_attention(device):
+    """torch's flex_attention for a device type: on a GPU compiled (its fused kernel skips the
+    blocks a block mask leaves out; a changed read length recompiles once, then shapes are
+    dynamic); on the CPU eager, the same semantics (it computes every score, then masks: for
+    tests)."""
+    kind = torch.device(device).type
+    if kind not in _flex:
+        import warnings
+
+        from torch.nn.attention import flex_attention as fa
+
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        _flex[kind] = torch.compile(fa.flex_attention) if kind == "cuda" else fa.flex_attention
+    return _flex[kind]
 
 
 def unsupported(config) -> str | None:
@@ -139,9 +161,9 @@ def memory_needed(lm, slots: int, max_len: int, dtype, world: int = 1) -> tuple[
 
 def kv_plan(lm, slots: int, max_len: int, n: int, device, dtype, world: int = 1) -> int | None:
     """The KV cache a rollout gets on a GPU: None (whole: every slot max_len positions) when that
-    and the weight copy fit 90% of the free memory; else the positions a paged pool can hold in 90% of
-    what the weights leave; MemoryError (one line) when that is less than one group of n rows at
-    max_len. On the CPU always whole (host memory is not checked)."""
+    and the weight copy fit 90% of the free memory; else the positions a paged pool can hold in
+    90% of what the weights leave; MemoryError (one line) when that is less than one group of n
+    rows at max_len. On the CPU always whole (host memory is not checked)."""
     if torch.device(device).type != "cuda":
         return None
     kv, weights = memory_needed(lm, slots, max_len, dtype, world)
@@ -154,9 +176,9 @@ def kv_plan(lm, slots: int, max_len: int, n: int, device, dtype, world: int = 1)
     gib = 2 ** 30
     raise MemoryError(
         f"the KV cache of {slots} rows x {max_len} positions ({kv / gib:.1f} GiB) and the weight "
-        f"copy ({weights / gib:.1f} GiB) exceed 90% of the {free / gib:.1f} GiB free on the GPU, and a "
-        f"paged cache in what is left holds {max(pool, 0)} positions, less than one group of {n} "
-        f"x {max_len}")
+        f"copy ({weights / gib:.1f} GiB) exceed 90% of the {free / gib:.1f} GiB free on the GPU, "
+        f"and a paged cache in what is left holds {max(pool, 0)} positions, less than one group "
+        f"of {n} x {max_len}")
 
 
 # -------------------- the forward: Qwen3 / Qwen2 / Llama decoder layers
@@ -184,7 +206,8 @@ class Engine:
     rows: the pool holds fewer positions than slots x max_len."""
 
     def __init__(self, lm, slots: int, max_len: int, device, dtype, rank: int = 0, world: int = 1,
-                 pool_blocks: int | None = None, block: int = PAGE, graphs: bool = False):
+                 pool_blocks: int | None = None, block: int = PAGE, graphs: bool = False,
+                 flex: bool | None = None):
         from transformers.activations import ACT2FN
 
         cfg = lm.config
@@ -212,6 +235,12 @@ class Engine:
         self.free = list(range(pool_blocks or 0))
         # graphs (step): the decoding step of each read length, over inputs at fixed addresses
         self.graphs = {} if graphs else None
+        # decoding attends through FlexAttention's block mask (each row's live blocks), by default
+        # on a GPU, where it is compiled; else (the CPU, where eager flex_attention computes every
+        # score and is ~40x slower) SDPA with a mask over the whole read length
+        if flex is None:
+            flex = torch.device(device).type == "cuda"
+        self.flex = flex_attention(device) if flex else None
         self.static = torch.zeros(2, slots, dtype=torch.long, device=device)  # tokens, positions
         self.pool = (torch.cuda.graph_pool_handle()
                      if graphs and torch.device(device).type == "cuda" else None)
@@ -363,14 +392,39 @@ class Engine:
             return out
         return replay
 
+    def live_blocks(self, positions: torch.Tensor, reach: int):
+        """FlexAttention's block mask of a decoding step: slot s's one query reads the key blocks
+        0 .. positions[s] // FLEX_BLOCK of the `reach` positions read, and within the last of them
+        the positions up to its own (the mask_mod). Built from tensors alone (no host sync, shapes
+        set by `reach`): a CUDA graph captures it with the step. The blocks past a row's length
+        are never read: a row's cost is its own length, not the longest row's."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        blocks = -(-reach // FLEX_BLOCK)
+        dev = positions.device
+        count = (positions // FLEX_BLOCK + 1).clamp(max=blocks).to(torch.int32)[:, None, None]
+        order = torch.arange(blocks, device=dev, dtype=torch.int32).expand(self.slots, 1, 1, blocks)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return kv_idx <= positions[b]
+
+        return BlockMask.from_kv_blocks(count, order, BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK),
+                                        mask_mod=mask_mod, seq_lengths=(1, reach),
+                                        compute_q_blocks=False)
+
     @torch.no_grad()
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, reach: int) -> torch.Tensor:
         """The decoder's last hidden state [slots, D] for one token of every slot (tokens,
-        positions [slots]). Slot s attends to its positions 0..positions[s] and no further,
-        through a mask over the cache read up to `reach` (> every position, known on the host
-        without a sync); grouped heads, no copies. No host sync and no shape that depends on
+        positions [slots]). Slot s attends to its positions 0..positions[s] and no further, of
+        the cache read up to `reach` (> every position, known on the host without a sync):
+        through FlexAttention's block mask, which reads each row's live blocks only
+        (live_blocks), or with flex off through SDPA and a mask over all `reach` positions;
+        grouped heads, no copies. No host sync and no shape that depends on
         the data: a CUDA graph can capture it (step)."""
-        mask = (torch.arange(reach, device=tokens.device) <= positions[:, None])[:, None, None]
+        if self.flex is None:
+            mask = (torch.arange(reach, device=tokens.device) <= positions[:, None])[:, None, None]
+        else:
+            live = self.live_blocks(positions, reach)
         # where each slot's new key and value go: rows of a layer's cache viewed as [-1, head_dim]
         # (index_copy_ along one dimension: an index_put over slots and positions copies far more)
         at = self.where(torch.arange(self.slots, device=tokens.device), positions).flatten()
@@ -379,6 +433,9 @@ class Engine:
             self.cache[i, 0].view(-1, self.head_dim).index_copy_(0, at, k.flatten(0, 2))
             self.cache[i, 1].view(-1, self.head_dim).index_copy_(0, at, v.flatten(0, 2))
             keys, values = self.read(i, 0, reach), self.read(i, 1, reach)
+            if self.flex is not None:  # grouped heads read their KV head in the kernel (no copy)
+                return self.flex(q, keys, values, block_mask=live, scale=self.head_dim ** -0.5,
+                                 enable_gqa=True)
             # grouped heads as queries of their KV head: head h reads KV head h // group (HF's
             # repeat_kv), so [S, H, 1, d] -> [S, kv heads, group, d] attends with no KV copy
             grouped = q.view(self.slots, self.kv_heads, -1, self.head_dim)
@@ -425,7 +482,7 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
              temperature: float, top_k: int, top_p: float, slots: int, device, dtype,
              sync_every: int = SYNC_EVERY, stats: dict | None = None, rank: int = 0, world: int = 1,
              generator=None, pool_tokens: int | None = None, graphs: bool | None = None,
-             ) -> tuple[list[list[int]], list[list[float]]]:
+             flex: bool | None = None) -> tuple[list[list[int]], list[list[float]]]:
     """n completions of each prompt (token ids, no padding): rows prompt * n + j, a group's rows
     adjacent. A completion ends at its first EOS (kept) or after max_new_tokens. `slots` rows decode
     at once; a prompt is admitted (prefilled once, its KV copied to n free slots) whenever n slots
@@ -444,7 +501,9 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
     tokens.
     graphs: the decoding step through Engine.step's graphs, one per read length (CUDA graphs on a
     GPU; on the CPU the same path eager, for tests); None: on a GPU with one rank (tensor
-    parallel decodes eagerly: its all-reduces are not captured)."""
+    parallel decodes eagerly: its all-reduces are not captured).
+    flex: decoding attends through FlexAttention's block mask, reading each row's live blocks only
+    (Engine.live_blocks); None: on a GPU (compiled), not on the CPU (SDPA over the read length)."""
     if slots < n:
         raise ValueError(f"{slots} slots cannot hold a group of {n}")
     max_len = max(len(p) for p in prompts) + max_new_tokens
@@ -456,7 +515,8 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
                          f"of up to {max_len} positions")
     if graphs is None:
         graphs = torch.device(device).type == "cuda" and world == 1
-    engine = Engine(lm, slots, max_len, device, dtype, rank, world, pool_blocks, graphs=graphs)
+    engine = Engine(lm, slots, max_len, device, dtype, rank, world, pool_blocks, graphs=graphs,
+                    flex=flex)
     eos_t = torch.tensor(eos, device=device)
     tokens = torch.zeros(slots, dtype=torch.long, device=device)  # each slot's last token
     positions = torch.zeros(slots, dtype=torch.long, device=device)  # ... and its position

@@ -8,14 +8,16 @@ weights run at the speed of trained ones; no download):
 Per model, as far as each fits:
 - generation: a GSPO rollout through common.generate, --prompts x --group-size completions of --prompt-tokens-token
   prompts, up to --new-tokens new tokens, in each mode of --gen-modes (default: all of common.GEN_MODES, and
-  engine-eager: the engine without CUDA graphs, --no-gen-cuda-graphs, to show what the graphs gain). Random weights
-  never say EOS, so realistic early stops are made by declaring V / --mean-length token ids EOS: a completion stops at
-  each step with probability about 1 / --mean-length (roughly geometric lengths; the table gives the measured mean).
-  static is timed after one untimed call, which compiles. tokens/s = completion tokens (up to and including EOS) / wall
-  time of the call. share of bound: the memory-bandwidth bound of the same rollout over the measured time. The bound
-  reads, at every decoding step, the weights once and each live row's KV cache over its length (prompt + tokens so
-  far), from the config and the lengths actually generated, at the bandwidth a device-to-device copy reaches in the
-  same run (read + write bytes / time); prefill is left out, so the bound is a little optimistic.
+  engine-eager: the engine without CUDA graphs, --no-gen-cuda-graphs, to show what the graphs gain; engine-sdpa: the
+  engine attending through SDPA over the whole read length, to show what FlexAttention's live blocks gain). Random
+  weights never say EOS, so realistic early stops are made by declaring V / --mean-length token ids EOS: a completion
+  stops at each step with probability about 1 / --mean-length (roughly geometric lengths; the table gives the
+  measured mean). static is timed after one untimed call, which compiles. tokens/s = completion tokens (up to and
+  including EOS) / wall time of the call. share of bound: the memory-bandwidth bound of the same rollout over the
+  measured time. The bound reads, at every decoding step, the weights once and each live row's KV cache over its
+  length (prompt + tokens so far), from the config and the lengths actually generated, at the bandwidth a
+  device-to-device copy reaches in the same run (read + write bytes / time); prefill is left out, so the bound is a
+  little optimistic.
 - training: forward + backward of Policy.forward (chunked log-probs) and gspo_loss, then an AdamW step, on
   --train-seqs sequences of --train-tokens tokens, with and without activation checkpointing. tokens/s over the
   timed steps; MFU = model FLOPs / (time x the GPU's dense bf16 peak), model FLOPs a token = 6 N + 12 L h T (N the
@@ -127,7 +129,8 @@ def bench_generation(policy, tok, shape, a, d) -> dict:
             t = time.perf_counter()
             roll = common.generate(policy, tok, texts, a.group_size, eos, d, max_new_tokens=a.new_tokens,
                                    temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=a.prompts * a.group_size,
-                                   mode=mode.removesuffix("-eager"), cuda_graphs=mode != "engine-eager")
+                                   mode=mode.removesuffix("-eager").removesuffix("-sdpa"),
+                                   cuda_graphs=mode != "engine-eager", flex=False if mode == "engine-sdpa" else None)
             sync(d.device)
             s = time.perf_counter() - t
         tokens = roll["mask"].sum().item()
@@ -229,7 +232,9 @@ def main():
     import common
     import distributed
 
-    MODES = (*common.GEN_MODES, "engine-eager")  # engine-eager: --gen-mode engine --no-gen-cuda-graphs
+    # engine-eager: --gen-mode engine --no-gen-cuda-graphs; engine-sdpa: the engine decoding through SDPA over the
+    # whole read length instead of FlexAttention's live blocks (the GPU's default)
+    MODES = (*common.GEN_MODES, "engine-eager", "engine-sdpa")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="0.6B,1.7B,4B,8B",
                     help="keys of shapes.QWEN3, smallest first ('': none, the TRL comparison alone)")

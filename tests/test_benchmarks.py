@@ -60,7 +60,7 @@ def test_gpu_benchmark_smoke(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.load(open(tmp_path / "gpu.json"))
     row = out["results"]["tiny"]
-    assert set(row["generation"]) == {*common.GEN_MODES, "engine-eager"}
+    assert set(row["generation"]) == {*common.GEN_MODES, "engine-eager", "engine-sdpa"}
     for mode, g in row["generation"].items():
         assert g["tokens_per_s"] > 0 and 1 <= g["mean_length"] < 6, (mode, g)  # EOS ids stop some completions early
         assert 0 < g["bound_share"] and g["bandwidth_GBps"] > 0, (mode, g)
@@ -80,7 +80,7 @@ def test_gpu_benchmark_gen_modes(tmp_path):
             in open(tmp_path / "gpu.md").read())
     p = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--gen-modes", "static,fast"], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
-    assert p.returncode and p.stderr.strip() == "error: --gen-modes takes repeat, shared-prefill, static, engine, engine-tp, engine-eager"
+    assert p.returncode and p.stderr.strip() == "error: --gen-modes takes repeat, shared-prefill, static, engine, engine-tp, engine-eager, engine-sdpa"
 
 
 def test_cpu_0p6b_benchmark_smoke(tmp_path):

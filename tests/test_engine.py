@@ -83,6 +83,32 @@ def test_paged_pool_greedy_tokens_equal_hf_generate(setup, n, slots, pool):
         assert stats["blocks_taken"] == 0 and (stats["preempted"] > 0) == preempts, stats
 
 
+@pytest.mark.parametrize("n, slots, pool, graphs", [(2, 3, None, False), (3, 9, 400, False), (3, 7, None, True)])
+def test_flex_decoding_reads_live_blocks_and_equals_hf_generate(setup, monkeypatch, n, slots, pool, graphs):
+    """Decoding through FlexAttention's block mask (the GPU's default; eager here), with blocks of 8 positions so
+    that rows of 11 to 62 + 24 tokens span many: whole, paged, and through the graphs' rounded read lengths, greedy
+    tokens equal HF's; sampled with one seed, SDPA's tokens and log-probs. Each row's block count is its own length
+    rounded up: the blocks past it are not read (a row with one block fewer, or the read length's count, would
+    differ)."""
+    monkeypatch.setattr(engine, "FLEX_BLOCK", 8)
+    monkeypatch.setattr(engine, "GRAPH_REACH", 16)
+    tok, lm, ids = setup
+    eos = ragged_eos(lm, tok, ids)
+    ref, _ = hf_greedy(lm, tok, ids, n, eos, 24)
+    comps, _ = run(lm, ids, n, eos, 24, slots, sync_every=3, pool_tokens=pool, graphs=graphs, flex=True)
+    assert comps == ref
+    sampled = {flex: run(lm, ids, n, eos, 24, slots, sync_every=3, pool_tokens=pool, graphs=graphs, flex=flex,
+                         temperature=0.8, top_k=0, generator=torch.Generator().manual_seed(5))
+               for flex in (True, False)}
+    assert sampled[True][0] == sampled[False][0]
+    for a, b in zip(sampled[True][1], sampled[False][1]):  # two kernels: fp32 sums in another order
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=1e-5)
+    eng = engine.Engine(lm, 4, 40, CPU, torch.float32, flex=True)
+    live = eng.live_blocks(torch.tensor([0, 7, 8, 33]), 40)  # blocks of 8: positions 0-7 one block, 8 two, 33 five
+    assert live.kv_num_blocks.flatten().tolist() == [1, 1, 2, 5]
+    assert live.kv_indices.shape[-1] == 5  # 40 positions read: 5 blocks at most
+
+
 @pytest.mark.parametrize("n, slots, pool", [(2, 3, None), (3, 9, 400)])
 def test_graphed_step_equals_the_eager_one(setup, monkeypatch, n, slots, pool):
     """The decoding step as CUDA graphs run it (Engine.step with graphs: tokens and positions copied to fixed
@@ -140,11 +166,12 @@ def small_config(kind: str, tied: bool, vocab: int):
     return LlamaConfig(rope_scaling={"rope_type": "linear", "factor": 2.0}, **kw)  # rope_scaling kept exact
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("kind, flex", [("qwen3", False), ("qwen2", False), ("llama", False), ("qwen3", True)])
 @pytest.mark.parametrize("tied", [True, False])
-def test_logits_equal_hf_forward(kind, tied):
+def test_logits_equal_hf_forward(kind, tied, flex):
     """Prefill and then token-by-token decoding give the HF forward's logits at every position: a tied and an
-    untied head, with q/k-norm (Qwen3) and without (Qwen2 with q/k/v biases, Llama with linear rope scaling)."""
+    untied head, with q/k-norm (Qwen3) and without (Qwen2 with q/k/v biases, Llama with linear rope scaling), and
+    decoding through FlexAttention (the GPU's default) as well as SDPA."""
     from transformers import AutoModelForCausalLM
 
     seed_everything(1)
@@ -156,7 +183,7 @@ def test_logits_equal_hf_forward(kind, tied):
     x = torch.randint(0, 97, (2, 11))
     with torch.no_grad():
         want = lm(x).logits.float()
-    eng = engine.Engine(lm, 2, 11, CPU, torch.float32)
+    eng = engine.Engine(lm, 2, 11, CPU, torch.float32, flex=flex)
     got = [eng.prefill([x[0, :5].tolist(), x[1, :5].tolist()], torch.tensor([0, 1]), 1)]
     for t in range(5, 11):
         got.append(eng.decode(x[:, t], torch.full((2,), t), t + 1))

@@ -537,6 +537,12 @@ def save_checkpoint(run_dir: str, step: int, policy, tok, optimizer, scheduler, 
     full disk) stops every rank with one line, the partial .tmp_step_N removed: the previous
     checkpoints stay what --resume auto takes."""
     lora = is_lora(policy.lm)
+    if d.sharded:  # every parameter as its shard (a unit left gathered would be written whole)
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in policy.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
     if d.sharded and lora:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -673,6 +679,9 @@ def load_masters(lm, folder: str, d: Dist):
                     local[lo - start:hi - start].copy_(s[lo - offset:hi - offset])
                 offset += shape[0]
         for name, b in lm.named_buffers():
+            if BUFFER + name not in files[0].keys():
+                fail(f"{folder}: no buffer {name} in {os.path.basename(paths[0])} (written by "
+                     "another transformers version?): resume from another checkpoint")
             b.copy_(files[0].get_tensor(BUFFER + name))
 
 

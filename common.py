@@ -183,7 +183,10 @@ def load_model(name: str, tok, d: Dist, seed: int, trust_remote_code: bool = Fal
     if is_checkpoint(path):  # resume: the master weights of its training state, not the export
         path = state_dir(path)
     # written under torchrun, one file a rank (a LoRA checkpoint keeps adapters instead)
-    sharded_masters = lora is None and bool(masters_files(path))
+    sharded_masters = bool(masters_files(path))
+    if sharded_masters and lora is not None:
+        fail(f"--model {name}: the training state of a torchrun checkpoint (its master weights, "
+             "one file a rank) cannot be a LoRA base; give its export, step_N/model")
     frozen = None if lora is None else compute_dtype(dtype, d)  # the base's dtype under LoRA
 
     def skeleton(dt):

@@ -46,6 +46,13 @@ def flex_attention(device):
         from torch.nn.attention import flex_attention as fa
 
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        if kind == "cuda":  # past dynamo's recompile limit (8) a call would run eager, slowly:
+            # every model, group size and first/second read length is a compile of its own
+            import torch._dynamo.config as dynamo
+
+            for name in ("recompile_limit", "cache_size_limit"):
+                if hasattr(dynamo, name):
+                    setattr(dynamo, name, max(getattr(dynamo, name), 64))
         _flex[kind] = torch.compile(fa.flex_attention) if kind == "cuda" else fa.flex_attention
     return _flex[kind]
 
@@ -393,9 +400,10 @@ class Engine:
         return replay
 
     def live_blocks(self, positions: torch.Tensor, reach: int):
-        """FlexAttention's block mask of a decoding step: slot s's one query reads the key blocks
-        0 .. positions[s] // FLEX_BLOCK of the `reach` positions read, and within the last of them
-        the positions up to its own (the mask_mod). Built from tensors alone (no host sync, shapes
+        """FlexAttention's block mask of a decoding step: slot s's queries (its `group` query heads
+        of each KV head, hidden's grouped view) read the key blocks 0 .. positions[s] // FLEX_BLOCK
+        of the `reach` positions read, and within the last of them the positions up to its own (the
+        mask_mod). Built from tensors alone (no host sync, shapes
         set by `reach`): a CUDA graph captures it with the step. The blocks past a row's length
         are never read: a row's cost is its own length, not the longest row's."""
         from torch.nn.attention.flex_attention import BlockMask
@@ -408,8 +416,9 @@ class Engine:
         def mask_mod(b, h, q_idx, kv_idx):
             return kv_idx <= positions[b]
 
+        group = self.heads // self.kv_heads
         return BlockMask.from_kv_blocks(count, order, BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK),
-                                        mask_mod=mask_mod, seq_lengths=(1, reach),
+                                        mask_mod=mask_mod, seq_lengths=(group, reach),
                                         compute_q_blocks=False)
 
     @torch.no_grad()
@@ -433,14 +442,17 @@ class Engine:
             self.cache[i, 0].view(-1, self.head_dim).index_copy_(0, at, k.flatten(0, 2))
             self.cache[i, 1].view(-1, self.head_dim).index_copy_(0, at, v.flatten(0, 2))
             keys, values = self.read(i, 0, reach), self.read(i, 1, reach)
-            if self.flex is not None:  # grouped heads read their KV head in the kernel (no copy)
-                return self.flex(q, keys, values, block_mask=live, scale=self.head_dim ** -0.5,
-                                 enable_gqa=True)
             # grouped heads as queries of their KV head: head h reads KV head h // group (HF's
-            # repeat_kv), so [S, H, 1, d] -> [S, kv heads, group, d] attends with no KV copy
+            # repeat_kv), so [S, H, 1, d] -> [S, kv heads, group, d] attends with no KV copy (and
+            # FlexAttention sees one query head a KV head and `group` queries: its decoding kernel
+            # serves any group size, where enable_gqa's wants a power of 2)
             grouped = q.view(self.slots, self.kv_heads, -1, self.head_dim)
-            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask,
-                                                 scale=self.head_dim ** -0.5)
+            if self.flex is not None:
+                out = self.flex(grouped, keys, values, block_mask=live,
+                                scale=self.head_dim ** -0.5)
+            else:
+                out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask,
+                                                     scale=self.head_dim ** -0.5)
             # reshape, not view: a GPU's memory-efficient kernel returns [S, kv, group, d] laid
             # out as [S, group, kv, d], whose (kv, group) do not merge into one dimension in place
             return out.reshape(q.shape)

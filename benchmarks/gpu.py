@@ -11,11 +11,11 @@ Per model, as far as each fits:
   engine-eager: the engine without CUDA graphs, --no-gen-cuda-graphs, to show what the graphs gain; engine-sdpa: the
   engine attending through SDPA over the whole read length, to show what FlexAttention's live blocks gain). Random
   weights never say EOS, so realistic early stops are made by declaring V / --mean-length token ids EOS: a completion
-  stops at each step with probability about 1 / --mean-length (roughly geometric lengths; the table gives the
-  measured mean). static is timed after one untimed call, which compiles. tokens/s = completion tokens (up to and
-  including EOS) / wall time of the call. share of bound: the memory-bandwidth bound of the same rollout over the
-  measured time. The bound reads, at every decoding step, the weights once and each live row's KV cache over its
-  length (prompt + tokens so far), from the config and the lengths actually generated, at the bandwidth a
+  stops at each step with probability about 1 / --mean-length (roughly geometric lengths; the table gives the measured
+  mean). static and the engine modes are timed after one untimed call (which compiles). tokens/s = completion tokens
+  (up to and including EOS) / wall time of the call. share of bound: the memory-bandwidth bound of the same rollout
+  over the measured time. The bound reads, at every decoding step, the weights once and each live row's KV cache over
+  its length (prompt + tokens so far), from the config and the lengths actually generated, at the bandwidth a
   device-to-device copy reaches in the same run (read + write bytes / time); prefill is left out, so the bound is a
   little optimistic.
 - training: forward + backward of Policy.forward (chunked log-probs) and gspo_loss, then an AdamW step, on
@@ -119,7 +119,9 @@ def bench_generation(policy, tok, shape, a, d) -> dict:
     kv_bytes_per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * elem
     cuda = d.device.type == "cuda"
     for mode in a.gen_modes:
-        for timed in (False, True) if mode == "static" else (True,):  # static: the first call compiles (untimed)
+        # static and the engine modes: the first call compiles (HF's step; FlexAttention, first and dynamic read
+        # lengths) and is not timed, so no mode's time holds a compilation
+        for timed in (False, True) if mode == "static" or mode.startswith("engine") else (True,):
             torch.manual_seed(0)
             sync(d.device)
             if cuda:

@@ -414,5 +414,11 @@ def test_resume_on_another_world_size_under_torchrun(tmp_path):
     got = lm.state_dict()
     assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
     assert [n for n, _ in lm.named_buffers()] and all(b.isfinite().all() for b in lm.buffers())
+    # the state folder as a LoRA base: one line (its export is the base to give), not a from_pretrained traceback
+    import lora
+
+    with pytest.raises(SystemExit, match=r"cannot be a LoRA base; give its export, step_N/model$"):
+        common.load_model(str(state), common.tiny_tokenizer(), distributed.Dist(0, 1, torch.device("cpu")), seed=0,
+                          lora=lora.LoraSpec(4, 8.0, 0.0, (lora.ALL_LINEAR,)))
     assert "resharded resume OK on 1 rank(s)" in run(1, "load", f"{tmp_path}/run/step_2", "3")
     assert "resharded resume OK on 2 rank(s)" in run(2, "load", f"{tmp_path}/run/step_3", "4")

@@ -403,9 +403,9 @@ class Engine:
         """FlexAttention's block mask of a decoding step: slot s's queries (its `group` query heads
         of each KV head, hidden's grouped view) read the key blocks 0 .. positions[s] // FLEX_BLOCK
         of the `reach` positions read, and within the last of them the positions up to its own (the
-        mask_mod). Built from tensors alone (no host sync, shapes
-        set by `reach`): a CUDA graph captures it with the step. The blocks past a row's length
-        are never read: a row's cost is its own length, not the longest row's."""
+        mask_mod). Built from tensors alone (no host sync, shapes set by `reach`): a CUDA graph
+        captures it with the step. The blocks past a row's length are never read: a row's cost is
+        its own length, not the longest row's."""
         from torch.nn.attention.flex_attention import BlockMask
 
         blocks = -(-reach // FLEX_BLOCK)
@@ -428,8 +428,8 @@ class Engine:
         the cache read up to `reach` (> every position, known on the host without a sync):
         through FlexAttention's block mask, which reads each row's live blocks only
         (live_blocks), or with flex off through SDPA and a mask over all `reach` positions;
-        grouped heads, no copies. No host sync and no shape that depends on
-        the data: a CUDA graph can capture it (step)."""
+        grouped heads, no copies. No host sync and no shape that depends on the data: a CUDA graph
+        can capture it (step)."""
         if self.flex is None:
             mask = (torch.arange(reach, device=tokens.device) <= positions[:, None])[:, None, None]
         else:

@@ -512,15 +512,23 @@ def _local_rows(p) -> tuple[int, int]:
     return min(p.device_mesh.get_local_rank() * chunk, rows), p.to_local().shape[0]
 
 
+def row_pieces(rows: list[int], start: int, length: int) -> list[tuple[int, int, int]]:
+    """Where rows [start, start + length) of shards laid end to end (rows[i] rows in shard i) lie:
+    (shard, first row, end row) in each shard's own rows, in order."""
+    pieces, offset = [], 0
+    for i, n in enumerate(rows):
+        lo, hi = max(start, offset), min(start + length, offset + n)
+        if lo < hi:
+            pieces.append((i, lo - offset, hi - offset))
+        offset += n
+    return pieces
+
+
 def reshard_rows(shards: list[torch.Tensor], start: int, length: int) -> torch.Tensor:
     """Rows [start, start + length) of torch.cat(shards), reading only the shards' rows in that
     range (the shards may be memory mapped); a new tensor."""
-    out, offset = [], 0
-    for t in shards:
-        lo, hi = max(start, offset), min(start + length, offset + t.shape[0])
-        if lo < hi:
-            out.append(t[lo - offset:hi - offset])
-        offset += t.shape[0]
+    pieces = row_pieces([t.shape[0] for t in shards], start, length)
+    out = [shards[i][lo:hi] for i, lo, hi in pieces]
     if not out:  # this rank holds none of the rows (FSDP2's last ranks of a short parameter)
         return shards[0].new_empty((0, *shards[0].shape[1:]))
     return torch.cat(out) if len(out) > 1 else out[0].clone()
@@ -670,14 +678,10 @@ def load_masters(lm, folder: str, d: Dist):
                     or any(tuple(s[1:]) != tuple(p.shape[1:]) for s in shapes)):
                 fail(f"{folder}: the master weight {name} has shards {shapes}, which do not make "
                      f"its shape {list(p.shape)}: resume from another checkpoint")
-            start, length = _local_rows(p)
-            local = p.to_local() if isinstance(p, DTensor) else p
-            offset = 0
-            for s, shape in zip(slices, shapes):
-                lo, hi = max(start, offset), min(start + length, offset + shape[0])
-                if lo < hi:
-                    local[lo - start:hi - start].copy_(s[lo - offset:hi - offset])
-                offset += shape[0]
+            local, at = p.to_local() if isinstance(p, DTensor) else p, 0
+            for i, lo, hi in row_pieces([s[0] for s in shapes], *_local_rows(p)):
+                local[at:at + hi - lo].copy_(slices[i][lo:hi])
+                at += hi - lo
         for name, b in lm.named_buffers():
             if BUFFER + name not in files[0].keys():
                 fail(f"{folder}: no buffer {name} in {os.path.basename(paths[0])} (written by "

@@ -19,7 +19,6 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -120,16 +119,13 @@ def child(phase: str, shape_name: str, out: str) -> dict:
                                        reward_curve=[])
             save_s = time.perf_counter() - t
         row.update(save_s=save_s, save_rss_MB=(mem.before, mem.peak))
-        sums = [float(p.detach().to_local().double().sum()) if hasattr(p, "to_local") else
-                float(p.detach().double().sum()) for p in policy.parameters()]
-        row["weights_sum"] = distributed.all_reduce(torch.tensor([sum(sums)], dtype=torch.float64)).item()
-    else:
-        sums = [float(p.detach().to_local().double().sum()) if hasattr(p, "to_local") else
-                float(p.detach().double().sum()) for p in policy.parameters()]
-        row["weights_sum"] = distributed.all_reduce(torch.tensor([sum(sums)], dtype=torch.float64)).item()
-        if d.main:
-            row.update(model_MB=folder_mb(os.path.join(ckpt, "model")),
-                       state_MB=folder_mb(checkpoint.state_dir(ckpt)), sha256_all_s=sha256_all(ckpt))
+    # the weights as saved, and as the resume gives them back (measure compares the two)
+    sums = [float(p.detach().to_local().double().sum()) if hasattr(p, "to_local") else
+            float(p.detach().double().sum()) for p in policy.parameters()]
+    row["weights_sum"] = distributed.all_reduce(torch.tensor([sum(sums)], dtype=torch.float64)).item()
+    if phase == "resume" and d.main:
+        row.update(model_MB=folder_mb(os.path.join(ckpt, "model")),
+                   state_MB=folder_mb(checkpoint.state_dir(ckpt)), sha256_all_s=sha256_all(ckpt))
     return row
 
 

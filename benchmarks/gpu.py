@@ -98,7 +98,7 @@ def bound_seconds(lengths: list[int], prompt_tokens: int, weight_bytes: int, kv_
     return total / bytes_per_s
 
 
-def bench_generation(policy, tok, shape, a, d) -> dict:
+def bench_generation(policy, tok, shape, a, d, out=None, flush=lambda: None) -> dict:
     import torch
 
     import common
@@ -110,45 +110,64 @@ def bench_generation(policy, tok, shape, a, d) -> dict:
     texts = shapes.prompts(a.prompts, a.prompt_tokens, V)
     common.generate(policy, tok, texts[:1], 2, eos, d, max_new_tokens=2, temperature=1.0, top_p=1.0, top_k=0,
                     gen_batch_size=2)  # untimed: CUDA/cuBLAS start-up is not the first mode's cost
-    out = {}
+    out = {} if out is None else out
     bytes_per_s = bandwidth(d.device)
     elem = next(policy.parameters()).element_size()
     # read every step: every weight but an untied input embedding (a lookup of one row a token)
     untied_embedding = 0 if shape["tie_word_embeddings"] else shape["vocab_size"] * shape["hidden_size"]
     weight_bytes = (sum(p.numel() for p in policy.parameters()) - untied_embedding) * elem
     kv_bytes_per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * elem
-    cuda = d.device.type == "cuda"
     for mode in a.gen_modes:
-        # static and the engine modes: the first call compiles (HF's step; FlexAttention, first and dynamic read
-        # lengths) and is not timed, so no mode's time holds a compilation
-        for timed in (False, True) if mode == "static" or mode.startswith("engine") else (True,):
-            torch.manual_seed(0)
-            sync(d.device)
-            if cuda:
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(d.device)
-            base = torch.cuda.memory_allocated(d.device) if cuda else 0
-            t = time.perf_counter()
-            roll = common.generate(policy, tok, texts, a.group_size, eos, d, max_new_tokens=a.new_tokens,
-                                   temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=a.prompts * a.group_size,
-                                   mode=mode.removesuffix("-eager").removesuffix("-sdpa"),
-                                   cuda_graphs=mode != "engine-eager", flex=False if mode == "engine-sdpa" else None)
-            sync(d.device)
-            s = time.perf_counter() - t
-        tokens = roll["mask"].sum().item()
-        bound = bound_seconds(roll["mask"].sum(1).long().tolist(), a.prompt_tokens, weight_bytes, kv_bytes_per_token,
-                              bytes_per_s)
-        out[mode] = {"s": s, "tokens_per_s": tokens / s, "mean_length": tokens / roll["mask"].shape[0],
-                     "bound_share": bound / s, "bandwidth_GBps": bytes_per_s / 1e9,
-                     # the call's peak GPU memory above what it started with
-                     "peak_gb": (torch.cuda.max_memory_allocated(d.device) - base) / 1e9 if cuda else None}
-        if mode.startswith("engine") and cuda:  # against the engine's plan (memory_plan.py's engine row)
-            import engine
+        try:
+            out[mode] = _one_mode(policy, tok, shape, a, d, mode, texts, eos, bytes_per_s, weight_bytes,
+                                  kv_bytes_per_token)
+        except torch.OutOfMemoryError:
+            out[mode] = {"error": "OOM"}
+        except Exception as e:  # one failing mode is a row, not the end of the call
+            import traceback
 
-            kv, weights = engine.memory_needed(policy.lm, a.prompts * a.group_size,
-                                               a.prompt_tokens + a.new_tokens, next(policy.parameters()).dtype)
-            out[mode]["plan_gb"] = (kv + weights) / 1e9
+            traceback.print_exc()
+            out[mode] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+        flush()  # each mode's row on disk the moment it is measured
     return out
+
+
+def _one_mode(policy, tok, shape, a, d, mode, texts, eos, bytes_per_s, weight_bytes, kv_bytes_per_token) -> dict:
+    import torch
+
+    import common
+
+    cuda = d.device.type == "cuda"
+    # static and the engine modes: the first call compiles (HF's step; FlexAttention, first and dynamic read
+    # lengths) and is not timed, so no mode's time holds a compilation
+    for timed in (False, True) if mode == "static" or mode.startswith("engine") else (True,):
+        torch.manual_seed(0)
+        sync(d.device)
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(d.device)
+        base = torch.cuda.memory_allocated(d.device) if cuda else 0
+        t = time.perf_counter()
+        roll = common.generate(policy, tok, texts, a.group_size, eos, d, max_new_tokens=a.new_tokens,
+                               temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=a.prompts * a.group_size,
+                               mode=mode.removesuffix("-eager").removesuffix("-sdpa"),
+                               cuda_graphs=mode != "engine-eager", flex=False if mode == "engine-sdpa" else None)
+        sync(d.device)
+        s = time.perf_counter() - t
+    tokens = roll["mask"].sum().item()
+    bound = bound_seconds(roll["mask"].sum(1).long().tolist(), a.prompt_tokens, weight_bytes, kv_bytes_per_token,
+                          bytes_per_s)
+    res = {"s": s, "tokens_per_s": tokens / s, "mean_length": tokens / roll["mask"].shape[0],
+           "bound_share": bound / s, "bandwidth_GBps": bytes_per_s / 1e9,
+           # the call's peak GPU memory above what it started with
+           "peak_gb": (torch.cuda.max_memory_allocated(d.device) - base) / 1e9 if cuda else None}
+    if mode.startswith("engine") and cuda:  # against the engine's plan (memory_plan.py's engine row)
+        import engine
+
+        kv, weights = engine.memory_needed(policy.lm, a.prompts * a.group_size,
+                                           a.prompt_tokens + a.new_tokens, next(policy.parameters()).dtype)
+        res["plan_gb"] = (kv + weights) / 1e9
+    return res
 
 
 def bench_training(lm, policy, shape, a, d, checkpointing: bool) -> dict:
@@ -255,6 +274,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"), help="folder for gpu.md/json")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: every code path in seconds")
     ap.add_argument("--no-trl", action="store_true", help="skip the TRL comparison (benchmarks/rl_step.py)")
+    ap.add_argument("--no-train", action="store_true", help="generation alone (no training step, no gspo import)")
     ap.add_argument("--trl-phases", action="store_true",
                     help="the TRL comparison with rl_step.py --phases: each trainer's time by phase, fenced")
     a = ap.parse_args()
@@ -291,15 +311,24 @@ def main():
         lm = shapes.random_model(shape, tok, dtype, d.device)
         policy = common.Policy(lm).eval()
         row = {"parameters_B": sum(p.numel() for p in lm.parameters()) / 1e9}
+        results[name] = row
+        row["generation"] = {}
+        flush = lambda: write(results, a, device_name, time.time() - t0)  # noqa: E731
         try:
-            row["generation"] = bench_generation(policy, tok, shape, a, d)
-        except torch.OutOfMemoryError:
-            row["generation"] = "OOM"
+            bench_generation(policy, tok, shape, a, d, row["generation"], flush)
+        except Exception as e:  # noqa: BLE001 (set-up of the modes: the bandwidth copy, the warm-up call)
+            row["generation"]["error"] = {"error": f"{type(e).__name__}: {e}"[:200]}
         for ac in (False, True):
+            if a.no_train:
+                row[f"training_ac{int(ac)}"] = "skipped"
+                continue
             try:
                 row[f"training_ac{int(ac)}"] = bench_training(lm, policy, shape, a, d, ac)
             except torch.OutOfMemoryError:
                 row[f"training_ac{int(ac)}"] = "OOM"
+            except Exception as e:  # noqa: BLE001
+                row[f"training_ac{int(ac)}"] = f"{type(e).__name__}: {e}"[:200]
+            flush()
         results[name] = row
         print(f"{name}: done at {time.time() - t0:.0f}s", flush=True)
         write(results, a, device_name, time.time() - t0)  # after each model: a killed run keeps what it measured
@@ -333,7 +362,8 @@ def write(results: dict, a, device_name: str, seconds: float) -> str:
 def table(results: dict, a, device: str, command: str, seconds: float) -> str:
     f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
     modes = a.gen_modes
-    bw = [g[m]["bandwidth_GBps"] for r in results.values() if isinstance(g := r.get("generation"), dict) for m in g]
+    bw = [g[m]["bandwidth_GBps"] for r in results.values() if isinstance(g := r.get("generation"), dict) for m in g
+          if "bandwidth_GBps" in g[m]]
     device = device + (f" (copy bandwidth {bw[0]:.0f} GB/s)" if bw else "")
     lines = [f"{device}; {a.prompts} prompts x {a.group_size} completions, {a.prompt_tokens}-token prompts, up to "
              f"{a.new_tokens} new tokens (mean aimed at {a.mean_length}); training {a.train_seqs} x "
@@ -347,21 +377,26 @@ def table(results: dict, a, device: str, command: str, seconds: float) -> str:
         if "skipped" in r:
             lines.append(f"| {name} | skipped: {r['skipped']} |")
             continue
-        gen = r["generation"]
-        cells = [f"{name}", f"{r['parameters_B']:.3f}"]
-        cells += ["OOM" if gen == "OOM" else f"{gen[m]['tokens_per_s']:.0f} ({gen[m]['bound_share']:.1%})"
-                  for m in modes]
-        cells.append("-" if gen == "OOM" else f"{gen[modes[0]]['mean_length']:.0f}")
+        gen = r.get("generation", {})
+
+        def cell(m):
+            g = gen.get(m)
+            if g is None:
+                return "not run"
+            return g["error"] if "error" in g else f"{g['tokens_per_s']:.0f} ({g['bound_share']:.1%})"
+        cells = [f"{name}", f"{r['parameters_B']:.3f}"] + [cell(m) for m in modes]
+        lengths = [g["mean_length"] for g in gen.values() if "mean_length" in g]
+        cells.append(f"{lengths[0]:.0f}" if lengths else "-")
         for ac in (0, 1):
-            t = r[f"training_ac{ac}"]
-            cells += ["OOM", "-"] if t == "OOM" else [f"{t['tokens_per_s']:.0f}", f(t["mfu"], ".1%")]
-        t = r["training_ac1"]
-        cells += ["-", "-"] if t == "OOM" else [f(t["peak_gb"], ".1f"), f(t["plan_gb"], ".1f")]
+            t = r.get(f"training_ac{ac}", "not run")
+            cells += [t, "-"] if not isinstance(t, dict) else [f"{t['tokens_per_s']:.0f}", f(t["mfu"], ".1%")]
+        t = r.get("training_ac1")
+        cells += ["-", "-"] if not isinstance(t, dict) else [f(t["peak_gb"], ".1f"), f(t["plan_gb"], ".1f")]
         lines.append("| " + " | ".join(cells) + " |")
     peaks = [f"{name} {m}: {g[m]['peak_gb']:.2f} GB measured, {g[m]['plan_gb']:.2f} GB planned "
              f"({g[m]['peak_gb'] / g[m]['plan_gb'] - 1:+.0%})"
              for name, r in results.items() if isinstance(g := r.get("generation"), dict)
-             for m in modes if g[m].get("plan_gb")]
+             for m in modes if g.get(m, {}).get("plan_gb")]
     if peaks:  # the engine's KV cache and weight copy (engine.memory_needed, memory_plan.py) against its peak
         lines += ["", "Engine peak GPU memory above the model's (engine.memory_needed: KV cache + weight copy):",
                   *[f"- {p}" for p in peaks]]

@@ -30,7 +30,7 @@ def stable_sort(monkeypatch):
     monkeypatch.setattr(torch, "sort", lambda *a, **kw: sort(*a, **{**kw, "stable": True}))
 
 
-CONFIGS = [(t, k, p) for t in (0.6, 1.0, 1.7) for k in (0, 1, 5, 64, 1000)
+CONFIGS = [(t, k, p) for t in (0.6, 1.7) for k in (0, 1, 5, 1000)
            for p in (1.0, 0.9, 0.5, 0.0, 1e-6, 0.99, 0.999)]
 
 
@@ -108,18 +108,18 @@ CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sampled_frequencies_follow_the_warped_softmax(dtype):
-    """20,000 draws of one row (every row its own noise) at temperature 0.7 with top-k 7 and top-p
+    """10,000 draws of one row (every row its own noise) at temperature 0.7 with top-k 7 and top-p
     0.93: the frequencies are the hand-warped softmax's. The top-p set at temperature 0.7 (5
     tokens) is not the one at temperature 1 (6), so warping before the temperature fails."""
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.6, 0.2, -0.3, -1.0, -2.0, -4.0]]).to(dtype)
     probs = warped_probs(logits.float()[0], 0.7, 7, 0.93)
     assert int((probs > 0).sum()) != int((warped_probs(logits.float()[0], 1.0, 7, 0.93) > 0).sum())
     g = torch.Generator().manual_seed(0)
-    tokens, _ = sampling.sample(logits.expand(20000, -1), 0.7, 7, 0.93, generator=g)
+    tokens, _ = sampling.sample(logits.expand(10000, -1), 0.7, 7, 0.93, generator=g)
     chi2, dof = chi_square(tokens, probs)
     assert chi2 < CHI2_999[dof], (chi2, dof)
     # no top-k/top-p, temperature 1.6: the plain tempered softmax
-    tokens, _ = sampling.sample(logits.expand(20000, -1)[:, :7], 1.6, 0, 1.0, generator=g)
+    tokens, _ = sampling.sample(logits.expand(10000, -1)[:, :7], 1.6, 0, 1.0, generator=g)
     chi2, dof = chi_square(tokens, warped_probs(logits.float()[0, :7], 1.6, 0, 1.0))
     assert chi2 < CHI2_999[dof], (chi2, dof)
 

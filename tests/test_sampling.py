@@ -185,7 +185,8 @@ def test_bf16_logits(monkeypatch):
         assert torch.equal(got.sum(-1), want.sum(-1)), (t, k, p)
         with monkeypatch.context() as m:
             stable_sort(m)
-            assert torch.equal(got, hf_kept(x.float(), t, k, p)), (t, k, p)
+            want = hf_kept(x.float(), t, k, p)
+        assert torch.equal(got, want), (t, k, p)
         tokens, logp = sampling.sample(x, t, k, p, generator=g)
         assert want.gather(1, tokens[:, None]).all()
         ref = torch.log_softmax(x.double() / t, -1).gather(1, tokens[:, None])[:, 0]

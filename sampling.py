@@ -83,18 +83,18 @@ def _warp(x, temperature, top_k, top_p):
     z = e.sum(-1)
     lse = m[:, 0] + torch.log(z)
     if top_p < 1.0:
+        key = _key(s)
         if k:
             zk = torch.where(keep, e, 0.0).sum(-1, keepdim=True)
             cand_key, cand_mass = _key(top), torch.exp(top - m)
         else:
             zk = z[:, None]
-            cand_key, cand_mass = _key(s), e
+            cand_key, cand_mass = key, e
         target = top_p * zk  # keep j iff the mass strictly above j is < top_p (of the kept mass)
         v, above = _boundary(cand_key, cand_mass, target)
-        key = _key(s)
         tie = key == v  # the boundary's tie group (all inside top-k's set: v >= the k-th value)
         # members of higher index rank above (a stable ascending sort puts them last)
-        higher = tie.sum(-1, keepdim=True) - tie.long().cumsum(-1)
+        higher = tie.sum(-1, keepdim=True, dtype=torch.int32) - tie.cumsum(-1, dtype=torch.int32)
         q = torch.exp(_value(v) - m)  # one member's mass
         in_group = tie & ((higher == 0) | (above + higher * q < target))
         keep_p = (key > v) | in_group
@@ -117,18 +117,22 @@ def _value(key: torch.Tensor) -> torch.Tensor:
 def _boundary(key: torch.Tensor, mass: torch.Tensor, target: torch.Tensor):
     """Radix select from the top: the largest key v such that the mass of keys >= v reaches
     target (or the smallest key with mass if none does) -> (v [R, 1] int32, the mass of keys > v
-    [R, 1]). Four rounds of 8 bits over the unsigned key, each a histogram of the mass."""
-    u = key.long() + (1 << 31)  # [0, 2^32): unsigned order
-    rows = u.shape[0]
-    buckets = torch.arange(BUCKETS, device=u.device)
-    prefix = torch.zeros(rows, 1, dtype=torch.long, device=u.device)
-    above = torch.zeros(rows, 1, dtype=mass.dtype, device=u.device)
+    [R, 1]). Four rounds of 8 bits of the key, each a histogram of the mass inside the range of
+    keys the rounds before fixed (int32 keys throughout: no int64 copy of [R, W])."""
+    rows = key.shape[0]
+    buckets = torch.arange(BUCKETS, device=key.device)
+    low = torch.full((rows, 1), -(1 << 31), dtype=torch.long, device=key.device)  # range's start
+    above = torch.zeros(rows, 1, dtype=mass.dtype, device=key.device)
     for shift in range(32 - RADIX_BITS, -1, -RADIX_BITS):
-        digit = (u >> shift) & (BUCKETS - 1)
-        w = mass
-        if shift < 32 - RADIX_BITS:
-            w = torch.where((u >> (shift + RADIX_BITS)) == prefix, mass, 0.0)
-        hist = torch.zeros(rows, BUCKETS, dtype=mass.dtype, device=u.device)
+        # the digit of the unsigned key (sign bit flipped); & drops the arithmetic shift's sign
+        digit = ((key >> shift) & (BUCKETS - 1)).long()
+        if shift == 32 - RADIX_BITS:
+            digit = digit ^ (BUCKETS >> 1)
+            w = mass
+        else:
+            span = 1 << (shift + RADIX_BITS)
+            w = torch.where((key >= low) & (key < low + span), mass, 0.0)
+        hist = torch.zeros(rows, BUCKETS, dtype=mass.dtype, device=key.device)
         hist = hist.scatter_add(1, digit, w)
         down = hist.flip(-1).cumsum(-1).flip(-1)  # mass of buckets >= b
         over = torch.cat([down[:, 1:], torch.zeros_like(down[:, :1])], -1)  # buckets > b
@@ -138,5 +142,5 @@ def _boundary(key: torch.Tensor, mass: torch.Tensor, target: torch.Tensor):
         lo = torch.where(filled, buckets, BUCKETS).amin(-1, keepdim=True)
         b = torch.where(hi >= 0, hi, lo)
         above = above + over.gather(1, b)
-        prefix = prefix * BUCKETS + b
-    return (prefix - (1 << 31)).int(), above
+        low = low + (b << shift)
+    return low.int(), above

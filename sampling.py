@@ -17,9 +17,10 @@ How (three steps, no sort of the vocabulary, no host sync, no shape that depends
    With top_k > 0 the rounds run over the k candidates torch.topk returned, not the vocabulary.
    A tie group cut by the boundary keeps its members of highest index (what the ascending sort
    HF calls returns when it is stable), at least one token always kept.
-3. Exponential race: token = argmax over the kept set of s - log(E), E ~ Exp(1) i.i.d. (Gumbel-
-   max). This is torch.multinomial's own algorithm for one sample (argmax p / E), so with the
-   same generator state the tokens are engine.sample's up to float rounding of near-ties.
+3. Exponential race: token = argmax over the kept set of exp(s - max) / E, E ~ Exp(1) i.i.d.
+   (Gumbel-max: the argmax of s - log E). This is torch.multinomial's own algorithm for one
+   sample (argmax p / E), so with the same generator state the tokens are engine.sample's up to
+   float rounding of near-ties.
 
 Reads of the [rows, vocab] logits, each a loop over them (eager: one or a few aten ops each;
 under torch.compile inductor fuses each loop into one kernel):
@@ -50,12 +51,14 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: floa
         tokens = x.argmax(-1)
         logp = x.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(x, -1)
         return tokens, logp
-    s, keep, top, lse = _warp(x, temperature, top_k, top_p)
+    s, keep, e, lse = _warp(x, temperature, top_k, top_p)
     if noise is None:
         noise = torch.empty_like(s).exponential_(generator=generator)
-    race = s - torch.log(noise)  # s + Gumbel noise: argmax is a draw from softmax(s)
+    # the race: argmax of e / E, e = exp(s - max) (Gumbel-max: argmax s - log E), as
+    # torch.multinomial draws one sample; removed tokens score -1, below any kept one
+    race = e / noise
     if keep is not None:
-        race = race.masked_fill(~keep, -torch.inf)
+        race = race.masked_fill(~keep, -1.0)
     tokens = race.argmax(-1)
     logp = s.gather(1, tokens[:, None])[:, 0] - lse
     return tokens, logp
@@ -68,7 +71,7 @@ def kept(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float 
 
 
 def _warp(x, temperature, top_k, top_p):
-    """-> (scores s [R, V], kept [R, V] bool or None for all, top-k values or None, log Z [R])."""
+    """-> (scores s [R, V], kept [R, V] bool or None for all, exp(s - max) [R, V], log Z [R])."""
     s = x / temperature  # HF divides (TemperatureLogitsWarper), in float32
     vocab = s.shape[-1]
     k = min(top_k, vocab) if top_k > 0 else 0
@@ -99,7 +102,7 @@ def _warp(x, temperature, top_k, top_p):
         in_group = tie & ((higher == 0) | (above + higher * q < target))
         keep_p = (key > v) | in_group
         keep = keep_p if keep is None else keep & keep_p
-    return s, keep, top, lse
+    return s, keep, e, lse
 
 
 def _key(s: torch.Tensor) -> torch.Tensor:

@@ -4,11 +4,18 @@ process, at the rollout's shape [256, 151936] in float32 and bf16 logits.
 
     python benchmarks/sampling.py                         # 256 x 151936, 3 repetitions
     python benchmarks/sampling.py --rows 64 --repeat 5    # quicker
+    python benchmarks/sampling.py --inductor              # + kernels under torch.compile
+
+--inductor also compiles sampling.sample with torch.compile(fullgraph=True, dynamic=False) per
+setting (the noise passed in as a tensor: Dynamo does not trace a torch.Generator argument) at
+[8, 4096] (the count does not depend on the shape) and prints the generated code's kernels:
+fused loops (each one read of its inputs) and the extern calls inductor left to aten (topk).
+Compiling takes about a minute a setting on CPU.
 
 For each sampling setting (temperature, top_k, top_p) and logits dtype it prints min and median
 seconds a call over --repeat calls (after one untimed call) and the aten ops each call launches
-(a TorchDispatchMode count: on a GPU, eagerly, each is about one kernel), and how many of them
-read or write a [rows, vocab] tensor (the passes over the logits). CPU times are a proxy only:
+(a TorchDispatchMode count, on 8 rows: on a GPU, eagerly, each is about one kernel), and how
+many of them read or write a [rows, vocab] tensor (eager passes over the logits). CPU times are a proxy only:
 the GPU's numbers come from benchmarks/gpu.py when a device is lent.
 """
 import argparse
@@ -61,6 +68,7 @@ def main():
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
+    parser.add_argument("--inductor", action="store_true", help="also count compiled kernels")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -78,10 +86,37 @@ def main():
                      "engine.sample": lambda: engine.sample(logits.float(), t, k, p, g)}
             for name, fn in calls.items():
                 best, median = timed(fn, args.repeat)
-                with CountOps(args.rows * args.vocab) as count:
-                    fn()
+                small = logits[:8]  # the counts do not depend on the rows: counted on 8
+                with CountOps(small.numel()) as count:
+                    if name == "sampling.sample":
+                        sampling.sample(small, t, k, p, generator=g)
+                    else:
+                        engine.sample(small.float(), t, k, p, g)
                 print(f"{str(dtype)[6:]:9} {t:4} {k:5} {p:5} | {name:15} {best:7.3f} "
                       f"{median:8.3f} {count.ops:8} {count.passes:9}", flush=True)
+    if args.inductor:
+        inductor_kernels(settings)
+
+
+def inductor_kernels(settings):
+    """Kernels of the compiled sampler, read from the code inductor generates."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    x = torch.randn(8, 4096).to(torch.bfloat16)
+    noise = torch.empty(8, 4096).exponential_()
+    print("torch.compile(fullgraph=True, dynamic=False), bf16 logits, noise passed in:")
+    for t, k, p in settings:
+        torch._dynamo.reset()
+        fn = torch.compile(lambda x, e: sampling.sample(x, t, k, p, noise=e), fullgraph=True,
+                           dynamic=False)
+        _, code = run_and_get_code(fn, x, noise)
+        src = "\n".join(code)
+        fused = sorted(set(re.findall(r"\b(cpp_fused_\w+|triton_\w+_fused_\w+)\s*=", src)))
+        extern = re.findall(r"(?:extern_kernels|aten)\.(\w+)\(", src)
+        print(f"  T {t} top_k {k} top_p {p}: {len(fused)} fused kernels, extern calls: "
+              f"{', '.join(extern) or 'none'}", flush=True)
 
 
 if __name__ == "__main__":

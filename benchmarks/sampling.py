@@ -114,7 +114,7 @@ def inductor_kernels(settings):
         _, code = run_and_get_code(fn, x, noise)
         src = "\n".join(code)
         fused = sorted(set(re.findall(r"\b(cpp_fused_\w+|triton_\w+_fused_\w+)\s*=", src)))
-        extern = re.findall(r"(?:extern_kernels|aten)\.(\w+)\(", src)
+        extern = re.findall(r"(?:extern_kernels\.|torch\.ops\.aten\.)(\w+)[.\w]*\(", src)
         print(f"  T {t} top_k {k} top_p {p}: {len(fused)} fused kernels, extern calls: "
               f"{', '.join(extern) or 'none'}", flush=True)
 

@@ -29,8 +29,8 @@ under torch.compile inductor fuses each loop into one kernel):
   top_p < 1,  top_k > 0:  topk, sums of exp (all and kept), tie count + cumsum, race 4
   top_p < 1,  top_k == 0: max, sum of exp, 4 radix rounds, tie count + cumsum, race 8
 Measured (benchmarks/sampling.py, CPU): inductor kernels 1 / 8 / 9 + aten topk / 2 + aten topk
-in the rows' order (bf16 logits, noise passed in); eager aten ops 17 / 182 / 197 / 21, of them on
-[rows, vocab] 11 / 61 / 36 / 13 (engine.sample: 8 / 17 / 21 / 12 ops).
+in the rows' order (bf16 logits, noise passed in); eager aten ops (bf16) 17 / 182 / 197 / 22, on
+[rows, vocab] 11 / 61 / 36 / 14 of them (engine.sample: 8 / 17 / 21 / 12 ops).
 Exactness: the kept set is HF's in exact arithmetic. Float32 sums (our histograms, HF's cumsum)
 can differ only where the boundary lies within rounding (~1e-7 of the mass) of a cumulative sum,
 and HF's subset of a tie group cut by the boundary is whatever its unstable sort gives (the count

@@ -201,12 +201,8 @@ def run_paths(args, d: Dist, script: str) -> tuple[str, str | None]:
     if d.main:
         candidates = [args.resume] if args.resume not in (None, "auto") else []
         if args.resume == "auto":
-            pattern = os.path.join(glob.escape(args.output_dir),
-                                   f"{glob.escape(args.exp_name)}__{args.seed}__*", "step_*")
-            # (run's unix time, step)
-            key = re.compile(r"__(\d+)" + re.escape(os.sep) + r"step_(\d+)$")
-            found = sorted((int(m[1]), int(m[2]), p) for p in glob.glob(pattern)
-                           if (m := key.search(p)))
+            found = sorted((t, n, p) for t, run in own_runs(args.output_dir, args.exp_name, args.seed)
+                           for n, p in step_folders(run))  # (run's unix time, step)
             candidates = [p for _, _, p in reversed(found)]
         fresh = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time())}")
         listed = [[os.path.normpath(p) for p in candidates], fresh]
@@ -224,7 +220,7 @@ def run_paths(args, d: Dist, script: str) -> tuple[str, str | None]:
         if d.main:
             print(f"--resume auto: skipping {path}: {reason}")
     if args.resume == "auto" and ckpt is None and d.main:
-        print(f"--resume auto: no checkpoint of {args.exp_name}__{args.seed}__* under "
+        print(f"--resume auto: no checkpoint of {args.exp_name}__{args.seed}__<time> under "
               f"{args.output_dir}, starting a fresh run")
     step = 0
     if ckpt:
@@ -252,6 +248,20 @@ def run_paths(args, d: Dist, script: str) -> tuple[str, str | None]:
         cleanup()
         raise SystemExit(0)
     return (os.path.dirname(ckpt) if ckpt else fresh), ckpt
+
+
+def own_runs(output_dir: str, exp_name: str, seed: int) -> list[tuple[int, str]]:
+    """The run folders of exp_name and seed under output_dir as (unix time, path): exactly
+    {exp_name}__{seed}__<digits>, so that --exp-name x never takes x__1__1__<time> (--exp-name x__1's
+    run at seed 1) for its own run at seed 1 (cli.check_run_name refuses an --exp-name ending in
+    __<digits>, whose folders a glob of x__1__* would mix with x's)."""
+    name = re.compile(re.escape(f"{exp_name}__{seed}__") + r"(\d+)")
+    try:
+        entries = os.listdir(output_dir)
+    except OSError:  # no --output-dir yet: no runs
+        return []
+    return sorted((int(m[1]), os.path.join(output_dir, e)) for e in entries
+                  if (m := name.fullmatch(e)) and os.path.isdir(os.path.join(output_dir, e)))
 
 
 # What a resumed run may not change: the data order (seed, prompts a rank, the data), the shape of a

@@ -1,0 +1,106 @@
+"""Issue 38's data-loss failures, each a test that failed before its fix: --resume auto taking over another
+experiment's run, a folder of mixed formats read in part, branching deleting the later logs, a checkpoint half
+deleted by a kill while pruning left for good."""
+import glob
+import json
+import os
+import sys
+
+import pytest
+
+import checkpoint
+from test_resume import fake_checkpoint
+
+
+def gspo_main(monkeypatch, out, *argv):
+    """gspo.main() in this process, stopped where the model would load: its exit code (or error line)."""
+    import gspo
+
+    monkeypatch.setattr(gspo, "load_model", lambda *a, **k: sys.exit("stopped at the model"))
+    monkeypatch.setattr(sys, "argv", ["gspo.py", *argv, "--output-dir", str(out)])
+    try:
+        with pytest.raises(SystemExit) as e:
+            gspo.main()
+    finally:
+        checkpoint.release_run_dir()
+    return str(e.value.code)
+
+
+# -------------------- 1. --resume auto takes only its own runs
+def test_resume_auto_never_takes_another_experiments_run(tmp_path, monkeypatch, capsys):
+    """x__1__1__<t> is --exp-name x__1's run (seed 1), not a run of --exp-name x with --seed 1: --resume auto for x
+    starts a fresh run beside it and leaves its folder alone; it takes x__1__<t> (its own) when there is one."""
+    other = tmp_path / "x__1__1__1700000000"
+    fake_checkpoint(other / "step_4", step=4, world=1, script="gspo.py", args={"seed": 1, "exp_name": "x__1"})
+    (other / "args.json").write_text('{"exp_name": "x__1"}')
+    before = sorted(str(p.relative_to(other)) for p in other.rglob("*"))
+    assert gspo_main(monkeypatch, tmp_path, "--exp-name", "x", "--resume", "auto") == "stopped at the model"
+    out = capsys.readouterr().out
+    assert "resuming" not in out and "no checkpoint of x__1__<time> under" in out, out
+    assert sorted(str(p.relative_to(other)) for p in other.rglob("*")) == before
+    assert (other / "args.json").read_text() == '{"exp_name": "x__1"}'
+    fresh = [p for p in os.listdir(tmp_path) if p != other.name]
+    assert len(fresh) == 1 and fresh[0].startswith("x__1__") and fresh[0].count("__") == 2
+
+    own = tmp_path / "x__1__1600000000"  # x's own run (older): taken, and not the other experiment's newer one
+    fake_checkpoint(own / "step_2", step=2, world=1, script="gspo.py", args={"seed": 1, "exp_name": "x"})
+    assert gspo_main(monkeypatch, tmp_path, "--exp-name", "x", "--resume", "auto") == "stopped at the model"
+    assert f"resuming {own}/step_2 (step 2)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["x__1", "run__0", "a__b__12"])
+def test_an_exp_name_ending_in_a_seed_like_number_is_refused(name, monkeypatch, tmp_path):
+    """--exp-name x__1 names folders x__1__<seed>__<time>, which start as --exp-name x --seed 1's x__1__<time> do:
+    refused in one line before anything is read."""
+    from test_cli import fails_before_any_model
+
+    fails_before_any_model("gspo", ["--exp-name", name], f"--exp-name {name!r} ends in '__' and a number", monkeypatch,
+                           tmp_path)
+
+
+@pytest.mark.parametrize("name", ["x_1", "x__v1", "x__1a", "x__", "gspo"])
+def test_other_exp_names_are_fine(name):
+    import cli
+
+    cli.check_run_name("runs", name)  # no error
+
+
+# -------------------- 2. a folder of several formats
+def write_rows(path, n, fmt):
+    rows = [{"prompt": f"{path.stem} {i}%10=", "answer": str(i % 10)} for i in range(n)]
+    if fmt == "csv":
+        path.write_text("prompt,answer\n" + "".join(f"{r['prompt']},{r['answer']}\n" for r in rows))
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_a_folder_of_mixed_formats_is_refused_in_one_line(tmp_path, monkeypatch):
+    """a.jsonl and b.csv (20 rows each): `datasets` read one format's files and dropped the other's, silently (18
+    train + 2 held out, "dropped: 0"); now one line names the formats found, before anything is read."""
+    from test_cli import fails_before_any_model
+
+    mix = tmp_path / "mixdir"
+    mix.mkdir()
+    write_rows(mix / "a.jsonl", 20, "json")
+    write_rows(mix / "b.csv", 20, "csv")
+    fails_before_any_model("gspo", ["--dataset", f"{mix}/"], "files of several formats (csv: b.csv; json: a.jsonl)",
+                           monkeypatch, tmp_path)
+    import data
+
+    with pytest.raises(SystemExit) as e:  # the same line from read_files (load_task's callers that skip the checks)
+        data.read_files("--dataset", str(mix))
+    assert "files of several formats (csv: b.csv; json: a.jsonl)" in str(e.value.code)
+
+
+def test_a_folder_of_one_format_reads_every_file(tmp_path):
+    """.json and .jsonl are one format (`datasets`' json builder): every row of both is read."""
+    import common
+    import data
+
+    one = tmp_path / "onedir"
+    one.mkdir()
+    write_rows(one / "a.jsonl", 20, "json")
+    (one / "b.json").write_text(json.dumps([{"prompt": f"b {i}%10=", "answer": str(i)} for i in range(7)]))
+    (one / "README.md").write_text("notes on the data")  # a dataset card, not data
+    train, held, dropped = data.load_task(str(one), None, 3, 0, common.tiny_tokenizer(), None, 100)
+    assert len(train) + len(held) == 27 and dropped == {"no_answer": 0, "too_long": 0}

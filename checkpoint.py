@@ -201,8 +201,9 @@ def run_paths(args, d: Dist, script: str) -> tuple[str, str | None]:
     if d.main:
         candidates = [args.resume] if args.resume not in (None, "auto") else []
         if args.resume == "auto":
-            found = sorted((t, n, p) for t, run in own_runs(args.output_dir, args.exp_name, args.seed)
-                           for n, p in step_folders(run))  # (run's unix time, step)
+            runs = own_runs(args.output_dir, args.exp_name, args.seed)
+            # (run's unix time, step)
+            found = sorted((t, n, p) for t, run in runs for n, p in step_folders(run))
             candidates = [p for _, _, p in reversed(found)]
         fresh = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time())}")
         listed = [[os.path.normpath(p) for p in candidates], fresh]
@@ -252,9 +253,9 @@ def run_paths(args, d: Dist, script: str) -> tuple[str, str | None]:
 
 def own_runs(output_dir: str, exp_name: str, seed: int) -> list[tuple[int, str]]:
     """The run folders of exp_name and seed under output_dir as (unix time, path): exactly
-    {exp_name}__{seed}__<digits>, so that --exp-name x never takes x__1__1__<time> (--exp-name x__1's
-    run at seed 1) for its own run at seed 1 (cli.check_run_name refuses an --exp-name ending in
-    __<digits>, whose folders a glob of x__1__* would mix with x's)."""
+    {exp_name}__{seed}__<digits>, so that --exp-name x never takes x__1__1__<time> (--exp-name
+    x__1's run at seed 1) for its own run at seed 1 (cli.check_run_name refuses an --exp-name
+    ending in __<digits>, whose folders a glob of x__1__* would mix with x's)."""
     name = re.compile(re.escape(f"{exp_name}__{seed}__") + r"(\d+)")
     try:
         entries = os.listdir(output_dir)
@@ -393,20 +394,75 @@ def remove_partial_checkpoints(run_dir: str):
 
 
 def set_aside_later_checkpoints(run_dir: str, step: int):
-    """A run resumed from step_k (an earlier one than the newest, say) goes on from there: the
-    checkpoints after step k belong to the run it branches from. They are moved into one
-    abandoned_* folder, so that pruning (--keep-checkpoints) and --resume auto never take them for
-    this run's, and said so; nothing is deleted."""
+    """A run resumed from step_k (an earlier one than the newest, say, or the one before a damaged
+    newest that --resume auto skips) goes on from there: the checkpoints after step k belong to the
+    run it branches from. They are moved into one new abandoned_<time> folder, so that pruning
+    (--keep-checkpoints) and --resume auto never take them for this run's, and with them what that
+    run logged after step k (set_aside_logs), which this run's Logger then cuts from the run folder;
+    said so, nothing deleted. The logs go first: a kill in between leaves the checkpoints in place,
+    to be set aside again on the next resume (the logs twice, never lost)."""
     later = [(n, p) for n, p in step_folders(run_dir) if n > step]
     if not later:
         return
-    aside = os.path.join(run_dir, f"abandoned_{time.strftime('%Y%m%d_%H%M%S')}")
-    os.makedirs(aside, exist_ok=True)
+    stamp = os.path.join(run_dir, f"abandoned_{time.strftime('%Y%m%d_%H%M%S')}")
+    aside, i = stamp, 1
+    while True:  # a new folder: two branchings in one second keep apart
+        try:
+            os.mkdir(aside)
+            break
+        except FileExistsError:
+            i += 1
+            aside = f"{stamp}_{i}"
+    logs = set_aside_logs(run_dir, aside, step)
     for _, p in later:
         os.rename(p, os.path.join(aside, os.path.basename(p)))
     print(f"resuming from step {step}: the later checkpoints of the run that went on from it "
-          f"({', '.join(os.path.basename(p) for _, p in later)}) are moved to {aside}; delete it "
-          "when you no longer need them")
+          f"({', '.join(os.path.basename(p) for _, p in later)})"
+          + (f", with {logs}," if logs else "")
+          + f" are moved to {aside}; delete it when you no longer need them")
+
+
+LOGS = ("metrics.jsonl", "samples.jsonl")  # the Logger's rows, one JSON object a line with "step"
+EVENTS = "events.out.tfevents."  # tensorboard's event files (SummaryWriter names them so)
+
+
+def set_aside_logs(run_dir: str, aside: str, step: int) -> str:
+    """What a run logged after step, into aside: the rows of metrics.jsonl and samples.jsonl whose
+    step is later, as they were written (lines a reader opens as the run folder's), and the run's
+    tensorboard event files as they are (a new run's SummaryWriter writes a file of its own, and
+    purges the later steps only from what it shows: in aside, `tensorboard --logdir` shows the
+    abandoned run whole). Returns what was moved, in words ('' for nothing)."""
+    moved = []
+    for name in LOGS:
+        try:
+            with open(os.path.join(run_dir, name)) as f:
+                lines = f.read().split("\n")
+        except FileNotFoundError:
+            continue
+        later = []
+        for line in lines:
+            try:
+                row = json.loads(line, parse_constant=lambda c: None)
+            except ValueError:  # a torn or damaged line: left where it is (the Logger says so)
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > step:
+                later.append(line + "\n")
+        if later:
+            with open(os.path.join(aside, name), "w") as f:
+                f.writelines(later)
+                f.flush()
+                os.fsync(f.fileno())
+            moved.append(name)
+    events = sorted(e for e in os.listdir(run_dir) if e.startswith(EVENTS)
+                    and os.path.isfile(os.path.join(run_dir, e)))
+    for e in events:  # a link where the file system has them (never written again), else a copy
+        src, dst = os.path.join(run_dir, e), os.path.join(aside, e)
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+    rows = f"the {' and '.join(moved)} rows after step {step}" if moved else ""
+    return " and ".join(w for w in (rows, "the tensorboard event files" if events else "") if w)
 
 
 def release_run_dir():

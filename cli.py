@@ -419,8 +419,8 @@ def check_run_name(output_dir: str, exp_name: str):
              "the run stays inside --output-dir")
     if (m := re.fullmatch(r"(.+)__(\d+)", exp_name)):  # its folders start as --exp-name m[1]'s do
         fail(f"--exp-name {exp_name!r} ends in '__' and a number, as the seed in a run folder's "
-             f"name does ({{exp_name}}__{{seed}}__{{time}}): its runs would read as runs of --exp-name "
-             f"{m[1]} with --seed {m[2]}; name it otherwise (e.g. {m[1]}_{m[2]})")
+             f"name does ({{exp_name}}__{{seed}}__{{time}}): its runs would read as runs of "
+             f"--exp-name {m[1]} with --seed {m[2]}; name it otherwise (e.g. {m[1]}_{m[2]})")
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         fail(f"--output-dir {output_dir}: is a file, not a folder")
     existing = os.path.abspath(output_dir)

@@ -120,3 +120,51 @@ def test_a_folders_test_file_is_its_held_out_split(tmp_path):
                                            for i in range(5)))
     train, held, dropped = data.load_task(str(tt), None, 8, 0, common.tiny_tokenizer(), None, 100)
     assert (len(train), len(held)) == (20, 5) and all(p.startswith("t ") for p in held["prompt"])
+
+
+# -------------------- 3. branching sets the later rows aside with the later checkpoints
+def rows_of(path):
+    return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+
+
+def scalars(folder, tag="charts/reward_mean"):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars(tag)} if tag in acc.Tags()["scalars"] else {}
+
+
+def test_branching_and_skipping_set_the_later_rows_aside(tmp_path, monkeypatch, capsys):
+    """--resume auto skipping a damaged step_4, then --resume step_2 of the run that went on to step 4: the later
+    checkpoints go to abandoned_<time>/ (as before) and with them, each time, the metrics.jsonl and samples.jsonl
+    rows of their steps and the tensorboard event files that hold them (they were deleted: dropped from the files,
+    purged from tensorboard); the run folder keeps only its own branch's rows."""
+    from test_train import run_script
+
+    base = ["--prompts-per-rank", "4", "--save-every", "1", "--log-samples", "1", "--eval-every", "0",
+            "--keep-checkpoints", "0", "--num-steps", "4"]
+    _, run = run_script("gspo", base, monkeypatch, tmp_path)
+    first, first_samples = rows_of(f"{run}/metrics.jsonl"), rows_of(f"{run}/samples.jsonl")
+    assert [r["step"] for r in first] == [1, 2, 3, 4]
+    model = f"{run}/step_4/state/model.safetensors"
+    os.truncate(model, os.path.getsize(model) // 2)
+
+    run_script("gspo", [*base, "--resume", "auto"], monkeypatch, tmp_path)
+    assert f"--resume auto: skipping {run}/step_4" in capsys.readouterr().out
+    (skipped,) = glob.glob(f"{run}/abandoned_*")
+    assert rows_of(f"{skipped}/metrics.jsonl") == first[3:]
+    assert rows_of(f"{skipped}/samples.jsonl") == [r for r in first_samples if r["step"] == 4]
+    assert scalars(skipped)[4] == pytest.approx(first[3]["charts/reward_mean"])
+    second = rows_of(f"{run}/metrics.jsonl")
+
+    rows, _ = run_script("gspo", [*base, "--num-steps", "3", "--learning-rate", "1e-4", "--resume", f"{run}/step_2"],
+                         monkeypatch, tmp_path)
+    (branched,) = set(glob.glob(f"{run}/abandoned_*")) - {skipped}
+    assert sorted(p for p in os.listdir(branched) if p.startswith("step_")) == ["step_3", "step_4"]
+    assert rows_of(f"{branched}/metrics.jsonl") == second[2:]
+    assert [r["step"] for r in rows_of(f"{branched}/samples.jsonl")] == [3] * 16 + [4] * 16
+    old = scalars(branched)
+    assert {s: old[s] for s in (3, 4)} == pytest.approx({r["step"]: r["charts/reward_mean"] for r in second[2:]})
+    assert [r["step"] for r in rows] == [1, 2, 3] and scalars(run).keys() == {1, 2, 3}  # this branch's own
+    assert [r["step"] for r in rows_of(f"{run}/samples.jsonl")] == [1] * 16 + [2] * 16 + [3] * 16

@@ -45,7 +45,8 @@ from lora import is_lora, save_lora
 #   manifest.json, written last by the writer once every rank has written its files: the size of
 #           every file it wrote, and the sha256 of the small ones (< HASH_BELOW bytes).
 # It is written into .tmp_step_N and renamed into place when complete, so a crash mid-write leaves
-# the previous ones intact. Resume checks the manifest's sizes and small files' hashes: a truncated
+# the previous ones intact; pruning (--keep-checkpoints) renames a checkpoint to .pruned_step_N before
+# deleting it, so a kill mid-delete leaves a folder the next prune or start removes. Resume checks the manifest's sizes and small files' hashes: a truncated
 # or missing file is caught, a same-size change inside a big file is not (rereading hundreds of GB
 # a save and a resume is what this avoids). Files a user adds (a README, notes) are not listed and
 # not looked at. Checkpoints written before model/ and state/ (one flat folder) resume too.
@@ -381,16 +382,56 @@ def _claim_run_dir(run_dir: str, ckpt: str | None) -> str:
     remove_partial_checkpoints(run_dir)
     if ckpt is not None:
         set_aside_later_checkpoints(run_dir, int(STEP_DIR.search(ckpt)[1]))
+    report_unlisted_checkpoints(run_dir)
     return run_dir
 
 
 def remove_partial_checkpoints(run_dir: str):
-    """A .tmp_step_N folder is a save that never completed (a kill, a full disk): never resumed,
-    and the space it holds may be what the next save needs. Its writer is gone (this process holds
-    the run's lock), so it is removed, and said so."""
+    """A .tmp_step_N folder is a save that never completed (a kill, a full disk), a .pruned_step_N
+    one a removal that never completed (a kill while pruning): never resumed, and the space they
+    hold may be what the next save needs. Their writer is gone (this process holds the run's lock),
+    so they are removed, and said so."""
     for p in sorted(glob.glob(os.path.join(glob.escape(run_dir), ".tmp_step_*"))):
         shutil.rmtree(p, ignore_errors=True)
         print(f"removed {p}: a checkpoint whose writing never completed")
+    for p in remove_pruned(run_dir, ignore_errors=True):
+        print(f"removed {p}: a checkpoint whose removal (--keep-checkpoints) never completed")
+
+
+def report_unlisted_checkpoints(run_dir: str):
+    """A step_N folder without a manifest is no checkpoint to resume or prune (written before
+    manifests, half deleted by a version that deleted in place, or being copied in): left alone,
+    and said so."""
+    for _, p in step_folders(run_dir):
+        if os.path.isdir(p) and not os.path.exists(os.path.join(p, MANIFEST)):
+            print(f"{p} has no {MANIFEST}: no checkpoint (never resumed or pruned); delete it if "
+                  "it is a partial copy or one cut short while being deleted")
+
+
+PRUNED = ".pruned_"  # .pruned_step_N: a checkpoint being removed by prune_checkpoints
+
+
+def prune_checkpoints(run_dir: str, keep: int):
+    """All but the newest `keep` complete checkpoints removed (0: keep all). Each is renamed to
+    .pruned_step_N first (one atomic step) and only then deleted: a kill in the middle leaves a
+    .pruned_ folder, which the next prune (or the next run's start) finishes removing, never a
+    step_N without its manifest that no prune would touch again. Only names a prune gave are
+    removed: a save in progress writes .tmp_step_N, and a step_N without a manifest stays."""
+    done = [(n, p) for n, p in step_folders(run_dir) if is_checkpoint(p)]
+    for _, old in done[:-keep] if keep else []:
+        gone = os.path.join(run_dir, PRUNED + os.path.basename(old))
+        if os.path.exists(gone):  # an earlier removal of the same step, cut short
+            shutil.rmtree(gone)
+        os.rename(old, gone)
+    remove_pruned(run_dir)
+
+
+def remove_pruned(run_dir: str, ignore_errors: bool = False) -> list[str]:
+    """Delete the .pruned_step_N folders of run_dir (prune_checkpoints); returns them."""
+    found = sorted(glob.glob(os.path.join(glob.escape(run_dir), PRUNED + "step_*")))
+    for p in found:
+        shutil.rmtree(p, ignore_errors=ignore_errors)
+    return found
 
 
 def set_aside_later_checkpoints(run_dir: str, step: int):
@@ -660,9 +701,7 @@ def save_checkpoint(run_dir: str, step: int, policy, tok, optimizer, scheduler, 
             os.rename(path, tmp + ".old")
         os.rename(tmp, path)
         shutil.rmtree(tmp + ".old", ignore_errors=True)
-        done = [(n, p) for n, p in step_folders(run_dir) if is_checkpoint(p)]
-        for _, old in done[:-args.keep_checkpoints] if args.keep_checkpoints else []:
-            shutil.rmtree(old)
+        prune_checkpoints(run_dir, args.keep_checkpoints)
     barrier()
     return path
 

@@ -168,3 +168,47 @@ def test_branching_and_skipping_set_the_later_rows_aside(tmp_path, monkeypatch, 
     assert {s: old[s] for s in (3, 4)} == pytest.approx({r["step"]: r["charts/reward_mean"] for r in second[2:]})
     assert [r["step"] for r in rows] == [1, 2, 3] and scalars(run).keys() == {1, 2, 3}  # this branch's own
     assert [r["step"] for r in rows_of(f"{run}/samples.jsonl")] == [1] * 16 + [2] * 16 + [3] * 16
+
+
+# -------------------- 4. a kill while pruning
+class Killed(BaseException):
+    """A kill -9 of the process at this point, in this process: nothing after it runs."""
+
+
+def test_a_checkpoint_half_deleted_by_a_kill_while_pruning_is_removed_later(tmp_path, monkeypatch, capsys):
+    """A kill while --keep-checkpoints 2 deletes step_2 (its manifest and weights gone, the rest not): the next run
+    finishes that removal, and its own pruning leaves exactly the newest 2 checkpoints. Before, the half-deleted
+    step_2 had no manifest, so it was no checkpoint to prune, and stayed for good. A step_N folder without a
+    manifest that no prune started (a checkpoint written before manifests, or being copied in) is left alone."""
+    import shutil
+
+    from test_train import run_script
+
+    real = shutil.rmtree
+
+    def killed_while_removing_step_2(path, *a, **k):
+        if str(path).endswith("step_2") and ".tmp_" not in str(path):
+            os.remove(os.path.join(path, checkpoint.MANIFEST))
+            real(os.path.join(path, "model"))
+            raise Killed
+        return real(path, *a, **k)
+
+    base = ["--prompts-per-rank", "4", "--save-every", "1", "--log-samples", "0", "--eval-every", "0",
+            "--keep-checkpoints", "2"]
+    monkeypatch.setattr(shutil, "rmtree", killed_while_removing_step_2)
+    with pytest.raises(Killed):
+        run_script("gspo", [*base, "--num-steps", "6"], monkeypatch, tmp_path)  # killed in step 4's save
+    checkpoint.release_run_dir()
+    checkpoint.release_stop_signals()
+    monkeypatch.setattr(shutil, "rmtree", real)
+    (run,) = glob.glob(f"{tmp_path}/gspo__*")
+    left = sorted(p for p in os.listdir(run) if "step_" in p)
+    assert "step_3" in left and "step_4" in left and len(left) == 3, left  # step_2, or what its removal renamed
+    foreign = os.path.join(run, "step_0")
+    os.makedirs(os.path.join(foreign, "model"))  # no manifest: never pruned
+    capsys.readouterr()
+
+    run_script("gspo", [*base, "--num-steps", "6", "--resume", "auto"], monkeypatch, tmp_path)
+    out = capsys.readouterr().out
+    assert sorted(p for p in os.listdir(run) if "step_" in p) == ["step_0", "step_5", "step_6"]
+    assert "step_0 has no manifest.json" in out, out

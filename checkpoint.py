@@ -45,10 +45,11 @@ from lora import is_lora, save_lora
 #   manifest.json, written last by the writer once every rank has written its files: the size of
 #           every file it wrote, and the sha256 of the small ones (< HASH_BELOW bytes).
 # It is written into .tmp_step_N and renamed into place when complete, so a crash mid-write leaves
-# the previous ones intact; pruning (--keep-checkpoints) renames a checkpoint to .pruned_step_N before
-# deleting it, so a kill mid-delete leaves a folder the next prune or start removes. Resume checks the manifest's sizes and small files' hashes: a truncated
-# or missing file is caught, a same-size change inside a big file is not (rereading hundreds of GB
-# a save and a resume is what this avoids). Files a user adds (a README, notes) are not listed and
+# the previous ones intact; pruning (--keep-checkpoints) renames one to .pruned_step_N before
+# deleting it, so a kill mid-delete leaves a folder the next prune or start removes. Resume checks
+# the manifest's sizes and small files' hashes: a truncated or missing file is caught, a same-size
+# change inside a big file is not (rereading hundreds of GB a save and a resume is what this
+# avoids). Files a user adds (a README, notes) are not listed and
 # not looked at. Checkpoints written before model/ and state/ (one flat folder) resume too.
 # A checkpoint resumes on any world size (torchrun or plain python): on another than its writer's,
 # each rank takes its rows of the master weights (load_masters) and of the optimizer state

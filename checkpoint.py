@@ -49,8 +49,8 @@ from lora import is_lora, save_lora
 # deleting it, so a kill mid-delete leaves a folder the next prune or start removes. Resume checks
 # the manifest's sizes and small files' hashes: a truncated or missing file is caught, a same-size
 # change inside a big file is not (rereading hundreds of GB a save and a resume is what this
-# avoids). Files a user adds (a README, notes) are not listed and
-# not looked at. Checkpoints written before model/ and state/ (one flat folder) resume too.
+# avoids). Files a user adds (a README, notes) are not listed and not looked at. Checkpoints
+# written before model/ and state/ (one flat folder) resume too.
 # A checkpoint resumes on any world size (torchrun or plain python): on another than its writer's,
 # each rank takes its rows of the master weights (load_masters) and of the optimizer state
 # (resume_state) from the old ranks' shards, reading only those rows.

@@ -45,10 +45,12 @@ from lora import is_lora, save_lora
 #   manifest.json, written last by the writer once every rank has written its files: the size of
 #           every file it wrote, and the sha256 of the small ones (< HASH_BELOW bytes).
 # It is written into .tmp_step_N and renamed into place when complete, so a crash mid-write leaves
-# the previous ones intact. Resume checks the manifest's sizes and small files' hashes: a truncated
-# or missing file is caught, a same-size change inside a big file is not (rereading hundreds of GB
-# a save and a resume is what this avoids). Files a user adds (a README, notes) are not listed and
-# not looked at. Checkpoints written before model/ and state/ (one flat folder) resume too.
+# the previous ones intact; pruning (--keep-checkpoints) renames one to .pruned_step_N before
+# deleting it, so a kill mid-delete leaves a folder the next prune or start removes. Resume checks
+# the manifest's sizes and small files' hashes: a truncated or missing file is caught, a same-size
+# change inside a big file is not (rereading hundreds of GB a save and a resume is what this
+# avoids). Files a user adds (a README, notes) are not listed and not looked at. Checkpoints
+# written before model/ and state/ (one flat folder) resume too.
 # A checkpoint resumes on any world size (torchrun or plain python): on another than its writer's,
 # each rank takes its rows of the master weights (load_masters) and of the optimizer state
 # (resume_state) from the old ranks' shards, reading only those rows.
@@ -201,12 +203,9 @@ def run_paths(args, d: Dist, script: str) -> tuple[str, str | None]:
     if d.main:
         candidates = [args.resume] if args.resume not in (None, "auto") else []
         if args.resume == "auto":
-            pattern = os.path.join(glob.escape(args.output_dir),
-                                   f"{glob.escape(args.exp_name)}__{args.seed}__*", "step_*")
+            runs = own_runs(args.output_dir, args.exp_name, args.seed)
             # (run's unix time, step)
-            key = re.compile(r"__(\d+)" + re.escape(os.sep) + r"step_(\d+)$")
-            found = sorted((int(m[1]), int(m[2]), p) for p in glob.glob(pattern)
-                           if (m := key.search(p)))
+            found = sorted((t, n, p) for t, run in runs for n, p in step_folders(run))
             candidates = [p for _, _, p in reversed(found)]
         fresh = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time())}")
         listed = [[os.path.normpath(p) for p in candidates], fresh]
@@ -224,7 +223,7 @@ def run_paths(args, d: Dist, script: str) -> tuple[str, str | None]:
         if d.main:
             print(f"--resume auto: skipping {path}: {reason}")
     if args.resume == "auto" and ckpt is None and d.main:
-        print(f"--resume auto: no checkpoint of {args.exp_name}__{args.seed}__* under "
+        print(f"--resume auto: no checkpoint of {args.exp_name}__{args.seed}__<time> under "
               f"{args.output_dir}, starting a fresh run")
     step = 0
     if ckpt:
@@ -252,6 +251,20 @@ def run_paths(args, d: Dist, script: str) -> tuple[str, str | None]:
         cleanup()
         raise SystemExit(0)
     return (os.path.dirname(ckpt) if ckpt else fresh), ckpt
+
+
+def own_runs(output_dir: str, exp_name: str, seed: int) -> list[tuple[int, str]]:
+    """The run folders of exp_name and seed under output_dir as (unix time, path): exactly
+    {exp_name}__{seed}__<digits>, so that --exp-name x never takes x__1__1__<time> (--exp-name
+    x__1's run at seed 1) for its own run at seed 1 (cli.check_run_name refuses an --exp-name
+    ending in __<digits>, whose folders a glob of x__1__* would mix with x's)."""
+    name = re.compile(re.escape(f"{exp_name}__{seed}__") + r"(\d+)")
+    try:
+        entries = os.listdir(output_dir)
+    except OSError:  # no --output-dir yet: no runs
+        return []
+    return sorted((int(m[1]), os.path.join(output_dir, e)) for e in entries
+                  if (m := name.fullmatch(e)) and os.path.isdir(os.path.join(output_dir, e)))
 
 
 # What a resumed run may not change: the data order (seed, prompts a rank, the data), the shape of a
@@ -370,33 +383,128 @@ def _claim_run_dir(run_dir: str, ckpt: str | None) -> str:
     remove_partial_checkpoints(run_dir)
     if ckpt is not None:
         set_aside_later_checkpoints(run_dir, int(STEP_DIR.search(ckpt)[1]))
+    report_unlisted_checkpoints(run_dir)
     return run_dir
 
 
 def remove_partial_checkpoints(run_dir: str):
-    """A .tmp_step_N folder is a save that never completed (a kill, a full disk): never resumed,
-    and the space it holds may be what the next save needs. Its writer is gone (this process holds
-    the run's lock), so it is removed, and said so."""
+    """A .tmp_step_N folder is a save that never completed (a kill, a full disk), a .pruned_step_N
+    one a removal that never completed (a kill while pruning): never resumed, and the space they
+    hold may be what the next save needs. Their writer is gone (this process holds the run's lock),
+    so they are removed, and said so."""
     for p in sorted(glob.glob(os.path.join(glob.escape(run_dir), ".tmp_step_*"))):
         shutil.rmtree(p, ignore_errors=True)
         print(f"removed {p}: a checkpoint whose writing never completed")
+    for p in remove_pruned(run_dir, ignore_errors=True):
+        print(f"removed {p}: a checkpoint whose removal (--keep-checkpoints) never completed")
+
+
+def report_unlisted_checkpoints(run_dir: str):
+    """A step_N folder without a manifest is no checkpoint to resume or prune (written before
+    manifests, half deleted by a version that deleted in place, or being copied in): left alone,
+    and said so."""
+    for _, p in step_folders(run_dir):
+        if os.path.isdir(p) and not os.path.exists(os.path.join(p, MANIFEST)):
+            print(f"{p} has no {MANIFEST}: no checkpoint (never resumed or pruned); delete it if "
+                  "it is a partial copy or one cut short while being deleted")
+
+
+PRUNED = ".pruned_"  # .pruned_step_N: a checkpoint being removed by prune_checkpoints
+
+
+def prune_checkpoints(run_dir: str, keep: int):
+    """All but the newest `keep` complete checkpoints removed (0: keep all). Each is renamed to
+    .pruned_step_N first (one atomic step) and only then deleted: a kill in the middle leaves a
+    .pruned_ folder, which the next prune (or the next run's start) finishes removing, never a
+    step_N without its manifest that no prune would touch again. Only names a prune gave are
+    removed: a save in progress writes .tmp_step_N, and a step_N without a manifest stays."""
+    done = [(n, p) for n, p in step_folders(run_dir) if is_checkpoint(p)]
+    for _, old in done[:-keep] if keep else []:
+        gone = os.path.join(run_dir, PRUNED + os.path.basename(old))
+        if os.path.exists(gone):  # an earlier removal of the same step, cut short
+            shutil.rmtree(gone)
+        os.rename(old, gone)
+    remove_pruned(run_dir)
+
+
+def remove_pruned(run_dir: str, ignore_errors: bool = False) -> list[str]:
+    """Delete the .pruned_step_N folders of run_dir (prune_checkpoints); returns them."""
+    found = sorted(glob.glob(os.path.join(glob.escape(run_dir), PRUNED + "step_*")))
+    for p in found:
+        shutil.rmtree(p, ignore_errors=ignore_errors)
+    return found
 
 
 def set_aside_later_checkpoints(run_dir: str, step: int):
-    """A run resumed from step_k (an earlier one than the newest, say) goes on from there: the
-    checkpoints after step k belong to the run it branches from. They are moved into one
-    abandoned_* folder, so that pruning (--keep-checkpoints) and --resume auto never take them for
-    this run's, and said so; nothing is deleted."""
+    """A run resumed from step_k (an earlier one than the newest, say, or the one before a damaged
+    newest that --resume auto skips) goes on from there: the checkpoints after step k belong to the
+    run it branches from. They are moved into one new abandoned_<time> folder, so that pruning
+    (--keep-checkpoints) and --resume auto never take them for this run's, and with them what that
+    run logged after step k (set_aside_logs), which this run's Logger then cuts from the run folder;
+    said so, nothing deleted. The logs go first: a kill in between leaves the checkpoints in place,
+    to be set aside again on the next resume (the logs twice, never lost)."""
     later = [(n, p) for n, p in step_folders(run_dir) if n > step]
     if not later:
         return
-    aside = os.path.join(run_dir, f"abandoned_{time.strftime('%Y%m%d_%H%M%S')}")
-    os.makedirs(aside, exist_ok=True)
+    stamp = os.path.join(run_dir, f"abandoned_{time.strftime('%Y%m%d_%H%M%S')}")
+    aside, i = stamp, 1
+    while True:  # a new folder: two branchings in one second keep apart
+        try:
+            os.mkdir(aside)
+            break
+        except FileExistsError:
+            i += 1
+            aside = f"{stamp}_{i}"
+    logs = set_aside_logs(run_dir, aside, step)
     for _, p in later:
         os.rename(p, os.path.join(aside, os.path.basename(p)))
     print(f"resuming from step {step}: the later checkpoints of the run that went on from it "
-          f"({', '.join(os.path.basename(p) for _, p in later)}) are moved to {aside}; delete it "
-          "when you no longer need them")
+          f"({', '.join(os.path.basename(p) for _, p in later)})"
+          + (f", with {logs}," if logs else "")
+          + f" are moved to {aside}; delete it when you no longer need them")
+
+
+LOGS = ("metrics.jsonl", "samples.jsonl")  # the Logger's rows, one JSON object a line with "step"
+EVENTS = "events.out.tfevents."  # tensorboard's event files (SummaryWriter names them so)
+
+
+def set_aside_logs(run_dir: str, aside: str, step: int) -> str:
+    """What a run logged after step, into aside: the rows of metrics.jsonl and samples.jsonl whose
+    step is later, as they were written (lines a reader opens as the run folder's), and the run's
+    tensorboard event files as they are (a new run's SummaryWriter writes a file of its own, and
+    purges the later steps only from what it shows: in aside, `tensorboard --logdir` shows the
+    abandoned run whole). Returns what was moved, in words ('' for nothing)."""
+    moved = []
+    for name in LOGS:
+        try:
+            with open(os.path.join(run_dir, name)) as f:
+                lines = f.read().split("\n")
+        except FileNotFoundError:
+            continue
+        later = []
+        for line in lines:
+            try:
+                row = json.loads(line, parse_constant=lambda c: None)
+            except ValueError:  # a torn or damaged line: left where it is (the Logger says so)
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > step:
+                later.append(line + "\n")
+        if later:
+            with open(os.path.join(aside, name), "w") as f:
+                f.writelines(later)
+                f.flush()
+                os.fsync(f.fileno())
+            moved.append(name)
+    events = sorted(e for e in os.listdir(run_dir) if e.startswith(EVENTS)
+                    and os.path.isfile(os.path.join(run_dir, e)))
+    for e in events:  # a link where the file system has them (never written again), else a copy
+        src, dst = os.path.join(run_dir, e), os.path.join(aside, e)
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+    rows = f"the {' and '.join(moved)} rows after step {step}" if moved else ""
+    return " and ".join(w for w in (rows, "the tensorboard event files" if events else "") if w)
 
 
 def release_run_dir():
@@ -594,9 +702,7 @@ def save_checkpoint(run_dir: str, step: int, policy, tok, optimizer, scheduler, 
             os.rename(path, tmp + ".old")
         os.rename(tmp, path)
         shutil.rmtree(tmp + ".old", ignore_errors=True)
-        done = [(n, p) for n, p in step_folders(run_dir) if is_checkpoint(p)]
-        for _, old in done[:-args.keep_checkpoints] if args.keep_checkpoints else []:
-            shutil.rmtree(old)
+        prune_checkpoints(run_dir, args.keep_checkpoints)
     barrier()
     return path
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
@@ -416,6 +417,10 @@ def check_run_name(output_dir: str, exp_name: str):
     if exp_name in ("", ".", "..") or "/" in exp_name or os.sep in exp_name:
         fail(f"--exp-name {exp_name!r}: must be one folder name (no '/', not '.' or '..'), so that "
              "the run stays inside --output-dir")
+    if (m := re.fullmatch(r"(.+)__(\d+)", exp_name)):  # its folders start as --exp-name m[1]'s do
+        fail(f"--exp-name {exp_name!r} ends in '__' and a number, as the seed in a run folder's "
+             f"name does ({{exp_name}}__{{seed}}__{{time}}): its runs would read as runs of "
+             f"--exp-name {m[1]} with --seed {m[2]}; name it otherwise (e.g. {m[1]}_{m[2]})")
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         fail(f"--output-dir {output_dir}: is a file, not a folder")
     existing = os.path.abspath(output_dir)

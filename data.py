@@ -164,8 +164,8 @@ def read_source(flag: str, name: str, data_files: str | None, prompt_column: str
             splits = load_hub(flag, name, hub, cfg)
             hint = "name them with --prompt-column and --answer-column"
     else:
-        splits = {"train": read_files(flag, name)} if is_local(name) else load_hub(flag, name,
-                                                                                   name, None)
+        splits = read_files(flag, name, splits=True) if is_local(name) else load_hub(flag, name,
+                                                                                     name, None)
         train_split = "train" if "train" in splits else next(iter(splits))
         test_split = "test" if "test" in splits and train_split != "test" else None
         pcol, acol, instr = prompt_column, answer_column, ""
@@ -253,15 +253,18 @@ def is_local(spec: str) -> bool:
             or glob.has_magic(spec) and bool(glob.glob(spec)))
 
 
-def read_files(flag: str, spec: str):
+def read_files(flag: str, spec: str, splits: bool = False):
     """A local file, folder or glob of files in one of FORMATS, as one `datasets.Dataset`, read by
     `datasets.load_dataset`; an empty or malformed file fails in one line naming it (a JSON lines
-    file: its first line that is not JSON)."""
+    file: its first line that is not JSON). A folder's files must be of one format (folder_formats);
+    splits=True: {split: Dataset}, a folder's files named for their split (train.jsonl, test.jsonl)
+    each their own split, else {"train": the Dataset}."""
     from datasets import disable_progress_bars, load_dataset
     from datasets.utils import logging as datasets_logging
 
     disable_progress_bars()
     if os.path.isdir(spec):
+        check_folder(flag, spec)
         paths, builder = [spec], None
     else:
         paths = sorted(glob.glob(spec)) if glob.has_magic(spec) else [spec]
@@ -282,9 +285,12 @@ def read_files(flag: str, spec: str):
     datasets_logging.set_verbosity(datasets_logging.CRITICAL)  # its own error lines: ours is one
     try:
         if builder is None:
-            splits = load_dataset(spec)
-            return splits["train"] if "train" in splits else next(iter(splits.values()))
-        return load_dataset(builder, data_files=paths, split="train")
+            found = dict(load_dataset(spec))
+            if splits:
+                return found
+            return found["train"] if "train" in found else next(iter(found.values()))
+        d = load_dataset(builder, data_files=paths, split="train")
+        return {"train": d} if splits else d
     except Exception as e:  # noqa: BLE001 - whatever went wrong, one line says so
         if builder == "json":
             for path in paths:
@@ -294,6 +300,44 @@ def read_files(flag: str, spec: str):
         fail(f"{flag} {spec!r}: `datasets` cannot read it ({type(cause).__name__}: {first})")
     finally:
         datasets_logging.set_verbosity(level)
+
+
+def folder_formats(folder: str) -> dict[str, list[str]]:
+    """{format: the folder's files in it} for the files `datasets.load_dataset(folder)` takes for
+    data (its own resolution: hidden files and dataset cards left out), by the builder that reads
+    each (.json and .jsonl: both json). Of several formats `datasets` reads only one, silently:
+    check_folder refuses them."""
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    try:
+        from datasets.packaged_modules import _EXTENSION_TO_MODULE as modules
+        builders = {ext.lower(): module for ext, (module, _) in modules.items()}
+    except ImportError:  # another `datasets` layout: the formats read here
+        builders = dict(FORMATS)
+    try:
+        files = DataFilesDict.from_patterns(get_data_patterns(folder), base_path=folder)
+    except Exception:  # noqa: BLE001 - no data files at all: load_dataset says so in its own words
+        return {}
+    found = {}
+    for paths in files.values():
+        for path in paths:
+            ext = os.path.splitext(path)[1].lower()
+            if ext in builders:
+                found.setdefault(builders[ext], []).append(os.path.relpath(path, folder))
+    return {k: sorted(v) for k, v in sorted(found.items())}
+
+
+def check_folder(flag: str, folder: str):
+    """A folder of data files of one format, else one line naming the formats found."""
+    found = folder_formats(folder)
+    if len(found) < 2:
+        return
+    listed = "; ".join(f"{k}: {', '.join(v[:3])}{' ...' if len(v) > 3 else ''}"
+                       for k, v in found.items())
+    ext = os.path.splitext(next(iter(found.values()))[0])[1]
+    fail(f"{flag} {folder!r}: files of several formats ({listed}), of which `datasets` would read "
+         "one format's and drop the others': give files of one format (move the others out, or "
+         f"pass a glob of one, e.g. {os.path.join(folder, '*' + ext)!r})")
 
 
 def json_lines_error(path: str):
@@ -394,6 +438,8 @@ def check_dataset(name: str, data_files: str | None, flag: str = "--dataset"):
              f"trl-lib/DeepMath-103K, or a local {kinds} file)")
     if is_local(name) and not glob.glob(name):
         fail(f"{flag} {name!r}: no such file")
+    if os.path.isdir(name):
+        check_folder(flag, name)
     if os.path.isfile(name) and not name.lower().endswith(tuple(FORMATS)):
         fail(f"{flag} {name!r}: not a file `datasets` reads here (a {kinds} file)")
     if data_files is not None and name == "builtin":

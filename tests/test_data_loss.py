@@ -1,0 +1,214 @@
+"""Issue 38's data-loss failures, each a test that failed before its fix: --resume auto taking over another
+experiment's run, a folder of mixed formats read in part, branching deleting the later logs, a checkpoint half
+deleted by a kill while pruning left for good."""
+import glob
+import json
+import os
+import sys
+
+import pytest
+
+import checkpoint
+from test_resume import fake_checkpoint
+
+
+def gspo_main(monkeypatch, out, *argv):
+    """gspo.main() in this process, stopped where the model would load: its exit code (or error line)."""
+    import gspo
+
+    monkeypatch.setattr(gspo, "load_model", lambda *a, **k: sys.exit("stopped at the model"))
+    monkeypatch.setattr(sys, "argv", ["gspo.py", *argv, "--output-dir", str(out)])
+    try:
+        with pytest.raises(SystemExit) as e:
+            gspo.main()
+    finally:
+        checkpoint.release_run_dir()
+    return str(e.value.code)
+
+
+# -------------------- 1. --resume auto takes only its own runs
+def test_resume_auto_never_takes_another_experiments_run(tmp_path, monkeypatch, capsys):
+    """x__1__1__<t> is --exp-name x__1's run (seed 1), not a run of --exp-name x with --seed 1: --resume auto for x
+    starts a fresh run beside it and leaves its folder alone; it takes x__1__<t> (its own) when there is one."""
+    other = tmp_path / "x__1__1__1700000000"
+    fake_checkpoint(other / "step_4", step=4, world=1, script="gspo.py", args={"seed": 1, "exp_name": "x__1"})
+    (other / "args.json").write_text('{"exp_name": "x__1"}')
+    before = sorted(str(p.relative_to(other)) for p in other.rglob("*"))
+    assert gspo_main(monkeypatch, tmp_path, "--exp-name", "x", "--resume", "auto") == "stopped at the model"
+    out = capsys.readouterr().out
+    assert "resuming" not in out and "no checkpoint of x__1__<time> under" in out, out
+    assert sorted(str(p.relative_to(other)) for p in other.rglob("*")) == before
+    assert (other / "args.json").read_text() == '{"exp_name": "x__1"}'
+    fresh = [p for p in os.listdir(tmp_path) if p != other.name]
+    assert len(fresh) == 1 and fresh[0].startswith("x__1__") and fresh[0].count("__") == 2
+
+    own = tmp_path / "x__1__1600000000"  # x's own run (older): taken, and not the other experiment's newer one
+    fake_checkpoint(own / "step_2", step=2, world=1, script="gspo.py", args={"seed": 1, "exp_name": "x"})
+    assert gspo_main(monkeypatch, tmp_path, "--exp-name", "x", "--resume", "auto") == "stopped at the model"
+    assert f"resuming {own}/step_2 (step 2)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["x__1", "run__0", "a__b__12"])
+def test_an_exp_name_ending_in_a_seed_like_number_is_refused(name, monkeypatch, tmp_path):
+    """--exp-name x__1 names folders x__1__<seed>__<time>, which start as --exp-name x --seed 1's x__1__<time> do:
+    refused in one line before anything is read."""
+    from test_cli import fails_before_any_model
+
+    fails_before_any_model("gspo", ["--exp-name", name], f"--exp-name {name!r} ends in '__' and a number", monkeypatch,
+                           tmp_path)
+
+
+@pytest.mark.parametrize("name", ["x_1", "x__v1", "x__1a", "x__", "gspo"])
+def test_other_exp_names_are_fine(name):
+    import cli
+
+    cli.check_run_name("runs", name)  # no error
+
+
+# -------------------- 2. a folder of several formats
+def write_rows(path, n, fmt):
+    rows = [{"prompt": f"{path.stem} {i}%10=", "answer": str(i % 10)} for i in range(n)]
+    if fmt == "csv":
+        path.write_text("prompt,answer\n" + "".join(f"{r['prompt']},{r['answer']}\n" for r in rows))
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_a_folder_of_mixed_formats_is_refused_in_one_line(tmp_path, monkeypatch):
+    """a.jsonl and b.csv (20 rows each): `datasets` read one format's files and dropped the other's, silently (18
+    train + 2 held out, "dropped: 0"); now one line names the formats found, before anything is read."""
+    from test_cli import fails_before_any_model
+
+    mix = tmp_path / "mixdir"
+    mix.mkdir()
+    write_rows(mix / "a.jsonl", 20, "json")
+    write_rows(mix / "b.csv", 20, "csv")
+    fails_before_any_model("gspo", ["--dataset", f"{mix}/"], "files of several formats (csv: b.csv; json: a.jsonl)",
+                           monkeypatch, tmp_path)
+    import data
+
+    with pytest.raises(SystemExit) as e:  # the same line from read_files (load_task's callers that skip the checks)
+        data.read_files("--dataset", str(mix))
+    assert "files of several formats (csv: b.csv; json: a.jsonl)" in str(e.value.code)
+
+
+def test_a_folder_of_one_format_reads_every_file(tmp_path):
+    """.json and .jsonl are one format (`datasets`' json builder): every row of both is read."""
+    import common
+    import data
+
+    one = tmp_path / "onedir"
+    one.mkdir()
+    write_rows(one / "a.jsonl", 20, "json")
+    (one / "b.json").write_text(json.dumps([{"prompt": f"b {i}%10=", "answer": str(i)} for i in range(7)]))
+    (one / "README.md").write_text("notes on the data")  # a dataset card, not data
+    train, held, dropped = data.load_task(str(one), None, 3, 0, common.tiny_tokenizer(), None, 100)
+    assert len(train) + len(held) == 27 and dropped == {"no_answer": 0, "too_long": 0}
+
+
+def test_a_folders_test_file_is_its_held_out_split(tmp_path):
+    """train.jsonl and test.jsonl: `datasets` reads them as two splits, of which test's rows were dropped (silently,
+    a tenth of train held out instead); now test.jsonl is held out, as a hub set's test split is."""
+    import common
+    import data
+
+    tt = tmp_path / "ttdir"
+    tt.mkdir()
+    write_rows(tt / "train", 20, "json")
+    os.rename(tt / "train", tt / "train.jsonl")
+    (tt / "test.jsonl").write_text("".join(json.dumps({"prompt": f"t {i}%10=", "answer": str(i)}) + "\n"
+                                           for i in range(5)))
+    train, held, dropped = data.load_task(str(tt), None, 8, 0, common.tiny_tokenizer(), None, 100)
+    assert (len(train), len(held)) == (20, 5) and all(p.startswith("t ") for p in held["prompt"])
+
+
+# -------------------- 3. branching sets the later rows aside with the later checkpoints
+def rows_of(path):
+    return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+
+
+def scalars(folder, tag="charts/reward_mean"):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars(tag)} if tag in acc.Tags()["scalars"] else {}
+
+
+def test_branching_and_skipping_set_the_later_rows_aside(tmp_path, monkeypatch, capsys):
+    """--resume auto skipping a damaged step_4, then --resume step_2 of the run that went on to step 4: the later
+    checkpoints go to abandoned_<time>/ (as before) and with them, each time, the metrics.jsonl and samples.jsonl
+    rows of their steps and the tensorboard event files that hold them (they were deleted: dropped from the files,
+    purged from tensorboard); the run folder keeps only its own branch's rows."""
+    from test_train import run_script
+
+    base = ["--prompts-per-rank", "4", "--save-every", "1", "--log-samples", "1", "--eval-every", "0",
+            "--keep-checkpoints", "0", "--num-steps", "4"]
+    _, run = run_script("gspo", base, monkeypatch, tmp_path)
+    first, first_samples = rows_of(f"{run}/metrics.jsonl"), rows_of(f"{run}/samples.jsonl")
+    assert [r["step"] for r in first] == [1, 2, 3, 4]
+    model = f"{run}/step_4/state/model.safetensors"
+    os.truncate(model, os.path.getsize(model) // 2)
+
+    run_script("gspo", [*base, "--resume", "auto"], monkeypatch, tmp_path)
+    assert f"--resume auto: skipping {run}/step_4" in capsys.readouterr().out
+    (skipped,) = glob.glob(f"{run}/abandoned_*")
+    assert rows_of(f"{skipped}/metrics.jsonl") == first[3:]
+    assert rows_of(f"{skipped}/samples.jsonl") == [r for r in first_samples if r["step"] == 4]
+    assert scalars(skipped)[4] == pytest.approx(first[3]["charts/reward_mean"])
+    second = rows_of(f"{run}/metrics.jsonl")
+
+    rows, _ = run_script("gspo", [*base, "--num-steps", "3", "--learning-rate", "1e-4", "--resume", f"{run}/step_2"],
+                         monkeypatch, tmp_path)
+    (branched,) = set(glob.glob(f"{run}/abandoned_*")) - {skipped}
+    assert sorted(p for p in os.listdir(branched) if p.startswith("step_")) == ["step_3", "step_4"]
+    assert rows_of(f"{branched}/metrics.jsonl") == second[2:]
+    assert [r["step"] for r in rows_of(f"{branched}/samples.jsonl")] == [3] * 16 + [4] * 16
+    old = scalars(branched)
+    assert {s: old[s] for s in (3, 4)} == pytest.approx({r["step"]: r["charts/reward_mean"] for r in second[2:]})
+    assert [r["step"] for r in rows] == [1, 2, 3] and scalars(run).keys() == {1, 2, 3}  # this branch's own
+    assert [r["step"] for r in rows_of(f"{run}/samples.jsonl")] == [1] * 16 + [2] * 16 + [3] * 16
+
+
+# -------------------- 4. a kill while pruning
+class Killed(BaseException):
+    """A kill -9 of the process at this point, in this process: nothing after it runs."""
+
+
+def test_a_checkpoint_half_deleted_by_a_kill_while_pruning_is_removed_later(tmp_path, monkeypatch, capsys):
+    """A kill while --keep-checkpoints 2 deletes step_2 (its manifest and weights gone, the rest not): the next run
+    finishes that removal, and its own pruning leaves exactly the newest 2 checkpoints. Before, the half-deleted
+    step_2 had no manifest, so it was no checkpoint to prune, and stayed for good. A step_N folder without a
+    manifest that no prune started (a checkpoint written before manifests, or being copied in) is left alone."""
+    import shutil
+
+    from test_train import run_script
+
+    real = shutil.rmtree
+
+    def killed_while_removing_step_2(path, *a, **k):
+        if str(path).endswith("step_2") and ".tmp_" not in str(path):
+            os.remove(os.path.join(path, checkpoint.MANIFEST))
+            real(os.path.join(path, "model"))
+            raise Killed
+        return real(path, *a, **k)
+
+    base = ["--prompts-per-rank", "4", "--save-every", "1", "--log-samples", "0", "--eval-every", "0",
+            "--keep-checkpoints", "2"]
+    monkeypatch.setattr(shutil, "rmtree", killed_while_removing_step_2)
+    with pytest.raises(Killed):
+        run_script("gspo", [*base, "--num-steps", "6"], monkeypatch, tmp_path)  # killed in step 4's save
+    checkpoint.release_run_dir()
+    checkpoint.release_stop_signals()
+    monkeypatch.setattr(shutil, "rmtree", real)
+    (run,) = glob.glob(f"{tmp_path}/gspo__*")
+    left = sorted(p for p in os.listdir(run) if "step_" in p)
+    assert "step_3" in left and "step_4" in left and len(left) == 3, left  # step_2, or what its removal renamed
+    foreign = os.path.join(run, "step_0")
+    os.makedirs(os.path.join(foreign, "model"))  # no manifest: never pruned
+    capsys.readouterr()
+
+    run_script("gspo", [*base, "--num-steps", "6", "--resume", "auto"], monkeypatch, tmp_path)
+    out = capsys.readouterr().out
+    assert sorted(p for p in os.listdir(run) if "step_" in p) == ["step_0", "step_5", "step_6"]
+    assert "step_0 has no manifest.json" in out, out

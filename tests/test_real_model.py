@@ -56,6 +56,28 @@ def test_chat_template_and_eos_as_the_model_defines_them(loaded):
     assert common.eos_ids(lm, tok) == [IM_END] and tok.pad_token_id == IM_END and tok.padding_side == "left"
 
 
+def test_the_folder_holds_the_ggufs_weights_and_is_written_once(real_model_dir):
+    """tools/real_model.py: the folder's weights are the GGUF's as the gguf package's own reader de-quantizes them (a
+    Q4_1 matrix of the first layer, an fp32 norm of the last), and a second build finds the folder and writes
+    nothing."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from safetensors import safe_open
+
+    from tools.real_model import build, find_gguf
+
+    tensors = {t.name: t for t in GGUFReader(find_gguf()).tensors}
+    weights = os.path.join(real_model_dir, "model.safetensors")
+    with safe_open(weights, "pt") as f:
+        for ours, theirs in [("model.layers.0.mlp.down_proj.weight", "blk.0.ffn_down.weight"),
+                             ("model.layers.29.input_layernorm.weight", "blk.29.attn_norm.weight")]:
+            t = tensors[theirs]
+            want = torch.from_numpy(dequantize(t.data, t.tensor_type).astype("float32"))
+            assert torch.equal(f.get_tensor(ours), want), ours
+    written = os.stat(weights).st_mtime_ns
+    assert build(quiet=True) == real_model_dir and os.stat(weights).st_mtime_ns == written
+
+
 def reference(lm, tok, prompt: str):
     """HF `generate` on the prompt alone (no padding), greedy: the completion up to its first EOS and the log-prob
     of each of its tokens from the logits `generate` itself returns (an independent path: HF's own cache)."""

@@ -114,7 +114,8 @@ def test_engine_greedy_and_logprobs_equal_hf_generate_and_policy_forward(loaded)
     tok, lm = loaded
     refs = [reference(lm, tok, p) for p in PROMPTS]
     ids = [r[0] for r in refs]
-    assert [len(r[1]) for r in refs] == [3, 8, NEW] and [r[1][-1] == IM_END for r in refs] == [True, True, False]
+    ends = [r[1][-1] == IM_END for r in refs]  # here [3, 8, NEW] tokens: [True, True, False]
+    assert len({len(r[1]) for r in refs}) == 3 and True in ends and False in ends  # ragged, an EOS, a truncation
     comps, logps = engine.generate(lm, ids, 3, [IM_END], max_new_tokens=NEW, temperature=1.0, top_k=1, top_p=1.0,
                                    slots=9, device=CPU, dtype=torch.float32)
     assert comps == [r[1] for r in refs for _ in range(3)]
@@ -128,8 +129,8 @@ def test_engine_greedy_and_logprobs_equal_hf_generate_and_policy_forward(loaded)
                            mode="shared-prefill")
     P = roll["n_prompt"]
     assert [row[P:][m.bool()].tolist() for row, m in zip(roll["input_ids"], roll["mask"])] == comps
-    assert roll["truncated"].tolist() == [False] * 6 + [True] * 3
-    assert roll["texts"][:4:3] == ["No.", "2 + 3 = 5"]  # decoded without the EOS
+    assert roll["truncated"].tolist() == [not e for e in ends for _ in range(3)]
+    assert roll["texts"][::3] == [tok.decode(r[1][:-1] if e else r[1]) for r, e in zip(refs, ends)]  # no EOS text
 
     g = torch.Generator().manual_seed(0)
     comps, logps = engine.generate(lm, ids[1:], 3, [IM_END], max_new_tokens=NEW, temperature=1.0, top_k=0,
@@ -218,7 +219,7 @@ def test_lora_adapter_folder_and_merged_export_write_the_training_models_answer(
     before = greedy(base, tok, prompts)
     trained = common.load_model(step, tok, Dist(0, 1, CPU), 0, lora=spec)[0].eval()
     want = greedy(trained, tok, prompts)
-    assert want != before, want  # the adapters matter
+    assert want != before, want  # the adapters matter (here the answers' wording changes)
     peft = PeftModel.from_pretrained(base, os.path.join(step, lora.ADAPTER_DIR)).eval()
     assert greedy(peft, tok, prompts) == want
     export = AutoModelForCausalLM.from_pretrained(os.path.join(step, "model"), dtype="auto").eval()

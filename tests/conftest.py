@@ -23,7 +23,6 @@ def tiny_dir(tmp_path_factory):
     return path
 
 
-
 def pytest_configure(config):
     config.addinivalue_line("markers", "real_model: uses SmolLM2-135M-Instruct (the real_model_dir fixture; "
                                        "tests/requirements-real-model.txt)")

@@ -94,6 +94,7 @@ def check_model(name: str, trust_remote_code: bool, gen_mode: str = "shared-pref
     and for --gen-mode engine / engine-tp, what the config alone tells (check_engine)."""
     if name == "tiny":
         return check_engine(tiny_config(tiny_tokenizer()), gen_mode)
+    check_not_gguf(name)
     looks_local = name.startswith((".", "/", "~")) or os.path.exists(name) or name.count("/") != 1
     if looks_local and not os.path.isdir(os.path.expanduser(name)):
         fail(f"--model {name!r}: no such folder (give 'tiny', a local model folder, or a hub id "
@@ -111,6 +112,19 @@ def check_model(name: str, trust_remote_code: bool, gen_mode: str = "shared-pref
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         fail(f"--model {name!r}: cannot read its config ({first})")
     check_engine(config, gen_mode)
+
+
+def check_not_gguf(name: str):
+    """A GGUF file (llama.cpp's quantized format), or a folder holding one and no config.json: one
+    line naming the conversion to a model folder (tools/real_model.py), which every path here loads
+    (the scripts save, shard and resume plain HF weights, not GGUF)."""
+    path = os.path.expanduser(name)
+    ggufs = sorted(f for f in os.listdir(path) if f.lower().endswith(".gguf")) if (
+        os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json"))) else []
+    if name.lower().endswith(".gguf") or ggufs:
+        gguf = os.path.join(name, ggufs[0]) if ggufs else name
+        fail(f"--model {name!r}: a GGUF file, not a model folder; convert it first with python "
+             f"tools/real_model.py --gguf {gguf} --out FOLDER, then give --model FOLDER")
 
 
 def check_engine(config, gen_mode: str):

@@ -21,3 +21,34 @@ def tiny_dir(tmp_path_factory):
     common.tiny_model(tok).save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "real_model: uses SmolLM2-135M-Instruct (the real_model_dir fixture; "
+                                       "tests/requirements-real-model.txt)")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects on the marker
+def pytest_collection_modifyitems(config, items):
+    """A test that uses the real model (the real_model_dir fixture) is marked real_model; where the wheel or `gguf`
+    is missing, those tests skip, reported in one line (a skip marker: pytest folds them into one line as long as
+    the tests carry no decorator marks)."""
+    marked = [item for item in items if "real_model_dir" in getattr(item, "fixturenames", ())]
+    if not marked:
+        return
+    from tools.real_model import missing
+
+    why = missing()
+    for item in marked:
+        item.add_marker("real_model")
+        if why:
+            item.add_marker(pytest.mark.skip(reason=f"real model: {why}"))
+
+
+@pytest.fixture(scope="session")
+def real_model_dir():
+    """SmolLM2-135M-Instruct as a plain HF folder, converted once from the wheel's GGUF into $REAL_MODEL_DIR or
+    ~/.cache/group-rl (tools/real_model.py; kept there for the next session)."""
+    from tools.real_model import build
+
+    return build(quiet=True)

@@ -292,7 +292,7 @@ def extract_answer(text: str) -> str | None:
     return next(iter(seen.values())) if len(seen) == 1 else "\\{" + ", ".join(seen.values()) + "\\}"
 
 
-_TEXT_CMD = r"\\(?:text|textbf|textrm|textit|mbox|mathrm|mathbf|operatorname)\s*"
+_TEXT_CMD = r"\\(?:text|textbf|textrm|textit|textnormal|mbox|mathrm|mathbf|operatorname)\s*"
 _UNIT = re.compile(r"(?<=\S)\s*" + _TEXT_CMD
                    + r"\{\s*[A-Za-z][A-Za-z\s.]*\}(?:\s*\^\s*\{?[23]\}?)?$")
 _WORDS_AFTER_NUMBER = re.compile(r"([-+]?[\d.,/]*\d)\s+([A-Za-z]{2,}(?:\s+[A-Za-z]+)*)\.?")
@@ -302,14 +302,14 @@ MAX_ANSWER_CHARS = 1000
 
 
 def normalize_answer(s: str) -> tuple[str, bool]:
-    """An answer in one canonical spelling, and whether it carried a percent sign: \\dfrac and
-    \\tfrac become \\frac, \\sqrt3 and \\frac12 get their braces; \\left/\\right, spacing commands,
-    $ and \\$, degrees (^\\circ), %, a trailing unit (\\text{ cm}, or words after a number: '18.90
-    dollars', but 'percent' is a % and 'pi' is \\pi), a \\text{...} around the whole answer, a
-    leading + and a final period go; 1{,}000 is 1,000; spaces go except between two letters. Pure
-    text."""
-    s = s.strip()
-    s = re.sub(r"\\[dt]frac", r"\\frac", s)
+    """An answer in one canonical spelling, and whether it carried a percent sign: \\dfrac, \\tfrac
+    and \\cfrac become \\frac, the Unicode minus -, \\sqrt3 and \\frac12 get their braces;
+    \\left/\\right, spacing commands, $ and \\$, degrees (^\\circ), %, a trailing unit (\\text{ cm},
+    or words after a number: '18.90 dollars', but 'percent' is a % and 'pi' is \\pi), a \\text{...}
+    around the whole answer, a leading + and a final period go; 1{,}000 is 1,000; spaces go except
+    between two letters. Pure text."""
+    s = s.strip().replace("−", "-")  # the Unicode minus sign
+    s = re.sub(r"\\[dtc]frac", r"\\frac", s)
     s = re.sub(r"\\left(?![a-zA-Z])|\\right(?![a-zA-Z])|\\displaystyle", "", s)
     s = s.replace("{,}", ",").replace("\\$", "").replace("$", "")
     s = re.sub(r"(?<!\\)\\[,!;: ]|~|\\q?quad(?![a-zA-Z])", " ", s)  # not the \\ of a new row
@@ -340,15 +340,19 @@ def normalize_answer(s: str) -> tuple[str, bool]:
 
 def parse_number(s: str) -> Fraction | None:
     """The exact value of a number as answers write it (after normalize_answer): integers, decimals,
-    thousands separators, a/b, \\frac{a}{b}, a sign; None when s is not one number."""
+    thousands separators, a/b, \\frac{a}{b}, a sign, and a decimal times a power of ten (1.5 \\times
+    10^{3}, \\cdot for \\times); None when s is not one number."""
     s = normalize_answer(s)[0]
     if len(s) > 100:  # past Python's digit limits, and no answer worth an exact comparison
         return None
     m = re.fullmatch(r"(-?)\\frac\{(-?[\d.,]+)\}\{(-?[\d.,]+)\}", s)
+    sci = _SCIENTIFIC.fullmatch(s)
     try:
         if m:
             v = Fraction(m.group(2).replace(",", "")) / Fraction(m.group(3).replace(",", ""))
             return -v if m.group(1) else v
+        if sci:
+            return Fraction(sci.group(1)) * Fraction(10) ** int(sci.group(2) or sci.group(3))
         if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
             s = s.replace(",", "")
         if re.fullmatch(r"-?(\d+(\.\d*)?|\.\d+)(/-?\d+)?", s):
@@ -359,30 +363,72 @@ def parse_number(s: str) -> Fraction | None:
     return None
 
 
-def canonical(answer: str) -> tuple[str, frozenset]:
-    """(normalised text, the exact values it may mean): one value for a number, two for a percentage
-    (5% is 5, as answers are often written, and 0.05), none for anything else. Computed once per
-    distinct answer."""
+# a decimal times a power of ten, as normalize_answer leaves it: 1.5\times10^{3}, 2\cdot10^-4
+_SCIENTIFIC = re.compile(r"(-?\d+(?:\.\d+)?)(?:\\times|\\cdot|×|·)10\^(?:\{(-?\d{1,3})\}|(-?\d))")
+# a fraction: its numerator and denominator as written
+_FRACTION = re.compile(r"-?(?:\\frac\{([^{}]*)\}\{([^{}]*)\}|([^/]*)/([^/]*))")
+# the last side of an equation or an approximation: x = 5, 62 + 43 = 105, x \approx 7.78
+_LAST_SIDE = re.compile(r"(?:(?<![<>!])=|\\approx(?![A-Za-z])|≈)((?:(?!\\approx)[^=≈])*)$")
+
+
+def _written_out(s: str) -> bool:
+    """Whether the number s (normalised, parse_number reads it) is written out rather than left to
+    compute: a fraction only with whole numerator and denominator and not equal to a whole number
+    (6/8 is 3/4 written out, 210/2 is a division), a power of ten only in scientific notation (a
+    first factor from 1 to 10); integers, decimals, thousands are."""
+    frac = _FRACTION.fullmatch(s)
+    if frac:
+        num, den = frac.group(1) or frac.group(3), frac.group(2) or frac.group(4)
+        whole = re.compile(r"-?\d+")
+        return bool(whole.fullmatch(num) and whole.fullmatch(den)) and int(num) % int(den) != 0
+    sci = _SCIENTIFIC.fullmatch(s)
+    return sci is None or 1 <= abs(Fraction(sci.group(1))) < 10
+
+
+def stated_number(text: str, percent: bool = False) -> frozenset:
+    """The values an answer (normalised text, and whether it carried a percent sign) states as a
+    number written out (_written_out), alone, in one pair of brackets, or as the last side of an
+    equation or an approximation (x = 5, 62 + 43 = 105, k \\approx 7.78); none when the answer is
+    an expression a grader would have to compute (62+43, 7*15, \\sqrt{16}, 210/2, 10^3). What
+    equals a numeric reference (decide): a policy that echoes the question's expression scores 0
+    (issue 38)."""
+    last = _LAST_SIDE.search(text)
+    side = last.group(1) if last else text
+    inner = re.fullmatch(r"\(([^,]*)\)|\{([^,]*)\}|\[([^,]*)\]", side)  # not (1,300): a pair
+    side = next(g for g in inner.groups() if g is not None) if inner else side
+    v = parse_number(side)
+    if v is None or not _written_out(normalize_answer(side)[0]):
+        return frozenset()
+    return frozenset({v, v / 100}) if percent else frozenset({v})
+
+
+def canonical(answer: str) -> tuple[str, frozenset, frozenset]:
+    """(normalised text, the exact values it may mean, the values it states as a number written
+    out): one value for a number, two for a percentage (5% is 5, as answers are often written, and
+    0.05), none for anything else; stated_number's for the third. Computed once per distinct
+    answer."""
     text, percent = normalize_answer(answer)
     v = parse_number(text)
-    if v is None:
-        return text, frozenset()
-    return text, frozenset({v, v / 100}) if percent else frozenset({v})
+    values = frozenset() if v is None else frozenset({v, v / 100}) if percent else frozenset({v})
+    return text, values, stated_number(text, percent)
 
 
-def decide(pred: tuple[str, frozenset], gold: tuple[str, frozenset]) -> float | None:
-    """The fast path: 1.0 or 0.0 where canonical forms settle it (equal text, two numbers, or plain
-    words, compared without case), None where a symbolic comparison must decide (math-verify, in the
-    grading worker). Numbers compare exactly (0.33 is not 1/3), except against a reference of 6 or
-    more decimals, which the answer rounded to as many decimals must give."""
+def decide(pred: tuple[str, frozenset, frozenset], gold: tuple[str, frozenset, frozenset]
+           ) -> float | None:
+    """The fast path: 1.0 or 0.0 where canonical forms settle it (equal text, a numeric reference,
+    or plain words, compared without case), None where a symbolic comparison must decide
+    (math-verify, in the grading worker). A numeric reference is equalled only by a number the
+    answer writes out (stated_number): never by an expression that computes it, '62 + 43' for 105,
+    which math-verify would evaluate. Numbers compare exactly (0.33 is not 1/3), except against a
+    reference of 6 or more decimals, which the answer rounded to as many decimals must give."""
     if pred[0] == gold[0] and pred[0]:
         return 1.0
-    if pred[1] and gold[1]:
+    if gold[1]:
         # a reference written with 6 or more decimals is a rounded value: 2/3 is right for 0.6666667
         places = re.fullmatch(r"-?\d*\.(\d{6,})%?", gold[0])
         k = len(places.group(1)) if places else None
-        return float(bool(pred[1] & gold[1]) or k is not None
-                     and any(round(p, k) == g for p in pred[1] for g in gold[1]))
+        return float(bool(pred[2] & gold[1]) or k is not None
+                     and any(round(p, k) == g for p in pred[2] for g in gold[1]))
     # text answers; math-verify would read a word as a product of symbols, so 'Evenly' would equal
     # 'Evelyn'
     if _WORD.fullmatch(pred[0]) or _WORD.fullmatch(gold[0]):

@@ -15,7 +15,8 @@ ISSUE = [
     (r"The ratio is $\frac13$", "13", 0),  # was graded on 13
     (r"so the slope is $-\frac{10}{9}$", "-10/9", 1),
     (r"so the slope is $-\frac{10}{9}$", "9", 0),  # was graded on 9
-    (r"The answer is $\sqrt{16}$", "4", 1),
+    (r"The answer is $\sqrt{16}$", "4", 0),  # an expression to compute: no credit (issue 38; was 1)
+    (r"The answer is $\sqrt{16} = 4$", "4", 1),  # the number written out: the last side of an equation
     (r"The answer is $\sqrt{16}$", "16", 0),  # was graded on 16
     (r"The golden ratio is $\frac{1+\sqrt{5}}{2}$", "2", 0),  # was a false positive
     (r"The golden ratio is $\frac{1+\sqrt{5}}{2}$", r"\frac{1+\sqrt5}{2}", 1),
@@ -25,6 +26,21 @@ ISSUE = [
     (r"x = \frac{1+\sqrt{5}}{2}", "2", 0),  # bare LaTeX: no number inside it is the answer
     (r"The area is $2\pi$ square units.", "2", 0),
     (r"The answer is $2x+1$", "1", 0),
+]
+
+# ---- issue 38: a policy (SmolLM2-135M, 2-digit addition) learned to box the question's own expression, which
+# math-verify evaluates; where the reference is a number only a number written out scores
+ECHO = [
+    (r"What is 62 + 43? The answer is $\boxed{62 + 43}$.", "105", 0),
+    (r"\boxed{62+43}", "105", 0),
+    (r"The total is $7 \times 15$.", "105", 0),
+    (r"So we have \boxed{\frac{210}{2}} apples.", "105", 0),
+    (r"Thus \boxed{\sqrt{11025}}", "105", 0),
+    (r"62 + 43 = \boxed{105}", "105", 1),
+    (r"The answer is $62 + 43 = 105$.", "105", 1),
+    (r"\boxed{105 \text{ apples}}", "105", 1),
+    (r"\boxed{1{,}050}", "1050", 1),
+    (r"\boxed{105.0}", "105", 1),
 ]
 
 # ---- huggingface/Math-Verify, tests/test_all.py (long completions shortened to their last sentences)
@@ -44,9 +60,9 @@ MATH_VERIFY = [
     ("Answer $ 9 $", "9", 1),
     ("Answer $$ 9 $$", "9", 1),
     (r"Answer \( 9 \)", "9", 1),
-    (r"Answer \( (9+1) \)", "10", 1),
+    (r"Answer \( (9+1) \)", "10", 0),  # an expression to compute: no credit (issue 38; was 1)
     (r"Answer $ \frac{1}{2} \$ = \frac{10}{9} $", "10/9", 1),
-    (r"$\frac3{3} $", "1", 1),
+    (r"$\frac3{3} $", "1", 0),  # a fraction equal to a whole number is a division (issue 38; was 1)
     (r"$\sqrt3 $", r"\sqrt{3}", 1),
     (r"$\cfrac{1}{3} $", "1/3", 1),
     (r"$\left( \frac{1}{3} \right)$", "1/3", 1),
@@ -241,7 +257,7 @@ INSPECT = [
     (r"$\{1,2,3\}$", r"$\{3, 2, 1\}$", 1),
     (r"$\left(1, 2\right)$", r"$\left(1, 2\right)$", 1),
     (r"\boxed{1.5 \times 10^3}", "1500", 1),
-    (r"\boxed{x^2 - x^2}", "0", 1),
+    (r"\boxed{x^2 - x^2}", "0", 0),  # an expression to compute: no credit (issue 38; was 1)
     ("-1 + sqrt(3)", r"\sqrt{3} - 1", 1),
     (r"\left( 3, \frac{\pi}{2} \right)", r"\left(3,\frac{\pi}{2}\right)", 1),
     (r"(-\infty,-8)\cup (8,\infty)", r"(-\infty,-8)\cup (8,\infty)", 1),
@@ -299,17 +315,17 @@ AREAL = [
     ("-15", "-15", 1),
     ("x = 3", "3", 1),
     ("Step 1: Calculate\nStep 2: Simplify\nFinal answer: 42", "42", 1),
-    ("$10^3$", "1000", 1),
+    ("$10^3$", "1000", 0),  # an expression to compute: no credit (issue 38; was 1)
     ("[45 degrees]", "45", 1),
     ("[-3]", "-3", 1),
-    (r"[$\sqrt{4}$]", "2", 1),
+    (r"[$\sqrt{4}$]", "2", 0),  # an expression to compute: no credit (issue 38; was 1)
     ("First try [30], second try [45].", "45", 1),
-    (r"[$\sqrt{\sqrt{16}}$]", "2", 1),
+    (r"[$\sqrt{\sqrt{16}}$]", "2", 0),  # an expression to compute: no credit (issue 38; was 1)
     ("999999999999999", "999999999999999", 1),
     ("0.0000001", "0.0000001", 1),
     ("4", "12/3", 1),
     ("4", "3/12", 0),
-    ("3+2", "5", 1),
+    ("3+2", "5", 0),  # an expression to compute: no credit (issue 38; was 1)
     (r"$e^{i\pi} = -1$", "-1", 1),
     ("$10^3 = 1000$", "1000", 1),
     (r"$1 \times 10^3$", "1000", 1),
@@ -326,11 +342,11 @@ AREAL = [
     (r"\boxed{2.23}", "2.232", 0),
     (r"\boxed{2.232}", "2.23", 0),
     (r"The final answer is \boxed{2/3}.", "0.6666667", 1),
-    (r"Area equals \boxed{10^4} square units", "10000", 1),
+    (r"Area equals \boxed{10^4} square units", "10000", 0),  # an expression to compute: no credit (issue 38; was 1)
     (r"Result: \boxed{(1/2)^{2} + \sqrt{9}}", "0.25 + 3", 1),
 ]
 
-CASES = [(*c, src) for src, group in [("issue", ISSUE), ("Math-Verify", MATH_VERIFY),
+CASES = [(*c, src) for src, group in [("issue", ISSUE), ("issue 38", ECHO), ("Math-Verify", MATH_VERIFY),
                                         ("Math-Verify boxes", MATH_VERIFY_BOXES), ("lm-eval", LM_EVAL),
                                         ("inspect_ai", INSPECT), ("AReaL", AREAL)] for c in group]
 
@@ -391,7 +407,8 @@ def test_answers_are_read_where_models_write_them(text, answer):
 @pytest.mark.parametrize("text, ref, expected", [
     (r"The ratio is $\frac13$", "1/3", 1.0), (r"The ratio is $\frac13$", "13", 0.0),
     (r"so the slope is $-\frac{10}{9}$", "-10/9", 1.0), (r"so the slope is $-\frac{10}{9}$", "9", 0.0),
-    (r"The answer is $\sqrt{16}$", "4", 1.0), (r"The answer is $\sqrt{16}$", "16", 0.0),
+    (r"The answer is $\sqrt{16}$", "4", 0.0),  # read right, but an expression to compute (issue 38)
+    (r"The answer is $\sqrt{16}$", "16", 0.0),
     (r"The golden ratio is $\frac{1+\sqrt{5}}{2}$", "2", 0.0),  # the false positive of the issue
     ("She picks 5 + 50 = 55 apples.\n####: 55", "55", 1.0),
 ])

@@ -346,9 +346,87 @@ AREAL = [
     (r"Result: \boxed{(1/2)^{2} + \sqrt{9}}", "0.25 + 3", 1),
 ]
 
+# ---- issue 38: answers in <answer> tags (the R1-Zero template) and numbers with units, and the guards kept
+TAGS_UNITS = [
+    ("<think>2+3 is 5</think><answer>5</answer>", "5", 1),
+    (r"<think>so \boxed{4}?</think>" "\n" r"<answer>\boxed{5}</answer>", "5", 1),  # the tag, not the box before it
+    ("<answer>The answer is 7.</answer> Or maybe 8", "7", 1),  # the tag's contents read as any completion
+    ("<think>it is A</think><answer>(C)</answer>", "C", 1),
+    ("<think>7 * 8 = 56</think><answer>56", "56", 1),  # a tag the completion ends in, unclosed
+    ("<answer>1</answer> then <answer>2</answer>", "2", 1),  # the last tag
+    ("<think>about 3</think><answer></answer>", "3", 0),  # an empty tag is no answer
+    ("<answer>x7</answer>", "7", 0),  # the guards hold inside a tag
+    ("<answer>62 + 43</answer>", "105", 0),
+    ("It is 12cm.", "12", 1),
+    (r"The speed is $50$ km/h, so \boxed{50 km/h}", "50", 1),
+    ("The speed is 50 km/h.", "50", 1),
+    ("so g = 9.8 m/s^2", "9.8", 1),
+    (r"\boxed{100 m^2}", "100", 1),
+    (r"The temperature is -5.5°C", "-5.5", 1),
+    (r"\boxed{-5.5^\circ \mathrm{C}}", "-5.5", 1),
+    (r"\boxed{25 \mu m}", "25", 1),
+    (r"It costs \boxed{€5}.", "5", 1),
+    ("It costs 5€.", "5", 1),
+    (r"\boxed{7x}", "7", 0),  # x is no unit: 7 times x
+    (r"\boxed{12 cm}", "13", 0),
+    ("x7 and K2", "7", 0),
+    (r"\boxed{5 \cdot 2 kg}", "10", 0),  # a product with a unit is still a product
+]
+
+# ---- NVIDIA-NeMo/RL, tests/unit/environments/test_math_environment.py
+NEMO_RL = [
+    (r"2 + 2 = \boxed{4}", "4", 1),
+    (r"3 * 4 = \boxed{12}", r"\boxed{12}", 1),  # a reference written boxed
+    ("<think>2 + 2 = 4</think>\n<answer>4</answer>", "4", 1),
+    ("<think>3 * 4 = 12</think>\n<answer>12.5</answer>", "12", 0),
+    ("<think>10 - 5 = 5\n<answer>5</answer>", "5", 1),  # no </think>: the answer tag still counts
+    (r"2 + 2 = \boxed{\frac{8}{2}}", "4.0", 0),  # NeMo-RL scores 1: a division to compute (issue 38)
+    ("3 * 4 = 13", r"\boxed{12}", 0),
+]
+
+# ---- meta-pytorch/torchforge, tests/unit_tests/rl/test_math_reward.py
+TORCHFORGE = [
+    ("#### -3.14", "-3.14", 1),
+    ("Some text #### 123.45", "123.45", 1),
+    ("Answer: 123", "123", 1),
+    ("Result: -5.5", "-5.5", 1),
+    ("x = 42.", "42", 1),
+    ("calculation = -7.5.", "-7.5", 1),
+    ("We get 3.14", "3.14", 1),
+    ("First 10, then 20, finally 30", "30", 1),
+    ("#### 5 but actually #### 10", "10", 1),
+    ("No numbers here", "42", 0),
+    ("THE ANSWER IS 42", "42", 1),
+    ("42.1", "42", 0),
+    ("42.0000001", "42", 0),  # torchforge accepts within 1e-6; numbers compare exactly here
+    ("-5", "-4.9", 0),
+    ("1000001", "1000000", 0),
+    ("The answer is 0", "0.0", 1),
+    ("Let me solve this step by step:\nFirst, I calculate 2 + 3 = 5\nThen, I multiply by 4: 5 * 4 = 20\n"
+     "Finally, I subtract 8: 20 - 8 = 12\n#### 12", "12", 1),
+    ("The cost is $42.50", "42.5", 1),
+    ("Distance: 3.14 meters", "3.14", 1),
+    ("Temperature is -5.5°C", "-5.5", 1),
+    ("Temperature: -5.5 degrees", "-5.5", 1),
+    ("Cost is $3.14 per item", "3.14", 1),
+    ("There are 42 items", "42", 1),
+]
+
+# ---- volcengine/verl, tests/utils/reward_score/test_numeric_canonicalization_on_cpu.py (verl's math reward)
+VERL = [
+    ("33", r"\boxed{033}", 1),
+    ("33", r"\boxed{+033}", 1),
+    ("0", r"\boxed{-0}", 1),
+    ("0", r"\boxed{000}", 1),
+    (r"\boxed{33a}", "33", 0),
+    (r"\boxed{--33}", "33", 0),
+]
+
 CASES = [(*c, src) for src, group in [("issue", ISSUE), ("issue 38", ECHO), ("Math-Verify", MATH_VERIFY),
                                         ("Math-Verify boxes", MATH_VERIFY_BOXES), ("lm-eval", LM_EVAL),
-                                        ("inspect_ai", INSPECT), ("AReaL", AREAL)] for c in group]
+                                        ("inspect_ai", INSPECT), ("AReaL", AREAL), ("issue 38 tags, units", TAGS_UNITS),
+                                        ("NeMo-RL", NEMO_RL), ("torchforge", TORCHFORGE), ("verl", VERL)]
+         for c in group]
 
 
 @pytest.fixture(scope="module")
@@ -416,6 +494,32 @@ def test_the_issue_cases_are_graded_right(reward, text, ref, expected):
     assert grade(reward, [text], [ref]) == [expected]
 
 
+@pytest.mark.parametrize("text, answer", [
+    ("<think>2+3 is 5</think><answer>5</answer>", "5"),
+    ("<think>so \\boxed{4}?</think><answer>\\boxed{5}</answer>", "5"),  # the tag's box, not the one before it
+    ("<answer>The answer is 7.</answer> Or maybe 8", "7"),  # what follows the tag is not read
+    ("<answer>(C)</answer>", "(C)"),  # no number in the tag: its text
+    ("<answer>1</answer> then <answer>2</answer>", "2"),  # the last tag
+    ("<think>7 * 8 = 56</think><answer>56", "56"),  # unclosed: to the end of the completion
+    ("<think>about 3</think><answer></answer>", None),  # an empty tag: no answer
+    ("<answer>x7</answer>", "x7"),  # never 7: the tag's text, as no number stands alone in it
+    ("The speed is 50 km/h.", "50 km/h"),  # a unit after a number is no prose: the line is read whole
+    ("It is 12cm.", "12"),
+])
+def test_answer_tags_are_read_and_units_are_no_prose(text, answer):
+    assert grader.extract_answer(text) == answer
+
+
+@pytest.mark.parametrize("answer, number", [
+    ("12cm", "12"), ("5 kg", "5"), ("50 km/h", "50"), ("9.8 m/s^2", "9.8"), ("100 m^2", "100"), ("100 m", "100"),
+    ("3 h", "3"), ("25 \\mu m", "25"), ("-5.5°C", "-5.5"), ("-5.5^\\circ \\mathrm{C}", "-5.5"), ("20 °F", "20"),
+    ("€5", "5"), ("5€", "5"), ("£20", "20"), ("\\$30", "30"), ("5 \\, \\mathrm{m/s}", "5"),
+    ("7x", "7x"), ("5m", "5m"), ("2\\pi", "2\\pi"), ("x7", "x7"),  # a letter glued to a number may be a variable
+])
+def test_a_unit_after_a_number_goes(answer, number):
+    assert grader.normalize_answer(answer)[0] == number
+
+
 @pytest.mark.parametrize("text", [
     r"$\frac{1+\sqrt{5}}{2}$", r"\frac{1+\sqrt{5}}{2}", r"so x = 2^{10}", r"it is \sqrt 5", r"$2\pi$", r"2\pi r",
     r"we get 2x + 1", r"$$x^2 + 3x + 2$$ is what we get", r"\[ \binom{5}{2} \] ways", r"x_1 + x_2",
@@ -468,6 +572,8 @@ def test_a_list_equals_a_reference_holding_the_same_values(reward, text, ref, ex
     (r"\boxed{-2} and \boxed{1}. Done", ". Done"),  # a list ends with its last box
     ("#### 42 done", " done"),
     ("7", ""),
+    ("<think>3</think><answer>5</answer> ok", " ok"),  # a tag ends with its </answer>
+    (r"<answer>\boxed{5}</answer>. ok", ". ok"),
 ])
 def test_answer_span_ends_where_the_final_answer_ends(text, after):
     """gspo_token's post-answer penalty hits what follows answer_span's end; the span is the answer as extracted."""

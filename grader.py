@@ -218,7 +218,9 @@ def _bare_math(text: str, spans: list) -> list[tuple]:
     k = bisect.bisect_left(spans, (start,))
     if k < len(spans) or (k > 0 and spans[k - 1][1] > start):
         return []  # a math span on the line: its items say
-    words = list(_outside_braces(text, start, _PROSE.finditer(text, start, end)))  # not \text{cm}'s
+    # its words of prose: not those inside \text{...}, nor a unit after a number ('50 km/h')
+    words = [w for w in _outside_braces(text, start, _PROSE.finditer(text, start, end))
+             if not _unit_after_number(text, start, w)]
     start = words[-1].end() if words else start
     tail = text[start:end].strip(" \t:,")
     if (not tail or len(tail) > _MAX_REMAINDER or _NUM_RE.fullmatch(tail)
@@ -226,6 +228,12 @@ def _bare_math(text: str, spans: list) -> list[tuple]:
         return []
     s = text.index(tail, start)
     return [(s, s + len(tail), s, s + len(tail))]
+
+
+def _unit_after_number(text: str, lo: int, word: re.Match) -> bool:
+    """Whether word is a unit (_UNIT_WORD) written after a number: the cm of '12 cm', '12cm'."""
+    return (re.fullmatch(_UNIT_WORD, word.group()) is not None
+            and re.search(r"\d\s*$", text[lo:word.start()]) is not None)
 
 
 def _final_answer(text: str) -> list[tuple[int, int, int, int]]:
@@ -236,7 +244,11 @@ def _final_answer(text: str) -> list[tuple[int, int, int, int]]:
     the rest of its line). Without one: the last math span or standalone number of the completion
     (with the items glued before it) when it is a math span that ends the completion, else the
     completion's last line when it is math without delimiters (_bare_math: 'x=2' rather than its 2),
-    else that last math span or number."""
+    else that last math span or number. A completion with an <answer> tag (the R1-Zero template,
+    '<think>...</think><answer>5</answer>') answers inside its last one (_tagged)."""
+    tagged = _tagged(text)
+    if tagged is not None:
+        return tagged
     box = _boxes(text)
     if box == []:
         return []  # an unclosed last box: cut inside its answer
@@ -267,6 +279,30 @@ def _final_answer(text: str) -> list[tuple[int, int, int, int]]:
     return _bare_math(text, spans) or found
 
 
+def _tagged(text: str) -> list[tuple[int, int, int, int]] | None:
+    """The final answer of the completion's last <answer> tag: its contents read as a completion
+    (_final_answer: boxed or not, a sentence, a number), else, with nothing found there, its text
+    (a word, '(C)'); the first piece starts at <answer>, the last ends after </answer> (at the end
+    of the completion when no </answer> closes it). None when there is no <answer>."""
+    start = text.rfind("<answer>")
+    if start < 0:
+        return None
+    lo = start + len("<answer>")
+    close = text.find("</answer>", lo)
+    hi, end = (close, close + len("</answer>")) if close >= 0 else (len(text), len(text))
+    inner = text[lo:hi]
+    pieces = _final_answer(inner)
+    rest = inner.strip()
+    if not pieces and rest and len(rest) <= _MAX_REMAINDER and "\\boxed" not in rest:
+        s = inner.index(rest)
+        pieces = [(s, s + len(rest), s, s + len(rest))]
+    pieces = [(a + lo, b + lo, c + lo, d + lo) for a, b, c, d in pieces]
+    if pieces:
+        pieces[0] = (start, *pieces[0][1:])
+        pieces[-1] = (pieces[-1][0], end, *pieces[-1][2:])
+    return pieces
+
+
 def answer_span(text: str) -> tuple[int, int] | None:
     """Where the final answer (_final_answer) lies in text, as (start, end) character offsets: from
     its first piece's start (\\boxed, the opening $, '####', the number) to after its last piece:
@@ -292,9 +328,22 @@ def extract_answer(text: str) -> str | None:
     return next(iter(seen.values())) if len(seen) == 1 else "\\{" + ", ".join(seen.values()) + "\\}"
 
 
-_TEXT_CMD = r"\\(?:text|textbf|textrm|textit|mbox|mathrm|mathbf|operatorname)\s*"
+_TEXT_CMD = r"\\(?:text|textbf|textrm|textit|textnormal|mbox|mathrm|mathbf|operatorname)\s*"
 _UNIT = re.compile(r"(?<=\S)\s*" + _TEXT_CMD
-                   + r"\{\s*[A-Za-z][A-Za-z\s.]*\}(?:\s*\^\s*\{?[23]\}?)?$")
+                   + r"\{\s*[A-Za-z][A-Za-z\s./^\d]*\}(?:\s*\^\s*\{?[23]\}?)?$")
+# Units after a number, written without \\text: SI and common ones, glued to the number or not
+# (12cm, 5 kg, 50 km/h, 9.8 m/s^2, 100 m^2); a one-letter unit only after a space (100 m, 3 h), as
+# 5m or 3h may be a product with a variable. The number alone is the answer.
+_UNIT_WORD = (r"(?:[kcmnµμ]m|\\mu\s*m|[km]g|lbs?|oz|m[lL]|gal|qt|ms|sec|min|hrs?|ft|yd|mi|mph|kph"
+              r"|[kMG]?Hz|k[NJW]|kWh|mA|k?Pa|atm|mol|eV|k?cal)")
+_UNIT_LETTER = r"(?:[mgshLNJWVK]|in)"
+_POWER = r"(?:\^\s*\{?\s*[23]\s*\}?|[²³])?"
+_NUMBER_UNIT = re.compile(r"([-+]?[\d.,/]*\d)(?:\s*" + _UNIT_WORD + r"|\s+" + _UNIT_LETTER
+                          + ")" + _POWER + r"(?:\s*/\s*(?:" + _UNIT_WORD + "|" + _UNIT_LETTER + ")"
+                          + _POWER + r")?\.?")
+# currency signs before or after a number ($ and \\$ go with the other dollars)
+_CURRENCY = re.compile(r"^(?:[€£¥₹]|\\(?:euro|pounds|yen|textdollar|textsterling)"
+                       r"(?![A-Za-z]))\s*|(?<=\d)\s*(?:[€¢]|\\euro(?![A-Za-z]))$")
 _WORDS_AFTER_NUMBER = re.compile(r"([-+]?[\d.,/]*\d)\s+([A-Za-z]{2,}(?:\s+[A-Za-z]+)*)\.?")
 _WORD = re.compile(r"[A-Za-z]+(?: [A-Za-z]+)*")
 # a longer extracted answer is not graded: it scores 0 and counts as a reward error
@@ -302,24 +351,34 @@ MAX_ANSWER_CHARS = 1000
 
 
 def normalize_answer(s: str) -> tuple[str, bool]:
-    """An answer in one canonical spelling, and whether it carried a percent sign: \\dfrac and
-    \\tfrac become \\frac, \\sqrt3 and \\frac12 get their braces; \\left/\\right, spacing commands,
-    $ and \\$, degrees (^\\circ), %, a trailing unit (\\text{ cm}, or words after a number: '18.90
-    dollars', but 'percent' is a % and 'pi' is \\pi), a \\text{...} around the whole answer, a
-    leading + and a final period go; 1{,}000 is 1,000; spaces go except between two letters. Pure
-    text."""
-    s = s.strip()
-    s = re.sub(r"\\[dt]frac", r"\\frac", s)
+    """An answer in one canonical spelling, and whether it carried a percent sign: \\dfrac, \\tfrac
+    and \\cfrac become \\frac, the Unicode minus -, \\sqrt3 and \\frac12 get their braces;
+    \\left/\\right, spacing commands, $, \\$ and the other currency signs (€5, 5€, £20), degrees
+    (^\\circ, °, with a C or F after them), %, a trailing unit (\\text{ cm}, an SI or common unit:
+    12cm, 50 km/h, 9.8 m/s^2, 100 m; or words after a number: '18.90 dollars', but 'percent' is a %
+    and 'pi' is \\pi), a \\boxed{} or \\text{...} around the whole answer, a leading + and a final
+    period go; 1{,}000 is 1,000; spaces go except between two letters. Pure text."""
+    s = s.strip().replace("−", "-")  # the Unicode minus sign
+    boxed = re.fullmatch(r"\\boxed\s*\{(.*)\}", s, re.S)  # a reference written boxed
+    if boxed and _closing_brace(s, s.index("{") + 1) == len(s) - 1:
+        s = boxed.group(1).strip()
+    s = re.sub(r"\\[dtc]frac", r"\\frac", s)
     s = re.sub(r"\\left(?![a-zA-Z])|\\right(?![a-zA-Z])|\\displaystyle", "", s)
     s = s.replace("{,}", ",").replace("\\$", "").replace("$", "")
     s = re.sub(r"(?<!\\)\\[,!;: ]|~|\\q?quad(?![a-zA-Z])", " ", s)  # not the \\ of a new row
-    s = re.sub(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|°|\\degree", "", s)
+    # degrees, Celsius and Fahrenheit: -5.5°C, 20^{\\circ}\\text{F}
+    s = re.sub(r"(?:\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|°|\\degree)\s*"
+               r"(?:\\(?:text|mathrm)\s*\{\s*[CF]\s*\}|[CF](?![A-Za-z]))?", "", s)
+    s = _CURRENCY.sub("", s)
     percent = "%" in s
     s = re.sub(r"\\?%", "", s).strip()
     s = _UNIT.sub("", s).strip()
     whole = re.fullmatch(_TEXT_CMD + r"\{([^{}]*)\}", s)
     if whole:
         s = whole.group(1).strip()
+    unit = _NUMBER_UNIT.fullmatch(s)
+    if unit:
+        s = unit.group(1)
     after = _WORDS_AFTER_NUMBER.fullmatch(s)
     if after and after.group(2).lower() == "pi":  # '2 pi' is a number times pi, not a unit
         s = after.group(1) + "\\pi"
@@ -340,15 +399,19 @@ def normalize_answer(s: str) -> tuple[str, bool]:
 
 def parse_number(s: str) -> Fraction | None:
     """The exact value of a number as answers write it (after normalize_answer): integers, decimals,
-    thousands separators, a/b, \\frac{a}{b}, a sign; None when s is not one number."""
+    thousands separators, a/b, \\frac{a}{b}, a sign, and a decimal times a power of ten (1.5 \\times
+    10^{3}, \\cdot for \\times); None when s is not one number."""
     s = normalize_answer(s)[0]
     if len(s) > 100:  # past Python's digit limits, and no answer worth an exact comparison
         return None
     m = re.fullmatch(r"(-?)\\frac\{(-?[\d.,]+)\}\{(-?[\d.,]+)\}", s)
+    sci = _SCIENTIFIC.fullmatch(s)
     try:
         if m:
             v = Fraction(m.group(2).replace(",", "")) / Fraction(m.group(3).replace(",", ""))
             return -v if m.group(1) else v
+        if sci:
+            return Fraction(sci.group(1)) * Fraction(10) ** int(sci.group(2) or sci.group(3))
         if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
             s = s.replace(",", "")
         if re.fullmatch(r"-?(\d+(\.\d*)?|\.\d+)(/-?\d+)?", s):
@@ -359,30 +422,71 @@ def parse_number(s: str) -> Fraction | None:
     return None
 
 
-def canonical(answer: str) -> tuple[str, frozenset]:
-    """(normalised text, the exact values it may mean): one value for a number, two for a percentage
-    (5% is 5, as answers are often written, and 0.05), none for anything else. Computed once per
-    distinct answer."""
+# a decimal times a power of ten, as normalize_answer leaves it: 1.5\times10^{3}, 2\cdot10^-4
+_SCIENTIFIC = re.compile(r"(-?\d+(?:\.\d+)?)(?:\\times|\\cdot|×|·)10\^(?:\{(-?\d{1,3})\}|(-?\d))")
+# a fraction: its numerator and denominator as written
+_FRACTION = re.compile(r"-?(?:\\frac\{([^{}]*)\}\{([^{}]*)\}|([^/]*)/([^/]*))")
+# the last side of an equation or an approximation: x = 5, 62 + 43 = 105, x \approx 7.78
+_LAST_SIDE = re.compile(r"(?:(?<![<>!])=|\\approx(?![A-Za-z])|≈)((?:(?!\\approx)[^=≈])*)$")
+
+
+def _written_out(s: str) -> bool:
+    """Whether the number s (normalised, parse_number reads it) is written out rather than left to
+    compute: a fraction only with whole numerator and denominator and not equal to a whole number
+    (6/8 is 3/4 written out, 210/2 is a division), a power of ten only in scientific notation (a
+    first factor from 1 to 10); integers, decimals, thousands are."""
+    frac = _FRACTION.fullmatch(s)
+    if frac:
+        num, den = frac.group(1) or frac.group(3), frac.group(2) or frac.group(4)
+        whole = re.compile(r"-?\d+")
+        return bool(whole.fullmatch(num) and whole.fullmatch(den)) and int(num) % int(den) != 0
+    sci = _SCIENTIFIC.fullmatch(s)
+    return sci is None or 1 <= abs(Fraction(sci.group(1))) < 10
+
+
+def stated_number(answer: str) -> frozenset:
+    """The values an answer states as a number written out (_written_out), alone, in one pair of
+    brackets, or as the last side of an equation or an approximation (x = 5, 62 + 43 = 105,
+    k \\approx 7.78), with its unit, percent sign or currency; none when the answer is an expression
+    a grader would have to compute (62+43, 7*15, \\sqrt{16}, 210/2, 10^3). What equals a numeric
+    reference (decide): a policy that echoes the question's expression scores 0 (issue 38)."""
+    last = _LAST_SIDE.search(answer)
+    text, percent = normalize_answer(last.group(1) if last else answer)
+    inner = re.fullmatch(r"\(([^,]*)\)|\{([^,]*)\}|\[([^,]*)\]", text)  # not (1,300): a pair
+    side = next(g for g in inner.groups() if g is not None) if inner else text
+    v = parse_number(side)
+    if v is None or not _written_out(normalize_answer(side)[0]):
+        return frozenset()
+    return frozenset({v, v / 100}) if percent else frozenset({v})
+
+
+def canonical(answer: str) -> tuple[str, frozenset, frozenset]:
+    """(normalised text, the exact values it may mean, the values it states as a number written
+    out): one value for a number, two for a percentage (5% is 5, as answers are often written, and
+    0.05), none for anything else; stated_number's for the third. Computed once per distinct
+    answer."""
     text, percent = normalize_answer(answer)
     v = parse_number(text)
-    if v is None:
-        return text, frozenset()
-    return text, frozenset({v, v / 100}) if percent else frozenset({v})
+    values = frozenset() if v is None else frozenset({v, v / 100}) if percent else frozenset({v})
+    return text, values, stated_number(answer)
 
 
-def decide(pred: tuple[str, frozenset], gold: tuple[str, frozenset]) -> float | None:
-    """The fast path: 1.0 or 0.0 where canonical forms settle it (equal text, two numbers, or plain
-    words, compared without case), None where a symbolic comparison must decide (math-verify, in the
-    grading worker). Numbers compare exactly (0.33 is not 1/3), except against a reference of 6 or
-    more decimals, which the answer rounded to as many decimals must give."""
+def decide(pred: tuple[str, frozenset, frozenset], gold: tuple[str, frozenset, frozenset]
+           ) -> float | None:
+    """The fast path: 1.0 or 0.0 where canonical forms settle it (equal text, a numeric reference,
+    or plain words, compared without case), None where a symbolic comparison must decide
+    (math-verify, in the grading worker). A numeric reference is equalled only by a number the
+    answer writes out (stated_number): never by an expression that computes it, '62 + 43' for 105,
+    which math-verify would evaluate. Numbers compare exactly (0.33 is not 1/3), except against a
+    reference of 6 or more decimals, which the answer rounded to as many decimals must give."""
     if pred[0] == gold[0] and pred[0]:
         return 1.0
-    if pred[1] and gold[1]:
+    if gold[1]:
         # a reference written with 6 or more decimals is a rounded value: 2/3 is right for 0.6666667
         places = re.fullmatch(r"-?\d*\.(\d{6,})%?", gold[0])
         k = len(places.group(1)) if places else None
-        return float(bool(pred[1] & gold[1]) or k is not None
-                     and any(round(p, k) == g for p in pred[1] for g in gold[1]))
+        return float(bool(pred[2] & gold[1]) or k is not None
+                     and any(round(p, k) == g for p in pred[2] for g in gold[1]))
     # text answers; math-verify would read a word as a product of symbols, so 'Evenly' would equal
     # 'Evelyn'
     if _WORD.fullmatch(pred[0]) or _WORD.fullmatch(gold[0]):

@@ -6,9 +6,11 @@ its speed on numeric and symbolic answers, and its time bound on a busy machine.
     python benchmarks/grading.py --prompts 4 --group-size 4 --repeats 1
 
 Accuracy: tests/test_extraction.CASES, completions with a reference and whether they are right, written from the
-public test suites of Math-Verify, lm-evaluation-harness, inspect_ai and AReaL. Each is graded by common.score and by
-math-verify as its README uses it (parse the completion, parse the reference, verify); the table gives each one's
-accuracy and false positives (a wrong completion scored 1), then every case where the two disagree.
+public test suites of Math-Verify, lm-evaluation-harness, inspect_ai and AReaL, and from issue 38 (a policy that boxes
+the question's expression: where the reference is a number, an expression a grader would compute is no answer). Each
+is graded by common.score and by math-verify as its README uses it (parse the completion, parse the reference,
+verify); the table gives each one's accuracy and false positives (a wrong completion scored 1), then every case where
+the two disagree.
 
 Speed: each completion is ~1,500 characters of reasoning that ends in \\boxed{...}. A group's completions draw their
 final answer from three correct spellings of the reference and three wrong answers (MATH-style groups repeat answers),

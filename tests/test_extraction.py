@@ -15,7 +15,8 @@ ISSUE = [
     (r"The ratio is $\frac13$", "13", 0),  # was graded on 13
     (r"so the slope is $-\frac{10}{9}$", "-10/9", 1),
     (r"so the slope is $-\frac{10}{9}$", "9", 0),  # was graded on 9
-    (r"The answer is $\sqrt{16}$", "4", 1),
+    (r"The answer is $\sqrt{16}$", "4", 0),  # an expression to compute: no credit (issue 38; was 1)
+    (r"The answer is $\sqrt{16} = 4$", "4", 1),  # the number written out: the last side of an equation
     (r"The answer is $\sqrt{16}$", "16", 0),  # was graded on 16
     (r"The golden ratio is $\frac{1+\sqrt{5}}{2}$", "2", 0),  # was a false positive
     (r"The golden ratio is $\frac{1+\sqrt{5}}{2}$", r"\frac{1+\sqrt5}{2}", 1),
@@ -25,6 +26,21 @@ ISSUE = [
     (r"x = \frac{1+\sqrt{5}}{2}", "2", 0),  # bare LaTeX: no number inside it is the answer
     (r"The area is $2\pi$ square units.", "2", 0),
     (r"The answer is $2x+1$", "1", 0),
+]
+
+# ---- issue 38: a policy (SmolLM2-135M, 2-digit addition) learned to box the question's own expression, which
+# math-verify evaluates; where the reference is a number only a number written out scores
+ECHO = [
+    (r"What is 62 + 43? The answer is $\boxed{62 + 43}$.", "105", 0),
+    (r"\boxed{62+43}", "105", 0),
+    (r"The total is $7 \times 15$.", "105", 0),
+    (r"So we have \boxed{\frac{210}{2}} apples.", "105", 0),
+    (r"Thus \boxed{\sqrt{11025}}", "105", 0),
+    (r"62 + 43 = \boxed{105}", "105", 1),
+    (r"The answer is $62 + 43 = 105$.", "105", 1),
+    (r"\boxed{105 \text{ apples}}", "105", 1),
+    (r"\boxed{1{,}050}", "1050", 1),
+    (r"\boxed{105.0}", "105", 1),
 ]
 
 # ---- huggingface/Math-Verify, tests/test_all.py (long completions shortened to their last sentences)
@@ -44,9 +60,9 @@ MATH_VERIFY = [
     ("Answer $ 9 $", "9", 1),
     ("Answer $$ 9 $$", "9", 1),
     (r"Answer \( 9 \)", "9", 1),
-    (r"Answer \( (9+1) \)", "10", 1),
+    (r"Answer \( (9+1) \)", "10", 0),  # an expression to compute: no credit (issue 38; was 1)
     (r"Answer $ \frac{1}{2} \$ = \frac{10}{9} $", "10/9", 1),
-    (r"$\frac3{3} $", "1", 1),
+    (r"$\frac3{3} $", "1", 0),  # a fraction equal to a whole number is a division (issue 38; was 1)
     (r"$\sqrt3 $", r"\sqrt{3}", 1),
     (r"$\cfrac{1}{3} $", "1/3", 1),
     (r"$\left( \frac{1}{3} \right)$", "1/3", 1),
@@ -241,7 +257,7 @@ INSPECT = [
     (r"$\{1,2,3\}$", r"$\{3, 2, 1\}$", 1),
     (r"$\left(1, 2\right)$", r"$\left(1, 2\right)$", 1),
     (r"\boxed{1.5 \times 10^3}", "1500", 1),
-    (r"\boxed{x^2 - x^2}", "0", 1),
+    (r"\boxed{x^2 - x^2}", "0", 0),  # an expression to compute: no credit (issue 38; was 1)
     ("-1 + sqrt(3)", r"\sqrt{3} - 1", 1),
     (r"\left( 3, \frac{\pi}{2} \right)", r"\left(3,\frac{\pi}{2}\right)", 1),
     (r"(-\infty,-8)\cup (8,\infty)", r"(-\infty,-8)\cup (8,\infty)", 1),
@@ -299,17 +315,17 @@ AREAL = [
     ("-15", "-15", 1),
     ("x = 3", "3", 1),
     ("Step 1: Calculate\nStep 2: Simplify\nFinal answer: 42", "42", 1),
-    ("$10^3$", "1000", 1),
+    ("$10^3$", "1000", 0),  # an expression to compute: no credit (issue 38; was 1)
     ("[45 degrees]", "45", 1),
     ("[-3]", "-3", 1),
-    (r"[$\sqrt{4}$]", "2", 1),
+    (r"[$\sqrt{4}$]", "2", 0),  # an expression to compute: no credit (issue 38; was 1)
     ("First try [30], second try [45].", "45", 1),
-    (r"[$\sqrt{\sqrt{16}}$]", "2", 1),
+    (r"[$\sqrt{\sqrt{16}}$]", "2", 0),  # an expression to compute: no credit (issue 38; was 1)
     ("999999999999999", "999999999999999", 1),
     ("0.0000001", "0.0000001", 1),
     ("4", "12/3", 1),
     ("4", "3/12", 0),
-    ("3+2", "5", 1),
+    ("3+2", "5", 0),  # an expression to compute: no credit (issue 38; was 1)
     (r"$e^{i\pi} = -1$", "-1", 1),
     ("$10^3 = 1000$", "1000", 1),
     (r"$1 \times 10^3$", "1000", 1),
@@ -326,13 +342,91 @@ AREAL = [
     (r"\boxed{2.23}", "2.232", 0),
     (r"\boxed{2.232}", "2.23", 0),
     (r"The final answer is \boxed{2/3}.", "0.6666667", 1),
-    (r"Area equals \boxed{10^4} square units", "10000", 1),
+    (r"Area equals \boxed{10^4} square units", "10000", 0),  # an expression to compute: no credit (issue 38; was 1)
     (r"Result: \boxed{(1/2)^{2} + \sqrt{9}}", "0.25 + 3", 1),
 ]
 
-CASES = [(*c, src) for src, group in [("issue", ISSUE), ("Math-Verify", MATH_VERIFY),
+# ---- issue 38: answers in <answer> tags (the R1-Zero template) and numbers with units, and the guards kept
+TAGS_UNITS = [
+    ("<think>2+3 is 5</think><answer>5</answer>", "5", 1),
+    (r"<think>so \boxed{4}?</think>" "\n" r"<answer>\boxed{5}</answer>", "5", 1),  # the tag, not the box before it
+    ("<answer>The answer is 7.</answer> Or maybe 8", "7", 1),  # the tag's contents read as any completion
+    ("<think>it is A</think><answer>(C)</answer>", "C", 1),
+    ("<think>7 * 8 = 56</think><answer>56", "56", 1),  # a tag the completion ends in, unclosed
+    ("<answer>1</answer> then <answer>2</answer>", "2", 1),  # the last tag
+    ("<think>about 3</think><answer></answer>", "3", 0),  # an empty tag is no answer
+    ("<answer>x7</answer>", "7", 0),  # the guards hold inside a tag
+    ("<answer>62 + 43</answer>", "105", 0),
+    ("It is 12cm.", "12", 1),
+    (r"The speed is $50$ km/h, so \boxed{50 km/h}", "50", 1),
+    ("The speed is 50 km/h.", "50", 1),
+    ("so g = 9.8 m/s^2", "9.8", 1),
+    (r"\boxed{100 m^2}", "100", 1),
+    (r"The temperature is -5.5°C", "-5.5", 1),
+    (r"\boxed{-5.5^\circ \mathrm{C}}", "-5.5", 1),
+    (r"\boxed{25 \mu m}", "25", 1),
+    (r"It costs \boxed{€5}.", "5", 1),
+    ("It costs 5€.", "5", 1),
+    (r"\boxed{7x}", "7", 0),  # x is no unit: 7 times x
+    (r"\boxed{12 cm}", "13", 0),
+    ("x7 and K2", "7", 0),
+    (r"\boxed{5 \cdot 2 kg}", "10", 0),  # a product with a unit is still a product
+]
+
+# ---- NVIDIA-NeMo/RL, tests/unit/environments/test_math_environment.py
+NEMO_RL = [
+    (r"2 + 2 = \boxed{4}", "4", 1),
+    (r"3 * 4 = \boxed{12}", r"\boxed{12}", 1),  # a reference written boxed
+    ("<think>2 + 2 = 4</think>\n<answer>4</answer>", "4", 1),
+    ("<think>3 * 4 = 12</think>\n<answer>12.5</answer>", "12", 0),
+    ("<think>10 - 5 = 5\n<answer>5</answer>", "5", 1),  # no </think>: the answer tag still counts
+    (r"2 + 2 = \boxed{\frac{8}{2}}", "4.0", 0),  # NeMo-RL scores 1: a division to compute (issue 38)
+    ("3 * 4 = 13", r"\boxed{12}", 0),
+]
+
+# ---- meta-pytorch/torchforge, tests/unit_tests/rl/test_math_reward.py
+TORCHFORGE = [
+    ("#### -3.14", "-3.14", 1),
+    ("Some text #### 123.45", "123.45", 1),
+    ("Answer: 123", "123", 1),
+    ("Result: -5.5", "-5.5", 1),
+    ("x = 42.", "42", 1),
+    ("calculation = -7.5.", "-7.5", 1),
+    ("We get 3.14", "3.14", 1),
+    ("First 10, then 20, finally 30", "30", 1),
+    ("#### 5 but actually #### 10", "10", 1),
+    ("No numbers here", "42", 0),
+    ("THE ANSWER IS 42", "42", 1),
+    ("42.1", "42", 0),
+    ("42.0000001", "42", 0),  # torchforge accepts within 1e-6; numbers compare exactly here
+    ("-5", "-4.9", 0),
+    ("1000001", "1000000", 0),
+    ("The answer is 0", "0.0", 1),
+    ("Let me solve this step by step:\nFirst, I calculate 2 + 3 = 5\nThen, I multiply by 4: 5 * 4 = 20\n"
+     "Finally, I subtract 8: 20 - 8 = 12\n#### 12", "12", 1),
+    ("The cost is $42.50", "42.5", 1),
+    ("Distance: 3.14 meters", "3.14", 1),
+    ("Temperature is -5.5°C", "-5.5", 1),
+    ("Temperature: -5.5 degrees", "-5.5", 1),
+    ("Cost is $3.14 per item", "3.14", 1),
+    ("There are 42 items", "42", 1),
+]
+
+# ---- volcengine/verl, tests/utils/reward_score/test_numeric_canonicalization_on_cpu.py (verl's math reward)
+VERL = [
+    ("33", r"\boxed{033}", 1),
+    ("33", r"\boxed{+033}", 1),
+    ("0", r"\boxed{-0}", 1),
+    ("0", r"\boxed{000}", 1),
+    (r"\boxed{33a}", "33", 0),
+    (r"\boxed{--33}", "33", 0),
+]
+
+CASES = [(*c, src) for src, group in [("issue", ISSUE), ("issue 38", ECHO), ("Math-Verify", MATH_VERIFY),
                                         ("Math-Verify boxes", MATH_VERIFY_BOXES), ("lm-eval", LM_EVAL),
-                                        ("inspect_ai", INSPECT), ("AReaL", AREAL)] for c in group]
+                                        ("inspect_ai", INSPECT), ("AReaL", AREAL), ("issue 38 tags, units", TAGS_UNITS),
+                                        ("NeMo-RL", NEMO_RL), ("torchforge", TORCHFORGE), ("verl", VERL)]
+         for c in group]
 
 
 @pytest.fixture(scope="module")
@@ -391,12 +485,39 @@ def test_answers_are_read_where_models_write_them(text, answer):
 @pytest.mark.parametrize("text, ref, expected", [
     (r"The ratio is $\frac13$", "1/3", 1.0), (r"The ratio is $\frac13$", "13", 0.0),
     (r"so the slope is $-\frac{10}{9}$", "-10/9", 1.0), (r"so the slope is $-\frac{10}{9}$", "9", 0.0),
-    (r"The answer is $\sqrt{16}$", "4", 1.0), (r"The answer is $\sqrt{16}$", "16", 0.0),
+    (r"The answer is $\sqrt{16}$", "4", 0.0),  # read right, but an expression to compute (issue 38)
+    (r"The answer is $\sqrt{16}$", "16", 0.0),
     (r"The golden ratio is $\frac{1+\sqrt{5}}{2}$", "2", 0.0),  # the false positive of the issue
     ("She picks 5 + 50 = 55 apples.\n####: 55", "55", 1.0),
 ])
 def test_the_issue_cases_are_graded_right(reward, text, ref, expected):
     assert grade(reward, [text], [ref]) == [expected]
+
+
+@pytest.mark.parametrize("text, answer", [
+    ("<think>2+3 is 5</think><answer>5</answer>", "5"),
+    ("<think>so \\boxed{4}?</think><answer>\\boxed{5}</answer>", "5"),  # the tag's box, not the one before it
+    ("<answer>The answer is 7.</answer> Or maybe 8", "7"),  # what follows the tag is not read
+    ("<answer>(C)</answer>", "(C)"),  # no number in the tag: its text
+    ("<answer>1</answer> then <answer>2</answer>", "2"),  # the last tag
+    ("<think>7 * 8 = 56</think><answer>56", "56"),  # unclosed: to the end of the completion
+    ("<think>about 3</think><answer></answer>", None),  # an empty tag: no answer
+    ("<answer>x7</answer>", "x7"),  # never 7: the tag's text, as no number stands alone in it
+    ("The speed is 50 km/h.", "50 km/h"),  # a unit after a number is no prose: the line is read whole
+    ("It is 12cm.", "12"),
+])
+def test_answer_tags_are_read_and_units_are_no_prose(text, answer):
+    assert grader.extract_answer(text) == answer
+
+
+@pytest.mark.parametrize("answer, number", [
+    ("12cm", "12"), ("5 kg", "5"), ("50 km/h", "50"), ("9.8 m/s^2", "9.8"), ("100 m^2", "100"), ("100 m", "100"),
+    ("3 h", "3"), ("25 \\mu m", "25"), ("-5.5°C", "-5.5"), ("-5.5^\\circ \\mathrm{C}", "-5.5"), ("20 °F", "20"),
+    ("€5", "5"), ("5€", "5"), ("£20", "20"), ("\\$30", "30"), ("5 \\, \\mathrm{m/s}", "5"),
+    ("7x", "7x"), ("5m", "5m"), ("2\\pi", "2\\pi"), ("x7", "x7"),  # a letter glued to a number may be a variable
+])
+def test_a_unit_after_a_number_goes(answer, number):
+    assert grader.normalize_answer(answer)[0] == number
 
 
 @pytest.mark.parametrize("text", [
@@ -451,6 +572,8 @@ def test_a_list_equals_a_reference_holding_the_same_values(reward, text, ref, ex
     (r"\boxed{-2} and \boxed{1}. Done", ". Done"),  # a list ends with its last box
     ("#### 42 done", " done"),
     ("7", ""),
+    ("<think>3</think><answer>5</answer> ok", " ok"),  # a tag ends with its </answer>
+    (r"<answer>\boxed{5}</answer>. ok", ". ok"),
 ])
 def test_answer_span_ends_where_the_final_answer_ends(text, after):
     """gspo_token's post-answer penalty hits what follows answer_span's end; the span is the answer as extracted."""

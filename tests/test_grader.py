@@ -91,6 +91,90 @@ def test_different_answers_score_0(pred, gold):
     assert math_reward(f"so the answer is \\boxed{{{pred}}}.", gold) == 0.0
 
 
+# Issue 38: where the reference is a number, the answer must write a number out; an expression that a grader would
+# compute scores 0, whatever it equals. SmolLM2-135M learned within 6 steps to box the question's own '62 + 43'.
+COMPUTED = [
+    ("62 + 43", "105"),  # the question echoed, as the policy of issue 38 wrote it
+    ("7*15", "105"),
+    ("7 \\times 15", "105"),
+    ("100+5", "105"),
+    ("(62+43)", "105"),  # brackets do not make a sum a number
+    ("62 + 43 \\text{ apples}", "105"),  # nor does a unit
+    ("x = 62 + 43", "105"),  # an equation's last side is what it states
+    ("105 = 62 + 43", "105"),
+    ("\\frac{210}{2}", "105"),  # a fraction equal to a whole number is a division: 210 / 2 = 105
+    ("210/2", "105"),
+    ("\\frac{105}{1}", "105"),
+    ("\\frac{1.5}{2}", "0.75"),  # a fraction of decimals: 1.5 / 2 = 0.75
+    ("\\sqrt{11025}", "105"),  # 105^2 = 11025
+    ("10^3", "1000"),  # a power
+    ("15 \\times 10^{2}", "1500"),  # not scientific notation: 15 is not from 1 to 10
+    ("\\frac{1}{2} + \\frac{1}{4}", "\\frac{3}{4}"),
+    ("1 - 0.25", "0.75"),
+    ("x^2 - x^2", "0"),
+    ("\\frac{0}{5}", "0"),  # 0 / 5 = 0
+]
+
+WRITTEN_OUT = [  # the same numbers written out, as models write them: 1
+    ("105", "105"),
+    ("105.0", "105"),
+    ("105.", "105"),
+    ("\\text{105}", "105"),
+    ("105 apples", "105"),
+    ("105\\text{ apples}", "105"),
+    ("105^\\circ", "105"),
+    ("\\$105", "105"),
+    ("1,050", "1050"),  # thousands separators
+    ("1{,}050", "1050"),
+    ("1\\,050", "1050"),
+    ("105\\%", "1.05"),  # 105% = 105/100
+    ("x = 105", "105"),  # the last side of an equation
+    ("62 + 43 = 105", "105"),  # the sum worked out: the number is written
+    ("x \\approx 7.78", "7.78"),
+    ("(105)", "105"),
+    ("\\left(\\frac{3}{2}\\right)", "1.5"),
+    ("\\frac{6}{8}", "0.75"),  # unreduced, but no whole number: 3/4 written out
+    ("-\\frac{1}{3}", "-1/3"),
+    ("−105", "-105"),  # the Unicode minus sign
+    ("1.05 \\times 10^{2}", "105"),  # scientific notation: 1.05 * 100 = 105
+    ("\\$105.00", "105"),
+    ("4", "12/3"),  # a reference written as a division: the number it computes, 12 / 3 = 4
+]
+
+SYMBOLIC = [  # a reference that is not a number keeps symbolic equivalence (math-verify)
+    ("\\sqrt{12}", "2\\sqrt{3}"),  # sqrt(12) = sqrt(4 * 3) = 2 sqrt(3)
+    ("\\frac{4}{2}\\sqrt{3}", "2\\sqrt{3}"),
+    ("x(x+1)", "x^2+x"),
+    ("[1, 3)", "[1,3)"),
+]
+
+
+@pytest.mark.parametrize("pred, gold", COMPUTED)
+def test_an_expression_never_equals_a_numeric_reference(pred, gold):
+    assert math_reward(f"so the answer is \\boxed{{{pred}}}.", gold) == 0.0
+    assert grader.decide(grader.canonical(pred), grader.canonical(gold)) == 0.0  # settled here: no math-verify
+
+
+@pytest.mark.parametrize("pred, gold", WRITTEN_OUT)
+def test_a_number_written_out_equals_a_numeric_reference(pred, gold):
+    assert math_reward(f"so the answer is \\boxed{{{pred}}}.", gold) == 1.0
+
+
+@pytest.mark.parametrize("pred, gold", SYMBOLIC)
+def test_a_symbolic_reference_keeps_symbolic_equivalence(pred, gold):
+    assert math_reward(f"so the answer is \\boxed{{{pred}}}.", gold) == 1.0
+
+
+def test_echoing_the_question_does_not_pay():
+    """A group of issue 38's prompt, 'What is 62 + 43?', reference 105: the completions that box the question's
+    expression score 0, those that box 105 score 1, so the echo's advantage is negative."""
+    texts = ["\\boxed{62 + 43}", "The answer is \\boxed{105}.", "62 + 43 = \\boxed{62 + 43}", "62 + 43 = 105"]
+    r, errors = score(texts, ["105"], 4, watch=False)
+    assert r.tolist() == [0.0, 1.0, 0.0, 1.0] and errors == 0
+    advantages, _ = common.group_advantages(r, 4)
+    assert (advantages[[0, 2]] < 0).all() and (advantages[[1, 3]] > 0).all()
+
+
 @pytest.mark.parametrize("preds, golds, n", [
     (["50\\%", "50"], ["0.5"], 2),  # one reference; two answers with the same text '50', one a percent
     (["0.05", "0.05"], ["5", "5\\%"], 1),  # two references with the same text '5'
@@ -122,9 +206,11 @@ LINUX_PROC = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="C
 
 @LINUX_PROC
 def test_pathological_answer_scores_0_after_a_second_of_cpu_and_is_counted(capsys):
-    """9^(9^(9^9)) is a number no machine can write out: the comparison with 1 runs until it is stopped, after 1 s of
-    the worker's CPU time, some more of wall time on a busy machine. (Changed with the bound, which counted wall
-    seconds: this test asserted under 2 s of wall time and the old message.)"""
+    """9^(9^(9^9)) is a number no machine can write out: the comparison with \\sqrt{2} runs until it is stopped, after
+    1 s of the worker's CPU time, some more of wall time on a busy machine. (Changed with the bound, which counted
+    wall seconds: this test asserted under 2 s of wall time and the old message. Changed with issue 38: against the
+    numeric reference 1 it asked, the power is no number written out and scores 0 without math-verify, so the
+    reference is now symbolic.)"""
     import resource
 
     reward = grader.Reward(timeout_s=1.0)
@@ -132,13 +218,13 @@ def test_pathological_answer_scores_0_after_a_second_of_cpu_and_is_counted(capsy
     used_before = reward.workers[0].cpu_seconds()
     ended = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.time()
-    r, errors = score(["\\boxed{9^{9^{9^{9}}}}"], ["1"], 1, reward)
+    r, errors = score(["\\boxed{9^{9^{9^{9}}}}"], ["\\sqrt{2}"], 1, reward)
     took = time.time() - t
     now = resource.getrusage(resource.RUSAGE_CHILDREN)  # the stopped worker's CPU time, now that it has ended
     spent = now.ru_utime + now.ru_stime - ended.ru_utime - ended.ru_stime - used_before
     assert r.tolist() == [0.0] and errors == 1 and 0.95 <= spent < 1.5 and took < 10
     assert "no reward within 1 s of CPU time (worker restarted)" in capsys.readouterr().err
-    r, errors = score(["\\boxed{1}", "\\boxed{\\sqrt{1}}"], ["1"], 2, reward)  # the run goes on: a new worker
+    r, errors = score(["\\boxed{\\sqrt{2}}", "\\boxed{\\frac{2}{\\sqrt{2}}}"], ["\\sqrt{2}"], 2, reward)  # a new worker
     assert r.tolist() == [1.0, 1.0] and errors == 0
     reward.stop()
 

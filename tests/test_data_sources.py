@@ -11,6 +11,7 @@ import pytest
 import cli
 import common
 import data
+import rewards
 from test_cli import fails_before_any_model
 
 TOK = common.tiny_tokenizer()
@@ -177,7 +178,7 @@ def test_readme_think_format_scores_on_the_builtin_task(tmp_path, monkeypatch):
     rows = data.builtin_task(2, 0)
     texts = [f"<think>{r['prompt']} is {r['answer']}</think> \\boxed{{{r['answer']}}}" for r in rows] + \
             [r["answer"] for r in rows]
-    r, errors = common.score(texts, [r["answer"] for r in rows] * 2, 1, reward, watch=False)
+    r, errors = rewards.score(texts, [r["answer"] for r in rows] * 2, 1, reward, watch=False)
     assert r.tolist() == [1.0, 1.0, 0.0, 0.0] and errors == 0
 
 

@@ -9,6 +9,7 @@ import common
 import data
 import distributed
 import grader
+import rewards
 from conftest import ROOT
 from test_train import run_script
 
@@ -21,8 +22,8 @@ def test_grader_that_raises_scores_zero_and_is_counted(monkeypatch, capsys):
             raise RuntimeError("grader bug")
         return real(text)
 
-    monkeypatch.setattr(common, "extract_answer", flaky)
-    r, errors = common.score(["3", "boom 3", "x = 4"], ["3", "4"], 2)  # answers 3, 3 | 4
+    monkeypatch.setattr(rewards, "extract_answer", flaky)
+    r, errors = rewards.score(["3", "boom 3", "x = 4"], ["3", "4"], 2)  # answers 3, 3 | 4
     assert r.tolist() == [1.0, 0.0, 1.0] and errors == 1
     assert "the reward failed on 1 of 3 completions, scored 0 (first: RuntimeError: grader bug)" in \
         capsys.readouterr().err
@@ -30,15 +31,15 @@ def test_grader_that_raises_scores_zero_and_is_counted(monkeypatch, capsys):
 
 def test_code_in_a_completion_is_only_parsed(tmp_path):
     marker = tmp_path / "pwned"
-    texts = [f"__import__('os').system('touch {marker}')", f"exec(\"open('{marker}', 'w')\") 7", "\\boxed{7}"]
-    r, errors = common.score(texts, ["7"], 3)
+    texts = [f"__import__('os').system('touch {marker}')", f"exec (\"open('{marker}', 'w')\") 7", "\\boxed{7}"]
+    r, errors = rewards.score(texts, ["7"], 3)
     assert r.tolist() == [0.0, 1.0, 1.0] and errors == 0 and not marker.exists()
 
 
 def test_a_reward_that_always_raises_stops_the_run_in_one_line(monkeypatch, tmp_path):
     """Every completion of the first step failed: one line naming the first error (issue 26); with
     --reward-fail-steps 0 the run goes on, each failure scored 0 and counted."""
-    monkeypatch.setattr(common, "extract_answer", lambda text: 1 / 0)
+    monkeypatch.setattr(rewards, "extract_answer", lambda text: 1 / 0)
     argv = ["--num-steps", "2", "--prompts-per-rank", "4", "--eval-every", "0"]
     with pytest.raises(SystemExit) as e:
         run_script("gspo", argv, monkeypatch, tmp_path / "a")
@@ -229,10 +230,10 @@ def test_a_reward_that_forks_is_an_error_never_another_requests_answer(hole_rewa
     """The forked child returns 1.0 into the worker and the parent 0.0: the child's reply names its own pid, so each
     request is counted as an error (0), and the next request gets its own answer (hole 3)."""
     reward = grader.load_reward("hole27:f", 30.0)
-    r, errors = common.score(["fork"] * 4, ["1", "2", "3", "4"], 1, reward)
+    r, errors = rewards.score(["fork"] * 4, ["1", "2", "3", "4"], 1, reward)
     assert r.tolist() == [0.0] * 4 and errors == 4
     assert "the reward returned in a process it forked (worker restarted)" in capsys.readouterr().err
-    r, errors = common.score(["plain", "fork", "plain"], ["1", "2", "3"], 1, reward)
+    r, errors = rewards.score(["plain", "fork", "plain"], ["1", "2", "3"], 1, reward)
     assert r.tolist() == [1.0, 0.0, 1.0] and errors == 1
     reward.stop()
 

@@ -1,4 +1,5 @@
 """Hostile input and numerical accidents: a reward that raises, a completion holding code, non-finite losses."""
+import os
 import signal
 import sys
 
@@ -135,32 +136,6 @@ def f(completion, answer):
     return 1.0
 """
 
-# A trainer-like parent: its reward workers, started from the main thread (or another one: thread), answer requests;
-# SIGINT/SIGTERM: the signal is sent to the parent's process group while a request is in flight.
-PARENT = """
-import json, os, signal, sys, threading
-sys.path[:0] = json.loads(sys.argv[2])
-import grader
-mode = sys.argv[1]
-reward = grader.load_reward("hole27:f", 30.0)
-start = lambda: reward.run([("warm", "1"), ("warm", "1")])
-if mode == "thread":
-    th = threading.Thread(target=start)
-    th.start()
-    th.join()
-else:
-    start()
-print(json.dumps([w.proc.pid for w in reward.workers]), flush=True)
-if mode in ("SIGINT", "SIGTERM"):
-    sig, got = getattr(signal, mode), []
-    signal.signal(sig, lambda s, frame: got.append(s))  # the trainer's graceful stop
-    threading.Timer(0.3, lambda: os.killpg(os.getpgid(0), sig)).start()
-    out = reward.run([("slow", "1"), ("slow", "1")]) + reward.run([("warm", "1")])
-    print(json.dumps({"out": out, "got": got, "pids": [w.proc.pid for w in reward.workers]}), flush=True)
-else:
-    reward.run([("loop", "1"), ("loop", "1")])
-"""
-
 
 @pytest.fixture
 def hole_reward(tmp_path, monkeypatch):
@@ -173,7 +148,8 @@ def parent(mode, folder):
     import json
     import subprocess
 
-    return subprocess.Popen([sys.executable, "-c", PARENT, mode, json.dumps([str(folder), ROOT])], cwd=ROOT,
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "reward_parent.py"), mode,
+                             json.dumps([str(folder), ROOT])], cwd=ROOT,
                             stdout=subprocess.PIPE, text=True, start_new_session=True,  # its own process group
                             env={**__import__("os").environ, "MARKS": str(folder)})
 

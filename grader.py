@@ -1,5 +1,5 @@
 """The math grader (answer extraction, normalisation, exact decisions, math-verify) and the worker
-processes that run it and users' --reward functions under a time bound. Called by common.score.
+processes that run it and users' --reward functions under a time bound. Called by rewards.score.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 from fractions import Fraction
 
 from distributed import fail
+from reward_worker import make_math_verify
 
 
 # -------------------- the math grader: answers read where models write them
@@ -508,138 +509,10 @@ def decide(pred: tuple[str, frozenset, frozenset], gold: tuple[str, frozenset, f
 # scored 0 because other processes ran (benchmarks/grading.py --busy). A killed worker is replaced
 # at once, in the background: the next requests go to the workers that are ready, never to one
 # still importing math-verify.
-# math-verify set up for grading: run by the math grader's workers, and inside a --reward worker
-# whose function calls common.math_reward (in_process_math), so that it grades there at once
-# instead of starting workers of its own within the reward's time bound.
-_MATH_VERIFY_SRC = r'''
-def make_math_verify():
-    import logging
-    logging.disable(logging.WARNING)
-    from math_verify import LatexExtractionConfig, parse, verify
-    # ANTLR's two-stage parse: the fast SLL prediction first, full LL only where SLL fails
-    # (~4x faster)
-    try:
-        from antlr4.atn.PredictionMode import PredictionMode
-        from latex2sympy2_extended.latex2sympy2 import _Latex2Sympy
-        ll_create, ll_parse = _Latex2Sympy.create_parser, _Latex2Sympy.parse
-        def create_parser(self, latex):
-            parser = ll_create(self, latex)
-            if getattr(self, "sll", False):
-                parser._interp.predictionMode = PredictionMode.SLL
-            return parser
-        def two_stage(self, latex):
-            try:
-                self.sll = True
-                return ll_parse(self, latex)
-            except Exception:
-                self.sll = False
-                return ll_parse(self, latex)
-        _Latex2Sympy.create_parser, _Latex2Sympy.parse = create_parser, two_stage
-    except (ImportError, AttributeError):
-        pass
-    config, parsed = [LatexExtractionConfig()], {}
-    def parse_once(s):
-        if len(parsed) > 4096:
-            parsed.clear()
-        if s not in parsed:
-            parsed[s] = parse("$" + s + "$", extraction_config=config,
-                              fallback_mode="no_fallback",
-                              parsing_timeout=None)
-        return parsed[s]
-    def fn(pred, gold):
-        g, p = parse_once(gold), parse_once(pred)
-        return float(bool(g) and bool(p) and verify(g, p, timeout_seconds=None))
-    return fn
-'''
-# A worker lives in a session of its own, so that a Ctrl-C in the terminal or a SIGTERM to the
-# trainer's process group (what a scheduler sends) reaches the trainer alone, which stops at the end
-# of the step with every reward of it scored. It dies with its trainer, even inside a looping
-# reward: the kernel kills it when the thread that started it dies (PR_SET_PDEATHSIG, Linux, when
-# started from the main thread), and a thread of its own exits it when the requests pipe closes or
-# its parent changes. Replies name the request and the process that answers it: a reward that
-# forks and lets the child return answers in the child's name, and that is an error, never the
-# answer of another request.
-_WORKER_SRC = _MATH_VERIFY_SRC + r'''
-import json
-import os
-import queue
-import signal
-import sys
-import threading
-import time
-sys.path[:0] = json.loads(sys.argv[1])
-spec, kind, parent, deathsig = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1"
-me = os.getpid()
-if deathsig:
-    try:
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-if os.getppid() != parent:  # the trainer died before the line above
-    os._exit(1)
-# replies only: a print() or a child process of the reward writes to stderr
-out = os.fdopen(os.dup(1), "w")
-os.dup2(2, 1)
-sys.stdout = sys.stderr
-def reply(**kw):
-    out.write(json.dumps({**kw, "pid": os.getpid()}) + "\n")
-    out.flush()
-requests = queue.Queue()
-def read():
-    for line in sys.stdin:
-        requests.put(line)
-    os._exit(0)  # the trainer closed the pipe, or died
-def watch():
-    while os.getppid() == parent:
-        time.sleep(0.1)
-    os._exit(0)  # reparented: the trainer died
-threading.Thread(target=read, daemon=True).start()
-threading.Thread(target=watch, daemon=True).start()
-try:
-    if spec:
-        import importlib
-        module, name = spec.split(":")
-        fn = getattr(importlib.import_module(module), name)
-        grader = sys.modules.get("grader")
-        if grader is not None:  # the reward may call common.math_reward: math-verify ready now
-            try:
-                grader.in_process_math()
-            except ImportError:  # not installed: an error of the requests that need it
-                pass
-    else:
-        import resource
-        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, resource.getrlimit(resource.RLIMIT_AS)[1]))
-        fn = make_math_verify()
-except BaseException as e:
-    reply(fatal=f"{type(e).__name__}: {e}")
-    sys.exit(1)
-def finite(r):
-    r = float(r)
-    if r != r or abs(r) == float("inf"):
-        raise ValueError(f"the reward returned {r}")
-    return r
-reply(ready=True)
-while True:
-    request = json.loads(requests.get())
-    try:
-        if kind == "trl":  # a batch: a list of one reward or None per completion
-            rs = fn(**request["kw"])
-            n = len(request["kw"]["completions"])
-            if not isinstance(rs, (list, tuple)) or len(rs) != n:
-                raise ValueError(f"the reward returned {type(rs).__name__} "
-                                 f"{str(rs)[:40]}, not a list of {n} rewards")
-            msg = {"r": [None if r is None else finite(r) for r in rs]}
-        else:
-            msg = {"r": finite(fn(*request["a"]))}
-    except Exception as e:
-        msg = {"e": f"{type(e).__name__}: {e}"[:300]}
-    if os.getpid() != me:  # the reward forked and its child came back here: say so, and leave
-        reply(id=request["id"], e="the reward returned in a process it forked")
-        os._exit(0)
-    reply(id=request["id"], **msg)
-'''
-
+# Each worker is a process of its own, running reward_worker.py (its protocol, its life and death
+# with the trainer); inside a --reward worker whose function calls common.math_reward,
+# math-verify grades in that process (in_process_math) instead of starting workers of its own
+# within the reward's time bound.
 
 # worker processes per Reward (per rank): math-verify's parser is pure Python, one core each
 GRADING_WORKERS = 2
@@ -651,15 +524,16 @@ WALL_FACTOR = 30.0
 # set in a --reward worker's environment: the math grader grades in that process (in_process_math)
 IN_WORKER_ENV = "GRADER_IN_REWARD_WORKER"
 _IN_PROCESS = []  # math-verify of this process, made once (in_process_math)
+# the worker's program, beside this file: run as a file, it finds the project wherever the trainer
+# runs from, and its own imports (standard library only) keep its start-up fast
+WORKER_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reward_worker.py")
 
 
 def in_process_math():
     """math-verify's comparison in this process (a --reward worker): made once, on first use or
     before the worker says it is ready."""
     if not _IN_PROCESS:
-        space = {}
-        exec(_MATH_VERIFY_SRC, space)  # noqa: S102 - this module's own source text, not model text
-        _IN_PROCESS.append(space["make_math_verify"]())
+        _IN_PROCESS.append(make_math_verify())
     return _IN_PROCESS[0]
 
 
@@ -680,7 +554,7 @@ class _Worker:
         path = json.dumps([os.getcwd(), *sys.path])
         main = threading.current_thread() is threading.main_thread()  # lives as long as we do
         env = {**os.environ, IN_WORKER_ENV: "1"} if self.spec else None
-        self.proc = subprocess.Popen([sys.executable, "-c", _WORKER_SRC, path, self.spec or "",
+        self.proc = subprocess.Popen([sys.executable, WORKER_FILE, path, self.spec or "",
                                       self.kind, str(os.getpid()), "1" if main else "0"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
                                      # a user's prints show

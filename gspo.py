@@ -27,11 +27,12 @@ from cli import (CommonArgs, check_common_args, default_learning_rate, default_m
 from common import (Logger, all_finite, check_model, eos_ids, eval_report, eval_summary, evaluate,
                     generate, group_advantages, group_metrics, jitter2, load_model, load_tokenizer,
                     log_samples, logp_drift, lr_scheduler, micro_batches, minibatches,
-                    prompt_indices, reduce_stats, reference_policy, score, wrap_policy)
+                    prompt_indices, reduce_stats, reference_policy, wrap_policy)
 from data import load_task
 from distributed import all_gather_cat, all_reduce, fail, seed_rank, setup_distributed
 from grader import load_reward
 from lora import lora_spec
+from rewards import score
 
 
 @dataclass

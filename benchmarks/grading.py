@@ -1,4 +1,4 @@
-"""The math grader (common.score, the reward every script uses): its accuracy against math-verify's own parse + verify,
+"""The math grader (rewards.score, the reward every script uses): its accuracy against math-verify's own parse + verify,
 its speed on numeric and symbolic answers, and its time bound on a busy machine.
 
     python benchmarks/grading.py                      # cases, then 64 prompts x 16 completions, 3 repeats
@@ -8,7 +8,7 @@ its speed on numeric and symbolic answers, and its time bound on a busy machine.
 Accuracy: tests/test_extraction.CASES, completions with a reference and whether they are right, written from the
 public test suites of Math-Verify, lm-evaluation-harness, inspect_ai and AReaL, and from issue 38 (a policy that boxes
 the question's expression: where the reference is a number, an expression a grader would compute is no answer). Each
-is graded by common.score and by math-verify as its README uses it (parse the completion, parse the reference,
+is graded by rewards.score and by math-verify as its README uses it (parse the completion, parse the reference,
 verify); the table gives each one's accuracy and false positives (a wrong completion scored 1), then every case where
 the two disagree.
 
@@ -37,8 +37,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
-import common  # noqa: E402
 import grader  # noqa: E402
+import rewards  # noqa: E402
 from test_extraction import CASES  # noqa: E402
 
 
@@ -59,12 +59,12 @@ def cases(timeout: float):
     reward = grader.Reward(timeout_s=timeout)
     reward.run([("1", "1")] * grader.GRADING_WORKERS)  # the workers start
     t = time.perf_counter()
-    r, errors = common.score([c[0] for c in CASES], [c[1] for c in CASES], 1, reward, watch=False)
+    r, errors = rewards.score([c[0] for c in CASES], [c[1] for c in CASES], 1, reward, watch=False)
     seconds = time.perf_counter() - t
     ours = [int(x) for x in r.tolist()]
     theirs = [math_verify_verdict(c[0], c[1]) for c in CASES]
     print("| grader | cases | right | accuracy | false positives | reward errors | seconds |\n" + "|---" * 7 + "|")
-    for name, got, err, s in [("ours (common.score)", ours, errors, f"{seconds:.2f}"),
+    for name, got, err, s in [("ours (rewards.score)", ours, errors, f"{seconds:.2f}"),
                               ("math-verify parse + verify", theirs, "", "")]:
         right = sum(g == c[2] for g, c in zip(got, CASES))
         fp = sum(g == 1 and c[2] == 0 for g, c in zip(got, CASES))
@@ -164,7 +164,7 @@ def measure(reward, texts, answers, labels, group_size: int) -> dict:
     real_run = reward.run
     reward.run = lambda reqs: sent.extend(reqs) or real_run(reqs)
     t, cpu = time.perf_counter(), cpu_seconds(reward)
-    r, errors = common.score(texts, answers, group_size, reward, watch=False)
+    r, errors = rewards.score(texts, answers, group_size, reward, watch=False)
     seconds, cpu = time.perf_counter() - t, cpu_seconds(reward) - cpu
     reward.run = real_run
     agree = sum(float(x) == y for x, y in zip(r.tolist(), labels)) / len(labels)

@@ -100,10 +100,11 @@ def run_ours_fenced(a, folder: str, out_dir: str) -> dict:
 
     sys.path.insert(0, ROOT)
     import common
+    import rewards
 
     fence_training(torch)
     common.generate = fenced(common.generate, "generate", new_step=True)
-    common.score = fenced(common.score, "rewards")
+    rewards.score = fenced(rewards.score, "rewards")
     common.Policy.forward = fenced(common.Policy.forward, "log-prob forward", by_grad=True)
     sys.argv = ["gspo.py", *ours_argv(a, folder, out_dir)]
     runpy.run_path(os.path.join(ROOT, "gspo.py"), run_name="__main__")

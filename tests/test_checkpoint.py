@@ -146,15 +146,6 @@ def test_short_writes_in_other_words_are_a_full_disk(error, tmp_path):
     assert checkpoint._attempt(lambda: None, str(tmp_path)) is None
 
 
-HOLD = """import sys
-sys.path.insert(0, sys.argv[1])
-import checkpoint, time
-checkpoint._claim_run_dir(sys.argv[2], sys.argv[3])
-print("locked", flush=True)
-time.sleep(120)
-"""
-
-
 def test_deleting_writer_lock_does_not_admit_a_second_writer(tmp_path, monkeypatch):
     """A live run's writer.lock deleted (it looks stale, it names a pid): a second --resume auto of the run is still
     refused before it touches anything, with one line."""
@@ -165,7 +156,8 @@ def test_deleting_writer_lock_does_not_admit_a_second_writer(tmp_path, monkeypat
     (ckpt / "state").mkdir(parents=True)
     (ckpt / "state" / "trainer_state.json").write_text(json.dumps({"step": 4, "world": 1, "script": "gspo.py"}))
     checkpoint.write_manifest(str(ckpt))
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, ROOT, str(run), str(ckpt)], stdout=subprocess.PIPE,
+    holder = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "lock_holder.py"), "claim", ROOT, str(run),
+                               str(ckpt)], stdout=subprocess.PIPE,
                               text=True)
     try:
         assert holder.stdout.readline() == "locked\n"

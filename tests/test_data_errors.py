@@ -13,6 +13,7 @@ import common
 import data
 import distributed
 import grader
+import rewards
 from conftest import ROOT
 
 ROWS = [{"prompt": f"{i}%10=", "answer": str(i % 10)} for i in range(20)]
@@ -125,17 +126,17 @@ def test_numbers_as_answers_and_chat_prompts_are_text(tmp_path):
 def test_flat_rewards_in_the_first_steps_are_reported_once(capsys):
     reward = grader.Reward()
     flat, spread = ["\\boxed{1}"] * 4, ["\\boxed{1}", "\\boxed{2}"] * 2
-    for step in range(common.FLAT_STEPS + 2):
-        common.score(flat, ["7", "8"], 2, reward)
-        common.score(spread, ["1"], 4, reward, watch=False)  # an evaluation between steps does not count
+    for step in range(rewards.FLAT_STEPS + 2):
+        rewards.score(flat, ["7", "8"], 2, reward)
+        rewards.score(spread, ["1"], 4, reward, watch=False)  # an evaluation between steps does not count
         err = capsys.readouterr().err
-        assert ("the answers may not be gradable" in err) == (step == common.FLAT_STEPS - 1), (step, err)
+        assert ("the answers may not be gradable" in err) == (step == rewards.FLAT_STEPS - 1), (step, err)
     fresh = grader.Reward()
-    common.score(spread, ["1"], 4, fresh)  # a first step with a spread: never reported
-    for _ in range(common.FLAT_STEPS):
-        common.score(flat, ["7", "8"], 2, fresh)
+    rewards.score(spread, ["1"], 4, fresh)  # a first step with a spread: never reported
+    for _ in range(rewards.FLAT_STEPS):
+        rewards.score(flat, ["7", "8"], 2, fresh)
     assert "gradable" not in capsys.readouterr().err and fresh.flat_steps < 0
-    assert torch.equal(common.score(flat, ["1", "1"], 2, fresh)[0], torch.ones(4))
+    assert torch.equal(rewards.score(flat, ["1", "1"], 2, fresh)[0], torch.ones(4))
 
 
 def test_fewer_held_out_prompts_than_ranks_fail_before_any_generation():

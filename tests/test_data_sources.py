@@ -11,6 +11,7 @@ import pytest
 import cli
 import common
 import data
+import rewards
 from test_cli import fails_before_any_model
 
 TOK = common.tiny_tokenizer()
@@ -164,32 +165,31 @@ def test_thinking_defaults_to_the_templates_own():
         data.chat_prompts(TOK, ["2+2="], True)
 
 
-def test_readme_think_format_scores_on_the_builtin_task(tmp_path, monkeypatch):
-    """The README's think_format reward, as written there, through --reward's loader and the scoring of a step,
+def test_docs_think_format_scores_on_the_builtin_task(tmp_path, monkeypatch):
+    """docs/rewards.md's think_format reward, as written there, through --reward's loader and the scoring of a step,
     on built-in rows: a completion that thinks and boxes its answer scores 1, a bare answer 0."""
     import grader
 
-    readme = open(f"{common.__file__.rsplit('/', 1)[0]}/README.md").read()
-    block = readme.split("def think_format", 1)[1].split("```", 1)[0]
+    page = open(f"{common.__file__.rsplit('/', 1)[0]}/docs/rewards.md").read()
+    block = page.split("def think_format", 1)[1].split("```", 1)[0]
     (tmp_path / "my_rewards.py").write_text("import re\n\n\ndef think_format" + block)
     monkeypatch.syspath_prepend(str(tmp_path))
     reward = grader.load_reward("my_rewards:think_format", 5.0)
     rows = data.builtin_task(2, 0)
     texts = [f"<think>{r['prompt']} is {r['answer']}</think> \\boxed{{{r['answer']}}}" for r in rows] + \
             [r["answer"] for r in rows]
-    r, errors = common.score(texts, [r["answer"] for r in rows] * 2, 1, reward, watch=False)
+    r, errors = rewards.score(texts, [r["answer"] for r in rows] * 2, 1, reward, watch=False)
     assert r.tolist() == [1.0, 1.0, 0.0, 0.0] and errors == 0
 
 
-def test_readme_trl_and_verl_tables_name_real_flags():
-    """Every flag the README's TRL and verl tables map to is a flag of one of the scripts (--reward-weights comes with
+def test_docs_trl_and_verl_tables_name_real_flags():
+    """Every flag docs/trl-and-verl.md's TRL and verl tables map to is a flag of one of the scripts (--reward-weights comes with
     issue 26's rewards, merged from another branch)."""
     import dataclasses
     import importlib
     import re
 
-    readme = open(f"{common.__file__.rsplit('/', 1)[0]}/README.md").read()
-    tables = readme.split("## Coming from TRL or verl", 1)[1].split("\n## ", 1)[0]
+    tables = open(f"{common.__file__.rsplit('/', 1)[0]}/docs/trl-and-verl.md").read()
     named = set(re.findall(r"`--([a-z-]+)", tables))
     flags = {f.name.replace("_", "-") for s in ("gspo", "grpo", "gspo_token", "dfpo")
              for f in dataclasses.fields(importlib.import_module(s).Args)}

@@ -7,7 +7,7 @@ import re
 import pytest
 
 import grader
-from common import score
+from rewards import score
 
 # ---- the failures measured in the issue ("a grader that reads answers where models write them")
 ISSUE = [

@@ -8,18 +8,20 @@ import pytest
 
 import common
 import grader
-from common import math_reward, score
+import rewards
+from common import math_reward
+from rewards import score
 
 
 @pytest.fixture(autouse=True, scope="module")
 def roomy_grader():
     """Correctness tests grade with a 30 s bound, so that a busy machine cannot turn a slow answer into a 0; the
     bound itself is tested below with its own Reward."""
-    saved = list(common._MATH_GRADER)
-    common._MATH_GRADER[:] = [grader.Reward(timeout_s=30.0)]
+    saved = list(rewards._MATH_GRADER)
+    rewards._MATH_GRADER[:] = [grader.Reward(timeout_s=30.0)]
     yield
-    common._MATH_GRADER[0].stop()
-    common._MATH_GRADER[:] = saved
+    rewards._MATH_GRADER[0].stop()
+    rewards._MATH_GRADER[:] = saved
 
 
 # (what the model boxes, the reference): the same mathematical object written two ways
@@ -289,7 +291,7 @@ def test_grading_works_off_the_main_thread():
 def test_each_reference_once_per_prompt_each_answer_once_per_group(monkeypatch):
     calls, requests = [], []
     real_canonical, real_run = grader.canonical, grader.Reward.run
-    monkeypatch.setattr(common, "canonical", lambda s: calls.append(s) or real_canonical(s))
+    monkeypatch.setattr(rewards, "canonical", lambda s: calls.append(s) or real_canonical(s))
     monkeypatch.setattr(grader.Reward, "run", lambda self, reqs: requests.extend(reqs) or real_run(self, reqs))
     texts = ["\\boxed{2\\sqrt{2}}"] * 10 + ["\\boxed{\\sqrt{8}}"] * 5 + ["\\boxed{3}"]  # group 1: 3 distinct
     texts += ["\\boxed{x}"] * 16  # group 2: one

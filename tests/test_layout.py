@@ -86,3 +86,51 @@ def test_the_copied_files_run_one_step_alone(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert glob.glob(str(dest / "runs" / "gspo__1__*" / "step_1" / "model" / "model.safetensors"))
     assert sorted(os.listdir(dest)) == sorted(files + ["runs"])  # nothing else was needed, nothing else written
+
+
+def markdown_pages() -> list[str]:
+    """The README and every page of docs/, as paths relative to the repository."""
+    return ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))
+                                  if f.endswith(".md"))
+
+
+def anchors(path: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    text = open(os.path.join(ROOT, path)).read()
+    text = re.sub(r"```.*?```", "", text, flags=re.S)  # a '# comment' in a code block is no heading
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#{1,6} (.+)$", text, re.M)}
+
+
+def test_every_relative_link_and_named_file_exists():
+    """Every relative link of the README and docs/ reaches a file that exists (and a heading of it, when it names one),
+    every file the README's copy line names exists, and every `tests/...`, `benchmarks/...`, `experiments/...`,
+    `docs/...` or `tools/...` file a page names in code quotes exists: a page moved or renamed breaks this test, not
+    a reader's click."""
+    assert all(os.path.isfile(os.path.join(ROOT, f)) for f in readme_copy_list()), readme_copy_list()
+    broken = []
+    for page in markdown_pages():
+        text = open(os.path.join(ROOT, page)).read()
+        here = os.path.dirname(page)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):  # https://...
+                continue
+            path, _, anchor = target.partition("#")
+            path = os.path.normpath(os.path.join(here, path)) if path else page
+            if not os.path.exists(os.path.join(ROOT, path)):
+                broken.append(f"{page}: {target} (no such file)")
+            elif anchor and anchor not in anchors(path):
+                broken.append(f"{page}: {target} (no such heading in {path})")
+        for named in re.findall(r"`((?:tests|benchmarks|experiments|docs|tools)/[\w/.-]+\.(?:py|md|txt))`", text):
+            if not os.path.isfile(os.path.join(ROOT, named)):
+                broken.append(f"{page}: `{named}` (no such file)")
+    assert not broken, "\n".join(broken)
+    assert len(markdown_pages()) > 2
+
+
+def test_every_docs_page_says_what_it_covers_and_the_readme_links_it():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    for page in markdown_pages()[1:]:
+        lines = open(os.path.join(ROOT, page)).read().split("\n")
+        assert lines[0].startswith("# ") and lines[1] == "" and lines[2], f"{page}: a title, then what it covers"
+        assert f"]({page})" in readme, f"the README does not link {page}"

@@ -1,4 +1,5 @@
 """Hostile input and numerical accidents: a reward that raises, a completion holding code, non-finite losses."""
+import os
 import signal
 import sys
 
@@ -9,6 +10,7 @@ import common
 import data
 import distributed
 import grader
+import rewards
 from conftest import ROOT
 from test_train import run_script
 
@@ -21,8 +23,8 @@ def test_grader_that_raises_scores_zero_and_is_counted(monkeypatch, capsys):
             raise RuntimeError("grader bug")
         return real(text)
 
-    monkeypatch.setattr(common, "extract_answer", flaky)
-    r, errors = common.score(["3", "boom 3", "x = 4"], ["3", "4"], 2)  # answers 3, 3 | 4
+    monkeypatch.setattr(rewards, "extract_answer", flaky)
+    r, errors = rewards.score(["3", "boom 3", "x = 4"], ["3", "4"], 2)  # answers 3, 3 | 4
     assert r.tolist() == [1.0, 0.0, 1.0] and errors == 1
     assert "the reward failed on 1 of 3 completions, scored 0 (first: RuntimeError: grader bug)" in \
         capsys.readouterr().err
@@ -30,15 +32,15 @@ def test_grader_that_raises_scores_zero_and_is_counted(monkeypatch, capsys):
 
 def test_code_in_a_completion_is_only_parsed(tmp_path):
     marker = tmp_path / "pwned"
-    texts = [f"__import__('os').system('touch {marker}')", f"exec(\"open('{marker}', 'w')\") 7", "\\boxed{7}"]
-    r, errors = common.score(texts, ["7"], 3)
+    texts = [f"__import__('os').system('touch {marker}')", f"exec (\"open('{marker}', 'w')\") 7", "\\boxed{7}"]
+    r, errors = rewards.score(texts, ["7"], 3)
     assert r.tolist() == [0.0, 1.0, 1.0] and errors == 0 and not marker.exists()
 
 
 def test_a_reward_that_always_raises_stops_the_run_in_one_line(monkeypatch, tmp_path):
     """Every completion of the first step failed: one line naming the first error (issue 26); with
     --reward-fail-steps 0 the run goes on, each failure scored 0 and counted."""
-    monkeypatch.setattr(common, "extract_answer", lambda text: 1 / 0)
+    monkeypatch.setattr(rewards, "extract_answer", lambda text: 1 / 0)
     argv = ["--num-steps", "2", "--prompts-per-rank", "4", "--eval-every", "0"]
     with pytest.raises(SystemExit) as e:
         run_script("gspo", argv, monkeypatch, tmp_path / "a")
@@ -134,32 +136,6 @@ def f(completion, answer):
     return 1.0
 """
 
-# A trainer-like parent: its reward workers, started from the main thread (or another one: thread), answer requests;
-# SIGINT/SIGTERM: the signal is sent to the parent's process group while a request is in flight.
-PARENT = """
-import json, os, signal, sys, threading
-sys.path[:0] = json.loads(sys.argv[2])
-import grader
-mode = sys.argv[1]
-reward = grader.load_reward("hole27:f", 30.0)
-start = lambda: reward.run([("warm", "1"), ("warm", "1")])
-if mode == "thread":
-    th = threading.Thread(target=start)
-    th.start()
-    th.join()
-else:
-    start()
-print(json.dumps([w.proc.pid for w in reward.workers]), flush=True)
-if mode in ("SIGINT", "SIGTERM"):
-    sig, got = getattr(signal, mode), []
-    signal.signal(sig, lambda s, frame: got.append(s))  # the trainer's graceful stop
-    threading.Timer(0.3, lambda: os.killpg(os.getpgid(0), sig)).start()
-    out = reward.run([("slow", "1"), ("slow", "1")]) + reward.run([("warm", "1")])
-    print(json.dumps({"out": out, "got": got, "pids": [w.proc.pid for w in reward.workers]}), flush=True)
-else:
-    reward.run([("loop", "1"), ("loop", "1")])
-"""
-
 
 @pytest.fixture
 def hole_reward(tmp_path, monkeypatch):
@@ -172,7 +148,8 @@ def parent(mode, folder):
     import json
     import subprocess
 
-    return subprocess.Popen([sys.executable, "-c", PARENT, mode, json.dumps([str(folder), ROOT])], cwd=ROOT,
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "reward_parent.py"), mode,
+                             json.dumps([str(folder), ROOT])], cwd=ROOT,
                             stdout=subprocess.PIPE, text=True, start_new_session=True,  # its own process group
                             env={**__import__("os").environ, "MARKS": str(folder)})
 
@@ -229,10 +206,10 @@ def test_a_reward_that_forks_is_an_error_never_another_requests_answer(hole_rewa
     """The forked child returns 1.0 into the worker and the parent 0.0: the child's reply names its own pid, so each
     request is counted as an error (0), and the next request gets its own answer (hole 3)."""
     reward = grader.load_reward("hole27:f", 30.0)
-    r, errors = common.score(["fork"] * 4, ["1", "2", "3", "4"], 1, reward)
+    r, errors = rewards.score(["fork"] * 4, ["1", "2", "3", "4"], 1, reward)
     assert r.tolist() == [0.0] * 4 and errors == 4
     assert "the reward returned in a process it forked (worker restarted)" in capsys.readouterr().err
-    r, errors = common.score(["plain", "fork", "plain"], ["1", "2", "3"], 1, reward)
+    r, errors = rewards.score(["plain", "fork", "plain"], ["1", "2", "3"], 1, reward)
     assert r.tolist() == [1.0, 0.0, 1.0] and errors == 1
     reward.stop()
 

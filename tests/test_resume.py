@@ -195,17 +195,6 @@ def test_metrics_rows_read_back(tmp_path):
         common.read_metrics(str(path))
 
 
-HOLD = """import fcntl, os, socket, sys, time
-f = open(sys.argv[1], "a+")
-fcntl.flock(f, fcntl.LOCK_EX)
-f.truncate(0)
-f.write(f"pid {os.getpid()} on {socket.gethostname()}\\n")
-f.flush()
-print("locked", flush=True)
-time.sleep(120)
-"""
-
-
 def test_one_writer_per_run_folder(tmp_path, monkeypatch):
     """A live writer's lock stops a second one (here two --resume auto of one run) before the model loads, with one
     line naming it; a dead writer's lock is taken over; two fresh runs started in the same second get two folders."""
@@ -217,7 +206,8 @@ def test_one_writer_per_run_folder(tmp_path, monkeypatch):
     ckpt = run / "step_4"
     ckpt.mkdir(parents=True)
     fake_checkpoint(ckpt, step=4, world=1, script="gspo.py")
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run / "writer.lock")], stdout=subprocess.PIPE,
+    holder = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "lock_holder.py"), "flock",
+                               str(run / "writer.lock")], stdout=subprocess.PIPE,
                               text=True)
     try:
         assert holder.stdout.readline() == "locked\n"

@@ -223,7 +223,7 @@ def test_trl_reward_gets_prompts_completions_and_every_column(trl_rewards, tmp_p
     import json
 
     import grader
-    from common import score
+    from rewards import score
 
     reward = grader.load_reward([f"{trl_rewards}:seen"], 5.0)
     rows = {"prompt": ["p0", "p1"], "answer": ["4", "5"], "text": ["<t>p0", "<t>p1"], "solution": ["a", "b"]}
@@ -242,7 +242,7 @@ def test_trl_reward_gets_prompts_completions_and_every_column(trl_rewards, tmp_p
 
 def test_trl_reward_gets_conversational_prompts_and_completions_as_messages(trl_rewards):
     import grader
-    from common import score
+    from rewards import score
 
     reward = grader.load_reward([f"{trl_rewards}:conv", f"{trl_rewards}:only_completions"], 5.0)
     chat = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "q1"}],
@@ -258,7 +258,7 @@ def test_trl_reward_gets_conversational_prompts_and_completions_as_messages(trl_
 def test_several_rewards_are_a_weighted_sum_that_skips_none(trl_rewards):
     """r = sum_k w_k r_k over the rewards that apply (TRL's nansum), each logged under its own name."""
     import grader
-    from common import score
+    from rewards import score
 
     reward = grader.load_reward([f"{trl_rewards}:length", f"{trl_rewards}:only_completions"], 5.0, [1.0, 0.1])
     r, errors = score(["ab", "skip", "abc", "skip"], ["1", "2"], 2, reward)
@@ -274,7 +274,7 @@ def test_several_rewards_are_a_weighted_sum_that_skips_none(trl_rewards):
 
 def test_a_trl_reward_of_the_wrong_length_is_an_error(trl_rewards, capsys):
     import grader
-    from common import score
+    from rewards import score
 
     reward = grader.load_reward([f"{trl_rewards}:wrong_length"], 5.0)
     r, errors = score(["a", "b"], {"prompt": ["p"], "answer": ["1"], "text": ["p"]}, 2, reward, watch=False)
@@ -285,7 +285,7 @@ def test_a_trl_reward_of_the_wrong_length_is_an_error(trl_rewards, capsys):
 
 def test_a_column_a_trl_reward_needs_is_named_with_those_there_are(trl_rewards):
     import grader
-    from common import score
+    from rewards import score
 
     reward = grader.load_reward([f"{trl_rewards}:seen"], 5.0)
     with pytest.raises(SystemExit) as e:
@@ -296,7 +296,7 @@ def test_a_column_a_trl_reward_needs_is_named_with_those_there_are(trl_rewards):
 
 def test_a_reward_failing_on_every_completion_of_the_first_step_stops_the_run(trl_rewards):
     import grader
-    from common import score
+    from rewards import score
 
     reward = grader.load_reward([f"{trl_rewards}:length", f"{trl_rewards}:boom"], 5.0, fail_steps=3)
     with pytest.raises(SystemExit) as e:
@@ -308,7 +308,7 @@ def test_a_reward_failing_on_every_completion_of_the_first_step_stops_the_run(tr
 
 def test_a_reward_failing_on_more_than_half_for_n_steps_in_a_row_stops_the_run(trl_rewards):
     import grader
-    from common import score
+    from rewards import score
 
     reward = grader.load_reward([f"{trl_rewards}:half_boom"], 5.0, fail_steps=2)
     score(["a", "b", "c", "d"], ["1"], 4, reward)  # the first step: none fails
@@ -367,7 +367,7 @@ def test_a_user_reward_calling_math_reward_grades_at_once_in_its_worker(tmp_path
     """common.math_reward inside a --reward worker grades there (math-verify made before the worker is ready), not in
     workers of its own that would start within the reward's 1-s bound and time out (issue 26)."""
     import grader
-    from common import score
+    from rewards import score
 
     (tmp_path / "wraps_math26.py").write_text(
         "from common import math_reward\n\n\ndef r(completion, answer):\n    return math_reward(completion, answer)\n")
@@ -404,7 +404,7 @@ def test_trl_own_rewards_through_the_pool(monkeypatch):
     TRL: 1 for the right format / the right boxed answer."""
     pytest.importorskip("trl")
     import grader
-    from common import score
+    from rewards import score
 
     monkeypatch.setattr(grader, "GRADING_WORKERS", 1)
     reward = grader.load_reward(["trl.rewards:think_format_reward", "trl.rewards:accuracy_reward"], 60.0)

@@ -522,21 +522,21 @@ def test_grpo_fix_shared_token_at_ragged_lengths(mode):
         assert got < 1e-15
 
 
-def readme_grpo_fix_args():
-    """The README's Table 1 recipe for GRPO-fix, $COMMON expanded, parsed as grpo.py would."""
+def docs_grpo_fix_args():
+    """docs/algorithms.md's Table 1 recipe for GRPO-fix, $COMMON expanded, parsed as grpo.py would."""
     import tyro
 
     import grpo
 
-    text = open(os.path.join(ROOT, "README.md")).read()
+    text = open(os.path.join(ROOT, "docs", "algorithms.md")).read()
     common_argv = re.search(r'COMMON="(.*?)"', text, re.S).group(1).replace("\\\n", " ").split()
     row = next(line for line in text.splitlines() if line.startswith("| Table 1: GRPO-fix |"))
     command = re.search(r"`grpo\.py \$COMMON([^`]*)`", row).group(1).split()
     return tyro.cli(grpo.Args, args=common_argv + command)
 
 
-def test_issue24_readme_grpo_fix_recipe_cancels_shared_tokens():
-    args = readme_grpo_fix_args()
+def test_issue24_docs_grpo_fix_recipe_cancels_shared_tokens():
+    args = docs_grpo_fix_args()
     assert args.symmetric_clip
     logp, old, adv, mask = shared_token_group()
     got = shared_coef(logp, old, adv, mask, clip_low=args.clip_low, clip_high=args.clip_high, symmetric_clip=True,

@@ -6,8 +6,8 @@
     python tools/mutation.py --tests tests/test_stats_values.py   # what one test file kills on its own
 
 Each mutation is one edit: the file, its exact original text, the replacement, and what the edit breaks. For each,
-the repository's top-level *.py, README.md and tests/ are copied into a temporary folder (the working tree is never
-touched), the edit is applied there (the original text must occur exactly once, else the tool stops before
+the repository's top-level *.py, README.md, docs/ and tests/ are copied into a temporary folder (the working tree
+is never touched), the edit is applied there (the original text must occur exactly once, else the tool stops before
 running anything: the list has to follow the code), and the fast unit tests (FAST_TESTS; no test that runs a
 script as a subprocess) run with `pytest -x -q`. A mutant is killed when they fail, and survives when they pass:
 a survivor is a gap in the tests, unless the mutation is marked equivalent=<why it cannot change any value>.
@@ -196,8 +196,10 @@ MUTATIONS = [
 def copy_repo(dest: Path):
     for p in ROOT.glob("*.py"):
         shutil.copy2(p, dest / p.name)
-    if (ROOT / "README.md").exists():  # the README's recipes are read by a test
+    if (ROOT / "README.md").exists():  # the README's copy line and docs/' recipes are read by tests
         shutil.copy2(ROOT / "README.md", dest / "README.md")
+    if (ROOT / "docs").exists():
+        shutil.copytree(ROOT / "docs", dest / "docs")
     shutil.copytree(ROOT / "tests", dest / "tests", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
 
 

@@ -1,0 +1,189 @@
+"""The reward worker: one process that answers grading requests, one at a time, over pipes (JSON
+lines), for grader.Reward, which starts it as `python reward_worker.py PATH SPEC KIND PARENT
+DEATHSIG` and kills it past its time bound. SPEC empty: the math grader (math-verify, set up by
+make_math_verify); else 'module:function', a user's --reward function. Imports nothing of the
+project and nothing heavy, so that a worker starts in the time math-verify takes to import.
+
+Protocol (stdin one request a line, stdout one reply a line, every reply naming the process that
+wrote it, 'pid'): first {"ready": true}, or {"fatal": "..."} when the reward cannot be set up; then
+per request {"id": i, "a": [completion, answer]} ({"id": i, "kw": {...}} for a TRL-form reward,
+KIND 'trl') the reply {"id": i, "r": reward} ('r' a list for 'trl') or {"id": i, "e": "error"}.
+
+A worker lives in a session of its own, so that a Ctrl-C in the terminal or a SIGTERM to the
+trainer's process group (what a scheduler sends) reaches the trainer alone, which stops at the end
+of the step with every reward of it scored. It dies with its trainer, even inside a looping
+reward: the kernel kills it when the thread that started it dies (PR_SET_PDEATHSIG, Linux, when
+started from the main thread), and a thread of its own exits it when the requests pipe closes or
+its parent changes. Replies name the request and the process that answers it: a reward that
+forks and lets the child return answers in the child's name, and that is an error, never the
+answer of another request.
+"""
+
+import json
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+
+# the math grader's address-space bound in its worker (math-verify on a huge expression)
+MATH_MEMORY_BYTES = 4 << 30
+# parsed LaTeX kept per worker, cleared when full (a group's completions repeat answers)
+PARSE_CACHE = 4096
+
+
+def two_stage_parsing() -> bool:
+    """ANTLR's two-stage parse in latex2sympy2_extended: the fast SLL prediction first, full LL
+    only where SLL fails (~4x faster). The library has no option for it, so this wraps
+    two private names, _Latex2Sympy.create_parser and _Latex2Sympy.parse; False (grading still
+    right, only slower) when they are gone, and tests/test_reward_worker.py fails."""
+    try:
+        from antlr4.atn.PredictionMode import PredictionMode
+        from latex2sympy2_extended.latex2sympy2 import _Latex2Sympy
+        ll_create, ll_parse = _Latex2Sympy.create_parser, _Latex2Sympy.parse
+    except (ImportError, AttributeError):
+        return False
+    if getattr(ll_parse, "two_stage", False):  # installed already (this process graded before)
+        return True
+
+    def create_parser(self, latex):
+        parser = ll_create(self, latex)
+        if getattr(self, "sll", False):
+            parser._interp.predictionMode = PredictionMode.SLL
+        return parser
+
+    def two_stage(self, latex):
+        try:
+            self.sll = True
+            return ll_parse(self, latex)
+        except Exception:
+            self.sll = False
+            return ll_parse(self, latex)
+
+    two_stage.two_stage = True
+    _Latex2Sympy.create_parser, _Latex2Sympy.parse = create_parser, two_stage
+    return True
+
+
+def make_math_verify():
+    """math-verify set up for grading: fn(pred, gold) -> 1.0 or 0.0, both LaTeX answers parsed
+    once (an ANTLR grammar into sympy, never eval), no time bound of its own (the worker's is).
+    Run by the math grader's workers, and inside a --reward worker whose function calls
+    common.math_reward (grader.in_process_math)."""
+    import logging
+    logging.disable(logging.WARNING)
+    from math_verify import LatexExtractionConfig, parse, verify
+    two_stage_parsing()
+    config, parsed = [LatexExtractionConfig()], {}
+
+    def parse_once(s):
+        if len(parsed) > PARSE_CACHE:
+            parsed.clear()
+        if s not in parsed:
+            parsed[s] = parse("$" + s + "$", extraction_config=config,
+                              fallback_mode="no_fallback",
+                              parsing_timeout=None)
+        return parsed[s]
+
+    def fn(pred, gold):
+        g, p = parse_once(gold), parse_once(pred)
+        return float(bool(g) and bool(p) and verify(g, p, timeout_seconds=None))
+
+    return fn
+
+
+def finite(r) -> float:
+    """A reward as a float; a NaN or an infinity is an error of the reward."""
+    r = float(r)
+    if r != r or abs(r) == float("inf"):
+        raise ValueError(f"the reward returned {r}")
+    return r
+
+
+def answer(fn, kind: str, request: dict) -> dict:
+    """The reply to one request, less its id: {'r': ...} or {'e': 'Type: message'}."""
+    try:
+        if kind == "trl":  # a batch: a list of one reward or None per completion
+            rs = fn(**request["kw"])
+            n = len(request["kw"]["completions"])
+            if not isinstance(rs, (list, tuple)) or len(rs) != n:
+                raise ValueError(f"the reward returned {type(rs).__name__} "
+                                 f"{str(rs)[:40]}, not a list of {n} rewards")
+            return {"r": [None if r is None else finite(r) for r in rs]}
+        return {"r": finite(fn(*request["a"]))}
+    except Exception as e:
+        return {"e": f"{type(e).__name__}: {e}"[:300]}
+
+
+def load(spec: str):
+    """The function that grades: the user's 'module:function', or math-verify (spec empty)."""
+    if spec:
+        import importlib
+        module, name = spec.split(":")
+        fn = getattr(importlib.import_module(module), name)
+        grader = sys.modules.get("grader")
+        if grader is not None:  # the reward may call common.math_reward: math-verify ready now
+            try:
+                grader.in_process_math()
+            except ImportError:  # not installed: an error of the requests that need it
+                pass
+        return fn
+    import resource
+    resource.setrlimit(resource.RLIMIT_AS, (MATH_MEMORY_BYTES,
+                                            resource.getrlimit(resource.RLIMIT_AS)[1]))
+    return make_math_verify()
+
+
+def main(argv: list[str]):
+    sys.path[:0] = json.loads(argv[0])
+    spec, kind, parent, deathsig = argv[1], argv[2], int(argv[3]), argv[4] == "1"
+    me = os.getpid()
+    if deathsig:
+        try:
+            import ctypes
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # the trainer died before the line above
+        os._exit(1)
+    # replies only: a print() or a child process of the reward writes to stderr
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    def reply(**kw):
+        out.write(json.dumps({**kw, "pid": os.getpid()}) + "\n")
+        out.flush()
+
+    requests = queue.Queue()
+
+    def read():
+        for line in sys.stdin:
+            requests.put(line)
+        os._exit(0)  # the trainer closed the pipe, or died
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.1)
+        os._exit(0)  # reparented: the trainer died
+
+    threading.Thread(target=read, daemon=True).start()
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        fn = load(spec)
+    except BaseException as e:
+        reply(fatal=f"{type(e).__name__}: {e}")
+        sys.exit(1)
+    reply(ready=True)
+    while True:
+        request = json.loads(requests.get())
+        msg = answer(fn, kind, request)
+        if os.getpid() != me:  # the reward forked and its child came back here: say so, and leave
+            reply(id=request["id"], e="the reward returned in a process it forked")
+            os._exit(0)
+        reply(id=request["id"], **msg)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

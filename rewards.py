@@ -1,0 +1,195 @@
+"""Rewards per completion: score, what every script's loop calls between the rollout and the group
+advantages, and the watch it keeps over a run's training steps (a reward that keeps failing stops
+the run; groups that are all flat from the first step on are said once). The grading itself, the
+math grader and users' --reward functions in worker processes under a time bound, is grader.py's
+(reward_worker.py is the worker's program); the built-in reward functions a --reward names are
+common.py's (math_reward, think_format, length_penalty).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+import torch.distributed as dist
+
+from distributed import all_reduce, fail
+from grader import MAX_ANSWER_CHARS, Reward, Rewards, canonical, decide, extract_answer
+
+_MATH_GRADER = []  # the default Reward, made on first use
+
+
+def score(texts: list[str], answers, n: int, reward: Reward | Rewards | None = None,
+          watch: bool = True) -> tuple[torch.Tensor, int]:
+    """Reward per completion (reward: a Reward or Rewards, default the math grader), and on how
+    many completions a reward failed (raised, returned a non-finite value or not a reward a
+    completion, ran past its time bound, or an answer too long to grade): those score 0 from that
+    reward and the first error is printed, so one broken completion never stops a run.
+    answers: the prompts' answers, or their rows (a dict of columns or a datasets batch: 'answer',
+    and for a TRL-form reward 'prompt' and every other column but 'text'); completions come n per
+    prompt. Several rewards: the weighted sum of those that apply (a TRL reward's None does not,
+    TRL's nansum). Each answer is normalised once per prompt, and each distinct request (extracted
+    answer and reference; for a user's f(completion, answer), completion and answer) is graded
+    once; a TRL-form reward is called once per group of n completions.
+    watch: a training step; say once when every group of each of the first steps has equal
+    rewards (watch_flat_groups), keep each reward's values for its logs (reward.metrics()), and
+    stop the run on a reward that keeps failing (watch_failures)."""
+    if reward is None:
+        if not _MATH_GRADER:
+            _MATH_GRADER.append(Reward())
+        reward = _MATH_GRADER[0]
+    rows = answers if hasattr(answers, "keys") or hasattr(answers, "column_names") else None
+    answers = [str(a) for a in (rows["answer"] if rows is not None else answers)]
+    columns, values, failed, first = {}, {}, torch.zeros(len(texts), dtype=torch.bool), {}
+    for part, _ in reward.parts:
+        if part.kind == "trl":
+            columns = columns or _columns(rows, answers)
+            conversational = any(isinstance(p, list) for p in columns["prompts"][:1])  # messages
+            v, errors = _score_groups(part, texts, _taken(columns, part, rows), n, conversational)
+        else:
+            v, errors = _score_pairs(part, texts, answers, n)
+        values[part.name] = v
+        failed |= torch.tensor([e is not None for e in errors], dtype=torch.bool)
+        first[part.name] = next((e for e in errors if e is not None), None), sum(
+            e is not None for e in errors)
+    for name, (error, count) in first.items():
+        if count:
+            who = "the reward" if len(first) == 1 else f"the reward {name}"
+            print(f"warning: {who} failed on {count} of {len(texts)} completions, scored 0 "
+                  f"(first: {error})", file=sys.stderr)
+    if len(values) == 1:
+        r = next(iter(values.values())).nan_to_num(0.0)
+    else:  # sum_k w_k r_k over the rewards that apply (TRL's nansum; 0 when none does)
+        weights = torch.tensor([w for _, w in reward.parts], dtype=torch.float32)
+        r = (torch.stack(list(values.values()), 1) * weights).nansum(1)
+    if watch:
+        reward.values = values
+        watch_failures(reward, first, len(texts))
+        watch_flat_groups(reward, r, n)
+    return r, int(failed.sum())
+
+
+def _score_pairs(reward: Reward, texts: list[str], answers: list[str], n: int):
+    """f(completion, answer) per completion (the math grader, or a user's function): its reward
+    and its error (None when it was scored)."""
+    keys, results, requests = [], {}, []  # per completion: its request (None: no answer, scores 0)
+    if reward.spec is None:
+        golds = [canonical(a) for a in answers]  # once per prompt
+        preds = {}  # extracted answer -> canonical form, once per distinct answer
+        for i, text in enumerate(texts):
+            try:
+                pred, gold = extract_answer(text), golds[i // n]
+                if pred is None:
+                    keys.append(None)
+                    continue
+                if len(pred) > MAX_ANSWER_CHARS:
+                    raise ValueError(f"an answer of {len(pred)} characters (over "
+                                     f"{MAX_ANSWER_CHARS}) is not graded")
+                p = preds[pred] if pred in preds else preds.setdefault(pred, canonical(pred))
+                key = (p, gold)  # the values too: '50%' and '50' share the text '50'
+                if key not in results:
+                    results[key] = (decide(p, gold), None)
+                    if results[key][0] is None:
+                        requests.append(key)
+            except Exception as e:  # noqa: BLE001 - whatever the completion holds, it scores 0
+                # and is counted
+                key = ("failed", i)
+                results[key] = (0.0, f"{type(e).__name__}: {e}")
+            keys.append(key)
+        # math-verify compares the texts
+        results.update(zip(requests, reward.run([(p[0], gold[0]) for p, gold in requests])))
+    else:
+        keys = [(text, answers[i // n]) for i, text in enumerate(texts)]
+        requests = list(dict.fromkeys(keys))
+        results.update(zip(requests, reward.run(requests)))
+    v = [results[k][0] if k is not None else 0.0 for k in keys]
+    return (torch.tensor(v, dtype=torch.float32),
+            [results[k][1] if k is not None else None for k in keys])
+
+
+def _columns(rows, answers: list[str]) -> dict:
+    """A TRL-form reward's keyword arguments, one value per prompt: prompts, and every column of
+    the rows but 'prompt' and 'text' (the templated prompt) by its name, as TRL passes them (given
+    the answers alone: prompts None, and the answers)."""
+    if rows is None:
+        rows = {"answer": answers}
+    names = list(rows.column_names if hasattr(rows, "column_names") else rows.keys())
+    kw = {"prompts": list(rows["prompt"]) if "prompt" in names else [None] * len(answers)}
+    kw.update({k: list(rows[k]) for k in names if k not in ("prompt", "text")})
+    return kw
+
+
+def _taken(columns: dict, reward: Reward, rows) -> dict:
+    """The columns reward takes (all of them when it takes **kwargs); one line naming the columns
+    there are when it needs one that is not."""
+    missing = [p for p in reward.required if p not in columns and p != "completions"]
+    if missing:
+        names = list(rows.column_names if hasattr(rows, "column_names") else rows.keys())
+        fail(f"--reward {reward.spec}: needs the column {missing[0]!r}, which the data does not "
+             f"have (its columns: {', '.join(names)})")
+    return {k: v for k, v in columns.items() if reward.more or k in reward.params}
+
+
+def _score_groups(reward: Reward, texts: list[str], columns: dict, n: int, conversational: bool):
+    """TRL's f(prompts, completions, **columns) -> list[float | None], called once per group of n
+    completions, each argument given per completion (a prompt's values repeated n times); the
+    completions as [{'role': 'assistant', 'content': text}] when the prompts are message lists.
+    A reward per completion (NaN: None, not applicable) and its error."""
+    requests = []
+    for g in range(len(texts) // n):
+        group = texts[g * n:(g + 1) * n]
+        completions = ([[{"role": "assistant", "content": t}] for t in group] if conversational
+                       else list(group))
+        requests.append({**{k: [v[g]] * n for k, v in columns.items()},
+                         "completions": completions})
+    v, errors = [], []
+    for r, error in reward.run(requests):
+        v += [0.0] * n if error is not None else [math.nan if x is None else x for x in r]
+        errors += [error] * n
+    return torch.tensor(v, dtype=torch.float32), errors
+
+
+def watch_failures(reward: Reward | Rewards, failures: dict, total: int):
+    """Stop the run in one line when a reward failed on every completion of the first training
+    step, or on more than half of them in reward.fail_steps steps in a row (0: never). failures:
+    per reward name, (its first error, on how many of the total completions it failed); counted
+    over all ranks, so that every rank stops together."""
+    if not reward.fail_steps:
+        return
+    counts = all_reduce(torch.tensor([[c, total] for _, c in failures.values()],
+                                     dtype=torch.float64))
+    reward.steps += 1
+    for (name, (error, _)), (bad, all_) in zip(failures.items(), counts.tolist()):
+        reward.bad_steps[name] = reward.bad_steps.get(name, 0) + 1 if 2 * bad > all_ else 0
+        said = f" (first error: {error})" if error else ""
+        if reward.steps == 1 and bad == all_:
+            fail(f"the reward {name} failed on every completion of the first step{said}: fix it "
+                 "(the run would learn from nothing)")
+        if reward.bad_steps[name] >= reward.fail_steps:
+            fail(f"the reward {name} failed on more than half of the completions in "
+                 f"{reward.bad_steps[name]} steps in a row{said} (--reward-fail-steps "
+                 f"{reward.fail_steps}): fix it")
+
+
+# the first training steps that, all flat, make a run say that its answers may not be gradable
+FLAT_STEPS = 5
+
+
+def watch_flat_groups(reward: Reward | Rewards, r: torch.Tensor, n: int):
+    """Say once (main rank) when every group of each of the first FLAT_STEPS training steps had
+    equal rewards: every advantage was 0, nothing was learned, and the likely cause is answers the
+    grader cannot match."""
+    # a step with a spread was seen, or the warning was given
+    if reward.flat_steps < 0 or r.numel() % n:
+        return
+    g = r.view(-1, n)
+    reward.flat_steps = reward.flat_steps + 1 if bool((g == g[:, :1]).all()) else -1
+    if reward.flat_steps == FLAT_STEPS:
+        reward.flat_steps = -1
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"warning: in each of the first {FLAT_STEPS} steps every group's completions got "
+                  f"the same reward (now {r.mean().item():.3f}), so every advantage is 0 and "
+                  "nothing is learned; if this goes on, the answers may not be gradable: compare "
+                  "them with what the model writes (samples.jsonl)",
+                  file=sys.stderr)

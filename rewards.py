@@ -53,16 +53,24 @@ def score(texts: list[str], answers, n: int, reward: Reward | Rewards | None = N
         failed |= torch.tensor([e is not None for e in errors], dtype=torch.bool)
         first[part.name] = next((e for e in errors if e is not None), None), sum(
             e is not None for e in errors)
+    # sum_k w_k r_k over the rewards that apply (TRL's nansum; 0 when none does), in float64: a finite reward past
+    # float32's range (1e308, or 1e38 times a weight of 10) scores 0 and counts as a failure of the reward that
+    # weighs most in it, like a non-finite reward, instead of becoming an infinite advantage
+    weights = torch.tensor([w for _, w in reward.parts], dtype=torch.float64)
+    weighted = torch.stack(list(values.values()), 1) * weights
+    r = weighted.nansum(1)
+    over = ~torch.isfinite(r.float())
+    for i in over.nonzero().flatten().tolist():
+        name = list(values)[int(weighted[i].nan_to_num(0.0).abs().argmax())]
+        error, count = first[name]
+        first[name] = error or f"ValueError: the weighted reward {r[i].item():g} is past float32's range", count + 1
+    failed |= over
+    r = r.masked_fill(over, 0.0).float()
     for name, (error, count) in first.items():
         if count:
             who = "the reward" if len(first) == 1 else f"the reward {name}"
             print(f"warning: {who} failed on {count} of {len(texts)} completions, scored 0 "
                   f"(first: {error})", file=sys.stderr)
-    if len(values) == 1:
-        r = next(iter(values.values())).nan_to_num(0.0)
-    else:  # sum_k w_k r_k over the rewards that apply (TRL's nansum; 0 when none does)
-        weights = torch.tensor([w for _, w in reward.parts], dtype=torch.float32)
-        r = (torch.stack(list(values.values()), 1) * weights).nansum(1)
     if watch:
         reward.values = values
         watch_failures(reward, first, len(texts))
@@ -104,7 +112,7 @@ def _score_pairs(reward: Reward, texts: list[str], answers: list[str], n: int):
         requests = list(dict.fromkeys(keys))
         results.update(zip(requests, reward.run(requests)))
     v = [results[k][0] if k is not None else 0.0 for k in keys]
-    return (torch.tensor(v, dtype=torch.float32),
+    return (torch.tensor(v, dtype=torch.float64),
             [results[k][1] if k is not None else None for k in keys])
 
 
@@ -147,7 +155,7 @@ def _score_groups(reward: Reward, texts: list[str], columns: dict, n: int, conve
     for r, error in reward.run(requests):
         v += [0.0] * n if error is not None else [math.nan if x is None else x for x in r]
         errors += [error] * n
-    return torch.tensor(v, dtype=torch.float32), errors
+    return torch.tensor(v, dtype=torch.float64), errors
 
 
 def watch_failures(reward: Reward | Rewards, failures: dict, total: int):

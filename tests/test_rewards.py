@@ -177,6 +177,10 @@ def length(completion, answer):  # the project's form
     return float(len(completion))
 
 
+def huge(completion, answer):  # finite, but past float32's range once weighted (or at all: 1e39)
+    return {"big": 1e38, "bigger": 1e308, "past": 1e39}.get(completion, 1.0)
+
+
 def boom(completion, answer):
     raise KeyError("no such test")
 
@@ -253,6 +257,24 @@ def test_trl_reward_gets_conversational_prompts_and_completions_as_messages(trl_
     # is not 'skip')
     assert errors == 0 and r.tolist() == [1 + 2 + 1, 1 + 4 + 1, 3 + 1, 1 + 1]
     reward.stop()
+
+
+def test_a_weighted_sum_past_float32_scores_0_and_is_counted(trl_rewards, capsys):
+    """1e38 x a weight of 10, 1e308 and 1e39 are finite floats whose sum is not a float32: each scores 0 and is counted
+    as a failure of the reward (before: inf, and the run stopped on non-finite updates); 1e38 alone, weighted by 1,
+    is a float32 and is kept."""
+    import grader
+    from rewards import score
+
+    reward = grader.load_reward([f"{trl_rewards}:huge", f"{trl_rewards}:length"], 5.0, [10.0, 1.0])
+    r, errors = score(["big", "bigger", "ok", "past"], ["1", "2"], 2, reward, watch=False)
+    assert r.tolist() == [0.0, 0.0, 10.0 + 2.0, 0.0] and errors == 3
+    assert "the reward huge failed on 3 of 4 completions, scored 0" in capsys.readouterr().err
+    reward.stop()
+    alone = grader.load_reward(f"{trl_rewards}:huge", 5.0)
+    r, errors = score(["big", "bigger"], ["1"], 2, alone, watch=False)
+    assert r.tolist() == [torch.tensor(1e38).item(), 0.0] and errors == 1
+    alone.stop()
 
 
 def test_several_rewards_are_a_weighted_sum_that_skips_none(trl_rewards):

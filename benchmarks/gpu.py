@@ -1,7 +1,7 @@
 """The project on one GPU, in the real shapes of Qwen3-0.6B, 1.7B, 4B and 8B with random bf16 weights (random
 weights run at the speed of trained ones; no download):
 
-    python benchmarks/gpu.py --models 0.6B,1.7B,4B --minutes 4   # one 10-minute call; gpu.md, gpu.json in --out
+    python benchmarks/gpu.py --models 0.6B,1.7B --minutes 6 --no-trl   # one 10-minute call; gpu.md, gpu.json in --out
     python benchmarks/gpu.py --models 8B --gen-modes shared-prefill  # 8B alone: every mode outlasts 10 minutes
     python benchmarks/gpu.py --smoke          # every code path on CPU with tiny shapes, in seconds (the test suite)
 
@@ -32,8 +32,12 @@ Per model, as far as each fits:
   the GPU are read in place, as here for all but the fused q/k/v and gate/up).
 - TRL: if `trl` imports, benchmarks/rl_step.py on the 0.6B shape (gspo.py --gen-mode engine against TRL's
   GRPOTrainer as GSPO, no vLLM, one RL step's median wall time).
-A model whose generation or training runs out of memory gets 'OOM' in its cells; once --minutes have passed, the
-remaining models are skipped and listed as such.
+One call cannot come back empty: each mode's row and each training row is written to --out (default $OUT, the
+folder a device call brings back) the moment it is measured; a mode or training row that fails (out of memory or any
+other error) is a row holding its one-line error, and the call goes on; once --minutes have passed, every remaining
+model, mode and training row is written as skipped. Generation imports nothing of the training path: on an image
+without tyro (gspo.py imports cli) the training rows say so. The command for a ~10-minute lease is in
+benchmarks/README.md ("One GPU call").
 """
 import argparse
 import importlib.util
@@ -118,6 +122,9 @@ def bench_generation(policy, tok, shape, a, d, out=None, flush=lambda: None) -> 
     weight_bytes = (sum(p.numel() for p in policy.parameters()) - untied_embedding) * elem
     kv_bytes_per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * elem
     for mode in a.gen_modes:
+        if time.time() > a.deadline:
+            out[mode] = {"error": f"skipped: over --minutes {a.minutes}"}
+            continue
         try:
             out[mode] = _one_mode(policy, tok, shape, a, d, mode, texts, eos, bytes_per_s, weight_bytes,
                                   kv_bytes_per_token)
@@ -174,7 +181,11 @@ def bench_training(lm, policy, shape, a, d, checkpointing: bool) -> dict:
     import torch
 
     import memory_plan
-    from gspo import gspo_loss
+
+    try:  # the training path (gspo.py imports cli, hence tyro) is optional: generation never needs it
+        from gspo import gspo_loss
+    except ImportError as e:
+        return f"skipped: gspo.py does not import ({e})"
 
     if checkpointing:
         lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -270,8 +281,11 @@ def main():
     ap.add_argument("--train-tokens", type=int, default=1280, help="tokens per training sequence (prompt included)")
     ap.add_argument("--train-steps", type=int, default=3, help="timed training steps after one warm-up")
     ap.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak (default: by its name)")
-    ap.add_argument("--minutes", type=float, default=8.0, help="start no new model after this many minutes")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"), help="folder for gpu.md/json")
+    ap.add_argument("--minutes", type=float, default=8.0,
+                    help="start no new model, mode or training row after this many minutes (each one is a row)")
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "benchmarks", "results"),
+                    help="folder for gpu.md/json (default: $OUT where set, the folder a device call brings back; "
+                         "else benchmarks/results)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: every code path in seconds")
     ap.add_argument("--no-trl", action="store_true", help="skip the TRL comparison (benchmarks/rl_step.py)")
     ap.add_argument("--no-train", action="store_true", help="generation alone (no training step, no gspo import)")
@@ -300,9 +314,10 @@ def main():
     dtype = torch.bfloat16 if d.device.type == "cuda" else torch.float32
     device_name = torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else "CPU (--smoke)"
     t0 = time.time()
+    a.deadline = t0 + 60 * a.minutes
     results = {}
     for name in models:
-        if (time.time() - t0) / 60 > a.minutes:
+        if time.time() > a.deadline:
             results[name] = {"skipped": f"over --minutes {a.minutes}"}
             continue
         shape = shapes.TINY if name == "tiny" else shapes.QWEN3[name]
@@ -319,8 +334,9 @@ def main():
         except Exception as e:  # noqa: BLE001 (set-up of the modes: the bandwidth copy, the warm-up call)
             row["generation"]["error"] = {"error": f"{type(e).__name__}: {e}"[:200]}
         for ac in (False, True):
-            if a.no_train:
-                row[f"training_ac{int(ac)}"] = "skipped"
+            if a.no_train or time.time() > a.deadline:
+                row[f"training_ac{int(ac)}"] = "skipped: " + ("--no-train" if a.no_train else
+                                                               f"over --minutes {a.minutes}")
                 continue
             try:
                 row[f"training_ac{int(ac)}"] = bench_training(lm, policy, shape, a, d, ac)

@@ -70,6 +70,47 @@ def test_gpu_benchmark_smoke(tmp_path):
     assert "| tiny | 0.000 |" in md and "command: python benchmarks/gpu.py --smoke" in p.stdout
 
 
+def test_gpu_benchmark_without_training_packages(tmp_path):
+    """The GPU image has no tyro, datasets, trl or math_verify: gpu.py still measures every generation mode and writes
+    a row per mode; the training rows say why they were skipped (gspo.py imports cli, hence tyro)."""
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "tests", "blocked"))
+    p = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--no-trl", "--out", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    row = json.load(open(tmp_path / "gpu.json"))["results"]["tiny"]
+    assert set(row["generation"]) == {*common.GEN_MODES, "engine-eager", "engine-sdpa"}
+    assert all(g["tokens_per_s"] > 0 for g in row["generation"].values()), row["generation"]
+    for ac in (0, 1):
+        assert row[f"training_ac{ac}"].startswith("skipped: gspo.py does not import (tyro is blocked"), row
+    p = subprocess.run([sys.executable, "-c", "import tyro"], env=env, capture_output=True, text=True)
+    assert p.returncode and "tyro is blocked" in p.stderr  # the stand-ins do block
+
+
+def test_gpu_benchmark_minutes():
+    """Past --minutes, each remaining mode is a row that says it was skipped, and none is run."""
+    import argparse
+
+    import torch
+
+    import distributed
+    import gpu
+
+    tok = shapes.word_tokenizer(shapes.TINY["vocab_size"])
+    policy = common.Policy(shapes.random_model(shapes.TINY, tok, torch.float32, torch.device("cpu"))).eval()
+    a = argparse.Namespace(mean_length=3, prompts=1, prompt_tokens=4, gen_modes=["repeat", "engine"], minutes=0.0,
+                           deadline=0.0)
+    rows, flushed = {}, []
+    out = gpu.bench_generation(policy, tok, shapes.TINY, a, distributed.Dist(0, 1, torch.device("cpu")), rows,
+                               lambda: flushed.append(dict(rows)))
+    assert out == rows == {m: {"error": "skipped: over --minutes 0.0"} for m in ("repeat", "engine")}
+    a.deadline, a.group_size, a.new_tokens = float("inf"), 2, 3
+    rows = {}
+    gpu.bench_generation(policy, tok, shapes.TINY, a, distributed.Dist(0, 1, torch.device("cpu")), rows,
+                         lambda: flushed.append(dict(rows)))
+    assert [list(f) for f in flushed] == [["repeat"], ["repeat", "engine"]]  # each row on disk as it is measured
+    assert rows["engine"]["tokens_per_s"] > 0
+
+
 def test_gpu_benchmark_gen_modes(tmp_path):
     """--gen-modes times the modes named, in its table's columns; an unknown mode fails in one line."""
     p = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--no-trl", "--gen-modes", "static,repeat",

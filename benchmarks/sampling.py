@@ -1,0 +1,123 @@
+"""The decode step's sampler on CPU: sampling.sample (radix-select top-p, one exponential race)
+against engine.sample (softmax + full sort for top-p + torch.multinomial), side by side in one
+process, at the rollout's shape [256, 151936] in float32 and bf16 logits.
+
+    python benchmarks/sampling.py                         # 256 x 151936, 3 repetitions
+    python benchmarks/sampling.py --rows 64 --repeat 5    # quicker
+    python benchmarks/sampling.py --inductor              # + kernels under torch.compile
+
+--inductor also compiles sampling.sample with torch.compile(fullgraph=True, dynamic=False) per
+setting (the noise passed in as a tensor: Dynamo does not trace a torch.Generator argument) at
+[8, 4096] (the count does not depend on the shape) and prints the generated code's kernels:
+fused loops (each one read of its inputs) and the extern calls inductor left to aten (topk).
+Compiling takes about a minute a setting on CPU.
+
+For each sampling setting (temperature, top_k, top_p) and logits dtype it prints min and median
+seconds a call over --repeat calls (after one untimed call) and the aten ops each call launches
+(a TorchDispatchMode count, on 8 rows: on a GPU, eagerly, each is about one kernel), and how
+many of them read or write a [rows, vocab] tensor (eager passes over the logits). CPU times are a proxy only:
+the GPU's numbers come from benchmarks/gpu.py when a device is lent.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import engine  # noqa: E402
+import sampling  # noqa: E402
+
+
+class CountOps(TorchDispatchMode):
+    """Counts aten ops, and those touching a tensor of at least `big` elements."""
+
+    def __init__(self, big: int):
+        super().__init__()
+        self.ops, self.passes, self.big = 0, 0, big
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        tensors = [a for a in list(args) + list((kwargs or {}).values())
+                   if isinstance(a, torch.Tensor)]
+        tensors += [o for o in (out if isinstance(out, (tuple, list)) else [out])
+                    if isinstance(o, torch.Tensor)]
+        self.passes += any(t.numel() >= self.big for t in tensors)
+        return out
+
+
+def timed(fn, repeat):
+    fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times), statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
+    parser.add_argument("--inductor", action="store_true", help="also count compiled kernels")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    settings = [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.0, 50, 0.95), (1.0, 20, 1.0)]
+    print(f"[{args.rows}, {args.vocab}] logits, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}, {args.repeat} repetitions after one untimed call")
+    print(f"{'dtype':9} {'T':>4} {'top_k':>5} {'top_p':>5} | {'sampler':15} {'min s':>7} "
+          f"{'median s':>8} {'aten ops':>8} {'[R,V] ops':>9}")
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(args.rows, args.vocab, generator=g) * 2).to(dtype)
+        for t, k, p in settings:
+            calls = {"sampling.sample": lambda: sampling.sample(logits, t, k, p, generator=g),
+                     # the engine as it runs today: it is given float32 logits
+                     "engine.sample": lambda: engine.sample(logits.float(), t, k, p, g)}
+            for name, fn in calls.items():
+                best, median = timed(fn, args.repeat)
+                small = logits[:8]  # the counts do not depend on the rows: counted on 8
+                with CountOps(small.numel()) as count:
+                    if name == "sampling.sample":
+                        sampling.sample(small, t, k, p, generator=g)
+                    else:
+                        engine.sample(small.float(), t, k, p, g)
+                print(f"{str(dtype)[6:]:9} {t:4} {k:5} {p:5} | {name:15} {best:7.3f} "
+                      f"{median:8.3f} {count.ops:8} {count.passes:9}", flush=True)
+    if args.inductor:
+        inductor_kernels(settings)
+
+
+def inductor_kernels(settings):
+    """Kernels of the compiled sampler, read from the code inductor generates."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    x = torch.randn(8, 4096).to(torch.bfloat16)
+    noise = torch.empty(8, 4096).exponential_()
+    print("torch.compile(fullgraph=True, dynamic=False), bf16 logits, noise passed in:")
+    for t, k, p in settings:
+        torch._dynamo.reset()
+        fn = torch.compile(lambda x, e: sampling.sample(x, t, k, p, noise=e), fullgraph=True,
+                           dynamic=False)
+        _, code = run_and_get_code(fn, x, noise)
+        src = "\n".join(code)
+        fused = sorted(set(re.findall(r"\b(cpp_fused_\w+|triton_\w+_fused_\w+)\s*=", src)))
+        extern = re.findall(r"(?:extern_kernels\.|torch\.ops\.aten\.)(\w+)[.\w]*\(", src)
+        print(f"  T {t} top_k {k} top_p {p}: {len(fused)} fused kernels, extern calls: "
+              f"{', '.join(extern) or 'none'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

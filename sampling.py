@@ -1,0 +1,156 @@
+"""The rollout's sampler on the device: HF's temperature, top-k and top-p, one exponential race.
+
+`sample(logits, temperature, top_k, top_p, generator=, noise=)` -> (tokens [R], log-probs [R]).
+Semantics are transformers' TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper in that
+order (min_tokens_to_keep 1) on float32 scores, then one draw from the softmax of what is kept.
+The log-prob is the token's under the temperature-scaled softmax over the whole vocabulary (before
+top-k/top-p): the policy's own log-prob at this temperature, what Policy.forward recomputes.
+
+How (three steps, no sort of the vocabulary, no host sync, no shape that depends on the data):
+1. s = float(logits) / T. top-k: the k-th largest by torch.topk; kept: s >= kth (HF keeps the
+   ties at the k-th value). The softmax's max and normaliser Z over the whole vocabulary.
+2. top-p: HF removes token j iff the cumulative probability of the ascending sort up to j is
+   <= 1 - p, i.e. keeps j iff the mass ranked strictly above j is < p. The boundary value is
+   found exactly by a radix select on the float's order-preserving 32-bit key: four rounds of a
+   256-bucket histogram of the probability mass (scatter_add), each fixing 8 more bits of the
+   boundary key (a fixed number of rounds: exact among float32 values, no bisection tolerance).
+   With top_k > 0 the rounds run over the k candidates torch.topk returned, not the vocabulary.
+   A tie group cut by the boundary keeps its members of highest index (what the ascending sort
+   HF calls returns when it is stable), at least one token always kept.
+3. Exponential race: token = argmax over the kept set of exp(s - max) / E, E ~ Exp(1) i.i.d.
+   (Gumbel-max: the argmax of s - log E). This is torch.multinomial's own algorithm for one
+   sample (argmax p / E), so with the same generator state the tokens are engine.sample's up to
+   float rounding of near-ties.
+
+Reads of the [rows, vocab] logits, each a loop over them (eager: one or a few aten ops each;
+under torch.compile inductor fuses each loop into one kernel):
+  top_p == 1, top_k == 0: max, sum of exp, race (+ the noise)                      3
+  top_p == 1, top_k > 0:  topk, sum of exp, race                                   3
+  top_p < 1,  top_k > 0:  topk, sums of exp (all and kept), tie count + cumsum, race 4
+  top_p < 1,  top_k == 0: max, sum of exp, 4 radix rounds, tie count + cumsum, race 8
+Measured (benchmarks/sampling.py, CPU): inductor kernels 1 / 8 / 9 + aten topk / 2 + aten topk
+in the rows' order (bf16 logits, noise passed in); eager aten ops (bf16) 17 / 182 / 197 / 22, on
+[rows, vocab] 11 / 61 / 36 / 14 of them (engine.sample: 8 / 17 / 21 / 12 ops).
+Exactness: the kept set is HF's in exact arithmetic. Float32 sums (our histograms, HF's cumsum)
+can differ only where the boundary lies within rounding (~1e-7 of the mass) of a cumulative sum,
+and HF's subset of a tie group cut by the boundary is whatever its unstable sort gives (the count
+is the same); tests/test_sampling.py checks both.
+The noise is one [rows, vocab] float32 tensor (drawn by `exponential_` from `generator`, or
+passed as `noise`), written once and read once, unless a compiled caller draws it in-kernel.
+The current engine.sample makes ~9 passes plus a full sort when top_p < 1.
+temperature == 0: greedy (argmax, the lowest index among ties), log-prob under the softmax at
+temperature 1 (the limit has no finite log-prob to compare with).
+"""
+import torch
+
+RADIX_BITS = 8
+BUCKETS = 1 << RADIX_BITS
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+           generator: torch.Generator | None = None, noise: torch.Tensor | None = None):
+    """One token a row from HF's warped softmax of logits [R, V] (bf16 or fp32) -> (tokens [R]
+    int64, log-probs [R] float32 under softmax(logits / temperature) over the whole vocabulary).
+    top_k 0 and top_p 1 are off. noise: Exp(1) draws [R, V] (float32), else drawn from
+    `generator` (default: torch's global stream on the logits' device)."""
+    x = logits.float()
+    if temperature == 0:  # a Python value: no branch on the data
+        tokens = x.argmax(-1)
+        logp = x.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(x, -1)
+        return tokens, logp
+    s, keep, e, lse = _warp(x, temperature, top_k, top_p)
+    if noise is None:
+        noise = torch.empty_like(s).exponential_(generator=generator)
+    # the race: argmax of e / E, e = exp(s - max) (Gumbel-max: argmax s - log E), as
+    # torch.multinomial draws one sample; removed tokens score -1, below any kept one
+    race = e / noise
+    if keep is not None:
+        race = race.masked_fill(~keep, -1.0)
+    tokens = race.argmax(-1)
+    logp = s.gather(1, tokens[:, None])[:, 0] - lse
+    return tokens, logp
+
+
+def kept(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0):
+    """The kept set [R, V] bool: True where HF's warpers leave a finite score."""
+    s, keep, _, _ = _warp(logits.float(), temperature, top_k, top_p)
+    return torch.ones_like(s, dtype=torch.bool) if keep is None else keep
+
+
+def _warp(x, temperature, top_k, top_p):
+    """-> (scores s [R, V], kept [R, V] bool or None for all, exp(s - max) [R, V], log Z [R])."""
+    s = x / temperature  # HF divides (TemperatureLogitsWarper), in float32
+    vocab = s.shape[-1]
+    k = min(top_k, vocab) if top_k > 0 else 0
+    keep = top = None
+    if k:
+        top = torch.topk(s, k).values  # [R, k], descending: top[:, :1] is the max
+        m = top[:, :1]
+        keep = s >= top[:, -1:]
+    else:
+        m = s.amax(-1, keepdim=True)
+    e = torch.exp(s - m)
+    z = e.sum(-1)
+    lse = m[:, 0] + torch.log(z)
+    if top_p < 1.0:
+        key = _key(s)
+        if k:
+            zk = torch.where(keep, e, 0.0).sum(-1, keepdim=True)
+            cand_key, cand_mass = _key(top), torch.exp(top - m)
+        else:
+            zk = z[:, None]
+            cand_key, cand_mass = key, e
+        target = top_p * zk  # keep j iff the mass strictly above j is < top_p (of the kept mass)
+        v, above = _boundary(cand_key, cand_mass, target)
+        tie = key == v  # the boundary's tie group (all inside top-k's set: v >= the k-th value)
+        # members of higher index rank above (a stable ascending sort puts them last)
+        higher = tie.sum(-1, keepdim=True, dtype=torch.int32) - tie.cumsum(-1, dtype=torch.int32)
+        q = torch.exp(_value(v) - m)  # one member's mass
+        in_group = tie & ((higher == 0) | (above + higher * q < target))
+        keep_p = (key > v) | in_group
+        keep = keep_p if keep is None else keep & keep_p
+    return s, keep, e, lse
+
+
+def _key(s: torch.Tensor) -> torch.Tensor:
+    """float32 -> int32 whose signed order is the floats' order (-0.0 and +0.0 one key)."""
+    bits = s.view(torch.int32)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return key.masked_fill(key == -1, 0)  # -0.0's key is -1: as +0.0
+
+
+def _value(key: torch.Tensor) -> torch.Tensor:
+    """The inverse of _key (the flip of the low 31 bits under a set sign is its own inverse)."""
+    return (key ^ ((key >> 31) & 0x7FFFFFFF)).view(torch.float32)
+
+
+def _boundary(key: torch.Tensor, mass: torch.Tensor, target: torch.Tensor):
+    """Radix select from the top: the largest key v such that the mass of keys >= v reaches
+    target (or the smallest key with mass if none does) -> (v [R, 1] int32, the mass of keys > v
+    [R, 1]). Four rounds of 8 bits of the key, each a histogram of the mass inside the range of
+    keys the rounds before fixed (int32 keys throughout: no int64 copy of [R, W])."""
+    rows = key.shape[0]
+    buckets = torch.arange(BUCKETS, device=key.device)
+    low = torch.full((rows, 1), -(1 << 31), dtype=torch.long, device=key.device)  # range's start
+    above = torch.zeros(rows, 1, dtype=mass.dtype, device=key.device)
+    for shift in range(32 - RADIX_BITS, -1, -RADIX_BITS):
+        # the digit of the unsigned key (sign bit flipped); & drops the arithmetic shift's sign
+        digit = ((key >> shift) & (BUCKETS - 1)).long()
+        if shift == 32 - RADIX_BITS:
+            digit = digit ^ (BUCKETS >> 1)
+            w = mass
+        else:
+            span = 1 << (shift + RADIX_BITS)
+            w = torch.where((key >= low) & (key < low + span), mass, 0.0)
+        hist = torch.zeros(rows, BUCKETS, dtype=mass.dtype, device=key.device)
+        hist = hist.scatter_add(1, digit, w)
+        down = hist.flip(-1).cumsum(-1).flip(-1)  # mass of buckets >= b
+        over = torch.cat([down[:, 1:], torch.zeros_like(down[:, :1])], -1)  # buckets > b
+        filled = hist > 0
+        reach = filled & (above + down >= target)
+        hi = torch.where(reach, buckets, -1).amax(-1, keepdim=True)
+        lo = torch.where(filled, buckets, BUCKETS).amin(-1, keepdim=True)
+        b = torch.where(hi >= 0, hi, lo)
+        above = above + over.gather(1, b)
+        low = low + (b << shift)
+    return low.int(), above

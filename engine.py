@@ -590,16 +590,18 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
     # default of 256 slots for a rollout of 12 rows decoded 21x the rows it needed
     slots = min(slots, len(prompts) * n)
     max_len = max(len(p) for p in prompts) + max_new_tokens
+    if graphs is None:
+        graphs = torch.device(device).type == "cuda" and world == 1
+    if compile is None:
+        compile = graphs and torch.device(device).type == "cuda"
+    if compile:  # the cache's length in steps of GRAPH_REACH: rollouts whose longest prompts differ
+        max_len = -(-max_len // GRAPH_REACH) * GRAPH_REACH  # reuse one compilation (static shapes)
     if pool_tokens is None:
         pool_tokens = kv_plan(lm, slots, max_len, n, device, dtype, world)
     pool_blocks = None if pool_tokens is None else pool_tokens // PAGE
     if pool_blocks is not None and pool_blocks < n * -(-max_len // PAGE):
         raise ValueError(f"a KV pool of {pool_tokens} positions cannot hold one group of {n} rows "
                          f"of up to {max_len} positions")
-    if graphs is None:
-        graphs = torch.device(device).type == "cuda" and world == 1
-    if compile is None:
-        compile = graphs and torch.device(device).type == "cuda"
     engine = Engine(lm, slots, max_len, device, dtype, rank, world, pool_blocks, graphs=graphs,
                     flex=flex, compile=compile)
     eos_t = torch.tensor(eos, device=device)

@@ -42,6 +42,13 @@ def test_compiled_step_decodes_as_the_eager_one(setup):
     assert runs[True][0] == runs[False][0]
     for a, b in zip(runs[True][1], runs[False][1]):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    # the next rollout's longest prompt is shorter (another cache length, unrounded): no new compilation
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    assert max(map(len, ids[:3])) != max(map(len, ids))
+    run(lm, ids[:3], 3, eos, 12, 9, sync_every=3, compile=True)
+    assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
 
 
 class HostSyncs(TorchFunctionMode):

@@ -8,8 +8,9 @@ FSDP2 each parameter's full tensor, gathered in turn), so decoding runs no colle
 finish early wait at the next collective the loop already has. The forward covers the Qwen3 / Qwen2
 / Llama family (RMSNorm, q/k-norm when present, the model's own rotary embedding so that
 rope_scaling stays exact, SwiGLU, grouped KV heads read without copies, tied or untied head). On
-a GPU the decoding step is replayed as CUDA graphs (Engine.step), one per rounded read length, and
-attends through compiled FlexAttention, each row reading only its own live blocks of the KV cache
+a GPU the decoding step is replayed as CUDA graphs (Engine.step), one per rounded read length, each
+layer compiled by inductor into ~9 kernels (benchmarks/kernels.py), and attends through
+FlexAttention, each live row reading only its own blocks of the KV cache and dead slots none
 (Engine.live_blocks).
 """
 
@@ -114,8 +115,10 @@ def weight(lin, device, dtype, dim: int = 0, rank: int = 0, world: int = 1) -> t
     return full(w, device, dtype, dim, rank, world)
 
 
-def take_weights(lm, max_len: int, device, dtype, rank: int = 0, world: int = 1) -> Weights:
-    """The decoder's weights, q/k/v and gate/up each fused into one matrix (one matmul each). Tensor
+def take_weights(lm, max_len: int, device, dtype, rank: int = 0, world: int = 1,
+                 fuse: bool = True) -> Weights:
+    """The decoder's weights, q/k/v and gate/up each fused into one matrix (one matmul each; fuse
+    False, as on the CPU: kept apart, a list of (weight, bias), read in place with no copy). Tensor
     parallel over `world` ranks: this rank's heads of q/k/v and its columns of gate/up (split along
     their outputs), the matching inputs of o and down (their outputs summed over the ranks, biases
     added once after), everything else whole."""
@@ -132,13 +135,12 @@ def take_weights(lm, max_len: int, device, dtype, rank: int = 0, world: int = 1)
         layers.append({
             "ln1": full(layer.input_layernorm.weight, device, dtype),
             "ln2": full(layer.post_attention_layernorm.weight, device, dtype),
-            "qkv": (torch.cat(qkv), None if qkv_bias[0] is None else torch.cat(qkv_bias)),
+            "qkv": fused(qkv, qkv_bias, fuse),
             "o": (weight(a.o_proj, device, dtype, 1, **tp),
                   full(a.o_proj.bias, device, dtype)),
             "q_norm": full(getattr(getattr(a, "q_norm", None), "weight", None), device, dtype),
             "k_norm": full(getattr(getattr(a, "k_norm", None), "weight", None), device, dtype),
-            "gate_up": (torch.cat(gate_up),
-                        None if gate_up_bias[0] is None else torch.cat(gate_up_bias)),
+            "gate_up": fused(gate_up, gate_up_bias, fuse),
             "down": (weight(m.down_proj, device, dtype, 1, **tp),
                      full(m.down_proj.bias, device, dtype)),
         })
@@ -150,6 +152,21 @@ def take_weights(lm, max_len: int, device, dtype, rank: int = 0, world: int = 1)
     cos, sin = model.rotary_emb(torch.empty(0, device=device, dtype=dtype), positions)
     return Weights(embed, layers, full(model.norm.weight, device, dtype),
                    embed if tied else full(head, device, dtype), cos[0], sin[0])
+
+
+def fused(weights: list, biases: list, fuse: bool):
+    """Linear layers that read one input: (weight, bias) stacked along the outputs (a copy, one
+    matmul), or with fuse False a list of each's (weight, bias) as they are (no copy)."""
+    if not fuse:
+        return list(zip(weights, biases))
+    return torch.cat(weights), None if biases[0] is None else torch.cat(biases)
+
+
+def project(x, w, sizes: list[int]) -> list:
+    """x through `fused`'s layers -> each layer's output (sizes: their widths)."""
+    if isinstance(w, list):
+        return [F.linear(x, *p) for p in w]
+    return F.linear(x, *w).split(sizes, -1)
 
 
 def tensor_parallel_fits(config, world: int) -> str | None:
@@ -173,9 +190,10 @@ def memory_needed(lm, slots: int, max_len: int, dtype, world: int = 1) -> tuple[
 
 def kv_plan(lm, slots: int, max_len: int, n: int, device, dtype, world: int = 1) -> int | None:
     """The KV cache a rollout gets on a GPU: None (whole: every slot max_len positions) when that
-    and the weight copy fit 90% of the free memory (the driver's free and the allocator's cached); else the positions a paged pool can hold in
-    90% of what the weights leave; MemoryError (one line) when that is less than one group of n
-    rows at max_len. On the CPU always whole (host memory is not checked)."""
+    and the weight copy fit 90% of the free memory (the driver's free and the allocator's cached);
+    else the positions a paged pool can hold in 90% of what the weights leave; MemoryError (one
+    line) when that is less than one group of n rows at max_len. On the CPU always whole (host
+    memory is not checked)."""
     if torch.device(device).type != "cuda":
         return None
     kv, weights = memory_needed(lm, slots, max_len, dtype, world)
@@ -224,7 +242,7 @@ class Engine:
 
     def __init__(self, lm, slots: int, max_len: int, device, dtype, rank: int = 0, world: int = 1,
                  pool_blocks: int | None = None, block: int = PAGE, graphs: bool = False,
-                 flex: bool | None = None, compile: bool = False):
+                 flex: bool | None = None, compile: bool = False, fuse: bool | None = None):
         from transformers.activations import ACT2FN
 
         cfg = lm.config
@@ -234,7 +252,12 @@ class Engine:
         self.kv_heads = cfg.num_key_value_heads // world
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps, self.act = cfg.rms_norm_eps, ACT2FN[cfg.hidden_act]
-        self.w = take_weights(lm, max_len, device, dtype, rank, world)
+        self.inter = cfg.intermediate_size // world  # this rank's MLP width
+        # fused q/k/v and gate/up on a GPU (fewer, larger kernels); on the CPU a matmul's cost is
+        # its bytes whatever the split, and the copy is not (~0.2 s a rollout at 135M parameters)
+        if fuse is None:
+            fuse = torch.device(device).type != "cpu"
+        self.w = take_weights(lm, max_len, device, dtype, rank, world, fuse)
         self.paged = pool_blocks is not None
         self.block = block if self.paged else max_len
         per_row = -(-max_len // self.block)  # blocks a row of max_len positions spans
@@ -343,7 +366,7 @@ class Engine:
         B, L, _ = h.shape
         nq, nk = self.heads * self.head_dim, self.kv_heads * self.head_dim
         h = h + mlp_out
-        q, k, v = F.linear(rms_norm(h, w["ln1"], self.eps), *w["qkv"]).split([nq, nk, nk], -1)
+        q, k, v = project(rms_norm(h, w["ln1"], self.eps), w["qkv"], [nq, nk, nk])
         q = q.view(B, L, self.heads, self.head_dim)
         k = k.view(B, L, self.kv_heads, self.head_dim)
         if w["q_norm"] is not None:  # Qwen3: RMSNorm over each head's dimensions
@@ -353,7 +376,7 @@ class Engine:
         v = v.view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)
         out = attend(q, k, v, *args).transpose(1, 2).reshape(B, L, nq)
         h = h + self.row_parallel(out, *w["o"])
-        gate, up = F.linear(rms_norm(h, w["ln2"], self.eps), *w["gate_up"]).chunk(2, -1)
+        gate, up = project(rms_norm(h, w["ln2"], self.eps), w["gate_up"], [self.inter] * 2)
         return h, self.row_parallel(self.act(gate) * up, *w["down"])
 
     def row_parallel(self, x, weight, bias):
@@ -422,9 +445,10 @@ class Engine:
 
     def capture(self, reach: int):
         """The decoding step at read length `reach` over self.static -> a function that runs it
-        and returns the hidden states [slots, D]. On a GPU a CUDA graph: a step's ~15 kernels a
-        layer launched as one replay (HF generate spends ~1.3 ms of Python and launches a layer
-        and token). Its first run is eager on a side stream, as capture requires, and writes the
+        and returns the hidden states [slots, D]. On a GPU a CUDA graph: a step's kernels (~9 a
+        layer compiled, ~55 eager) launched as one replay (HF generate spends ~1.3 ms of Python and
+        launches a layer and token). Its first run (which compiles, when the engine compiles) is
+        on a side stream, as capture requires, and writes the
         same keys and values the replay then writes again; the graphs of every read length share
         one memory pool (one runs at a time, and only their outputs outlive a run). Elsewhere (the
         CPU) the step itself, eager: the same inputs, rounding and outputs, so that tests cover
@@ -501,7 +525,10 @@ class Engine:
         for w, cache in zip(self.w.layers, self.cache):
             h, mlp_out = self.decode_layer(h, mlp_out, w, cos, sin, self.attend, cache, self.table,
                                            at, live, reach)
-        return (h + mlp_out)[:, 0]
+        h = (h + mlp_out)[:, 0]
+        if self.flex is not None and alive is not None:  # a dead slot's state, whatever its empty
+            h = torch.where(alive[:, None].bool(), h, 0)  # attention gave: 0, never NaN logits
+        return h
 
     def attend(self, q, k, v, cache, table, at, live, reach: int):
         """A decoding step's attention in one layer: the slots' new keys and values k, v [S, kv

@@ -35,7 +35,8 @@ def small_engine(shape: dict, layers: int, slots: int, max_len: int, flex: bool,
     shape = dict(shape, num_hidden_layers=layers)
     torch.manual_seed(0)
     lm = shapes.random_model(shape, shapes.word_tokenizer(shape["vocab_size"]), torch.float32)
-    return engine.Engine(lm, slots, max_len, "cpu", torch.float32, flex=flex, compile=compile)
+    # q/k/v and gate/up fused, as on a GPU (on the CPU the engine keeps them apart: fuse=False)
+    return engine.Engine(lm, slots, max_len, "cpu", torch.float32, flex=flex, compile=compile, fuse=True)
 
 
 def step_inputs(eng):

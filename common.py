@@ -453,7 +453,7 @@ GEN_MODES = ("repeat", "shared-prefill", "static", "engine", "engine-tp")
 def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d: Dist, *,
              max_new_tokens: int, temperature: float, top_p: float, top_k: int, gen_batch_size: int,
              unshard: bool = False, mode: str = "shared-prefill", cuda_graphs: bool = True,
-             flex: bool | None = None) -> dict:
+             flex: bool | None = None, compile_step: bool | None = None) -> dict:
     """n completions per prompt (rows of one prompt are adjacent: a group). Returns input_ids [B,
     P+T], attention_mask, n_prompt P, completion mask [B, T] (up to and including the first EOS),
     truncated [B], texts, and with mode "engine" logp [B, T], each token's log-prob as sampled.
@@ -470,7 +470,8 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
     keeping its own. Same tokens under greedy decoding (top_k=1). cuda_graphs: the engine's decoding
     step replayed as CUDA graphs on a GPU (one rank; engine.Engine.step), else eager. flex: the
     engine's decoding attention (engine.generate's; None: FlexAttention on a GPU, SDPA on the CPU;
-    benchmarks/gpu.py compares the two)."""
+    benchmarks/gpu.py compares the two). compile_step: the engine's decoding step compiled
+    (engine.generate's compile; None: with the CUDA graphs, on a GPU)."""
     if mode not in GEN_MODES:
         raise ValueError(f"unknown generation mode {mode!r} ({', '.join(GEN_MODES)})")
     enc = tok(list(prompts), padding=True, return_tensors="pt", add_special_tokens=False)
@@ -495,7 +496,7 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
                 dtype=getattr(policy, "compute_dtype", None) or (
                     torch.bfloat16 if d.device.type == "cuda" else torch.float32),
                 rank=d.rank if tp > 1 else 0, world=tp, generator=generator,
-                graphs=None if cuda_graphs else False, flex=flex)
+                graphs=None if cuda_graphs else False, flex=flex, compile=compile_step)
         except MemoryError as e:  # said before anything is allocated (engine.kv_plan)
             fail(f"--gen-mode {mode}: {e}; lower --gen-batch-size (now {gen_batch_size}) or "
                  f"--max-new-tokens (now {max_new_tokens})")

@@ -8,8 +8,9 @@ FSDP2 each parameter's full tensor, gathered in turn), so decoding runs no colle
 finish early wait at the next collective the loop already has. The forward covers the Qwen3 / Qwen2
 / Llama family (RMSNorm, q/k-norm when present, the model's own rotary embedding so that
 rope_scaling stays exact, SwiGLU, grouped KV heads read without copies, tied or untied head). On
-a GPU the decoding step is replayed as CUDA graphs (Engine.step), one per rounded read length, and
-attends through compiled FlexAttention, each row reading only its own live blocks of the KV cache
+a GPU the decoding step is replayed as CUDA graphs (Engine.step), one per rounded read length, each
+layer compiled by inductor into ~9 kernels (benchmarks/kernels.py), and attends through
+FlexAttention, each live row reading only its own blocks of the KV cache and dead slots none
 (Engine.live_blocks).
 """
 
@@ -46,15 +47,20 @@ def flex_attention(device):
         from torch.nn.attention import flex_attention as fa
 
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        if kind == "cuda":  # past dynamo's recompile limit (8) a call would run eager, slowly:
-            # every model, group size and first/second read length is a compile of its own
-            import torch._dynamo.config as dynamo
-
-            for name in ("recompile_limit", "cache_size_limit"):
-                if hasattr(dynamo, name):
-                    setattr(dynamo, name, max(getattr(dynamo, name), 64))
+        if kind == "cuda":  # every model, group size and first/second read length is a
+            raise_recompile_limit()  # compile of its own
         _flex[kind] = torch.compile(fa.flex_attention) if kind == "cuda" else fa.flex_attention
     return _flex[kind]
+
+
+def raise_recompile_limit():
+    """Past dynamo's recompile limit (8) a compiled function runs eager, slowly: the engine's
+    compilations are one per model shape, slot count and read length."""
+    import torch._dynamo.config as dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo, name):
+            setattr(dynamo, name, max(getattr(dynamo, name), 64))
 
 
 def unsupported(config) -> str | None:
@@ -109,8 +115,10 @@ def weight(lin, device, dtype, dim: int = 0, rank: int = 0, world: int = 1) -> t
     return full(w, device, dtype, dim, rank, world)
 
 
-def take_weights(lm, max_len: int, device, dtype, rank: int = 0, world: int = 1) -> Weights:
-    """The decoder's weights, q/k/v and gate/up each fused into one matrix (one matmul each). Tensor
+def take_weights(lm, max_len: int, device, dtype, rank: int = 0, world: int = 1,
+                 fuse: bool = True) -> Weights:
+    """The decoder's weights, q/k/v and gate/up each fused into one matrix (one matmul each; fuse
+    False, as on the CPU: kept apart, a list of (weight, bias), read in place with no copy). Tensor
     parallel over `world` ranks: this rank's heads of q/k/v and its columns of gate/up (split along
     their outputs), the matching inputs of o and down (their outputs summed over the ranks, biases
     added once after), everything else whole."""
@@ -127,13 +135,12 @@ def take_weights(lm, max_len: int, device, dtype, rank: int = 0, world: int = 1)
         layers.append({
             "ln1": full(layer.input_layernorm.weight, device, dtype),
             "ln2": full(layer.post_attention_layernorm.weight, device, dtype),
-            "qkv": (torch.cat(qkv), None if qkv_bias[0] is None else torch.cat(qkv_bias)),
+            "qkv": fused(qkv, qkv_bias, fuse),
             "o": (weight(a.o_proj, device, dtype, 1, **tp),
                   full(a.o_proj.bias, device, dtype)),
             "q_norm": full(getattr(getattr(a, "q_norm", None), "weight", None), device, dtype),
             "k_norm": full(getattr(getattr(a, "k_norm", None), "weight", None), device, dtype),
-            "gate_up": (torch.cat(gate_up),
-                        None if gate_up_bias[0] is None else torch.cat(gate_up_bias)),
+            "gate_up": fused(gate_up, gate_up_bias, fuse),
             "down": (weight(m.down_proj, device, dtype, 1, **tp),
                      full(m.down_proj.bias, device, dtype)),
         })
@@ -145,6 +152,21 @@ def take_weights(lm, max_len: int, device, dtype, rank: int = 0, world: int = 1)
     cos, sin = model.rotary_emb(torch.empty(0, device=device, dtype=dtype), positions)
     return Weights(embed, layers, full(model.norm.weight, device, dtype),
                    embed if tied else full(head, device, dtype), cos[0], sin[0])
+
+
+def fused(weights: list, biases: list, fuse: bool):
+    """Linear layers that read one input: (weight, bias) stacked along the outputs (a copy, one
+    matmul), or with fuse False a list of each's (weight, bias) as they are (no copy)."""
+    if not fuse:
+        return list(zip(weights, biases))
+    return torch.cat(weights), None if biases[0] is None else torch.cat(biases)
+
+
+def project(x, w, sizes: list[int]) -> list:
+    """x through `fused`'s layers -> each layer's output (sizes: their widths)."""
+    if isinstance(w, list):
+        return [F.linear(x, *p) for p in w]
+    return F.linear(x, *w).split(sizes, -1)
 
 
 def tensor_parallel_fits(config, world: int) -> str | None:
@@ -168,13 +190,19 @@ def memory_needed(lm, slots: int, max_len: int, dtype, world: int = 1) -> tuple[
 
 def kv_plan(lm, slots: int, max_len: int, n: int, device, dtype, world: int = 1) -> int | None:
     """The KV cache a rollout gets on a GPU: None (whole: every slot max_len positions) when that
-    and the weight copy fit 90% of the free memory; else the positions a paged pool can hold in
-    90% of what the weights leave; MemoryError (one line) when that is less than one group of n
-    rows at max_len. On the CPU always whole (host memory is not checked)."""
+    and the weight copy fit 90% of the free memory (the driver's free and the allocator's cached);
+    else the positions a paged pool can hold in 90% of what the weights leave; MemoryError (one
+    line) when that is less than one group of n rows at max_len. On the CPU always whole (host
+    memory is not checked)."""
     if torch.device(device).type != "cuda":
         return None
     kv, weights = memory_needed(lm, slots, max_len, dtype, world)
-    free = torch.cuda.mem_get_info(device)[0]
+    # free: what the driver has free and what torch's allocator holds without using it (the last
+    # rollout's cache, training's activations: reserved, not allocated), which the engine's
+    # allocations reuse; from the driver's number alone, the second RL step would find the first
+    # step's cache taken and go paged (or fail)
+    free = (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+            - torch.cuda.memory_allocated(device))
     if kv + weights <= 0.9 * free:  # the rest: prefill activations, logits, sampling, graphs
         return None
     pool = int((0.9 * free - weights) / (kv / (slots * max_len)))
@@ -214,7 +242,7 @@ class Engine:
 
     def __init__(self, lm, slots: int, max_len: int, device, dtype, rank: int = 0, world: int = 1,
                  pool_blocks: int | None = None, block: int = PAGE, graphs: bool = False,
-                 flex: bool | None = None):
+                 flex: bool | None = None, compile: bool = False, fuse: bool | None = None):
         from transformers.activations import ACT2FN
 
         cfg = lm.config
@@ -224,15 +252,26 @@ class Engine:
         self.kv_heads = cfg.num_key_value_heads // world
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps, self.act = cfg.rms_norm_eps, ACT2FN[cfg.hidden_act]
-        self.w = take_weights(lm, max_len, device, dtype, rank, world)
+        self.inter = cfg.intermediate_size // world  # this rank's MLP width
+        # fused q/k/v and gate/up on a GPU (fewer, larger kernels); on the CPU a matmul's cost is
+        # its bytes whatever the split, and the copy is not (~0.2 s a rollout at 135M parameters)
+        if fuse is None:
+            fuse = torch.device(device).type != "cpu"
+        self.w = take_weights(lm, max_len, device, dtype, rank, world, fuse)
         self.paged = pool_blocks is not None
         self.block = block if self.paged else max_len
         per_row = -(-max_len // self.block)  # blocks a row of max_len positions spans
         blocks = pool_blocks + 1 if self.paged else slots  # paged: + a block nobody owns (spare)
-        # [layers, k/v, blocks, positions in a block, kv heads, head_dim]; zeros, not empty: a
+        # per layer [k/v, blocks, positions in a block, kv heads, head_dim]; zeros, not empty: a
         # masked position still multiplies its value by 0, and 0 x NaN is NaN
-        self.cache = torch.zeros(len(self.w.layers), 2, blocks, self.block, self.kv_heads,
-                                 self.head_dim, device=device, dtype=dtype)
+        # (a tensor a layer, each at offset 0: a compiled layer is the same code for every layer)
+        # (a tensor a layer, each at offset 0: a compiled layer is the same code for every layer),
+        # flat, [k/v x blocks x positions x heads, head_dim], written in place by index_copy_ on
+        # the tensor itself (through a view, inductor's functional copy rewrote the whole cache)
+        self.cache_shape = (2, blocks, self.block, self.kv_heads, self.head_dim)
+        self.values_at = blocks * self.block * self.kv_heads  # the first row of the values
+        self.cache = [torch.zeros(2 * self.values_at, self.head_dim, device=device, dtype=dtype)
+                      for _ in self.w.layers]
         # each row's blocks; paged, unowned entries point at the spare block, where free slots and
         # rows waiting for a block write what nobody reads
         self.spare = blocks - 1
@@ -240,15 +279,35 @@ class Engine:
                       torch.arange(slots, device=device)[:, None])
         self.owned = [[] for _ in range(slots)]  # paged: each slot's blocks, on the host
         self.free = list(range(pool_blocks or 0))
-        # graphs (step): the decoding step of each read length, over inputs at fixed addresses
-        self.graphs = {} if graphs else None
+        # graphs (step): the decoding step of each read length, over inputs at fixed addresses;
+        # compiled, the step takes that path too (a read length is a compilation), without a
+        # CUDA graph when graphs is off
+        self.graphs = {} if graphs or compile else None
         # decoding attends through FlexAttention's block mask (each row's live blocks), by default
         # on a GPU, where it is compiled; else (the CPU, where eager flex_attention computes every
         # score and is ~40x slower) SDPA with a mask over the whole read length
         if flex is None:
             flex = torch.device(device).type == "cuda"
         self.flex = flex_attention(device) if flex else None
-        self.static = torch.zeros(2, slots, dtype=torch.long, device=device)  # tokens, positions
+        if flex and compile:  # inside the compiled layer: the function itself, which inductor
+            from torch.nn.attention.flex_attention import flex_attention as plain  # compiles with
+            self.flex = plain  # the layer (not a compiled function called from a compiled one)
+        # tokens, positions, and whether each slot decodes a live row (1) or not (0: free, finished)
+        self.static = torch.zeros(3, slots, dtype=torch.long, device=device)
+        self.static_positions = positions = self.static[1]
+
+        def static_mask_mod(b, h, q_idx, kv_idx):  # live_blocks' over the step's positions: one
+            return kv_idx <= positions[b]  # function object, so a compiled step sees the same one
+
+        self.static_mask_mod = static_mask_mod
+        # compile: each decoder layer of the decoding step compiled by inductor (torch.compile,
+        # default mode, static shapes), so that the norms with their residual adds, RoPE, the KV
+        # write and SiLU x up each run as one fused kernel (benchmarks/kernels.py counts them);
+        # one compilation serves every layer (same shapes, the layer's weights and cache passed
+        # in) and every step of a read length
+        if compile:
+            raise_recompile_limit()
+        self.decode_layer = torch.compile(self.layer, dynamic=False) if compile else self.layer
         self.pool = (torch.cuda.graph_pool_handle()
                      if graphs and torch.device(device).type == "cuda" else None)
 
@@ -282,35 +341,43 @@ class Engine:
         heads = torch.arange(self.kv_heads, device=slots.device)
         return ((blk * self.block + positions % self.block)[:, None]) * self.kv_heads + heads
 
-    def read(self, i: int, kv: int, reach: int) -> torch.Tensor:
-        """Layer i's keys (kv 0) or values (1) of every slot at positions < reach (rounded up to a
-        block) -> [slots, kv heads, positions, head_dim]: whole, a view; paged, a gather."""
-        c = self.cache[i, kv]  # whole: [slots, max_len, heads, d]
+    def read(self, c: torch.Tensor, table: torch.Tensor, reach: int) -> torch.Tensor:
+        """A layer's keys (or values) c [blocks, block, kv heads, d] of every slot at positions <
+        reach (rounded up to a block) -> [slots, kv heads, positions, head_dim]: whole, a view;
+        paged, a gather through the block table."""
         if self.paged:  # [slots, blocks, block, heads, d] -> [slots, positions, heads, d]
-            c = c[self.table[:, :self.blocks_for(reach)]].flatten(1, 2)
+            c = c[table[:, :self.blocks_for(reach)]].flatten(1, 2)
         return c[:, :reach].transpose(1, 2)
 
     def layers(self, h, positions, attend):
         """The decoder layers over h [B, L, D] at positions [B, L]; attend(i, q, k, v) -> [B, H, L,
         d] writes layer i's keys and values to the cache and attends."""
-        B, L, _ = h.shape
         cos, sin = self.w.cos[positions][:, None], self.w.sin[positions][:, None]  # [B, 1, L, d]
-        nq, nk = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        mlp_out = torch.zeros_like(h)
         for i, w in enumerate(self.w.layers):
-            x = rms_norm(h, w["ln1"], self.eps)
-            q, k, v = F.linear(x, *w["qkv"]).split([nq, nk, nk], -1)
-            q = q.view(B, L, self.heads, self.head_dim)
-            k = k.view(B, L, self.kv_heads, self.head_dim)
-            if w["q_norm"] is not None:  # Qwen3: RMSNorm over each head's dimensions
-                q, k = rms_norm(q, w["q_norm"], self.eps), rms_norm(k, w["k_norm"], self.eps)
-            q = rotate(q.transpose(1, 2), cos, sin)
-            k = rotate(k.transpose(1, 2), cos, sin)
-            v = v.view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)
-            out = attend(i, q, k, v).transpose(1, 2).reshape(B, L, nq)
-            h = h + self.row_parallel(out, *w["o"])
-            gate, up = F.linear(rms_norm(h, w["ln2"], self.eps), *w["gate_up"]).chunk(2, -1)
-            h = h + self.row_parallel(self.act(gate) * up, *w["down"])
-        return h
+            h, mlp_out = self.layer(h, mlp_out, w, cos, sin, attend, i)
+        return h + mlp_out
+
+    def layer(self, h, mlp_out, w: dict, cos, sin, attend, *args):
+        """One decoder layer: h [B, L, D] and the previous layer's MLP output (added here, first,
+        so that a compiled step fuses the residual add with this layer's norm) -> (h, this
+        layer's MLP output). attend(q, k, v, *args) -> [B, H, L, d] writes the keys and values
+        to the cache and attends."""
+        B, L, _ = h.shape
+        nq, nk = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        h = h + mlp_out
+        q, k, v = project(rms_norm(h, w["ln1"], self.eps), w["qkv"], [nq, nk, nk])
+        q = q.view(B, L, self.heads, self.head_dim)
+        k = k.view(B, L, self.kv_heads, self.head_dim)
+        if w["q_norm"] is not None:  # Qwen3: RMSNorm over each head's dimensions
+            q, k = rms_norm(q, w["q_norm"], self.eps), rms_norm(k, w["k_norm"], self.eps)
+        q = rotate(q.transpose(1, 2), cos, sin)
+        k = rotate(k.transpose(1, 2), cos, sin)
+        v = v.view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)
+        out = attend(q, k, v, *args).transpose(1, 2).reshape(B, L, nq)
+        h = h + self.row_parallel(out, *w["o"])
+        gate, up = project(rms_norm(h, w["ln2"], self.eps), w["gate_up"], [self.inter] * 2)
+        return h, self.row_parallel(self.act(gate) * up, *w["down"])
 
     def row_parallel(self, x, weight, bias):
         """x @ weight.T; under tensor parallelism each rank holds some of the inputs, so the outputs
@@ -330,9 +397,9 @@ class Engine:
         """Prompts (token ids) computed once each, their keys and values copied to their n slots
         each (slots [len(prompts) x n], a prompt's adjacent); -> logits at each prompt's last token,
         [len(prompts), V]."""
-        lengths = torch.tensor([len(p) for p in prompts], device=self.cache.device)
+        lengths = torch.tensor([len(p) for p in prompts], device=self.table.device)
         P = int(lengths.max())
-        ids = torch.zeros(len(prompts), P, dtype=torch.long, device=self.cache.device)
+        ids = torch.zeros(len(prompts), P, dtype=torch.long, device=self.table.device)
         for b, p in enumerate(prompts):  # right-padded: position t is the prompt's t-th token
             ids[b, :len(p)] = torch.tensor(p, device=ids.device)
         positions = torch.arange(P, device=ids.device).expand(len(prompts), P)
@@ -342,10 +409,10 @@ class Engine:
         at = self.where(slots[:, None].expand(-1, P)[valid],
                         positions.repeat_interleave(n, 0)[valid]).flatten()
 
-        def attend(i, q, k, v):
+        def attend(q, k, v, i):
             for kv, x in enumerate((k, v)):  # [prompts, kv heads, P, d] -> rows of the cache
                 x = x.transpose(1, 2).repeat_interleave(n, 0)[valid].flatten(0, 1)
-                self.cache[i, kv].view(-1, self.head_dim).index_copy_(0, at, x)
+                self.cache[i].index_copy_(0, at + kv * self.values_at, x)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
                                                   scale=self.head_dim ** -0.5)
 
@@ -353,35 +420,41 @@ class Engine:
         return self.logits(h[torch.arange(len(prompts)), lengths - 1])
 
     @torch.no_grad()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, reach: int) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, reach: int,
+               alive: torch.Tensor | None = None) -> torch.Tensor:
         """One token for every slot: tokens, positions [slots] -> logits [slots, V]."""
-        return self.logits(self.hidden(tokens, positions, reach))
+        return self.logits(self.hidden(tokens, positions, reach, alive))
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor, reach: int) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, reach: int,
+             alive: torch.Tensor | None = None) -> torch.Tensor:
         """decode, as the rollout runs it: eager, or (graphs) the captured step of `reach` rounded
         up to GRAPH_REACH, run on copies of tokens and positions at fixed addresses; the final
         norm, the LM head and sampling stay outside the graph (no [slots, V] buffer a graph)."""
         if self.graphs is None:
-            return self.decode(tokens, positions, reach)
+            return self.decode(tokens, positions, reach, alive)
         reach = min(-(-reach // GRAPH_REACH) * GRAPH_REACH, self.max_len)
+        if self.flex is not None and not self.paged:  # the block mask reads each row's own
+            reach = self.max_len  # blocks whatever the read length: one graph, one compilation
         self.static[0].copy_(tokens)
         self.static[1].copy_(positions)
+        self.static[2].fill_(1) if alive is None else self.static[2].copy_(alive)
         if reach not in self.graphs:
             self.graphs[reach] = self.capture(reach)
         return self.logits(self.graphs[reach]())
 
     def capture(self, reach: int):
         """The decoding step at read length `reach` over self.static -> a function that runs it
-        and returns the hidden states [slots, D]. On a GPU a CUDA graph: a step's ~15 kernels a
-        layer launched as one replay (HF generate spends ~1.3 ms of Python and launches a layer
-        and token). Its first run is eager on a side stream, as capture requires, and writes the
+        and returns the hidden states [slots, D]. On a GPU a CUDA graph: a step's kernels (~9 a
+        layer compiled, ~55 eager) launched as one replay (HF generate spends ~1.3 ms of Python and
+        launches a layer and token). Its first run (which compiles, when the engine compiles) is
+        on a side stream, as capture requires, and writes the
         same keys and values the replay then writes again; the graphs of every read length share
         one memory pool (one runs at a time, and only their outputs outlive a run). Elsewhere (the
         CPU) the step itself, eager: the same inputs, rounding and outputs, so that tests cover
         everything but the capture."""
         def run():
-            return self.hidden(self.static[0], self.static[1], reach)
+            return self.hidden(self.static[0], self.static_positions, reach, self.static[2])
 
         if self.pool is None:
             return run
@@ -399,22 +472,29 @@ class Engine:
             return out
         return replay
 
-    def live_blocks(self, positions: torch.Tensor, reach: int):
+    def live_blocks(self, positions: torch.Tensor, reach: int, alive: torch.Tensor | None = None):
         """FlexAttention's block mask of a decoding step: slot s's queries (its `group` query heads
         of each KV head, hidden's grouped view) read the key blocks 0 .. positions[s] // FLEX_BLOCK
         of the `reach` positions read, and within the last of them the positions up to its own (the
         mask_mod). Built from tensors alone (no host sync, shapes set by `reach`): a CUDA graph
         captures it with the step. The blocks past a row's length are never read: a row's cost is
-        its own length, not the longest row's."""
+        its own length, not the longest row's; and a slot that `alive` [slots] marks 0 (free, or its
+        row finished) reads no block at all (issue 34: ~65% of a long rollout's slot-steps)."""
         from torch.nn.attention.flex_attention import BlockMask
 
         blocks = -(-reach // FLEX_BLOCK)
         dev = positions.device
-        count = (positions // FLEX_BLOCK + 1).clamp(max=blocks).to(torch.int32)[:, None, None]
+        count = (positions // FLEX_BLOCK + 1).clamp(max=blocks)
+        if alive is not None:  # free slots and finished rows read no block at all (their output: 0)
+            count = count * alive
+        count = count.to(torch.int32)[:, None, None]
         order = torch.arange(blocks, device=dev, dtype=torch.int32).expand(self.slots, 1, 1, blocks)
 
         def mask_mod(b, h, q_idx, kv_idx):
             return kv_idx <= positions[b]
+
+        if positions is self.static_positions:
+            mask_mod = self.static_mask_mod
 
         group = self.heads // self.kv_heads
         return BlockMask.from_kv_blocks(count, order, BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK),
@@ -422,43 +502,53 @@ class Engine:
                                         compute_q_blocks=False)
 
     @torch.no_grad()
-    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, reach: int) -> torch.Tensor:
+    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, reach: int,
+               alive: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder's last hidden state [slots, D] for one token of every slot (tokens,
         positions [slots]). Slot s attends to its positions 0..positions[s] and no further, of
         the cache read up to `reach` (> every position, known on the host without a sync):
         through FlexAttention's block mask, which reads each row's live blocks only
         (live_blocks), or with flex off through SDPA and a mask over all `reach` positions;
         grouped heads, no copies. No host sync and no shape that depends on the data: a CUDA graph
-        can capture it (step)."""
+        can capture it (step). Each layer runs as self.decode_layer: compiled (one compilation
+        serves every layer: same shapes, weights passed in) when the engine compiles."""
         if self.flex is None:
-            mask = (torch.arange(reach, device=tokens.device) <= positions[:, None])[:, None, None]
+            live = (torch.arange(reach, device=tokens.device) <= positions[:, None])[:, None, None]
         else:
-            live = self.live_blocks(positions, reach)
-        # where each slot's new key and value go: rows of a layer's cache viewed as [-1, head_dim]
+            live = self.live_blocks(positions, reach, alive)
+        # where each slot's new key and value go: rows of a layer's (flat) keys
         # (index_copy_ along one dimension: an index_put over slots and positions copies far more)
         at = self.where(torch.arange(self.slots, device=tokens.device), positions).flatten()
+        cos, sin = self.w.cos[positions][:, None, None], self.w.sin[positions][:, None, None]
+        h = F.embedding(tokens[:, None], self.w.embed)
+        mlp_out = torch.zeros_like(h)
+        for w, cache in zip(self.w.layers, self.cache):
+            h, mlp_out = self.decode_layer(h, mlp_out, w, cos, sin, self.attend, cache, self.table,
+                                           at, live, reach)
+        h = (h + mlp_out)[:, 0]
+        if self.flex is not None and alive is not None:  # a dead slot's state, whatever its empty
+            h = torch.where(alive[:, None].bool(), h, 0)  # attention gave: 0, never NaN logits
+        return h
 
-        def attend(i, q, k, v):
-            self.cache[i, 0].view(-1, self.head_dim).index_copy_(0, at, k.flatten(0, 2))
-            self.cache[i, 1].view(-1, self.head_dim).index_copy_(0, at, v.flatten(0, 2))
-            keys, values = self.read(i, 0, reach), self.read(i, 1, reach)
-            # grouped heads as queries of their KV head: head h reads KV head h // group (HF's
-            # repeat_kv), so [S, H, 1, d] -> [S, kv heads, group, d] attends with no KV copy (and
-            # FlexAttention sees one query head a KV head and `group` queries: its decoding kernel
-            # serves any group size, where enable_gqa's wants a power of 2)
-            grouped = q.view(self.slots, self.kv_heads, -1, self.head_dim)
-            if self.flex is not None:
-                out = self.flex(grouped, keys, values, block_mask=live,
-                                scale=self.head_dim ** -0.5)
-            else:
-                out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask,
-                                                     scale=self.head_dim ** -0.5)
-            # reshape, not view: a GPU's memory-efficient kernel returns [S, kv, group, d] laid
-            # out as [S, group, kv, d], whose (kv, group) do not merge into one dimension in place
-            return out.reshape(q.shape)
-
-        h = self.layers(F.embedding(tokens[:, None], self.w.embed), positions[:, None], attend)
-        return h[:, 0]
+    def attend(self, q, k, v, cache, table, at, live, reach: int):
+        """A decoding step's attention in one layer: the slots' new keys and values k, v [S, kv
+        heads, 1, d] written to the layer's cache (at: hidden's rows), then q [S, H, 1, d] attends
+        to each slot's positions (live: FlexAttention's block mask, or SDPA's mask over `reach`)."""
+        cache.index_copy_(0, torch.cat((at, at + self.values_at)), torch.cat((k, v)).flatten(0, 2))
+        keys, values = (self.read(c, table, reach) for c in cache.view(self.cache_shape))
+        # grouped heads as queries of their KV head: head h reads KV head h // group (HF's
+        # repeat_kv), so [S, H, 1, d] -> [S, kv heads, group, d] attends with no KV copy (and
+        # FlexAttention sees one query head a KV head and `group` queries: its decoding kernel
+        # serves any group size, where enable_gqa's wants a power of 2)
+        grouped = q.view(self.slots, self.kv_heads, -1, self.head_dim)
+        if self.flex is not None:
+            out = self.flex(grouped, keys, values, block_mask=live, scale=self.head_dim ** -0.5)
+        else:
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=live,
+                                                 scale=self.head_dim ** -0.5)
+        # reshape, not view: a GPU's memory-efficient kernel returns [S, kv, group, d] laid out
+        # as [S, group, kv, d], whose (kv, group) do not merge into one dimension in place
+        return out.reshape(q.shape)
 
 
 # -------------------- sampling: HF's semantics and order
@@ -494,7 +584,8 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
              temperature: float, top_k: int, top_p: float, slots: int, device, dtype,
              sync_every: int = SYNC_EVERY, stats: dict | None = None, rank: int = 0, world: int = 1,
              generator=None, pool_tokens: int | None = None, graphs: bool | None = None,
-             flex: bool | None = None) -> tuple[list[list[int]], list[list[float]]]:
+             flex: bool | None = None,
+             compile: bool | None = None) -> tuple[list[list[int]], list[list[float]]]:
     """n completions of each prompt (token ids, no padding): rows prompt * n + j, a group's rows
     adjacent. A completion ends at its first EOS (kept) or after max_new_tokens. `slots` rows decode
     at once; a prompt is admitted (prefilled once, its KV copied to n free slots) whenever n slots
@@ -515,20 +606,31 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
     GPU; on the CPU the same path eager, for tests); None: on a GPU with one rank (tensor
     parallel decodes eagerly: its all-reduces are not captured).
     flex: decoding attends through FlexAttention's block mask, reading each row's live blocks only
-    (Engine.live_blocks); None: on a GPU (compiled), not on the CPU (SDPA over the read length)."""
+    (Engine.live_blocks); None: on a GPU (compiled), not on the CPU (SDPA over the read length).
+    compile: each layer of the decoding step compiled (Engine's compile: fused kernels, inside the
+    CUDA graphs); None: where the graphs are on (a GPU, one rank). Not on the CPU by default: there
+    inductor's C++ compilation (~40 s on 2 cores) costs more than it saves in a rollout's steps."""
     if slots < n:
         raise ValueError(f"{slots} slots cannot hold a group of {n}")
+    # never more slots than rows: a free slot still costs its share of every step (the LM head
+    # over the vocabulary, the sampler, attention over the read length), so --gen-batch-size's
+    # default of 256 slots for a rollout of 12 rows decoded 21x the rows it needed
+    slots = min(slots, len(prompts) * n)
     max_len = max(len(p) for p in prompts) + max_new_tokens
+    if graphs is None:
+        graphs = torch.device(device).type == "cuda" and world == 1
+    if compile is None:
+        compile = graphs and torch.device(device).type == "cuda"
+    if compile:  # the cache's length in steps of GRAPH_REACH: rollouts whose longest prompts differ
+        max_len = -(-max_len // GRAPH_REACH) * GRAPH_REACH  # reuse one compilation (static shapes)
     if pool_tokens is None:
         pool_tokens = kv_plan(lm, slots, max_len, n, device, dtype, world)
     pool_blocks = None if pool_tokens is None else pool_tokens // PAGE
     if pool_blocks is not None and pool_blocks < n * -(-max_len // PAGE):
         raise ValueError(f"a KV pool of {pool_tokens} positions cannot hold one group of {n} rows "
                          f"of up to {max_len} positions")
-    if graphs is None:
-        graphs = torch.device(device).type == "cuda" and world == 1
     engine = Engine(lm, slots, max_len, device, dtype, rank, world, pool_blocks, graphs=graphs,
-                    flex=flex)
+                    flex=flex, compile=compile)
     eos_t = torch.tensor(eos, device=device)
     tokens = torch.zeros(slots, dtype=torch.long, device=device)  # each slot's last token
     positions = torch.zeros(slots, dtype=torch.long, device=device)  # ... and its position
@@ -583,17 +685,26 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
         reach = max(reach, max(lengths) + 1)
 
     def retire():
+        """The host's look: which rows finished (one sync), their tokens and log-probs (one more,
+        when any did), their slots freed."""
         nonlocal reach
-        going, made[:] = live.tolist(), count.tolist()  # the host sync
-        for s in range(slots):
-            if row_of[s] >= 0 and not going[s]:
-                completions[row_of[s]] = out[s, :made[s]].tolist()
-                logps[row_of[s]] = out_logp[s, :made[s]].tolist()
+        going, made[:] = torch.stack((live.long(), count)).tolist()  # the host sync
+        done = [s for s in range(slots) if row_of[s] >= 0 and not going[s]]
+        if done:
+            at = torch.tensor(done, device=device)
+            # both in one copy: token ids and fp32 log-probs are exact in float64
+            rows = torch.cat((out[at].double(), out_logp[at].double()), 1).tolist()
+            positions[at] = 0
+            for s, row in zip(done, rows):
+                completions[row_of[s]] = [int(t) for t in row[:made[s]]]
+                logps[row_of[s]] = row[max_new_tokens:max_new_tokens + made[s]]
                 row_of[s] = -1
-                positions[s] = 0
                 engine.give(s)
         running[:] = [p for p in running if any(r // n == p for r in row_of if r >= 0)]
-        reach = int(positions.max()) + 1
+        # one more than any slot's position (a row's position is its prompt's length + its tokens
+        # - 1; free slots sit at 0): known on the host
+        reach = 1 + max((len(prompts[row_of[s] // n]) + made[s] - 1 for s in range(slots)
+                         if row_of[s] >= 0), default=0)
 
     def preempt(p):
         """Paged: prompt p's rows out of their slots, its blocks freed, p first in line again."""
@@ -626,7 +737,7 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
         if engine.paged:
             grow()
         for _ in range(sync_every if any(r >= 0 for r in row_of) else 0):
-            new, new_logp = sample(engine.step(tokens, positions, reach), temperature, top_k,
+            new, new_logp = sample(engine.step(tokens, positions, reach, live), temperature, top_k,
                                    top_p, generator)
             at = count.clamp(max=max_new_tokens - 1)  # finished rows write nowhere new
             out[slot_rows, at] = torch.where(live, new, out[slot_rows, at])

@@ -370,12 +370,14 @@ def test_memory_needed_and_a_pool_the_gpu_cannot_hold(setup, monkeypatch):
     assert weights == 4 * sum(p.numel() for p in lm.parameters())
     assert engine.memory_needed(lm, 8, 100, torch.bfloat16, world=2) == (kv // 4, weights // 4)
     cache = engine.Engine(lm, 8, 100, CPU, torch.float32).cache  # what the engine allocates: the count exactly
-    assert cache.numel() * cache.element_size() == kv
+    assert sum(c.numel() * c.element_size() for c in cache) == kv
     assert engine.kv_plan(lm, 8, 100, 2, CPU, torch.float32) is None  # host memory: not checked
     per_position = kv // 800
 
     def free(b):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (b, 2 ** 40))
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
 
     free(math.ceil((kv + weights) / 0.9))
     assert engine.kv_plan(lm, 8, 100, 2, "cuda", torch.float32) is None  # whole
@@ -406,3 +408,24 @@ def test_memory_needed_and_a_pool_the_gpu_cannot_hold(setup, monkeypatch):
     assert str(e.value.code) == ("error: --gen-mode engine: the GPU ran out of memory while generating (CUDA out of "
                                  "memory. Tried to allocate 2.00 GiB.); lower --gen-batch-size (now 8) or "
                                  "--max-new-tokens (now 5)")
+
+
+def test_second_rollout_plans_as_the_first(setup, monkeypatch):
+    """Issue 34: memory torch's allocator holds but does not use (the first rollout's KV cache, freed; training's
+    activations) counts as available. A mocked GPU of 100 units: step 1 finds 100 free and plans a whole cache; its
+    cache (70) is freed into the allocator's pool (reserved 70, allocated 0), so the driver reports 30 free; step 2
+    must plan the whole cache again, not a paged pool in 30 (or a MemoryError)."""
+    tok, lm, ids = setup
+    kv, weights = engine.memory_needed(lm, 8, 100, torch.float32)
+    total = math.ceil((kv + weights) / 0.9) + 1
+    state = {"reserved": 0, "allocated": 0}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - state["reserved"], total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: state["reserved"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
+    step1 = engine.kv_plan(lm, 8, 100, 2, "cuda", torch.float32)
+    state["reserved"] = kv + weights  # step 1's cache and weight copy, freed but kept by the allocator
+    step2 = engine.kv_plan(lm, 8, 100, 2, "cuda", torch.float32)
+    assert step1 is None and step2 is None
+    state["allocated"] = kv + weights  # still in use: then it is not available
+    with pytest.raises(MemoryError):
+        engine.kv_plan(lm, 8, 100, 2, "cuda", torch.float32)

@@ -9,7 +9,8 @@ Per model, as far as each fits:
 - generation: a GSPO rollout through common.generate, --prompts x --group-size completions of --prompt-tokens-token
   prompts, up to --new-tokens new tokens, in each mode of --gen-modes (default: all of common.GEN_MODES, and
   engine-eager: the engine without CUDA graphs, --no-gen-cuda-graphs, to show what the graphs gain; engine-sdpa: the
-  engine attending through SDPA over the whole read length, to show what FlexAttention's live blocks gain). Random
+  engine attending through SDPA over the whole read length, to show what FlexAttention's live blocks gain;
+  engine-nocompile: the graphs replaying the eager layers, to show what inductor's fusion gains). Random
   weights never say EOS, so realistic early stops are made by declaring V / --mean-length token ids EOS: a completion
   stops at each step with probability about 1 / --mean-length (roughly geometric lengths; the table gives the measured
   mean). static and the engine modes are timed after one untimed call (which compiles). tokens/s = completion tokens
@@ -157,8 +158,9 @@ def _one_mode(policy, tok, shape, a, d, mode, texts, eos, bytes_per_s, weight_by
         t = time.perf_counter()
         roll = common.generate(policy, tok, texts, a.group_size, eos, d, max_new_tokens=a.new_tokens,
                                temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=a.prompts * a.group_size,
-                               mode=mode.removesuffix("-eager").removesuffix("-sdpa"),
-                               cuda_graphs=mode != "engine-eager", flex=False if mode == "engine-sdpa" else None)
+                               mode=mode.split("-")[0] if mode.startswith("engine-") and mode != "engine-tp" else mode,
+                               cuda_graphs=mode != "engine-eager", flex=False if mode == "engine-sdpa" else None,
+                               compile_step=False if mode == "engine-nocompile" else None)
         sync(d.device)
         s = time.perf_counter() - t
     tokens = roll["mask"].sum().item()
@@ -266,7 +268,8 @@ def main():
 
     # engine-eager: --gen-mode engine --no-gen-cuda-graphs; engine-sdpa: the engine decoding through SDPA over the
     # whole read length instead of FlexAttention's live blocks (the GPU's default)
-    MODES = (*common.GEN_MODES, "engine-eager", "engine-sdpa")
+    # engine-nocompile: the graphs replay the eager layers (each layer not compiled by inductor)
+    MODES = (*common.GEN_MODES, "engine-eager", "engine-sdpa", "engine-nocompile")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="0.6B,1.7B,4B,8B",
                     help="keys of shapes.QWEN3, smallest first ('': none, the TRL comparison alone)")

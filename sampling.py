@@ -28,7 +28,7 @@ under torch.compile inductor fuses each loop into one kernel):
   top_p == 1, top_k > 0:  topk, sum of exp, race                                   3
   top_p < 1,  top_k > 0:  topk, sums of exp (all and kept), tie count + cumsum, race 4
   top_p < 1,  top_k == 0: max, sum of exp, 4 radix rounds, tie count + cumsum, race 8
-Measured (benchmarks/sampling.py, CPU): inductor kernels 1 / 8 / 9 + aten topk / 2 + aten topk
+Measured (benchmarks/sampler_speed.py, CPU): inductor kernels 1 / 8 / 9 + aten topk / 2 + aten topk
 in the rows' order (bf16 logits, noise passed in); eager aten ops (bf16) 17 / 182 / 197 / 22, on
 [rows, vocab] 11 / 61 / 36 / 14 of them (engine.sample: 8 / 17 / 21 / 12 ops).
 Exactness: the kept set is HF's in exact arithmetic. Float32 sums (our histograms, HF's cumsum)

@@ -134,3 +134,13 @@ def test_every_docs_page_says_what_it_covers_and_the_readme_links_it():
         lines = open(os.path.join(ROOT, page)).read().split("\n")
         assert lines[0].startswith("# ") and lines[1] == "" and lines[2], f"{page}: a title, then what it covers"
         assert f"]({page})" in readme, f"the README does not link {page}"
+
+
+def test_no_benchmark_shadows_a_module():
+    """benchmarks/gpu.py puts benchmarks/ first on sys.path: a benchmark named like a module of the project (as
+    benchmarks/sampling.py once was) would be imported in its place by every later test of the session."""
+    import glob
+
+    modules = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "*.py"))}
+    benches = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "benchmarks", "*.py"))}
+    assert not modules & benches

@@ -2,9 +2,9 @@
 against engine.sample (softmax + full sort for top-p + torch.multinomial), side by side in one
 process, at the rollout's shape [256, 151936] in float32 and bf16 logits.
 
-    python benchmarks/sampling.py                         # 256 x 151936, 3 repetitions
-    python benchmarks/sampling.py --rows 64 --repeat 5    # quicker
-    python benchmarks/sampling.py --inductor              # + kernels under torch.compile
+    python benchmarks/sampler_speed.py                         # 256 x 151936, 3 repetitions
+    python benchmarks/sampler_speed.py --rows 64 --repeat 5    # quicker
+    python benchmarks/sampler_speed.py --inductor              # + kernels under torch.compile
 
 --inductor also compiles sampling.sample with torch.compile(fullgraph=True, dynamic=False) per
 setting (the noise passed in as a tensor: Dynamo does not trace a torch.Generator argument) at

@@ -264,7 +264,6 @@ class Engine:
         blocks = pool_blocks + 1 if self.paged else slots  # paged: + a block nobody owns (spare)
         # per layer [k/v, blocks, positions in a block, kv heads, head_dim]; zeros, not empty: a
         # masked position still multiplies its value by 0, and 0 x NaN is NaN
-        # (a tensor a layer, each at offset 0: a compiled layer is the same code for every layer)
         # (a tensor a layer, each at offset 0: a compiled layer is the same code for every layer),
         # flat, [k/v x blocks x positions x heads, head_dim], written in place by index_copy_ on
         # the tensor itself (through a view, inductor's functional copy rewrote the whole cache)

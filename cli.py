@@ -408,7 +408,7 @@ def check_lora_args(args):
     if args.cpu_offload:
         fail("--cpu-offload with --lora-rank: not supported (untested with LoRA's frozen and "
              "trainable parameters in one FSDP2 unit); LoRA's state is small enough to stay on the "
-             "GPU (README, Scaling)")
+             "GPU (docs/scaling.md)")
 
 
 def check_run_name(output_dir: str, exp_name: str):

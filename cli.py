@@ -271,6 +271,9 @@ MAX_NEW_TOKENS = 2**20  # beyond any model's context
 MAX_REWARD_TIMEOUT_S = 86400.0  # a day; past ~9e9 s select() overflows in the reward pool
 
 
+MIN_TEMPERATURE = 1e-3  # logits of ~100 / 1e-3 stay far inside float32's range (3.4e38); 1e-40 does not
+
+
 def check_float(flag: str, x: float, low: float, high: float = math.inf, *, low_open: bool = False,
                 high_open: bool = False, why: str = ""):
     """--flag x is finite and lies in [low, high] (each end open if asked); written so that NaN
@@ -311,8 +314,9 @@ def check_common_args(args):
     if args.num_minibatches < 1 or args.prompts_per_rank % args.num_minibatches:
         fail(f"--prompts-per-rank {args.prompts_per_rank} must be a multiple of --num-minibatches "
              f"{args.num_minibatches} (each minibatch holds whole groups)")
-    check_float("temperature", args.temperature, 0, low_open=True,
-                why=" (RL samples from the policy)")
+    check_float("temperature", args.temperature, MIN_TEMPERATURE,
+                why=" (RL samples from the policy; below, logits / T overflow float32)")
+    check_int("log-samples", args.log_samples, 0, why=" (0: never)")
     if args.num_steps < 1:
         fail(f"--num-steps {args.num_steps}: must be >= 1")
     if args.micro_batch_size < 0:
@@ -378,7 +382,8 @@ def check_common_args(args):
         check_dataset(args.eval_dataset, None, "--eval-dataset")
     check_int("eval-limit", args.eval_limit, 0, why=" (0: all)")
     if args.eval_temperature is not None:
-        check_float("eval-temperature", args.eval_temperature, 0, low_open=True)
+        check_float("eval-temperature", args.eval_temperature, MIN_TEMPERATURE,
+                    why=" (below, logits / T overflow float32)")
     if args.eval_top_p is not None:
         check_float("eval-top-p", args.eval_top_p, 0, 1, low_open=True, why=" (1 is off)")
     if args.system_prompt is not None and not args.system_prompt.strip():

@@ -64,8 +64,11 @@ BAD_FLAGS = [  # every one fails in check_common_args: before the tokenizer, the
     (["--clip-low", "nan"], "--clip-low nan: must be > 0 and finite"),
     (["--clip-high", "nan"], "--clip-high nan: must be > 0 and finite"),
     (["--clip-high", "inf"], "--clip-high inf: must be > 0 and finite"),
-    (["--temperature", "nan"], "--temperature nan: must be > 0 and finite"),
-    (["--temperature", "inf"], "--temperature inf: must be > 0 and finite"),
+    (["--temperature", "nan"], "--temperature nan: must be >= 0.001 and finite"),
+    (["--temperature", "inf"], "--temperature inf: must be >= 0.001 and finite"),
+    (["--temperature", "1e-40"], "--temperature 1e-40: must be >= 0.001 and finite (RL samples from the policy; "
+                                 "below, logits / T overflow float32)"),
+    (["--log-samples", "-1"], "--log-samples -1: must be >= 0 (0: never)"),
     (["--learning-rate", "nan"], "--learning-rate nan: must be > 0 and finite"),
     (["--learning-rate", "inf"], "--learning-rate inf: must be > 0 and finite"),
     (["--top-p", "nan"], "--top-p nan: must lie in (0, 1]"),

@@ -107,7 +107,7 @@ def test_eval_set_without_answers_fails_before_any_model(monkeypatch, tmp_path):
 @pytest.mark.parametrize("argv, needle", [
     (["--eval-dataset", "nosuchset"], "--eval-dataset 'nosuchset': unknown"),
     (["--eval-dataset", "missing.parquet"], "--eval-dataset 'missing.parquet': no such file"),
-    (["--eval-temperature", "0"], "--eval-temperature 0.0: must be > 0 and finite"),
+    (["--eval-temperature", "0"], "--eval-temperature 0.0: must be >= 0.001 and finite"),
     (["--eval-top-p", "1.5"], "--eval-top-p 1.5: must lie in (0, 1]"),
     (["--eval-limit", "-1"], "--eval-limit -1: must be >= 0"),
     (["--kl-coef", "-1"], "--kl-coef -1.0: must be >= 0 and finite"),

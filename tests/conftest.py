@@ -26,6 +26,8 @@ def tiny_dir(tmp_path_factory):
 def pytest_configure(config):
     config.addinivalue_line("markers", "real_model: uses SmolLM2-135M-Instruct (the real_model_dir fixture; "
                                        "tests/requirements-real-model.txt)")
+    config.addinivalue_line("markers", "slow: an end-to-end run that pins no number the fast tests do not; left out of "
+                                       "the README's test command (CI), run with -m slow")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects on the marker
@@ -33,6 +35,7 @@ def pytest_collection_modifyitems(config, items):
     """A test that uses the real model (the real_model_dir fixture) is marked real_model; where the wheel or `gguf`
     is missing, those tests skip, reported in one line (a skip marker: pytest folds them into one line as long as
     the tests carry no decorator marks)."""
+    deselect_slow(config, items)
     marked = [item for item in items if "real_model_dir" in getattr(item, "fixturenames", ())]
     if not marked:
         return
@@ -43,6 +46,17 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker("real_model")
         if why:
             item.add_marker(pytest.mark.skip(reason=f"real model: {why}"))
+
+
+def deselect_slow(config, items):
+    """Without -m, the slow tests are deselected (counted in pytest's summary line); `-m slow` runs only them, `-m
+    "slow or not slow"` everything, and a test named by its node id (file::test) always runs."""
+    if config.option.markexpr or any("::" in a for a in config.args):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
 
 
 @pytest.fixture(scope="session")

@@ -67,6 +67,10 @@ class CommonArgs:
     """G: completions per prompt"""
     num_minibatches: int = 4
     """optimizer steps per rollout batch, each over whole groups (4 in the GSPO paper)"""
+    num_iterations: int = 1
+    """mu: passes over each rollout's minibatches, pi_old fixed to the policy that generated it
+    (GRPO paper's mu; TRL num_iterations, verl ppo_epochs): mu x --num-minibatches optimizer
+    steps a rollout"""
     micro_batch_size: int = 0
     """sequences per forward/backward inside a minibatch (0: the whole minibatch); gradients
     accumulate and the loss is divided by the minibatch's count over all ranks, so this changes
@@ -268,6 +272,7 @@ def eval_sampling(args) -> dict:
 MAX_SEED = 2**32 - 1  # numpy's seed range (torch's is 2**64 - 1, less the per-rank offsets)
 MAX_COMPLETIONS = 2**20  # completions a rank a step, held-out completions, rows a generate call
 MAX_NEW_TOKENS = 2**20  # beyond any model's context
+MAX_ITERATIONS = 1024  # passes over one rollout: far past any recipe's (GRPO paper: 1; TRL, verl: 1)
 MAX_REWARD_TIMEOUT_S = 86400.0  # a day; past ~9e9 s select() overflows in the reward pool
 
 
@@ -314,6 +319,8 @@ def check_common_args(args):
     if args.num_minibatches < 1 or args.prompts_per_rank % args.num_minibatches:
         fail(f"--prompts-per-rank {args.prompts_per_rank} must be a multiple of --num-minibatches "
              f"{args.num_minibatches} (each minibatch holds whole groups)")
+    check_int("num-iterations", args.num_iterations, 1, MAX_ITERATIONS,
+              " (passes over each rollout's minibatches)")
     check_float("temperature", args.temperature, MIN_TEMPERATURE,
                 why=" (RL samples from the policy; below, logits / T overflow float32)")
     check_int("log-samples", args.log_samples, 0, why=" (0: never)")

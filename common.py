@@ -723,8 +723,9 @@ def micro_batches(mb: slice, size: int) -> list[slice]:
 # -------------------- the optimizer step: learning rate, finite checks, statistics
 def lr_scheduler(optimizer, args):
     """Per optimizer step: linear warm-up over --warmup-frac of the steps, then constant or cosine
-    decay to --min-lr-ratio x the peak (the DFPO paper's App. I: cosine, 3% warm-up, 0.2)."""
-    total = args.num_steps * args.num_minibatches
+    decay to --min-lr-ratio x the peak (the DFPO paper's App. I: cosine, 3% warm-up, 0.2). A step
+    makes --num-iterations x --num-minibatches optimizer steps."""
+    total = args.num_steps * args.num_iterations * args.num_minibatches
     warmup = round(args.warmup_frac * total)
 
     def factor(i: int) -> float:

@@ -103,6 +103,11 @@ class CommonArgs:
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """divide the centred group rewards by the group's std (eq. 43), the whole batch's std (all
     ranks), or nothing"""
+    adv_std: Literal["population", "bessel"] = "population"
+    """the std of --scale-rewards: population (/n, the DFPO blog's worked example) or bessel
+    (/(n-1), TRL's and verl's: A_1 of rewards [1,0,0,0] is 1.5, not 1.732)"""
+    adv_eps: float = 1e-6
+    """A_i = (r_i - mean) / (std + adv_eps): 1e-6 is verl's, TRL's is 1e-4"""
     mask_truncated: bool = False
     """completions cut at --max-new-tokens (no EOS) get zero loss weight; their rewards still set
     the group's A"""
@@ -197,6 +202,9 @@ class CommonArgs:
     kl_coef: float = 0.0
     """beta of the k3 KL penalty to the initial model, per token (0: no reference model is loaded
     at all; the GSPO and DFPO recipes use none)"""
+    kl_ratio_correction: bool = False
+    """multiply each token's k3 by the script's importance ratio (w_it, or s_i), as TRL's
+    use_bias_correction_kl does (DeepSeek-V3.2): the KL of pi_theta, not pi_old, to pi_ref"""
     log_samples: int = 10
     """every N steps, the first 2 prompts of the step with their completions, rewards and
     advantages go to tensorboard (text, 'samples') and to samples.jsonl in the run folder
@@ -396,6 +404,10 @@ def check_common_args(args):
     if args.system_prompt is not None and not args.system_prompt.strip():
         fail("--system-prompt is empty: give the text of the system message, or drop it")
     check_float("kl-coef", args.kl_coef, 0, why=" (0: no KL penalty and no reference model)")
+    check_float("adv-eps", args.adv_eps, 0, why=" (added to the std of --scale-rewards)")
+    if args.kl_ratio_correction and args.kl_coef == 0:
+        fail("--kl-ratio-correction multiplies the KL penalty's k3 by the ratio: it needs "
+             "--kl-coef > 0 (TRL's beta)")
     check_run_name(args.output_dir, args.exp_name)
 
 

@@ -654,23 +654,28 @@ def length_penalty(completion: str, answer: str) -> float:
 
 # -------------------- group advantages and the mechanism metrics
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group",
-                     eps: float = 1e-6):
-    """A_i = (r_i - mean_g r) / (std + eps), population std (DFPO eq. 43; the blog's worked example:
-    rewards [1,0,1,0] give A = [+1,-1,+1,-1]). scale: the std of the group (eq. 43), of the whole
-    batch over all ranks (TRL/verl "batch"), or none (centring only, Dr. GRPO). Groups with equal
-    rewards get A = 0; their count is returned."""
+                     std: str = "population", eps: float = 1e-6):
+    """A_i = (r_i - mean_g r) / (std + eps) (DFPO eq. 43). std: 'population' (divide the squared
+    deviations by n; the blog's worked example: rewards [1,0,1,0] give A = [+1,-1,+1,-1]) or
+    'bessel' (by n - 1, as TRL's nanstd and verl's torch.std: [1,0,0,0] gives A_1 = 1.5 where
+    population gives 1.732). scale: the std of the group (eq. 43), of the whole batch over all
+    ranks (TRL/verl "batch"), or none (centring only, Dr. GRPO). eps: 1e-6 (verl's), TRL's 1e-4.
+    Groups with equal rewards get A = 0; their count is returned."""
+    if std not in ("population", "bessel"):
+        raise ValueError(f"unknown std {std!r} (population or bessel)")
+    unbiased = std == "bessel"
     r = rewards.view(-1, group_size).double()
     centred = r - r.mean(1, keepdim=True)
-    std = r.std(1, unbiased=False, keepdim=True)
+    group_std = r.std(1, unbiased=unbiased, keepdim=True)
     if scale == "group":
-        adv = centred / (std + eps)
+        adv = centred / (group_std + eps)
     elif scale == "batch":
-        adv = centred / (all_gather_cat(rewards.double()).std(unbiased=False).item() + eps)
+        adv = centred / (all_gather_cat(rewards.double()).std(unbiased=unbiased).item() + eps)
     elif scale == "none":
         adv = centred
     else:
         raise ValueError(f"unknown scale {scale!r} (group, batch or none)")
-    return adv.view(-1).float(), int((std.squeeze(1) == 0).sum())
+    return adv.view(-1).float(), int((group_std.squeeze(1) == 0).sum())
 
 
 def group_metrics(seq_terms: torch.Tensor, first_token_grads: torch.Tensor, group_size: int,

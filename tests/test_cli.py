@@ -69,6 +69,10 @@ BAD_FLAGS = [  # every one fails in check_common_args: before the tokenizer, the
     (["--temperature", "1e-40"], "--temperature 1e-40: must be >= 0.001 and finite (RL samples from the policy; "
                                  "below, logits / T overflow float32)"),
     (["--log-samples", "-1"], "--log-samples -1: must be >= 0 (0: never)"),
+    (["--num-iterations", "0"], "--num-iterations 0: must lie in [1, 1024] (passes over each rollout's minibatches)"),
+    (["--adv-eps", "nan"], "--adv-eps nan: must be >= 0 and finite (added to the std of --scale-rewards)"),
+    (["--kl-ratio-correction"], "--kl-ratio-correction multiplies the KL penalty's k3 by the ratio: it needs "
+                                "--kl-coef > 0"),
     (["--learning-rate", "nan"], "--learning-rate nan: must be > 0 and finite"),
     (["--learning-rate", "inf"], "--learning-rate inf: must be > 0 and finite"),
     (["--top-p", "nan"], "--top-p nan: must lie in (0, 1]"),

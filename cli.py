@@ -5,6 +5,7 @@ the model and the task. Used at the top of each script's main().
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -84,7 +85,8 @@ class CommonArgs:
     top_k: int = 0
     """top-k sampling; 0 is off"""
     gen_batch_size: int = 256
-    """completions per `generate` call"""
+    """completions per `generate` call (memory only; not TRL's generation_batch_size, which is
+    completions a step: --prompts-per-rank x --group-size here)"""
     learning_rate: float | None = None
     """AdamW learning rate (default: 5e-4 for --model tiny, 1e-6 otherwise)"""
     weight_decay: float = 0.0
@@ -211,6 +213,117 @@ class CommonArgs:
     (0: never)"""
 
 
+# -------------------- TRL's and verl's names for our flags (docs/trl-and-verl.md's tables)
+# TRL's GRPOConfig (and the TrainingArguments it extends), by field name: what to give here instead.
+# A name that is ours too (learning_rate, temperature, seed, num_iterations ...) is not listed.
+TRL_FLAGS = {
+    "num_generations": "use --group-size",
+    "num_generations_eval": "use --eval-n",
+    "max_completion_length": "use --max-new-tokens",
+    "max_prompt_length": "use --max-prompt-tokens (longer prompts are dropped and counted)",
+    "beta": "use --kl-coef",
+    "epsilon": "use --clip-low (and --clip-high)",
+    "epsilon_high": "use --clip-high",
+    "loss_type": "use --loss-agg (grpo.py, gspo_token.py): dapo = token-mean, grpo = "
+                 "seq-mean-token-mean, dr_grpo = seq-mean-token-sum-norm",
+    "importance_sampling_level": "use the script: token is grpo.py, sequence is gspo.py",
+    "use_vllm": "use --gen-mode engine (the built-in engine; vLLM is not used)",
+    "vllm_mode": "use --gen-mode engine (the built-in engine; vLLM is not used)",
+    "per_device_train_batch_size": "use --micro-batch-size (completions a forward/backward)",
+    "gradient_accumulation_steps": "use --micro-batch-size (gradients accumulate over a "
+                                   "minibatch's micro-batches)",
+    "generation_batch_size": "use --prompts-per-rank x --group-size (completions a step; "
+                             "--gen-batch-size is completions a generate call)",
+    "steps_per_generation": "use --num-minibatches (optimizer steps a rollout)",
+    "reward_funcs": "use --reward module:function",
+    "mask_truncated_completions": "use --mask-truncated",
+    "use_bias_correction_kl": "use --kl-ratio-correction",
+    "max_steps": "use --num-steps",
+    "num_train_epochs": "use --num-steps (RL steps, one rollout batch each)",
+    "lr_scheduler_type": "use --lr-schedule",
+    "warmup_ratio": "use --warmup-frac",
+    "warmup_steps": "use --warmup-frac (a fraction of the optimizer steps)",
+    "gradient_checkpointing": "use --activation-checkpointing",
+    "log_completions": "use --log-samples",
+    "eval_steps": "use --eval-every",
+    "save_steps": "use --save-every",
+    "save_total_limit": "use --keep-checkpoints",
+    "resume_from_checkpoint": "use --resume",
+    "model_name_or_path": "use --model",
+    "dataset_name": "use --dataset",
+    "bf16": "use --dtype bf16",
+    "report_to": "tensorboard and metrics.jsonl are written to --output-dir",
+    "logging_steps": "every step is logged",
+}
+# verl's trainer config keys (hydra overrides key=value): what to give here instead.
+VERL_KEYS = {
+    "data.train_files": "--dataset",
+    "data.val_files": "--eval-dataset",
+    "data.prompt_key": "--prompt-column",
+    "data.train_batch_size": "--prompts-per-rank (x ranks)",
+    "data.max_prompt_length": "--max-prompt-tokens",
+    "data.max_response_length": "--max-new-tokens",
+    "actor_rollout_ref.model.path": "--model",
+    "actor_rollout_ref.rollout.n": "--group-size",
+    "actor_rollout_ref.rollout.name": "--gen-mode",
+    "actor_rollout_ref.rollout.temperature": "--temperature",
+    "actor_rollout_ref.rollout.top_p": "--top-p",
+    "actor_rollout_ref.rollout.top_k": "--top-k",
+    "actor_rollout_ref.actor.ppo_mini_batch_size": "--num-minibatches (prompts an optimizer step "
+                                                   "= --prompts-per-rank x ranks / it)",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "--micro-batch-size",
+    "actor_rollout_ref.actor.ppo_epochs": "--num-iterations",
+    "actor_rollout_ref.actor.clip_ratio_low": "--clip-low",
+    "actor_rollout_ref.actor.clip_ratio_high": "--clip-high",
+    "actor_rollout_ref.actor.loss_agg_mode": "--loss-agg",
+    "actor_rollout_ref.actor.policy_loss.loss_mode": "the script (gspo: gspo.py)",
+    "actor_rollout_ref.actor.use_kl_loss": "--kl-coef",
+    "actor_rollout_ref.actor.kl_loss_coef": "--kl-coef",
+    "actor_rollout_ref.actor.optim.lr": "--learning-rate",
+    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": "--warmup-frac",
+    "actor_rollout_ref.actor.optim.warmup_style": "--lr-schedule",
+    "actor_rollout_ref.actor.grad_clip": "--max-grad-norm",
+    "actor_rollout_ref.model.enable_gradient_checkpointing": "--activation-checkpointing",
+    "algorithm.adv_estimator": "the script (grpo: grpo.py)",
+    "algorithm.norm_adv_by_std_in_grpo": "--scale-rewards group / none (and --adv-std bessel)",
+    "custom_reward_function.path": "--reward module:function",
+    "custom_reward_function.name": "--reward module:function",
+    "trainer.total_training_steps": "--num-steps",
+    "trainer.total_epochs": "--num-steps",
+    "trainer.test_freq": "--eval-every",
+    "trainer.save_freq": "--save-every",
+    "trainer.default_local_dir": "--output-dir",
+}
+# TRL's loss_type -> --loss-agg (grpo.py, gspo_token.py); verl's loss_agg_mode names are ours
+TRL_LOSS_TYPES = {"dapo": "token-mean", "grpo": "seq-mean-token-mean",
+                  "dr_grpo": "seq-mean-token-sum-norm", "bnpo": "token-mean"}
+VERL_OVERRIDE = re.compile(r"\+?([a-z_]+(?:\.[a-z_]+)+)=")
+
+
+def foreign_flag(argv: list[str], ours: set[str]) -> str | None:
+    """The first of argv's flags that is TRL's or verl's name and not ours, as one line naming
+    ours ("--num-generations is TRL's name: use --group-size"); None when there is none. ours:
+    the field names of the script's Args."""
+    for i, word in enumerate(argv):
+        if (m := VERL_OVERRIDE.match(word)):
+            key = m[1]
+            hint = f"use {VERL_KEYS[key]}" if key in VERL_KEYS else (
+                "give --flags; docs/trl-and-verl.md maps verl's config to them")
+            return f"{key}=... is verl's config key: {hint}"
+        if not word.startswith("--"):
+            continue
+        flag, eq, value = word[2:].partition("=")
+        name = flag.replace("-", "_")
+        if name == "loss_agg" and "loss_agg" in ours:
+            value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+            if value in TRL_LOSS_TYPES:
+                return (f"--loss-agg {value} is TRL's loss_type name: use --loss-agg "
+                        f"{TRL_LOSS_TYPES[value]}")
+        if name in TRL_FLAGS and name not in ours:
+            return f"--{flag} is TRL's name: {TRL_FLAGS[name]}"
+    return None
+
+
 # -------------------- parsing: tyro, its errors in one line, printed once
 def parse_args(cls, argv: list[str] | None = None):
     """tyro.cli(cls), whose own errors (an unknown flag, a value of the wrong type) stop with one
@@ -223,16 +336,31 @@ def parse_args(cls, argv: list[str] | None = None):
     import tyro
 
     main = main_process()
+    said = foreign_flag(sys.argv[1:] if argv is None else argv,
+                        {f.name for f in dataclasses.fields(cls)})
+    if said:  # a TRL or verl name: ours in one line, before tyro's "Unrecognized options"
+        raise SystemExit(f"error: {said}" if main else 2)
     box = io.StringIO()
     try:
         with contextlib.redirect_stderr(box):
-            args = tyro.cli(cls, args=argv, console_outputs=main)
+            args = tyro.cli(cls, args=argv, console_outputs=main, description=script_description(cls))
     except SystemExit as e:
         if e.code in (0, None):  # --help
             raise
         raise SystemExit(f"error: {tyro_error_line(box.getvalue())}" if main else 2) from None
     sys.stderr.write(box.getvalue())  # anything else tyro said (warnings) is not lost
     return args
+
+
+def script_description(cls) -> str:
+    """--help's first lines: the first paragraph of the script's docstring (what it optimises and
+    where it comes from), then where TRL's and verl's names are mapped."""
+    import inspect
+
+    doc = (inspect.getmodule(cls).__doc__ or "").strip()
+    first = " ".join(doc.split("\n\n")[0].split())
+    return (f"{first}\nThe flags every script shares come first, then this script's objective's "
+            "own; TRL's and verl's names for them: docs/trl-and-verl.md.")
 
 
 def tyro_error_line(box: str) -> str:

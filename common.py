@@ -106,6 +106,8 @@ def check_model(name: str, trust_remote_code: bool, gen_mode: str = "shared-pref
         export = os.path.join(name, "model")
         fail(f"--model {name!r}: a checkpoint folder; give its model, {export} (or continue the "
              f"run with --resume {name})")
+    if not looks_local:
+        check_hub_model(name)
     from transformers import AutoConfig
 
     try:
@@ -115,6 +117,26 @@ def check_model(name: str, trust_remote_code: bool, gen_mode: str = "shared-pref
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         fail(f"--model {name!r}: cannot read its config ({first})")
     check_engine(config, gen_mode)
+
+
+def check_hub_model(name: str):
+    """A hub id that can be neither downloaded nor read from the cache fails in one line within
+    seconds (one connection to the endpoint, data.unreachable_hub), naming the fix, where
+    transformers would retry for ~30 s and print a dozen lines."""
+    from huggingface_hub import try_to_load_from_cache
+
+    from data import hub_offline, unreachable_hub
+
+    cached = isinstance(try_to_load_from_cache(name, "config.json"), str)
+    if hub_offline() and not cached:
+        fail(f"--model {name}: not in the Hugging Face cache, and HF_HUB_OFFLINE is set; download "
+             f"it once where there is a network (huggingface-cli download {name}), or give a "
+             "local model folder")
+    if (why := unreachable_hub()):
+        fix = ("it is in the cache: set HF_HUB_OFFLINE=1 to use the cached copy" if cached else
+               "give a local model folder (one with config.json), or download it once where "
+               "there is a network and set HF_HUB_OFFLINE=1")
+        fail(f"--model {name}: {why}; {fix}")
 
 
 def check_not_gguf(name: str):

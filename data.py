@@ -367,32 +367,44 @@ def json_lines_error(path: str):
                  "{\"prompt\": ..., \"answer\": ...}")
 
 
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE (or HF_DATASETS_OFFLINE) is set: only cached copies are read."""
+    return any(os.environ.get(v, "0").lower() not in ("0", "", "false", "no", "off")
+               for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def unreachable_hub() -> str | None:
+    """'cannot reach ENDPOINT (why)' when one connection to the hub's endpoint fails (5 s at
+    most), where `datasets` and `transformers` would retry for ~30 s; None when it answers, when
+    HF_HUB_OFFLINE is set, or behind a proxy (only the libraries know the way there)."""
+    import socket
+    import urllib.parse
+
+    proxied = any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY",
+                                              "all_proxy"))
+    if hub_offline() or proxied:
+        return None
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    url = urllib.parse.urlparse(endpoint)
+    try:
+        socket.create_connection((url.hostname,
+                                  url.port or (443 if url.scheme == "https" else 80)), 5).close()
+    except OSError as e:
+        return f"cannot reach {endpoint} ({e.strerror or e})"
+    return None
+
+
 def load_hub(flag: str, name: str, hub: str, cfg: str | None):
     """A hub set through `datasets`, failing with one line, fast, when the hub cannot be reached:
     without HF_HUB_OFFLINE, one connection to the endpoint (5 s at most) before `datasets` would
     retry for ~30 s; with it, the cached copy or a line saying there is none."""
-    import socket
-    import urllib.parse
-
     from datasets import load_dataset
 
-    offline = any(os.environ.get(v, "0").lower() not in ("0", "", "false", "no", "off")
-                  for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-    proxied = any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY",
-                                              "all_proxy"))
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    if not offline and not proxied:  # behind a proxy only `datasets` knows the way
-        url = urllib.parse.urlparse(endpoint)
-        try:
-            socket.create_connection((url.hostname,
-                                      url.port or (443 if url.scheme == "https" else 80)),
-                                     5).close()
-        except OSError as e:
-            fail(f"{flag} {name}: cannot reach {endpoint} ({e.strerror or e}); without a "
-                 "network, load it once "
-                 f"where there is one and set HF_HUB_OFFLINE=1 to use the cached copy, or give a "
-                 "local copy of "
-                 f"{hub} ({local_copy(name)})")
+    offline = hub_offline()
+    if (why := unreachable_hub()):
+        fail(f"{flag} {name}: {why}; without a network, load it once where there is one and set "
+             f"HF_HUB_OFFLINE=1 to use the cached copy, or give a local copy of {hub} "
+             f"({local_copy(name)})")
     try:
         return load_dataset(hub, cfg)
     except Exception as e:  # noqa: BLE001 - whatever went wrong, one line says so

@@ -12,7 +12,7 @@ import random
 import re
 from collections.abc import Mapping
 
-from distributed import fail
+from distributed import fail, main_process
 
 
 # -------------------- tasks: prompts and reference answers
@@ -81,9 +81,15 @@ def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok,
 
     def whole(flag, spec, files):  # every usable row of a set (its test split if it has one)
         if spec == "builtin":
+            say(f"{flag} builtin: {eval_size} prompts of the built-in task")
             return Dataset.from_list(builtin_task(eval_size, seed + 1)), 0
         splits, train_split, test_split, pcol, acol, instr = read_source(flag, spec, files, *cols)
+        say(f"{flag} {spec}: split '{test_split or train_split}'")
         return task_rows(flag, spec, splits[test_split or train_split], pcol, acol, instr)
+
+    def say(where):  # the start-up line that names the held-out rows
+        if main_process():
+            print(f"{'evaluated' if eval_only else 'held out'}: {where}")
 
     if eval_dataset is not None or eval_only:
         if eval_dataset is not None:
@@ -124,6 +130,7 @@ def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok,
         return train, held, dropped
 
     if name == "builtin":
+        say(f"{eval_size} prompts of the built-in task")
         return finish(Dataset.from_list(builtin_task(4096, seed)),
                       Dataset.from_list(builtin_task(eval_size, seed + 1)), 0)
     splits, train_split, test_split, pcol, acol, instr = read_source("--dataset", name,
@@ -132,6 +139,7 @@ def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok,
     if len(train) == 0:
         fail(f"--dataset {name!r}: no usable rows (dropped {dropped} without an answer)")
     if test_split is not None:
+        say(f"split '{test_split}' of --dataset {name} (at most --eval-size {eval_size} rows)")
         held, n = task_rows("--dataset", name, splits[test_split], pcol, acol, instr)
         dropped += n
     elif len(train) < 2:
@@ -140,7 +148,25 @@ def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok,
     else:  # no held-out split: keep a tenth of the rows apart, at most eval_size
         split = train.train_test_split(test_size=min(eval_size, len(train) // 10 or 1), seed=seed)
         train, held = split["train"], split["test"]
+        say(f"{len(held)} rows of --dataset {name} kept apart (a tenth at most, at most --eval-size; "
+            "it has no test or validation split)")
     return finish(train, held, dropped)
+
+
+# the splits held out from training, in the order taken: a folder's or glob's test.jsonl, else its
+# validation.jsonl (datasets' names: test/eval..., validation/valid/dev/val)
+HELD_OUT_SPLITS = ("test", "validation")
+
+
+def file_split(path: str) -> str:
+    """The split a file's name says, as `datasets` reads a folder: a word of its name among
+    datasets' split keywords (train, training; validation, valid, dev, val; test, testing, eval,
+    evaluation), else train."""
+    from datasets.data_files import SPLIT_KEYWORDS
+
+    words = set(re.split(r"[^a-z0-9]+", os.path.basename(path).lower()))
+    return next((str(split) for split, keys in SPLIT_KEYWORDS.items() if words & set(keys)),
+                "train")
 
 
 def read_source(flag: str, name: str, data_files: str | None, prompt_column: str,
@@ -167,7 +193,7 @@ def read_source(flag: str, name: str, data_files: str | None, prompt_column: str
         splits = read_files(flag, name, splits=True) if is_local(name) else load_hub(flag, name,
                                                                                      name, None)
         train_split = "train" if "train" in splits else next(iter(splits))
-        test_split = "test" if "test" in splits and train_split != "test" else None
+        test_split = next((s for s in HELD_OUT_SPLITS if s in splits and s != train_split), None)
         pcol, acol, instr = prompt_column, answer_column, ""
         hint = "name them with --prompt-column and --answer-column"
     for split in {train_split, test_split} - {None}:
@@ -289,6 +315,13 @@ def read_files(flag: str, spec: str, splits: bool = False):
             if splits:
                 return found
             return found["train"] if "train" in found else next(iter(found.values()))
+        if splits and len(paths) > 1:  # a glob: its files keep the splits their names say
+            by_split = {}
+            for p in paths:
+                by_split.setdefault(file_split(p), []).append(p)
+            if len(by_split) > 1:
+                return {s: load_dataset(builder, data_files=ps, split="train")
+                        for s, ps in by_split.items()}
         d = load_dataset(builder, data_files=paths, split="train")
         return {"train": d} if splits else d
     except Exception as e:  # noqa: BLE001 - whatever went wrong, one line says so

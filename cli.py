@@ -96,12 +96,13 @@ class CommonArgs:
     max_nonfinite: int = 3
     """a non-finite loss or gradient skips that update on every rank; this many in a row stop the
     run"""
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    """learning-rate schedule after the warm-up, per optimizer step (DFPO paper: cosine)"""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """learning-rate schedule after the warm-up, per optimizer step (DFPO paper: cosine; linear
+    with --min-lr-ratio 0 is TRL's default, transformers' linear decay to 0)"""
     warmup_frac: float = 0.0
     """fraction of the optimizer steps spent in a linear warm-up (DFPO paper: 0.03)"""
     min_lr_ratio: float = 0.2
-    """cosine: the last learning rate as a fraction of the peak (DFPO paper: 0.2)"""
+    """cosine and linear: the last learning rate as a fraction of the peak (DFPO paper: 0.2)"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """divide the centred group rewards by the group's std (eq. 43), the whole batch's std (all
     ranks), or nothing"""

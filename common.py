@@ -749,9 +749,10 @@ def micro_batches(mb: slice, size: int) -> list[slice]:
 
 # -------------------- the optimizer step: learning rate, finite checks, statistics
 def lr_scheduler(optimizer, args):
-    """Per optimizer step: linear warm-up over --warmup-frac of the steps, then constant or cosine
-    decay to --min-lr-ratio x the peak (the DFPO paper's App. I: cosine, 3% warm-up, 0.2). A step
-    makes --num-iterations x --num-minibatches optimizer steps."""
+    """Per optimizer step: linear warm-up over --warmup-frac of the steps, then constant, cosine or
+    linear decay to --min-lr-ratio x the peak (the DFPO paper's App. I: cosine, 3% warm-up, 0.2;
+    transformers' linear, TRL's default: linear to 0). A step makes --num-iterations x
+    --num-minibatches optimizer steps."""
     total = args.num_steps * args.num_iterations * args.num_minibatches
     warmup = round(args.warmup_frac * total)
 
@@ -761,6 +762,8 @@ def lr_scheduler(optimizer, args):
         if args.lr_schedule == "constant":
             return 1.0
         progress = (i - warmup) / max(1, total - warmup)
+        if args.lr_schedule == "linear":  # transformers' (total - i) / (total - warmup) at ratio 0
+            return args.min_lr_ratio + (1 - args.min_lr_ratio) * (1 - progress)
         return (args.min_lr_ratio
                 + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 

@@ -142,3 +142,32 @@ def test_trl_own_nanstd():
     mean = rewards.view(-1, G).mean(1).repeat_interleave(G)
     theirs = (rewards - mean) / (trl_utils.nanstd(rewards.view(-1, G), dim=1).repeat_interleave(G) + 1e-4)
     torch.testing.assert_close(ours.double(), theirs, rtol=1e-6, atol=1e-7)
+
+
+def test_linear_lr_schedule_is_transformers_linear_after_warmup():
+    """--lr-schedule linear --min-lr-ratio 0 (TRL's default lr_scheduler_type): after the warm-up, transformers'
+    get_linear_schedule_with_warmup, (total - i) / (total - warmup); by hand, 10 optimizer steps (5 steps x 2
+    minibatches), 2 of warm-up: 0.5, 1, 1, 7/8, ..., 1/8, 0. With --min-lr-ratio 0.2: 0.2 + 0.8 x that."""
+    from types import SimpleNamespace
+
+    from transformers import get_linear_schedule_with_warmup
+
+    from common import lr_scheduler
+
+    def factors(ratio, make=None):
+        p = torch.nn.Parameter(torch.zeros(1))
+        opt = torch.optim.SGD([p], lr=1.0)
+        args = SimpleNamespace(num_steps=5, num_iterations=1, num_minibatches=2, warmup_frac=0.2,
+                               lr_schedule="linear", min_lr_ratio=ratio)
+        sched = make(opt) if make else lr_scheduler(opt, args)
+        out = []
+        for _ in range(11):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return out
+
+    assert factors(0.0) == pytest.approx([0.5, 1, 1, 7 / 8, 6 / 8, 5 / 8, 4 / 8, 3 / 8, 2 / 8, 1 / 8, 0], abs=1e-12)
+    hf = factors(0.0, lambda opt: get_linear_schedule_with_warmup(opt, 2, 10))
+    assert factors(0.0)[2:] == pytest.approx(hf[2:], abs=1e-12)
+    assert factors(0.2)[2:] == pytest.approx([0.2 + 0.8 * f for f in hf[2:]], abs=1e-12)

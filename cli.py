@@ -6,6 +6,7 @@ the model and the task. Used at the top of each script's main().
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import re
@@ -208,6 +209,13 @@ class CommonArgs:
     kl_ratio_correction: bool = False
     """multiply each token's k3 by the script's importance ratio (w_it, or s_i), as TRL's
     use_bias_correction_kl does (DeepSeek-V3.2): the KL of pi_theta, not pi_old, to pi_ref"""
+    track: bool = False
+    """log to Weights & Biases too, as CleanRL's --track (needs `pip install wandb`; WANDB_MODE=offline
+    logs without a network), the same keys as tensorboard and metrics.jsonl"""
+    wandb_project: str = "group-rl"
+    """--track: the W&B project"""
+    wandb_entity: str | None = None
+    """--track: the W&B entity (team or user; None: your default)"""
     log_samples: int = 10
     """every N steps, the first 2 prompts of the step with their completions, rewards and
     advantages go to tensorboard (text, 'samples') and to samples.jsonl in the run folder
@@ -253,7 +261,7 @@ TRL_FLAGS = {
     "model_name_or_path": "use --model",
     "dataset_name": "use --dataset",
     "bf16": "use --dtype bf16",
-    "report_to": "tensorboard and metrics.jsonl are written to --output-dir",
+    "report_to": "use --track for Weights & Biases (tensorboard and metrics.jsonl are always written)",
     "logging_steps": "every step is logged",
 }
 # verl's trainer config keys (hydra overrides key=value): what to give here instead.
@@ -538,6 +546,9 @@ def check_common_args(args):
         fail("--kl-ratio-correction multiplies the KL penalty's k3 by the ratio: it needs "
              "--kl-coef > 0 (TRL's beta)")
     check_run_name(args.output_dir, args.exp_name)
+    if args.track and importlib.util.find_spec("wandb") is None:
+        fail("--track logs to Weights & Biases, which is not installed: pip install wandb "
+             "(WANDB_MODE=offline logs without a network), or drop --track")
 
 
 def check_lora_args(args):

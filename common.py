@@ -889,7 +889,7 @@ class Logger:
     rewritten into a new file that replaces the old one whole."""
 
     def __init__(self, run_dir: str, d: Dist, args, first_step: int = 1):
-        self.d, self.writer = d, None
+        self.d, self.writer, self.wandb = d, None, None
         # a bad metrics.jsonl stops every rank
         on_rank0(lambda: self._open(run_dir, args, first_step), d)
 
@@ -909,6 +909,13 @@ class Logger:
         if first_step > 1 and os.path.exists(samples):  # the steps this run redoes log new samples
             rewrite_rows(samples, read_metrics(samples, keep_below=first_step))
         self.metrics = open(path, "a")
+        if getattr(args, "track", False):  # --track: Weights & Biases too, the same keys (CleanRL)
+            import wandb
+
+            self.wandb = wandb.init(project=args.wandb_project, entity=args.wandb_entity,
+                                    name=os.path.basename(os.path.normpath(run_dir)),
+                                    config=vars(args), dir=run_dir, resume="allow",
+                                    id=os.path.basename(os.path.normpath(run_dir)))
 
     def log(self, step: int, scalars: dict):
         if not self.d.main:
@@ -920,11 +927,15 @@ class Logger:
                 self.writer.add_scalar(k, v, step)
         self.metrics.write(json.dumps({"step": step, **row}, allow_nan=False) + "\n")
         self.metrics.flush()
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in row.items() if v is not None}, step=step)
 
     def close(self):
         if self.d.main:
             self.writer.close()
             self.metrics.close()
+            if self.wandb is not None:
+                self.wandb.finish()
 
 
 def rewrite_rows(path: str, rows: list[dict]):

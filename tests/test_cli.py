@@ -2,7 +2,9 @@
 hub sets' loaders read local files laid out in the hub sets' own columns."""
 import dataclasses
 import importlib
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
@@ -354,3 +356,58 @@ def test_hub_model_offline_fails_in_one_line_within_seconds(env, line, monkeypat
         common.check_model("SomeOrg/not-cached-37", False)
     assert time.monotonic() - t < 5
     assert e.value.code == f"error: {line}"
+
+
+class FakeRun:
+    """What wandb.init returns, recording what the Logger sends."""
+
+    def __init__(self, **kw):
+        self.init, self.rows, self.finished = kw, [], False
+
+    def log(self, row, step):
+        self.rows.append({"step": step, **row})
+
+    def finish(self):
+        self.finished = True
+
+
+def test_track_logs_the_same_keys_to_wandb(monkeypatch, tmp_path):
+    """--track (CleanRL's): every row of metrics.jsonl goes to wandb.log at its step, under the same keys; the run is
+    named after its folder and finished at the end. A stand-in wandb module, so that this runs without wandb."""
+    import types
+
+    from test_train import run_script
+
+    runs = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: runs.append(FakeRun(**kw)) or runs[-1]
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    real = importlib.util.find_spec
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object() if name == "wandb" else real(name, *a))
+    rows, run_dir = run_script("gspo", ["--num-steps", "2", "--prompts-per-rank", "4", "--group-size", "2",
+                                        "--num-minibatches", "1", "--eval-every", "0", "--track",
+                                        "--wandb-project", "p37"], monkeypatch, tmp_path / "o")
+    (run,) = runs
+    assert run.init["project"] == "p37" and run.init["name"] == os.path.basename(run_dir) and run.finished
+    assert run.rows == [{k: v for k, v in row.items() if v is not None} for row in rows]
+
+
+def test_track_without_wandb_is_one_line(monkeypatch, tmp_path):
+    import importlib.util as iu
+
+    real = iu.find_spec
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    fails_before_any_model("gspo", ["--track"], "--track logs to Weights & Biases, which is not installed: pip "
+                           "install wandb (WANDB_MODE=offline logs without a network), or drop --track",
+                           monkeypatch, tmp_path)
+
+
+def test_track_offline_with_real_wandb(monkeypatch, tmp_path):
+    pytest.importorskip("wandb", reason="wandb is not installed: --track's offline run not tried")
+    from test_train import run_script
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    _, run_dir = run_script("gspo", ["--num-steps", "1", "--prompts-per-rank", "2", "--group-size", "2",
+                                     "--num-minibatches", "1", "--eval-every", "0", "--track"], monkeypatch,
+                            tmp_path / "o")
+    assert any(name.startswith("offline-run") for name in os.listdir(os.path.join(run_dir, "wandb")))

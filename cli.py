@@ -5,6 +5,8 @@ the model and the task. Used at the top of each script's main().
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import math
 import os
 import re
@@ -67,6 +69,10 @@ class CommonArgs:
     """G: completions per prompt"""
     num_minibatches: int = 4
     """optimizer steps per rollout batch, each over whole groups (4 in the GSPO paper)"""
+    num_iterations: int = 1
+    """mu: passes over each rollout's minibatches, pi_old fixed to the policy that generated it
+    (GRPO paper's mu; TRL num_iterations, verl ppo_epochs): mu x --num-minibatches optimizer
+    steps a rollout"""
     micro_batch_size: int = 0
     """sequences per forward/backward inside a minibatch (0: the whole minibatch); gradients
     accumulate and the loss is divided by the minibatch's count over all ranks, so this changes
@@ -80,7 +86,8 @@ class CommonArgs:
     top_k: int = 0
     """top-k sampling; 0 is off"""
     gen_batch_size: int = 256
-    """completions per `generate` call"""
+    """completions per `generate` call (memory only; not TRL's generation_batch_size, which is
+    completions a step: --prompts-per-rank x --group-size here)"""
     learning_rate: float | None = None
     """AdamW learning rate (default: 5e-4 for --model tiny, 1e-6 otherwise)"""
     weight_decay: float = 0.0
@@ -90,15 +97,21 @@ class CommonArgs:
     max_nonfinite: int = 3
     """a non-finite loss or gradient skips that update on every rank; this many in a row stop the
     run"""
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    """learning-rate schedule after the warm-up, per optimizer step (DFPO paper: cosine)"""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """learning-rate schedule after the warm-up, per optimizer step (DFPO paper: cosine; linear
+    with --min-lr-ratio 0 is TRL's default, transformers' linear decay to 0)"""
     warmup_frac: float = 0.0
     """fraction of the optimizer steps spent in a linear warm-up (DFPO paper: 0.03)"""
     min_lr_ratio: float = 0.2
-    """cosine: the last learning rate as a fraction of the peak (DFPO paper: 0.2)"""
+    """cosine and linear: the last learning rate as a fraction of the peak (DFPO paper: 0.2)"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """divide the centred group rewards by the group's std (eq. 43), the whole batch's std (all
     ranks), or nothing"""
+    adv_std: Literal["population", "bessel"] = "population"
+    """the std of --scale-rewards: population (/n, the DFPO blog's worked example) or bessel
+    (/(n-1), TRL's and verl's: A_1 of rewards [1,0,0,0] is 1.5, not 1.732)"""
+    adv_eps: float = 1e-6
+    """A_i = (r_i - mean) / (std + adv_eps): 1e-6 is verl's, TRL's is 1e-4"""
     mask_truncated: bool = False
     """completions cut at --max-new-tokens (no EOS) get zero loss weight; their rewards still set
     the group's A"""
@@ -193,10 +206,131 @@ class CommonArgs:
     kl_coef: float = 0.0
     """beta of the k3 KL penalty to the initial model, per token (0: no reference model is loaded
     at all; the GSPO and DFPO recipes use none)"""
+    kl_ratio_correction: bool = False
+    """multiply each token's k3 by the script's importance ratio (w_it, or s_i), as TRL's
+    use_bias_correction_kl does (DeepSeek-V3.2): the KL of pi_theta, not pi_old, to pi_ref"""
+    track: bool = False
+    """log to Weights & Biases too, as CleanRL's --track (needs `pip install wandb`; WANDB_MODE=offline
+    logs without a network), the same keys as tensorboard and metrics.jsonl"""
+    wandb_project: str = "group-rl"
+    """--track: the W&B project"""
+    wandb_entity: str | None = None
+    """--track: the W&B entity (team or user; None: your default)"""
     log_samples: int = 10
     """every N steps, the first 2 prompts of the step with their completions, rewards and
     advantages go to tensorboard (text, 'samples') and to samples.jsonl in the run folder
     (0: never)"""
+
+
+# -------------------- TRL's and verl's names for our flags (docs/trl-and-verl.md's tables)
+# TRL's GRPOConfig (and the TrainingArguments it extends), by field name: what to give here instead.
+# A name that is ours too (learning_rate, temperature, seed, num_iterations ...) is not listed.
+TRL_FLAGS = {
+    "num_generations": "use --group-size",
+    "num_generations_eval": "use --eval-n",
+    "max_completion_length": "use --max-new-tokens",
+    "max_prompt_length": "use --max-prompt-tokens (longer prompts are dropped and counted)",
+    "beta": "use --kl-coef",
+    "epsilon": "use --clip-low (and --clip-high)",
+    "epsilon_high": "use --clip-high",
+    "loss_type": "use --loss-agg (grpo.py, gspo_token.py): dapo = token-mean, grpo = "
+                 "seq-mean-token-mean, dr_grpo = seq-mean-token-sum-norm",
+    "importance_sampling_level": "use the script: token is grpo.py, sequence is gspo.py",
+    "use_vllm": "use --gen-mode engine (the built-in engine; vLLM is not used)",
+    "vllm_mode": "use --gen-mode engine (the built-in engine; vLLM is not used)",
+    "per_device_train_batch_size": "use --micro-batch-size (completions a forward/backward)",
+    "gradient_accumulation_steps": "use --micro-batch-size (gradients accumulate over a "
+                                   "minibatch's micro-batches)",
+    "generation_batch_size": "use --prompts-per-rank x --group-size (completions a step; "
+                             "--gen-batch-size is completions a generate call)",
+    "steps_per_generation": "use --num-minibatches (optimizer steps a rollout)",
+    "reward_funcs": "use --reward module:function",
+    "mask_truncated_completions": "use --mask-truncated",
+    "use_bias_correction_kl": "use --kl-ratio-correction",
+    "max_steps": "use --num-steps",
+    "num_train_epochs": "use --num-steps (RL steps, one rollout batch each)",
+    "lr_scheduler_type": "use --lr-schedule",
+    "warmup_ratio": "use --warmup-frac",
+    "warmup_steps": "use --warmup-frac (a fraction of the optimizer steps)",
+    "gradient_checkpointing": "use --activation-checkpointing",
+    "log_completions": "use --log-samples",
+    "eval_steps": "use --eval-every",
+    "save_steps": "use --save-every",
+    "save_total_limit": "use --keep-checkpoints",
+    "resume_from_checkpoint": "use --resume",
+    "model_name_or_path": "use --model",
+    "dataset_name": "use --dataset",
+    "bf16": "use --dtype bf16",
+    "report_to": "use --track for Weights & Biases (tensorboard and metrics.jsonl are always written)",
+    "logging_steps": "every step is logged",
+}
+# verl's trainer config keys (hydra overrides key=value): what to give here instead.
+VERL_KEYS = {
+    "data.train_files": "--dataset",
+    "data.val_files": "--eval-dataset",
+    "data.prompt_key": "--prompt-column",
+    "data.train_batch_size": "--prompts-per-rank (x ranks)",
+    "data.max_prompt_length": "--max-prompt-tokens",
+    "data.max_response_length": "--max-new-tokens",
+    "actor_rollout_ref.model.path": "--model",
+    "actor_rollout_ref.rollout.n": "--group-size",
+    "actor_rollout_ref.rollout.name": "--gen-mode",
+    "actor_rollout_ref.rollout.temperature": "--temperature",
+    "actor_rollout_ref.rollout.top_p": "--top-p",
+    "actor_rollout_ref.rollout.top_k": "--top-k",
+    "actor_rollout_ref.actor.ppo_mini_batch_size": "--num-minibatches (prompts an optimizer step "
+                                                   "= --prompts-per-rank x ranks / it)",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "--micro-batch-size",
+    "actor_rollout_ref.actor.ppo_epochs": "--num-iterations",
+    "actor_rollout_ref.actor.clip_ratio_low": "--clip-low",
+    "actor_rollout_ref.actor.clip_ratio_high": "--clip-high",
+    "actor_rollout_ref.actor.loss_agg_mode": "--loss-agg",
+    "actor_rollout_ref.actor.policy_loss.loss_mode": "the script (gspo: gspo.py)",
+    "actor_rollout_ref.actor.use_kl_loss": "--kl-coef",
+    "actor_rollout_ref.actor.kl_loss_coef": "--kl-coef",
+    "actor_rollout_ref.actor.optim.lr": "--learning-rate",
+    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": "--warmup-frac",
+    "actor_rollout_ref.actor.optim.warmup_style": "--lr-schedule",
+    "actor_rollout_ref.actor.grad_clip": "--max-grad-norm",
+    "actor_rollout_ref.model.enable_gradient_checkpointing": "--activation-checkpointing",
+    "algorithm.adv_estimator": "the script (grpo: grpo.py)",
+    "algorithm.norm_adv_by_std_in_grpo": "--scale-rewards group / none (and --adv-std bessel)",
+    "custom_reward_function.path": "--reward module:function",
+    "custom_reward_function.name": "--reward module:function",
+    "trainer.total_training_steps": "--num-steps",
+    "trainer.total_epochs": "--num-steps",
+    "trainer.test_freq": "--eval-every",
+    "trainer.save_freq": "--save-every",
+    "trainer.default_local_dir": "--output-dir",
+}
+# TRL's loss_type -> --loss-agg (grpo.py, gspo_token.py); verl's loss_agg_mode names are ours
+TRL_LOSS_TYPES = {"dapo": "token-mean", "grpo": "seq-mean-token-mean",
+                  "dr_grpo": "seq-mean-token-sum-norm", "bnpo": "token-mean"}
+VERL_OVERRIDE = re.compile(r"\+?([a-z_]+(?:\.[a-z_]+)+)=")
+
+
+def foreign_flag(argv: list[str], ours: set[str]) -> str | None:
+    """The first of argv's flags that is TRL's or verl's name and not ours, as one line naming
+    ours ("--num-generations is TRL's name: use --group-size"); None when there is none. ours:
+    the field names of the script's Args."""
+    for i, word in enumerate(argv):
+        if (m := VERL_OVERRIDE.match(word)):
+            key = m[1]
+            hint = f"use {VERL_KEYS[key]}" if key in VERL_KEYS else (
+                "give --flags; docs/trl-and-verl.md maps verl's config to them")
+            return f"{key}=... is verl's config key: {hint}"
+        if not word.startswith("--"):
+            continue
+        flag, eq, value = word[2:].partition("=")
+        name = flag.replace("-", "_")
+        if name == "loss_agg" and "loss_agg" in ours:
+            value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+            if value in TRL_LOSS_TYPES:
+                return (f"--loss-agg {value} is TRL's loss_type name: use --loss-agg "
+                        f"{TRL_LOSS_TYPES[value]}")
+        if name in TRL_FLAGS and name not in ours:
+            return f"--{flag} is TRL's name: {TRL_FLAGS[name]}"
+    return None
 
 
 # -------------------- parsing: tyro, its errors in one line, printed once
@@ -211,16 +345,31 @@ def parse_args(cls, argv: list[str] | None = None):
     import tyro
 
     main = main_process()
+    said = foreign_flag(sys.argv[1:] if argv is None else argv,
+                        {f.name for f in dataclasses.fields(cls)})
+    if said:  # a TRL or verl name: ours in one line, before tyro's "Unrecognized options"
+        raise SystemExit(f"error: {said}" if main else 2)
     box = io.StringIO()
     try:
         with contextlib.redirect_stderr(box):
-            args = tyro.cli(cls, args=argv, console_outputs=main)
+            args = tyro.cli(cls, args=argv, console_outputs=main, description=script_description(cls))
     except SystemExit as e:
         if e.code in (0, None):  # --help
             raise
         raise SystemExit(f"error: {tyro_error_line(box.getvalue())}" if main else 2) from None
     sys.stderr.write(box.getvalue())  # anything else tyro said (warnings) is not lost
     return args
+
+
+def script_description(cls) -> str:
+    """--help's first lines: the first paragraph of the script's docstring (what it optimises and
+    where it comes from), then where TRL's and verl's names are mapped."""
+    import inspect
+
+    doc = (inspect.getmodule(cls).__doc__ or "").strip()
+    first = " ".join(doc.split("\n\n")[0].split())
+    return (f"{first}\nThe flags every script shares come first, then this script's objective's "
+            "own; TRL's and verl's names for them: docs/trl-and-verl.md.")
 
 
 def tyro_error_line(box: str) -> str:
@@ -268,6 +417,7 @@ def eval_sampling(args) -> dict:
 MAX_SEED = 2**32 - 1  # numpy's seed range (torch's is 2**64 - 1, less the per-rank offsets)
 MAX_COMPLETIONS = 2**20  # completions a rank a step, held-out completions, rows a generate call
 MAX_NEW_TOKENS = 2**20  # beyond any model's context
+MAX_ITERATIONS = 1024  # passes over one rollout: far past any recipe's (GRPO paper: 1; TRL, verl: 1)
 MAX_REWARD_TIMEOUT_S = 86400.0  # a day; past ~9e9 s select() overflows in the reward pool
 
 
@@ -314,6 +464,8 @@ def check_common_args(args):
     if args.num_minibatches < 1 or args.prompts_per_rank % args.num_minibatches:
         fail(f"--prompts-per-rank {args.prompts_per_rank} must be a multiple of --num-minibatches "
              f"{args.num_minibatches} (each minibatch holds whole groups)")
+    check_int("num-iterations", args.num_iterations, 1, MAX_ITERATIONS,
+              " (passes over each rollout's minibatches)")
     check_float("temperature", args.temperature, MIN_TEMPERATURE,
                 why=" (RL samples from the policy; below, logits / T overflow float32)")
     check_int("log-samples", args.log_samples, 0, why=" (0: never)")
@@ -389,7 +541,14 @@ def check_common_args(args):
     if args.system_prompt is not None and not args.system_prompt.strip():
         fail("--system-prompt is empty: give the text of the system message, or drop it")
     check_float("kl-coef", args.kl_coef, 0, why=" (0: no KL penalty and no reference model)")
+    check_float("adv-eps", args.adv_eps, 0, why=" (added to the std of --scale-rewards)")
+    if args.kl_ratio_correction and args.kl_coef == 0:
+        fail("--kl-ratio-correction multiplies the KL penalty's k3 by the ratio: it needs "
+             "--kl-coef > 0 (TRL's beta)")
     check_run_name(args.output_dir, args.exp_name)
+    if args.track and importlib.util.find_spec("wandb") is None:
+        fail("--track logs to Weights & Biases, which is not installed: pip install wandb "
+             "(WANDB_MODE=offline logs without a network), or drop --track")
 
 
 def check_lora_args(args):

@@ -106,6 +106,8 @@ def check_model(name: str, trust_remote_code: bool, gen_mode: str = "shared-pref
         export = os.path.join(name, "model")
         fail(f"--model {name!r}: a checkpoint folder; give its model, {export} (or continue the "
              f"run with --resume {name})")
+    if not looks_local:
+        check_hub_model(name)
     from transformers import AutoConfig
 
     try:
@@ -115,6 +117,26 @@ def check_model(name: str, trust_remote_code: bool, gen_mode: str = "shared-pref
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         fail(f"--model {name!r}: cannot read its config ({first})")
     check_engine(config, gen_mode)
+
+
+def check_hub_model(name: str):
+    """A hub id that can be neither downloaded nor read from the cache fails in one line within
+    seconds (one connection to the endpoint, data.unreachable_hub), naming the fix, where
+    transformers would retry for ~30 s and print a dozen lines."""
+    from huggingface_hub import try_to_load_from_cache
+
+    from data import hub_offline, unreachable_hub
+
+    cached = isinstance(try_to_load_from_cache(name, "config.json"), str)
+    if hub_offline() and not cached:
+        fail(f"--model {name}: not in the Hugging Face cache, and HF_HUB_OFFLINE is set; download "
+             f"it once where there is a network (huggingface-cli download {name}), or give a "
+             "local model folder")
+    if (why := unreachable_hub()):
+        fix = ("it is in the cache: set HF_HUB_OFFLINE=1 to use the cached copy" if cached else
+               "give a local model folder (one with config.json), or download it once where "
+               "there is a network and set HF_HUB_OFFLINE=1")
+        fail(f"--model {name}: {why}; {fix}")
 
 
 def check_not_gguf(name: str):
@@ -654,23 +676,28 @@ def length_penalty(completion: str, answer: str) -> float:
 
 # -------------------- group advantages and the mechanism metrics
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group",
-                     eps: float = 1e-6):
-    """A_i = (r_i - mean_g r) / (std + eps), population std (DFPO eq. 43; the blog's worked example:
-    rewards [1,0,1,0] give A = [+1,-1,+1,-1]). scale: the std of the group (eq. 43), of the whole
-    batch over all ranks (TRL/verl "batch"), or none (centring only, Dr. GRPO). Groups with equal
-    rewards get A = 0; their count is returned."""
+                     std: str = "population", eps: float = 1e-6):
+    """A_i = (r_i - mean_g r) / (std + eps) (DFPO eq. 43). std: 'population' (divide the squared
+    deviations by n; the blog's worked example: rewards [1,0,1,0] give A = [+1,-1,+1,-1]) or
+    'bessel' (by n - 1, as TRL's nanstd and verl's torch.std: [1,0,0,0] gives A_1 = 1.5 where
+    population gives 1.732). scale: the std of the group (eq. 43), of the whole batch over all
+    ranks (TRL/verl "batch"), or none (centring only, Dr. GRPO). eps: 1e-6 (verl's), TRL's 1e-4.
+    Groups with equal rewards get A = 0; their count is returned."""
+    if std not in ("population", "bessel"):
+        raise ValueError(f"unknown std {std!r} (population or bessel)")
+    unbiased = std == "bessel"
     r = rewards.view(-1, group_size).double()
     centred = r - r.mean(1, keepdim=True)
-    std = r.std(1, unbiased=False, keepdim=True)
+    group_std = r.std(1, unbiased=unbiased, keepdim=True)
     if scale == "group":
-        adv = centred / (std + eps)
+        adv = centred / (group_std + eps)
     elif scale == "batch":
-        adv = centred / (all_gather_cat(rewards.double()).std(unbiased=False).item() + eps)
+        adv = centred / (all_gather_cat(rewards.double()).std(unbiased=unbiased).item() + eps)
     elif scale == "none":
         adv = centred
     else:
         raise ValueError(f"unknown scale {scale!r} (group, batch or none)")
-    return adv.view(-1).float(), int((std.squeeze(1) == 0).sum())
+    return adv.view(-1).float(), int((group_std.squeeze(1) == 0).sum())
 
 
 def group_metrics(seq_terms: torch.Tensor, first_token_grads: torch.Tensor, group_size: int,
@@ -722,9 +749,11 @@ def micro_batches(mb: slice, size: int) -> list[slice]:
 
 # -------------------- the optimizer step: learning rate, finite checks, statistics
 def lr_scheduler(optimizer, args):
-    """Per optimizer step: linear warm-up over --warmup-frac of the steps, then constant or cosine
-    decay to --min-lr-ratio x the peak (the DFPO paper's App. I: cosine, 3% warm-up, 0.2)."""
-    total = args.num_steps * args.num_minibatches
+    """Per optimizer step: linear warm-up over --warmup-frac of the steps, then constant, cosine or
+    linear decay to --min-lr-ratio x the peak (the DFPO paper's App. I: cosine, 3% warm-up, 0.2;
+    transformers' linear, TRL's default: linear to 0). A step makes --num-iterations x
+    --num-minibatches optimizer steps."""
+    total = args.num_steps * args.num_iterations * args.num_minibatches
     warmup = round(args.warmup_frac * total)
 
     def factor(i: int) -> float:
@@ -733,6 +762,8 @@ def lr_scheduler(optimizer, args):
         if args.lr_schedule == "constant":
             return 1.0
         progress = (i - warmup) / max(1, total - warmup)
+        if args.lr_schedule == "linear":  # transformers' (total - i) / (total - warmup) at ratio 0
+            return args.min_lr_ratio + (1 - args.min_lr_ratio) * (1 - progress)
         return (args.min_lr_ratio
                 + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
@@ -858,7 +889,7 @@ class Logger:
     rewritten into a new file that replaces the old one whole."""
 
     def __init__(self, run_dir: str, d: Dist, args, first_step: int = 1):
-        self.d, self.writer = d, None
+        self.d, self.writer, self.wandb = d, None, None
         # a bad metrics.jsonl stops every rank
         on_rank0(lambda: self._open(run_dir, args, first_step), d)
 
@@ -878,6 +909,13 @@ class Logger:
         if first_step > 1 and os.path.exists(samples):  # the steps this run redoes log new samples
             rewrite_rows(samples, read_metrics(samples, keep_below=first_step))
         self.metrics = open(path, "a")
+        if getattr(args, "track", False):  # --track: Weights & Biases too, the same keys (CleanRL)
+            import wandb
+
+            self.wandb = wandb.init(project=args.wandb_project, entity=args.wandb_entity,
+                                    name=os.path.basename(os.path.normpath(run_dir)),
+                                    config=vars(args), dir=run_dir, resume="allow",
+                                    id=os.path.basename(os.path.normpath(run_dir)))
 
     def log(self, step: int, scalars: dict):
         if not self.d.main:
@@ -889,11 +927,15 @@ class Logger:
                 self.writer.add_scalar(k, v, step)
         self.metrics.write(json.dumps({"step": step, **row}, allow_nan=False) + "\n")
         self.metrics.flush()
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in row.items() if v is not None}, step=step)
 
     def close(self):
         if self.d.main:
             self.writer.close()
             self.metrics.close()
+            if self.wandb is not None:
+                self.wandb.finish()
 
 
 def rewrite_rows(path: str, rows: list[dict]):

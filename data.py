@@ -12,7 +12,7 @@ import random
 import re
 from collections.abc import Mapping
 
-from distributed import fail
+from distributed import fail, main_process
 
 
 # -------------------- tasks: prompts and reference answers
@@ -81,9 +81,15 @@ def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok,
 
     def whole(flag, spec, files):  # every usable row of a set (its test split if it has one)
         if spec == "builtin":
+            say(f"{flag} builtin: {eval_size} prompts of the built-in task")
             return Dataset.from_list(builtin_task(eval_size, seed + 1)), 0
         splits, train_split, test_split, pcol, acol, instr = read_source(flag, spec, files, *cols)
+        say(f"{flag} {spec}: split '{test_split or train_split}'")
         return task_rows(flag, spec, splits[test_split or train_split], pcol, acol, instr)
+
+    def say(where):  # the start-up line that names the held-out rows
+        if main_process():
+            print(f"{'evaluated' if eval_only else 'held out'}: {where}")
 
     if eval_dataset is not None or eval_only:
         if eval_dataset is not None:
@@ -124,6 +130,7 @@ def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok,
         return train, held, dropped
 
     if name == "builtin":
+        say(f"{eval_size} prompts of the built-in task")
         return finish(Dataset.from_list(builtin_task(4096, seed)),
                       Dataset.from_list(builtin_task(eval_size, seed + 1)), 0)
     splits, train_split, test_split, pcol, acol, instr = read_source("--dataset", name,
@@ -132,6 +139,7 @@ def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok,
     if len(train) == 0:
         fail(f"--dataset {name!r}: no usable rows (dropped {dropped} without an answer)")
     if test_split is not None:
+        say(f"split '{test_split}' of --dataset {name} (at most --eval-size {eval_size} rows)")
         held, n = task_rows("--dataset", name, splits[test_split], pcol, acol, instr)
         dropped += n
     elif len(train) < 2:
@@ -140,7 +148,25 @@ def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok,
     else:  # no held-out split: keep a tenth of the rows apart, at most eval_size
         split = train.train_test_split(test_size=min(eval_size, len(train) // 10 or 1), seed=seed)
         train, held = split["train"], split["test"]
+        say(f"{len(held)} rows of --dataset {name} kept apart (a tenth at most, at most --eval-size; "
+            "it has no test or validation split)")
     return finish(train, held, dropped)
+
+
+# the splits held out from training, in the order taken: a folder's or glob's test.jsonl, else its
+# validation.jsonl (datasets' names: test/eval..., validation/valid/dev/val)
+HELD_OUT_SPLITS = ("test", "validation")
+
+
+def file_split(path: str) -> str:
+    """The split a file's name says, as `datasets` reads a folder: a word of its name among
+    datasets' split keywords (train, training; validation, valid, dev, val; test, testing, eval,
+    evaluation), else train."""
+    from datasets.data_files import SPLIT_KEYWORDS
+
+    words = set(re.split(r"[^a-z0-9]+", os.path.basename(path).lower()))
+    return next((str(split) for split, keys in SPLIT_KEYWORDS.items() if words & set(keys)),
+                "train")
 
 
 def read_source(flag: str, name: str, data_files: str | None, prompt_column: str,
@@ -167,7 +193,7 @@ def read_source(flag: str, name: str, data_files: str | None, prompt_column: str
         splits = read_files(flag, name, splits=True) if is_local(name) else load_hub(flag, name,
                                                                                      name, None)
         train_split = "train" if "train" in splits else next(iter(splits))
-        test_split = "test" if "test" in splits and train_split != "test" else None
+        test_split = next((s for s in HELD_OUT_SPLITS if s in splits and s != train_split), None)
         pcol, acol, instr = prompt_column, answer_column, ""
         hint = "name them with --prompt-column and --answer-column"
     for split in {train_split, test_split} - {None}:
@@ -289,6 +315,13 @@ def read_files(flag: str, spec: str, splits: bool = False):
             if splits:
                 return found
             return found["train"] if "train" in found else next(iter(found.values()))
+        if splits and len(paths) > 1:  # a glob: its files keep the splits their names say
+            by_split = {}
+            for p in paths:
+                by_split.setdefault(file_split(p), []).append(p)
+            if len(by_split) > 1:
+                return {s: load_dataset(builder, data_files=ps, split="train")
+                        for s, ps in by_split.items()}
         d = load_dataset(builder, data_files=paths, split="train")
         return {"train": d} if splits else d
     except Exception as e:  # noqa: BLE001 - whatever went wrong, one line says so
@@ -367,32 +400,44 @@ def json_lines_error(path: str):
                  "{\"prompt\": ..., \"answer\": ...}")
 
 
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE (or HF_DATASETS_OFFLINE) is set: only cached copies are read."""
+    return any(os.environ.get(v, "0").lower() not in ("0", "", "false", "no", "off")
+               for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def unreachable_hub() -> str | None:
+    """'cannot reach ENDPOINT (why)' when one connection to the hub's endpoint fails (5 s at
+    most), where `datasets` and `transformers` would retry for ~30 s; None when it answers, when
+    HF_HUB_OFFLINE is set, or behind a proxy (only the libraries know the way there)."""
+    import socket
+    import urllib.parse
+
+    proxied = any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY",
+                                              "all_proxy"))
+    if hub_offline() or proxied:
+        return None
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    url = urllib.parse.urlparse(endpoint)
+    try:
+        socket.create_connection((url.hostname,
+                                  url.port or (443 if url.scheme == "https" else 80)), 5).close()
+    except OSError as e:
+        return f"cannot reach {endpoint} ({e.strerror or e})"
+    return None
+
+
 def load_hub(flag: str, name: str, hub: str, cfg: str | None):
     """A hub set through `datasets`, failing with one line, fast, when the hub cannot be reached:
     without HF_HUB_OFFLINE, one connection to the endpoint (5 s at most) before `datasets` would
     retry for ~30 s; with it, the cached copy or a line saying there is none."""
-    import socket
-    import urllib.parse
-
     from datasets import load_dataset
 
-    offline = any(os.environ.get(v, "0").lower() not in ("0", "", "false", "no", "off")
-                  for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-    proxied = any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY",
-                                              "all_proxy"))
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    if not offline and not proxied:  # behind a proxy only `datasets` knows the way
-        url = urllib.parse.urlparse(endpoint)
-        try:
-            socket.create_connection((url.hostname,
-                                      url.port or (443 if url.scheme == "https" else 80)),
-                                     5).close()
-        except OSError as e:
-            fail(f"{flag} {name}: cannot reach {endpoint} ({e.strerror or e}); without a "
-                 "network, load it once "
-                 f"where there is one and set HF_HUB_OFFLINE=1 to use the cached copy, or give a "
-                 "local copy of "
-                 f"{hub} ({local_copy(name)})")
+    offline = hub_offline()
+    if (why := unreachable_hub()):
+        fail(f"{flag} {name}: {why}; without a network, load it once where there is one and set "
+             f"HF_HUB_OFFLINE=1 to use the cached copy, or give a local copy of {hub} "
+             f"({local_copy(name)})")
     try:
         return load_dataset(hub, cfg)
     except Exception as e:  # noqa: BLE001 - whatever went wrong, one line says so

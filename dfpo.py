@@ -142,7 +142,8 @@ def group_weights(s_bar, advantages, mask, *, group_size: int, transform: str, f
 def dfpo_loss(logp, old_logp, advantages, mask, *, group_size: int, clip_low: float,
               clip_high: float, transform: str = "min-replace", floor: float = 1e-6,
               length_aware: bool = False, clip_gated: bool = False, stop_grad: bool = True,
-              ref_logp=None, kl_coef: float = 0.0, norm: float | None = None, s_tilde=None):
+              ref_logp=None, kl_coef: float = 0.0, kl_ratio: bool = False,
+              norm: float | None = None, s_tilde=None):
     """-J_DFPO over the minibatch. logp, old_logp, mask: [B, T] completion tokens; advantages: [B];
     rows are whole groups of group_size, unless s_tilde [B] (from their whole groups) is given.
     ref_logp (with kl_coef = beta > 0): [B, T] log-probs of the reference model; each token adds
@@ -177,7 +178,10 @@ def dfpo_loss(logp, old_logp, advantages, mask, *, group_size: int, clip_low: fl
     per_seq = objective
     if ref_logp is not None and kl_coef > 0:  # k3: pi_ref/pi - log(pi_ref/pi) - 1 >= 0, per token
         log_ref = torch.where(mask.bool(), ref_logp - logp, 0.0)
-        per_seq = objective - kl_coef * ((log_ref.exp() - log_ref - 1) * mask).sum(1) / lengths
+        k3 = log_ref.exp() - log_ref - 1
+        if kl_ratio:  # k3 under pi_theta, estimated from pi_old's samples: s_i k3_it
+            k3 = log_s.exp()[:, None] * k3
+        per_seq = objective - kl_coef * (k3 * mask).sum(1) / lengths
     loss = -per_seq.sum() / (norm or per_seq.numel())  # 1/G sum_i over every group (norm)
     with torch.no_grad():
         s = log_s.exp()
@@ -286,7 +290,8 @@ def main():
         roll = generate(policy, tok, rows["text"], args.group_size, eos, dist_env, **gen_kw)
         gen_time = time.time() - t
         rewards, reward_errors = score(roll["texts"], rows, args.group_size, reward)
-        advantages, zero_groups = group_advantages(rewards, args.group_size, args.scale_rewards)
+        advantages, zero_groups = group_advantages(rewards, args.group_size, args.scale_rewards,
+                                                   args.adv_std, args.adv_eps)
         log_samples(logger, run_dir, step, args.log_samples, rows["prompt"], rows["answer"],
                     roll["texts"], rewards, advantages, args.group_size, rows["text"])
         ids = roll["input_ids"]
@@ -309,11 +314,12 @@ def main():
         old_logp = torch.cat([minibatch_logp for minibatch_logp, _ in old])
         entropy = torch.cat([minibatch_entropy for _, minibatch_entropy in old])
 
-        # ALGO LOGIC: num_minibatches optimizer steps, each over whole groups
+        # ALGO LOGIC: num_iterations (mu) passes of num_minibatches optimizer steps, each over whole
+        # groups; old_logp stays pi_old's, so from the second update on the ratios move off 1
         policy.train()
         stats = []
         skipped = 0
-        for minibatch in minibatch_slices:
+        for minibatch in minibatch_slices * args.num_iterations:  # GRPO 2402.03300 Alg. 1: mu passes
             seqs = (minibatch.stop - minibatch.start) * dist_env.world  # its sequences on all ranks
             norm = seqs  # 1/G sum_i over every group: the loss is divided by the minibatch's count
             s_tilde = None  # None: each micro-batch holds whole groups and transforms them itself
@@ -342,6 +348,7 @@ def main():
                     transform=args.transform, floor=args.orth_floor, length_aware=args.length_aware,
                     clip_gated=args.clip_gated, stop_grad=args.stop_grad,
                     ref_logp=None if ref is None else ref_logp[micro], kl_coef=args.kl_coef,
+                    kl_ratio=args.kl_ratio_correction,
                     norm=norm, s_tilde=None if s_tilde is None else s_tilde[micro])
                 loss.backward()
                 seq_terms.append(terms)

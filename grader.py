@@ -729,7 +729,7 @@ class Reward(_Watched):
                     if todo and w.ready and w not in busy:
                         i = todo.pop()
                         self.next_id += 1
-                        key = "kw" if self.kind == "trl" else "a"
+                        key = "kw" if self.kind in ("trl", "verl") else "a"
                         if w.send({"id": self.next_id, key: requests[i]}):
                             busy[w] = (i, time.monotonic(), w.cpu_seconds(), self.next_id)
                         else:
@@ -788,7 +788,9 @@ def reward_form(fn) -> tuple[str, tuple, tuple, bool] | None:
     f(completion, answer) -> float (two positional arguments, none named 'completions' or
     'prompts'); ('trl', params, required, more) for TRL's f(prompts, completions, **columns) ->
     list[float | None] (a parameter 'completions' or 'prompts'; params: its named parameters,
-    required: those without a default, more: whether it takes **kwargs); None for neither."""
+    required: those without a default, more: whether it takes **kwargs); ('verl', ...) likewise
+    for verl's compute_score(data_source, solution_str, ground_truth, extra_info) -> float or
+    {'score': float, ...} (parameters 'solution_str' and 'ground_truth'); None for none."""
     import inspect
 
     try:
@@ -798,6 +800,11 @@ def reward_form(fn) -> tuple[str, tuple, tuple, bool] | None:
     ps = sig.parameters
     named = tuple(p.name for p in ps.values()
                   if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    if "solution_str" in named and "ground_truth" in named:  # verl's compute_score, by keyword
+        if any(p.kind == p.POSITIONAL_ONLY for p in ps.values()):
+            return None
+        required = tuple(p.name for p in ps.values() if p.name in named and p.default is p.empty)
+        return "verl", named, required, any(p.kind == p.VAR_KEYWORD for p in ps.values())
     if "completions" not in named and "prompts" not in named:
         try:
             sig.bind("completion", "answer")
@@ -871,8 +878,9 @@ def _load_one(spec: str | None, timeout_s: float) -> Reward:
              "f(completion, answer)")
     form = reward_form(fn)
     if form is None:
-        fail(f"--reward {spec!r}: {module}.{name} fits neither f(completion, answer) -> float nor "
-             "TRL's f(prompts, completions, **columns) -> list[float | None]")
+        fail(f"--reward {spec!r}: {module}.{name} fits none of f(completion, answer) -> float, "
+             "TRL's f(prompts, completions, **columns) -> list[float | None] and verl's "
+             "compute_score(data_source, solution_str, ground_truth, extra_info)")
     reward = Reward(spec, timeout_s, form[0])
     reward.params, reward.required, reward.more = form[1:]
     return reward

@@ -60,10 +60,11 @@ class Args(CommonArgs):
 
 def grpo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: float,
               symmetric_clip: bool = False, ref_logp=None, kl_coef: float = 0.0,
-              loss_agg: str = "seq-mean-token-mean", max_new_tokens: int | None = None,
+              kl_ratio: bool = False, loss_agg: str = "seq-mean-token-mean", max_new_tokens: int | None = None,
               norm: float | None = None):
     """-J_GRPO over the minibatch. logp, old_logp, mask (and ref_logp): [B, T] completion tokens;
     advantages: [B]. loss_agg: how token terms are summed and divided (see aggregate).
+    kl_ratio: each token's k3 is multiplied by its ratio w_it (TRL's use_bias_correction_kl).
     norm: the count the summed objective is divided by (None: this batch's); the loop passes the
     minibatch's count over all ranks, so that micro-batches and ranks add up to one gradient.
     Returns (loss, seq_terms, stats): seq_terms [B] is each sequence's term m_i = w_i A_i
@@ -84,7 +85,10 @@ def grpo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: f
     seq_terms = token_terms.sum(1) / lengths  # 1/|y_i| sum_t, for the group metrics
     if ref_logp is not None and kl_coef > 0:  # k3: pi_ref/pi - log(pi_ref/pi) - 1 >= 0
         log_ref = torch.where(valid, ref_logp - logp, 0.0)
-        token_terms = token_terms - kl_coef * (log_ref.exp() - log_ref - 1) * mask
+        k3 = log_ref.exp() - log_ref - 1
+        if kl_ratio:  # k3 under pi_theta, estimated from pi_old's samples: w_it k3_it
+            k3 = w * k3
+        token_terms = token_terms - kl_coef * k3 * mask
     per_seq, count = aggregate(token_terms, mask, loss_agg, max_new_tokens)
     loss = -per_seq.sum() / (norm or count)  # divided by the minibatch's count on all ranks (norm)
     with torch.no_grad():  # clipped: the constant branch is taken, so the token gives no gradient
@@ -205,7 +209,8 @@ def main():
         roll = generate(policy, tok, rows["text"], args.group_size, eos, dist_env, **gen_kw)
         gen_time = time.time() - t
         rewards, reward_errors = score(roll["texts"], rows, args.group_size, reward)
-        advantages, zero_groups = group_advantages(rewards, args.group_size, args.scale_rewards)
+        advantages, zero_groups = group_advantages(rewards, args.group_size, args.scale_rewards,
+                                                   args.adv_std, args.adv_eps)
         log_samples(logger, run_dir, step, args.log_samples, rows["prompt"], rows["answer"],
                     roll["texts"], rewards, advantages, args.group_size, rows["text"])
         ids = roll["input_ids"]
@@ -228,11 +233,12 @@ def main():
         old_logp = torch.cat([minibatch_logp for minibatch_logp, _ in old])
         entropy = torch.cat([minibatch_entropy for _, minibatch_entropy in old])
 
-        # ALGO LOGIC: num_minibatches optimizer steps, each over whole groups
+        # ALGO LOGIC: num_iterations (mu) passes of num_minibatches optimizer steps, each over whole
+        # groups; old_logp stays pi_old's, so from the second update on the ratios move off 1
         policy.train()
         stats = []
         skipped = 0
-        for minibatch in minibatch_slices:
+        for minibatch in minibatch_slices * args.num_iterations:  # GRPO 2402.03300 Alg. 1: mu passes
             seqs = (minibatch.stop - minibatch.start) * dist_env.world  # its sequences on all ranks
             norm = seqs  # 1/G sum_i over every group: the loss is divided by the minibatch's count
             if args.loss_agg == "token-mean":  # 1 / its completion tokens on all ranks
@@ -249,6 +255,7 @@ def main():
                     clip_low=args.clip_low, clip_high=args.clip_high,
                     symmetric_clip=args.symmetric_clip,
                     ref_logp=None if ref is None else ref_logp[micro], kl_coef=args.kl_coef,
+                    kl_ratio=args.kl_ratio_correction,
                     loss_agg=args.loss_agg, max_new_tokens=args.max_new_tokens, norm=norm)
                 loss.backward()
                 seq_terms.append(terms)

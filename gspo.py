@@ -47,13 +47,14 @@ class Args(CommonArgs):
 
 
 def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: float,
-              ref_logp=None, kl_coef: float = 0.0, norm: float | None = None):
+              ref_logp=None, kl_coef: float = 0.0, kl_ratio: bool = False,
+              norm: float | None = None):
     """-J_GSPO (eq. 42) over the minibatch. logp, old_logp, mask: [B, T] completion tokens;
     advantages: [B].
     ref_logp (with kl_coef = beta > 0): [B, T] log-probs of the reference model; each token adds
     beta k3_it = beta (pi_ref/pi - log(pi_ref/pi) - 1) to the loss, averaged 1/|y_i| sum_t as s_i
     averages its token log-ratios, then 1/G sum_i as the objective (the GSPO and DFPO recipes use
-    no KL: beta = 0).
+    no KL: beta = 0). kl_ratio: each k3 is multiplied by s_i (TRL's use_bias_correction_kl).
     norm: the count the summed objective is divided by (None: this batch's); the loop passes the
     minibatch's count over all ranks, so that micro-batches and ranks add up to one gradient.
     Returns (loss, seq_terms, stats): seq_terms [B] is each sequence's term m_i = w_i A_i
@@ -70,7 +71,10 @@ def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: f
     per_seq = objective
     if ref_logp is not None and kl_coef > 0:  # k3: pi_ref/pi - log(pi_ref/pi) - 1 >= 0, per token
         log_ref = torch.where(valid, ref_logp - logp, 0.0)
-        per_seq = objective - kl_coef * ((log_ref.exp() - log_ref - 1) * mask).sum(1) / lengths
+        k3 = log_ref.exp() - log_ref - 1
+        if kl_ratio:  # k3 under pi_theta, estimated from pi_old's samples: s_i k3_it
+            k3 = s[:, None] * k3
+        per_seq = objective - kl_coef * (k3 * mask).sum(1) / lengths
     loss = -per_seq.sum() / (norm or per_seq.numel())  # 1/G sum_i over every group (norm)
     with torch.no_grad():  # clipped: the min takes the constant branch, so no gradient
         clipped = ((s > 1 + clip_high) & (advantages > 0)) | ((s < 1 - clip_low) & (advantages < 0))
@@ -167,7 +171,8 @@ def main():
         roll = generate(policy, tok, rows["text"], args.group_size, eos, dist_env, **gen_kw)
         gen_time = time.time() - t
         rewards, reward_errors = score(roll["texts"], rows, args.group_size, reward)
-        advantages, zero_groups = group_advantages(rewards, args.group_size, args.scale_rewards)
+        advantages, zero_groups = group_advantages(rewards, args.group_size, args.scale_rewards,
+                                                   args.adv_std, args.adv_eps)
         log_samples(logger, run_dir, step, args.log_samples, rows["prompt"], rows["answer"],
                     roll["texts"], rewards, advantages, args.group_size, rows["text"])
         ids = roll["input_ids"]
@@ -190,11 +195,12 @@ def main():
         old_logp = torch.cat([minibatch_logp for minibatch_logp, _ in old])
         entropy = torch.cat([minibatch_entropy for _, minibatch_entropy in old])
 
-        # ALGO LOGIC: num_minibatches optimizer steps, each over whole groups
+        # ALGO LOGIC: num_iterations (mu) passes of num_minibatches optimizer steps, each over whole
+        # groups; old_logp stays pi_old's, so from the second update on the ratios move off 1
         policy.train()
         stats = []
         skipped = 0
-        for minibatch in minibatch_slices:
+        for minibatch in minibatch_slices * args.num_iterations:  # GRPO 2402.03300 Alg. 1: mu passes
             seqs = (minibatch.stop - minibatch.start) * dist_env.world  # its sequences on all ranks
             norm = seqs  # 1/G sum_i over every group: the loss is divided by the minibatch's count
             minibatch_loss = 0.0
@@ -208,6 +214,7 @@ def main():
                     logp, old_logp[micro], advantages[micro], mask[micro],
                     clip_low=args.clip_low, clip_high=args.clip_high,
                     ref_logp=None if ref is None else ref_logp[micro], kl_coef=args.kl_coef,
+                    kl_ratio=args.kl_ratio_correction,
                     norm=norm)
                 loss.backward()
                 seq_terms.append(terms)

@@ -62,7 +62,8 @@ class Args(CommonArgs):
 
 def gspo_token_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: float,
                     loss_agg: str = "seq-mean-token-mean", max_new_tokens: int | None = None,
-                    ref_logp=None, kl_coef: float = 0.0, norm: float | None = None):
+                    ref_logp=None, kl_coef: float = 0.0, kl_ratio: bool = False,
+                    norm: float | None = None):
     """-J_GSPO-token over the minibatch. logp, old_logp, mask and advantages: [B, T] completion
     tokens. loss_agg: how token terms are summed and divided (see aggregate).
     ref_logp (with kl_coef = beta > 0): [B, T] log-probs of the reference model; each token's term
@@ -88,7 +89,10 @@ def gspo_token_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_h
     token_terms = per_token
     if ref_logp is not None and kl_coef > 0:  # k3: pi_ref/pi - log(pi_ref/pi) - 1 >= 0
         log_ref = torch.where(valid, ref_logp - logp, 0.0)
-        token_terms = per_token - kl_coef * (log_ref.exp() - log_ref - 1) * mask
+        k3 = log_ref.exp() - log_ref - 1
+        if kl_ratio:  # k3 under pi_theta, estimated from pi_old's samples: s_it k3_it
+            k3 = s_it * k3
+        token_terms = per_token - kl_coef * k3 * mask
     per_seq, count = aggregate(token_terms, mask, loss_agg, max_new_tokens)
     loss = -per_seq.sum() / (norm or count)  # divided by the minibatch's count on all ranks (norm)
     with torch.no_grad():  # clipped: the min takes the constant branch, so no gradient
@@ -233,7 +237,8 @@ def main():
         roll = generate(policy, tok, rows["text"], args.group_size, eos, dist_env, **gen_kw)
         gen_time = time.time() - t
         rewards, reward_errors = score(roll["texts"], rows, args.group_size, reward)
-        advantages, zero_groups = group_advantages(rewards, args.group_size, args.scale_rewards)
+        advantages, zero_groups = group_advantages(rewards, args.group_size, args.scale_rewards,
+                                                   args.adv_std, args.adv_eps)
         log_samples(logger, run_dir, step, args.log_samples, rows["prompt"], rows["answer"],
                     roll["texts"], rewards, advantages, args.group_size, rows["text"])
         ids = roll["input_ids"]
@@ -259,11 +264,12 @@ def main():
         old_logp = torch.cat([minibatch_logp for minibatch_logp, _ in old])
         entropy = torch.cat([minibatch_entropy for _, minibatch_entropy in old])
 
-        # ALGO LOGIC: num_minibatches optimizer steps, each over whole groups
+        # ALGO LOGIC: num_iterations (mu) passes of num_minibatches optimizer steps, each over whole
+        # groups; old_logp stays pi_old's, so from the second update on the ratios move off 1
         policy.train()
         stats = []
         skipped = 0
-        for minibatch in minibatch_slices:
+        for minibatch in minibatch_slices * args.num_iterations:  # GRPO 2402.03300 Alg. 1: mu passes
             seqs = (minibatch.stop - minibatch.start) * dist_env.world  # its sequences on all ranks
             norm = seqs  # 1/G sum_i over every group: the loss is divided by the minibatch's count
             if args.loss_agg == "token-mean":  # 1 / its completion tokens on all ranks
@@ -280,6 +286,7 @@ def main():
                     clip_low=args.clip_low, clip_high=args.clip_high, loss_agg=args.loss_agg,
                     max_new_tokens=args.max_new_tokens,
                     ref_logp=None if ref is None else ref_logp[micro], kl_coef=args.kl_coef,
+                    kl_ratio=args.kl_ratio_correction,
                     norm=norm)
                 loss.backward()
                 seq_terms.append(terms)

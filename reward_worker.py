@@ -111,6 +111,14 @@ def answer(fn, kind: str, request: dict) -> dict:
                 raise ValueError(f"the reward returned {type(rs).__name__} "
                                  f"{str(rs)[:40]}, not a list of {n} rewards")
             return {"r": [None if r is None else finite(r) for r in rs]}
+        if kind == "verl":  # one completion; a dict is read by its 'score', as verl's reward manager
+            r = fn(**request["kw"])
+            if isinstance(r, dict):
+                if "score" not in r:
+                    raise ValueError(f"the reward returned a dict without 'score' (keys: "
+                                     f"{', '.join(map(str, r))[:80]}); verl reads its 'score'")
+                r = r["score"]
+            return {"r": finite(r)}
         return {"r": finite(fn(*request["a"]))}
     except Exception as e:
         return {"e": f"{type(e).__name__}: {e}"[:300]}

@@ -47,6 +47,8 @@ def score(texts: list[str], answers, n: int, reward: Reward | Rewards | None = N
             columns = columns or _columns(rows, answers)
             conversational = any(isinstance(p, list) for p in columns["prompts"][:1])  # messages
             v, errors = _score_groups(part, texts, _taken(columns, part, rows), n, conversational)
+        elif part.kind == "verl":
+            v, errors = _score_verl(part, texts, rows, answers, n)
         else:
             v, errors = _score_pairs(part, texts, answers, n)
         values[part.name] = v
@@ -128,6 +130,36 @@ def _columns(rows, answers: list[str]) -> dict:
     return kw
 
 
+def _score_verl(reward: Reward, texts: list[str], rows, answers: list[str], n: int):
+    """verl's compute_score(data_source, solution_str, ground_truth, extra_info), once per distinct
+    completion of a prompt, by keyword as verl's NaiveRewardManager calls it: data_source and
+    extra_info from verl's parquet columns (None and {} where there are none), ground_truth from
+    reward_model.ground_truth as stored (else the answer). A reward per completion and its
+    error."""
+    names = set(rows.column_names if hasattr(rows, "column_names") else rows.keys()) if (
+        rows is not None) else set()
+    cols = {k: list(rows[k]) for k in ("data_source", "reward_model", "extra_info") if k in names}
+
+    def column(name, g, default):
+        return default if name not in cols or cols[name][g] is None else cols[name][g]
+
+    keys, requests = [], {}
+    for i, text in enumerate(texts):
+        g = i // n
+        model = column("reward_model", g, {})
+        extra = column("extra_info", g, {})
+        kw = {"data_source": column("data_source", g, None), "solution_str": text,
+              "ground_truth": model.get("ground_truth", answers[g]) if isinstance(model, dict)
+              else answers[g],
+              "extra_info": dict(extra) if isinstance(extra, dict) else extra}
+        kw = {k: v for k, v in kw.items() if reward.more or k in reward.params}
+        keys.append((g, text))
+        requests.setdefault((g, text), kw)
+    results = dict(zip(requests, reward.run(list(requests.values()))))
+    return (torch.tensor([results[k][0] for k in keys], dtype=torch.float64),
+            [results[k][1] for k in keys])
+
+
 def _taken(columns: dict, reward: Reward, rows) -> dict:
     """The columns reward takes (all of them when it takes **kwargs); one line naming the columns
     there are when it needs one that is not."""
@@ -137,6 +169,10 @@ def _taken(columns: dict, reward: Reward, rows) -> dict:
         fail(f"--reward {reward.spec}: needs the column {missing[0]!r}, which the data does not "
              f"have (its columns: {', '.join(names)})")
     return {k: v for k, v in columns.items() if reward.more or k in reward.params}
+
+
+# what a reward written for messages raises on a plain-text completion (string indices, .get ...)
+PLAIN_TEXT_ERRORS = ("TypeError", "KeyError", "AttributeError", "IndexError")
 
 
 def _score_groups(reward: Reward, texts: list[str], columns: dict, n: int, conversational: bool):
@@ -153,6 +189,10 @@ def _score_groups(reward: Reward, texts: list[str], columns: dict, n: int, conve
                          "completions": completions})
     v, errors = [], []
     for r, error in reward.run(requests):
+        if error is not None and not conversational and error.startswith(PLAIN_TEXT_ERRORS):
+            error += (" (completions are plain text here; a reward that reads "
+                      "completion[0]['content'], as trl.rewards' do, needs conversational data: "
+                      "prompts as lists of {role, content} messages)")
         v += [0.0] * n if error is not None else [math.nan if x is None else x for x in r]
         errors += [error] * n
     return torch.tensor(v, dtype=torch.float64), errors

@@ -2,7 +2,9 @@
 hub sets' loaders read local files laid out in the hub sets' own columns."""
 import dataclasses
 import importlib
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
@@ -69,6 +71,10 @@ BAD_FLAGS = [  # every one fails in check_common_args: before the tokenizer, the
     (["--temperature", "1e-40"], "--temperature 1e-40: must be >= 0.001 and finite (RL samples from the policy; "
                                  "below, logits / T overflow float32)"),
     (["--log-samples", "-1"], "--log-samples -1: must be >= 0 (0: never)"),
+    (["--num-iterations", "0"], "--num-iterations 0: must lie in [1, 1024] (passes over each rollout's minibatches)"),
+    (["--adv-eps", "nan"], "--adv-eps nan: must be >= 0 and finite (added to the std of --scale-rewards)"),
+    (["--kl-ratio-correction"], "--kl-ratio-correction multiplies the KL penalty's k3 by the ratio: it needs "
+                                "--kl-coef > 0"),
     (["--learning-rate", "nan"], "--learning-rate nan: must be > 0 and finite"),
     (["--learning-rate", "inf"], "--learning-rate inf: must be > 0 and finite"),
     (["--top-p", "nan"], "--top-p nan: must lie in (0, 1]"),
@@ -235,6 +241,9 @@ def test_every_arg_documented(script):
     p = subprocess.run([sys.executable, f"{script}.py", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0
     help_text = " ".join(p.stdout.split())
+    # --help opens with the script's description: its docstring's first paragraph (issue 37 item 7)
+    doc = " ".join(mod.__doc__.split("\n\n")[0].split())
+    assert help_text.startswith(f"usage: {script}.py [-h] [OPTIONS] {doc}"), help_text[:300]
     for f in dataclasses.fields(mod.Args):
         assert "--" + f.name.replace("_", "-") in help_text
     names = set()
@@ -275,3 +284,130 @@ def test_builtin_task_is_deterministic_and_uniform():
     counts = [sum(r["answer"] == str(k) for r in a) for k in range(10)]
     assert max(counts) / len(a) < 0.13  # no constant answer scores much above 0.1
     assert all(common.math_reward(str(int(r["prompt"].split("%")[0]) % 10), r["answer"]) == 1 for r in a)
+
+
+@pytest.mark.parametrize("script, argv, line", [
+    ("gspo", ["--num-generations", "8"], "--num-generations is TRL's name: use --group-size"),
+    ("gspo", ["--num_generations=8"], "--num_generations is TRL's name: use --group-size"),
+    ("grpo", ["--beta", "0.04"], "--beta is TRL's name: use --kl-coef"),
+    ("gspo", ["--per-device-train-batch-size", "4"], "--per-device-train-batch-size is TRL's name: use "
+                                                     "--micro-batch-size (completions a forward/backward)"),
+    ("dfpo", ["--use-vllm"], "--use-vllm is TRL's name: use --gen-mode engine (the built-in engine; vLLM is not used)"),
+    ("grpo", ["--loss-type", "dapo"], "--loss-type is TRL's name: use --loss-agg (grpo.py, gspo_token.py): dapo = "
+                                      "token-mean, grpo = seq-mean-token-mean, dr_grpo = seq-mean-token-sum-norm"),
+    ("grpo", ["--loss-agg", "dapo"], "--loss-agg dapo is TRL's loss_type name: use --loss-agg token-mean"),
+    ("gspo_token", ["--loss-agg=dr_grpo"], "--loss-agg dr_grpo is TRL's loss_type name: use --loss-agg "
+                                           "seq-mean-token-sum-norm"),
+    ("gspo", ["actor_rollout_ref.rollout.n=8"], "actor_rollout_ref.rollout.n=... is verl's config key: use "
+                                                "--group-size"),
+    ("gspo", ["actor_rollout_ref.actor.ppo_epochs=2"], "actor_rollout_ref.actor.ppo_epochs=... is verl's config key: "
+                                                       "use --num-iterations"),
+    ("gspo", ["trainer.n_gpus_per_node=8"], "trainer.n_gpus_per_node=... is verl's config key: give --flags; "
+                                            "docs/trl-and-verl.md maps verl's config to them"),
+])
+def test_trl_and_verl_names_answer_with_ours(script, argv, line, monkeypatch, capsys):
+    """A TRL or verl name given as a flag: one line naming ours (issue 37 item 7), not tyro's "Unrecognized
+    options"; a name both share (--learning-rate, --num-iterations) is ours and parses."""
+    import cli
+
+    mod = importlib.import_module(script)
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(mod.Args, argv)
+    assert e.value.code == f"error: {line}"
+    assert capsys.readouterr() == ("", "")
+    args = cli.parse_args(mod.Args, ["--learning_rate", "1e-5", "--num-iterations", "2", "--temperature", "0.7"])
+    assert (args.learning_rate, args.num_iterations, args.temperature) == (1e-5, 2, 0.7)
+
+
+def test_trl_and_verl_hints_name_real_flags():
+    import cli
+
+    flags = set()
+    for script in SCRIPTS:
+        flags |= {"--" + f.name.replace("_", "-") for f in dataclasses.fields(importlib.import_module(script).Args)}
+    named = {w.strip("(),;:") for hint in [*cli.TRL_FLAGS.values(), *cli.VERL_KEYS.values()] for w in hint.split()
+             if w.startswith("--")}
+    assert named and named - {"--flags"} <= flags, named - flags
+    assert set(cli.TRL_LOSS_TYPES.values()) <= {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"}
+
+
+@pytest.mark.parametrize("env, line", [
+    ({"HF_ENDPOINT": "http://127.0.0.1:9"}, "--model SomeOrg/not-cached-37: cannot reach http://127.0.0.1:9 "
+                                            "(Connection refused); give a local model folder (one with config.json), "
+                                            "or download it once where there is a network and set HF_HUB_OFFLINE=1"),
+    ({"HF_HUB_OFFLINE": "1"}, "--model SomeOrg/not-cached-37: not in the Hugging Face cache, and HF_HUB_OFFLINE is "
+                              "set; download it once where there is a network (huggingface-cli download "
+                              "SomeOrg/not-cached-37), or give a local model folder"),
+])
+def test_hub_model_offline_fails_in_one_line_within_seconds(env, line, monkeypatch):
+    """A hub id that can be neither downloaded nor read from the cache: one line naming the fix, at once (one
+    connection to the endpoint, here a closed port on this machine), where transformers retries for ~30 s."""
+    import time
+
+    import common
+
+    for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # never the real hub from a test
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    t = time.monotonic()
+    with pytest.raises(SystemExit) as e:
+        common.check_model("SomeOrg/not-cached-37", False)
+    assert time.monotonic() - t < 5
+    assert e.value.code == f"error: {line}"
+
+
+class FakeRun:
+    """What wandb.init returns, recording what the Logger sends."""
+
+    def __init__(self, **kw):
+        self.init, self.rows, self.finished = kw, [], False
+
+    def log(self, row, step):
+        self.rows.append({"step": step, **row})
+
+    def finish(self):
+        self.finished = True
+
+
+def test_track_logs_the_same_keys_to_wandb(monkeypatch, tmp_path):
+    """--track (CleanRL's): every row of metrics.jsonl goes to wandb.log at its step, under the same keys; the run is
+    named after its folder and finished at the end. A stand-in wandb module, so that this runs without wandb."""
+    import types
+
+    from test_train import run_script
+
+    runs = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: runs.append(FakeRun(**kw)) or runs[-1]
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    real = importlib.util.find_spec
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object() if name == "wandb" else real(name, *a))
+    rows, run_dir = run_script("gspo", ["--num-steps", "2", "--prompts-per-rank", "4", "--group-size", "2",
+                                        "--num-minibatches", "1", "--eval-every", "0", "--track",
+                                        "--wandb-project", "p37"], monkeypatch, tmp_path / "o")
+    (run,) = runs
+    assert run.init["project"] == "p37" and run.init["name"] == os.path.basename(run_dir) and run.finished
+    assert run.rows == [{k: v for k, v in row.items() if v is not None} for row in rows]
+
+
+def test_track_without_wandb_is_one_line(monkeypatch, tmp_path):
+    import importlib.util as iu
+
+    real = iu.find_spec
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    fails_before_any_model("gspo", ["--track"], "--track logs to Weights & Biases, which is not installed: pip "
+                           "install wandb (WANDB_MODE=offline logs without a network), or drop --track",
+                           monkeypatch, tmp_path)
+
+
+def test_track_offline_with_real_wandb(monkeypatch, tmp_path):
+    pytest.importorskip("wandb", reason="wandb is not installed: --track's offline run not tried")
+    from test_train import run_script
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    _, run_dir = run_script("gspo", ["--num-steps", "1", "--prompts-per-rank", "2", "--group-size", "2",
+                                     "--num-minibatches", "1", "--eval-every", "0", "--track"], monkeypatch,
+                            tmp_path / "o")
+    assert any(name.startswith("offline-run") for name in os.listdir(os.path.join(run_dir, "wandb")))

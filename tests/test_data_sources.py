@@ -223,3 +223,42 @@ def test_evaluation_samples_at_its_own_temperature_and_top_p(argv, expected, mon
                                       "0.8", *argv, "--output-dir", str(tmp_path)])
     gspo.main()
     assert seen == [expected]
+
+
+def write_split(path, n, tag):
+    path.write_text("".join(json.dumps({"prompt": f"{tag} {i}%10=", "answer": str(i % 10)}) + "\n" for i in range(n)))
+
+
+def test_folders_and_globs_keep_their_splits(tmp_path, capsys):
+    """Local folders and globs keep their splits (issue 37 item 3): a validation file is the held-out set when there
+    is no test file; a glob of train/test files keeps them apart (it read them as one train split, a tenth held
+    out); --eval-dataset of a folder evaluates its test split, whole; the start-up line names the held-out rows."""
+    val = tmp_path / "valdir"
+    val.mkdir()
+    write_split(val / "train.jsonl", 20, "r")
+    write_split(val / "validation.jsonl", 4, "v")
+    train, held, _ = load(val, eval_size=8)
+    assert (len(train), len(held)) == (20, 4) and all(p.startswith("v ") for p in held["prompt"])
+    assert f"held out: split 'validation' of --dataset {val} (at most --eval-size 8 rows)" in capsys.readouterr().out
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_split(shards / "gsm_train.jsonl", 20, "r")
+    write_split(shards / "gsm_test.jsonl", 5, "t")
+    train, held, _ = load(f"{shards}/*.jsonl", eval_size=8)
+    assert (len(train), len(held)) == (20, 5) and all(p.startswith("t ") for p in held["prompt"])
+    assert f"held out: split 'test' of --dataset {shards}/*.jsonl" in capsys.readouterr().out
+    (shards / "gsm_test.jsonl").unlink()  # no test file in the glob: one split, a tenth kept apart
+    write_split(shards / "more.jsonl", 10, "m")
+    train, held, _ = load(f"{shards}/*.jsonl", eval_size=8)
+    assert (len(train), len(held)) == (27, 3)
+    assert "held out: 3 rows of --dataset" in capsys.readouterr().out
+
+    write_split(val / "test.jsonl", 6, "t")  # a test file beside validation: test is the held-out set
+    train, held, _ = load(val, eval_size=8)
+    assert len(held) == 6 and all(p.startswith("t ") for p in held["prompt"])
+    capsys.readouterr()
+    write_split(tmp_path / "one.jsonl", 30, "o")
+    train, held, _ = load(tmp_path / "one.jsonl", eval_size=8, eval_dataset=str(val))
+    assert (len(train), len(held)) == (30, 6) and all(p.startswith("t ") for p in held["prompt"])
+    assert f"held out: --eval-dataset {val}: split 'test'" in capsys.readouterr().out

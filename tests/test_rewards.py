@@ -370,7 +370,7 @@ def test_builtin_rewards():
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--reward", "trl_rewards26:neither"], "--reward 'trl_rewards26:neither': trl_rewards26.neither fits neither "
+    (["--reward", "trl_rewards26:neither"], "--reward 'trl_rewards26:neither': trl_rewards26.neither fits none of "
                                             "f(completion, answer) -> float nor TRL's f(prompts, completions"),
     (["--reward", "trl_rewards26:length", "--reward", "trl_rewards26:boom", "--reward-weights", "1"],
      "--reward-weights: 1 weight(s) for 2 reward(s) (trl_rewards26:length, trl_rewards26:boom)"),
@@ -459,3 +459,96 @@ def test_trl_reward_on_a_conversational_file_end_to_end(monkeypatch, tmp_path):
                                   "0", "--max-new-tokens", "3", "--dataset", str(tmp_path / "conv.jsonl"),
                                   "--reward", "conv_reward26:acc"], monkeypatch, tmp_path)
     assert rows[0]["charts/reward_errors"] == 0 and rows[0]["rewards/acc/mean"] == 1.0
+
+
+VERL_REWARDS = '''
+import json
+import os
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):  # verl's custom_reward_function
+    with open(os.environ["SEEN_FILE"], "a") as f:
+        f.write(json.dumps([data_source, solution_str, ground_truth, extra_info]) + "\\n")
+    return {"score": float(solution_str.strip() == ground_truth), "acc": 1.0}
+
+
+def plain_score(data_source, solution_str, ground_truth, extra_info=None):
+    return 0.5
+
+
+def no_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"acc": 1.0}
+
+
+def accuracy_reward(completions, solution, **kwargs):  # trl.rewards' way of reading completions
+    return [float(c[0]["content"] == s) for c, s in zip(completions, solution)]
+'''
+
+
+@pytest.fixture
+def verl_rewards(tmp_path, monkeypatch):
+    (tmp_path / "verl_rewards37.py").write_text(VERL_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("SEEN_FILE", str(tmp_path / "seen.jsonl"))
+    yield "verl_rewards37"
+
+
+def test_verl_compute_score_on_verl_parquet(verl_rewards, tmp_path):
+    """verl's compute_score(data_source, solution_str, ground_truth, extra_info) is read by its signature and called
+    by keyword with verl's parquet columns (reward_model.ground_truth as stored, extra_info whole), once per distinct
+    completion; a dict is read by its 'score' key, a float as it is (issue 37 item 2)."""
+    import json
+
+    import pandas as pd
+
+    import common
+    import data
+    import grader
+    from rewards import score
+
+    assert grader.reward_form(lambda data_source, solution_str, ground_truth, extra_info=None: 0)[0] == "verl"
+    rows = [{"data_source": "digits", "prompt": [{"role": "user", "content": f"{i}%10="}], "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": str(i)}, "extra_info": {"split": "train", "index": i}}
+            for i in range(20)]
+    pd.DataFrame(rows).to_parquet(tmp_path / "train.parquet")
+    train, _, _ = data.load_task(str(tmp_path / "train.parquet"), None, 2, 0, common.tiny_tokenizer(), None, 2048)
+    batch = train.select([0, 1])
+    i0, i1 = (r["extra_info"]["index"] for r in batch)
+    reward = grader.load_reward([f"{verl_rewards}:compute_score"], 5.0)
+    r, errors = score([str(i0), "x", "x", str(i1)], batch, 2, reward)
+    assert errors == 0 and r.tolist() == [1.0, 0.0, 0.0, 1.0]
+    calls = sorted(json.loads(line) for line in open(tmp_path / "seen.jsonl"))
+    assert sorted(calls) == sorted([["digits", str(i0), str(i0), {"split": "train", "index": i0}],
+                                    ["digits", "x", str(i0), {"split": "train", "index": i0}],
+                                    ["digits", "x", str(i1), {"split": "train", "index": i1}],
+                                    ["digits", str(i1), str(i1), {"split": "train", "index": i1}]])
+    reward.stop()
+    plain = grader.load_reward([f"{verl_rewards}:plain_score"], 5.0)
+    assert score(["a", "b"], {"prompt": ["p"], "answer": ["1"], "text": ["p"]}, 2, plain)[0].tolist() == [0.5, 0.5]
+    plain.stop()
+
+
+def test_verl_dict_without_score_is_an_error(verl_rewards, capsys):
+    import grader
+    from rewards import score
+
+    reward = grader.load_reward([f"{verl_rewards}:no_score"], 5.0)
+    r, errors = score(["a", "b"], {"prompt": ["p"], "answer": ["1"], "text": ["p"]}, 2, reward, watch=False)
+    assert r.tolist() == [0.0, 0.0] and errors == 2
+    assert "the reward returned a dict without 'score' (keys: acc); verl reads its 'score'" in capsys.readouterr().err
+    reward.stop()
+
+
+def test_trl_rewards_function_on_plain_prompts_says_it_needs_conversational_data(verl_rewards):
+    """A trl.rewards-style function reads completion[0]['content']: on plain-text prompts the completions are
+    strings and it raises TypeError; the run stops saying it needs conversational data (issue 37 item 7)."""
+    import grader
+    from rewards import score
+
+    reward = grader.load_reward([f"{verl_rewards}:accuracy_reward"], 5.0, fail_steps=3)
+    with pytest.raises(SystemExit) as e:
+        score(["1", "2"], {"prompt": ["1%10="], "answer": ["1"], "solution": ["1"], "text": ["p"]}, 2, reward)
+    line = str(e.value.code)
+    assert "\n" not in line and "TypeError: string indices must be integers" in line
+    assert "needs conversational data: prompts as lists of {role, content} messages" in line
+    reward.stop()

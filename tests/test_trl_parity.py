@@ -1,0 +1,173 @@
+"""The same advantages and loss as TRL's GRPOTrainer where docs/trl-and-verl.md says so (issue 37 item 1).
+
+The reference here is an independent float64 transcription of TRL's formulas (trl/trainer/grpo_trainer.py,
+_generate_and_score_completions and _compute_loss; trl/trainer/utils.py nanstd), written from its source, not from
+this project's code:
+    A      = (r - mean_group r) / (nanstd + 1e-4)        nanstd: Bessel-corrected (n - 1)
+    coef_1 = exp(logp - old)  (token)  or  exp(sum_t (logp - old) m / |y|)  (sequence)
+    kl     = exp(ref - logp) - (ref - logp) - 1,  x coef_1 with use_bias_correction_kl
+    loss   = agg(-min(coef_1 A, clip(coef_1, 1 - eps_lo, 1 + eps_hi) A) + beta kl)
+    agg    = grpo: mean_i (sum_t / |y_i|);  dapo: sum / sum |y|;  dr_grpo: sum / (B max_completion_length)
+Where trl is importable, TRL's own nanstd is compared too; elsewhere that test skips in one line."""
+import math
+
+import pytest
+import torch
+
+from common import group_advantages
+from dfpo import dfpo_loss
+from grpo import grpo_loss
+from gspo import gspo_loss
+
+G, B, T = 4, 8, 5
+
+
+def trl_nanstd(x, dim=None):
+    """TRL's nanstd: sqrt(nanmean((x - mean)^2) * n / (n - 1))."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
+    n = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
+    return torch.sqrt(var * n / (n - 1)).squeeze() if dim is None else torch.sqrt(var * n / (n - 1)).squeeze(dim)
+
+
+def trl_advantages(rewards, scale):
+    r = rewards.double()
+    mean = r.view(-1, G).mean(1).repeat_interleave(G)
+    std = trl_nanstd(r.view(-1, G), dim=1).repeat_interleave(G) if scale == "group" else trl_nanstd(r).expand_as(r)
+    adv = r - mean
+    return adv if scale == "none" else adv / (std + 1e-4)
+
+
+def trl_loss(logp, old, ref, adv, mask, *, level, loss_type, eps_lo, eps_hi, beta, bias_kl, max_len=T):
+    log_ratio = logp - old
+    if level == "token":
+        log_w = log_ratio
+    else:
+        log_w = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_w)
+    kl = torch.exp(ref - logp) - (ref - logp) - 1
+    if bias_kl:
+        kl = kl * coef_1
+    a = adv.unsqueeze(1)
+    coef_2 = torch.clamp(coef_1, 1 - eps_lo, 1 + eps_hi)
+    per_token = -torch.min(coef_1 * a, coef_2 * a) + beta * kl
+    if loss_type == "grpo":
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "dapo":
+        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        return (per_token * mask).sum() / (per_token.size(0) * max_len)
+    raise ValueError(loss_type)
+
+
+def batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    old = logp + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)  # ratios well outside the clip band
+    ref = logp + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = (torch.arange(T)[None] < torch.tensor([5, 3, 1, 4, 5, 2, 5, 4])[:, None]).double()
+    rewards = torch.tensor([1.0, 0, 0, 0, 0.5, 1, 0, 2])
+    return logp, old, ref, mask, rewards
+
+
+def test_bessel_advantages_by_hand():
+    """Rewards [1, 0, 0, 0]: mean 1/4, squared deviations 9/16 + 3/16 = 3/4; Bessel std sqrt(3/4 / 3) = 1/2, TRL's
+    A_1 = (3/4) / (1/2 + 1e-4) = 1.49970006; population std sqrt(3/16) = 0.4330127, A_1 = 1.7320468 (eps 1e-6)."""
+    r = torch.tensor([1.0, 0, 0, 0])
+    bessel, _ = group_advantages(r, 4, "group", "bessel", 1e-4)
+    assert bessel[0].item() == pytest.approx(0.75 / 0.5001, rel=1e-6)
+    assert bessel[1].item() == pytest.approx(-0.25 / 0.5001, rel=1e-6)
+    population, _ = group_advantages(r, 4, "group", "population", 1e-6)
+    assert population[0].item() == pytest.approx(0.75 / (math.sqrt(3 / 16) + 1e-6), rel=1e-6)
+    with pytest.raises(ValueError, match="unknown std"):
+        group_advantages(r, 4, "group", "sample")
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_equal_trl(scale):
+    rewards = batch()[-1]
+    ours, zero = group_advantages(rewards, G, scale, "bessel", 1e-4)
+    torch.testing.assert_close(ours.double(), trl_advantages(rewards, scale), rtol=1e-6, atol=1e-7)
+    assert zero == 0
+
+
+@pytest.mark.parametrize("loss_type, loss_agg", [("grpo", "seq-mean-token-mean"), ("dapo", "token-mean"),
+                                                 ("dr_grpo", "seq-mean-token-sum-norm")])
+@pytest.mark.parametrize("bias_kl", [False, True])
+def test_grpo_loss_equals_trl_token_level(loss_type, loss_agg, bias_kl):
+    """grpo.py's loss and its gradient = TRL's with importance_sampling_level='token', the loss_type the table maps to
+    --loss-agg, beta = --kl-coef, use_bias_correction_kl = --kl-ratio-correction, on TRL's advantages."""
+    logp, old, ref, mask, rewards = batch()
+    adv = group_advantages(rewards, G, "group", "bessel", 1e-4)[0].double()
+    x = logp.clone().requires_grad_()
+    ours, _, _ = grpo_loss(x, old, adv, mask, clip_low=0.2, clip_high=0.28, ref_logp=ref, kl_coef=0.04,
+                           kl_ratio=bias_kl, loss_agg=loss_agg, max_new_tokens=T)
+    ours.backward()
+    y = logp.clone().requires_grad_()
+    theirs = trl_loss(y, old, ref, trl_advantages(rewards, "group"), mask, level="token", loss_type=loss_type,
+                      eps_lo=0.2, eps_hi=0.28, beta=0.04, bias_kl=bias_kl)
+    theirs.backward()
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-6, abs=1e-9)
+    torch.testing.assert_close(x.grad * mask, y.grad * mask, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("bias_kl", [False, True])
+@pytest.mark.parametrize("loss_fn", ["gspo", "dfpo none"])
+def test_gspo_loss_equals_trl_sequence_level(loss_fn, bias_kl):
+    """gspo.py (and dfpo.py --transform none --clip-gated, which is GSPO) = TRL's importance_sampling_level='sequence'
+    with loss_type='grpo' (a sequence's per-token term is constant, so its token mean is the sequence's term)."""
+    logp, old, ref, mask, rewards = batch(1)
+    old = logp + 0.002 * (old - logp)  # s_i near the GSPO band, some inside, some clipped
+    adv = group_advantages(rewards, G, "group", "bessel", 1e-4)[0].double()
+    x = logp.clone().requires_grad_()
+    kw = dict(clip_low=3e-4, clip_high=4e-4, ref_logp=ref, kl_coef=0.04, kl_ratio=bias_kl)
+    if loss_fn == "gspo":
+        ours, _, _ = gspo_loss(x, old, adv, mask, **kw)
+    else:
+        ours, _, _ = dfpo_loss(x, old, adv, mask, group_size=G, transform="none", clip_gated=True, **kw)
+    ours.backward()
+    y = logp.clone().requires_grad_()
+    theirs = trl_loss(y, old, ref, trl_advantages(rewards, "group"), mask, level="sequence", loss_type="grpo",
+                      eps_lo=3e-4, eps_hi=4e-4, beta=0.04, bias_kl=bias_kl)
+    theirs.backward()
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-6, abs=1e-9)
+    torch.testing.assert_close(x.grad * mask, y.grad * mask, rtol=1e-6, atol=1e-9)
+
+
+def test_trl_own_nanstd():
+    trl_utils = pytest.importorskip("trl.trainer.utils", reason="trl is not installed: TRL's own nanstd not compared")
+    rewards = batch()[-1].double()
+    torch.testing.assert_close(trl_utils.nanstd(rewards.view(-1, G), dim=1), trl_nanstd(rewards.view(-1, G), dim=1))
+    ours, _ = group_advantages(rewards, G, "group", "bessel", 1e-4)
+    mean = rewards.view(-1, G).mean(1).repeat_interleave(G)
+    theirs = (rewards - mean) / (trl_utils.nanstd(rewards.view(-1, G), dim=1).repeat_interleave(G) + 1e-4)
+    torch.testing.assert_close(ours.double(), theirs, rtol=1e-6, atol=1e-7)
+
+
+def test_linear_lr_schedule_is_transformers_linear_after_warmup():
+    """--lr-schedule linear --min-lr-ratio 0 (TRL's default lr_scheduler_type): after the warm-up, transformers'
+    get_linear_schedule_with_warmup, (total - i) / (total - warmup); by hand, 10 optimizer steps (5 steps x 2
+    minibatches), 2 of warm-up: 0.5, 1, 1, 7/8, ..., 1/8, 0. With --min-lr-ratio 0.2: 0.2 + 0.8 x that."""
+    from types import SimpleNamespace
+
+    from transformers import get_linear_schedule_with_warmup
+
+    from common import lr_scheduler
+
+    def factors(ratio, make=None):
+        p = torch.nn.Parameter(torch.zeros(1))
+        opt = torch.optim.SGD([p], lr=1.0)
+        args = SimpleNamespace(num_steps=5, num_iterations=1, num_minibatches=2, warmup_frac=0.2,
+                               lr_schedule="linear", min_lr_ratio=ratio)
+        sched = make(opt) if make else lr_scheduler(opt, args)
+        out = []
+        for _ in range(11):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return out
+
+    assert factors(0.0) == pytest.approx([0.5, 1, 1, 7 / 8, 6 / 8, 5 / 8, 4 / 8, 3 / 8, 2 / 8, 1 / 8, 0], abs=1e-12)
+    hf = factors(0.0, lambda opt: get_linear_schedule_with_warmup(opt, 2, 10))
+    assert factors(0.0)[2:] == pytest.approx(hf[2:], abs=1e-12)
+    assert factors(0.2)[2:] == pytest.approx([0.2 + 0.8 * f for f in hf[2:]], abs=1e-12)

@@ -4,6 +4,7 @@ lives in each script. Sections:
   generation           HF `generate`: repeat, shared-prefill, static
   rewards              the built-in reward functions a --reward names (scoring: rewards.py)
   group advantages     A_i and the mechanism metrics (Asym, shared-token coefficient)
+  old log-probs        pi_old recomputed or from the rollout (--old-logp), TIS weights, log w spread
   data order           prompts a step, minibatches of whole groups, micro-batches
   the optimizer step   learning-rate schedule, finite checks, statistics over ranks
   evaluation, logging  held-out avg@k and pass@k, tensorboard and metrics.jsonl, samples
@@ -19,6 +20,7 @@ imported by the scripts or by this file, none importing a script:
   engine.py            the rollout engine (--gen-mode engine, engine-tp)
   logprobs.py          the LM head's log-probs and entropy in chunks (Policy.forward's last step)
   lora.py              LoRA adapters (--lora-rank): applied, checked, saved, merged
+  moe.py               Mixture-of-Experts routing: recorded, flips counted, replayed (--routing-replay)
 """
 
 from __future__ import annotations

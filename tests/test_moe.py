@@ -149,6 +149,21 @@ def test_routing_replay_on_tiny_moe(replay):
     assert len(captured) == len(routes.gates) == 2
 
 
+def test_log_ratio_variance_by_hand():
+    """Var(log w_it) over the completion tokens, kept apart for the first minibatch and the later ones, summed over
+    micro-batches as one population: later micro-batches log w = (0.1, -0.2 | 0.3, masked 5.0): mean 0.2 / 3,
+    E[x^2] = 0.14 / 3, Var = 0.14 / 3 - (0.2 / 3)^2; the first minibatch's log w = 0 exactly: Var 0; no later
+    minibatch at all: the key is absent, not 0."""
+    first = common.log_ratio_spread(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), first=True)
+    a = common.log_ratio_spread(torch.tensor([[0.1, -0.2]]), torch.zeros(1, 2), torch.ones(1, 2), first=False)
+    b = common.log_ratio_spread(torch.tensor([[0.8, 6.0]]), torch.tensor([[0.5, 1.0]]), torch.tensor([[1.0, 0.0]]),
+                                first=False)
+    out = common.reduce_stats([first, a, b])
+    assert out["losses/log_ratio_var_later"] == pytest.approx(0.14 / 3 - (0.2 / 3) ** 2, rel=1e-6)
+    assert out["losses/log_ratio_var_first"] == 0
+    assert "losses/log_ratio_var_later" not in common.reduce_stats([first])
+
+
 @pytest.mark.slow
 def test_tiny_moe_under_torchrun_two_ranks(tmp_path):
     """FSDP2 over the MoE decoder layers, 2 ranks with gloo: GRPO with Routing Replay trains, the flip fractions

@@ -322,8 +322,11 @@ def main():
             s_tilde = None  # None: each micro-batch holds whole groups and transforms them itself
             if args.micro_batch_size % args.group_size:  # micro-batches split groups; eq. 63 needs
                 with torch.no_grad():  # whole ones: s_tilde of every row first (one more forward)
-                    logp = torch.cat([policy(ids[micro], attention_mask[micro], n_prompt)
-                                      for micro in micro_batches(minibatch, args.micro_batch_size)])
+                    logps = []
+                    for micro in micro_batches(minibatch, args.micro_batch_size):
+                        with moe.replaying(routes, micro):  # MoE: routed as the loss's forward is
+                            logps.append(policy(ids[micro], attention_mask[micro], n_prompt))
+                    logp = torch.cat(logps)
                     _, _, s_bar = sequence_weights(logp, old_logp[minibatch], advantages[minibatch],
                                                    mask[minibatch], clip_low=args.clip_low,
                                                    clip_high=args.clip_high)

@@ -621,8 +621,9 @@ def engine_covers(config, main: bool) -> bool:
 def logp_drift(roll: dict, old_logp: torch.Tensor) -> dict:
     """gen/logp_drift: the mean |log-prob as sampled - old log-prob| over the completion tokens of
     every rank (the engine's decode against the training forward; it catches engine bugs). Empty
-    when the rollout has no sampled log-probs (the HF modes)."""
-    if "logp" not in roll:
+    when the rollout has no sampled log-probs (the HF modes), or when they are pi_old itself
+    (--old-logp rollout: nothing to compare)."""
+    if "logp" not in roll or old_logp is roll["logp"]:
         return {}
     mask = roll["mask"]
     total = all_reduce(((roll["logp"] - old_logp).abs() * mask).sum())

@@ -8,7 +8,8 @@ after each gradient update of Qwen3-30B-A3B; GRPO needed Routing Replay to conve
 Covers routers that return (router_logits, top_k_weights, top_k_index) from the `gate` of an MLP
 that has `experts` (transformers' Qwen3-MoE, Qwen2-MoE, OLMoE style): a forward hook on each gate
 reads, and under replay replaces, its output. The scripts call track() once, recording() around
-each old-pass forward, replaying() around each training forward and stats() when they log.
+each old-pass forward, replaying() around each training forward and stats() when they log (which
+ends the step's replay, before any evaluation or the next rollout).
 
 Memory of the recorded routing: layers x rows x positions x top_k indices, one byte each (two
 with more than 256 experts), for the whole rollout batch of a rank: Qwen3-30B-A3B (48 layers,
@@ -117,15 +118,14 @@ def recording(routes: Routes | None, rows: slice, attention_mask: torch.Tensor):
 @contextlib.contextmanager
 def replaying(routes: Routes | None, rows: slice):
     """Around a training forward of rows `rows`: the flips of each layer's top-k against the tape
-    counted, and with --routing-replay the tape's experts forced."""
+    counted, and with --routing-replay the tape's experts forced. The tape stays in force after the
+    block, until the next block or stats(): under activation checkpointing the backward pass runs
+    each layer's forward again, and it must route as the forward did."""
     if routes is None:
         yield
         return
     routes.mode, routes.rows = "train", rows
-    try:
-        yield
-    finally:
-        routes.mode = None
+    yield
 
 
 def stats(routes: Routes | None) -> dict:
@@ -135,7 +135,10 @@ def stats(routes: Routes | None) -> dict:
     same tokens in the old pass (absent with --num-minibatches 1); moe/route_flip_frac_loss: the
     same over every minibatch for the experts the training forward used (0 with --routing-replay).
     Tokens: every position the attention mask keeps, prompts included."""
-    if routes is None or not routes.flips:
+    if routes is None:
+        return {}
+    routes.mode = None  # the step's training is over: generation and evaluation route freely
+    if not routes.flips:
         return {}
     device = routes.attention_mask.device
     one_step = torch.zeros(2, dtype=torch.float64, device=device)

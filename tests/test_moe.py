@@ -178,3 +178,15 @@ def test_tiny_moe_under_torchrun_two_ranks(tmp_path):
     assert all(r["moe/route_flip_frac_loss"] == 0 and 0 <= r["moe/route_flip_frac"] <= 1 for r in rows)
     model = AutoModelForCausalLM.from_pretrained(os.path.join(os.path.dirname(run), "step_2", "model"))
     assert model.config.model_type == "qwen3_moe"
+
+
+def test_routing_replay_holds_through_activation_checkpointing(monkeypatch, tmp_path):
+    """Activation checkpointing runs each layer's forward again in the backward pass, after the training forward's
+    block: the replayed experts stay in force until the step's stats, so the gradient is the one without it."""
+    argv = ["--model", "tiny-moe", "--routing-replay", "--num-steps", "1", "--prompts-per-rank", "4",
+            "--num-minibatches", "2", "--eval-every", "0", "--log-samples", "0", "--learning-rate", "1e-2"]
+    plain, _ = run_script("grpo", argv, monkeypatch, tmp_path / "plain")
+    ac, _ = run_script("grpo", argv + ["--activation-checkpointing"], monkeypatch, tmp_path / "ac")
+    assert plain[0]["moe/route_flip_frac"] > 0 and ac[0]["moe/route_flip_frac_loss"] == 0
+    for key in ("losses/grad_norm", "losses/policy_loss", "losses/approx_kl"):
+        assert ac[0][key] == pytest.approx(plain[0][key], rel=1e-5, abs=1e-8), key

@@ -126,6 +126,9 @@ class CommonArgs:
     decoding (Qwen3/Qwen2/Llama; others: HF shared-prefill, said once); engine-tp: the engine's
     layers split over the torchrun ranks (tensor parallel), for models whose bf16 copy does not
     fit one GPU beside the training state (same tokens; benchmarks/README.md)"""
+    gen_dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    """--gen-mode engine / engine-tp: the engine's weights and KV cache in this dtype (auto: the
+    trainer's compute dtype); bf16 beside an fp32 trainer measures GSPO's precision claim"""
     old_logp: Literal["recompute", "rollout"] = "recompute"
     """pi_old: recomputed by the training forward (no grad), or the log-prob the engine computed as
     it sampled each token (--gen-mode engine / engine-tp; no recompute pass, as GSPO arXiv
@@ -401,6 +404,9 @@ def check_common_args(args):
         fail("--system-prompt is empty: give the text of the system message, or drop it")
     check_float("kl-coef", args.kl_coef, 0, why=" (0: no KL penalty and no reference model)")
     check_rollout_args(args)
+    if args.gen_dtype != "auto" and args.gen_mode not in ("engine", "engine-tp"):
+        fail(f"--gen-dtype {args.gen_dtype} sets the engine's dtype; --gen-mode {args.gen_mode} runs "
+             "HF generate in the trainer's: use --gen-mode engine, or drop it")
     check_run_name(args.output_dir, args.exp_name)
 
 

@@ -493,7 +493,8 @@ GEN_MODES = ("repeat", "shared-prefill", "static", "engine", "engine-tp")
 def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d: Dist, *,
              max_new_tokens: int, temperature: float, top_p: float, top_k: int, gen_batch_size: int,
              unshard: bool = False, mode: str = "shared-prefill", cuda_graphs: bool = True,
-             flex: bool | None = None, compile_step: bool | None = None) -> dict:
+             flex: bool | None = None, compile_step: bool | None = None,
+             engine_dtype: str = "auto") -> dict:
     """n completions per prompt (rows of one prompt are adjacent: a group). Returns input_ids [B,
     P+T], attention_mask, n_prompt P, completion mask [B, T] (up to and including the first EOS),
     truncated [B], texts, and with mode "engine" logp [B, T], each token's log-prob as sampled.
@@ -511,7 +512,10 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
     step replayed as CUDA graphs on a GPU (one rank; engine.Engine.step), else eager. flex: the
     engine's decoding attention (engine.generate's; None: FlexAttention on a GPU, SDPA on the CPU;
     benchmarks/gpu.py compares the two). compile_step: the engine's decoding step compiled
-    (engine.generate's compile; None: with the CUDA graphs, on a GPU)."""
+    (engine.generate's compile; None: with the CUDA graphs, on a GPU). engine_dtype (--gen-dtype):
+    the engine's weights and KV cache in bf16 or fp32 whatever the trainer computes in (auto: the
+    trainer's compute dtype), the inference/training numerics mismatch of GSPO's infrastructure
+    claim made on purpose."""
     if mode not in GEN_MODES:
         raise ValueError(f"unknown generation mode {mode!r} ({', '.join(GEN_MODES)})")
     enc = tok(list(prompts), padding=True, return_tensors="pt", add_special_tokens=False)
@@ -533,7 +537,8 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
                 policy.lm, sum(everyone, []), n, eos, max_new_tokens=max_new_tokens,
                 temperature=temperature, top_k=top_k, top_p=top_p,
                 slots=tp * max(n, gen_batch_size // n * n), device=d.device,
-                dtype=getattr(policy, "compute_dtype", None) or (
+                dtype={"bf16": torch.bfloat16, "fp32": torch.float32}.get(engine_dtype) or getattr(
+                    policy, "compute_dtype", None) or (
                     torch.bfloat16 if d.device.type == "cuda" else torch.float32),
                 rank=d.rank if tp > 1 else 0, world=tp, generator=generator,
                 graphs=None if cuda_graphs else False, flex=flex, compile=compile_step)

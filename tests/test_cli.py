@@ -65,6 +65,7 @@ BAD_FLAGS = [  # every one fails in check_common_args: before the tokenizer, the
     (["--output-dir", "FILE/runs"], "afile is a file, not a folder"),
     (["--output-dir", "/proc/1/runs"], "--output-dir /proc/1/runs: /proc/1 is not writable"),
     (["--exp-name", "../../x"], "--exp-name '../../x': must be one folder name"),
+    (["--gen-dtype", "bf16"], "--gen-dtype bf16 sets the engine's dtype; --gen-mode shared-prefill runs HF generate"),
     (["--dataset", "nosuchset"], "--dataset 'nosuchset': unknown"),
     (["--data-files", "x.jsonl"], "--dataset builtin would ignore it: drop it"),
     # non-finite and out-of-range floats (issue 27): each would load the model, then skip every update or crash

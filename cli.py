@@ -12,7 +12,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 import torch
 import tyro
@@ -31,13 +31,14 @@ GenMode = Literal["repeat", "shared-prefill", "static", "engine", "engine-tp"]  
 class CommonArgs:
     """Flags shared by every script, in --help's order; each script's Args adds its objective's own
     and names its runs after itself (exp_name)."""
+    token_terms: ClassVar[bool] = False  # the loss is a sum of per-token terms (--rollout-is-cap)
     exp_name: str = "run"
     """name of the run: logs and checkpoints go to {output_dir}/{exp_name}__{seed}__{unix time}"""
     seed: int = 1
     """seed of the model init (tiny), data order and sampling (offset per rank)"""
     model: str = "tiny"
-    """'tiny' (built-in random-init Qwen3-architecture model, offline), a local folder, or a hub
-    id"""
+    """'tiny' (built-in random-init Qwen3-architecture model, offline), 'tiny-moe' (the same as a
+    Qwen3-MoE: 8 experts, top 2), a local folder, or a hub id"""
     trust_remote_code: bool = False
     """let transformers run code shipped with the model (off unless you trust the model's source)"""
     dataset: str = "builtin"
@@ -138,6 +139,19 @@ class CommonArgs:
     decoding (Qwen3/Qwen2/Llama; others: HF shared-prefill, said once); engine-tp: the engine's
     layers split over the torchrun ranks (tensor parallel), for models whose bf16 copy does not
     fit one GPU beside the training state (same tokens; benchmarks/README.md)"""
+    gen_dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    """--gen-mode engine / engine-tp: the engine's weights and KV cache in this dtype (auto: the
+    trainer's compute dtype); bf16 beside an fp32 trainer measures GSPO's precision claim"""
+    old_logp: Literal["recompute", "rollout"] = "recompute"
+    """pi_old: recomputed by the training forward (no grad), or the log-prob the engine computed as
+    it sampled each token (--gen-mode engine / engine-tp; no recompute pass, as GSPO arXiv
+    2507.18071 proposes; no losses/entropy)"""
+    rollout_is_cap: float | None = None
+    """grpo.py, gspo_token.py: TIS, each token's loss weighted by min(pi_old / pi_rollout, C), C
+    this cap (a constant weight; --gen-mode engine log-probs; off when not given)"""
+    routing_replay: bool = False
+    """MoE models: force the experts each (token, layer) got in the old-log-prob pass in the
+    training forward, weighted by the current router (Routing Replay, GSPO arXiv 2507.18071)"""
     gen_cuda_graphs: bool = True
     """--gen-mode engine on one GPU: replay the decoding step as CUDA graphs, one per read length
     (a multiple of 256 positions), captured on first use; --no-gen-cuda-graphs decodes eagerly"""
@@ -395,7 +409,7 @@ def default_learning_rate(model: str) -> float:
     """--learning-rate when not given: the tiny model learns fast with a large step; real models
     follow the papers' scale. Each script's main() fills it in, in view, before anything reads
     it."""
-    return 5e-4 if model == "tiny" else 1e-6
+    return 5e-4 if model in ("tiny", "tiny-moe") else 1e-6
 
 
 def default_max_new_tokens(dataset: str) -> int:
@@ -545,10 +559,32 @@ def check_common_args(args):
     if args.kl_ratio_correction and args.kl_coef == 0:
         fail("--kl-ratio-correction multiplies the KL penalty's k3 by the ratio: it needs "
              "--kl-coef > 0 (TRL's beta)")
+    check_rollout_args(args)
+    if args.gen_dtype != "auto" and args.gen_mode not in ("engine", "engine-tp"):
+        fail(f"--gen-dtype {args.gen_dtype} sets the engine's dtype; --gen-mode {args.gen_mode} runs "
+             "HF generate in the trainer's: use --gen-mode engine, or drop it")
     check_run_name(args.output_dir, args.exp_name)
     if args.track and importlib.util.find_spec("wandb") is None:
         fail("--track logs to Weights & Biases, which is not installed: pip install wandb "
              "(WANDB_MODE=offline logs without a network), or drop --track")
+
+
+def check_rollout_args(args):
+    """--rollout-is-cap: a finite C > 0, on a script whose loss is a sum of token terms, with pi_old
+    recomputed (the weight is pi_old / pi_rollout). What needs the model's config (a generation
+    mode that returns log-probs, --routing-replay on an MoE model) is checked by
+    common.check_model."""
+    cap = args.rollout_is_cap
+    if cap is None:
+        return
+    check_float("rollout-is-cap", cap, 0, low_open=True,
+                why=" (TIS weights each token by min(pi_old / pi_rollout, C))")
+    if not args.token_terms:
+        fail(f"--rollout-is-cap {cap}: weights each token's term, and this script's loss is one "
+             "term a sequence (gspo.py, dfpo.py); use it with grpo.py or gspo_token.py")
+    if args.old_logp == "rollout":
+        fail(f"--rollout-is-cap {cap} weights by pi_old / pi_rollout, and --old-logp rollout makes "
+             "pi_old the rollout's own: use --old-logp recompute, or drop --rollout-is-cap")
 
 
 def check_lora_args(args):

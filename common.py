@@ -4,6 +4,7 @@ lives in each script. Sections:
   generation           HF `generate`: repeat, shared-prefill, static
   rewards              the built-in reward functions a --reward names (scoring: rewards.py)
   group advantages     A_i and the mechanism metrics (Asym, shared-token coefficient)
+  old log-probs        pi_old recomputed or from the rollout (--old-logp), TIS weights, log w spread
   data order           prompts a step, minibatches of whole groups, micro-batches
   the optimizer step   learning-rate schedule, finite checks, statistics over ranks
   evaluation, logging  held-out avg@k and pass@k, tensorboard and metrics.jsonl, samples
@@ -19,6 +20,7 @@ imported by the scripts or by this file, none importing a script:
   engine.py            the rollout engine (--gen-mode engine, engine-tp)
   logprobs.py          the LM head's log-probs and entropy in chunks (Policy.forward's last step)
   lora.py              LoRA adapters (--lora-rank): applied, checked, saved, merged
+  moe.py               Mixture-of-Experts routing: recorded, flips counted, replayed (--routing-replay)
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import moe
 from checkpoint import is_checkpoint, load_masters, masters_files, state_dir
 from distributed import (Dist, Refused, all_gather_cat, all_reduce, fail, main_process, on_rank0,
                          seed_everything)
@@ -70,33 +73,48 @@ def tiny_tokenizer():
     )
 
 
-def tiny_config(tok):
-    """The config of `--model tiny`: a Qwen3 sized for CPU (tied embeddings, as small Qwen3s)."""
-    from transformers import Qwen3Config
+TINY_MODELS = ("tiny", "tiny-moe")  # --model names built here, offline, random-init
 
-    return Qwen3Config(
+
+def tiny_config(tok, moe: bool = False):
+    """The config of `--model tiny`: a Qwen3 sized for CPU (tied embeddings, as small Qwen3s).
+    moe (`--model tiny-moe`): the same sizes as a Qwen3-MoE (Qwen3-30B-A3B's architecture): every
+    decoder layer's MLP is 8 experts of width 96, each token routed to its top 2 by a softmax router
+    whose top-k weights are renormalised (norm_topk_prob, as Qwen3-30B-A3B)."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    sizes = dict(
         vocab_size=len(tok), hidden_size=128, intermediate_size=384, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
         tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
         bos_token_id=None,
     )
+    if moe:
+        return Qwen3MoeConfig(**sizes, moe_intermediate_size=96, num_experts=8,
+                              num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1)
+    return Qwen3Config(**sizes)
 
 
-def tiny_model(tok):
-    """A randomly initialised Qwen3-architecture model of tiny_config."""
-    from transformers import GenerationConfig, Qwen3ForCausalLM
+def tiny_model(tok, moe: bool = False):
+    """A randomly initialised Qwen3-architecture model of tiny_config (moe: Qwen3-MoE)."""
+    from transformers import GenerationConfig, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
-    lm = Qwen3ForCausalLM(tiny_config(tok))
+    lm = (Qwen3MoeForCausalLM if moe else Qwen3ForCausalLM)(tiny_config(tok, moe))
     lm.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id,
                                             pad_token_id=tok.pad_token_id)
     return lm
 
 
-def check_model(name: str, trust_remote_code: bool, gen_mode: str = "shared-prefill"):
-    """Fail fast, before any weights are read: 'tiny', a local folder with a config, or a hub id;
-    and for --gen-mode engine / engine-tp, what the config alone tells (check_engine)."""
-    if name == "tiny":
-        return check_engine(tiny_config(tiny_tokenizer()), gen_mode)
+def check_model(name: str, trust_remote_code: bool, gen_mode: str = "shared-prefill",
+                old_logp: str = "recompute", rollout_is_cap: float | None = None,
+                routing_replay: bool = False):
+    """Fail fast, before any weights are read: 'tiny', 'tiny-moe', a local folder with a config, or
+    a hub id; for --gen-mode engine / engine-tp, what the config alone tells (check_engine); and
+    the flags that need what the config tells (check_model_flags)."""
+    if name in TINY_MODELS:
+        config = tiny_config(tiny_tokenizer(), name == "tiny-moe")
+        check_engine(config, gen_mode)
+        return check_model_flags(name, config, gen_mode, old_logp, rollout_is_cap, routing_replay)
     check_not_gguf(name)
     looks_local = name.startswith((".", "/", "~")) or os.path.exists(name) or name.count("/") != 1
     if looks_local and not os.path.isdir(os.path.expanduser(name)):
@@ -117,6 +135,28 @@ def check_model(name: str, trust_remote_code: bool, gen_mode: str = "shared-pref
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         fail(f"--model {name!r}: cannot read its config ({first})")
     check_engine(config, gen_mode)
+    check_model_flags(name, config, gen_mode, old_logp, rollout_is_cap, routing_replay)
+
+
+def check_model_flags(name: str, config, gen_mode: str, old_logp: str,
+                      rollout_is_cap: float | None, routing_replay: bool):
+    """--old-logp rollout and --rollout-is-cap read the log-probs the engine returns as it samples
+    (generate's roll["logp"]): one line where the generation mode returns none (HF generate, and the
+    engine's HF fallback for an architecture it does not cover). --routing-replay: one line on a
+    dense model."""
+    import engine
+
+    needs = "--old-logp rollout" if old_logp == "rollout" else (
+        "--rollout-is-cap" if rollout_is_cap is not None else None)
+    if needs and gen_mode not in ("engine", "engine-tp"):
+        fail(f"{needs} reads the log-probs the engine computes as it samples; --gen-mode {gen_mode} "
+             "(HF generate) returns none: use --gen-mode engine, or drop it")
+    if needs and (why := engine.unsupported(config)):
+        fail(f"{needs} reads the log-probs the engine computes as it samples; --model {name}: "
+             f"HF generate runs in its place for {why}, and returns none: drop {needs}")
+    if routing_replay and not moe.is_moe(config):
+        fail(f"--routing-replay forces the old pass's experts in each Mixture-of-Experts layer; "
+             f"--model {name} ({config.model_type}) is dense: drop it")
 
 
 def check_hub_model(name: str):
@@ -174,7 +214,7 @@ def check_tensor_parallel(config, world: int):
 def load_tokenizer(name: str, trust_remote_code: bool):
     from transformers import AutoTokenizer
 
-    tok = tiny_tokenizer() if name == "tiny" else AutoTokenizer.from_pretrained(
+    tok = tiny_tokenizer() if name in TINY_MODELS else AutoTokenizer.from_pretrained(
         os.path.expanduser(name), trust_remote_code=trust_remote_code)
     tok.padding_side = "left"  # prompts are left-padded for generation
     if tok.pad_token is None:
@@ -230,9 +270,9 @@ def load_model(name: str, tok, d: Dist, seed: int, trust_remote_code: bool = Fal
 
     def skeleton(dt):
         """The model without weights (the meta device), with its generation config."""
-        if name == "tiny":
+        if name in TINY_MODELS:
             with torch.device("meta"):
-                return tiny_model(tok).to(dt)
+                return tiny_model(tok, name == "tiny-moe").to(dt)
         with torch.device("meta"):
             lm = AutoModelForCausalLM.from_config(
                 AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code),
@@ -248,8 +288,8 @@ def load_model(name: str, tok, d: Dist, seed: int, trust_remote_code: bool = Fal
         return lm if lora is None else apply_lora(lm, lora, targets, name, adapters)
 
     def build(dt):
-        if name == "tiny":
-            return tiny_model(tok).to(dt)
+        if name in TINY_MODELS:
+            return tiny_model(tok, name == "tiny-moe").to(dt)
         return AutoModelForCausalLM.from_pretrained(path, dtype=dt,
                                                     trust_remote_code=trust_remote_code)
 
@@ -475,7 +515,8 @@ GEN_MODES = ("repeat", "shared-prefill", "static", "engine", "engine-tp")
 def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d: Dist, *,
              max_new_tokens: int, temperature: float, top_p: float, top_k: int, gen_batch_size: int,
              unshard: bool = False, mode: str = "shared-prefill", cuda_graphs: bool = True,
-             flex: bool | None = None, compile_step: bool | None = None) -> dict:
+             flex: bool | None = None, compile_step: bool | None = None,
+             engine_dtype: str = "auto") -> dict:
     """n completions per prompt (rows of one prompt are adjacent: a group). Returns input_ids [B,
     P+T], attention_mask, n_prompt P, completion mask [B, T] (up to and including the first EOS),
     truncated [B], texts, and with mode "engine" logp [B, T], each token's log-prob as sampled.
@@ -493,7 +534,10 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
     step replayed as CUDA graphs on a GPU (one rank; engine.Engine.step), else eager. flex: the
     engine's decoding attention (engine.generate's; None: FlexAttention on a GPU, SDPA on the CPU;
     benchmarks/gpu.py compares the two). compile_step: the engine's decoding step compiled
-    (engine.generate's compile; None: with the CUDA graphs, on a GPU)."""
+    (engine.generate's compile; None: with the CUDA graphs, on a GPU). engine_dtype (--gen-dtype):
+    the engine's weights and KV cache in bf16 or fp32 whatever the trainer computes in (auto: the
+    trainer's compute dtype), the inference/training numerics mismatch of GSPO's infrastructure
+    claim made on purpose."""
     if mode not in GEN_MODES:
         raise ValueError(f"unknown generation mode {mode!r} ({', '.join(GEN_MODES)})")
     enc = tok(list(prompts), padding=True, return_tensors="pt", add_special_tokens=False)
@@ -515,7 +559,8 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
                 policy.lm, sum(everyone, []), n, eos, max_new_tokens=max_new_tokens,
                 temperature=temperature, top_k=top_k, top_p=top_p,
                 slots=tp * max(n, gen_batch_size // n * n), device=d.device,
-                dtype=getattr(policy, "compute_dtype", None) or (
+                dtype={"bf16": torch.bfloat16, "fp32": torch.float32}.get(engine_dtype) or getattr(
+                    policy, "compute_dtype", None) or (
                     torch.bfloat16 if d.device.type == "cuda" else torch.float32),
                 rank=d.rank if tp > 1 else 0, world=tp, generator=generator,
                 graphs=None if cuda_graphs else False, flex=flex, compile=compile_step)
@@ -603,8 +648,9 @@ def engine_covers(config, main: bool) -> bool:
 def logp_drift(roll: dict, old_logp: torch.Tensor) -> dict:
     """gen/logp_drift: the mean |log-prob as sampled - old log-prob| over the completion tokens of
     every rank (the engine's decode against the training forward; it catches engine bugs). Empty
-    when the rollout has no sampled log-probs (the HF modes)."""
-    if "logp" not in roll:
+    when the rollout has no sampled log-probs (the HF modes), or when they are pi_old itself
+    (--old-logp rollout: nothing to compare)."""
+    if "logp" not in roll or old_logp is roll["logp"]:
         return {}
     mask = roll["mask"]
     total = all_reduce(((roll["logp"] - old_logp).abs() * mask).sum())
@@ -718,6 +764,57 @@ def group_metrics(seq_terms: torch.Tensor, first_token_grads: torch.Tensor, grou
     return {"losses/asym": m.var(1, unbiased=False).mean(), "losses/shared_coef": coef.abs().mean()}
 
 
+# -------------------- old log-probs: pi_old, and the rollout's own likelihoods
+@torch.no_grad()
+def old_log_probs(policy, roll: dict, minibatches: list[slice], source: str = "recompute",
+                  is_cap: float | None = None, routes: moe.Routes | None = None):
+    """pi_old of every completion token [B, T], the TIS weights [B, T] (None without is_cap), and
+    their logs.
+    source "recompute": the training forward without gradient, a minibatch at a time, so that the
+    ratio's numerator and denominator come from the same numerics (losses/entropy logged; on an MoE
+    model each (token, layer)'s experts go to the router tape, moe.recording). "rollout"
+    (--old-logp rollout): the log-prob the engine computed when it sampled each token, under the
+    sampling temperature (roll["logp"]); no forward pass, the saving GSPO (arXiv 2507.18071) claims
+    its sequence ratio affords, as it averages the per-token mismatch between the two numerics.
+    is_cap C (--rollout-is-cap): truncated importance sampling (TIS: Yao et al. 2025, "Your
+    Efficient RL Framework Secretly Brings You Off-Policy RL Training"; verl's rollout correction,
+    TRL's vllm_importance_sampling_correction): the tokens were drawn from the engine's pi_rollout,
+    not pi_old, so each token's loss term is weighted by min(pi_old / pi_rollout, C), a constant."""
+    if source == "rollout":
+        return roll["logp"], None, {}
+    ids, attention_mask, n_prompt = roll["input_ids"], roll["attention_mask"], roll["n_prompt"]
+    old = []
+    for rows in minibatches:
+        with moe.recording(routes, rows, attention_mask):
+            old.append(policy(ids[rows], attention_mask[rows], n_prompt, entropy=True))
+    old_logp = torch.cat([minibatch_logp for minibatch_logp, _ in old])
+    entropy = torch.cat([minibatch_entropy for _, minibatch_entropy in old])
+    mask = roll["mask"]
+    tokens = all_reduce(mask.sum()).clamp(min=1)  # completion tokens on all ranks
+    stats = {"losses/entropy": (all_reduce((entropy * mask).sum()) / tokens).item()}
+    if is_cap is None:
+        return old_logp, None, stats
+    log_ratio = torch.where(mask.bool(), old_logp - roll["logp"], 0.0)  # log pi_old / pi_rollout
+    weight = torch.exp(log_ratio.clamp(max=math.log(is_cap)))  # min(pi_old / pi_rollout, C)
+    stats["rollout_is/weight_mean"] = (all_reduce((weight * mask).sum()) / tokens).item()
+    capped = (log_ratio > math.log(is_cap)).float() * mask
+    stats["rollout_is/capped_frac"] = (all_reduce(capped.sum()) / tokens).item()
+    return old_logp, weight, stats
+
+
+def log_ratio_spread(logp, old_logp, mask, first: bool) -> dict:
+    """The variance of the token log-ratios log w_it = log pi - log pi_old over a micro-batch's
+    completion tokens, as (sum, sum of squares, count) for reduce_stats, keyed by whether the
+    minibatch is the step's first (where pi = pi_old: 0 up to float error, unless an MoE's routing
+    or the rollout's numerics differ) or a later one (pi has taken optimizer steps)."""
+    with torch.no_grad():
+        x = torch.where(mask.bool(), logp - old_logp, 0.0).double()
+        moments = (x.sum(), (x * x).sum(), mask.sum().double())
+        zero = (torch.zeros((), dtype=torch.float64),) * 3
+    return {"losses/log_ratio_var_first": moments if first else zero,
+            "losses/log_ratio_var_later": zero if first else moments}
+
+
 # -------------------- data order: prompts a step, minibatches, micro-batches
 def prompt_indices(n_rows: int, step: int, per_rank: int, d: Dist, seed: int) -> list[int]:
     """This rank's prompts for `step` (1-based): a fresh seeded permutation each epoch, global batch
@@ -778,10 +875,17 @@ def all_finite(*tensors: torch.Tensor) -> bool:
 
 def reduce_stats(stats: list[dict]) -> dict:
     """One value a key over a step's micro-batches and all ranks: a mean given as (sum, count) is
-    the sum of the sums over the sum of the counts, whatever the rows' split; keys ending in
+    the sum of the sums over the sum of the counts, whatever the rows' split; a variance given as
+    (sum, sum of squares, count) likewise (absent when nothing was counted); keys ending in
     _min/_max take min/max; any other scalar (one a minibatch) the mean over entries, then ranks."""
     out = {}
     for k in stats[0]:
+        if isinstance(stats[0][k], tuple) and len(stats[0][k]) == 3:  # (sum, sum of squares, n)
+            total = all_reduce(torch.tensor([[float(x) for x in s[k]] for s in stats],
+                                            dtype=torch.float64).sum(0))
+            if total[2] > 0:  # the population variance; none counted (no such minibatch): absent
+                out[k] = (total[1] / total[2] - (total[0] / total[2]) ** 2).item()
+            continue
         if isinstance(stats[0][k], tuple):
             total = all_reduce(torch.tensor([[float(x) for x in s[k]] for s in stats],
                                             dtype=torch.float64).sum(0))

@@ -17,19 +17,21 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from tqdm import tqdm
 
+import moe
 from checkpoint import (catch_stop_signals, claim_run_dir, cleanup, resume_state, run_paths,
                         save_checkpoint, stop_requested)
 from cli import (CommonArgs, check_common_args, default_learning_rate, default_max_new_tokens,
                  eval_sampling, parse_args)
 from common import (Logger, all_finite, check_model, eos_ids, eval_report, eval_summary, evaluate,
                     generate, group_advantages, group_metrics, jitter2, load_model, load_tokenizer,
-                    log_samples, logp_drift, lr_scheduler, micro_batches, minibatches,
-                    prompt_indices, reduce_stats, reference_policy, wrap_policy)
+                    log_ratio_spread, log_samples, logp_drift, lr_scheduler, micro_batches,
+                    minibatches, old_log_probs, prompt_indices, reduce_stats, reference_policy,
+                    wrap_policy)
 from data import load_task
 from distributed import all_gather_cat, all_reduce, fail, seed_rank, setup_distributed
 from grader import load_reward
@@ -41,6 +43,7 @@ LossAgg = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"
 
 @dataclass
 class Args(CommonArgs):
+    token_terms: ClassVar[bool] = True  # the loss sums per-token terms: --rollout-is-cap applies
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of the run: logs and checkpoints go to {output_dir}/{exp_name}__{seed}__{unix time}"""
     # Algorithm-specific arguments (the flags every script shares: cli.CommonArgs)
@@ -61,10 +64,12 @@ class Args(CommonArgs):
 def grpo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: float,
               symmetric_clip: bool = False, ref_logp=None, kl_coef: float = 0.0,
               kl_ratio: bool = False, loss_agg: str = "seq-mean-token-mean", max_new_tokens: int | None = None,
-              norm: float | None = None):
+              norm: float | None = None, is_weight=None):
     """-J_GRPO over the minibatch. logp, old_logp, mask (and ref_logp): [B, T] completion tokens;
     advantages: [B]. loss_agg: how token terms are summed and divided (see aggregate).
     kl_ratio: each token's k3 is multiplied by its ratio w_it (TRL's use_bias_correction_kl).
+    is_weight (--rollout-is-cap): [B, T] constant TIS weights min(pi_old / pi_rollout, C), each
+    multiplying its token's term (common.old_log_probs).
     norm: the count the summed objective is divided by (None: this batch's); the loop passes the
     minibatch's count over all ranks, so that micro-batches and ranks add up to one gradient.
     Returns (loss, seq_terms, stats): seq_terms [B] is each sequence's term m_i = w_i A_i
@@ -81,6 +86,8 @@ def grpo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: f
         per_token = w.clamp(max=1 + clip_high) * A
     else:  # min(w A, clip(w) A): A >= 0 takes min(w, clip(w)), A < 0 max(w, clip(w)) (eq. 78)
         per_token = torch.min(w * A, w.clamp(1 - clip_low, 1 + clip_high) * A)
+    if is_weight is not None:  # TIS: the token was drawn from pi_rollout, not pi_old
+        per_token = per_token * is_weight
     token_terms = per_token * mask
     seq_terms = token_terms.sum(1) / lengths  # 1/|y_i| sum_t, for the group metrics
     if ref_logp is not None and kl_coef > 0:  # k3: pi_ref/pi - log(pi_ref/pi) - 1 >= 0
@@ -149,7 +156,8 @@ def main():
     reward = load_reward(args.reward, args.reward_timeout, args.reward_weights,
                          args.reward_fail_steps)  # a bad --reward fails here too
     dist_env = setup_distributed(args.seed)
-    check_model(args.model, args.trust_remote_code, args.gen_mode)
+    check_model(args.model, args.trust_remote_code, args.gen_mode, args.old_logp,
+                args.rollout_is_cap, args.routing_replay)
     script = os.path.basename(__file__)
     run_dir, ckpt = run_paths(args, dist_env, script)  # a fresh run, or the checkpoint to resume
     tok = load_tokenizer(args.model, args.trust_remote_code)
@@ -165,6 +173,7 @@ def main():
     policy = wrap_policy(lm, dist_env, args.temperature, args.logprob_chunk_tokens,
                          args.activation_checkpointing, args.dtype, args.cpu_offload, rank0_weights)
     ref = reference_policy(args, tok, dist_env, policy)  # the KL's initial model (or none)
+    routes = moe.track(lm, args.routing_replay)  # MoE: the router tape (None: a dense model)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
     scheduler = lr_scheduler(optimizer, args)
@@ -178,7 +187,8 @@ def main():
               f"world size {dist_env.world}; logs: tensorboard --logdir {args.output_dir}")
     gen_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   top_p=args.top_p, top_k=args.top_k, gen_batch_size=args.gen_batch_size,
-                  unshard=args.gen_unshard, mode=args.gen_mode, cuda_graphs=args.gen_cuda_graphs)
+                  unshard=args.gen_unshard, mode=args.gen_mode, cuda_graphs=args.gen_cuda_graphs,
+                  engine_dtype=args.gen_dtype)
     eval_kw = dict(gen_kw, k=args.eval_k, n=args.eval_n, reward=reward, **eval_sampling(args))
 
     def eval_now(step: int) -> bool:
@@ -222,16 +232,15 @@ def main():
         advantages = advantages.to(ids.device)
         minibatch_slices = minibatches(args.prompts_per_rank, args.group_size, args.num_minibatches)
 
-        # old log-probs: pi_old is the policy that generated the rollout (no grad); entropy for logs
+        # old log-probs: pi_old is the policy that generated the rollout (no grad), recomputed or
+        # as the engine sampled it (--old-logp); TIS weights (--rollout-is-cap); MoE: experts taped
         t = time.time()
         with torch.no_grad():
-            old = [policy(ids[minibatch], attention_mask[minibatch], n_prompt, entropy=True)
-                   for minibatch in minibatch_slices]
+            old_logp, is_weight, old_stats = old_log_probs(
+                policy, roll, minibatch_slices, args.old_logp, args.rollout_is_cap, routes)
             ref_logp = None if ref is None else torch.cat(
                 [ref(ids[minibatch], attention_mask[minibatch], n_prompt)
                  for minibatch in minibatch_slices])
-        old_logp = torch.cat([minibatch_logp for minibatch_logp, _ in old])
-        entropy = torch.cat([minibatch_entropy for _, minibatch_entropy in old])
 
         # ALGO LOGIC: num_iterations (mu) passes of num_minibatches optimizer steps, each over whole
         # groups; old_logp stays pi_old's, so from the second update on the ratios move off 1
@@ -248,7 +257,8 @@ def main():
             seq_terms = []  # each sequence's m_i = w_i A_i, for the group metrics
             first_token_grads = []  # d loss / d logp at each sequence's first completion token
             for micro in micro_batches(minibatch, args.micro_batch_size):  # gradient accumulation
-                logp = policy(ids[micro], attention_mask[micro], n_prompt)
+                with moe.replaying(routes, micro):  # MoE: flips counted; --routing-replay
+                    logp = policy(ids[micro], attention_mask[micro], n_prompt)
                 logp.retain_grad()  # d loss / d logp: the shared-token coefficient
                 loss, terms, loss_stats = grpo_loss(
                     logp, old_logp[micro], advantages[micro], mask[micro],
@@ -256,12 +266,14 @@ def main():
                     symmetric_clip=args.symmetric_clip,
                     ref_logp=None if ref is None else ref_logp[micro], kl_coef=args.kl_coef,
                     kl_ratio=args.kl_ratio_correction,
-                    loss_agg=args.loss_agg, max_new_tokens=args.max_new_tokens, norm=norm)
+                    loss_agg=args.loss_agg, max_new_tokens=args.max_new_tokens, norm=norm,
+                    is_weight=None if is_weight is None else is_weight[micro])
                 loss.backward()
                 seq_terms.append(terms)
                 first_token_grads.append(logp.grad[:, 0])
                 minibatch_loss = minibatch_loss + loss.detach()
-                micro_stats.append(loss_stats)
+                micro_stats.append({**loss_stats, **log_ratio_spread(
+                    logp, old_logp[micro], mask[micro], first=minibatch.start == 0)})
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
                 grad_norm = grad_norm.full_tensor()
@@ -312,7 +324,8 @@ def main():
             "charts/reward_errors": all_reduce(torch.tensor(float(reward_errors))).item(),
             **reward.metrics(),  # rewards/<name>/mean and /std, each --reward
             "losses/skipped_updates": skipped,
-            "losses/entropy": (all_reduce((entropy * roll["mask"]).sum()) / lengths.sum()).item(),
+            **old_stats,  # losses/entropy (recomputed pi_old), rollout_is/ (--rollout-is-cap)
+            **moe.stats(routes),  # moe/route_flip_frac (MoE models)
             "perf/gen_tokens_per_s": lengths.sum().item() / gen_time,
             "perf/train_tokens_per_s": tokens.item() / train_time,
             "perf/wall_time": time.time() - start,

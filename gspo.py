@@ -20,14 +20,16 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+import moe
 from checkpoint import (catch_stop_signals, claim_run_dir, cleanup, resume_state, run_paths,
                         save_checkpoint, stop_requested)
 from cli import (CommonArgs, check_common_args, default_learning_rate, default_max_new_tokens,
                  eval_sampling, parse_args)
 from common import (Logger, all_finite, check_model, eos_ids, eval_report, eval_summary, evaluate,
                     generate, group_advantages, group_metrics, jitter2, load_model, load_tokenizer,
-                    log_samples, logp_drift, lr_scheduler, micro_batches, minibatches,
-                    prompt_indices, reduce_stats, reference_policy, wrap_policy)
+                    log_ratio_spread, log_samples, logp_drift, lr_scheduler, micro_batches,
+                    minibatches, old_log_probs, prompt_indices, reduce_stats, reference_policy,
+                    wrap_policy)
 from data import load_task
 from distributed import all_gather_cat, all_reduce, fail, seed_rank, setup_distributed
 from grader import load_reward
@@ -111,7 +113,8 @@ def main():
     reward = load_reward(args.reward, args.reward_timeout, args.reward_weights,
                          args.reward_fail_steps)  # a bad --reward fails here too
     dist_env = setup_distributed(args.seed)
-    check_model(args.model, args.trust_remote_code, args.gen_mode)
+    check_model(args.model, args.trust_remote_code, args.gen_mode, args.old_logp,
+                args.rollout_is_cap, args.routing_replay)
     script = os.path.basename(__file__)
     run_dir, ckpt = run_paths(args, dist_env, script)  # a fresh run, or the checkpoint to resume
     tok = load_tokenizer(args.model, args.trust_remote_code)
@@ -127,6 +130,7 @@ def main():
     policy = wrap_policy(lm, dist_env, args.temperature, args.logprob_chunk_tokens,
                          args.activation_checkpointing, args.dtype, args.cpu_offload, rank0_weights)
     ref = reference_policy(args, tok, dist_env, policy)  # the KL's initial model (or none)
+    routes = moe.track(lm, args.routing_replay)  # MoE: the router tape (None: a dense model)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
     scheduler = lr_scheduler(optimizer, args)
@@ -140,7 +144,8 @@ def main():
               f"world size {dist_env.world}; logs: tensorboard --logdir {args.output_dir}")
     gen_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   top_p=args.top_p, top_k=args.top_k, gen_batch_size=args.gen_batch_size,
-                  unshard=args.gen_unshard, mode=args.gen_mode, cuda_graphs=args.gen_cuda_graphs)
+                  unshard=args.gen_unshard, mode=args.gen_mode, cuda_graphs=args.gen_cuda_graphs,
+                  engine_dtype=args.gen_dtype)
     eval_kw = dict(gen_kw, k=args.eval_k, n=args.eval_n, reward=reward, **eval_sampling(args))
 
     def eval_now(step: int) -> bool:
@@ -184,16 +189,15 @@ def main():
         advantages = advantages.to(ids.device)
         minibatch_slices = minibatches(args.prompts_per_rank, args.group_size, args.num_minibatches)
 
-        # old log-probs: pi_old is the policy that generated the rollout (no grad); entropy for logs
+        # old log-probs: pi_old is the policy that generated the rollout (no grad), recomputed or
+        # as the engine sampled it (--old-logp); TIS weights (--rollout-is-cap); MoE: experts taped
         t = time.time()
         with torch.no_grad():
-            old = [policy(ids[minibatch], attention_mask[minibatch], n_prompt, entropy=True)
-                   for minibatch in minibatch_slices]
+            old_logp, is_weight, old_stats = old_log_probs(
+                policy, roll, minibatch_slices, args.old_logp, args.rollout_is_cap, routes)
             ref_logp = None if ref is None else torch.cat(
                 [ref(ids[minibatch], attention_mask[minibatch], n_prompt)
                  for minibatch in minibatch_slices])
-        old_logp = torch.cat([minibatch_logp for minibatch_logp, _ in old])
-        entropy = torch.cat([minibatch_entropy for _, minibatch_entropy in old])
 
         # ALGO LOGIC: num_iterations (mu) passes of num_minibatches optimizer steps, each over whole
         # groups; old_logp stays pi_old's, so from the second update on the ratios move off 1
@@ -208,7 +212,8 @@ def main():
             seq_terms = []  # each sequence's m_i = w_i A_i, for the group metrics
             first_token_grads = []  # d loss / d logp at each sequence's first completion token
             for micro in micro_batches(minibatch, args.micro_batch_size):  # gradient accumulation
-                logp = policy(ids[micro], attention_mask[micro], n_prompt)
+                with moe.replaying(routes, micro):  # MoE: flips counted; --routing-replay
+                    logp = policy(ids[micro], attention_mask[micro], n_prompt)
                 logp.retain_grad()  # d loss / d logp: the shared-token coefficient
                 loss, terms, loss_stats = gspo_loss(
                     logp, old_logp[micro], advantages[micro], mask[micro],
@@ -220,7 +225,8 @@ def main():
                 seq_terms.append(terms)
                 first_token_grads.append(logp.grad[:, 0])
                 minibatch_loss = minibatch_loss + loss.detach()
-                micro_stats.append(loss_stats)
+                micro_stats.append({**loss_stats, **log_ratio_spread(
+                    logp, old_logp[micro], mask[micro], first=minibatch.start == 0)})
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
                 grad_norm = grad_norm.full_tensor()
@@ -271,7 +277,8 @@ def main():
             "charts/reward_errors": all_reduce(torch.tensor(float(reward_errors))).item(),
             **reward.metrics(),  # rewards/<name>/mean and /std, each --reward
             "losses/skipped_updates": skipped,
-            "losses/entropy": (all_reduce((entropy * roll["mask"]).sum()) / lengths.sum()).item(),
+            **old_stats,  # losses/entropy (recomputed pi_old), rollout_is/ (--rollout-is-cap)
+            **moe.stats(routes),  # moe/route_flip_frac (MoE models)
             "perf/gen_tokens_per_s": lengths.sum().item() / gen_time,
             "perf/train_tokens_per_s": tokens.item() / train_time,
             "perf/wall_time": time.time() - start,

@@ -20,19 +20,21 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from tqdm import tqdm
 
+import moe
 from checkpoint import (catch_stop_signals, claim_run_dir, cleanup, resume_state, run_paths,
                         save_checkpoint, stop_requested)
 from cli import (CommonArgs, check_common_args, check_float, default_learning_rate,
                  default_max_new_tokens, eval_sampling, parse_args)
 from common import (Logger, all_finite, check_model, eos_ids, eval_report, eval_summary, evaluate,
                     generate, group_advantages, group_metrics, jitter2, load_model, load_tokenizer,
-                    log_samples, logp_drift, lr_scheduler, micro_batches, minibatches,
-                    prompt_indices, reduce_stats, reference_policy, wrap_policy)
+                    log_ratio_spread, log_samples, logp_drift, lr_scheduler, micro_batches,
+                    minibatches, old_log_probs, prompt_indices, reduce_stats, reference_policy,
+                    wrap_policy)
 from data import load_task
 from distributed import all_gather_cat, all_reduce, fail, seed_rank, setup_distributed
 from grader import answer_span, load_reward
@@ -44,6 +46,7 @@ LossAgg = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"
 
 @dataclass
 class Args(CommonArgs):
+    token_terms: ClassVar[bool] = True  # the loss sums per-token terms: --rollout-is-cap applies
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of the run: logs and checkpoints go to {output_dir}/{exp_name}__{seed}__{unix time}"""
     # Algorithm-specific arguments (the flags every script shares: cli.CommonArgs)
@@ -63,9 +66,11 @@ class Args(CommonArgs):
 def gspo_token_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: float,
                     loss_agg: str = "seq-mean-token-mean", max_new_tokens: int | None = None,
                     ref_logp=None, kl_coef: float = 0.0, kl_ratio: bool = False,
-                    norm: float | None = None):
+                    norm: float | None = None, is_weight=None):
     """-J_GSPO-token over the minibatch. logp, old_logp, mask and advantages: [B, T] completion
     tokens. loss_agg: how token terms are summed and divided (see aggregate).
+    is_weight (--rollout-is-cap): [B, T] constant TIS weights min(pi_old / pi_rollout, C), each
+    multiplying its token's term (common.old_log_probs).
     ref_logp (with kl_coef = beta > 0): [B, T] log-probs of the reference model; each token's term
     gets - beta k3_it = - beta (pi_ref/pi - log(pi_ref/pi) - 1), summed by loss_agg as the
     objective's token terms are (the GSPO recipe uses no KL: beta = 0).
@@ -85,6 +90,8 @@ def gspo_token_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_h
     A = advantages  # A_it
     clipped_term = s_it.clamp(1 - clip_low, 1 + clip_high) * A
     per_token = torch.where(valid, torch.min(s_it * A, clipped_term), 0.0)  # the J(theta) term
+    if is_weight is not None:  # TIS: the token was drawn from pi_rollout, not pi_old
+        per_token = per_token * is_weight
     seq_terms = per_token.sum(1) / lengths  # 1/|y_i| sum_t, for the group metrics
     token_terms = per_token
     if ref_logp is not None and kl_coef > 0:  # k3: pi_ref/pi - log(pi_ref/pi) - 1 >= 0
@@ -177,7 +184,8 @@ def main():
     check_float("post-answer-penalty", args.post_answer_penalty, 0,
                 why=" (a negative one rewards text after the answer)")
     dist_env = setup_distributed(args.seed)
-    check_model(args.model, args.trust_remote_code, args.gen_mode)
+    check_model(args.model, args.trust_remote_code, args.gen_mode, args.old_logp,
+                args.rollout_is_cap, args.routing_replay)
     script = os.path.basename(__file__)
     run_dir, ckpt = run_paths(args, dist_env, script)  # a fresh run, or the checkpoint to resume
     tok = load_tokenizer(args.model, args.trust_remote_code)
@@ -193,6 +201,7 @@ def main():
     policy = wrap_policy(lm, dist_env, args.temperature, args.logprob_chunk_tokens,
                          args.activation_checkpointing, args.dtype, args.cpu_offload, rank0_weights)
     ref = reference_policy(args, tok, dist_env, policy)  # the KL's initial model (or none)
+    routes = moe.track(lm, args.routing_replay)  # MoE: the router tape (None: a dense model)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
     scheduler = lr_scheduler(optimizer, args)
@@ -206,7 +215,8 @@ def main():
               f"world size {dist_env.world}; logs: tensorboard --logdir {args.output_dir}")
     gen_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   top_p=args.top_p, top_k=args.top_k, gen_batch_size=args.gen_batch_size,
-                  unshard=args.gen_unshard, mode=args.gen_mode, cuda_graphs=args.gen_cuda_graphs)
+                  unshard=args.gen_unshard, mode=args.gen_mode, cuda_graphs=args.gen_cuda_graphs,
+                  engine_dtype=args.gen_dtype)
     eval_kw = dict(gen_kw, k=args.eval_k, n=args.eval_n, reward=reward, **eval_sampling(args))
 
     def eval_now(step: int) -> bool:
@@ -253,16 +263,15 @@ def main():
         after = post_answer_tokens(tok, ids[:, n_prompt:], roll["mask"], roll["texts"], eos)
         token_adv = (advantages[:, None] - args.post_answer_penalty * after.float()) * mask
 
-        # old log-probs: pi_old is the policy that generated the rollout (no grad); entropy for logs
+        # old log-probs: pi_old is the policy that generated the rollout (no grad), recomputed or
+        # as the engine sampled it (--old-logp); TIS weights (--rollout-is-cap); MoE: experts taped
         t = time.time()
         with torch.no_grad():
-            old = [policy(ids[minibatch], attention_mask[minibatch], n_prompt, entropy=True)
-                   for minibatch in minibatch_slices]
+            old_logp, is_weight, old_stats = old_log_probs(
+                policy, roll, minibatch_slices, args.old_logp, args.rollout_is_cap, routes)
             ref_logp = None if ref is None else torch.cat(
                 [ref(ids[minibatch], attention_mask[minibatch], n_prompt)
                  for minibatch in minibatch_slices])
-        old_logp = torch.cat([minibatch_logp for minibatch_logp, _ in old])
-        entropy = torch.cat([minibatch_entropy for _, minibatch_entropy in old])
 
         # ALGO LOGIC: num_iterations (mu) passes of num_minibatches optimizer steps, each over whole
         # groups; old_logp stays pi_old's, so from the second update on the ratios move off 1
@@ -279,7 +288,8 @@ def main():
             seq_terms = []  # each sequence's m_i = w_i A_i, for the group metrics
             first_token_grads = []  # d loss / d logp at each sequence's first completion token
             for micro in micro_batches(minibatch, args.micro_batch_size):  # gradient accumulation
-                logp = policy(ids[micro], attention_mask[micro], n_prompt)
+                with moe.replaying(routes, micro):  # MoE: flips counted; --routing-replay
+                    logp = policy(ids[micro], attention_mask[micro], n_prompt)
                 logp.retain_grad()  # d loss / d logp: the shared-token coefficient
                 loss, terms, loss_stats = gspo_token_loss(
                     logp, old_logp[micro], token_adv[micro], mask[micro],
@@ -287,12 +297,13 @@ def main():
                     max_new_tokens=args.max_new_tokens,
                     ref_logp=None if ref is None else ref_logp[micro], kl_coef=args.kl_coef,
                     kl_ratio=args.kl_ratio_correction,
-                    norm=norm)
+                    norm=norm, is_weight=None if is_weight is None else is_weight[micro])
                 loss.backward()
                 seq_terms.append(terms)
                 first_token_grads.append(logp.grad[:, 0])
                 minibatch_loss = minibatch_loss + loss.detach()
-                micro_stats.append(loss_stats)
+                micro_stats.append({**loss_stats, **log_ratio_spread(
+                    logp, old_logp[micro], mask[micro], first=minibatch.start == 0)})
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
                 grad_norm = grad_norm.full_tensor()
@@ -345,7 +356,8 @@ def main():
             "losses/skipped_updates": skipped,
             "charts/post_answer_frac": (all_gather_cat(after.sum().view(1).float()).sum()
                                         / lengths.sum()).item(),
-            "losses/entropy": (all_reduce((entropy * roll["mask"]).sum()) / lengths.sum()).item(),
+            **old_stats,  # losses/entropy (recomputed pi_old), rollout_is/ (--rollout-is-cap)
+            **moe.stats(routes),  # moe/route_flip_frac (MoE models)
             "perf/gen_tokens_per_s": lengths.sum().item() / gen_time,
             "perf/train_tokens_per_s": tokens.item() / train_time,
             "perf/wall_time": time.time() - start,

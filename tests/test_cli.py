@@ -41,6 +41,13 @@ def bad_dataset(tmp_path):
     (["--warmup-frac", "1.5"], "--warmup-frac 1.5: must lie in [0, 1)"),
     (["--max-prompt-tokens", "5"], "no usable rows (dropped 0 without an answer, 4160 over --max-prompt-tokens 5)"),
     (["--max-nonfinite", "0"], "--max-nonfinite 0: must be >= 1"),
+    # issue 36: flags that need the engine's sampled log-probs, or an MoE model
+    (["--old-logp", "rollout"], "--old-logp rollout reads the log-probs the engine computes as it samples; "
+                                "--gen-mode shared-prefill (HF generate) returns none"),
+    (["--old-logp", "rollout", "--gen-mode", "engine", "--model", "tiny-moe"],
+     "--model tiny-moe: HF generate runs in its place for model_type 'qwen3_moe'"),
+    (["--routing-replay"], "--routing-replay forces the old pass's experts in each Mixture-of-Experts layer; "
+                           "--model tiny (qwen3) is dense: drop it"),
 ])
 def test_bad_input_fails_before_any_model(script, argv, needle, monkeypatch, tmp_path):
     fails_before_any_model(script, argv, needle, monkeypatch, tmp_path)
@@ -60,6 +67,7 @@ BAD_FLAGS = [  # every one fails in check_common_args: before the tokenizer, the
     (["--output-dir", "FILE/runs"], "afile is a file, not a folder"),
     (["--output-dir", "/proc/1/runs"], "--output-dir /proc/1/runs: /proc/1 is not writable"),
     (["--exp-name", "../../x"], "--exp-name '../../x': must be one folder name"),
+    (["--gen-dtype", "bf16"], "--gen-dtype bf16 sets the engine's dtype; --gen-mode shared-prefill runs HF generate"),
     (["--dataset", "nosuchset"], "--dataset 'nosuchset': unknown"),
     (["--data-files", "x.jsonl"], "--dataset builtin would ignore it: drop it"),
     # non-finite and out-of-range floats (issue 27): each would load the model, then skip every update or crash
@@ -134,6 +142,17 @@ def test_grpo_kl_coef(value, shown, monkeypatch, tmp_path):
     ("gspo_token", ["--post-answer-penalty", "-1"], "--post-answer-penalty -1.0: must be >= 0 and finite"),
     ("gspo_token", ["--post-answer-penalty", "nan"], "--post-answer-penalty nan: must be >= 0 and finite"),
     ("gspo_token", ["--post-answer-penalty", "inf"], "--post-answer-penalty inf: must be >= 0 and finite"),
+    ("grpo", ["--rollout-is-cap", "0"], "--rollout-is-cap 0.0: must be > 0 and finite"),
+    ("gspo_token", ["--rollout-is-cap", "-2"], "--rollout-is-cap -2.0: must be > 0 and finite"),
+    ("grpo", ["--rollout-is-cap", "nan"], "--rollout-is-cap nan: must be > 0 and finite"),
+    ("gspo", ["--rollout-is-cap", "2", "--gen-mode", "engine"],
+     "--rollout-is-cap 2.0: weights each token's term, and this script's loss is one term a sequence"),
+    ("dfpo", ["--rollout-is-cap", "2", "--gen-mode", "engine"],
+     "--rollout-is-cap 2.0: weights each token's term, and this script's loss is one term a sequence"),
+    ("grpo", ["--rollout-is-cap", "2", "--old-logp", "rollout", "--gen-mode", "engine"],
+     "--rollout-is-cap 2.0 weights by pi_old / pi_rollout, and --old-logp rollout makes pi_old the rollout's own"),
+    ("grpo", ["--rollout-is-cap", "2"], "--rollout-is-cap reads the log-probs the engine computes as it samples; "
+                                        "--gen-mode shared-prefill (HF generate) returns none"),
 ])
 def test_bad_algorithm_args(script, argv, needle, monkeypatch, tmp_path):
     fails_before_any_model(script, argv, needle, monkeypatch, tmp_path)
@@ -251,7 +270,8 @@ def test_every_arg_documented(script):
         src = open(path).read()
         body = src[src.index(cls):src.index("\n\n\n", src.index(cls))].splitlines()
         fields = [i for i, line in enumerate(body)
-                  if ": " in line and "=" in line and not line.strip().startswith(('"', "#"))]
+                  if ": " in line and "=" in line and not line.strip().startswith(('"', "#"))
+                  and "ClassVar[" not in line]  # a class constant (token_terms), not a flag
         assert all(body[i + 1].strip().startswith('"""') for i in fields)  # a docstring under every field
         names |= {body[i].split(":")[0].strip() for i in fields}
     assert names == {f.name for f in dataclasses.fields(mod.Args)}  # every field is one of the two classes'

@@ -178,7 +178,7 @@ def test_script_micro_batching_logs_the_same_gradient(script, extra, monkeypatch
                                out)[0][0])
     for row in rows[1:]:
         for key in ("losses/grad_norm", "losses/policy_loss", "losses/ratio_mean", "losses/asym", "losses/shared_coef",
-                    "losses/clipfrac", "losses/clipfrac_seq", "losses/approx_kl"):
+                    "losses/clipfrac", "losses/clipfrac_seq", "losses/approx_kl", "losses/log_ratio_var_later"):
             assert row[key] == pytest.approx(rows[0][key], rel=1e-5, abs=1e-7), key
         assert row["charts/reward_mean"] == rows[0]["charts/reward_mean"]
     assert rows[0]["losses/grad_norm"] > 0 and rows[0]["losses/asym"] > 0

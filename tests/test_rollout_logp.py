@@ -1,0 +1,116 @@
+"""--old-logp rollout and --rollout-is-cap (issue 36 item 1): the TIS weight and its logs against their hand
+computation in float64, the weighted GRPO and GSPO-token losses and gradients by hand, and, with the engine decoding
+in the trainer's dtype (fp32 on the CPU), both options equal to the recomputed run to float tolerance."""
+import glob
+import math
+
+import pytest
+import torch
+
+import common
+from test_train import run_script
+
+# two completions of 3 tokens, the second with 2 (its third position is padding)
+OLD = [[-1.0, -2.0, -0.5], [-0.3, -0.7, 0.0]]  # pi_old as the training forward computes it
+ROLL = [[-1.5, -1.0, -0.5 - math.log(3)], [-0.3, -0.7 - math.log(2.5), 5.0]]  # pi_rollout as the engine sampled
+MASK = [[1, 1, 1], [1, 1, 0]]
+CAP = 2.0
+# min(pi_old / pi_rollout, C), token by token: e^0.5, e^-1, 3 -> 2; 1, 2.5 -> 2 (the padding: not counted)
+WEIGHTS = [math.exp(0.5), math.exp(-1.0), 2.0, 1.0, 2.0]
+
+
+class StubPolicy:
+    """The old pass's forward: rows of fixed log-probs and entropies (row r's ids are all r)."""
+
+    def __init__(self, logp, entropy):
+        self.logp, self.entropy = logp, entropy
+
+    def __call__(self, ids, attention_mask, n_prompt, entropy=False):
+        rows = ids[:, 0]
+        return self.logp[rows], self.entropy[rows]
+
+
+def rollout():
+    ids = torch.arange(2)[:, None].repeat(1, 5)  # 2 prompt + 3 completion positions
+    return {"input_ids": ids, "attention_mask": torch.ones(2, 5, dtype=torch.long), "n_prompt": 2,
+            "mask": torch.tensor(MASK, dtype=torch.float32), "logp": torch.tensor(ROLL)}
+
+
+def test_tis_weight_and_its_logs_by_hand():
+    entropy = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    policy = StubPolicy(torch.tensor(OLD), entropy)
+    roll = rollout()
+    old_logp, weight, stats = common.old_log_probs(policy, roll, [slice(0, 1), slice(1, 2)], "recompute", CAP)
+    assert torch.equal(old_logp, torch.tensor(OLD))
+    got = weight.double()[torch.tensor(MASK).bool()].tolist()
+    assert got == pytest.approx(WEIGHTS, rel=1e-6)
+    assert stats["rollout_is/weight_mean"] == pytest.approx(sum(WEIGHTS) / 5, rel=1e-6)
+    assert stats["rollout_is/capped_frac"] == pytest.approx(2 / 5)  # 3 and 2.5 are over C = 2
+    assert stats["losses/entropy"] == pytest.approx((1 + 2 + 3 + 4 + 5) / 5)
+    # no cap: no weight, the same pi_old; rollout: the engine's log-probs, no forward at all
+    assert common.old_log_probs(policy, roll, [slice(0, 2)], "recompute", None)[1] is None
+    none = StubPolicy(None, None)
+    logp, weight, stats = common.old_log_probs(none, roll, [slice(0, 2)], "rollout", None)
+    assert logp is roll["logp"] and weight is None and stats == {}
+
+
+@pytest.mark.parametrize("script", ["grpo", "gspo_token"])
+def test_tis_weight_multiplies_each_token_term(script):
+    """At pi = pi_old every ratio is 1 (inside the clip), so the objective is 1/B sum_i 1/|y_i| sum_t A_i v_it and
+    d loss / d log pi_it = -A_i v_it / (|y_i| B), v the TIS weights."""
+    import importlib
+
+    mod = importlib.import_module(script)
+    loss_fn = mod.grpo_loss if script == "grpo" else mod.gspo_token_loss
+    mask = torch.tensor(MASK, dtype=torch.float32)
+    v = torch.ones(2, 3)
+    v[mask.bool()] = torch.tensor(WEIGHTS, dtype=torch.float32)
+    A = torch.tensor([1.0, -1.0])
+    adv = A if script == "grpo" else A[:, None] * mask  # GSPO-token takes A_it
+    logp = torch.tensor(OLD, requires_grad=True)
+    loss, _, _ = loss_fn(logp, torch.tensor(OLD), adv, mask, clip_low=0.2, clip_high=0.27, is_weight=v)
+    loss.backward()
+    w = WEIGHTS
+    seq0, seq1 = (w[0] + w[1] + w[2]) / 3, -(w[3] + w[4]) / 2
+    assert loss.item() == pytest.approx(-(seq0 + seq1) / 2, rel=1e-6)
+    grad = [[-w[0] / 6, -w[1] / 6, -w[2] / 6], [w[3] / 4, w[4] / 4, 0.0]]
+    assert torch.allclose(logp.grad.double(), torch.tensor(grad, dtype=torch.float64), rtol=1e-6, atol=1e-9)
+
+
+KEYS = ["charts/reward_mean", "losses/policy_loss", "losses/clipfrac", "losses/ratio_mean", "losses/approx_kl",
+        "losses/grad_norm", "losses/asym"]
+
+
+@pytest.mark.parametrize("script, extra", [("gspo", ["--old-logp", "rollout"]), ("grpo", ["--old-logp", "rollout"]),
+                                           ("grpo", ["--rollout-is-cap", "2"])])
+def test_engine_logprobs_in_the_trainers_dtype_equal_the_recomputed_run(script, extra, monkeypatch, tmp_path):
+    """The engine decodes in fp32 on the CPU, as the trainer computes: pi_rollout = pi_old up to float error, so
+    taking pi_old from the rollout, or weighting by min(pi_old / pi_rollout, 2) ~ 1, changes no number beyond it."""
+    from transformers import AutoModelForCausalLM
+
+    import importlib
+
+    # a reward every group splits (the parity of the characters' codes): a gradient from the first step
+    monkeypatch.setattr(importlib.import_module(script), "score", lambda texts, *a: (
+        torch.tensor([float(sum(map(ord, t)) % 2) for t in texts]), 0))
+    argv = ["--num-steps", "1", "--prompts-per-rank", "4", "--num-minibatches", "2", "--eval-every", "0",
+            "--gen-mode", "engine", "--learning-rate", "1e-2", "--max-new-tokens", "4", "--log-samples", "0"]
+    base, base_dir = run_script(script, argv, monkeypatch, tmp_path / "recompute")
+    rows, run_dir = run_script(script, argv + extra, monkeypatch, tmp_path / "option")
+    assert all(r["losses/grad_norm"] > 0 and r["losses/approx_kl"] > 1e-7 for r in base)  # the ratios moved
+    for a, b in zip(base, rows):
+        for key in KEYS:
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (key, a[key], b[key])
+    if "--rollout-is-cap" in extra:
+        assert all(r["rollout_is/weight_mean"] == pytest.approx(1, abs=1e-5) for r in rows)
+        assert all(r["rollout_is/capped_frac"] == 0 for r in rows)
+    else:
+        assert "losses/entropy" in base[0] and "losses/entropy" not in rows[0]  # no old pass: no entropy
+        assert "gen/logp_drift" in base[0] and "gen/logp_drift" not in rows[0]  # pi_old is pi_rollout
+    (a,) = glob.glob(f"{base_dir}/step_1/model")
+    (b,) = glob.glob(f"{run_dir}/step_1/model")
+    pa = dict(AutoModelForCausalLM.from_pretrained(a).named_parameters())
+    pb = dict(AutoModelForCausalLM.from_pretrained(b).named_parameters())
+    # AdamW moves a weight by ~lr whatever its gradient's size: where a gradient is at float noise (~1e-9) the two
+    # runs' noise differs and so may those updates; the weights agree far inside one step (2 steps of 1e-2)
+    assert max((pa[n] - pb[n]).abs().max().item() for n in pa) < 1e-3

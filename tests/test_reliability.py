@@ -271,3 +271,41 @@ def test_sigterm_to_the_process_group_with_a_reward_in_flight_then_resume_is_bit
     (wa, ra), (wb, rb) = result(tmp_path / "straight"), result(tmp_path / "stopped")
     assert [r["step"] for r in rb] == [1, 2] and ra == rb and rb[0]["charts/reward_errors"] == 0
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+# issue 38 item 3: a --reward module is imported in a worker under a time bound, never in the trainer
+IMPORT_HOSTILE = {
+    "exits": "import sys\nsys.exit(0)\n",
+    "hard_exits": "import os\nos._exit(0)\n",
+    "hangs": "import threading\nthreading.Event().wait()\n",
+    "stray_thread": "import threading, time\nthreading.Thread(target=time.sleep, args=(20,), name='pool').start()\n"
+                    "def f(completion, answer):\n    return 1.0\n",
+}
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("exits", "importing 'imp38_exits' called sys.exit(0): a reward module must not exit at import"),
+    ("hard_exits", "importing 'imp38_hard_exits' ended the process (exit code 0, os._exit or a signal)"),
+    ("hangs", "importing 'imp38_hangs' did not finish in 2 s"),
+])
+def test_a_reward_module_that_exits_or_hangs_at_import_is_one_line(case, needle, tmp_path, monkeypatch):
+    (tmp_path / f"imp38_{case}.py").write_text(IMPORT_HOSTILE[case])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(grader, "IMPORT_TIMEOUT_S", 2.0)
+    with pytest.raises(SystemExit) as e:
+        grader.load_reward(f"imp38_{case}:f", 1.0)
+    assert needle in str(e.value) and f"imp38_{case}" not in sys.modules
+
+
+def test_a_reward_module_that_starts_a_thread_at_import_is_said_and_stays_out_of_the_trainer(
+        tmp_path, monkeypatch, capsys):
+    import threading
+
+    (tmp_path / "imp38_stray_thread.py").write_text(IMPORT_HOSTILE["stray_thread"])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reward = grader.load_reward("imp38_stray_thread:f", 5.0)
+    assert not [t for t in threading.enumerate() if t.name == "pool"]  # would keep python from exiting
+    assert "importing 'imp38_stray_thread' started a thread that is not a daemon (pool)" in capsys.readouterr().err
+    r, errors = rewards.score(["a"], ["1"], 1, reward, watch=False)  # the workers import it and grade
+    assert r.tolist() == [1.0] and errors == 0
+    reward.stop()

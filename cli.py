@@ -390,6 +390,7 @@ def check_common_args(args):
         fail("--system-prompt is empty: give the text of the system message, or drop it")
     check_float("kl-coef", args.kl_coef, 0, why=" (0: no KL penalty and no reference model)")
     check_run_name(args.output_dir, args.exp_name)
+    check_run_folder(args.output_dir, args.exp_name, args.seed)
 
 
 def check_lora_args(args):
@@ -435,3 +436,32 @@ def check_run_name(output_dir: str, exp_name: str):
         fail(f"--output-dir {output_dir}: {existing} is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         fail(f"--output-dir {output_dir}: {existing} is not writable")
+
+
+def check_run_folder(output_dir: str, exp_name: str, seed: int):
+    """A run folder, {exp_name}__{seed}__{unix time}, can be made under --output-dir: its name fits
+    the file system's limit on one name, and a folder can be created where --output-dir is (or
+    would be) made. os.access is not enough: root passes it on /proc and /sys, where no folder can
+    be made; so a folder is made and removed there."""
+    import tempfile
+    import time
+
+    existing = os.path.abspath(output_dir)
+    while not os.path.exists(existing):  # check_run_name found it a folder
+        existing = os.path.dirname(existing)
+    name = f"{exp_name}__{seed}__{int(time.time()) + 1}"
+    try:
+        limit = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    over = len(os.fsencode(name)) - limit
+    if over > 0:
+        fail(f"--exp-name {exp_name[:40]}...: the run folder's name ({{exp_name}}__{seed}__<time>) "
+             f"would have {len(os.fsencode(name))} bytes, over the {limit} this file system allows "
+             f"in one name: give an --exp-name of at most {len(os.fsencode(exp_name)) - over} "
+             "bytes")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write_check_", dir=existing))
+    except OSError as e:
+        fail(f"--output-dir {output_dir}: no folder can be made in {existing} ({e.strerror}): "
+             "give a folder on a writable disk")

@@ -309,3 +309,18 @@ def test_a_reward_module_that_starts_a_thread_at_import_is_said_and_stays_out_of
     r, errors = rewards.score(["a"], ["1"], 1, reward, watch=False)  # the workers import it and grade
     assert r.tolist() == [1.0] and errors == 0
     reward.stop()
+
+
+# issue 38 item 4: the last tracebacks are lines
+@pytest.mark.parametrize("argv, needle", [
+    (["--output-dir", "/proc/x"], "--output-dir /proc/x: no folder can be made in /proc"),
+    (["--output-dir", "/sys/x/y"], "--output-dir /sys/x/y: no folder can be made in /sys"),
+    (["--exp-name", "e" * 300], "over the 255 this file system allows in one name: give an --exp-name of at most 240"),
+])
+def test_run_folder_that_cannot_be_made_is_one_line(argv, needle, monkeypatch, tmp_path):
+    from test_cli import fails_before_any_model
+
+    if argv[0] == "--output-dir" and not os.path.isdir(argv[1].split("/x")[0]):
+        pytest.skip(f"no {argv[1].split('/x')[0]} here")
+    fails_before_any_model("gspo", argv, needle, monkeypatch, tmp_path)
+    assert os.listdir(tmp_path) == []  # the write check left nothing behind

@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 import torch
 import tyro
 
-from checkpoint import STEP_DIR
+from checkpoint import STEP_DIR, catch_startup_signals
 from data import check_dataset
 from distributed import fail, launched, main_process
 from lora import ALL_LINEAR, DEFAULT_ALPHA
@@ -391,6 +391,7 @@ def check_common_args(args):
     check_float("kl-coef", args.kl_coef, 0, why=" (0: no KL penalty and no reference model)")
     check_run_name(args.output_dir, args.exp_name)
     check_run_folder(args.output_dir, args.exp_name, args.seed)
+    catch_startup_signals()  # SIGINT, SIGTERM from here to the first step: one line
 
 
 def check_lora_args(args):

@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from checkpoint import is_checkpoint, load_masters, masters_files, state_dir
+from checkpoint import (is_checkpoint, load_masters, masters_files, model_folder_problem,
+                        state_dir, writing)
 from distributed import (Dist, Refused, all_gather_cat, all_reduce, fail, main_process, on_rank0,
                          seed_everything)
 from grader import Reward
@@ -106,6 +107,8 @@ def check_model(name: str, trust_remote_code: bool, gen_mode: str = "shared-pref
         export = os.path.join(name, "model")
         fail(f"--model {name!r}: a checkpoint folder; give its model, {export} (or continue the "
              f"run with --resume {name})")
+    if looks_local and (problem := model_folder_problem(os.path.expanduser(name))) is not None:
+        fail(f"--model {name!r}: {problem}")
     from transformers import AutoConfig
 
     try:
@@ -858,7 +861,7 @@ class Logger:
     rewritten into a new file that replaces the old one whole."""
 
     def __init__(self, run_dir: str, d: Dist, args, first_step: int = 1):
-        self.d, self.writer = d, None
+        self.d, self.writer, self.run_dir = d, None, run_dir
         # a bad metrics.jsonl stops every rank
         on_rank0(lambda: self._open(run_dir, args, first_step), d)
 
@@ -884,11 +887,12 @@ class Logger:
             return
         # strict JSON: null, not NaN
         row = {k: v if math.isfinite(v) else None for k, v in scalars.items()}
-        for k, v in row.items():
-            if v is not None:
-                self.writer.add_scalar(k, v, step)
-        self.metrics.write(json.dumps({"step": step, **row}, allow_nan=False) + "\n")
-        self.metrics.flush()
+        with writing(self.run_dir, self.metrics.name):  # a full disk, a deleted run folder
+            for k, v in row.items():
+                if v is not None:
+                    self.writer.add_scalar(k, v, step)
+            self.metrics.write(json.dumps({"step": step, **row}, allow_nan=False) + "\n")
+            self.metrics.flush()
 
     def close(self):
         if self.d.main:
@@ -955,6 +959,7 @@ def log_samples(logger: Logger, run_dir: str, step: int, every: int, prompts, an
                          "advantage": advantages[i].item()})
             cell = texts[i].replace("|", "\\|").replace("\n", "<br>")
             md.append(f"| {rewards[i].item():.3f} | {advantages[i].item():+.3f} | {cell} |")
-    logger.writer.add_text("samples", "\n".join(md), step)
-    with open(path, "a") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+    with writing(run_dir, path):  # a full disk, a deleted run folder: one line
+        logger.writer.add_text("samples", "\n".join(md), step)
+        with open(path, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)

@@ -4,6 +4,8 @@ restoring a run's state, graceful stop on SIGTERM/SIGINT, and a run's end. Calle
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import errno
 import fcntl
 import glob
@@ -16,6 +18,7 @@ import shutil
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 
@@ -23,8 +26,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from distributed import (Dist, Refused, all_reduce, barrier, fail, main_process, on_rank0,
-                         seed_rank)
+from distributed import (ON_FAIL, Dist, Refused, all_reduce, barrier, fail, main_process,
+                         on_rank0, seed_rank)
 from lora import is_lora, save_lora
 
 
@@ -57,6 +60,9 @@ from lora import is_lora, save_lora
 STEP_DIR = re.compile(r"step_(\d+)$")
 MANIFEST = "manifest.json"
 MODEL, STATE = "model", "state"
+# a folder from_pretrained can read a tokenizer from holds one of these (model_folder_problem)
+TOKENIZER_FILES = {"tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json",
+                   "spiece.model", "vocab.txt"}
 HASH_BELOW = 16 << 20  # bytes: smaller files are hashed (trainer_state, configs, tokenizer)
 MASTERS = "masters_rank{}.safetensors"  # FSDP2: rank r's rows of the fp32 master weights
 BUFFER = "buffer:"  # rank 0's masters file also holds the buffers (rotary inv_freq), so prefixed
@@ -73,6 +79,57 @@ def is_checkpoint(path: str) -> bool:
     still is)."""
     return bool(STEP_DIR.match(os.path.basename(os.path.normpath(path)))) and os.path.isfile(
         os.path.join(path, MANIFEST))
+
+
+def weights_file_problem(path: str) -> str | None:
+    """Why a weights file cannot be loaded, from its header alone (no weight is read; the 16 bytes
+    to a few MB of a header at any model size), or None: a safetensors file whose header length,
+    header JSON or tensors' extent do not match its size (a truncated file, a damaged header); a
+    torch.save zip (.pt, .bin) whose central directory, at its end, does not read. A same-size
+    change inside the tensors is not seen (see the manifest's hashes above)."""
+    import zipfile
+
+    size = os.path.getsize(path)
+    if path.endswith(".safetensors"):
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 or n > size - 8:
+                return f"its safetensors header claims {n} bytes, the file has {size}"
+            try:
+                header = json.loads(f.read(n))
+                end = max([v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"],
+                          default=0)
+            except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+                return "its safetensors header is not the JSON safetensors writes (damaged)"
+        if 8 + n + end != size:
+            return f"its tensors end at byte {8 + n + end}, the file has {size} (truncated)"
+    elif path.endswith((".pt", ".bin", ".pth")):
+        with open(path, "rb") as f:
+            zipped = f.read(2) == b"PK"  # torch.save's zip (older torch: a pickle, not checked)
+        if zipped:
+            try:
+                zipfile.ZipFile(path).close()  # reads the central directory
+            except (zipfile.BadZipFile, OSError, ValueError) as e:
+                return f"its zip (torch.save's format) does not read ({e})"
+    return None
+
+
+def model_folder_problem(folder: str) -> str | None:
+    """Why a local --model folder cannot be loaded, before any weight is read (None: it can): no
+    tokenizer (step_N/state holds training weights only), or a weights file whose header says it is
+    truncated or damaged (weights_file_problem)."""
+    names = os.listdir(folder)
+    if not set(names) & TOKENIZER_FILES:
+        where = (f"; its checkpoint's {os.path.join(os.path.dirname(folder), MODEL)} has one"
+                 if os.path.basename(os.path.normpath(folder)) == STATE else "")
+        return (f"no tokenizer ({', '.join(sorted(TOKENIZER_FILES))}){where}: give a folder "
+                "with the model's tokenizer, or copy its tokenizer files in")
+    for name in sorted(names):
+        problem = (weights_file_problem(os.path.join(folder, name))
+                   if name.endswith((".safetensors", ".bin", ".pt", ".pth")) else None)
+        if problem is not None:
+            return f"{name}: {problem}; copy or download it again"
+    return None
 
 
 def state_dir(ckpt: str) -> str:
@@ -145,8 +202,19 @@ def _check_listed(ckpt: str, files: dict) -> str | None:
     """Why the files a manifest lists are not there as written (None: they are): a listed file
     missing or of another size. A manifest that lists nothing, or not the training state, is no
     checkpoint's."""
-    if not isinstance(files, dict) or not files:
+    if not isinstance(files, dict):
+        return (f"{MANIFEST}'s 'files' is a {type(files).__name__}, not an object "
+                "{path: [size in bytes, sha256 or null]} (not written by a save)")
+    if not files:
         return f"{MANIFEST} lists no files (not written by a complete save)"
+    for name, entry in files.items():
+        if not name or os.path.isabs(name) or ".." in name.split("/"):
+            return (f"{MANIFEST}: the entry {name!r} is not a path inside the checkpoint folder "
+                    "(damaged, or not written by a save)")
+        if not (isinstance(entry, list) and len(entry) == 2 and type(entry[0]) is int
+                and entry[0] >= 0 and (entry[1] is None or isinstance(entry[1], str))):
+            return (f"{MANIFEST}: the entry of {name!r} is {json.dumps(entry)[:60]}, not "
+                    "[size in bytes, sha256 or null] (damaged, or not written by a save)")
     state = "trainer_state.json" if "trainer_state.json" in files else f"{STATE}/trainer_state.json"
     if state not in files:
         return f"{MANIFEST} does not list {STATE}/trainer_state.json (not a checkpoint's manifest)"
@@ -156,6 +224,10 @@ def _check_listed(ckpt: str, files: dict) -> str | None:
             return f"{name} is missing"
         if os.path.getsize(path) != size:
             return f"{name} has {os.path.getsize(path)} bytes, the manifest says {size}"
+    for name in files:  # a damaged header of a big file, which no hash covers: headers only
+        problem = weights_file_problem(os.path.join(ckpt, name))
+        if problem is not None:
+            return f"{name}: {problem}"
     return None
 
 
@@ -168,11 +240,15 @@ def verify_checkpoint(ckpt: str, d: Dist) -> str | None:
     if d.main:
         try:
             with open(os.path.join(ckpt, MANIFEST)) as f:
-                files = json.load(f)["files"]
+                manifest = json.load(f)
+            if not isinstance(manifest, dict) or "files" not in manifest:
+                raise ValueError("not an object {\"files\": {path: [size in bytes, sha256 or "
+                                 "null]}}")
+            files = manifest["files"]
             out[0] = _check_listed(ckpt, files)
             # older manifests hash every file: only the small ones are reread
-            out[1] = sorted(name for name, (size, digest) in files.items()
-                            if digest is not None and size < HASH_BELOW)
+            out[1] = [] if out[0] else sorted(name for name, (size, digest) in files.items()
+                                              if digest is not None and size < HASH_BELOW)
         except FileNotFoundError:
             out[0] = f"no {MANIFEST} (written before manifests, or never completed)"
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -311,6 +387,7 @@ def read_trainer_state(ckpt: str) -> dict:
 # kept for file systems that lock files but not folders (NFS turns flock into byte-range locks,
 # which a folder opened read-only cannot take).
 _run_lock = []  # rank 0's open run folder and writer.lock
+_fresh = []  # a fresh run folder this process made and has not logged into yet
 
 
 def claim_run_dir(run_dir: str, ckpt: str | None, d: Dist) -> str:
@@ -355,6 +432,8 @@ def _claim_run_dir(run_dir: str, ckpt: str | None) -> str:
                       f"{head}__{t}")
                 run_dir = f"{head}__{t}"
     release_run_dir()  # an earlier run in this process (tests call main() more than once)
+    if ckpt is None:  # made here: removed again if the run stops before it logs anything
+        _fresh.append(run_dir)
     path = os.path.join(run_dir, "writer.lock")
     folder = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
     locked = _lock(folder, run_dir, path)  # first: a refused writer leaves writer.lock as it is
@@ -509,8 +588,36 @@ def set_aside_logs(run_dir: str, aside: str, step: int) -> str:
 
 def release_run_dir():
     """Let go of the run folder's locks (the end of a run; process exit does the same)."""
+    _fresh.clear()
     while _run_lock:
         os.close(_run_lock.pop())
+
+
+# what a fresh run folder holds before the run logs its first row (the rest is the run's work)
+SET_UP_FILES = ("writer.lock", "args.json", "metrics.jsonl", "events.out.tfevents.")
+
+
+def remove_unused_run_dir():
+    """A run that stops (fail, an exception, a signal during start-up) after it made its fresh
+    folder and before it logged a row or saved a checkpoint leaves no folder behind: a folder of
+    nothing but its set-up files (SET_UP_FILES, metrics.jsonl empty) is removed. Called by
+    distributed.fail and at exit; a resumed run's folder is never touched."""
+    if not _fresh:
+        return
+    run_dir = _fresh.pop()
+    try:
+        names = os.listdir(run_dir)
+        used = any(not n.startswith(SET_UP_FILES) for n in names) or (
+            "metrics.jsonl" in names and os.path.getsize(os.path.join(run_dir, "metrics.jsonl")))
+    except OSError:
+        return
+    release_run_dir()
+    if not used:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+ON_FAIL.append(remove_unused_run_dir)
+atexit.register(remove_unused_run_dir)  # an exception or SystemExit that fail() did not raise
 
 
 def _rng_state(d: Dist) -> dict:
@@ -855,11 +962,16 @@ _NO_SPACE = ("unexpected pos", "No space left", "os error 28", "StorageFull", "D
 
 def _attempt(write, folder: str) -> str | None:
     """write(), or the one line that says why it failed: a full disk (ENOSPC, EDQUOT, or a short
-    write that torch or safetensors report in their own words) names the disk."""
+    write that torch or safetensors report in their own words) names the disk; a run folder
+    deleted mid-run is said (and not made again by the save's makedirs)."""
+    if not os.path.isdir(os.path.dirname(folder)):
+        return gone_line(os.path.dirname(folder), folder)
     try:
         write()
         return None
     except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others would wait
+        if not os.path.isdir(os.path.dirname(folder)):  # the run folder deleted mid-run
+            return gone_line(os.path.dirname(folder), folder)
         if (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
                 or any(s in str(e) for s in _NO_SPACE)):
             return no_space_line(folder)
@@ -868,7 +980,7 @@ def _attempt(write, folder: str) -> str | None:
         return f"cannot write the checkpoint {folder} (removed): {type(e).__name__}: {e}"
 
 
-def no_space_line(folder: str) -> str:
+def no_space_line(folder: str, removed: bool = True) -> str:
     """No space left on the disk holding folder: which disk, how much is free, what to do."""
     mount = os.path.abspath(folder)
     while not os.path.ismount(mount):
@@ -877,9 +989,34 @@ def no_space_line(folder: str) -> str:
         free = f"{shutil.disk_usage(mount).free / 2**30:.1f} GiB free"
     except OSError:
         free = "free space unknown"
-    return (f"no space left on the disk mounted at {mount} ({free}) while writing {folder} "
-            "(removed): free space there, then continue with --resume auto from the previous "
-            "checkpoint")
+    return (f"no space left on the disk mounted at {mount} ({free}) while writing {folder}"
+            f"{' (removed)' if removed else ''}: free space there, then continue with --resume "
+            "auto from the previous checkpoint")
+
+
+def gone_line(run_dir: str, what: str) -> str:
+    """The run folder deleted or moved while the run writes it."""
+    return (f"the run folder {run_dir} is gone (deleted or moved while the run wrote it) while "
+            f"writing {what}: nothing more can be logged or saved there; start the run again")
+
+
+@contextlib.contextmanager
+def writing(run_dir: str, path: str):
+    """Around a write of the logs (metrics.jsonl, samples.jsonl) into run_dir: a run folder that is
+    gone, or a write that fails (a full disk), stops the run with the save's one line, not a
+    traceback (a deleted folder's open metrics.jsonl would take every later row without an
+    error)."""
+    if not os.path.isdir(run_dir):
+        fail(gone_line(run_dir, path))
+    try:
+        yield
+    except OSError as e:
+        if not os.path.isdir(run_dir):
+            fail(gone_line(run_dir, path))
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            fail(no_space_line(path, removed=False))
+        fail(f"cannot write {path} ({e.strerror or e}): the run stops here; continue with "
+             "--resume auto from its last checkpoint once it can be written")
 
 
 def _or_stop(err: str | None, tmp: str, d: Dist):
@@ -906,6 +1043,23 @@ def _or_stop(err: str | None, tmp: str, d: Dist):
 _stop = {"signal": None, "at": 0.0, "handlers": {}}
 
 
+def catch_startup_signals():
+    """Until catch_stop_signals (the first step), SIGTERM or SIGINT stops the run in one line, not
+    a KeyboardInterrupt traceback or a silent exit, and a run folder made meanwhile is removed
+    (remove_unused_run_dir): there is nothing to save yet. Called where set-up starts
+    (cli.check_common_args)."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach that one
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        _stop["handlers"].setdefault(sig, signal.getsignal(sig))  # restored at the run's end
+        signal.signal(sig, _on_startup_signal)
+
+
+def _on_startup_signal(signum, frame):
+    fail(f"{signal.Signals(signum).name} during start-up, before the first step: stopped, nothing "
+         "was saved (start the run again)")
+
+
 def catch_stop_signals():
     """From here on, the first SIGTERM or SIGINT asks for a checkpoint at the end of the step
     (stop_requested)."""
@@ -924,6 +1078,10 @@ def _on_stop_signal(signum, frame):
     # os.write: safe inside a handler, unlike print
     os.write(2, f"\n{signal.Signals(signum).name}: stopping with a checkpoint at the end of this "
                 "step (a second signal exits at once)\n".encode())
+
+
+ON_FAIL.append(lambda: release_stop_signals() if threading.current_thread() is
+               threading.main_thread() else None)  # a run that fails gives its handlers back
 
 
 def stop_requested() -> bool:

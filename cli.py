@@ -17,7 +17,7 @@ from typing import Annotated, ClassVar, Literal
 import torch
 import tyro
 
-from checkpoint import STEP_DIR
+from checkpoint import STEP_DIR, catch_startup_signals
 from data import check_dataset
 from distributed import fail, launched, main_process
 from lora import ALL_LINEAR, DEFAULT_ALPHA
@@ -563,10 +563,12 @@ def check_common_args(args):
     if args.gen_dtype != "auto" and args.gen_mode not in ("engine", "engine-tp"):
         fail(f"--gen-dtype {args.gen_dtype} sets the engine's dtype; --gen-mode {args.gen_mode} runs "
              "HF generate in the trainer's: use --gen-mode engine, or drop it")
-    check_run_name(args.output_dir, args.exp_name)
     if args.track and importlib.util.find_spec("wandb") is None:
         fail("--track logs to Weights & Biases, which is not installed: pip install wandb "
              "(WANDB_MODE=offline logs without a network), or drop --track")
+    check_run_name(args.output_dir, args.exp_name)
+    check_run_folder(args.output_dir, args.exp_name, args.seed)
+    catch_startup_signals()  # SIGINT, SIGTERM from here to the first step: one line
 
 
 def check_rollout_args(args):
@@ -630,3 +632,32 @@ def check_run_name(output_dir: str, exp_name: str):
         fail(f"--output-dir {output_dir}: {existing} is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         fail(f"--output-dir {output_dir}: {existing} is not writable")
+
+
+def check_run_folder(output_dir: str, exp_name: str, seed: int):
+    """A run folder, {exp_name}__{seed}__{unix time}, can be made under --output-dir: its name fits
+    the file system's limit on one name, and a folder can be created where --output-dir is (or
+    would be) made. os.access is not enough: root passes it on /proc and /sys, where no folder can
+    be made; so a folder is made and removed there."""
+    import tempfile
+    import time
+
+    existing = os.path.abspath(output_dir)
+    while not os.path.exists(existing):  # check_run_name found it a folder
+        existing = os.path.dirname(existing)
+    name = f"{exp_name}__{seed}__{int(time.time()) + 1}"
+    try:
+        limit = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    over = len(os.fsencode(name)) - limit
+    if over > 0:
+        fail(f"--exp-name {exp_name[:40]}...: the run folder's name ({{exp_name}}__{seed}__<time>) "
+             f"would have {len(os.fsencode(name))} bytes, over the {limit} this file system allows "
+             f"in one name: give an --exp-name of at most {len(os.fsencode(exp_name)) - over} "
+             "bytes")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write_check_", dir=existing))
+    except OSError as e:
+        fail(f"--output-dir {output_dir}: no folder can be made in {existing} ({e.strerror}): "
+             "give a folder on a writable disk")

@@ -37,7 +37,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import moe
-from checkpoint import is_checkpoint, load_masters, masters_files, state_dir
+from checkpoint import (is_checkpoint, load_masters, masters_files, model_folder_problem,
+                        state_dir, writing)
 from distributed import (Dist, Refused, all_gather_cat, all_reduce, fail, main_process, on_rank0,
                          seed_everything)
 from grader import Reward
@@ -126,6 +127,8 @@ def check_model(name: str, trust_remote_code: bool, gen_mode: str = "shared-pref
              f"run with --resume {name})")
     if not looks_local:
         check_hub_model(name)
+    elif (problem := model_folder_problem(os.path.expanduser(name))) is not None:
+        fail(f"--model {name!r}: {problem}")
     from transformers import AutoConfig
 
     try:
@@ -993,7 +996,7 @@ class Logger:
     rewritten into a new file that replaces the old one whole."""
 
     def __init__(self, run_dir: str, d: Dist, args, first_step: int = 1):
-        self.d, self.writer, self.wandb = d, None, None
+        self.d, self.writer, self.wandb, self.run_dir = d, None, None, run_dir
         # a bad metrics.jsonl stops every rank
         on_rank0(lambda: self._open(run_dir, args, first_step), d)
 
@@ -1026,11 +1029,12 @@ class Logger:
             return
         # strict JSON: null, not NaN
         row = {k: v if math.isfinite(v) else None for k, v in scalars.items()}
-        for k, v in row.items():
-            if v is not None:
-                self.writer.add_scalar(k, v, step)
-        self.metrics.write(json.dumps({"step": step, **row}, allow_nan=False) + "\n")
-        self.metrics.flush()
+        with writing(self.run_dir, self.metrics.name):  # a full disk, a deleted run folder
+            for k, v in row.items():
+                if v is not None:
+                    self.writer.add_scalar(k, v, step)
+            self.metrics.write(json.dumps({"step": step, **row}, allow_nan=False) + "\n")
+            self.metrics.flush()
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in row.items() if v is not None}, step=step)
 
@@ -1101,6 +1105,7 @@ def log_samples(logger: Logger, run_dir: str, step: int, every: int, prompts, an
                          "advantage": advantages[i].item()})
             cell = texts[i].replace("|", "\\|").replace("\n", "<br>")
             md.append(f"| {rewards[i].item():.3f} | {advantages[i].item():+.3f} | {cell} |")
-    logger.writer.add_text("samples", "\n".join(md), step)
-    with open(path, "a") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+    with writing(run_dir, path):  # a full disk, a deleted run folder: one line
+        logger.writer.add_text("samples", "\n".join(md), step)
+        with open(path, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)

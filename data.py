@@ -292,6 +292,9 @@ def read_files(flag: str, spec: str, splits: bool = False):
     if os.path.isdir(spec):
         check_folder(flag, spec)
         paths, builder = [spec], None
+        for files in folder_formats(spec).values():
+            for name in files:
+                check_utf8(os.path.join(spec, name))
     else:
         paths = sorted(glob.glob(spec)) if glob.has_magic(spec) else [spec]
         if not paths or not all(os.path.isfile(p) for p in paths):
@@ -307,6 +310,7 @@ def read_files(flag: str, spec: str, splits: bool = False):
                 fail(f"{path}: empty file" + ("; write one JSON object a line, e.g. "
                                               "{\"prompt\": \"2+2=\", \"answer\": \"4\"}"
                                               if builder == "json" else ""))
+            check_utf8(path)
     level = datasets_logging.get_verbosity()
     datasets_logging.set_verbosity(datasets_logging.CRITICAL)  # its own error lines: ours is one
     try:
@@ -371,6 +375,21 @@ def check_folder(flag: str, folder: str):
     fail(f"{flag} {folder!r}: files of several formats ({listed}), of which `datasets` would read "
          "one format's and drop the others': give files of one format (move the others out, or "
          f"pass a glob of one, e.g. {os.path.join(folder, '*' + ext)!r})")
+
+
+def check_utf8(path: str):
+    """A text data file (JSON, JSON lines, CSV) is UTF-8, else one line naming its first line that
+    is not (which `datasets` reads into its columns and fails on, or not, at some later row);
+    binary formats (parquet, arrow) are not looked at. Read once, a line at a time."""
+    if not path.lower().endswith((".json", ".jsonl", ".csv")):
+        return
+    with open(path, "rb") as f:
+        for i, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                fail(f"{path}:{i}: byte 0x{line[e.start]:02x} at column {e.start + 1} is not UTF-8 "
+                     f"({e.reason}): save the file as UTF-8")
 
 
 def json_lines_error(path: str):

@@ -16,6 +16,9 @@ import torch.distributed as dist
 
 
 # -------------------- distributed set-up: torchrun, ranks, seeds, collectives, errors
+ON_FAIL = []  # functions fail() calls before the process stops
+
+
 def fail(msg: str):
     """Stop with one line on stderr that says what was wrong and what to do (no traceback). Under
     torchrun every rank exits with code 1 and rank 0 alone prints the line: a check that can fail
@@ -23,6 +26,8 @@ def fail(msg: str):
     line is printed once and no rank is left waiting. Once the process group exists the process
     leaves with os._exit, as cleanup() does, for the same reason."""
     main = main_process()
+    for hook in ON_FAIL:  # checkpoint.py's: a fresh run folder that holds nothing yet is removed
+        hook()
     # a progress bar on stderr's last line is ended first, so that the error starts a line of its own
     for bar in list(getattr(getattr(sys.modules.get("tqdm"), "tqdm", None), "_instances", ())):
         bar.close()

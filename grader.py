@@ -15,7 +15,7 @@ import time
 from fractions import Fraction
 
 from distributed import fail
-from reward_worker import make_math_verify
+from reward_worker import make_math_verify, probe, reward_form  # noqa: F401 - reward_form: API
 
 
 # -------------------- the math grader: answers read where models write them
@@ -518,6 +518,8 @@ def decide(pred: tuple[str, frozenset, frozenset], gold: tuple[str, frozenset, f
 GRADING_WORKERS = 2
 # seconds a worker may take to start (importing math-verify or the user's module)
 START_TIMEOUT_S = 120.0
+# a --reward module's import, in a worker before the run (_probe_in_worker): past this it hangs
+IMPORT_TIMEOUT_S = 60.0
 # the math grader's bound is in CPU seconds; a request past this many times it in wall seconds
 # (a worker that makes no progress) is stopped too
 WALL_FACTOR = 30.0
@@ -783,40 +785,6 @@ class Rewards(_Watched):
             reward.stop()
 
 
-def reward_form(fn) -> tuple[str, tuple, tuple, bool] | None:
-    """How a reward function is called, from its signature: ('pair', ...) for the project's
-    f(completion, answer) -> float (two positional arguments, none named 'completions' or
-    'prompts'); ('trl', params, required, more) for TRL's f(prompts, completions, **columns) ->
-    list[float | None] (a parameter 'completions' or 'prompts'; params: its named parameters,
-    required: those without a default, more: whether it takes **kwargs); ('verl', ...) likewise
-    for verl's compute_score(data_source, solution_str, ground_truth, extra_info) -> float or
-    {'score': float, ...} (parameters 'solution_str' and 'ground_truth'); None for none."""
-    import inspect
-
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return None
-    ps = sig.parameters
-    named = tuple(p.name for p in ps.values()
-                  if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
-    if "solution_str" in named and "ground_truth" in named:  # verl's compute_score, by keyword
-        if any(p.kind == p.POSITIONAL_ONLY for p in ps.values()):
-            return None
-        required = tuple(p.name for p in ps.values() if p.name in named and p.default is p.empty)
-        return "verl", named, required, any(p.kind == p.VAR_KEYWORD for p in ps.values())
-    if "completions" not in named and "prompts" not in named:
-        try:
-            sig.bind("completion", "answer")
-        except TypeError:
-            return None
-        return "pair", (), (), False
-    if any(p.kind == p.POSITIONAL_ONLY for p in ps.values()):
-        return None  # TRL passes every argument by name
-    required = tuple(p.name for p in ps.values() if p.name in named and p.default is p.empty)
-    return "trl", named, required, any(p.kind == p.VAR_KEYWORD for p in ps.values())
-
-
 def load_reward(spec: str | list[str] | None, timeout_s: float, weights: list[float] = (),
                 fail_steps: int = 0) -> Reward | Rewards:
     """--reward, --reward-timeout, --reward-weights and --reward-fail-steps, checked before any
@@ -850,7 +818,6 @@ def load_reward(spec: str | list[str] | None, timeout_s: float, weights: list[fl
 
 
 def _load_one(spec: str | None, timeout_s: float) -> Reward:
-    import importlib
     import importlib.util
 
     if spec is None:
@@ -863,24 +830,62 @@ def _load_one(spec: str | None, timeout_s: float) -> Reward:
              "function f(completion, answer) -> float in my_rewards.py")
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
-    try:
-        fn = getattr(importlib.import_module(module), name, None)
-    except ModuleNotFoundError as e:
-        fail(f"--reward {spec!r}: cannot import {e.name!r} (run from the folder of {module}.py or "
-             "add it to PYTHONPATH)")
-    except Exception as e:  # noqa: BLE001 - the user's module raised while it was imported
-        fail(f"--reward {spec!r}: importing {module!r} raised {type(e).__name__}: "
-             f"{e}".splitlines()[0])
-    if fn is None:
+    # imported in a worker, under a time bound: a module that exits, hangs or leaves a thread at
+    # import stops that process, not this one (one imported here already runs nothing on import)
+    found = probe(spec) if module in sys.modules else _probe_in_worker(spec, module)
+    if found.get("threads"):
+        print(f"warning: --reward {spec!r}: importing {module!r} started a thread that is not a "
+              f"daemon ({', '.join(found['threads'])}); the reward workers run it, the trainer "
+              "does not import the module: start it in the function, or as a daemon",
+              file=sys.stderr)
+    if "missing" in found:
+        fail(f"--reward {spec!r}: cannot import {found['missing']!r} (run from the folder of "
+             f"{module}.py or add it to PYTHONPATH)")
+    if "exited" in found:
+        fail(f"--reward {spec!r}: importing {module!r} called sys.exit({found['exited']}): a reward "
+             "module must not exit at import (put that under if __name__ == '__main__')")
+    if "raised" in found:
+        fail(f"--reward {spec!r}: importing {module!r} raised {found['raised']}")
+    if "absent" in found:
         fail(f"--reward {spec!r}: module {module!r} has no {name!r}")
-    if not callable(fn):
-        fail(f"--reward {spec!r}: {module}.{name} is a {type(fn).__name__}, not a function "
+    if "type" in found:
+        fail(f"--reward {spec!r}: {module}.{name} is a {found['type']}, not a function "
              "f(completion, answer)")
-    form = reward_form(fn)
+    form = found["form"]
     if form is None:
         fail(f"--reward {spec!r}: {module}.{name} fits none of f(completion, answer) -> float, "
              "TRL's f(prompts, completions, **columns) -> list[float | None] and verl's "
              "compute_score(data_source, solution_str, ground_truth, extra_info)")
     reward = Reward(spec, timeout_s, form[0])
-    reward.params, reward.required, reward.more = form[1:]
+    reward.params, reward.required, reward.more = (tuple(form[1]), tuple(form[2]), form[3])
     return reward
+
+
+def _probe_in_worker(spec: str, module: str) -> dict:
+    """reward_worker.probe(spec) in a worker process of its own, bounded by IMPORT_TIMEOUT_S; one
+    line when the import ends that process or does not finish."""
+    import subprocess
+
+    main = threading.current_thread() is threading.main_thread()
+    proc = subprocess.Popen([sys.executable, WORKER_FILE, json.dumps([os.getcwd(), *sys.path]),
+                             spec, "probe", str(os.getpid()), "1" if main else "0"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            env={**os.environ, IN_WORKER_ENV: "1"})
+    try:
+        out = proc.communicate(timeout=IMPORT_TIMEOUT_S)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        fail(f"--reward {spec!r}: importing {module!r} did not finish in {IMPORT_TIMEOUT_S:g} s "
+             "(it waits at import: on input, a lock, the network?): move that work into the "
+             "function, or out of the module")
+    for line in out.decode(errors="replace").splitlines()[::-1]:
+        try:
+            found = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(found, dict) and found.get("pid") == proc.pid:
+            return found
+    fail(f"--reward {spec!r}: importing {module!r} ended the process (exit code {proc.returncode}, "
+         "os._exit or a signal) before the function could be read: a reward module must not "
+         "exit at import (put that under if __name__ == '__main__')")

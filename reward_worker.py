@@ -1,6 +1,7 @@
 """The reward worker: one process that answers grading requests, one at a time, over pipes (JSON
 lines), for grader.Reward, which starts it as `python reward_worker.py PATH SPEC KIND PARENT
-DEATHSIG` and kills it past its time bound. SPEC empty: the math grader (math-verify, set up by
+DEATHSIG` and kills it past its time bound (KIND 'probe': once, before the run, to import a
+--reward module and say what is there, probe). SPEC empty: the math grader (math-verify, set up by
 make_math_verify); else 'module:function', a user's --reward function. Imports nothing of the
 project and nothing heavy, so that a worker starts in the time math-verify takes to import.
 
@@ -143,6 +144,67 @@ def load(spec: str):
     return make_math_verify()
 
 
+def reward_form(fn) -> tuple[str, tuple, tuple, bool] | None:
+    """How a reward function is called, from its signature: ('pair', ...) for the project's
+    f(completion, answer) -> float (two positional arguments, none named 'completions' or
+    'prompts'); ('trl', params, required, more) for TRL's f(prompts, completions, **columns) ->
+    list[float | None] (a parameter 'completions' or 'prompts'; params: its named parameters,
+    required: those without a default, more: whether it takes **kwargs); ('verl', ...) likewise
+    for verl's compute_score(data_source, solution_str, ground_truth, extra_info) -> float or
+    {'score': float, ...} (parameters 'solution_str' and 'ground_truth'); None for none."""
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    ps = sig.parameters
+    named = tuple(p.name for p in ps.values()
+                  if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    if "solution_str" in named and "ground_truth" in named:  # verl's compute_score, by keyword
+        if any(p.kind == p.POSITIONAL_ONLY for p in ps.values()):
+            return None
+        required = tuple(p.name for p in ps.values() if p.name in named and p.default is p.empty)
+        return "verl", named, required, any(p.kind == p.VAR_KEYWORD for p in ps.values())
+    if "completions" not in named and "prompts" not in named:
+        try:
+            sig.bind("completion", "answer")
+        except TypeError:
+            return None
+        return "pair", (), (), False
+    if any(p.kind == p.POSITIONAL_ONLY for p in ps.values()):
+        return None  # TRL passes every argument by name
+    required = tuple(p.name for p in ps.values() if p.name in named and p.default is p.empty)
+    return "trl", named, required, any(p.kind == p.VAR_KEYWORD for p in ps.values())
+
+
+def probe(spec: str) -> dict:
+    """What the trainer checks of a --reward 'module:function' before the run, found by importing
+    the module (in a worker of kind 'probe', so that a module that exits or hangs at import stops
+    that worker, not the trainer): {'missing': name} (a module that is not there), {'exited':
+    code} (sys.exit at import), {'raised': 'Type: message'}, {'absent': True} (no such name),
+    {'type': name} (not callable) or {'form': reward_form(fn)}; and 'threads', the names of the
+    threads that are not daemons which the import started (they would keep a process alive)."""
+    import importlib
+
+    module, name = spec.split(":")
+    before = set(threading.enumerate())
+    try:
+        fn = getattr(importlib.import_module(module), name, None)
+    except ModuleNotFoundError as e:
+        found = {"missing": e.name}
+    except SystemExit as e:
+        found = {"exited": str(e.code)}
+    except BaseException as e:  # noqa: BLE001 - whatever the module raised, said in one line
+        found = {"raised": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+    else:
+        found = ({"absent": True} if fn is None else {"type": type(fn).__name__}
+                 if not callable(fn) else {"form": reward_form(fn)})
+    found["threads"] = [t.name for t in threading.enumerate()
+                        if t not in before and not t.daemon and t.is_alive()]
+    return found
+
+
 def main(argv: list[str]):
     sys.path[:0] = json.loads(argv[0])
     spec, kind, parent, deathsig = argv[1], argv[2], int(argv[3]), argv[4] == "1"
@@ -176,8 +238,11 @@ def main(argv: list[str]):
             time.sleep(0.1)
         os._exit(0)  # reparented: the trainer died
 
-    threading.Thread(target=read, daemon=True).start()
     threading.Thread(target=watch, daemon=True).start()
+    if kind == "probe":  # import the module, say what is there, and leave (a stray thread too)
+        reply(**probe(spec))
+        os._exit(0)
+    threading.Thread(target=read, daemon=True).start()
     try:
         fn = load(spec)
     except BaseException as e:

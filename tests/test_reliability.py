@@ -10,6 +10,7 @@ import common
 import data
 import distributed
 import grader
+import checkpoint
 import rewards
 from conftest import ROOT
 from test_train import run_script
@@ -271,3 +272,262 @@ def test_sigterm_to_the_process_group_with_a_reward_in_flight_then_resume_is_bit
     (wa, ra), (wb, rb) = result(tmp_path / "straight"), result(tmp_path / "stopped")
     assert [r["step"] for r in rb] == [1, 2] and ra == rb and rb[0]["charts/reward_errors"] == 0
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+# issue 38 item 3: a --reward module is imported in a worker under a time bound, never in the trainer
+IMPORT_HOSTILE = {
+    "exits": "import sys\nsys.exit(0)\n",
+    "hard_exits": "import os\nos._exit(0)\n",
+    "hangs": "import threading\nthreading.Event().wait()\n",
+    "stray_thread": "import threading, time\nthreading.Thread(target=time.sleep, args=(20,), name='pool').start()\n"
+                    "def f(completion, answer):\n    return 1.0\n",
+}
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("exits", "importing 'imp38_exits' called sys.exit(0): a reward module must not exit at import"),
+    ("hard_exits", "importing 'imp38_hard_exits' ended the process (exit code 0, os._exit or a signal)"),
+    ("hangs", "importing 'imp38_hangs' did not finish in 2 s"),
+])
+def test_a_reward_module_that_exits_or_hangs_at_import_is_one_line(case, needle, tmp_path, monkeypatch):
+    (tmp_path / f"imp38_{case}.py").write_text(IMPORT_HOSTILE[case])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(grader, "IMPORT_TIMEOUT_S", 2.0)
+    with pytest.raises(SystemExit) as e:
+        grader.load_reward(f"imp38_{case}:f", 1.0)
+    assert needle in str(e.value) and f"imp38_{case}" not in sys.modules
+
+
+def test_a_reward_module_that_starts_a_thread_at_import_is_said_and_stays_out_of_the_trainer(
+        tmp_path, monkeypatch, capsys):
+    import threading
+
+    (tmp_path / "imp38_stray_thread.py").write_text(IMPORT_HOSTILE["stray_thread"])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reward = grader.load_reward("imp38_stray_thread:f", 5.0)
+    assert not [t for t in threading.enumerate() if t.name == "pool"]  # would keep python from exiting
+    assert "importing 'imp38_stray_thread' started a thread that is not a daemon (pool)" in capsys.readouterr().err
+    r, errors = rewards.score(["a"], ["1"], 1, reward, watch=False)  # the workers import it and grade
+    assert r.tolist() == [1.0] and errors == 0
+    reward.stop()
+
+
+# issue 38 item 4: the last tracebacks are lines
+@pytest.mark.parametrize("argv, needle", [
+    (["--output-dir", "/proc/x"], "--output-dir /proc/x: no folder can be made in /proc"),
+    (["--output-dir", "/sys/x/y"], "--output-dir /sys/x/y: no folder can be made in /sys"),
+    (["--exp-name", "e" * 300], "over the 255 this file system allows in one name: give an --exp-name of at most 240"),
+])
+def test_run_folder_that_cannot_be_made_is_one_line(argv, needle, monkeypatch, tmp_path):
+    from test_cli import fails_before_any_model
+
+    if argv[0] == "--output-dir" and not os.path.isdir(argv[1].split("/x")[0]):
+        pytest.skip(f"no {argv[1].split('/x')[0]} here")
+    fails_before_any_model("gspo", argv, needle, monkeypatch, tmp_path)
+    assert os.listdir(tmp_path) == []  # the write check left nothing behind
+
+
+def model_copy(src, dst, drop=(), damage=None):
+    import shutil
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(*drop))
+    if damage == "truncated":
+        os.truncate(f"{dst}/model.safetensors", os.path.getsize(f"{dst}/model.safetensors") // 2)
+    elif damage == "header":  # same size, the header's length field overwritten
+        with open(f"{dst}/model.safetensors", "r+b") as f:
+            f.write(b"\xff" * 8)
+    return str(dst)
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("no tokenizer", "no tokenizer (spiece.model, tokenizer.json, tokenizer.model, tokenizer_config.json, vocab.json"),
+    ("state", "no tokenizer (spiece.model, tokenizer.json, tokenizer.model, tokenizer_config.json, vocab.json, "
+              "vocab.txt); its checkpoint's"),
+    ("truncated", "model.safetensors: its tensors end at byte"),
+    ("header", "model.safetensors: its safetensors header claims 18446744073709551615 bytes, the file has"),
+])
+def test_a_model_folder_that_cannot_load_is_one_line(case, needle, tiny_dir, tmp_path, monkeypatch):
+    from test_cli import fails_before_any_model
+
+    tokenizer = ("tokenizer*", "chat_template*")
+    if case == "state":  # step_N/state: the training weights without a tokenizer, beside model/ which has one
+        model_copy(tiny_dir, tmp_path / "step_3" / "model")
+        folder = model_copy(tiny_dir, tmp_path / "step_3" / "state", drop=tokenizer)
+    else:
+        folder = model_copy(tiny_dir, tmp_path / "m", drop=tokenizer if case == "no tokenizer" else (),
+                            damage=case if case in ("truncated", "header") else None)
+    fails_before_any_model("gspo", ["--model", folder], f"--model '{folder}': {needle}", monkeypatch, tmp_path)
+
+
+@pytest.mark.parametrize("name, text, needle", [
+    ("bad.jsonl", b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+\xff=", "answer": "4"}\n',
+     "bad.jsonl:2: byte 0xff at column 15 is not UTF-8 (invalid start byte): save the file as UTF-8"),
+    ("bad.csv", b"prompt,answer\n1+1=,2\n2+2=,4\n\xe9t\xe9,5\n",
+     "bad.csv:4: byte 0xe9 at column 1 is not UTF-8 (invalid continuation byte): save the file as UTF-8"),
+    ("folder/bad.csv", b"prompt,answer\n1+1=,2\n2+2=,4\n\xe9t\xe9,5\n", "folder/bad.csv:4: byte 0xe9 at column 1"),
+])
+def test_a_byte_that_is_not_utf8_in_a_data_file_names_file_and_line(name, text, needle, tmp_path, monkeypatch):
+    from test_cli import fails_before_any_model
+
+    path = tmp_path / name
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(text)
+    dataset = str(path.parent) if name.startswith("folder/") else str(path)
+    fails_before_any_model("gspo", ["--dataset", dataset], needle, monkeypatch, tmp_path)
+
+
+def logger_at(run_dir):
+    import argparse
+
+    return common.Logger(str(run_dir), distributed.Dist(0, 1, torch.device("cpu")), argparse.Namespace(seed=1))
+
+
+def test_a_deleted_run_folder_or_a_full_disk_while_logging_is_the_saves_one_line(tmp_path):
+    import shutil
+
+    logger = logger_at(tmp_path / "run")
+    logger.log(1, {"charts/reward_mean": 0.5})
+    logger.writer.flush()  # tensorboard's thread has written step 1 (in a run: long before the next step)
+    shutil.rmtree(tmp_path / "run")  # the open metrics.jsonl would take every later row without an error
+    with pytest.raises(SystemExit) as e:
+        logger.log(2, {"charts/reward_mean": 0.5})
+    assert str(e.value) == (f"error: the run folder {tmp_path}/run is gone (deleted or moved while the run wrote it) "
+                            f"while writing {tmp_path}/run/metrics.jsonl: nothing more can be logged or saved there; "
+                            "start the run again")
+    with pytest.raises(SystemExit) as e:
+        common.log_samples(logger, str(tmp_path / "run"), 2, 1, ["p"], ["a"], ["c"], torch.ones(1), torch.ones(1), 1)
+    assert "is gone (deleted or moved while the run wrote it) while writing" in str(e.value)
+    logger = logger_at(tmp_path / "run2")
+    logger.metrics = open("/dev/full", "w")  # every write: ENOSPC
+    with pytest.raises(SystemExit) as e:
+        logger.log(1, {"charts/reward_mean": 0.5})
+    assert str(e.value).startswith("error: no space left on the disk mounted at /dev (") and str(e.value).endswith(
+        "while writing /dev/full: free space there, then continue with --resume auto from the previous checkpoint")
+    # the save: its folder is not made again in a deleted run folder
+    line = checkpoint._attempt(lambda: os.makedirs(tmp_path / "run" / ".tmp_step_2"), str(tmp_path / "run" / ".tmp_step_2"))
+    assert line.startswith(f"the run folder {tmp_path}/run is gone")
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A 1-step run with its step_1 (the tiny model), copied by the tests below."""
+    from test_checkpoint import SHORT
+
+    out = tmp_path_factory.mktemp("saved38")
+    mp = pytest.MonkeyPatch()
+    try:
+        _, run = run_script("gspo", [*SHORT, "--num-steps", "1"], mp, out)
+    finally:
+        mp.undo()
+    return run
+
+
+def damaged(path, where):
+    """Same size, a damaged header (a safetensors file's first bytes) or zip central directory (its last)."""
+    data = bytearray(open(path, "rb").read())
+    if where == "header":
+        data[:8] = (len(data) - 4).to_bytes(8, "little")  # a header longer than the file
+    else:
+        data[-22:-18] = b"\0\0\0\0"  # the end-of-central-directory record's signature
+    open(path, "wb").write(bytes(data))
+
+
+@pytest.mark.parametrize("name, where, reason", [
+    ("state/model.safetensors", "header", "state/model.safetensors: its safetensors header claims"),
+    ("model/model.safetensors", "header", "model/model.safetensors: its safetensors header claims"),
+    ("state/rank0.pt", "zip", "state/rank0.pt: its zip (torch.save's format) does not read (File is not a zip file)"),
+])
+def test_a_damaged_header_of_a_big_file_makes_resume_auto_take_the_previous_checkpoint(
+        name, where, reason, saved_run, tmp_path, monkeypatch, capsys):
+    """Big files are not hashed; a same-size damaged header or zip is still caught by reading headers alone, and
+    --resume auto falls back to the checkpoint before, in one line."""
+    import shutil
+
+    from test_checkpoint import SHORT
+
+    run = tmp_path / "runs" / os.path.basename(saved_run)
+    shutil.copytree(saved_run, run)
+    shutil.copytree(run / "step_1", run / "step_2")
+    state = run / "step_2" / "state" / "trainer_state.json"
+    state.write_text(state.read_text().replace('"step": 1', '"step": 2'))
+    checkpoint.write_manifest(str(run / "step_2"))
+    monkeypatch.setattr(checkpoint, "HASH_BELOW", 1000)  # the tiny model's weights count as big here
+    checkpoint.write_manifest(str(run / "step_2"))
+    damaged(run / "step_2" / name, where)
+    assert checkpoint.verify_checkpoint(str(run / "step_2"), D).startswith(reason)
+    monkeypatch.setattr(sys, "argv", ["gspo.py", *SHORT, "--num-steps", "1", "--resume", "auto", "--output-dir",
+                                      str(tmp_path / "runs")])
+    import gspo
+
+    with pytest.raises(SystemExit) as e:  # step_1 is at --num-steps 1: nothing to do
+        gspo.main()
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and f"--resume auto: skipping {run}/step_2: {reason}" in out
+    assert f"resuming {run}/step_1 (step 1)" in out
+
+
+@pytest.mark.parametrize("manifest, reason", [
+    ({"files": {"state/trainer_state.json": 5}}, "manifest.json: the entry of 'state/trainer_state.json' is 5, not "
+                                                  "[size in bytes, sha256 or null] (damaged, or not written by a save)"),
+    ({"files": {"state/trainer_state.json": [5, 7]}}, "the entry of 'state/trainer_state.json' is [5, 7], not [size"),
+    ({"files": {"state/trainer_state.json": ["5", None]}}, "the entry of 'state/trainer_state.json' is [\"5\", null]"),
+    ({"files": {"../trainer_state.json": [5, None]}}, "manifest.json: the entry '../trainer_state.json' is not a path "
+                                                      "inside the checkpoint folder"),
+    ({"files": [["state/trainer_state.json", 5]]}, "manifest.json's 'files' is a list, not an object {path: [size"),
+    ([1, 2], "manifest.json cannot be read (ValueError: not an object {\"files\": {path: [size in bytes, sha256 or "
+             "null]}})"),
+])
+def test_a_malformed_manifest_names_the_entry_and_what_it_should_be(manifest, reason, tmp_path):
+    import json
+
+    ckpt = tmp_path / "step_2"
+    ckpt.mkdir()
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    assert reason in checkpoint.verify_checkpoint(str(ckpt), D)
+
+
+D = distributed.Dist(0, 1, torch.device("cpu"))
+
+
+def test_a_run_that_fails_after_claiming_its_folder_leaves_no_folder(monkeypatch, tmp_path):
+    import gspo
+
+    monkeypatch.setattr(gspo, "load_model", lambda *a, **k: distributed.fail("the model is broken"))
+    monkeypatch.setattr(sys, "argv", ["gspo.py", "--output-dir", str(tmp_path / "runs")])
+    claimed = []
+    real = gspo.claim_run_dir
+    monkeypatch.setattr(gspo, "claim_run_dir", lambda *a: claimed.append(real(*a)) or claimed[-1])
+    with pytest.raises(SystemExit) as e:
+        gspo.main()
+    assert str(e.value) == "error: the model is broken" and claimed and os.listdir(tmp_path / "runs") == []
+
+
+STARTUP = """import sys, time
+sys.path.insert(0, {root!r})
+sys.argv = ["gspo.py", "--output-dir", {out!r}, "--num-steps", "1"]
+import gspo
+def slow(*a, **k):
+    print("{where}", flush=True)
+    time.sleep(60)
+gspo.{patched} = slow
+gspo.main()
+"""
+
+
+@pytest.mark.parametrize("sig, patched", [("SIGTERM", "load_model"), ("SIGINT", "load_tokenizer")])
+def test_a_signal_during_start_up_is_one_line_and_leaves_no_run_folder(sig, patched, tmp_path):
+    """load_model: after the run folder was made; load_tokenizer: before."""
+    import subprocess
+    import time
+
+    script = tmp_path / "start.py"
+    script.write_text(STARTUP.format(root=ROOT, out=str(tmp_path / "runs"), where="waiting", patched=patched))
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline() == "waiting\n"
+    assert os.path.isdir(tmp_path / "runs") == (patched == "load_model")
+    time.sleep(0.2)
+    p.send_signal(getattr(signal, sig))
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 1 and err == (f"error: {sig} during start-up, before the first step: stopped, nothing "
+                                         "was saved (start the run again)\n"), err
+    assert not os.path.exists(tmp_path / "runs") or os.listdir(tmp_path / "runs") == []

@@ -5,6 +5,7 @@ import importlib
 import importlib.util
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -178,10 +179,14 @@ def fails_before_any_model(script, argv, needle, monkeypatch, tmp_path):
 
 
 def test_error_is_one_line_on_stderr(tmp_path):
-    t = time.time()
+    """Before any heavy work: the child's CPU time (not the wall clock, which a loaded machine stretches) stays
+    under 5 s, about the imports; loading a model or data would add to it."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     p = subprocess.run([sys.executable, "gspo.py", "--top-k", "-5", "--output-dir", str(tmp_path / "runs")], cwd=ROOT,
                        capture_output=True, text=True)
-    assert time.time() - t < 5 and not (tmp_path / "runs").exists()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    assert cpu < 5 and not (tmp_path / "runs").exists(), cpu
     assert p.returncode == 1 and p.stdout == ""
     assert p.stderr.strip().count("\n") == 0 and p.stderr.startswith("error: --top-k -5")
 
@@ -374,7 +379,7 @@ def test_hub_model_offline_fails_in_one_line_within_seconds(env, line, monkeypat
     t = time.monotonic()
     with pytest.raises(SystemExit) as e:
         common.check_model("SomeOrg/not-cached-37", False)
-    assert time.monotonic() - t < 5
+    assert time.monotonic() - t < 20  # generous for a loaded machine; the retries it avoids take ~30 s
     assert e.value.code == f"error: {line}"
 
 

@@ -927,7 +927,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def evaluate(policy, tok, held, eos, d: Dist, *, k: int, n: int | None = None,
              reward: Reward | None = None, max_new_tokens: int, temperature: float, top_p: float,
              top_k: int, gen_batch_size: int, unshard: bool = False,
-             mode: str = "shared-prefill", cuda_graphs: bool = True) -> dict:
+             mode: str = "shared-prefill", cuda_graphs: bool = True,
+             engine_dtype: str = "auto") -> dict:
     """Over the held-out prompts (each rank an equal share), from n >= k samples a prompt (n
     defaults to k): avg@k, the mean accuracy of the n samples (an unbiased estimate of the mean
     accuracy of k samples, the DFPO paper's metric), and pass@k, the mean over prompts of the
@@ -946,7 +947,7 @@ def evaluate(policy, tok, held, eos, d: Dist, *, k: int, n: int | None = None,
         out = generate(policy, tok, part["text"], n, eos, d, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_p=top_p, top_k=top_k,
                        gen_batch_size=gen_batch_size, unshard=unshard, mode=mode,
-                       cuda_graphs=cuda_graphs)
+                       cuda_graphs=cuda_graphs, engine_dtype=engine_dtype)
         part_r, part_errors = score(out["texts"], part, n, reward, watch=False)
         r, errors = torch.cat([r, part_r]), errors + part_errors
     r = r.view(-1, n)

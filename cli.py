@@ -224,8 +224,8 @@ class CommonArgs:
     """multiply each token's k3 by the script's importance ratio (w_it, or s_i), as TRL's
     use_bias_correction_kl does (DeepSeek-V3.2): the KL of pi_theta, not pi_old, to pi_ref"""
     track: bool = False
-    """log to Weights & Biases too, as CleanRL's --track (needs `pip install wandb`; WANDB_MODE=offline
-    logs without a network), the same keys as tensorboard and metrics.jsonl"""
+    """log to Weights & Biases too, as CleanRL's --track (needs `pip install wandb`;
+    WANDB_MODE=offline logs without a network), the same keys as tensorboard and metrics.jsonl"""
     wandb_project: str = "group-rl"
     """--track: the W&B project"""
     wandb_entity: str | None = None
@@ -275,7 +275,8 @@ TRL_FLAGS = {
     "model_name_or_path": "use --model",
     "dataset_name": "use --dataset",
     "bf16": "use --dtype bf16",
-    "report_to": "use --track for Weights & Biases (tensorboard and metrics.jsonl are always written)",
+    "report_to": "use --track for Weights & Biases (tensorboard and metrics.jsonl are always "
+                 "written)",
     "logging_steps": "every step is logged",
 }
 # verl's trainer config keys (hydra overrides key=value): what to give here instead.
@@ -366,7 +367,8 @@ def parse_args(cls, argv: list[str] | None = None):
     box = io.StringIO()
     try:
         with contextlib.redirect_stderr(box):
-            args = tyro.cli(cls, args=argv, console_outputs=main, description=script_description(cls))
+            args = tyro.cli(cls, args=argv, console_outputs=main,
+                            description=script_description(cls))
     except SystemExit as e:
         if e.code in (0, None):  # --help
             raise
@@ -431,7 +433,7 @@ def eval_sampling(args) -> dict:
 MAX_SEED = 2**32 - 1  # numpy's seed range (torch's is 2**64 - 1, less the per-rank offsets)
 MAX_COMPLETIONS = 2**20  # completions a rank a step, held-out completions, rows a generate call
 MAX_NEW_TOKENS = 2**20  # beyond any model's context
-MAX_ITERATIONS = 1024  # passes over one rollout: far past any recipe's (GRPO paper: 1; TRL, verl: 1)
+MAX_ITERATIONS = 1024  # passes over one rollout: far past any recipe's (TRL's, verl's default: 1)
 MAX_REWARD_TIMEOUT_S = 86400.0  # a day; past ~9e9 s select() overflows in the reward pool
 
 

@@ -148,8 +148,8 @@ def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok,
     else:  # no held-out split: keep a tenth of the rows apart, at most eval_size
         split = train.train_test_split(test_size=min(eval_size, len(train) // 10 or 1), seed=seed)
         train, held = split["train"], split["test"]
-        say(f"{len(held)} rows of --dataset {name} kept apart (a tenth at most, at most --eval-size; "
-            "it has no test or validation split)")
+        say(f"{len(held)} rows of --dataset {name} kept apart (a tenth at most, at most "
+            "--eval-size; it has no test or validation split)")
     return finish(train, held, dropped)
 
 

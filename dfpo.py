@@ -318,12 +318,12 @@ def main():
                 [ref(ids[minibatch], attention_mask[minibatch], n_prompt)
                  for minibatch in minibatch_slices])
 
-        # ALGO LOGIC: num_iterations (mu) passes of num_minibatches optimizer steps, each over whole
-        # groups; old_logp stays pi_old's, so from the second update on the ratios move off 1
+        # ALGO LOGIC: num_iterations (mu, GRPO arXiv 2402.03300 Alg. 1) passes of num_minibatches
+        # optimizer steps, each over whole groups; old_logp stays pi_old's, so ratios move off 1
         policy.train()
         stats = []
         skipped = 0
-        for minibatch in minibatch_slices * args.num_iterations:  # GRPO 2402.03300 Alg. 1: mu passes
+        for minibatch in minibatch_slices * args.num_iterations:  # mu passes, pi_old fixed
             seqs = (minibatch.stop - minibatch.start) * dist_env.world  # its sequences on all ranks
             norm = seqs  # 1/G sum_i over every group: the loss is divided by the minibatch's count
             s_tilde = None  # None: each micro-batch holds whole groups and transforms them itself

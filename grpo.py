@@ -63,7 +63,8 @@ class Args(CommonArgs):
 
 def grpo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: float,
               symmetric_clip: bool = False, ref_logp=None, kl_coef: float = 0.0,
-              kl_ratio: bool = False, loss_agg: str = "seq-mean-token-mean", max_new_tokens: int | None = None,
+              kl_ratio: bool = False, loss_agg: str = "seq-mean-token-mean",
+              max_new_tokens: int | None = None,
               norm: float | None = None, is_weight=None):
     """-J_GRPO over the minibatch. logp, old_logp, mask (and ref_logp): [B, T] completion tokens;
     advantages: [B]. loss_agg: how token terms are summed and divided (see aggregate).
@@ -242,12 +243,12 @@ def main():
                 [ref(ids[minibatch], attention_mask[minibatch], n_prompt)
                  for minibatch in minibatch_slices])
 
-        # ALGO LOGIC: num_iterations (mu) passes of num_minibatches optimizer steps, each over whole
-        # groups; old_logp stays pi_old's, so from the second update on the ratios move off 1
+        # ALGO LOGIC: num_iterations (mu, GRPO arXiv 2402.03300 Alg. 1) passes of num_minibatches
+        # optimizer steps, each over whole groups; old_logp stays pi_old's, so ratios move off 1
         policy.train()
         stats = []
         skipped = 0
-        for minibatch in minibatch_slices * args.num_iterations:  # GRPO 2402.03300 Alg. 1: mu passes
+        for minibatch in minibatch_slices * args.num_iterations:  # mu passes, pi_old fixed
             seqs = (minibatch.stop - minibatch.start) * dist_env.world  # its sequences on all ranks
             norm = seqs  # 1/G sum_i over every group: the loss is divided by the minibatch's count
             if args.loss_agg == "token-mean":  # 1 / its completion tokens on all ranks

@@ -112,7 +112,7 @@ def answer(fn, kind: str, request: dict) -> dict:
                 raise ValueError(f"the reward returned {type(rs).__name__} "
                                  f"{str(rs)[:40]}, not a list of {n} rewards")
             return {"r": [None if r is None else finite(r) for r in rs]}
-        if kind == "verl":  # one completion; a dict is read by its 'score', as verl's reward manager
+        if kind == "verl":  # one completion; a dict read by its "score", as verl does
             r = fn(**request["kw"])
             if isinstance(r, dict):
                 if "score" not in r:

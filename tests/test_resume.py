@@ -98,7 +98,8 @@ def test_damaged_newest_checkpoint_is_skipped(tmp_path, tmp_path_factory, monkey
     assert_same(straight(1, tmp_path_factory), result(tmp_path))
 
     # flags on resume: those that must not change are refused, a new learning rate and more steps take effect
-    for flag, new, old in [("--group-size", "4", "8"), ("--clip-low", "0.1", "0.0003")]:  # the objective too
+    for flag, new, old in [("--group-size", "4", "8"), ("--clip-low", "0.1", "0.0003"),  # the objective too
+                           ("--adv-std", "bessel", "population")]:
         assert main_exits(monkeypatch, tmp_path, "--resume", f"{run}step_6", flag, new) == (
             f"error: {flag} {new} differs from {old} in {run}step_6: it cannot change on resume (the data order, the "
             f"objective, the optimizer state or the weights depend on it); pass {flag} {old} to resume, or start a new "

@@ -154,3 +154,44 @@ def _device() -> torch.device:
 def barrier():
     if dist.is_initialized():
         dist.barrier()
+
+
+# -------------------- host memory, planned as a GPU's
+MEMINFO = "/proc/meminfo"  # Linux; psutil is not a dependency
+
+
+def available_host_memory() -> int | None:
+    """Bytes of host memory available now without swapping (MEMINFO's MemAvailable); None where
+    that cannot be read (then nothing is checked)."""
+    try:
+        with open(MEMINFO) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the kernel writes kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def host_memory_short(parts: dict[str, int]) -> str | None:
+    """What to allocate on the CPU, {what: bytes}, checked as a GPU plan is (engine.kv_plan): None
+    when it fits 90% of the available host memory (or that is unknown), else the sentence that says
+    what does not fit, for a line that names the flag to lower."""
+    free = available_host_memory()
+    need = sum(parts.values())
+    if free is None or need <= 0.9 * free:
+        return None
+
+    def size(b):
+        return f"{b / 2 ** 30:.1f} GiB" if b >= 2 ** 30 else f"{b / 2 ** 20:.1f} MiB"
+
+    what = " and ".join(f"{name} ({size(b)})" for name, b in parts.items())
+    return f"{what} exceed 90% of the {size(free)} of host memory available (MemAvailable)"
+
+
+def check_host_memory(parts: dict[str, int]) -> None:
+    """None when parts ({what: bytes}) fit the host memory available; else MemoryError, one line
+    (host_memory_short), which the caller completes with the flag to lower."""
+    short = host_memory_short(parts)
+    if short is not None:
+        raise MemoryError(short)

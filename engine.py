@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from distributed import check_host_memory
+
 ARCHITECTURES = ("qwen3", "qwen2", "llama")  # config.model_type values the forward below covers
 SYNC_EVERY = 8  # decoding steps between two looks from the host at which rows have finished
 PAGE = 16  # positions a block of a paged KV cache holds (as vLLM's default)
@@ -192,11 +194,13 @@ def kv_plan(lm, slots: int, max_len: int, n: int, device, dtype, world: int = 1)
     """The KV cache a rollout gets on a GPU: None (whole: every slot max_len positions) when that
     and the weight copy fit 90% of the free memory (the driver's free and the allocator's cached);
     else the positions a paged pool can hold in 90% of what the weights leave; MemoryError (one
-    line) when that is less than one group of n rows at max_len. On the CPU always whole (host
-    memory is not checked)."""
-    if torch.device(device).type != "cuda":
-        return None
+    line) when that is less than one group of n rows at max_len. On the CPU always whole, and a
+    MemoryError (one line) when that and the weight copy exceed 90% of the host memory available
+    (distributed.check_host_memory)."""
     kv, weights = memory_needed(lm, slots, max_len, dtype, world)
+    if torch.device(device).type != "cuda":  # host memory: checked alike, before any allocation
+        return check_host_memory({f"the KV cache of {slots} rows x {max_len} positions": kv,
+                                  "the weight copy": weights})
     # free: what the driver has free and what torch's allocator holds without using it (the last
     # rollout's cache, training's activations: reserved, not allocated), which the engine's
     # allocations reuse; from the driver's number alone, the second RL step would find the first

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from distributed import fail
+from distributed import fail, host_memory_short
 
 ADAPTER_DIR = "adapter"  # a LoRA checkpoint's adapter folder: step_N/adapter
 ALL_LINEAR = "all-linear"  # --lora-target-modules' default: every linear layer of the decoder
@@ -111,6 +111,7 @@ def apply_lora(lm, spec: LoraSpec, targets: list[str], base: str, adapters: str 
                  f"{' '.join(sorted(saved['target_modules']))}; this run asks for rank "
                  f"{spec.rank}, "
                  f"alpha {spec.alpha} on {' '.join(sorted(targets))}: give the same --lora-* flags")
+    check_adapter_memory(lm, spec, targets)
     # adapters in fp32 whatever the base's dtype (autocast_adapter_dtype)
     lm = get_peft_model(lm, config, autocast_adapter_dtype=True)
     lm.peft_config["default"].base_model_name_or_path = base  # peft takes the model's own name
@@ -122,6 +123,30 @@ def apply_lora(lm, spec: LoraSpec, targets: list[str], base: str, adapters: str 
         if result.unexpected_keys:
             fail(f"{adapters}: unexpected adapter weights {result.unexpected_keys[:3]}")
     return lm
+
+
+def adapter_parameters(lm, targets: list[str], rank: int) -> int:
+    """The parameters LoRA adds: rank x (in + out) for every target linear layer of the decoder
+    (A: rank x in, B: out x rank)."""
+    return sum(rank * (mod.in_features + mod.out_features)
+               for layer in lm.get_decoder().layers for name, mod in layer.named_modules()
+               if isinstance(mod, torch.nn.Linear) and name.split(".")[-1] in targets)
+
+
+def check_adapter_memory(lm, spec: LoraSpec, targets: list[str]):
+    """A model on the CPU: its adapters (fp32) and, where there is no GPU to train on, their
+    gradients and AdamW moments (3 more fp32 copies) checked against the host memory available
+    before peft allocates them; one line naming --lora-rank when they do not fit."""
+    first = next(lm.parameters())
+    if first.is_meta or first.device.type != "cpu":
+        return
+    n = adapter_parameters(lm, targets, spec.rank)
+    parts = {f"the LoRA adapters of rank {spec.rank} ({n:,} fp32 parameters)": 4 * n}
+    if not torch.cuda.is_available():  # trained here: gradients, AdamW's two moments
+        parts["their gradients and AdamW moments"] = 12 * n
+    short = host_memory_short(parts)
+    if short is not None:
+        fail(f"--lora-rank {spec.rank}: {short}; lower --lora-rank")
 
 
 def is_lora(lm) -> bool:

@@ -531,3 +531,58 @@ def test_a_signal_during_start_up_is_one_line_and_leaves_no_run_folder(sig, patc
     assert p.returncode == 1 and err == (f"error: {sig} during start-up, before the first step: stopped, nothing "
                                          "was saved (start the run again)\n"), err
     assert not os.path.exists(tmp_path / "runs") or os.listdir(tmp_path / "runs") == []
+
+
+# issue 38 item 2: host memory planned like GPU memory (MemAvailable mocked)
+def fake_meminfo(monkeypatch, tmp_path, kb):
+    path = tmp_path / "meminfo"
+    path.write_text(f"MemTotal:       16000000 kB\nMemFree:          100000 kB\nMemAvailable:   {kb} kB\n")
+    monkeypatch.setattr(distributed, "MEMINFO", str(path))
+
+
+def test_available_host_memory_is_meminfos_memavailable(monkeypatch, tmp_path):
+    fake_meminfo(monkeypatch, tmp_path, 2048)
+    assert distributed.available_host_memory() == 2048 * 1024
+    monkeypatch.setattr(distributed, "MEMINFO", str(tmp_path / "none"))
+    assert distributed.available_host_memory() is None and distributed.host_memory_short({"x": 1 << 60}) is None
+
+
+def test_the_engine_plans_host_memory_before_allocating(monkeypatch, tmp_path):
+    import engine
+
+    lm = common.tiny_model(common.tiny_tokenizer())
+    kv = 2 * 2 * 8 * 2 * 100 * 32 * 4  # K and V, 2 layers, 8 slots, 2 KV heads, 100 positions, head_dim 32, fp32
+    weights = sum(p.numel() for p in lm.parameters()) * 4
+    need_kb = (kv + weights) / 0.9 / 1024
+    fake_meminfo(monkeypatch, tmp_path, int(need_kb) + 1)  # 90% of it holds both
+    assert engine.kv_plan(lm, 8, 100, 4, "cpu", torch.float32) is None
+    fake_meminfo(monkeypatch, tmp_path, int(need_kb) - 1)
+    with pytest.raises(MemoryError) as e:
+        engine.kv_plan(lm, 8, 100, 4, "cpu", torch.float32)
+    free = (int(need_kb) - 1) * 1024
+    assert str(e.value) == (f"the KV cache of 8 rows x 100 positions ({kv / 2 ** 20:.1f} MiB) and the weight copy "
+                            f"({weights / 2 ** 20:.1f} MiB) exceed 90% of the {free / 2 ** 20:.1f} MiB of host memory "
+                            "available (MemAvailable)")
+
+
+def test_a_rollout_past_host_memory_and_a_huge_lora_rank_are_one_line_naming_the_flag(monkeypatch, tmp_path):
+    import gspo
+
+    fake_meminfo(monkeypatch, tmp_path, 64)  # 64 kB: past the tiny model's KV cache, weights and adapters
+    monkeypatch.setattr(sys, "argv", ["gspo.py", "--output-dir", str(tmp_path / "runs"), "--gen-mode", "engine",
+                                      "--prompts-per-rank", "4", "--num-minibatches", "1", "--eval-every", "0",
+                                      "--num-steps", "1"])
+    with pytest.raises(SystemExit) as e:
+        gspo.main()
+    assert str(e.value).startswith("error: --gen-mode engine: the KV cache of 32 rows x ") and str(e.value).endswith(
+        "of host memory available (MemAvailable); lower --gen-batch-size (now 256) or --max-new-tokens (now 2)")
+    # LoRA, every linear layer: rank x (in + out) per layer, q 128+128, k and v 128+64, o 128+128, gate and up
+    # 128+384, down 384+128, 2 layers
+    n = 8 * 2 * (256 + 192 + 192 + 256 + 512 + 512 + 512)
+    monkeypatch.setattr(sys, "argv", ["gspo.py", "--output-dir", str(tmp_path / "runs"), "--lora-rank", "8",
+                                      "--num-steps", "1", "--eval-every", "0"])
+    with pytest.raises(SystemExit) as e:
+        gspo.main()
+    assert str(e.value) == (f"error: --lora-rank 8: the LoRA adapters of rank 8 ({n:,} fp32 parameters) "
+                            f"({4 * n / 2 ** 20:.1f} MiB) and their gradients and AdamW moments ({12 * n / 2 ** 20:.1f} "
+                            "MiB) exceed 90% of the 0.1 MiB of host memory available (MemAvailable); lower --lora-rank")

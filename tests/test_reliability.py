@@ -502,28 +502,17 @@ def test_a_run_that_fails_after_claiming_its_folder_leaves_no_folder(monkeypatch
     assert str(e.value) == "error: the model is broken" and claimed and os.listdir(tmp_path / "runs") == []
 
 
-STARTUP = """import sys, time
-sys.path.insert(0, {root!r})
-sys.argv = ["gspo.py", "--output-dir", {out!r}, "--num-steps", "1"]
-import gspo
-def slow(*a, **k):
-    print("{where}", flush=True)
-    time.sleep(60)
-gspo.{patched} = slow
-gspo.main()
-"""
-
-
 @pytest.mark.parametrize("sig, patched", [("SIGTERM", "load_model"), ("SIGINT", "load_tokenizer")])
 def test_a_signal_during_start_up_is_one_line_and_leaves_no_run_folder(sig, patched, tmp_path):
     """load_model: after the run folder was made; load_tokenizer: before."""
     import subprocess
     import time
 
-    script = tmp_path / "start.py"
-    script.write_text(STARTUP.format(root=ROOT, out=str(tmp_path / "runs"), where="waiting", patched=patched))
-    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert p.stdout.readline() == "waiting\n"
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "stall.py"), patched, str(tmp_path / "runs")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in p.stdout:  # start-up lines (the held-out set's), then the stall's
+        if line == "waiting\n":
+            break
     assert os.path.isdir(tmp_path / "runs") == (patched == "load_model")
     time.sleep(0.2)
     p.send_signal(getattr(signal, sig))

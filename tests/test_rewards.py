@@ -371,7 +371,7 @@ def test_builtin_rewards():
 
 @pytest.mark.parametrize("argv, needle", [
     (["--reward", "trl_rewards26:neither"], "--reward 'trl_rewards26:neither': trl_rewards26.neither fits none of "
-                                            "f(completion, answer) -> float nor TRL's f(prompts, completions"),
+                                            "f(completion, answer) -> float, TRL's f(prompts, completions"),
     (["--reward", "trl_rewards26:length", "--reward", "trl_rewards26:boom", "--reward-weights", "1"],
      "--reward-weights: 1 weight(s) for 2 reward(s) (trl_rewards26:length, trl_rewards26:boom)"),
     (["--reward-weights", "1", "nan"], "--reward-weights: 2 weight(s) for 1 reward(s)"),

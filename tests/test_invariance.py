@@ -162,7 +162,8 @@ def test_micro_batches():
 
 @pytest.mark.parametrize("script, extra", [("gspo", []), ("grpo", []), ("gspo_token", []), ("dfpo", []),
                                            ("grpo", ["--loss-agg", "token-mean"]),
-                                           ("dfpo", ["--num-iterations", "2"])])
+                                           # --num-iterations 2 end to end (the fast per-pass check is above)
+                                           pytest.param("dfpo", ["--num-iterations", "2"], marks=pytest.mark.slow)])
 def test_script_micro_batching_logs_the_same_gradient(script, extra, monkeypatch, tmp_path):
     """End to end through each script's loop: one step, 2 minibatches of 8 groups of 8, in micro-batches of the whole
     minibatch, of 1 sequence and of 3 sequences (21 x 3 + 1; DFPO: s_tilde from the whole groups first). The logged

@@ -3,6 +3,7 @@ case by case on the tiny model, each case held or not. Prints every case and the
 
     nice -n 10 python tools/hostile.py            # ~10 min on 2 busy cores; docs/errors.md quotes its count
     nice -n 10 python tools/hostile.py --quick    # one case of each kind
+    python tools/hostile.py --rewards-only        # the bad reward forms alone (in this process, ~1 min)
 
 A case holds when:
 - kill -9 at a save phase (writing model/, state/, the manifest, after the rename, while pruning): the
@@ -235,7 +236,7 @@ def one_line_error(p) -> bool:
         "Traceback" not in p.err)
 
 
-def main(quick: bool):
+def main(quick: bool, rewards_only: bool = False):
     cases = Cases()
     tmp = tempfile.mkdtemp(prefix="hostile_")
     os.environ["HOSTILE_PATH"] = tmp  # the reward modules below
@@ -243,6 +244,19 @@ def main(quick: bool):
         f.write(REWARD)
     reward = ["--reward", "hostile_reward:r", "--reward-timeout", "10"]
     t0 = time.time()
+    if not rewards_only:
+        run_cases(cases, tmp, reward, quick)
+    reward_cases(cases, tmp, quick)
+    print(f"\nhostile run: {cases.tried} cases tried, {cases.tried - len(cases.failed)} held "
+          f"({time.time() - t0:.0f} s)")
+    for f in cases.failed:
+        print(f"  failed: {f}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0 if not cases.failed else 1
+
+
+def run_cases(cases: Cases, tmp: str, reward: list[str], quick: bool):
+    """The cases that run gspo.py: kills, signals, damaged checkpoints, a second writer."""
     print(f"the unbroken run ({tmp}/straight) ...", flush=True)
     p = run(f"{tmp}/straight", *reward)
     straight = result(f"{tmp}/straight")
@@ -327,7 +341,10 @@ def main(quick: bool):
                 and first.returncode == 0 and same(straight, result(out)),
                 f"second rc={second.returncode} {second.err[-300:]} first rc={first.returncode}")
 
-    # every bad reward form, through the trainer's own path (grader.load_reward, rewards.score)
+
+
+def reward_cases(cases: Cases, tmp: str, quick: bool):
+    """Every bad reward form, through the trainer's own path (grader.load_reward, rewards.score)."""
     import grader
     import rewards
 
@@ -343,7 +360,8 @@ def main(quick: bool):
     for form in forms[:3] if quick else forms:
         t = time.time()
         try:
-            reward = grader.load_reward(f"bad_rewards:{form}", 0.5)
+            reward = (grader.load_reward([f"bad_rewards:{form}"], 0.5, [10.0])  # 1e38 x 10
+                      if form == "past_float32" else grader.load_reward(f"bad_rewards:{form}", 0.5))
             r, errors = rewards.score(["\\boxed{1}", "2"], ["1"], 2, reward, watch=False)
             reward.stop()
             held = (bool(r.isfinite().all()) and errors == 2 and r.tolist() == [0.0, 0.0]
@@ -366,16 +384,10 @@ def main(quick: bool):
             held, why = False, f"{type(e).__name__}: {e}"
         cases.check(f"a reward module: {name}", held and time.time() - t < 30
                     and name not in sys.modules, why)
-    print(f"\nhostile run: {cases.tried} cases tried, {cases.tried - len(cases.failed)} held "
-          f"({time.time() - t0:.0f} s)")
-    for f in cases.failed:
-        print(f"  failed: {f}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    return 0 if not cases.failed else 1
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
         child(sys.argv[2:])
     else:
-        sys.exit(main("--quick" in sys.argv[1:]))
+        sys.exit(main("--quick" in sys.argv[1:], "--rewards-only" in sys.argv[1:]))

@@ -1,0 +1,393 @@
+"""The hostile run (issue 38 item 5): what a cluster, a disk and a user's reward do to a run, tried
+case by case on the tiny model, each case held or not. Prints every case and the count:
+
+    nice -n 10 python tools/hostile.py            # ~10 min on 2 busy cores; docs/errors.md quotes its count
+    nice -n 10 python tools/hostile.py --quick    # one case of each kind
+    python tools/hostile.py --rewards-only        # the bad reward forms alone (in this process, ~1 min)
+
+A case holds when:
+- kill -9 at a save phase (writing model/, state/, the manifest, after the rename, while pruning): the
+  run is killed there; --resume auto then ends with weights bitwise equal to an unbroken run's and
+  the same logged rows (losses, rewards, evals).
+- SIGTERM to the process group with a reward in flight: the run saves at the end of the step and
+  exits 0, no reward worker outlives it, and --resume auto ends bitwise equal to the unbroken run.
+- a damaged file of the newest checkpoint (each file of model/, state/ and the manifest: truncated,
+  deleted, its first bytes overwritten): --resume auto skips that checkpoint in one line, resumes
+  the one before, and ends bitwise equal to the unbroken run.
+- a second writer (--resume auto of a run that is running): refused in one line, exit 1, the first
+  run unharmed.
+- a bad reward (every form: raises, NaN, inf, None, a string, past float32, sleeps past its bound,
+  exits, forks, prints; a module that exits, hangs or starts a thread at import): each completion
+  scores 0 and is counted, or the run stops in one line before any model is built; never a
+  traceback, a hang, or a trainer that ends without a line.
+Runs the scripts as a user does (python gspo.py, in subprocesses); a child run with HOSTILE_KILL set
+(this file run as `python tools/hostile.py --child gspo.py ARGS`) SIGKILLs itself at that phase.
+"""
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+# 4 steps, a checkpoint every 2 (step_2, step_4), the tiny model and task; no evaluation at step 0,
+# where a signal is a start-up's (one line, nothing saved), not the graceful stop tried here
+ARGS = ["--num-steps", "4", "--save-every", "2", "--prompts-per-rank", "2", "--num-minibatches", "1",
+        "--eval-every", "0", "--learning-rate", "2e-3", "--keep-checkpoints", "1", "--log-samples", "1"]
+# the save phases a kill -9 lands in (checkpoint.py's functions, in the order a save calls them)
+PHASES = ["write_model", "write_training_state", "_manifest_files", "_write_manifest_file",
+          "prune_checkpoints", "remove_pruned"]
+
+
+def child(argv: list[str]):
+    """The script run with a SIGKILL at HOSTILE_KILL=function:step (the save of that step)."""
+    import checkpoint
+
+    name, _, step = os.environ.get("HOSTILE_KILL", "").partition(":")
+    if name:
+        real = getattr(checkpoint, name)
+
+        def killed(*a, **k):
+            # the save of step_<step>: its .tmp_step_<step> folder, or (pruning) a run folder
+            # that holds step_<step> already, the older checkpoint renamed .pruned_step_N
+            if f"step_{step}" in str(a[0]) or os.path.isdir(os.path.join(str(a[0]), f"step_{step}")):
+                sys.stdout.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*a, **k)
+
+        setattr(checkpoint, name, killed)
+    sys.argv = argv
+    sys.path.insert(0, ROOT)
+    import runpy
+
+    runpy.run_path(os.path.join(ROOT, argv[0]), run_name="__main__")
+
+
+def run(out, *extra, kill=None, reward_env=None, wait=True, timeout=600):
+    """gspo.py ARGS extra under out (a job of its own: a session, as a scheduler starts it)."""
+    env = {**os.environ, "PYTHONPATH": os.environ.get("HOSTILE_PATH", "")}
+    env.pop("HOSTILE_KILL", None)
+    if kill:
+        env["HOSTILE_KILL"] = kill
+    env.update(reward_env or {})
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "gspo.py", *ARGS, *extra,
+           "--output-dir", out]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    if not wait:
+        return p
+    p.out, p.err = p.communicate(timeout=timeout)
+    return p
+
+
+def result(out):
+    """(final master weights, logged rows without timings) of the one run under out, or None."""
+    from safetensors.torch import load_file
+
+    found = glob.glob(f"{out}/*/metrics.jsonl")
+    final = glob.glob(f"{out}/*/step_4/state/model.safetensors")
+    if len(found) != 1 or len(final) != 1:
+        return None
+    rows = [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")}
+            for line in open(found[0])]
+    return load_file(final[0]), rows
+
+
+def same(a, b) -> bool:
+    import torch
+
+    return (a is not None and b is not None and a[0].keys() == b[0].keys()
+            and all(torch.equal(a[0][k], b[0][k]) for k in a[0]) and a[1] == b[1])
+
+
+def workers_left(trainer: int) -> list[int]:
+    """Processes still running reward_worker.py for the trainer of that pid (their PARENT argument)."""
+    left = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().split(b"\0")
+            except OSError:
+                continue
+            if any(c.endswith(b"reward_worker.py") for c in cmd) and str(trainer).encode() in cmd:
+                left.append(int(pid))
+    return left
+
+
+REWARD = '''
+import os, time
+import common
+
+
+def r(completion, answer):
+    flag = os.environ.get("HOSTILE_FLAG")
+    if flag:
+        try:
+            os.remove(flag)  # once, in whichever worker comes first: the driver signals meanwhile
+        except FileNotFoundError:
+            pass
+        else:
+            open(flag + ".in_flight", "w").close()
+            time.sleep(float(os.environ.get("HOSTILE_SLEEP", "1")))
+    return common.math_reward(completion, answer)
+'''
+
+BAD_REWARDS = '''
+import math, os, sys, time
+
+
+def raises(c, a):
+    raise KeyError("boom")
+
+
+def nan(c, a):
+    return math.nan
+
+
+def inf(c, a):
+    return math.inf
+
+
+def none(c, a):
+    return None
+
+
+def text(c, a):
+    return "1.0 but a string"
+
+
+def a_list(c, a):
+    return [1.0]
+
+
+def huge(c, a):
+    return 1e308
+
+
+def past_float32(c, a):
+    return 1e38
+
+
+def sleeps(c, a):
+    time.sleep(30)
+    return 1.0
+
+
+def exits(c, a):
+    sys.exit(0)
+
+
+def hard_exits(c, a):
+    os._exit(3)
+
+
+def forks(c, a):
+    os.fork()
+    return 1.0
+
+
+def prints(c, a):
+    print("{\\"id\\": 1, \\"r\\": 99}")
+    return 1.0
+
+
+def trl_wrong_length(prompts, completions, **kw):
+    return [1.0]
+
+
+def trl_not_a_list(prompts, completions, **kw):
+    return 1.0
+
+
+def trl_nan(prompts, completions, **kw):
+    return [math.nan] * len(completions)
+'''
+
+IMPORT_BAD = {
+    "imp_exits": "import sys\nsys.exit(0)\n",
+    "imp_hard_exits": "import os\nos._exit(0)\n",
+    "imp_hangs": "import threading\nthreading.Event().wait()\n",
+    "imp_raises": "raise RuntimeError('no config')\n",
+    "imp_thread": "import threading, time\nthreading.Thread(target=time.sleep, args=(30,)).start()\n"
+                  "def f(c, a):\n    return 1.0\n",
+}
+
+
+class Cases:
+    def __init__(self):
+        self.tried, self.failed = 0, []
+
+    def check(self, name: str, held: bool, why: str = ""):
+        self.tried += 1
+        if not held:
+            self.failed.append(f"{name}: {why}"[:400])
+        print(f"{'held  ' if held else 'FAILED'} {name}{'' if held else ': ' + why[:300]}", flush=True)
+
+
+def one_line_error(p) -> bool:
+    lines = p.err.strip().splitlines()
+    return p.returncode == 1 and len(lines) >= 1 and lines[-1].startswith("error: ") and (
+        "Traceback" not in p.err)
+
+
+def main(quick: bool, rewards_only: bool = False):
+    cases = Cases()
+    tmp = tempfile.mkdtemp(prefix="hostile_")
+    os.environ["HOSTILE_PATH"] = tmp  # the reward modules below
+    with open(os.path.join(tmp, "hostile_reward.py"), "w") as f:
+        f.write(REWARD)
+    reward = ["--reward", "hostile_reward:r", "--reward-timeout", "10"]
+    t0 = time.time()
+    if not rewards_only:
+        run_cases(cases, tmp, reward, quick)
+    reward_cases(cases, tmp, quick)
+    print(f"\nhostile run: {cases.tried} cases tried, {cases.tried - len(cases.failed)} held "
+          f"({time.time() - t0:.0f} s)")
+    for f in cases.failed:
+        print(f"  failed: {f}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0 if not cases.failed else 1
+
+
+def run_cases(cases: Cases, tmp: str, reward: list[str], quick: bool):
+    """The cases that run gspo.py: kills, signals, damaged checkpoints, a second writer."""
+    print(f"the unbroken run ({tmp}/straight) ...", flush=True)
+    p = run(f"{tmp}/straight", *reward)
+    straight = result(f"{tmp}/straight")
+    if p.returncode or straight is None:
+        sys.exit(f"error: the unbroken run failed: {p.err[-2000:]}")
+
+    # kill -9 at each save phase of step_4 (and of step_2's where step_4's prunes nothing)
+    for phase in PHASES[:1] if quick else PHASES:
+        out = f"{tmp}/kill_{phase}"
+        p = run(out, *reward, kill=f"{phase}:4")
+        killed = p.returncode == -signal.SIGKILL
+        p2 = run(out, *reward, "--resume", "auto")
+        cases.check(f"kill -9 in {phase} (step_4's save), then --resume auto",
+                    killed and p2.returncode == 0 and same(straight, result(out)),
+                    f"killed={killed} rc={p2.returncode} {p2.err[-300:]}")
+
+    # SIGTERM (and SIGINT) to the job's process group while a reward is in flight
+    for sig in (signal.SIGTERM,) if quick else (signal.SIGTERM, signal.SIGINT):
+        out = f"{tmp}/pg_{sig.name}"
+        flag = f"{tmp}/flag_{sig.name}"
+        open(flag, "w").close()
+        p = run(out, *reward, reward_env={"HOSTILE_FLAG": flag, "HOSTILE_SLEEP": "2"}, wait=False)
+        while not os.path.exists(flag + ".in_flight") and p.poll() is None:
+            time.sleep(0.05)
+        os.killpg(p.pid, sig)
+        p.out, p.err = p.communicate(timeout=600)
+        time.sleep(1.5)
+        left = workers_left(p.pid)
+        p2 = run(out, *reward, "--resume", "auto")
+        cases.check(f"{sig.name} to the process group with a reward in flight, then --resume auto",
+                    p.returncode == 0 and not left and p2.returncode == 0
+                    and same(straight, result(out)),
+                    f"rc={p.returncode} workers left={left} resume rc={p2.returncode} "
+                    f"{p.err[-300:]} {p2.err[-300:]}")
+
+    # damaged files of the newest checkpoint: --resume auto takes the one before, and ends as the
+    # unbroken run did (step_4 damaged, step_2 resumed, steps 3-4 again)
+    base = f"{tmp}/damage_base"
+    p = run(base, *reward, "--keep-checkpoints", "0")  # step_2 and step_4
+    (run_dir,) = glob.glob(f"{base}/*/")
+    files = sorted(os.path.relpath(os.path.join(d, n), f"{run_dir}step_4")
+                   for d, _, names in os.walk(f"{run_dir}step_4") for n in names)
+    damages = [(name, how) for name in files
+               for how in ("truncated", "deleted", "first bytes overwritten")]
+    if quick:
+        damages = [("state/model.safetensors", "first bytes overwritten"),
+                   ("state/rank0.pt", "truncated"), ("manifest.json", "deleted")]
+    for name, how in damages:
+        out = f"{tmp}/damage"
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(base, out)
+        (rd,) = glob.glob(f"{out}/*/")
+        path = f"{rd}step_4/{name}"
+        size = os.path.getsize(path)
+        if how == "truncated":
+            os.truncate(path, size // 2)
+        elif how == "deleted":
+            os.remove(path)
+        else:
+            with open(path, "r+b") as f:
+                f.write(b"\xff" * min(8, size))
+        p2 = run(out, *reward, "--resume", "auto")
+        skipped = f"--resume auto: skipping {rd}step_4: " in p2.out
+        cases.check(f"{name} {how}, then --resume auto",
+                    p2.returncode == 0 and skipped and same(straight, result(out)),
+                    f"rc={p2.returncode} skipped={skipped} {p2.out[-200:]} {p2.err[-300:]}")
+
+    # a second writer while the first runs: once step_2 is saved (so that --resume auto finds
+    # it), while step 3's rewards are in flight
+    out = f"{tmp}/two"
+    flag = f"{tmp}/flag_two"
+    first = run(out, *reward, reward_env={"HOSTILE_FLAG": flag, "HOSTILE_SLEEP": "8"}, wait=False)
+    while not glob.glob(f"{out}/*/step_2") and first.poll() is None:
+        time.sleep(0.05)
+    open(flag, "w").close()
+    while not os.path.exists(flag + ".in_flight") and first.poll() is None:
+        time.sleep(0.05)
+    second = run(out, *reward, "--resume", "auto")
+    first.out, first.err = first.communicate(timeout=600)
+    cases.check("a second writer (--resume auto of a running run)",
+                one_line_error(second) and "is being written by" in second.err
+                and first.returncode == 0 and same(straight, result(out)),
+                f"second rc={second.returncode} {second.err[-300:]} first rc={first.returncode}")
+
+
+
+def reward_cases(cases: Cases, tmp: str, quick: bool):
+    """Every bad reward form, through the trainer's own path (grader.load_reward, rewards.score)."""
+    import grader
+    import rewards
+
+    with open(os.path.join(tmp, "bad_rewards.py"), "w") as f:
+        f.write(BAD_REWARDS)
+    for name, text in IMPORT_BAD.items():
+        with open(os.path.join(tmp, f"{name}.py"), "w") as f:
+            f.write(text)
+    sys.path.insert(0, tmp)
+    grader.IMPORT_TIMEOUT_S = 3.0
+    forms = [n for n in BAD_REWARDS.split("def ")[1:]]
+    forms = [f.split("(")[0] for f in forms]
+    for form in forms[:3] if quick else forms:
+        t = time.time()
+        try:
+            reward = (grader.load_reward([f"bad_rewards:{form}"], 0.5, [10.0])  # 1e38 x 10
+                      if form == "past_float32" else grader.load_reward(f"bad_rewards:{form}", 0.5))
+            r, errors = rewards.score(["\\boxed{1}", "2"], ["1"], 2, reward, watch=False)
+            reward.stop()
+            held = (bool(r.isfinite().all()) and errors == 2 and r.tolist() == [0.0, 0.0]
+                    or form == "prints" and errors == 0 and r.tolist() == [1.0, 1.0]
+                    or form == "forks" and r.isfinite().all())
+            cases.check(f"a reward that {form}", held and time.time() - t < 30,
+                        f"r={r.tolist()} errors={errors}")
+        except BaseException as e:  # noqa: BLE001 - anything escaping is a failure of the case
+            cases.check(f"a reward that {form}", False, f"{type(e).__name__}: {e}")
+    for name in IMPORT_BAD if not quick else list(IMPORT_BAD)[:2]:
+        t = time.time()
+        try:
+            reward = grader.load_reward(f"{name}:f", 0.5)
+            held = name == "imp_thread"  # said, and the trainer never imports it
+            reward.stop()
+            why = "loaded"
+        except SystemExit as e:
+            held, why = str(e.code).startswith("error: --reward ") and "\n" not in str(e.code), str(e)
+        except BaseException as e:  # noqa: BLE001
+            held, why = False, f"{type(e).__name__}: {e}"
+        cases.check(f"a reward module: {name}", held and time.time() - t < 30
+                    and name not in sys.modules, why)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        child(sys.argv[2:])
+    else:
+        sys.exit(main("--quick" in sys.argv[1:], "--rewards-only" in sys.argv[1:]))

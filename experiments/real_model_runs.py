@@ -9,7 +9,7 @@ held-out accuracy measures arithmetic on sums the policy never trained on. The b
 completion 1 only when the number it states equals the sum ('62 + 43' for 105 scores 0: issue 38 item 0).
 
     python tools/real_model.py                           # the model folder, once
-    python experiments/real_model_runs.py                # 3 commands x 3 seeds, two at a time: ~80 min on 2 cores
+    python experiments/real_model_runs.py                # 3 commands x 3 seeds, two at a time: ~1 h on 2 idle cores (est.)
     python experiments/real_model_runs.py --table-only   # table.md, summary.json and the plot from logs/ again
 
 Each run's metrics.jsonl and samples.jsonl are kept under {out}/logs/ (small, committed); its checkpoint (1.8 GB
@@ -34,18 +34,21 @@ from learning_tax import ROOT, exp_name, fmt, sci, steps_to  # noqa: E402
 HELD_OUT = 128  # unordered pairs kept apart (both orders) for the held-out set
 PROMPT = "What is {a} + {b}? Put the final answer in \\boxed{{}}."
 # the budget (see BUDGET_WHY): shared by every command, so that they differ only in the objective
-BUDGET = ["--num-steps", "10", "--prompts-per-rank", "4", "--group-size", "8", "--num-minibatches", "2",
+BUDGET = ["--num-steps", "8", "--prompts-per-rank", "4", "--group-size", "8", "--num-minibatches", "2",
           "--max-new-tokens", "40", "--temperature", "0.7", "--learning-rate", "2e-5",
-          "--eval-every", "10", "--eval-limit", "48", "--eval-k", "4", "--eval-temperature", "0.3",
+          "--eval-every", "8", "--eval-limit", "64", "--eval-k", "1", "--eval-temperature", "0.001",
           "--log-samples", "1"]
 BUDGET_WHY = (
-    "Budget: 10 steps x 4 prompts x G = 8 completions of at most 40 new tokens, 2 minibatches a step (20 AdamW "
-    "steps), lr 2e-5 (full fine-tuning), sampling at temperature 0.7; held-out avg@4 at temperature 0.3 on 48 "
-    "prompts at steps 0 and 10. Why so small: one step of this size takes ~60 s on one CPU thread (measured: "
-    "~70 generated tokens/s, ~55 trained tokens/s) and 9 runs had to share 2 cores with other work within ~80 "
-    "min, so ~12-15 min a run, two at a time; the issue's 20-30 min a run did not fit. G = 8 because at a "
-    "~15% start most groups of 4 had no reward spread (zero advantage); lr 2e-5, 20x the scripts' real-model "
-    "default, so that 20 optimizer steps can move the policy at all.")
+    "Budget: 8 steps x 4 prompts x G = 8 completions of at most 40 new tokens, 2 minibatches a step (16 AdamW "
+    "steps), lr 2e-5 (full fine-tuning), sampling at temperature 0.7; held-out accuracy greedy (temperature "
+    "0.001, one sample a prompt, so the step-0 number is the same for every run) on 64 prompts at steps 0 and 8. "
+    "Why so small: alone, one step of this size took ~60 s on one CPU thread (~70 generated, ~55 trained "
+    "tokens/s), and 9 runs had to finish within ~80 min, two at a time; the issue's 20-30 min a run did not fit. "
+    "On 2026-11-28 the 2 cores were shared with other jobs (load average 12-14) and a step took ~6 min: see the "
+    "rows' seed counts. G = 8 because at a ~15% start most "
+    "groups of 4 had no reward spread (zero advantage); lr 2e-5, 20x the scripts' real-model default, so that 16 "
+    "optimizer steps can move the policy at all; greedy evaluation so that the seeds' spread is the training's, "
+    "not the evaluation's sampling.")
 COMMANDS = {
     "gspo": ["gspo.py"],
     "grpo": ["grpo.py"],
@@ -152,7 +155,7 @@ def summarize(logs: str, seeds: list[int]) -> dict:
 
 
 def table(result: dict) -> str:
-    lines = ["| objective | seeds | held-out avg@4, step 0 | held-out avg@4, last step | change (per seed: after "
+    lines = ["| objective | seeds | held-out accuracy (greedy), step 0 | held-out accuracy, last step | change (per seed: after "
              "- before) | reward, first 2 steps | reward, last 2 steps | entropy, first → last step "
              "| response length, first → last step | clip fraction, mean over steps |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -230,7 +233,7 @@ def main():
             else f"{time.time() - t0:.0f} s, {args.workers} runs at a time")
     report = (f"# Learning on a real model: SmolLM2-135M-Instruct, 2-digit addition\n\n"
               f"`python experiments/real_model_runs.py {' '.join(sys.argv[1:])}`: {what}. Mean ± sample std "
-              f"(ddof 1) over seeds. Held-out: {HELD_OUT} sums never trained on (both orders), the first 48 "
+              f"(ddof 1) over seeds. Held-out: {HELD_OUT} sums never trained on (both orders), the first 64 "
               f"evaluated.\n\n{BUDGET_WHY}\n\nEvery command: `{' '.join(BUDGET)}`\n\n{table(result)}\n\n"
               f"Mechanism metrics (DFPO paper, sec. 6), same runs:\n\n{mechanism_table(result)}\n")
     with open(os.path.join(args.out, "table.md"), "w") as f:

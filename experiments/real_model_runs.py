@@ -44,7 +44,7 @@ BUDGET_WHY = (
     "0.001, one sample a prompt, so the step-0 number is the same for every run) on 64 prompts at steps 0 and 8. "
     "Why so small: alone, one step of this size took ~60 s on one CPU thread (~70 generated, ~55 trained "
     "tokens/s), and 9 runs had to finish within ~80 min, two at a time; the issue's 20-30 min a run did not fit. "
-    "On 2026-11-28 the 2 cores were shared with other jobs (load average 12-14) and a step took ~6 min: see the "
+    "On 2026-11-28 the 2 cores were shared with other jobs (load average 12-14) and a step took ~5 min: see the "
     "rows' seed counts. G = 8 because at a ~15% start most "
     "groups of 4 had no reward spread (zero advantage); lr 2e-5, 20x the scripts' real-model default, so that 16 "
     "optimizer steps can move the policy at all; greedy evaluation so that the seeds' spread is the training's, "

@@ -1,0 +1,249 @@
+"""Learning on a real model (issue 35 item 4): SmolLM2-135M-Instruct (tools/real_model.py) on 2-digit addition,
+gspo.py, grpo.py and dfpo.py from the same start, several seeds each, as a markdown table and a PNG: held-out
+accuracy before and after, the reward curve, entropy, response length and clip fraction, mean ± sample std over
+seeds.
+
+The task: "What is a + b? Put the final answer in \\boxed{}." for a, b in 10..99, the answer a + b, through the
+model's own ChatML template. HELD_OUT unordered pairs {a, b} are kept out of training in both orders, so the
+held-out accuracy measures arithmetic on sums the policy never trained on. The built-in math grader scores a
+completion 1 only when the number it states equals the sum ('62 + 43' for 105 scores 0: issue 38 item 0).
+
+    python tools/real_model.py                           # the model folder, once
+    python experiments/real_model_runs.py                # 3 commands x 3 seeds, two at a time: ~1 h on 2 idle cores (est.)
+    python experiments/real_model_runs.py --table-only   # table.md, summary.json and the plot from logs/ again
+
+Each run's metrics.jsonl and samples.jsonl are kept under {out}/logs/ (small, committed); its checkpoint (1.8 GB
+with the AdamW state) is deleted once the run ends.
+"""
+import glob
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import tyro
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from learning_tax import ROOT, exp_name, fmt, sci, steps_to  # noqa: E402
+
+HELD_OUT = 128  # unordered pairs kept apart (both orders) for the held-out set
+PROMPT = "What is {a} + {b}? Put the final answer in \\boxed{{}}."
+# the budget (see BUDGET_WHY): shared by every command, so that they differ only in the objective
+BUDGET = ["--num-steps", "8", "--prompts-per-rank", "4", "--group-size", "8", "--num-minibatches", "2",
+          "--max-new-tokens", "40", "--temperature", "0.7", "--learning-rate", "2e-5",
+          "--eval-every", "8", "--eval-limit", "64", "--eval-k", "1", "--eval-temperature", "0.001",
+          "--log-samples", "1"]
+BUDGET_WHY = (
+    "Budget: 8 steps x 4 prompts x G = 8 completions of at most 40 new tokens, 2 minibatches a step (16 AdamW "
+    "steps), lr 2e-5 (full fine-tuning), sampling at temperature 0.7; held-out accuracy greedy (temperature "
+    "0.001, one sample a prompt, so the step-0 number is the same for every run) on 64 prompts at steps 0 and 8. "
+    "Why so small: alone, one step of this size took ~60 s on one CPU thread (~70 generated, ~55 trained "
+    "tokens/s), and 9 runs had to finish within ~80 min, two at a time; the issue's 20-30 min a run did not fit. "
+    "On 2026-11-28 the 2 cores were shared with other jobs (load average 12-14) and a step took ~5 min: see the "
+    "rows' seed counts. G = 8 because at a ~15% start most "
+    "groups of 4 had no reward spread (zero advantage); lr 2e-5, 20x the scripts' real-model default, so that 16 "
+    "optimizer steps can move the policy at all; greedy evaluation so that the seeds' spread is the training's, "
+    "not the evaluation's sampling.")
+COMMANDS = {
+    "gspo": ["gspo.py"],
+    "grpo": ["grpo.py"],
+    "dfpo": ["dfpo.py"],
+}
+CURVES = {"charts/reward_mean": "reward (training, T 0.7)", "losses/entropy": "entropy (nats/token)",
+          "charts/response_length_mean": "response length (tokens)", "losses/clipfrac": "clip fraction (tokens)"}
+MECHANISM = ["losses/asym", "losses/shared_coef"]  # the DFPO paper's mechanism metrics each step logs
+THRESHOLD, WINDOW = 0.3, 3  # eq. 19: steps until the 3-step moving average of the reward reaches 0.3
+
+
+@dataclass
+class Args:
+    out: str = os.path.join(ROOT, "experiments", "results", "real_model")
+    """where the data, runs, logs/, table.md, summary.json and real_model.png go"""
+    model: str = os.path.expanduser("~/.cache/group-rl/smollm2-135m-instruct")
+    """the model folder (python tools/real_model.py writes it)"""
+    seeds: int = 3
+    """seeds per command (1, 2, ...)"""
+    workers: int = 2
+    """runs at once, one CPU thread each"""
+    only: str | None = None
+    """comma-separated command names to run (default: all); the others' logs stay in the table"""
+    table_only: bool = False
+    """run nothing: rebuild table.md, summary.json and the plot from the logs under {out}/logs"""
+
+
+def arithmetic_task(held_out: int = HELD_OUT, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """-> (train rows, held-out rows) of {"prompt", "answer"}: every ordered pair a, b in 10..99, the held_out
+    unordered pairs drawn (seeded) kept apart in both orders, so no held-out sum is ever trained on."""
+    pairs = sorted({(min(a, b), max(a, b)) for a in range(10, 100) for b in range(10, 100)})
+    kept = set(random.Random(seed).sample(pairs, held_out))
+    row = lambda a, b: {"prompt": PROMPT.format(a=a, b=b), "answer": str(a + b)}  # noqa: E731
+    train = [row(a, b) for a in range(10, 100) for b in range(10, 100) if (min(a, b), max(a, b)) not in kept]
+    test = [row(a, b) for a, b in sorted(kept)]
+    random.Random(seed).shuffle(test)  # --eval-limit takes the first ones: a random subset, not the smallest a
+    return train, test
+
+
+def write_task(folder: str) -> tuple[str, str]:
+    os.makedirs(folder, exist_ok=True)
+    paths = []
+    for name, rows in zip(("train", "test"), arithmetic_task()):
+        paths.append(os.path.join(folder, f"{name}.jsonl"))
+        with open(paths[-1], "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    return paths[0], paths[1]
+
+
+def run_all(args, wanted: list[str], seeds: list[int]):
+    """Seed-major, so that an interrupted experiment still has every command on the first seeds; each run's logs
+    are copied to {out}/logs/{name}__{seed}/ and its run folder (checkpoint included) deleted."""
+    if not os.path.isdir(args.model):
+        raise SystemExit(f"--model {args.model}: no such folder; write it with python tools/real_model.py")
+    runs, logs = os.path.join(args.out, "runs"), os.path.join(args.out, "logs")
+    train, test = write_task(os.path.join(runs, "data"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+    def one(job):
+        name, seed = job
+        t = time.time()
+        name_s = exp_name(name)
+        for path in glob.glob(os.path.join(runs, f"{name_s}__{seed}__*")):
+            shutil.rmtree(path)
+        log = os.path.join(runs, f"{name_s}__{seed}.log")
+        argv = [sys.executable, *COMMANDS[name], "--model", args.model, "--dataset", train, "--eval-dataset", test,
+                *BUDGET, "--seed", str(seed), "--exp-name", name_s, "--output-dir", runs]
+        with open(log, "w") as f:
+            rc = subprocess.run(argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+        if rc:
+            raise SystemExit(f"{name} seed {seed} failed (exit {rc}); the end of {log}:\n" + open(log).read()[-3000:])
+        (run,) = glob.glob(os.path.join(runs, f"{name_s}__{seed}__*"))
+        dest = os.path.join(logs, f"{name_s}__{seed}")
+        os.makedirs(dest, exist_ok=True)
+        for f in ("metrics.jsonl", "samples.jsonl", "args.json"):
+            if os.path.exists(os.path.join(run, f)):
+                shutil.copy(os.path.join(run, f), dest)
+        shutil.rmtree(run)
+        print(f"  {name} seed {seed}: {time.time() - t:.0f}s", flush=True)
+
+    with ThreadPoolExecutor(args.workers) as pool:
+        list(pool.map(one, [(name, s) for s in seeds for name in wanted]))
+
+
+def summarize(logs: str, seeds: list[int]) -> dict:
+    """{command: [one dict a seed: curves, eval before / after, the last step's samples]} from the logs there."""
+    result = {}
+    for name in COMMANDS:
+        per_seed = []
+        for s in seeds:
+            path = os.path.join(logs, f"{exp_name(name)}__{s}", "metrics.jsonl")
+            if not os.path.exists(path):
+                continue
+            rows = [json.loads(line) for line in open(path)]
+            steps = [r for r in rows if "charts/reward_mean" in r]
+            evals = [(r["step"], r[k]) for r in rows for k in r if k.startswith("eval/avg@")]
+            per_seed.append({"seed": s, "curves": {k: [r[k] for r in steps] for k in [*CURVES, *MECHANISM]},
+                             "eval_steps": [e[0] for e in evals], "eval": [e[1] for e in evals],
+                             "jitter2": next((r["charts/reward_jitter2"] for r in rows
+                                              if r.get("charts/reward_jitter2") is not None), None)})
+        if per_seed:
+            result[name] = per_seed
+    return result
+
+
+def table(result: dict) -> str:
+    lines = ["| objective | seeds | held-out accuracy (greedy), step 0 | held-out accuracy, last step | change (per seed: after "
+             "- before) | reward, first 2 steps | reward, last 2 steps | entropy, first → last step "
+             "| response length, first → last step | clip fraction, mean over steps |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, runs in result.items():
+        first = lambda k, n=1: [sum(r["curves"][k][:n]) / n for r in runs]  # noqa: E731
+        last = lambda k, n=1: [sum(r["curves"][k][-n:]) / n for r in runs]  # noqa: E731
+        before, after = [r["eval"][0] for r in runs], [r["eval"][-1] for r in runs]
+        delta = [a - b for a, b in zip(after, before)]
+        clip = [sum(r["curves"]["losses/clipfrac"]) / len(r["curves"]["losses/clipfrac"]) for r in runs]
+        e, n = "losses/entropy", "charts/response_length_mean"
+        lines.append(f"| {name} | {len(runs)} | {fmt(before)} | {fmt(after)} | {fmt(delta)} "
+                     f"| {fmt(first('charts/reward_mean', 2))} | {fmt(last('charts/reward_mean', 2))} "
+                     f"| {fmt(first(e))} → {fmt(last(e))} | {fmt(first(n), 1)} → {fmt(last(n), 1)} | {fmt(clip)} |")
+    return "\n".join(lines)
+
+
+def mechanism_table(result: dict) -> str:
+    """The DFPO paper's predictions (arXiv:2604.13088 sec. 6) on this task: steps to a reward threshold (eq. 19),
+    Jitter2 of the reward curve (eq. 20), Asym (eq. 23) and the shared-token coefficient (eq. 72), means over steps
+    per seed, then mean ± std over seeds."""
+    lines = [f"| objective | steps to reward ≥ {THRESHOLD} ({WINDOW}-step average, eq. 19) | Jitter2 (eq. 20) "
+             "| Asym (eq. 23) | shared-token coef. (eq. 72) |", "|---|---|---|---|---|"]
+    for name, runs in result.items():
+        reach = [steps_to(r["curves"]["charts/reward_mean"], THRESHOLD, WINDOW) for r in runs]
+        hit = [x for x in reach if x is not None]
+        reach_s = f"{fmt(hit, 1)} ({len(hit)}/{len(runs)} seeds)" if hit else f"not reached (0/{len(runs)})"
+        jit = [r["jitter2"] for r in runs if r["jitter2"] is not None]
+        avg = lambda k: [sum(r["curves"][k]) / len(r["curves"][k]) for r in runs]  # noqa: E731
+        lines.append(f"| {name} | {reach_s} | {fmt(jit) if jit else 'n/a'} | {fmt(avg('losses/asym'), 4)} "
+                     f"| {sci(avg('losses/shared_coef'))} |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(4.5 * len(CURVES), 3.5))
+    for ax, (key, label) in zip(axes, CURVES.items()):
+        for name, runs in result.items():
+            curves = [r["curves"][key] for r in runs]
+            n = min(len(c) for c in curves)
+            mean = [sum(c[t] for c in curves) / len(curves) for t in range(n)]
+            lo = [min(c[t] for c in curves) for t in range(n)]
+            hi = [max(c[t] for c in curves) for t in range(n)]
+            steps = list(range(1, n + 1))
+            ax.plot(steps, mean, label=name)
+            ax.fill_between(steps, lo, hi, alpha=0.2)
+        ax.set_xlabel("step")
+        ax.set_title(label, fontsize=9)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("SmolLM2-135M-Instruct, 2-digit addition: mean over seeds, band min-max", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main():
+    args = tyro.cli(Args)
+    t0 = time.time()
+    wanted = args.only.split(",") if args.only else list(COMMANDS)
+    if unknown := set(wanted) - set(COMMANDS):
+        raise SystemExit(f"--only {sorted(unknown)}: unknown (choose from {', '.join(COMMANDS)})")
+    seeds = list(range(1, args.seeds + 1))
+    if not args.table_only:
+        run_all(args, wanted, seeds)
+    result = summarize(os.path.join(args.out, "logs"), seeds)
+    if not result:
+        raise SystemExit(f"no logs under {os.path.join(args.out, 'logs')}: run the experiment first")
+    what = ("rebuilt from the logs under logs/" if args.table_only
+            else f"{time.time() - t0:.0f} s, {args.workers} runs at a time")
+    report = (f"# Learning on a real model: SmolLM2-135M-Instruct, 2-digit addition\n\n"
+              f"`python experiments/real_model_runs.py {' '.join(sys.argv[1:])}`: {what}. Mean ± sample std "
+              f"(ddof 1) over seeds. Held-out: {HELD_OUT} sums never trained on (both orders), the first 64 "
+              f"evaluated.\n\n{BUDGET_WHY}\n\nEvery command: `{' '.join(BUDGET)}`\n\n{table(result)}\n\n"
+              f"Mechanism metrics (DFPO paper, sec. 6), same runs:\n\n{mechanism_table(result)}\n")
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write(report)
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    if not plot(result, os.path.join(args.out, "real_model.png")):
+        print("matplotlib is not installed: table only, no plots")
+    print(report)
+
+
+if __name__ == "__main__":
+    main()

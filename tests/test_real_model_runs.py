@@ -1,0 +1,90 @@
+"""experiments/real_model_runs.py without the model: the arithmetic task's rows and held-out split, graded by the
+math grader, and --table-only on a fabricated folder of run logs (fast: no model is loaded)."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+sys.path.insert(0, ROOT)
+import common  # noqa: E402
+from real_model_runs import arithmetic_task  # noqa: E402
+
+
+def test_arithmetic_task_rows_and_held_out_split():
+    train, test = arithmetic_task()
+    # 90 x 90 ordered pairs; 128 unordered pairs held out: 127 of them a != b (2 orders each) and however many
+    # a == b among them, so 8100 - len(train) is 2 x 128 minus the diagonal ones
+    pairs = lambda rows: [tuple(int(x) for x in r["prompt"][8:].split("?")[0].split(" + ")) for r in rows]  # noqa
+    held = pairs(test)
+    diagonal = sum(a == b for a, b in held)
+    assert len(test) == 128 and len(train) == 8100 - (2 * 128 - diagonal)
+    assert test[0]["prompt"] == f"What is {held[0][0]} + {held[0][1]}? Put the final answer in \\boxed{{}}."
+    for rows in (train, test):
+        for (a, b), r in zip(pairs(rows), rows):
+            assert 10 <= a <= 99 and 10 <= b <= 99 and r["answer"] == str(a + b)
+    # no held-out sum is trained on, in either order
+    unordered = lambda ps: {(min(a, b), max(a, b)) for a, b in ps}  # noqa: E731
+    assert not unordered(held) & unordered(pairs(train))
+    assert arithmetic_task() == (train, test)  # seeded: every run and every seed of a run sees the same split
+    # the held-out order is shuffled: --eval-limit 48 takes a spread of pairs, not the smallest a
+    assert sorted(held) != held
+
+
+def test_arithmetic_answers_are_graded_right_and_echoing_the_question_is_not():
+    _, test = arithmetic_task()
+    r = test[0]
+    a, b = r["prompt"][8:].split("?")[0].split(" + ")
+    n = int(r["answer"])
+    assert common.math_reward(f"{a} + {b} = {n}. The answer is \\boxed{{{n}}}.", r["answer"]) == 1.0
+    assert common.math_reward(f"The sum is {n}.", r["answer"]) == 1.0
+    assert common.math_reward(f"\\boxed{{{n + 1}}}", r["answer"]) == 0.0
+    assert common.math_reward(f"\\boxed{{{a} + {b}}}", r["answer"]) == 0.0  # issue 38 item 0
+    assert common.math_reward("\\boxed{}", r["answer"]) == 0.0
+
+
+def fake_run(folder, rewards, evals, clip=0.1):
+    """A metrics.jsonl as the scripts write it: one row a step (eval at the first and last), Jitter2 on the last."""
+    os.makedirs(folder)
+    rows = [{"step": 0, "eval/avg@4": evals[0], "eval/pass@4": 0.5}]
+    for t, r in enumerate(rewards, 1):
+        rows.append({"step": t, "charts/reward_mean": r, "losses/entropy": 1.0 - 0.1 * t,
+                     "charts/response_length_mean": 30.0 - t, "losses/clipfrac": clip, "losses/asym": 0.2,
+                     "losses/shared_coef": 1e-3})
+    rows[-1].update({"eval/avg@4": evals[1], "eval/pass@4": 0.6, "charts/reward_jitter2": 0.05})
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def test_table_only_on_fabricated_logs(tmp_path):
+    logs = tmp_path / "logs"
+    fake_run(logs / "gspo__1", [0.1, 0.2, 0.3, 0.5], (0.10, 0.30))
+    fake_run(logs / "gspo__2", [0.1, 0.1, 0.3, 0.3], (0.20, 0.30))
+    fake_run(logs / "dfpo__1", [0.2, 0.2, 0.2, 0.2], (0.25, 0.25), clip=0.3)
+    p = subprocess.run([sys.executable, "experiments/real_model_runs.py", "--table-only", "--seeds", "2",
+                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    table = (tmp_path / "table.md").read_text()
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in table.split("Mechanism")[0].splitlines()
+            if line.startswith("| g")
+            or line.startswith("| d")}
+    assert set(rows) == {"gspo", "dfpo"}  # grpo has no logs: no row
+    g = rows["gspo"]
+    # held-out before: mean 0.15, sample std of (0.1, 0.2) = 0.0707; after 0.30 ± 0; change (0.2, 0.1): 0.15 ± 0.0707
+    assert g[1] == "2" and g[2] == "0.150 ± 0.071" and g[3] == "0.300 ± 0.000" and g[4] == "0.150 ± 0.071"
+    # reward, first 2 steps: seed 1 0.15, seed 2 0.10 -> 0.125 ± 0.035; last 2: 0.4, 0.3 -> 0.350 ± 0.071
+    assert g[5] == "0.125 ± 0.035" and g[6] == "0.350 ± 0.071"
+    assert g[7] == "0.900 ± 0.000 → 0.600 ± 0.000" and g[8] == "29.0 ± 0.0 → 26.0 ± 0.0"
+    assert g[9].startswith("0.100 ± 0.000")
+    d = rows["dfpo"]
+    assert d[1] == "1" and d[2] == "0.250" and d[4] == "0.000" and d[9].startswith("0.300")
+    # mechanism table: steps to a 3-step average >= 0.3 (eq. 19): seed 1 (0.1, 0.2, 0.3, 0.5) reaches it at step 4
+    # ((0.2 + 0.3 + 0.5) / 3 = 0.333), seed 2 (0.1, 0.1, 0.3, 0.3) never (0.233 at most): 4.0 on 1 of 2 seeds
+    mech = {line.split(" | ")[0][2:]: line.split(" | ") for line in table.split("Mechanism")[1].splitlines()
+            if line.startswith("| g") or line.startswith("| d")}
+    assert mech["gspo"][1] == "4.0 (1/2 seeds)" and mech["dfpo"][1] == "not reached (0/1)"
+    assert mech["gspo"][2] == "0.050 ± 0.000" and mech["gspo"][3] == "0.2000 ± 0.0000"
+    assert mech["gspo"][4].startswith("1.0e-03 ± 0.0e+00")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["gspo"][0]["eval"] == [0.10, 0.30] and summary["gspo"][1]["eval_steps"] == [0, 4]

@@ -72,6 +72,7 @@ def full_state():
 
 
 def save(step):
+    os.makedirs(os.path.join(out, "run"), exist_ok=True)  # a script's run folder exists before its first save
     checkpoint.save_checkpoint(os.path.join(out, "run"), step, policy, tok, optimizer, scheduler, d, args,
                                "reshard.py", reward_curve=[], nonfinite_run=0, wall_time=0.0)
     weights, optim = full_state()

@@ -16,12 +16,13 @@ FlexAttention, each live row reading only its own blocks of the KV cache and dea
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from sampling import sample  # HF's temperature, top-k, top-p: one pass, on the device
 
 ARCHITECTURES = ("qwen3", "qwen2", "llama")  # config.model_type values the forward below covers
 SYNC_EVERY = 8  # decoding steps between two looks from the host at which rows have finished
@@ -307,6 +308,10 @@ class Engine:
         if compile:
             raise_recompile_limit()
         self.decode_layer = torch.compile(self.layer, dynamic=False) if compile else self.layer
+        # the sampler compiled with the layers on a GPU (its passes over [slots, V] fused); None:
+        # sampling.sample as it is (eager, the CPU's default: the same function tests run)
+        self.sampler = (torch.compile(sample, dynamic=False)
+                        if compile and torch.device(device).type == "cuda" else None)
         self.pool = (torch.cuda.graph_pool_handle()
                      if graphs and torch.device(device).type == "cuda" else None)
 
@@ -426,34 +431,55 @@ class Engine:
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, reach: int,
-             alive: torch.Tensor | None = None) -> torch.Tensor:
-        """decode, as the rollout runs it: eager, or (graphs) the captured step of `reach` rounded
-        up to GRAPH_REACH, run on copies of tokens and positions at fixed addresses; the final
-        norm, the LM head and sampling stay outside the graph (no [slots, V] buffer a graph)."""
+             alive: torch.Tensor | None, how: tuple[float, int, float],
+             generator=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoding step as the rollout runs it, sampled: -> (tokens [slots], their log-probs
+        [slots]) drawn by sampling.sample with how = (temperature, top_k, top_p) from `generator`
+        (None: torch's global stream). Eager, or (graphs) the captured step of `reach` rounded up
+        to GRAPH_REACH, run on copies of tokens and positions at fixed addresses: the layers, the
+        LM head and the sampler (its noise drawn inside, from the same stream) in one replay, no
+        host sync."""
         if self.graphs is None:
-            return self.decode(tokens, positions, reach, alive)
+            return self.draw(self.logits(self.hidden(tokens, positions, reach, alive)), how,
+                             generator)
         reach = min(-(-reach // GRAPH_REACH) * GRAPH_REACH, self.max_len)
         if self.flex is not None and not self.paged:  # the block mask reads each row's own
             reach = self.max_len  # blocks whatever the read length: one graph, one compilation
         self.static[0].copy_(tokens)
         self.static[1].copy_(positions)
         self.static[2].fill_(1) if alive is None else self.static[2].copy_(alive)
-        if reach not in self.graphs:
-            self.graphs[reach] = self.capture(reach)
-        return self.logits(self.graphs[reach]())
+        key = (reach, how, generator)  # a graph replays one sampler and one random stream
+        if key not in self.graphs:
+            self.graphs[key] = self.capture(reach, how, generator)
+        return self.graphs[key]()
 
-    def capture(self, reach: int):
-        """The decoding step at read length `reach` over self.static -> a function that runs it
-        and returns the hidden states [slots, D]. On a GPU a CUDA graph: a step's kernels (~9 a
-        layer compiled, ~55 eager) launched as one replay (HF generate spends ~1.3 ms of Python and
-        launches a layer and token). Its first run (which compiles, when the engine compiles) is
-        on a side stream, as capture requires, and writes the
-        same keys and values the replay then writes again; the graphs of every read length share
-        one memory pool (one runs at a time, and only their outputs outlive a run). Elsewhere (the
-        CPU) the step itself, eager: the same inputs, rounding and outputs, so that tests cover
-        everything but the capture."""
+    def draw(self, logits: torch.Tensor, how: tuple[float, int, float], generator=None):
+        """sampling.sample over logits [N, V] (bf16 on a GPU: the sampler reads them once, in
+        float32 inside its kernels); compiled with the layers on a GPU, where its passes over
+        [N, V] fuse (its Exp(1) noise drawn eagerly from `generator`, graph-safe)."""
+        if self.sampler is None:
+            return sample(logits, *how, generator=generator)
+        if how[0] == 0:  # greedy: no noise
+            return self.sampler(logits, *how)
+        noise = torch.empty(logits.shape, device=logits.device).exponential_(generator=generator)
+        return self.sampler(logits, *how, noise=noise)
+
+    def capture(self, reach: int, how: tuple[float, int, float], generator=None):
+        """The decoding step at read length `reach` over self.static, sampled -> a function that
+        runs it and returns (tokens [slots], log-probs [slots]). On a GPU a CUDA graph: a step's
+        kernels (~9 a layer compiled, ~55 eager, the LM head and the sampler) launched as one
+        replay (HF generate spends ~1.3 ms of Python and launches a layer and token). Its first
+        run (which compiles, when the engine compiles) is on a side stream, as capture requires,
+        and writes the same keys and values the replay then writes again (and draws noise once
+        more: the stream moves on); the graphs of every read length share one memory pool (one
+        runs at a time, and only their outputs outlive a run). A generator other than the global
+        one is registered with the graph, so each replay draws fresh noise from it. Elsewhere
+        (the CPU) the step itself, eager: the same inputs, rounding and outputs, so that tests
+        cover everything but the capture."""
         def run():
-            return self.hidden(self.static[0], self.static_positions, reach, self.static[2])
+            h = self.hidden(self.static[0], self.static_positions, reach, self.static[2])
+            logits = F.linear(rms_norm(h, self.w.norm, self.eps), self.w.head)
+            return self.draw(logits, how, generator)
 
         if self.pool is None:
             return run
@@ -463,6 +489,8 @@ class Engine:
             run()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        if generator is not None:
+            graph.register_generator_state(generator)
         with torch.cuda.graph(graph, pool=self.pool):
             out = run()
 
@@ -550,33 +578,6 @@ class Engine:
         return out.reshape(q.shape)
 
 
-# -------------------- sampling: HF's semantics and order
-def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator=None):
-    """As HF's sampling: temperature, then top-k, then top-p (at least one token kept), then one
-    draw from the softmax of what is left. -> (tokens [N], log-probs [N] of the tokens under the
-    temperature-scaled softmax before top-k/top-p: the policy's own log-prob at this
-    temperature). generator: the random stream (default torch's global one)."""
-    scores = logits / temperature
-    logp = torch.log_softmax(scores, -1)
-    scores = top_k_top_p(scores, top_k, top_p)
-    tokens = torch.multinomial(torch.softmax(scores, -1), 1, generator=generator)
-    return tokens[:, 0], logp.gather(1, tokens)[:, 0]
-
-
-def top_k_top_p(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """transformers' TopKLogitsWarper then TopPLogitsWarper (min_tokens_to_keep 1): removed
-    tokens get -inf. top_k 0 and top_p 1 are off."""
-    if top_k > 0:
-        kth = torch.topk(scores, min(top_k, scores.shape[-1])).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, -math.inf)
-    if top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=False)
-        remove = sorted_scores.softmax(-1).cumsum(-1) <= 1 - top_p
-        remove[..., -1:] = False  # the most likely token stays
-        scores = scores.masked_fill(remove.scatter(-1, order, remove), -math.inf)
-    return scores
-
-
 # -------------------- the scheduler: continuous batching over a fixed pool of slots
 @torch.no_grad()
 def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_tokens: int,
@@ -631,6 +632,7 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
     engine = Engine(lm, slots, max_len, device, dtype, rank, world, pool_blocks, graphs=graphs,
                     flex=flex, compile=compile)
     eos_t = torch.tensor(eos, device=device)
+    how = (temperature, top_k, top_p)  # the sampler's settings (sampling.sample: HF's semantics)
     tokens = torch.zeros(slots, dtype=torch.long, device=device)  # each slot's last token
     positions = torch.zeros(slots, dtype=torch.long, device=device)  # ... and its position
     count = torch.zeros(slots, dtype=torch.long, device=device)  # tokens generated so far
@@ -675,7 +677,7 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
             if engine.paged and not engine.take(s, blocks_ahead(s)):
                 raise RuntimeError("admitted beyond the KV pool")  # admit() counted them above
         logits = engine.prefill([prompts[p] for p in batch], sel, n).repeat_interleave(n, 0)
-        new, new_logp = sample(logits, temperature, top_k, top_p, generator)
+        new, new_logp = sample(logits, *how, generator=generator)
         out[sel, 0], out_logp[sel, 0], count[sel] = new, new_logp, 1
         live[sel] = ~torch.isin(new, eos_t) & (max_new_tokens > 1)
         lengths = [len(prompts[p]) for p in batch]
@@ -736,8 +738,7 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
         if engine.paged:
             grow()
         for _ in range(sync_every if any(r >= 0 for r in row_of) else 0):
-            new, new_logp = sample(engine.step(tokens, positions, reach, live), temperature, top_k,
-                                   top_p, generator)
+            new, new_logp = engine.step(tokens, positions, reach, live, how, generator)
             at = count.clamp(max=max_new_tokens - 1)  # finished rows write nowhere new
             out[slot_rows, at] = torch.where(live, new, out[slot_rows, at])
             out_logp[slot_rows, at] = torch.where(live, new_logp, out_logp[slot_rows, at])

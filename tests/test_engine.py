@@ -225,20 +225,50 @@ def test_unsupported_architectures_named():
 
 
 def test_top_k_top_p_equal_transformers_warpers():
+    """The engine's sampler (engine.sample is sampling.sample) keeps what transformers' warpers keep."""
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+    import sampling
+
+    assert engine.sample is sampling.sample
     g = torch.Generator().manual_seed(0)
     for top_k, top_p in [(0, 0.9), (5, 1.0), (5, 0.5), (1, 0.3), (50, 0.99), (0, 0.01)]:
         scores = torch.randn(16, 40, generator=g) * 3
-        scores[0, :4] = 2.5  # ties at the k-th value
+        scores[1, :4] = scores[1].topk(5).values[-1]  # ties at the k-th value
         want = scores
         if top_k:
             want = TopKLogitsWarper(top_k)(None, want)
         if top_p < 1:
             want = TopPLogitsWarper(top_p)(None, want)
-        got = engine.top_k_top_p(scores, top_k, top_p)
-        assert torch.equal(got.isinf(), want.isinf()), (top_k, top_p)
-        assert torch.equal(got[~got.isinf()], want[~want.isinf()])
+        assert torch.equal(sampling.kept(scores, 1.0, top_k, top_p), ~want.isinf()), (top_k, top_p)
+
+
+@pytest.mark.parametrize("graphs, pool", [(False, None), (True, None), (True, 400)])
+def test_engine_samples_hf_multinomial_tokens_with_one_seed(setup, monkeypatch, graphs, pool):
+    """The engine's rollout sampled with one seed (temperature, top-k and top-p on): the same tokens as with HF's
+    warpers + torch.multinomial in the sampler's place, and log-probs within float error; eager and through the
+    graphs' step, whose captured function draws the tokens itself (the layers, the head and the sampler)."""
+    from test_sampling import multinomial_sample
+
+    tok, lm, ids = setup
+    kw = dict(sync_every=3, graphs=graphs, pool_tokens=pool, temperature=0.8, top_k=20, top_p=0.9)
+    first, _ = run(lm, ids, 3, [tok.eos_token_id], 12, 7, **kw, generator=torch.Generator().manual_seed(5))
+    eos = [first[0][2], first[4][5]]  # tokens sampled at steps 3 and 6: rows end at different lengths
+    runs = {}
+    for name, fn in (("engine", engine.sample), ("hf", multinomial_sample)):
+        monkeypatch.setattr(engine, "sample", fn)
+        runs[name] = run(lm, ids, 3, eos, 12, 7, **kw, generator=torch.Generator().manual_seed(5))
+    assert runs["engine"][0] == runs["hf"][0]
+    assert len({len(c) for c in runs["engine"][0]}) > 1  # rows ended at different steps
+    for a, b in zip(runs["engine"][1], runs["hf"][1]):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    monkeypatch.undo()
+    # the captured step returns tokens and log-probs: its sampler drew them from the generator, as the eager one does
+    eng = engine.Engine(lm, 3, 40, CPU, torch.float32, graphs=True)
+    x, at = torch.tensor([5, 9, 11]), torch.tensor([0, 0, 0])
+    got = eng.step(x, at, 1, None, (0.8, 20, 0.9), torch.Generator().manual_seed(3))
+    want = engine.sample(eng.decode(x, at, 1), 0.8, 20, 0.9, torch.Generator().manual_seed(3))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_sampled_frequencies_follow_the_softmax():

@@ -16,6 +16,7 @@ FlexAttention, each live row reading only its own blocks of the KV cache and dea
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from dataclasses import dataclass
 
@@ -26,14 +27,16 @@ from sampling import sample  # HF's temperature, top-k, top-p: one pass, on the 
 
 ARCHITECTURES = ("qwen3", "qwen2", "llama")  # config.model_type values the forward below covers
 SYNC_EVERY = 8  # decoding steps between two looks from the host at which rows have finished
-PAGE = 16  # positions a block of a paged KV cache holds (as vLLM's default)
+PAGE = 16  # positions a block of a paged KV cache holds under SDPA (as vLLM's default)
 # CUDA graphs of the decoding step are captured per read length, rounded up to a multiple of this
 # (the mask keeps the positions past each row's own out): at most max_len / GRAPH_REACH graphs
 GRAPH_REACH = 256
 # FlexAttention's blocks of keys: a decoding step reads, for each row, only the blocks of this many
-# positions that hold its live ones (its length rounded up), not the whole read length
+# positions that hold its live ones (its length rounded up), not the whole read length; paged, the
+# pool's blocks are this size too, so that the block mask's indices are the physical blocks
 FLEX_BLOCK = 128
 _flex = {}  # the flex_attention each device type runs: compiled on a GPU, eager on the CPU
+HELD = weakref.WeakKeyDictionary()  # generate(keep=True): the model -> its kept Engine
 
 
 def flex_attention(device):
@@ -52,6 +55,13 @@ def flex_attention(device):
             raise_recompile_limit()  # compile of its own
         _flex[kind] = torch.compile(fa.flex_attention) if kind == "cuda" else fa.flex_attention
     return _flex[kind]
+
+
+def page_size(flex: bool) -> int:
+    """Positions a block of a paged KV cache holds: FlexAttention's key block where decoding attends
+    through it (the block mask then lists each row's physical blocks: the pool read in place), else
+    PAGE (SDPA reads a copy of each row's blocks)."""
+    return FLEX_BLOCK if flex else PAGE
 
 
 def raise_recompile_limit():
@@ -117,16 +127,18 @@ def weight(lin, device, dtype, dim: int = 0, rank: int = 0, world: int = 1) -> t
 
 
 def take_weights(lm, max_len: int, device, dtype, rank: int = 0, world: int = 1,
-                 fuse: bool = True) -> Weights:
+                 fuse: bool = True, into: Weights | None = None) -> Weights:
     """The decoder's weights, q/k/v and gate/up each fused into one matrix (one matmul each; fuse
     False, as on the CPU: kept apart, a list of (weight, bias), read in place with no copy). Tensor
     parallel over `world` ranks: this rank's heads of q/k/v and its columns of gate/up (split along
     their outputs), the matching inputs of o and down (their outputs summed over the ranks, biases
-    added once after), everything else whole."""
+    added once after), everything else whole. into: an earlier take's Weights, whose copies take
+    the model's values now in place (copy_, a layer at a time: their addresses, which the CUDA
+    graphs replay, stay; weights read in place need nothing) -> into itself."""
     model = lm.get_decoder()
     tp = dict(rank=rank, world=world)
     layers = []
-    for layer in model.layers:
+    for i, layer in enumerate(model.layers):
         a, m = layer.self_attn, layer.mlp
         qkv = [weight(lin, device, dtype, 0, **tp) for lin in (a.q_proj, a.k_proj, a.v_proj)]
         qkv_bias = [full(lin.bias, device, dtype, 0, **tp)
@@ -145,14 +157,33 @@ def take_weights(lm, max_len: int, device, dtype, rank: int = 0, world: int = 1,
             "down": (weight(m.down_proj, device, dtype, 1, **tp),
                      full(m.down_proj.bias, device, dtype)),
         })
+        if into is not None:
+            refill(into.layers[i], layers.pop())
     embed = full(model.embed_tokens.weight, device, dtype)
     head = lm.get_output_embeddings().weight
     tied = head is lm.get_input_embeddings().weight
+    if into is not None:  # the rotary tables depend on the config alone
+        refill([into.embed, into.norm], [embed, full(model.norm.weight, device, dtype)])
+        if not tied:
+            refill(into.head, full(head, device, dtype))
+        return into
     # the model's own rotary embedding over every position a row can reach (rope_scaling included)
     positions = torch.arange(max_len, device=device)[None]
     cos, sin = model.rotary_emb(torch.empty(0, device=device, dtype=dtype), positions)
     return Weights(embed, layers, full(model.norm.weight, device, dtype),
                    embed if tied else full(head, device, dtype), cos[0], sin[0])
+
+
+def refill(old, new):
+    """old's tensors (nested in dicts, lists, tuples) take new's values in place, where they are
+    copies (a tensor read in place from the model is already the model's)."""
+    if isinstance(old, dict):
+        old, new = list(old.values()), list(new.values())
+    if isinstance(old, (list, tuple)):
+        for o, n in zip(old, new):
+            refill(o, n)
+    elif old is not None and old.data_ptr() != new.data_ptr():
+        old.copy_(new)
 
 
 def fused(weights: list, biases: list, fuse: bool):
@@ -179,25 +210,62 @@ def tensor_parallel_fits(config, world: int) -> str | None:
     return None
 
 
-def memory_needed(lm, slots: int, max_len: int, dtype, world: int = 1) -> tuple[int, int]:
-    """Bytes the engine allocates on its device: (the KV cache of `slots` rows of `max_len`
-    positions, the weight copy). The copy is counted whole: an upper bound, since unsharded weights
-    already in `dtype` on the device are read in place (all but the fused q/k/v and gate/up)."""
+def memory_needed(lm, slots: int, max_len: int, dtype, world: int = 1, device="cuda",
+                  fuse: bool | None = None) -> tuple[int, int]:
+    """Bytes the engine allocates on `device`: (the KV cache of `slots` rows of `max_len` positions,
+    the weights take_weights copies). Copied: q/k/v and gate/up when fused (fuse None: on a GPU),
+    and every weight that `full` cannot read in place (sharded, in another dtype or on another
+    device, split over tensor-parallel ranks, a LoRA layer merged), and the rotary tables; the rest
+    (a plain model already in `dtype` on `device`) is read where it is."""
     cfg, size = lm.config, torch.empty(0, dtype=dtype).element_size()
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv = 2 * cfg.num_hidden_layers * slots * cfg.num_key_value_heads // world * max_len * head_dim
-    return kv * size, sum(p.numel() for p in lm.parameters()) // world * size
+    device = torch.device(device)
+    if fuse is None:
+        fuse = device.type != "cpu"
+
+    def moved(p):  # full() makes a copy of p
+        return (hasattr(p, "full_tensor") or p.dtype != dtype or p.device.type != device.type
+                or device.index is not None and p.device.index != device.index)
+
+    def merged(lin):  # weight() adds a LoRA layer's adapters into a copy
+        return hasattr(lin, "lora_A") and not lin.disable_adapters and not lin.merged
+
+    copied = 2 * max_len * head_dim  # cos and sin
+    model = lm.get_decoder()
+    for layer in model.layers:
+        a, m = layer.self_attn, layer.mlp
+        for lin, split_rows in ((a.q_proj, 1), (a.k_proj, 1), (a.v_proj, 1), (m.gate_proj, 1),
+                                (m.up_proj, 1), (a.o_proj, 0), (m.down_proj, 0)):
+            # q/k/v, gate/up: fused (a copy), or split along their rows (a view); o and down:
+            # split along their columns (a copy) under tensor parallelism
+            w = lin.base_layer.weight if hasattr(lin, "base_layer") else lin.weight
+            copy = (fuse if split_rows else world > 1) or merged(lin) or moved(w)
+            copied += w.numel() // world * copy
+            if lin.bias is not None:  # q/k/v's and gate/up's split with them, o's and down's whole
+                b = lin.bias
+                copied += (b.numel() // world * (fuse or moved(b)) if split_rows else
+                           b.numel() * moved(b))
+        norms = (layer.input_layernorm, layer.post_attention_layernorm,
+                 getattr(a, "q_norm", None), getattr(a, "k_norm", None))
+        copied += sum(n.weight.numel() * moved(n.weight) for n in norms if n is not None)
+    head = lm.get_output_embeddings().weight
+    rest = [model.embed_tokens.weight, model.norm.weight]
+    rest += [] if head is lm.get_input_embeddings().weight else [head]
+    copied += sum(p.numel() * moved(p) for p in rest)
+    return kv * size, copied * size
 
 
-def kv_plan(lm, slots: int, max_len: int, n: int, device, dtype, world: int = 1) -> int | None:
+def kv_plan(lm, slots: int, max_len: int, n: int, device, dtype, world: int = 1,
+            page: int = PAGE) -> int | None:
     """The KV cache a rollout gets on a GPU: None (whole: every slot max_len positions) when that
     and the weight copy fit 90% of the free memory (the driver's free and the allocator's cached);
     else the positions a paged pool can hold in 90% of what the weights leave; MemoryError (one
-    line) when that is less than one group of n rows at max_len. On the CPU always whole (host
-    memory is not checked)."""
+    line) when that is less than one group of n rows at max_len (in blocks of `page`). On the CPU
+    always whole (host memory is not checked)."""
     if torch.device(device).type != "cuda":
         return None
-    kv, weights = memory_needed(lm, slots, max_len, dtype, world)
+    kv, weights = memory_needed(lm, slots, max_len, dtype, world, device)
     # free: what the driver has free and what torch's allocator holds without using it (the last
     # rollout's cache, training's activations: reserved, not allocated), which the engine's
     # allocations reuse; from the driver's number alone, the second RL step would find the first
@@ -207,7 +275,7 @@ def kv_plan(lm, slots: int, max_len: int, n: int, device, dtype, world: int = 1)
     if kv + weights <= 0.9 * free:  # the rest: prefill activations, logits, sampling, graphs
         return None
     pool = int((0.9 * free - weights) / (kv / (slots * max_len)))
-    if pool >= n * max_len:
+    if pool // page >= n * -(-max_len // page):
         return pool
     gib = 2 ** 30
     raise MemoryError(
@@ -235,15 +303,16 @@ class Engine:
     """One rollout's decoder over a KV cache of `slots` rows, each up to `max_len` tokens.
 
     The cache is addressed in blocks of positions through a table [slots, blocks a row]. Whole
-    (pool_blocks None): every row owns ceil(max_len / block) blocks for the whole rollout, adjacent,
-    so attention reads the cache as a view. Paged (pool_blocks given, `block` positions each): rows
-    take blocks from a shared pool as they grow (take/give, on the host) and attention gathers a
-    row's blocks (one copy a layer and step), so that rows that finish early leave room for more
-    rows: the pool holds fewer positions than slots x max_len."""
+    (pool_tokens None): every row owns one block of max_len positions for the whole rollout, so
+    attention reads the cache as a view. Paged (a pool of pool_tokens positions, in blocks of
+    page_size(flex)): rows take blocks from a shared pool as they grow (take/give, on the host), so
+    that rows that finish early leave room for more rows: the pool holds fewer positions than slots
+    x max_len. FlexAttention reads a row's blocks where they lie (its block mask lists their
+    physical indices, live_blocks); SDPA reads a copy of them (one gather a layer and step)."""
 
     def __init__(self, lm, slots: int, max_len: int, device, dtype, rank: int = 0, world: int = 1,
-                 pool_blocks: int | None = None, block: int = PAGE, graphs: bool = False,
-                 flex: bool | None = None, compile: bool = False, fuse: bool | None = None):
+                 pool_tokens: int | None = None, graphs: bool = False, flex: bool | None = None,
+                 compile: bool = False, fuse: bool | None = None):
         from transformers.activations import ACT2FN
 
         cfg = lm.config
@@ -259,8 +328,17 @@ class Engine:
         if fuse is None:
             fuse = torch.device(device).type != "cpu"
         self.w = take_weights(lm, max_len, device, dtype, rank, world, fuse)
-        self.paged = pool_blocks is not None
-        self.block = block if self.paged else max_len
+        self.taken = dict(max_len=max_len, device=device, dtype=dtype, rank=rank, world=world,
+                          fuse=fuse)  # for refresh
+        # decoding attends through FlexAttention's block mask (each row's live blocks), by default
+        # on a GPU, where it is compiled; else (the CPU, where eager flex_attention computes every
+        # score and is ~40x slower) SDPA with a mask over the whole read length
+        if flex is None:
+            flex = torch.device(device).type == "cuda"
+        self.paged = pool_tokens is not None
+        self.block = page_size(flex) if self.paged else max_len
+        self.flex_block = self.block if self.paged else FLEX_BLOCK  # the block mask's key blocks
+        pool_blocks = pool_tokens // self.block if self.paged else 0
         per_row = -(-max_len // self.block)  # blocks a row of max_len positions spans
         blocks = pool_blocks + 1 if self.paged else slots  # paged: + a block nobody owns (spare)
         # per layer [k/v, blocks, positions in a block, kv heads, head_dim]; zeros, not empty: a
@@ -278,28 +356,24 @@ class Engine:
         self.table = (torch.full((slots, per_row), self.spare, device=device) if self.paged else
                       torch.arange(slots, device=device)[:, None])
         self.owned = [[] for _ in range(slots)]  # paged: each slot's blocks, on the host
-        self.free = list(range(pool_blocks or 0))
+        self.free = list(range(pool_blocks))
+        # paged: each physical block's place in the row that owns it, per slot (-1: not the
+        # slot's), for FlexAttention's mask_mod, which sees physical positions
+        self.logical = (torch.full((slots, blocks), -1, device=device) if self.paged else None)
         # graphs (step): the decoding step of each read length, over inputs at fixed addresses;
         # compiled, the step takes that path too (a read length is a compilation), without a
         # CUDA graph when graphs is off
         self.graphs = {} if graphs or compile else None
-        # decoding attends through FlexAttention's block mask (each row's live blocks), by default
-        # on a GPU, where it is compiled; else (the CPU, where eager flex_attention computes every
-        # score and is ~40x slower) SDPA with a mask over the whole read length
-        if flex is None:
-            flex = torch.device(device).type == "cuda"
         self.flex = flex_attention(device) if flex else None
         if flex and compile:  # inside the compiled layer: the function itself, which inductor
             from torch.nn.attention.flex_attention import flex_attention as plain  # compiles with
             self.flex = plain  # the layer (not a compiled function called from a compiled one)
         # tokens, positions, and whether each slot decodes a live row (1) or not (0: free, finished)
         self.static = torch.zeros(3, slots, dtype=torch.long, device=device)
-        self.static_positions = positions = self.static[1]
-
-        def static_mask_mod(b, h, q_idx, kv_idx):  # live_blocks' over the step's positions: one
-            return kv_idx <= positions[b]  # function object, so a compiled step sees the same one
-
-        self.static_mask_mod = static_mask_mod
+        self.static_positions = self.static[1]
+        # live_blocks' mask_mod over the step's positions: one function object, so that a compiled
+        # step sees the same one
+        self.static_mask_mod = self.mask_mod(self.static_positions)
         # compile: each decoder layer of the decoding step compiled by inductor (torch.compile,
         # default mode, static shapes), so that the norms with their residual adds, RoPE, the KV
         # write and SiLU x up each run as one fused kernel (benchmarks/kernels.py counts them);
@@ -315,6 +389,11 @@ class Engine:
         self.pool = (torch.cuda.graph_pool_handle()
                      if graphs and torch.device(device).type == "cuda" else None)
 
+    def refresh(self, lm):
+        """The model's weights now (after an optimizer step) into the engine's copies, in place:
+        one Engine serves every rollout of a run, its cache, compilations and graphs made once."""
+        take_weights(lm, **self.taken, into=self.w)
+
     def blocks_for(self, positions: int) -> int:
         return -(-positions // self.block)
 
@@ -328,7 +407,9 @@ class Engine:
             new = [self.free.pop() for _ in range(need)]
             at = len(self.owned[s])
             self.owned[s] += new
-            self.table[s, at:at + need] = torch.tensor(new, device=self.table.device)
+            new = torch.tensor(new, device=self.table.device)
+            self.table[s, at:at + need] = new
+            self.logical[s, new] = torch.arange(at, at + need, device=new.device)
         return True
 
     def give(self, s: int):
@@ -337,6 +418,7 @@ class Engine:
             self.free += self.owned[s]
             self.owned[s] = []
             self.table[s] = self.spare
+            self.logical[s] = -1
 
     def where(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rows of a layer's keys (or values) viewed as [-1, head_dim] for slots [N] at positions
@@ -348,7 +430,10 @@ class Engine:
     def read(self, c: torch.Tensor, table: torch.Tensor, reach: int) -> torch.Tensor:
         """A layer's keys (or values) c [blocks, block, kv heads, d] of every slot at positions <
         reach (rounded up to a block) -> [slots, kv heads, positions, head_dim]: whole, a view;
-        paged, a gather through the block table."""
+        paged, a gather through the block table (SDPA's path; FlexAttention's reads the pool in
+        place: [1, kv heads, every position of the pool, head_dim], a view)."""
+        if self.paged and self.flex is not None:
+            return c.flatten(0, 1)[None].transpose(1, 2)
         if self.paged:  # [slots, blocks, block, heads, d] -> [slots, positions, heads, d]
             c = c[table[:, :self.blocks_for(reach)]].flatten(1, 2)
         return c[:, :reach].transpose(1, 2)
@@ -443,8 +528,8 @@ class Engine:
             return self.draw(self.logits(self.hidden(tokens, positions, reach, alive)), how,
                              generator)
         reach = min(-(-reach // GRAPH_REACH) * GRAPH_REACH, self.max_len)
-        if self.flex is not None and not self.paged:  # the block mask reads each row's own
-            reach = self.max_len  # blocks whatever the read length: one graph, one compilation
+        if self.flex is not None:  # the block mask reads each row's own blocks whatever the read
+            reach = self.max_len  # length: one graph, one compilation
         self.static[0].copy_(tokens)
         self.static[1].copy_(positions)
         self.static[2].fill_(1) if alive is None else self.static[2].copy_(alive)
@@ -501,32 +586,50 @@ class Engine:
 
     def live_blocks(self, positions: torch.Tensor, reach: int, alive: torch.Tensor | None = None):
         """FlexAttention's block mask of a decoding step: slot s's queries (its `group` query heads
-        of each KV head, hidden's grouped view) read the key blocks 0 .. positions[s] // FLEX_BLOCK
-        of the `reach` positions read, and within the last of them the positions up to its own (the
-        mask_mod). Built from tensors alone (no host sync, shapes set by `reach`): a CUDA graph
+        of each KV head, hidden's grouped view) read its key blocks 0 .. positions[s] // block
+        (block: self.flex_block) and within the last of them the positions up to its own (the
+        mask_mod). Whole, its blocks of the `reach` positions read; paged, the blocks its row of
+        the table names, indices into the whole pool (read in place: page and key block are one
+        size). Built from tensors alone (no host sync, shapes set by `reach`): a CUDA graph
         captures it with the step. The blocks past a row's length are never read: a row's cost is
         its own length, not the longest row's; and a slot that `alive` [slots] marks 0 (free, or its
         row finished) reads no block at all (issue 34: ~65% of a long rollout's slot-steps)."""
         from torch.nn.attention.flex_attention import BlockMask
 
-        blocks = -(-reach // FLEX_BLOCK)
-        dev = positions.device
-        count = (positions // FLEX_BLOCK + 1).clamp(max=blocks)
+        block = self.flex_block
+        blocks = -(-reach // block)
+        count = (positions // block + 1).clamp(max=blocks)
         if alive is not None:  # free slots and finished rows read no block at all (their output: 0)
             count = count * alive
         count = count.to(torch.int32)[:, None, None]
-        order = torch.arange(blocks, device=dev, dtype=torch.int32).expand(self.slots, 1, 1, blocks)
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return kv_idx <= positions[b]
-
-        if positions is self.static_positions:
-            mask_mod = self.static_mask_mod
-
+        if self.paged:  # the physical blocks; keys: every position of the pool (the mask spans it:
+            pool = self.cache_shape[1]  # its indices padded to the pool's count, as inductor asks)
+            order = F.pad(self.table[:, :blocks], (0, pool - blocks), value=self.spare)
+            order, keys = order.to(torch.int32)[:, None, None], pool * block
+        else:
+            order = torch.arange(blocks, device=positions.device, dtype=torch.int32)
+            order, keys = order.expand(self.slots, 1, 1, blocks), reach
+        mask_mod = (self.static_mask_mod if positions is self.static_positions else
+                    self.mask_mod(positions))
         group = self.heads // self.kv_heads
-        return BlockMask.from_kv_blocks(count, order, BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK),
-                                        mask_mod=mask_mod, seq_lengths=(group, reach),
-                                        compute_q_blocks=False)
+        return BlockMask.from_kv_blocks(count, order, BLOCK_SIZE=(block, block), mask_mod=mask_mod,
+                                        seq_lengths=(group, keys), compute_q_blocks=False)
+
+    def mask_mod(self, positions: torch.Tensor):
+        """FlexAttention's mask_mod of a decoding step: slot b's query sees key kv_idx iff its
+        position is at most positions[b]. Whole, kv_idx is the position; paged, a place in the
+        pool, whose block holds the row's positions logical[b, block] * block onward (-1: not
+        the row's, never seen)."""
+        if not self.paged:
+            def mask_mod(b, h, q_idx, kv_idx):
+                return kv_idx <= positions[b]
+            return mask_mod
+        logical, block = self.logical, self.block
+
+        def paged_mask_mod(b, h, q_idx, kv_idx):
+            at = logical[b, kv_idx // block]
+            return (at >= 0) & (at * block + kv_idx % block <= positions[b])
+        return paged_mask_mod
 
     @torch.no_grad()
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, reach: int,
@@ -584,8 +687,8 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
              temperature: float, top_k: int, top_p: float, slots: int, device, dtype,
              sync_every: int = SYNC_EVERY, stats: dict | None = None, rank: int = 0, world: int = 1,
              generator=None, pool_tokens: int | None = None, graphs: bool | None = None,
-             flex: bool | None = None,
-             compile: bool | None = None) -> tuple[list[list[int]], list[list[float]]]:
+             flex: bool | None = None, compile: bool | None = None,
+             keep: bool = False) -> tuple[list[list[int]], list[list[float]]]:
     """n completions of each prompt (token ids, no padding): rows prompt * n + j, a group's rows
     adjacent. A completion ends at its first EOS (kept) or after max_new_tokens. `slots` rows decode
     at once; a prompt is admitted (prefilled once, its KV copied to n free slots) whenever n slots
@@ -594,11 +697,11 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
     if given, gets the counts of decoding steps, prefills, prefills made while other rows were
     decoding (continuous batching at work), groups preempted, KV blocks still taken at the end,
     and graphs captured.
-    pool_tokens: the KV cache's positions, paged (Engine) in blocks of PAGE; None: whole (slots x
-    the longest prompt + max_new_tokens), or paged where that cannot fit the GPU (kv_plan). Paged,
-    a group is admitted only when the pool also holds its next sync_every positions beside those the
-    running rows need, and when running rows outgrow the pool the youngest group is preempted: its
-    blocks freed, its prompt first in line again, its completions made anew.
+    pool_tokens: the KV cache's positions, paged (Engine) in blocks of page_size(flex); None: whole
+    (slots x the longest prompt + max_new_tokens), or paged where that cannot fit the GPU (kv_plan).
+    Paged, a group is admitted only when the pool also holds its next sync_every positions beside
+    those the running rows need, and when running rows outgrow the pool the youngest group is
+    preempted: its blocks freed, its prompt first in line again, its completions made anew.
     world > 1: tensor parallel, every rank running this call on the same prompts with its share of
     the heads (tensor_parallel_fits) and the same `generator`, so that every rank samples the same
     tokens.
@@ -609,7 +712,12 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
     (Engine.live_blocks); None: on a GPU (compiled), not on the CPU (SDPA over the read length).
     compile: each layer of the decoding step compiled (Engine's compile: fused kernels, inside the
     CUDA graphs); None: where the graphs are on (a GPU, one rank). Not on the CPU by default: there
-    inductor's C++ compilation (~40 s on 2 cores) costs more than it saves in a rollout's steps."""
+    inductor's C++ compilation (~40 s on 2 cores) costs more than it saves in a rollout's steps.
+    keep: one Engine per run: the Engine is kept (HELD, per model) and the next call with the same
+    settings and rows no longer than its own reuses it, its weight copies refreshed from the model
+    in place (Engine.refresh), its KV cache, compilations and CUDA graphs made once; its cache
+    then stays allocated between rollouts (the training step runs beside it). Otherwise each call
+    makes its own."""
     if slots < n:
         raise ValueError(f"{slots} slots cannot hold a group of {n}")
     # never more slots than rows: a free slot still costs its share of every step (the LM head
@@ -623,14 +731,30 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
         compile = graphs and torch.device(device).type == "cuda"
     if compile:  # the cache's length in steps of GRAPH_REACH: rollouts whose longest prompts differ
         max_len = -(-max_len // GRAPH_REACH) * GRAPH_REACH  # reuse one compilation (static shapes)
-    if pool_tokens is None:
-        pool_tokens = kv_plan(lm, slots, max_len, n, device, dtype, world)
-    pool_blocks = None if pool_tokens is None else pool_tokens // PAGE
-    if pool_blocks is not None and pool_blocks < n * -(-max_len // PAGE):
-        raise ValueError(f"a KV pool of {pool_tokens} positions cannot hold one group of {n} rows "
-                         f"of up to {max_len} positions")
-    engine = Engine(lm, slots, max_len, device, dtype, rank, world, pool_blocks, graphs=graphs,
-                    flex=flex, compile=compile)
+    if flex is None:
+        flex = torch.device(device).type == "cuda"
+    page = page_size(flex)  # paged, the pool's blocks
+    key = (slots, str(device), dtype, rank, world, graphs, flex, compile, page, FLEX_BLOCK,
+           pool_tokens)
+    engine = HELD.get(lm) if keep else None
+    if (engine is not None and engine.key == key and engine.max_len >= max_len
+            and not any(engine.owned)):  # (a call that raised may leave blocks taken)
+        engine.refresh(lm)  # the same cache, compilations and graphs; the weights of now
+        max_len = engine.max_len
+    else:
+        if keep:  # an Engine of other settings: its cache freed before the plan
+            HELD.pop(lm, None)
+        engine = None
+        if pool_tokens is None:
+            pool_tokens = kv_plan(lm, slots, max_len, n, device, dtype, world, page)
+        if pool_tokens is not None and pool_tokens // page < n * -(-max_len // page):
+            raise ValueError(f"a KV pool of {pool_tokens} positions cannot hold one group of {n} "
+                             f"rows of up to {max_len} positions")
+        engine = Engine(lm, slots, max_len, device, dtype, rank, world, pool_tokens,
+                        graphs=graphs, flex=flex, compile=compile)
+        engine.key = key
+        if keep:
+            HELD[lm] = engine
     eos_t = torch.tensor(eos, device=device)
     how = (temperature, top_k, top_p)  # the sampler's settings (sampling.sample: HF's semantics)
     tokens = torch.zeros(slots, dtype=torch.long, device=device)  # each slot's last token
@@ -752,5 +876,5 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
     assert all(c is not None for c in completions), "a request never finished"
     if stats is not None:
         stats.update(counts, blocks_taken=sum(len(o) for o in engine.owned),
-                     graphs=len(engine.graphs or {}))
+                     graphs=len(engine.graphs or {}), engine=id(engine))
     return completions, logps

@@ -755,126 +755,189 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
         engine.key = key
         if keep:
             HELD[lm] = engine
-    eos_t = torch.tensor(eos, device=device)
     how = (temperature, top_k, top_p)  # the sampler's settings (sampling.sample: HF's semantics)
-    tokens = torch.zeros(slots, dtype=torch.long, device=device)  # each slot's last token
-    positions = torch.zeros(slots, dtype=torch.long, device=device)  # ... and its position
-    count = torch.zeros(slots, dtype=torch.long, device=device)  # tokens generated so far
-    live = torch.zeros(slots, dtype=torch.bool, device=device)  # decoding a row, not finished
-    out = torch.zeros(slots, max_new_tokens, dtype=torch.long, device=device)
-    out_logp = torch.zeros(slots, max_new_tokens, device=device)
-    slot_rows = torch.arange(slots, device=device)
-    row_of = [-1] * slots  # the row each slot decodes (host side), -1: free
-    made = [0] * slots  # the tokens each slot has made, as of the host's last look
-    waiting = deque(range(len(prompts)))
-    running = []  # prompts with rows decoding, oldest first
-    completions, logps = [None] * (len(prompts) * n), [None] * (len(prompts) * n)
-    reach = 0  # on the host: one more than any slot's position, an upper bound between syncs
-    counts = {"decode_steps": 0, "prefills": 0, "prefills_while_decoding": 0, "preempted": 0}
+    rows = Rows(slots, max_new_tokens, eos, device)
+    plan = Scheduler(prompts, n, slots, sync_every, max_len, engine)
+    while plan.busy() or plan.waiting:
+        admit(plan, rows, engine, how, generator)
+        if plan.waiting and not plan.busy():  # Scheduler.admissible makes this impossible
+            raise RuntimeError("the engine admitted no group into an empty batch")
+        retire(plan, rows, engine)  # one-token completions finish at their prefill
+        if engine.paged:
+            plan.grow(rows)
+        for _ in range(sync_every if plan.busy() else 0):  # the model's steps, no host sync
+            rows.advance(*engine.step(rows.tokens, rows.positions, plan.reach, rows.live, how,
+                                      generator))
+            plan.reach = min(plan.reach + 1, max_len)
+            plan.counts["decode_steps"] += 1
+        retire(plan, rows, engine)
+    assert all(c is not None for c in plan.completions), "a request never finished"
+    if stats is not None:
+        stats.update(plan.counts, blocks_taken=sum(len(o) for o in engine.owned),
+                     graphs=len(engine.graphs or {}), engine=id(engine))
+    return plan.completions, plan.logps
 
-    def blocks_ahead(s):
+
+def admit(plan, rows, engine, how, generator):
+    """The groups the slots and the pool hold now: prefilled once each (their KV copied to their
+    n slots), their first tokens sampled."""
+    k = plan.admissible()
+    if k == 0:
+        return
+    batch, at = plan.admit(k)
+    sel = torch.tensor(at, device=rows.tokens.device)
+    logits = engine.prefill([plan.prompts[p] for p in batch], sel, plan.n)
+    new, new_logp = sample(logits.repeat_interleave(plan.n, 0), *how, generator=generator)
+    lengths = [len(plan.prompts[p]) for p in batch]
+    positions = torch.tensor(lengths, device=sel.device).repeat_interleave(plan.n)
+    rows.start(sel, new, new_logp, positions)
+    plan.reach = max(plan.reach, max(lengths) + 1)
+
+
+def retire(plan, rows, engine):
+    """The host's look: which rows finished (one sync), their tokens and log-probs (one more,
+    when any did), their slots and blocks freed."""
+    going, plan.made[:] = torch.stack((rows.live.long(), rows.count)).tolist()  # the host sync
+    done = [s for s in range(plan.slots) if plan.row_of[s] >= 0 and not going[s]]
+    if done:
+        for s, (tokens, logp) in zip(done, rows.finish(done, plan.made)):
+            plan.done(s, tokens, logp)
+            engine.give(s)
+    plan.settle()
+
+
+class Rows:
+    """The slots' state on the device: each slot's last token, its position, the tokens it made
+    (count), whether it decodes a live row, and its completion so far (out, out_logp)."""
+
+    def __init__(self, slots: int, max_new_tokens: int, eos: list[int], device):
+        self.max_new_tokens, self.eos = max_new_tokens, torch.tensor(eos, device=device)
+        self.tokens = torch.zeros(slots, dtype=torch.long, device=device)
+        self.positions = torch.zeros(slots, dtype=torch.long, device=device)
+        self.count = torch.zeros(slots, dtype=torch.long, device=device)
+        self.live = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.out = torch.zeros(slots, max_new_tokens, dtype=torch.long, device=device)
+        self.out_logp = torch.zeros(slots, max_new_tokens, device=device)
+        self.slot_rows = torch.arange(slots, device=device)
+
+    def start(self, sel, new, new_logp, positions):
+        """Slots sel begin rows: their first tokens (sampled after the prefill) at `positions`."""
+        self.out[sel, 0], self.out_logp[sel, 0], self.count[sel] = new, new_logp, 1
+        self.live[sel] = ~torch.isin(new, self.eos) & (self.max_new_tokens > 1)
+        self.tokens[sel] = new
+        self.positions[sel] = positions
+
+    def advance(self, new, new_logp):
+        """A decoding step's tokens into the live rows (finished rows and free slots stay)."""
+        at = self.count.clamp(max=self.max_new_tokens - 1)  # finished rows write nowhere new
+        live, rows = self.live, self.slot_rows
+        self.out[rows, at] = torch.where(live, new, self.out[rows, at])
+        self.out_logp[rows, at] = torch.where(live, new_logp, self.out_logp[rows, at])
+        self.count += live.long()
+        self.tokens = torch.where(live, new, self.tokens)
+        self.positions += live.long()
+        self.live &= ~torch.isin(new, self.eos) & (self.count < self.max_new_tokens)
+
+    def finish(self, done: list[int], made: list[int]):
+        """Finished slots' completions -> [(token ids, log-probs)] (one copy to the host), their
+        positions back to 0."""
+        at = torch.tensor(done, device=self.out.device)
+        # both in one copy: token ids and fp32 log-probs are exact in float64
+        rows = torch.cat((self.out[at].double(), self.out_logp[at].double()), 1).tolist()
+        self.positions[at] = 0
+        T = self.max_new_tokens
+        return [([int(t) for t in row[:made[s]]], row[T:T + made[s]]) for s, row in zip(done, rows)]
+
+    def stop(self, s: int):
+        self.positions[s] = 0
+        self.live[s] = False
+
+
+class Scheduler:
+    """Continuous batching on the host: which row each slot decodes, which prompts wait and which
+    run (oldest first), admission (whole groups, only what the slots and the KV pool hold),
+    preemption (paged: the youngest group out when running rows outgrow the pool), and the
+    completions as rows finish. It reads the Engine's block bookkeeping (take/give/free/owned)."""
+
+    def __init__(self, prompts, n: int, slots: int, sync_every: int, max_len: int, engine):
+        self.prompts, self.n, self.slots, self.engine = prompts, n, slots, engine
+        self.sync_every, self.max_len = sync_every, max_len
+        self.row_of = [-1] * slots  # the row each slot decodes (host side), -1: free
+        self.made = [0] * slots  # the tokens each slot has made, as of the host's last look
+        self.waiting = deque(range(len(prompts)))
+        self.running = []  # prompts with rows decoding, oldest first
+        self.completions = [None] * (len(prompts) * n)
+        self.logps = [None] * (len(prompts) * n)
+        self.reach = 0  # one more than any slot's position, an upper bound between syncs
+        self.counts = {"decode_steps": 0, "prefills": 0, "prefills_while_decoding": 0,
+                       "preempted": 0}
+
+    def busy(self) -> bool:
+        return any(r >= 0 for r in self.row_of)
+
+    def blocks_ahead(self, s: int) -> int:
         """Paged: the blocks slot s needs to write its next sync_every positions."""
-        return engine.blocks_for(min(len(prompts[row_of[s] // n]) + made[s] - 1 + sync_every,
-                                     max_len))
+        return self.engine.blocks_for(min(len(self.prompts[self.row_of[s] // self.n])
+                                          + self.made[s] - 1 + self.sync_every, self.max_len))
 
-    def admit():
-        nonlocal reach
-        free = [s for s in range(slots) if row_of[s] < 0]
-        k = min(len(free) // n, len(waiting))
-        if engine.paged:  # only what the pool holds beside what the running rows need next
-            left = len(engine.free) - sum(blocks_ahead(s) - len(engine.owned[s])
-                                          for s in range(slots) if row_of[s] >= 0)
+    def admissible(self) -> int:
+        """How many waiting groups the free slots hold (paged: and the pool, beside what the
+        running rows need next)."""
+        free = sum(r < 0 for r in self.row_of)
+        k = min(free // self.n, len(self.waiting))
+        if self.engine.paged:
+            left = len(self.engine.free) - sum(self.blocks_ahead(s) - len(self.engine.owned[s])
+                                               for s in range(self.slots) if self.row_of[s] >= 0)
             for j in range(k):
-                left -= n * engine.blocks_for(min(len(prompts[waiting[j]]) + sync_every, max_len))
+                left -= self.n * self.engine.blocks_for(
+                    min(len(self.prompts[self.waiting[j]]) + self.sync_every, self.max_len))
                 if left < 0:
-                    k = j
-                    break
-        if k == 0:
-            return
-        batch = [waiting.popleft() for _ in range(k)]
-        running.extend(batch)
-        counts["prefills"] += 1
-        counts["prefills_while_decoding"] += any(r >= 0 for r in row_of)
-        sel = torch.tensor(free[:k * n], device=device)
-        for j, s in enumerate(free[:k * n]):
-            row_of[s], made[s] = batch[j // n] * n + j % n, 1
-            if engine.paged and not engine.take(s, blocks_ahead(s)):
-                raise RuntimeError("admitted beyond the KV pool")  # admit() counted them above
-        logits = engine.prefill([prompts[p] for p in batch], sel, n).repeat_interleave(n, 0)
-        new, new_logp = sample(logits, *how, generator=generator)
-        out[sel, 0], out_logp[sel, 0], count[sel] = new, new_logp, 1
-        live[sel] = ~torch.isin(new, eos_t) & (max_new_tokens > 1)
-        lengths = [len(prompts[p]) for p in batch]
-        tokens[sel] = new
-        positions[sel] = torch.tensor(lengths, device=device).repeat_interleave(n)
-        reach = max(reach, max(lengths) + 1)
+                    return j
+        return k
 
-    def retire():
-        """The host's look: which rows finished (one sync), their tokens and log-probs (one more,
-        when any did), their slots freed."""
-        nonlocal reach
-        going, made[:] = torch.stack((live.long(), count)).tolist()  # the host sync
-        done = [s for s in range(slots) if row_of[s] >= 0 and not going[s]]
-        if done:
-            at = torch.tensor(done, device=device)
-            # both in one copy: token ids and fp32 log-probs are exact in float64
-            rows = torch.cat((out[at].double(), out_logp[at].double()), 1).tolist()
-            positions[at] = 0
-            for s, row in zip(done, rows):
-                completions[row_of[s]] = [int(t) for t in row[:made[s]]]
-                logps[row_of[s]] = row[max_new_tokens:max_new_tokens + made[s]]
-                row_of[s] = -1
-                engine.give(s)
-        running[:] = [p for p in running if any(r // n == p for r in row_of if r >= 0)]
-        # one more than any slot's position (a row's position is its prompt's length + its tokens
-        # - 1; free slots sit at 0): known on the host
-        reach = 1 + max((len(prompts[row_of[s] // n]) + made[s] - 1 for s in range(slots)
-                         if row_of[s] >= 0), default=0)
+    def admit(self, k: int):
+        """k waiting groups into free slots (paged: with their blocks) -> (prompts, slots)."""
+        free = [s for s in range(self.slots) if self.row_of[s] < 0]
+        batch = [self.waiting.popleft() for _ in range(k)]
+        self.running.extend(batch)
+        self.counts["prefills"] += 1
+        self.counts["prefills_while_decoding"] += self.busy()
+        for j, s in enumerate(free[:k * self.n]):
+            self.row_of[s], self.made[s] = batch[j // self.n] * self.n + j % self.n, 1
+            if self.engine.paged and not self.engine.take(s, self.blocks_ahead(s)):
+                raise RuntimeError("admitted beyond the KV pool")  # admissible() counted them
+        return batch, free[:k * self.n]
 
-    def preempt(p):
+    def done(self, s: int, tokens: list[int], logp: list[float]):
+        self.completions[self.row_of[s]], self.logps[self.row_of[s]] = tokens, logp
+        self.row_of[s] = -1
+
+    def settle(self):
+        """After a look: the prompts still running, and the read length (one more than any
+        slot's position: a row's is its prompt's length + its tokens - 1; free slots sit at 0)."""
+        rows = [r for r in self.row_of if r >= 0]
+        self.running[:] = [p for p in self.running if any(r // self.n == p for r in rows)]
+        self.reach = 1 + max((len(self.prompts[self.row_of[s] // self.n]) + self.made[s] - 1
+                              for s in range(self.slots) if self.row_of[s] >= 0), default=0)
+
+    def preempt(self, p: int, rows: Rows):
         """Paged: prompt p's rows out of their slots, its blocks freed, p first in line again."""
-        for s in range(slots):
-            if row_of[s] >= 0 and row_of[s] // n == p:
-                row_of[s] = -1
-                positions[s] = 0
-                live[s] = False
-                engine.give(s)
-        for row in range(p * n, p * n + n):  # rows already finished are made anew with the rest
-            completions[row] = logps[row] = None
-        running.remove(p)
-        waiting.appendleft(p)
-        counts["preempted"] += 1
+        for s in range(self.slots):
+            if self.row_of[s] >= 0 and self.row_of[s] // self.n == p:
+                self.row_of[s] = -1
+                rows.stop(s)
+                self.engine.give(s)
+        for row in range(p * self.n, p * self.n + self.n):  # finished rows are made anew too
+            self.completions[row] = self.logps[row] = None
+        self.running.remove(p)
+        self.waiting.appendleft(p)
+        self.counts["preempted"] += 1
 
-    def grow():
+    def grow(self, rows: Rows):
         """Paged: every running row's blocks for its next sync_every positions, oldest first,
         preempting the youngest groups while the pool is short."""
-        for p in list(running):
-            for s in range(slots):
-                while p in running and row_of[s] >= 0 and row_of[s] // n == p and not engine.take(
-                        s, blocks_ahead(s)):
-                    preempt(running[-1])
-
-    while any(r >= 0 for r in row_of) or waiting:
-        admit()
-        if waiting and all(r < 0 for r in row_of):  # the checks above make this impossible
-            raise RuntimeError("the engine admitted no group into an empty batch")
-        retire()  # one-token completions finish at their prefill
-        if engine.paged:
-            grow()
-        for _ in range(sync_every if any(r >= 0 for r in row_of) else 0):
-            new, new_logp = engine.step(tokens, positions, reach, live, how, generator)
-            at = count.clamp(max=max_new_tokens - 1)  # finished rows write nowhere new
-            out[slot_rows, at] = torch.where(live, new, out[slot_rows, at])
-            out_logp[slot_rows, at] = torch.where(live, new_logp, out_logp[slot_rows, at])
-            count += live.long()
-            tokens = torch.where(live, new, tokens)
-            positions += live.long()  # finished rows and free slots stay where they are
-            live &= ~torch.isin(new, eos_t) & (count < max_new_tokens)
-            reach = min(reach + 1, max_len)
-            counts["decode_steps"] += 1
-        retire()
-    assert all(c is not None for c in completions), "a request never finished"
-    if stats is not None:
-        stats.update(counts, blocks_taken=sum(len(o) for o in engine.owned),
-                     graphs=len(engine.graphs or {}), engine=id(engine))
-    return completions, logps
+        for p in list(self.running):
+            for s in range(self.slots):
+                while (p in self.running and self.row_of[s] >= 0 and self.row_of[s] // self.n == p
+                       and not self.engine.take(s, self.blocks_ahead(s))):
+                    self.preempt(self.running[-1], rows)

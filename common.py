@@ -566,7 +566,8 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
                     policy, "compute_dtype", None) or (
                     torch.bfloat16 if d.device.type == "cuda" else torch.float32),
                 rank=d.rank if tp > 1 else 0, world=tp, generator=generator,
-                graphs=None if cuda_graphs else False, flex=flex, compile=compile_step)
+                graphs=None if cuda_graphs else False, flex=flex, compile=compile_step,
+                keep=True)  # one Engine per run: cache and graphs made once, weights refreshed
         except MemoryError as e:  # said before anything is allocated (engine.kv_plan)
             fail(f"--gen-mode {mode}: {e}; lower --gen-batch-size (now {gen_batch_size}) or "
                  f"--max-new-tokens (now {max_new_tokens})")

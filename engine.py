@@ -16,7 +16,7 @@ FlexAttention, each live row reading only its own blocks of the KV cache and dea
 
 from __future__ import annotations
 
-import math
+import weakref
 from collections import deque
 from dataclasses import dataclass
 
@@ -24,17 +24,20 @@ import torch
 import torch.nn.functional as F
 
 from distributed import check_host_memory
+from sampling import sample  # HF's temperature, top-k, top-p: one pass, on the device
 
 ARCHITECTURES = ("qwen3", "qwen2", "llama")  # config.model_type values the forward below covers
 SYNC_EVERY = 8  # decoding steps between two looks from the host at which rows have finished
-PAGE = 16  # positions a block of a paged KV cache holds (as vLLM's default)
+PAGE = 16  # positions a block of a paged KV cache holds under SDPA (as vLLM's default)
 # CUDA graphs of the decoding step are captured per read length, rounded up to a multiple of this
 # (the mask keeps the positions past each row's own out): at most max_len / GRAPH_REACH graphs
 GRAPH_REACH = 256
 # FlexAttention's blocks of keys: a decoding step reads, for each row, only the blocks of this many
-# positions that hold its live ones (its length rounded up), not the whole read length
+# positions that hold its live ones (its length rounded up), not the whole read length; paged, the
+# pool's blocks are this size too, so that the block mask's indices are the physical blocks
 FLEX_BLOCK = 128
 _flex = {}  # the flex_attention each device type runs: compiled on a GPU, eager on the CPU
+HELD = weakref.WeakKeyDictionary()  # generate(keep=True): the model -> its kept Engine
 
 
 def flex_attention(device):
@@ -53,6 +56,13 @@ def flex_attention(device):
             raise_recompile_limit()  # compile of its own
         _flex[kind] = torch.compile(fa.flex_attention) if kind == "cuda" else fa.flex_attention
     return _flex[kind]
+
+
+def page_size(flex: bool) -> int:
+    """Positions a block of a paged KV cache holds: FlexAttention's key block where decoding attends
+    through it (the block mask then lists each row's physical blocks: the pool read in place), else
+    PAGE (SDPA reads a copy of each row's blocks)."""
+    return FLEX_BLOCK if flex else PAGE
 
 
 def raise_recompile_limit():
@@ -118,16 +128,18 @@ def weight(lin, device, dtype, dim: int = 0, rank: int = 0, world: int = 1) -> t
 
 
 def take_weights(lm, max_len: int, device, dtype, rank: int = 0, world: int = 1,
-                 fuse: bool = True) -> Weights:
+                 fuse: bool = True, into: Weights | None = None) -> Weights:
     """The decoder's weights, q/k/v and gate/up each fused into one matrix (one matmul each; fuse
     False, as on the CPU: kept apart, a list of (weight, bias), read in place with no copy). Tensor
     parallel over `world` ranks: this rank's heads of q/k/v and its columns of gate/up (split along
     their outputs), the matching inputs of o and down (their outputs summed over the ranks, biases
-    added once after), everything else whole."""
+    added once after), everything else whole. into: an earlier take's Weights, whose copies take
+    the model's values now in place (copy_, a layer at a time: their addresses, which the CUDA
+    graphs replay, stay; weights read in place need nothing) -> into itself."""
     model = lm.get_decoder()
     tp = dict(rank=rank, world=world)
     layers = []
-    for layer in model.layers:
+    for i, layer in enumerate(model.layers):
         a, m = layer.self_attn, layer.mlp
         qkv = [weight(lin, device, dtype, 0, **tp) for lin in (a.q_proj, a.k_proj, a.v_proj)]
         qkv_bias = [full(lin.bias, device, dtype, 0, **tp)
@@ -146,14 +158,33 @@ def take_weights(lm, max_len: int, device, dtype, rank: int = 0, world: int = 1,
             "down": (weight(m.down_proj, device, dtype, 1, **tp),
                      full(m.down_proj.bias, device, dtype)),
         })
+        if into is not None:
+            refill(into.layers[i], layers.pop())
     embed = full(model.embed_tokens.weight, device, dtype)
     head = lm.get_output_embeddings().weight
     tied = head is lm.get_input_embeddings().weight
+    if into is not None:  # the rotary tables depend on the config alone
+        refill([into.embed, into.norm], [embed, full(model.norm.weight, device, dtype)])
+        if not tied:
+            refill(into.head, full(head, device, dtype))
+        return into
     # the model's own rotary embedding over every position a row can reach (rope_scaling included)
     positions = torch.arange(max_len, device=device)[None]
     cos, sin = model.rotary_emb(torch.empty(0, device=device, dtype=dtype), positions)
     return Weights(embed, layers, full(model.norm.weight, device, dtype),
                    embed if tied else full(head, device, dtype), cos[0], sin[0])
+
+
+def refill(old, new):
+    """old's tensors (nested in dicts, lists, tuples) take new's values in place, where they are
+    copies (a tensor read in place from the model is already the model's)."""
+    if isinstance(old, dict):
+        old, new = list(old.values()), list(new.values())
+    if isinstance(old, (list, tuple)):
+        for o, n in zip(old, new):
+            refill(o, n)
+    elif old is not None and old.data_ptr() != new.data_ptr():
+        old.copy_(new)
 
 
 def fused(weights: list, biases: list, fuse: bool):
@@ -180,24 +211,61 @@ def tensor_parallel_fits(config, world: int) -> str | None:
     return None
 
 
-def memory_needed(lm, slots: int, max_len: int, dtype, world: int = 1) -> tuple[int, int]:
-    """Bytes the engine allocates on its device: (the KV cache of `slots` rows of `max_len`
-    positions, the weight copy). The copy is counted whole: an upper bound, since unsharded weights
-    already in `dtype` on the device are read in place (all but the fused q/k/v and gate/up)."""
+def memory_needed(lm, slots: int, max_len: int, dtype, world: int = 1, device="cuda",
+                  fuse: bool | None = None) -> tuple[int, int]:
+    """Bytes the engine allocates on `device`: (the KV cache of `slots` rows of `max_len` positions,
+    the weights take_weights copies). Copied: q/k/v and gate/up when fused (fuse None: on a GPU),
+    and every weight that `full` cannot read in place (sharded, in another dtype or on another
+    device, split over tensor-parallel ranks, a LoRA layer merged), and the rotary tables; the rest
+    (a plain model already in `dtype` on `device`) is read where it is."""
     cfg, size = lm.config, torch.empty(0, dtype=dtype).element_size()
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv = 2 * cfg.num_hidden_layers * slots * cfg.num_key_value_heads // world * max_len * head_dim
-    return kv * size, sum(p.numel() for p in lm.parameters()) // world * size
+    device = torch.device(device)
+    if fuse is None:
+        fuse = device.type != "cpu"
+
+    def moved(p):  # full() makes a copy of p
+        return (hasattr(p, "full_tensor") or p.dtype != dtype or p.device.type != device.type
+                or device.index is not None and p.device.index != device.index)
+
+    def merged(lin):  # weight() adds a LoRA layer's adapters into a copy
+        return hasattr(lin, "lora_A") and not lin.disable_adapters and not lin.merged
+
+    copied = 2 * max_len * head_dim  # cos and sin
+    model = lm.get_decoder()
+    for layer in model.layers:
+        a, m = layer.self_attn, layer.mlp
+        for lin, split_rows in ((a.q_proj, 1), (a.k_proj, 1), (a.v_proj, 1), (m.gate_proj, 1),
+                                (m.up_proj, 1), (a.o_proj, 0), (m.down_proj, 0)):
+            # q/k/v, gate/up: fused (a copy), or split along their rows (a view); o and down:
+            # split along their columns (a copy) under tensor parallelism
+            w = lin.base_layer.weight if hasattr(lin, "base_layer") else lin.weight
+            copy = (fuse if split_rows else world > 1) or merged(lin) or moved(w)
+            copied += w.numel() // world * copy
+            if lin.bias is not None:  # q/k/v's and gate/up's split with them, o's and down's whole
+                b = lin.bias
+                copied += (b.numel() // world * (fuse or moved(b)) if split_rows else
+                           b.numel() * moved(b))
+        norms = (layer.input_layernorm, layer.post_attention_layernorm,
+                 getattr(a, "q_norm", None), getattr(a, "k_norm", None))
+        copied += sum(n.weight.numel() * moved(n.weight) for n in norms if n is not None)
+    head = lm.get_output_embeddings().weight
+    rest = [model.embed_tokens.weight, model.norm.weight]
+    rest += [] if head is lm.get_input_embeddings().weight else [head]
+    copied += sum(p.numel() * moved(p) for p in rest)
+    return kv * size, copied * size
 
 
-def kv_plan(lm, slots: int, max_len: int, n: int, device, dtype, world: int = 1) -> int | None:
+def kv_plan(lm, slots: int, max_len: int, n: int, device, dtype, world: int = 1,
+            page: int = PAGE) -> int | None:
     """The KV cache a rollout gets on a GPU: None (whole: every slot max_len positions) when that
     and the weight copy fit 90% of the free memory (the driver's free and the allocator's cached);
     else the positions a paged pool can hold in 90% of what the weights leave; MemoryError (one
-    line) when that is less than one group of n rows at max_len. On the CPU always whole, and a
-    MemoryError (one line) when that and the weight copy exceed 90% of the host memory available
-    (distributed.check_host_memory)."""
-    kv, weights = memory_needed(lm, slots, max_len, dtype, world)
+    line) when that is less than one group of n rows at max_len (in blocks of `page`). On the CPU
+    always whole, and a MemoryError (one line) when that and the weight copy exceed 90% of the host
+    memory available (distributed.check_host_memory)."""
+    kv, weights = memory_needed(lm, slots, max_len, dtype, world, device)
     if torch.device(device).type != "cuda":  # host memory: checked alike, before any allocation
         return check_host_memory({f"the KV cache of {slots} rows x {max_len} positions": kv,
                                   "the weight copy": weights})
@@ -210,7 +278,7 @@ def kv_plan(lm, slots: int, max_len: int, n: int, device, dtype, world: int = 1)
     if kv + weights <= 0.9 * free:  # the rest: prefill activations, logits, sampling, graphs
         return None
     pool = int((0.9 * free - weights) / (kv / (slots * max_len)))
-    if pool >= n * max_len:
+    if pool // page >= n * -(-max_len // page):
         return pool
     gib = 2 ** 30
     raise MemoryError(
@@ -238,15 +306,16 @@ class Engine:
     """One rollout's decoder over a KV cache of `slots` rows, each up to `max_len` tokens.
 
     The cache is addressed in blocks of positions through a table [slots, blocks a row]. Whole
-    (pool_blocks None): every row owns ceil(max_len / block) blocks for the whole rollout, adjacent,
-    so attention reads the cache as a view. Paged (pool_blocks given, `block` positions each): rows
-    take blocks from a shared pool as they grow (take/give, on the host) and attention gathers a
-    row's blocks (one copy a layer and step), so that rows that finish early leave room for more
-    rows: the pool holds fewer positions than slots x max_len."""
+    (pool_tokens None): every row owns one block of max_len positions for the whole rollout, so
+    attention reads the cache as a view. Paged (a pool of pool_tokens positions, in blocks of
+    page_size(flex)): rows take blocks from a shared pool as they grow (take/give, on the host), so
+    that rows that finish early leave room for more rows: the pool holds fewer positions than slots
+    x max_len. FlexAttention reads a row's blocks where they lie (its block mask lists their
+    physical indices, live_blocks); SDPA reads a copy of them (one gather a layer and step)."""
 
     def __init__(self, lm, slots: int, max_len: int, device, dtype, rank: int = 0, world: int = 1,
-                 pool_blocks: int | None = None, block: int = PAGE, graphs: bool = False,
-                 flex: bool | None = None, compile: bool = False, fuse: bool | None = None):
+                 pool_tokens: int | None = None, graphs: bool = False, flex: bool | None = None,
+                 compile: bool = False, fuse: bool | None = None):
         from transformers.activations import ACT2FN
 
         cfg = lm.config
@@ -262,8 +331,17 @@ class Engine:
         if fuse is None:
             fuse = torch.device(device).type != "cpu"
         self.w = take_weights(lm, max_len, device, dtype, rank, world, fuse)
-        self.paged = pool_blocks is not None
-        self.block = block if self.paged else max_len
+        self.taken = dict(max_len=max_len, device=device, dtype=dtype, rank=rank, world=world,
+                          fuse=fuse)  # for refresh
+        # decoding attends through FlexAttention's block mask (each row's live blocks), by default
+        # on a GPU, where it is compiled; else (the CPU, where eager flex_attention computes every
+        # score and is ~40x slower) SDPA with a mask over the whole read length
+        if flex is None:
+            flex = torch.device(device).type == "cuda"
+        self.paged = pool_tokens is not None
+        self.block = page_size(flex) if self.paged else max_len
+        self.flex_block = self.block if self.paged else FLEX_BLOCK  # the block mask's key blocks
+        pool_blocks = pool_tokens // self.block if self.paged else 0
         per_row = -(-max_len // self.block)  # blocks a row of max_len positions spans
         blocks = pool_blocks + 1 if self.paged else slots  # paged: + a block nobody owns (spare)
         # per layer [k/v, blocks, positions in a block, kv heads, head_dim]; zeros, not empty: a
@@ -281,28 +359,24 @@ class Engine:
         self.table = (torch.full((slots, per_row), self.spare, device=device) if self.paged else
                       torch.arange(slots, device=device)[:, None])
         self.owned = [[] for _ in range(slots)]  # paged: each slot's blocks, on the host
-        self.free = list(range(pool_blocks or 0))
+        self.free = list(range(pool_blocks))
+        # paged: each physical block's place in the row that owns it, per slot (-1: not the
+        # slot's), for FlexAttention's mask_mod, which sees physical positions
+        self.logical = (torch.full((slots, blocks), -1, device=device) if self.paged else None)
         # graphs (step): the decoding step of each read length, over inputs at fixed addresses;
         # compiled, the step takes that path too (a read length is a compilation), without a
         # CUDA graph when graphs is off
         self.graphs = {} if graphs or compile else None
-        # decoding attends through FlexAttention's block mask (each row's live blocks), by default
-        # on a GPU, where it is compiled; else (the CPU, where eager flex_attention computes every
-        # score and is ~40x slower) SDPA with a mask over the whole read length
-        if flex is None:
-            flex = torch.device(device).type == "cuda"
         self.flex = flex_attention(device) if flex else None
         if flex and compile:  # inside the compiled layer: the function itself, which inductor
             from torch.nn.attention.flex_attention import flex_attention as plain  # compiles with
             self.flex = plain  # the layer (not a compiled function called from a compiled one)
         # tokens, positions, and whether each slot decodes a live row (1) or not (0: free, finished)
         self.static = torch.zeros(3, slots, dtype=torch.long, device=device)
-        self.static_positions = positions = self.static[1]
-
-        def static_mask_mod(b, h, q_idx, kv_idx):  # live_blocks' over the step's positions: one
-            return kv_idx <= positions[b]  # function object, so a compiled step sees the same one
-
-        self.static_mask_mod = static_mask_mod
+        self.static_positions = self.static[1]
+        # live_blocks' mask_mod over the step's positions: one function object, so that a compiled
+        # step sees the same one
+        self.static_mask_mod = self.mask_mod(self.static_positions)
         # compile: each decoder layer of the decoding step compiled by inductor (torch.compile,
         # default mode, static shapes), so that the norms with their residual adds, RoPE, the KV
         # write and SiLU x up each run as one fused kernel (benchmarks/kernels.py counts them);
@@ -311,8 +385,17 @@ class Engine:
         if compile:
             raise_recompile_limit()
         self.decode_layer = torch.compile(self.layer, dynamic=False) if compile else self.layer
+        # the sampler compiled with the layers on a GPU (its passes over [slots, V] fused); None:
+        # sampling.sample as it is (eager, the CPU's default: the same function tests run)
+        self.sampler = (torch.compile(sample, dynamic=False)
+                        if compile and torch.device(device).type == "cuda" else None)
         self.pool = (torch.cuda.graph_pool_handle()
                      if graphs and torch.device(device).type == "cuda" else None)
+
+    def refresh(self, lm):
+        """The model's weights now (after an optimizer step) into the engine's copies, in place:
+        one Engine serves every rollout of a run, its cache, compilations and graphs made once."""
+        take_weights(lm, **self.taken, into=self.w)
 
     def blocks_for(self, positions: int) -> int:
         return -(-positions // self.block)
@@ -327,7 +410,9 @@ class Engine:
             new = [self.free.pop() for _ in range(need)]
             at = len(self.owned[s])
             self.owned[s] += new
-            self.table[s, at:at + need] = torch.tensor(new, device=self.table.device)
+            new = torch.tensor(new, device=self.table.device)
+            self.table[s, at:at + need] = new
+            self.logical[s, new] = torch.arange(at, at + need, device=new.device)
         return True
 
     def give(self, s: int):
@@ -336,6 +421,7 @@ class Engine:
             self.free += self.owned[s]
             self.owned[s] = []
             self.table[s] = self.spare
+            self.logical[s] = -1
 
     def where(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rows of a layer's keys (or values) viewed as [-1, head_dim] for slots [N] at positions
@@ -347,7 +433,10 @@ class Engine:
     def read(self, c: torch.Tensor, table: torch.Tensor, reach: int) -> torch.Tensor:
         """A layer's keys (or values) c [blocks, block, kv heads, d] of every slot at positions <
         reach (rounded up to a block) -> [slots, kv heads, positions, head_dim]: whole, a view;
-        paged, a gather through the block table."""
+        paged, a gather through the block table (SDPA's path; FlexAttention's reads the pool in
+        place: [1, kv heads, every position of the pool, head_dim], a view)."""
+        if self.paged and self.flex is not None:
+            return c.flatten(0, 1)[None].transpose(1, 2)
         if self.paged:  # [slots, blocks, block, heads, d] -> [slots, positions, heads, d]
             c = c[table[:, :self.blocks_for(reach)]].flatten(1, 2)
         return c[:, :reach].transpose(1, 2)
@@ -430,34 +519,55 @@ class Engine:
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, reach: int,
-             alive: torch.Tensor | None = None) -> torch.Tensor:
-        """decode, as the rollout runs it: eager, or (graphs) the captured step of `reach` rounded
-        up to GRAPH_REACH, run on copies of tokens and positions at fixed addresses; the final
-        norm, the LM head and sampling stay outside the graph (no [slots, V] buffer a graph)."""
+             alive: torch.Tensor | None, how: tuple[float, int, float],
+             generator=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoding step as the rollout runs it, sampled: -> (tokens [slots], their log-probs
+        [slots]) drawn by sampling.sample with how = (temperature, top_k, top_p) from `generator`
+        (None: torch's global stream). Eager, or (graphs) the captured step of `reach` rounded up
+        to GRAPH_REACH, run on copies of tokens and positions at fixed addresses: the layers, the
+        LM head and the sampler (its noise drawn inside, from the same stream) in one replay, no
+        host sync."""
         if self.graphs is None:
-            return self.decode(tokens, positions, reach, alive)
+            return self.draw(self.logits(self.hidden(tokens, positions, reach, alive)), how,
+                             generator)
         reach = min(-(-reach // GRAPH_REACH) * GRAPH_REACH, self.max_len)
-        if self.flex is not None and not self.paged:  # the block mask reads each row's own
-            reach = self.max_len  # blocks whatever the read length: one graph, one compilation
+        if self.flex is not None:  # the block mask reads each row's own blocks whatever the read
+            reach = self.max_len  # length: one graph, one compilation
         self.static[0].copy_(tokens)
         self.static[1].copy_(positions)
         self.static[2].fill_(1) if alive is None else self.static[2].copy_(alive)
-        if reach not in self.graphs:
-            self.graphs[reach] = self.capture(reach)
-        return self.logits(self.graphs[reach]())
+        key = (reach, how, generator)  # a graph replays one sampler and one random stream
+        if key not in self.graphs:
+            self.graphs[key] = self.capture(reach, how, generator)
+        return self.graphs[key]()
 
-    def capture(self, reach: int):
-        """The decoding step at read length `reach` over self.static -> a function that runs it
-        and returns the hidden states [slots, D]. On a GPU a CUDA graph: a step's kernels (~9 a
-        layer compiled, ~55 eager) launched as one replay (HF generate spends ~1.3 ms of Python and
-        launches a layer and token). Its first run (which compiles, when the engine compiles) is
-        on a side stream, as capture requires, and writes the
-        same keys and values the replay then writes again; the graphs of every read length share
-        one memory pool (one runs at a time, and only their outputs outlive a run). Elsewhere (the
-        CPU) the step itself, eager: the same inputs, rounding and outputs, so that tests cover
-        everything but the capture."""
+    def draw(self, logits: torch.Tensor, how: tuple[float, int, float], generator=None):
+        """sampling.sample over logits [N, V] (bf16 on a GPU: the sampler reads them once, in
+        float32 inside its kernels); compiled with the layers on a GPU, where its passes over
+        [N, V] fuse (its Exp(1) noise drawn eagerly from `generator`, graph-safe)."""
+        if self.sampler is None:
+            return sample(logits, *how, generator=generator)
+        if how[0] == 0:  # greedy: no noise
+            return self.sampler(logits, *how)
+        noise = torch.empty(logits.shape, device=logits.device).exponential_(generator=generator)
+        return self.sampler(logits, *how, noise=noise)
+
+    def capture(self, reach: int, how: tuple[float, int, float], generator=None):
+        """The decoding step at read length `reach` over self.static, sampled -> a function that
+        runs it and returns (tokens [slots], log-probs [slots]). On a GPU a CUDA graph: a step's
+        kernels (~9 a layer compiled, ~55 eager, the LM head and the sampler) launched as one
+        replay (HF generate spends ~1.3 ms of Python and launches a layer and token). Its first
+        run (which compiles, when the engine compiles) is on a side stream, as capture requires,
+        and writes the same keys and values the replay then writes again (and draws noise once
+        more: the stream moves on); the graphs of every read length share one memory pool (one
+        runs at a time, and only their outputs outlive a run). A generator other than the global
+        one is registered with the graph, so each replay draws fresh noise from it. Elsewhere
+        (the CPU) the step itself, eager: the same inputs, rounding and outputs, so that tests
+        cover everything but the capture."""
         def run():
-            return self.hidden(self.static[0], self.static_positions, reach, self.static[2])
+            h = self.hidden(self.static[0], self.static_positions, reach, self.static[2])
+            logits = F.linear(rms_norm(h, self.w.norm, self.eps), self.w.head)
+            return self.draw(logits, how, generator)
 
         if self.pool is None:
             return run
@@ -467,6 +577,8 @@ class Engine:
             run()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        if generator is not None:
+            graph.register_generator_state(generator)
         with torch.cuda.graph(graph, pool=self.pool):
             out = run()
 
@@ -477,32 +589,50 @@ class Engine:
 
     def live_blocks(self, positions: torch.Tensor, reach: int, alive: torch.Tensor | None = None):
         """FlexAttention's block mask of a decoding step: slot s's queries (its `group` query heads
-        of each KV head, hidden's grouped view) read the key blocks 0 .. positions[s] // FLEX_BLOCK
-        of the `reach` positions read, and within the last of them the positions up to its own (the
-        mask_mod). Built from tensors alone (no host sync, shapes set by `reach`): a CUDA graph
+        of each KV head, hidden's grouped view) read its key blocks 0 .. positions[s] // block
+        (block: self.flex_block) and within the last of them the positions up to its own (the
+        mask_mod). Whole, its blocks of the `reach` positions read; paged, the blocks its row of
+        the table names, indices into the whole pool (read in place: page and key block are one
+        size). Built from tensors alone (no host sync, shapes set by `reach`): a CUDA graph
         captures it with the step. The blocks past a row's length are never read: a row's cost is
         its own length, not the longest row's; and a slot that `alive` [slots] marks 0 (free, or its
         row finished) reads no block at all (issue 34: ~65% of a long rollout's slot-steps)."""
         from torch.nn.attention.flex_attention import BlockMask
 
-        blocks = -(-reach // FLEX_BLOCK)
-        dev = positions.device
-        count = (positions // FLEX_BLOCK + 1).clamp(max=blocks)
+        block = self.flex_block
+        blocks = -(-reach // block)
+        count = (positions // block + 1).clamp(max=blocks)
         if alive is not None:  # free slots and finished rows read no block at all (their output: 0)
             count = count * alive
         count = count.to(torch.int32)[:, None, None]
-        order = torch.arange(blocks, device=dev, dtype=torch.int32).expand(self.slots, 1, 1, blocks)
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return kv_idx <= positions[b]
-
-        if positions is self.static_positions:
-            mask_mod = self.static_mask_mod
-
+        if self.paged:  # the physical blocks; keys: every position of the pool (the mask spans it:
+            pool = self.cache_shape[1]  # its indices padded to the pool's count, as inductor asks)
+            order = F.pad(self.table[:, :blocks], (0, pool - blocks), value=self.spare)
+            order, keys = order.to(torch.int32)[:, None, None], pool * block
+        else:
+            order = torch.arange(blocks, device=positions.device, dtype=torch.int32)
+            order, keys = order.expand(self.slots, 1, 1, blocks), reach
+        mask_mod = (self.static_mask_mod if positions is self.static_positions else
+                    self.mask_mod(positions))
         group = self.heads // self.kv_heads
-        return BlockMask.from_kv_blocks(count, order, BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK),
-                                        mask_mod=mask_mod, seq_lengths=(group, reach),
-                                        compute_q_blocks=False)
+        return BlockMask.from_kv_blocks(count, order, BLOCK_SIZE=(block, block), mask_mod=mask_mod,
+                                        seq_lengths=(group, keys), compute_q_blocks=False)
+
+    def mask_mod(self, positions: torch.Tensor):
+        """FlexAttention's mask_mod of a decoding step: slot b's query sees key kv_idx iff its
+        position is at most positions[b]. Whole, kv_idx is the position; paged, a place in the
+        pool, whose block holds the row's positions logical[b, block] * block onward (-1: not
+        the row's, never seen)."""
+        if not self.paged:
+            def mask_mod(b, h, q_idx, kv_idx):
+                return kv_idx <= positions[b]
+            return mask_mod
+        logical, block = self.logical, self.block
+
+        def paged_mask_mod(b, h, q_idx, kv_idx):
+            at = logical[b, kv_idx // block]
+            return (at >= 0) & (at * block + kv_idx % block <= positions[b])
+        return paged_mask_mod
 
     @torch.no_grad()
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, reach: int,
@@ -554,41 +684,14 @@ class Engine:
         return out.reshape(q.shape)
 
 
-# -------------------- sampling: HF's semantics and order
-def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator=None):
-    """As HF's sampling: temperature, then top-k, then top-p (at least one token kept), then one
-    draw from the softmax of what is left. -> (tokens [N], log-probs [N] of the tokens under the
-    temperature-scaled softmax before top-k/top-p: the policy's own log-prob at this
-    temperature). generator: the random stream (default torch's global one)."""
-    scores = logits / temperature
-    logp = torch.log_softmax(scores, -1)
-    scores = top_k_top_p(scores, top_k, top_p)
-    tokens = torch.multinomial(torch.softmax(scores, -1), 1, generator=generator)
-    return tokens[:, 0], logp.gather(1, tokens)[:, 0]
-
-
-def top_k_top_p(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """transformers' TopKLogitsWarper then TopPLogitsWarper (min_tokens_to_keep 1): removed
-    tokens get -inf. top_k 0 and top_p 1 are off."""
-    if top_k > 0:
-        kth = torch.topk(scores, min(top_k, scores.shape[-1])).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, -math.inf)
-    if top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=False)
-        remove = sorted_scores.softmax(-1).cumsum(-1) <= 1 - top_p
-        remove[..., -1:] = False  # the most likely token stays
-        scores = scores.masked_fill(remove.scatter(-1, order, remove), -math.inf)
-    return scores
-
-
 # -------------------- the scheduler: continuous batching over a fixed pool of slots
 @torch.no_grad()
 def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_tokens: int,
              temperature: float, top_k: int, top_p: float, slots: int, device, dtype,
              sync_every: int = SYNC_EVERY, stats: dict | None = None, rank: int = 0, world: int = 1,
              generator=None, pool_tokens: int | None = None, graphs: bool | None = None,
-             flex: bool | None = None,
-             compile: bool | None = None) -> tuple[list[list[int]], list[list[float]]]:
+             flex: bool | None = None, compile: bool | None = None,
+             keep: bool = False) -> tuple[list[list[int]], list[list[float]]]:
     """n completions of each prompt (token ids, no padding): rows prompt * n + j, a group's rows
     adjacent. A completion ends at its first EOS (kept) or after max_new_tokens. `slots` rows decode
     at once; a prompt is admitted (prefilled once, its KV copied to n free slots) whenever n slots
@@ -597,11 +700,11 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
     if given, gets the counts of decoding steps, prefills, prefills made while other rows were
     decoding (continuous batching at work), groups preempted, KV blocks still taken at the end,
     and graphs captured.
-    pool_tokens: the KV cache's positions, paged (Engine) in blocks of PAGE; None: whole (slots x
-    the longest prompt + max_new_tokens), or paged where that cannot fit the GPU (kv_plan). Paged,
-    a group is admitted only when the pool also holds its next sync_every positions beside those the
-    running rows need, and when running rows outgrow the pool the youngest group is preempted: its
-    blocks freed, its prompt first in line again, its completions made anew.
+    pool_tokens: the KV cache's positions, paged (Engine) in blocks of page_size(flex); None: whole
+    (slots x the longest prompt + max_new_tokens), or paged where that cannot fit the GPU (kv_plan).
+    Paged, a group is admitted only when the pool also holds its next sync_every positions beside
+    those the running rows need, and when running rows outgrow the pool the youngest group is
+    preempted: its blocks freed, its prompt first in line again, its completions made anew.
     world > 1: tensor parallel, every rank running this call on the same prompts with its share of
     the heads (tensor_parallel_fits) and the same `generator`, so that every rank samples the same
     tokens.
@@ -612,7 +715,12 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
     (Engine.live_blocks); None: on a GPU (compiled), not on the CPU (SDPA over the read length).
     compile: each layer of the decoding step compiled (Engine's compile: fused kernels, inside the
     CUDA graphs); None: where the graphs are on (a GPU, one rank). Not on the CPU by default: there
-    inductor's C++ compilation (~40 s on 2 cores) costs more than it saves in a rollout's steps."""
+    inductor's C++ compilation (~40 s on 2 cores) costs more than it saves in a rollout's steps.
+    keep: one Engine per run: the Engine is kept (HELD, per model) and the next call with the same
+    settings and rows no longer than its own reuses it, its weight copies refreshed from the model
+    in place (Engine.refresh), its KV cache, compilations and CUDA graphs made once; its cache
+    then stays allocated between rollouts (the training step runs beside it). Otherwise each call
+    makes its own."""
     if slots < n:
         raise ValueError(f"{slots} slots cannot hold a group of {n}")
     # never more slots than rows: a free slot still costs its share of every step (the LM head
@@ -626,134 +734,213 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
         compile = graphs and torch.device(device).type == "cuda"
     if compile:  # the cache's length in steps of GRAPH_REACH: rollouts whose longest prompts differ
         max_len = -(-max_len // GRAPH_REACH) * GRAPH_REACH  # reuse one compilation (static shapes)
-    if pool_tokens is None:
-        pool_tokens = kv_plan(lm, slots, max_len, n, device, dtype, world)
-    pool_blocks = None if pool_tokens is None else pool_tokens // PAGE
-    if pool_blocks is not None and pool_blocks < n * -(-max_len // PAGE):
-        raise ValueError(f"a KV pool of {pool_tokens} positions cannot hold one group of {n} rows "
-                         f"of up to {max_len} positions")
-    engine = Engine(lm, slots, max_len, device, dtype, rank, world, pool_blocks, graphs=graphs,
-                    flex=flex, compile=compile)
-    eos_t = torch.tensor(eos, device=device)
-    tokens = torch.zeros(slots, dtype=torch.long, device=device)  # each slot's last token
-    positions = torch.zeros(slots, dtype=torch.long, device=device)  # ... and its position
-    count = torch.zeros(slots, dtype=torch.long, device=device)  # tokens generated so far
-    live = torch.zeros(slots, dtype=torch.bool, device=device)  # decoding a row, not finished
-    out = torch.zeros(slots, max_new_tokens, dtype=torch.long, device=device)
-    out_logp = torch.zeros(slots, max_new_tokens, device=device)
-    slot_rows = torch.arange(slots, device=device)
-    row_of = [-1] * slots  # the row each slot decodes (host side), -1: free
-    made = [0] * slots  # the tokens each slot has made, as of the host's last look
-    waiting = deque(range(len(prompts)))
-    running = []  # prompts with rows decoding, oldest first
-    completions, logps = [None] * (len(prompts) * n), [None] * (len(prompts) * n)
-    reach = 0  # on the host: one more than any slot's position, an upper bound between syncs
-    counts = {"decode_steps": 0, "prefills": 0, "prefills_while_decoding": 0, "preempted": 0}
+    if flex is None:
+        flex = torch.device(device).type == "cuda"
+    page = page_size(flex)  # paged, the pool's blocks
+    key = (slots, str(device), dtype, rank, world, graphs, flex, compile, page, FLEX_BLOCK,
+           pool_tokens)
+    engine = HELD.get(lm) if keep else None
+    if (engine is not None and engine.key == key and engine.max_len >= max_len
+            and not any(engine.owned)):  # (a call that raised may leave blocks taken)
+        engine.refresh(lm)  # the same cache, compilations and graphs; the weights of now
+        max_len = engine.max_len
+    else:
+        if keep:  # an Engine of other settings: its cache freed before the plan
+            HELD.pop(lm, None)
+        engine = None
+        if pool_tokens is None:
+            pool_tokens = kv_plan(lm, slots, max_len, n, device, dtype, world, page)
+        if pool_tokens is not None and pool_tokens // page < n * -(-max_len // page):
+            raise ValueError(f"a KV pool of {pool_tokens} positions cannot hold one group of {n} "
+                             f"rows of up to {max_len} positions")
+        engine = Engine(lm, slots, max_len, device, dtype, rank, world, pool_tokens,
+                        graphs=graphs, flex=flex, compile=compile)
+        engine.key = key
+        if keep:
+            HELD[lm] = engine
+    how = (temperature, top_k, top_p)  # the sampler's settings (sampling.sample: HF's semantics)
+    rows = Rows(slots, max_new_tokens, eos, device)
+    plan = Scheduler(prompts, n, slots, sync_every, max_len, engine)
+    while plan.busy() or plan.waiting:
+        admit(plan, rows, engine, how, generator)
+        if plan.waiting and not plan.busy():  # Scheduler.admissible makes this impossible
+            raise RuntimeError("the engine admitted no group into an empty batch")
+        retire(plan, rows, engine)  # one-token completions finish at their prefill
+        if engine.paged:
+            plan.grow(rows)
+        for _ in range(sync_every if plan.busy() else 0):  # the model's steps, no host sync
+            rows.advance(*engine.step(rows.tokens, rows.positions, plan.reach, rows.live, how,
+                                      generator))
+            plan.reach = min(plan.reach + 1, max_len)
+            plan.counts["decode_steps"] += 1
+        retire(plan, rows, engine)
+    assert all(c is not None for c in plan.completions), "a request never finished"
+    if stats is not None:
+        stats.update(plan.counts, blocks_taken=sum(len(o) for o in engine.owned),
+                     graphs=len(engine.graphs or {}), engine=id(engine))
+    return plan.completions, plan.logps
 
-    def blocks_ahead(s):
+
+def admit(plan, rows, engine, how, generator):
+    """The groups the slots and the pool hold now: prefilled once each (their KV copied to their
+    n slots), their first tokens sampled."""
+    k = plan.admissible()
+    if k == 0:
+        return
+    batch, at = plan.admit(k)
+    sel = torch.tensor(at, device=rows.tokens.device)
+    logits = engine.prefill([plan.prompts[p] for p in batch], sel, plan.n)
+    new, new_logp = sample(logits.repeat_interleave(plan.n, 0), *how, generator=generator)
+    lengths = [len(plan.prompts[p]) for p in batch]
+    positions = torch.tensor(lengths, device=sel.device).repeat_interleave(plan.n)
+    rows.start(sel, new, new_logp, positions)
+    plan.reach = max(plan.reach, max(lengths) + 1)
+
+
+def retire(plan, rows, engine):
+    """The host's look: which rows finished (one sync), their tokens and log-probs (one more,
+    when any did), their slots and blocks freed."""
+    going, plan.made[:] = torch.stack((rows.live.long(), rows.count)).tolist()  # the host sync
+    done = [s for s in range(plan.slots) if plan.row_of[s] >= 0 and not going[s]]
+    if done:
+        for s, (tokens, logp) in zip(done, rows.finish(done, plan.made)):
+            plan.done(s, tokens, logp)
+            engine.give(s)
+    plan.settle()
+
+
+class Rows:
+    """The slots' state on the device: each slot's last token, its position, the tokens it made
+    (count), whether it decodes a live row, and its completion so far (out, out_logp)."""
+
+    def __init__(self, slots: int, max_new_tokens: int, eos: list[int], device):
+        self.max_new_tokens, self.eos = max_new_tokens, torch.tensor(eos, device=device)
+        self.tokens = torch.zeros(slots, dtype=torch.long, device=device)
+        self.positions = torch.zeros(slots, dtype=torch.long, device=device)
+        self.count = torch.zeros(slots, dtype=torch.long, device=device)
+        self.live = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.out = torch.zeros(slots, max_new_tokens, dtype=torch.long, device=device)
+        self.out_logp = torch.zeros(slots, max_new_tokens, device=device)
+        self.slot_rows = torch.arange(slots, device=device)
+
+    def start(self, sel, new, new_logp, positions):
+        """Slots sel begin rows: their first tokens (sampled after the prefill) at `positions`."""
+        self.out[sel, 0], self.out_logp[sel, 0], self.count[sel] = new, new_logp, 1
+        self.live[sel] = ~torch.isin(new, self.eos) & (self.max_new_tokens > 1)
+        self.tokens[sel] = new
+        self.positions[sel] = positions
+
+    def advance(self, new, new_logp):
+        """A decoding step's tokens into the live rows (finished rows and free slots stay)."""
+        at = self.count.clamp(max=self.max_new_tokens - 1)  # finished rows write nowhere new
+        live, rows = self.live, self.slot_rows
+        self.out[rows, at] = torch.where(live, new, self.out[rows, at])
+        self.out_logp[rows, at] = torch.where(live, new_logp, self.out_logp[rows, at])
+        self.count += live.long()
+        self.tokens = torch.where(live, new, self.tokens)
+        self.positions += live.long()
+        self.live &= ~torch.isin(new, self.eos) & (self.count < self.max_new_tokens)
+
+    def finish(self, done: list[int], made: list[int]):
+        """Finished slots' completions -> [(token ids, log-probs)] (one copy to the host), their
+        positions back to 0."""
+        at = torch.tensor(done, device=self.out.device)
+        # both in one copy: token ids and fp32 log-probs are exact in float64
+        rows = torch.cat((self.out[at].double(), self.out_logp[at].double()), 1).tolist()
+        self.positions[at] = 0
+        T = self.max_new_tokens
+        return [([int(t) for t in row[:made[s]]], row[T:T + made[s]]) for s, row in zip(done, rows)]
+
+    def stop(self, s: int):
+        self.positions[s] = 0
+        self.live[s] = False
+
+
+class Scheduler:
+    """Continuous batching on the host: which row each slot decodes, which prompts wait and which
+    run (oldest first), admission (whole groups, only what the slots and the KV pool hold),
+    preemption (paged: the youngest group out when running rows outgrow the pool), and the
+    completions as rows finish. It reads the Engine's block bookkeeping (take/give/free/owned)."""
+
+    def __init__(self, prompts, n: int, slots: int, sync_every: int, max_len: int, engine):
+        self.prompts, self.n, self.slots, self.engine = prompts, n, slots, engine
+        self.sync_every, self.max_len = sync_every, max_len
+        self.row_of = [-1] * slots  # the row each slot decodes (host side), -1: free
+        self.made = [0] * slots  # the tokens each slot has made, as of the host's last look
+        self.waiting = deque(range(len(prompts)))
+        self.running = []  # prompts with rows decoding, oldest first
+        self.completions = [None] * (len(prompts) * n)
+        self.logps = [None] * (len(prompts) * n)
+        self.reach = 0  # one more than any slot's position, an upper bound between syncs
+        self.counts = {"decode_steps": 0, "prefills": 0, "prefills_while_decoding": 0,
+                       "preempted": 0}
+
+    def busy(self) -> bool:
+        return any(r >= 0 for r in self.row_of)
+
+    def blocks_ahead(self, s: int) -> int:
         """Paged: the blocks slot s needs to write its next sync_every positions."""
-        return engine.blocks_for(min(len(prompts[row_of[s] // n]) + made[s] - 1 + sync_every,
-                                     max_len))
+        return self.engine.blocks_for(min(len(self.prompts[self.row_of[s] // self.n])
+                                          + self.made[s] - 1 + self.sync_every, self.max_len))
 
-    def admit():
-        nonlocal reach
-        free = [s for s in range(slots) if row_of[s] < 0]
-        k = min(len(free) // n, len(waiting))
-        if engine.paged:  # only what the pool holds beside what the running rows need next
-            left = len(engine.free) - sum(blocks_ahead(s) - len(engine.owned[s])
-                                          for s in range(slots) if row_of[s] >= 0)
+    def admissible(self) -> int:
+        """How many waiting groups the free slots hold (paged: and the pool, beside what the
+        running rows need next)."""
+        free = sum(r < 0 for r in self.row_of)
+        k = min(free // self.n, len(self.waiting))
+        if self.engine.paged:
+            left = len(self.engine.free) - sum(self.blocks_ahead(s) - len(self.engine.owned[s])
+                                               for s in range(self.slots) if self.row_of[s] >= 0)
             for j in range(k):
-                left -= n * engine.blocks_for(min(len(prompts[waiting[j]]) + sync_every, max_len))
+                left -= self.n * self.engine.blocks_for(
+                    min(len(self.prompts[self.waiting[j]]) + self.sync_every, self.max_len))
                 if left < 0:
-                    k = j
-                    break
-        if k == 0:
-            return
-        batch = [waiting.popleft() for _ in range(k)]
-        running.extend(batch)
-        counts["prefills"] += 1
-        counts["prefills_while_decoding"] += any(r >= 0 for r in row_of)
-        sel = torch.tensor(free[:k * n], device=device)
-        for j, s in enumerate(free[:k * n]):
-            row_of[s], made[s] = batch[j // n] * n + j % n, 1
-            if engine.paged and not engine.take(s, blocks_ahead(s)):
-                raise RuntimeError("admitted beyond the KV pool")  # admit() counted them above
-        logits = engine.prefill([prompts[p] for p in batch], sel, n).repeat_interleave(n, 0)
-        new, new_logp = sample(logits, temperature, top_k, top_p, generator)
-        out[sel, 0], out_logp[sel, 0], count[sel] = new, new_logp, 1
-        live[sel] = ~torch.isin(new, eos_t) & (max_new_tokens > 1)
-        lengths = [len(prompts[p]) for p in batch]
-        tokens[sel] = new
-        positions[sel] = torch.tensor(lengths, device=device).repeat_interleave(n)
-        reach = max(reach, max(lengths) + 1)
+                    return j
+        return k
 
-    def retire():
-        """The host's look: which rows finished (one sync), their tokens and log-probs (one more,
-        when any did), their slots freed."""
-        nonlocal reach
-        going, made[:] = torch.stack((live.long(), count)).tolist()  # the host sync
-        done = [s for s in range(slots) if row_of[s] >= 0 and not going[s]]
-        if done:
-            at = torch.tensor(done, device=device)
-            # both in one copy: token ids and fp32 log-probs are exact in float64
-            rows = torch.cat((out[at].double(), out_logp[at].double()), 1).tolist()
-            positions[at] = 0
-            for s, row in zip(done, rows):
-                completions[row_of[s]] = [int(t) for t in row[:made[s]]]
-                logps[row_of[s]] = row[max_new_tokens:max_new_tokens + made[s]]
-                row_of[s] = -1
-                engine.give(s)
-        running[:] = [p for p in running if any(r // n == p for r in row_of if r >= 0)]
-        # one more than any slot's position (a row's position is its prompt's length + its tokens
-        # - 1; free slots sit at 0): known on the host
-        reach = 1 + max((len(prompts[row_of[s] // n]) + made[s] - 1 for s in range(slots)
-                         if row_of[s] >= 0), default=0)
+    def admit(self, k: int):
+        """k waiting groups into free slots (paged: with their blocks) -> (prompts, slots)."""
+        free = [s for s in range(self.slots) if self.row_of[s] < 0]
+        batch = [self.waiting.popleft() for _ in range(k)]
+        self.running.extend(batch)
+        self.counts["prefills"] += 1
+        self.counts["prefills_while_decoding"] += self.busy()
+        for j, s in enumerate(free[:k * self.n]):
+            self.row_of[s], self.made[s] = batch[j // self.n] * self.n + j % self.n, 1
+            if self.engine.paged and not self.engine.take(s, self.blocks_ahead(s)):
+                raise RuntimeError("admitted beyond the KV pool")  # admissible() counted them
+        return batch, free[:k * self.n]
 
-    def preempt(p):
+    def done(self, s: int, tokens: list[int], logp: list[float]):
+        self.completions[self.row_of[s]], self.logps[self.row_of[s]] = tokens, logp
+        self.row_of[s] = -1
+
+    def settle(self):
+        """After a look: the prompts still running, and the read length (one more than any
+        slot's position: a row's is its prompt's length + its tokens - 1; free slots sit at 0)."""
+        rows = [r for r in self.row_of if r >= 0]
+        self.running[:] = [p for p in self.running if any(r // self.n == p for r in rows)]
+        self.reach = 1 + max((len(self.prompts[self.row_of[s] // self.n]) + self.made[s] - 1
+                              for s in range(self.slots) if self.row_of[s] >= 0), default=0)
+
+    def preempt(self, p: int, rows: Rows):
         """Paged: prompt p's rows out of their slots, its blocks freed, p first in line again."""
-        for s in range(slots):
-            if row_of[s] >= 0 and row_of[s] // n == p:
-                row_of[s] = -1
-                positions[s] = 0
-                live[s] = False
-                engine.give(s)
-        for row in range(p * n, p * n + n):  # rows already finished are made anew with the rest
-            completions[row] = logps[row] = None
-        running.remove(p)
-        waiting.appendleft(p)
-        counts["preempted"] += 1
+        for s in range(self.slots):
+            if self.row_of[s] >= 0 and self.row_of[s] // self.n == p:
+                self.row_of[s] = -1
+                rows.stop(s)
+                self.engine.give(s)
+        for row in range(p * self.n, p * self.n + self.n):  # finished rows are made anew too
+            self.completions[row] = self.logps[row] = None
+        self.running.remove(p)
+        self.waiting.appendleft(p)
+        self.counts["preempted"] += 1
 
-    def grow():
+    def grow(self, rows: Rows):
         """Paged: every running row's blocks for its next sync_every positions, oldest first,
         preempting the youngest groups while the pool is short."""
-        for p in list(running):
-            for s in range(slots):
-                while p in running and row_of[s] >= 0 and row_of[s] // n == p and not engine.take(
-                        s, blocks_ahead(s)):
-                    preempt(running[-1])
-
-    while any(r >= 0 for r in row_of) or waiting:
-        admit()
-        if waiting and all(r < 0 for r in row_of):  # the checks above make this impossible
-            raise RuntimeError("the engine admitted no group into an empty batch")
-        retire()  # one-token completions finish at their prefill
-        if engine.paged:
-            grow()
-        for _ in range(sync_every if any(r >= 0 for r in row_of) else 0):
-            new, new_logp = sample(engine.step(tokens, positions, reach, live), temperature, top_k,
-                                   top_p, generator)
-            at = count.clamp(max=max_new_tokens - 1)  # finished rows write nowhere new
-            out[slot_rows, at] = torch.where(live, new, out[slot_rows, at])
-            out_logp[slot_rows, at] = torch.where(live, new_logp, out_logp[slot_rows, at])
-            count += live.long()
-            tokens = torch.where(live, new, tokens)
-            positions += live.long()  # finished rows and free slots stay where they are
-            live &= ~torch.isin(new, eos_t) & (count < max_new_tokens)
-            reach = min(reach + 1, max_len)
-            counts["decode_steps"] += 1
-        retire()
-    assert all(c is not None for c in completions), "a request never finished"
-    if stats is not None:
-        stats.update(counts, blocks_taken=sum(len(o) for o in engine.owned),
-                     graphs=len(engine.graphs or {}))
-    return completions, logps
+        for p in list(self.running):
+            for s in range(self.slots):
+                while (p in self.running and self.row_of[s] >= 0 and self.row_of[s] // self.n == p
+                       and not self.engine.take(s, self.blocks_ahead(s))):
+                    self.preempt(self.running[-1], rows)

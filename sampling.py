@@ -19,8 +19,8 @@ How (three steps, no sort of the vocabulary, no host sync, no shape that depends
    HF calls returns when it is stable), at least one token always kept.
 3. Exponential race: token = argmax over the kept set of exp(s - max) / E, E ~ Exp(1) i.i.d.
    (Gumbel-max: the argmax of s - log E). This is torch.multinomial's own algorithm for one
-   sample (argmax p / E), so with the same generator state the tokens are engine.sample's up to
-   float rounding of near-ties.
+   sample (argmax p / E), so with the same generator state the tokens are HF's (warpers, then
+   torch.multinomial) up to float rounding of near-ties.
 
 Reads of the [rows, vocab] logits, each a loop over them (eager: one or a few aten ops each;
 under torch.compile inductor fuses each loop into one kernel):
@@ -30,14 +30,16 @@ under torch.compile inductor fuses each loop into one kernel):
   top_p < 1,  top_k == 0: max, sum of exp, 4 radix rounds, tie count + cumsum, race 8
 Measured (benchmarks/sampler_speed.py, CPU): inductor kernels 1 / 8 / 9 + aten topk / 2 + aten topk
 in the rows' order (bf16 logits, noise passed in); eager aten ops (bf16) 17 / 182 / 197 / 22, on
-[rows, vocab] 11 / 61 / 36 / 14 of them (engine.sample: 8 / 17 / 21 / 12 ops).
+[rows, vocab] 11 / 61 / 36 / 14 of them (HF's warpers + multinomial: 8 / 17 / 21 / 12 ops).
 Exactness: the kept set is HF's in exact arithmetic. Float32 sums (our histograms, HF's cumsum)
 can differ only where the boundary lies within rounding (~1e-7 of the mass) of a cumulative sum,
 and HF's subset of a tie group cut by the boundary is whatever its unstable sort gives (the count
 is the same); tests/test_sampling.py checks both.
 The noise is one [rows, vocab] float32 tensor (drawn by `exponential_` from `generator`, or
 passed as `noise`), written once and read once, unless a compiled caller draws it in-kernel.
-The current engine.sample makes ~9 passes plus a full sort when top_p < 1.
+HF's warpers + multinomial make ~9 passes plus a full sort when top_p < 1. The engine samples
+with this function inside its decoding step (engine.Engine.step: in the CUDA graph, compiled
+with the layers on a GPU), and after each prefill.
 temperature == 0: greedy (argmax, the lowest index among ties), log-prob under the softmax at
 temperature 1 (the limit has no finite log-prob to compare with).
 """

@@ -6,7 +6,8 @@
 repeat          each prompt repeated G times, so HF `generate` prefills it G times
 shared-prefill  each prompt prefilled once, its KV cache repeated to the G rows of its group (the default)
 engine          engine.py: plain-PyTorch decoding over a KV cache allocated once, each prompt prefilled once
-engine-paged    the same with a paged KV pool of --pool-tokens positions (blocks of engine.PAGE, gathered per step)
+engine-paged    the same with a paged KV pool of --pool-tokens positions (SDPA: blocks of engine.PAGE, gathered per
+                step; --flex: blocks of engine.FLEX_BLOCK, read in place through the block mask)
 
 Every completion runs to --new-tokens (EOS disabled: the same work for every mode and repeat). The modes take turns
 (repeat, shared-prefill, repeat, ...) after one short warm-up call each, so a drift in the machine's speed hits them
@@ -45,6 +46,8 @@ def main():
     ap.add_argument("--baseline", default="shared-prefill", help="the mode the ratios are taken against")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--profile", action="store_true", help="profile round 1 (torch.profiler) and print its tables")
+    ap.add_argument("--flex", action="store_true", help="engine modes attend through FlexAttention, each decoder "
+                    "layer compiled by inductor with it, as on a GPU (paged: the pool read in place)")
     a = ap.parse_args()
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -96,7 +99,8 @@ def main():
             a.prompt_tokens + new_tokens)))) if mode == "engine-paged" else whole
         out = common.generate(policy, tok, prompts, a.group_size, [-1], d, max_new_tokens=new_tokens,
                               temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=a.gen_batch_size,
-                              mode=mode.replace("-paged", ""))  # EOS id -1: never produced, every completion
+                              mode=mode.replace("-paged", ""),  # EOS id -1: never produced, every completion
+                              flex=a.flex or None, compile_step=a.flex or None)
         # has new_tokens tokens
         if len(prompts) == len(texts):
             assert out["input_ids"].shape == (len(prompts) * a.group_size, P + new_tokens)

@@ -29,8 +29,8 @@ Per model, as far as each fits:
   and AdamW's two moments in bf16 are 8 bytes a parameter, in place of the plan's sharded fp32 16 P / n and gathered
   units; activations and the log-prob chunk are the plan's own terms.
 - engine memory: each engine mode's peak GPU memory above what the call started with, against engine.memory_needed
-  (the KV cache and the weight copy, memory_plan.py's engine row; an upper bound where weights already in bf16 on
-  the GPU are read in place, as here for all but the fused q/k/v and gate/up).
+  (the KV cache and the weights the engine copies: here, bf16 weights on the GPU, the fused q/k/v and gate/up and
+  the rotary tables; the other weights are read in place).
 - TRL: if `trl` imports, benchmarks/rl_step.py on the 0.6B shape (gspo.py --gen-mode engine against TRL's
   GRPOTrainer as GSPO, no vLLM, one RL step's median wall time).
 One call cannot come back empty: each mode's row and each training row is written to --out (default $OUT, the
@@ -146,8 +146,12 @@ def _one_mode(policy, tok, shape, a, d, mode, texts, eos, bytes_per_s, weight_by
     import common
 
     cuda = d.device.type == "cuda"
+    if "engine" in sys.modules:  # the previous mode's kept Engine (common.generate keeps one per run): freed
+        sys.modules["engine"].HELD.clear()
     # static and the engine modes: the first call compiles (HF's step; FlexAttention, first and dynamic read
-    # lengths) and is not timed, so no mode's time holds a compilation
+    # lengths) and is not timed, so no mode's time holds a compilation; the engine's first call also makes the
+    # Engine the timed call reuses (its cache, graphs and weight copies): its memory is the first call's peak
+    peak = None
     for timed in (False, True) if mode == "static" or mode.startswith("engine") else (True,):
         torch.manual_seed(0)
         sync(d.device)
@@ -163,18 +167,20 @@ def _one_mode(policy, tok, shape, a, d, mode, texts, eos, bytes_per_s, weight_by
                                compile_step=False if mode == "engine-nocompile" else None)
         sync(d.device)
         s = time.perf_counter() - t
+        if cuda and peak is None:  # the call's peak GPU memory above what it started with
+            peak = (torch.cuda.max_memory_allocated(d.device) - base) / 1e9
     tokens = roll["mask"].sum().item()
     bound = bound_seconds(roll["mask"].sum(1).long().tolist(), a.prompt_tokens, weight_bytes, kv_bytes_per_token,
                           bytes_per_s)
     res = {"s": s, "tokens_per_s": tokens / s, "mean_length": tokens / roll["mask"].shape[0],
            "bound_share": bound / s, "bandwidth_GBps": bytes_per_s / 1e9,
-           # the call's peak GPU memory above what it started with
-           "peak_gb": (torch.cuda.max_memory_allocated(d.device) - base) / 1e9 if cuda else None}
+           "peak_gb": peak}
     if mode.startswith("engine") and cuda:  # against the engine's plan (memory_plan.py's engine row)
         import engine
 
         kv, weights = engine.memory_needed(policy.lm, a.prompts * a.group_size,
-                                           a.prompt_tokens + a.new_tokens, next(policy.parameters()).dtype)
+                                           a.prompt_tokens + a.new_tokens, next(policy.parameters()).dtype,
+                                           device=d.device)  # the weights it copies (fused q/k/v, gate/up)
         res["plan_gb"] = (kv + weights) / 1e9
     return res
 

@@ -1,5 +1,6 @@
 """The decode step's sampler on CPU: sampling.sample (radix-select top-p, one exponential race)
-against engine.sample (softmax + full sort for top-p + torch.multinomial), side by side in one
+(the engine's since 2026-11-28) against hf_sample below (softmax + full sort for top-p +
+torch.multinomial: transformers' way, and the engine's sampler before), side by side in one
 process, at the rollout's shape [256, 151936] in float32 and bf16 logits.
 
     python benchmarks/sampler_speed.py                         # 256 x 151936, 3 repetitions
@@ -30,8 +31,24 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import engine  # noqa: E402
 import sampling  # noqa: E402
+
+
+def hf_sample(logits, temperature, top_k, top_p, generator=None):
+    """transformers' order on float32 scores: temperature, top-k (topk), top-p (a full sort,
+    cumsum, scatter), then torch.multinomial; the token's log-prob under the tempered softmax."""
+    scores = logits / temperature
+    logp = torch.log_softmax(scores, -1)
+    if top_k > 0:
+        kth = torch.topk(scores, min(top_k, scores.shape[-1])).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, -float("inf"))
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=False)
+        remove = sorted_scores.softmax(-1).cumsum(-1) <= 1 - top_p
+        remove[..., -1:] = False  # the most likely token stays
+        scores = scores.masked_fill(remove.scatter(-1, order, remove), -float("inf"))
+    tokens = torch.multinomial(torch.softmax(scores, -1), 1, generator=generator)
+    return tokens[:, 0], logp.gather(1, tokens)[:, 0]
 
 
 class CountOps(TorchDispatchMode):
@@ -82,8 +99,8 @@ def main():
         logits = (torch.randn(args.rows, args.vocab, generator=g) * 2).to(dtype)
         for t, k, p in settings:
             calls = {"sampling.sample": lambda: sampling.sample(logits, t, k, p, generator=g),
-                     # the engine as it runs today: it is given float32 logits
-                     "engine.sample": lambda: engine.sample(logits.float(), t, k, p, g)}
+                     # transformers' way, on float32 logits (as generate gives them)
+                     "hf_sample": lambda: hf_sample(logits.float(), t, k, p, g)}
             for name, fn in calls.items():
                 best, median = timed(fn, args.repeat)
                 small = logits[:8]  # the counts do not depend on the rows: counted on 8
@@ -91,7 +108,7 @@ def main():
                     if name == "sampling.sample":
                         sampling.sample(small, t, k, p, generator=g)
                     else:
-                        engine.sample(small.float(), t, k, p, g)
+                        hf_sample(small.float(), t, k, p, g)
                 print(f"{str(dtype)[6:]:9} {t:4} {k:5} {p:5} | {name:15} {best:7.3f} "
                       f"{median:8.3f} {count.ops:8} {count.passes:9}", flush=True)
     if args.inductor:

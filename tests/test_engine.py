@@ -91,6 +91,7 @@ def test_flex_decoding_reads_live_blocks_and_equals_hf_generate(setup, monkeypat
     rounded up: the blocks past it are not read (a row with one block fewer, or the read length's count, would
     differ)."""
     monkeypatch.setattr(engine, "FLEX_BLOCK", 8)
+    monkeypatch.setattr(engine, "PAGE", 8)  # paged, SDPA's blocks as flex's: the same admissions and preemptions
     monkeypatch.setattr(engine, "GRAPH_REACH", 16)
     tok, lm, ids = setup
     eos = ragged_eos(lm, tok, ids)
@@ -225,20 +226,50 @@ def test_unsupported_architectures_named():
 
 
 def test_top_k_top_p_equal_transformers_warpers():
+    """The engine's sampler (engine.sample is sampling.sample) keeps what transformers' warpers keep."""
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+    import sampling
+
+    assert engine.sample is sampling.sample
     g = torch.Generator().manual_seed(0)
     for top_k, top_p in [(0, 0.9), (5, 1.0), (5, 0.5), (1, 0.3), (50, 0.99), (0, 0.01)]:
         scores = torch.randn(16, 40, generator=g) * 3
-        scores[0, :4] = 2.5  # ties at the k-th value
+        scores[1, :4] = scores[1].topk(5).values[-1]  # ties at the k-th value
         want = scores
         if top_k:
             want = TopKLogitsWarper(top_k)(None, want)
         if top_p < 1:
             want = TopPLogitsWarper(top_p)(None, want)
-        got = engine.top_k_top_p(scores, top_k, top_p)
-        assert torch.equal(got.isinf(), want.isinf()), (top_k, top_p)
-        assert torch.equal(got[~got.isinf()], want[~want.isinf()])
+        assert torch.equal(sampling.kept(scores, 1.0, top_k, top_p), ~want.isinf()), (top_k, top_p)
+
+
+@pytest.mark.parametrize("graphs, pool", [(False, None), (True, None), (True, 400)])
+def test_engine_samples_hf_multinomial_tokens_with_one_seed(setup, monkeypatch, graphs, pool):
+    """The engine's rollout sampled with one seed (temperature, top-k and top-p on): the same tokens as with HF's
+    warpers + torch.multinomial in the sampler's place, and log-probs within float error; eager and through the
+    graphs' step, whose captured function draws the tokens itself (the layers, the head and the sampler)."""
+    from test_sampling import multinomial_sample
+
+    tok, lm, ids = setup
+    kw = dict(sync_every=3, graphs=graphs, pool_tokens=pool, temperature=0.8, top_k=20, top_p=0.9)
+    first, _ = run(lm, ids, 3, [tok.eos_token_id], 12, 7, **kw, generator=torch.Generator().manual_seed(5))
+    eos = [first[0][2], first[4][5]]  # tokens sampled at steps 3 and 6: rows end at different lengths
+    runs = {}
+    for name, fn in (("engine", engine.sample), ("hf", multinomial_sample)):
+        monkeypatch.setattr(engine, "sample", fn)
+        runs[name] = run(lm, ids, 3, eos, 12, 7, **kw, generator=torch.Generator().manual_seed(5))
+    assert runs["engine"][0] == runs["hf"][0]
+    assert len({len(c) for c in runs["engine"][0]}) > 1  # rows ended at different steps
+    for a, b in zip(runs["engine"][1], runs["hf"][1]):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    monkeypatch.undo()
+    # the captured step returns tokens and log-probs: its sampler drew them from the generator, as the eager one does
+    eng = engine.Engine(lm, 3, 40, CPU, torch.float32, graphs=True)
+    x, at = torch.tensor([5, 9, 11]), torch.tensor([0, 0, 0])
+    got = eng.step(x, at, 1, None, (0.8, 20, 0.9), torch.Generator().manual_seed(3))
+    want = engine.sample(eng.decode(x, at, 1), 0.8, 20, 0.9, torch.Generator().manual_seed(3))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_sampled_frequencies_follow_the_softmax():
@@ -359,6 +390,20 @@ def test_check_model_says_the_fallback_before_the_model_is_built(monkeypatch, ca
     assert capsys.readouterr().err.count("--gen-mode engine does not cover model_type 'other'") == 1
 
 
+def allocated_weights(eng, lm) -> int:
+    """Bytes of the engine's weight tensors that are not the model's own parameters' storage (its copies)."""
+    params = {p.untyped_storage().data_ptr() for p in lm.parameters()}
+    tensors, seen, total = [eng.w.embed, eng.w.norm, eng.w.head, eng.w.cos, eng.w.sin], set(), 0
+    for layer in eng.w.layers:
+        for v in layer.values():
+            tensors += v if isinstance(v, tuple) else [x for pair in v for x in pair] if isinstance(v, list) else [v]
+    for t in tensors:
+        if t is not None and t.untyped_storage().data_ptr() not in params | seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+    return total
+
+
 def test_memory_needed_and_a_pool_the_gpu_cannot_hold(setup, monkeypatch):
     """The KV cache is layers x k/v x rows x KV heads x positions x head_dim elements. On a GPU: whole when it and the
     weights fit 90% of the free memory (the rest for prefill, logits and sampling), else paged in 90% of what the
@@ -367,8 +412,20 @@ def test_memory_needed_and_a_pool_the_gpu_cannot_hold(setup, monkeypatch):
     tok, lm, ids = setup
     kv, weights = engine.memory_needed(lm, 8, 100, torch.float32)
     assert kv == 2 * 2 * 8 * 2 * 100 * 32 * 4  # tiny: 2 layers, 2 KV heads, head_dim 32, fp32
-    assert weights == 4 * sum(p.numel() for p in lm.parameters())
-    assert engine.memory_needed(lm, 8, 100, torch.bfloat16, world=2) == (kv // 4, weights // 4)
+    # the weights it copies: onto a GPU from the CPU, all of them (+ the rotary tables); on the weights' own device
+    # and dtype, fused (as on a GPU), the q/k/v and gate/up; unfused (the CPU's default) none
+    everything = sum(p.numel() for p in lm.parameters())
+    assert weights == 4 * (everything + 2 * 100 * 32)
+    linears = [(l.self_attn, ("q_proj", "k_proj", "v_proj")) for l in lm.model.layers]
+    linears += [(l.mlp, ("gate_proj", "up_proj")) for l in lm.model.layers]
+    fused = sum(getattr(m, n).weight.numel() for m, names in linears for n in names)
+    assert fused < everything
+    assert engine.memory_needed(lm, 8, 100, torch.float32, device=CPU, fuse=True) == (kv, 4 * (fused + 2 * 100 * 32))
+    assert engine.memory_needed(lm, 8, 100, torch.float32, device=CPU) == (kv, 4 * 2 * 100 * 32)
+    # another dtype: every weight is a copy; tensor parallel: 1/2 of the KV heads
+    bf16 = 2 * (sum(p.numel() for p in lm.parameters()) + 2 * 100 * 32)
+    assert engine.memory_needed(lm, 8, 100, torch.bfloat16, device=CPU) == (kv // 2, bf16)
+    assert engine.memory_needed(lm, 8, 100, torch.bfloat16, world=2)[0] == kv // 4
     cache = engine.Engine(lm, 8, 100, CPU, torch.float32).cache  # what the engine allocates: the count exactly
     assert sum(c.numel() * c.element_size() for c in cache) == kv
     assert engine.kv_plan(lm, 8, 100, 2, CPU, torch.float32) is None  # host memory: checked, and ample here
@@ -378,6 +435,10 @@ def test_memory_needed_and_a_pool_the_gpu_cannot_hold(setup, monkeypatch):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (b, 2 ** 40))
         monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
         monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+
+    for dtype, fuse in ((torch.float32, False), (torch.float32, True), (torch.bfloat16, False)):
+        eng = engine.Engine(lm, 8, 100, CPU, dtype, fuse=fuse)
+        assert allocated_weights(eng, lm) == engine.memory_needed(lm, 8, 100, dtype, device=CPU, fuse=fuse)[1]
 
     free(math.ceil((kv + weights) / 0.9))
     assert engine.kv_plan(lm, 8, 100, 2, "cuda", torch.float32) is None  # whole

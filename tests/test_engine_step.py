@@ -118,3 +118,86 @@ def test_flex_with_dead_slots_decodes_as_sdpa(setup):
     assert flex[0] == sdpa[0]
     for a, b in zip(flex[1], sdpa[1]):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+
+
+def test_paged_flex_reads_the_pool_in_place(setup, monkeypatch):
+    """Paged, FlexAttention attends to each row's blocks where they lie in the pool (issue 34 item 3): the keys and
+    values it gets are views of the layer's cache (every position of the pool, no gathered copy), its block mask
+    lists each live row's physical blocks (taken in shuffled order, so logical and physical differ) and no block of a
+    dead slot, so the KV bytes a step reads are the live rows' positions rounded up to a block (dead rows 0); the
+    logits equal a whole cache's, fed the same prompts and tokens, for three steps."""
+    monkeypatch.setattr(engine, "FLEX_BLOCK", 8)
+    tok, lm, ids = setup
+    prompts, n, new = [ids[0], ids[4]], 2, 3
+    lengths = torch.tensor([len(p) for p in prompts]).repeat_interleave(n)
+    max_len = int(lengths.max()) + new
+    whole = engine.Engine(lm, 5, max_len, CPU, torch.float32, flex=True)  # slot 4: free (dead)
+    paged = engine.Engine(lm, 5, max_len, CPU, torch.float32, pool_tokens=8 * 40, flex=True)
+    assert paged.block == 8 and paged.cache_shape[1] == 41  # pages of flex's key block; + the spare block
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(0)).tolist()
+    paged.free = order
+    for s in range(4):
+        assert paged.take(s, paged.blocks_for(int(lengths[s]) + new))
+    storages = {c.untyped_storage().data_ptr() for c in paged.cache}
+    seen = []
+    real_flex = paged.flex
+
+    def spy(q, k, v, **kw):
+        seen.append((k.untyped_storage().data_ptr() in storages, v.untyped_storage().data_ptr() in storages,
+                     k.shape[2], v.shape[2]))
+        return real_flex(q, k, v, **kw)
+
+    paged.flex = spy
+    slots = torch.arange(4)
+    first = [e.prefill(prompts, slots, n) for e in (whole, paged)]
+    torch.testing.assert_close(first[0], first[1], atol=1e-5, rtol=0)
+    tokens = torch.cat([first[0].argmax(-1).repeat_interleave(n), torch.zeros(1, dtype=torch.long)])
+    positions = torch.cat([lengths, torch.zeros(1, dtype=torch.long)])
+    alive = torch.tensor([1, 1, 1, 1, 0])
+    for _ in range(new):
+        reach = int(positions.max()) + 1
+        a, b = (e.decode(tokens, positions, reach, alive) for e in (whole, paged))
+        torch.testing.assert_close(a[:4], b[:4], atol=1e-5, rtol=0)
+        mask = paged.live_blocks(positions, reach, alive)
+        count = mask.kv_num_blocks[:, 0, 0]
+        assert count.tolist() == [int(p) // 8 + 1 for p in positions[:4]] + [0]  # the dead slot reads nothing
+        for s in range(4):  # the blocks read are the row's own, in its order
+            assert mask.kv_indices[s, 0, 0, :count[s]].tolist() == paged.owned[s][:count[s]]
+        per_position = 2 * paged.kv_heads * paged.head_dim * 4 * len(paged.cache)  # k and v, fp32, every layer
+        read = int(count.sum()) * 8 * per_position
+        assert read == sum(-(-(int(p) + 1) // 8) * 8 for p in positions[:4]) * per_position
+        tokens = a.argmax(-1)
+        positions = positions + alive
+    assert seen and all(k and v and kn == 41 * 8 and vn == 41 * 8 for k, v, kn, vn in seen), seen[:2]
+
+
+@pytest.mark.parametrize("pool", [None, 400])
+def test_one_engine_per_run(setup, pool):
+    """generate(keep=True), as common.generate calls it: rollout 2 runs on rollout 1's Engine (the same KV cache storage
+    and graphs), its weight copies refreshed in place from the model after an "optimizer step" (bf16 on the CPU: every
+    weight is a copy), and samples the tokens and log-probs of a fresh Engine over the same weights with the same
+    seed; whole and paged."""
+    import copy
+
+    tok, lm, ids = setup
+    lm = copy.deepcopy(lm)
+    ids = ids[:3]
+    kw = dict(max_new_tokens=8, temperature=0.9, top_k=0, top_p=0.95, slots=7, device=CPU, dtype=torch.bfloat16,
+              sync_every=3, graphs=True, pool_tokens=pool)
+    eos = [tok.eos_token_id]
+    first, stats = {}, {}
+    engine.generate(lm, ids, 3, eos, **kw, keep=True, stats=first, generator=torch.Generator().manual_seed(1))
+    kept = engine.HELD[lm]
+    cache = [c.untyped_storage().data_ptr() for c in kept.cache]
+    graphs = dict(kept.graphs)
+    with torch.no_grad():  # the optimizer's step: every weight moves, in place
+        for p in lm.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    got = engine.generate(lm, ids, 3, eos, **kw, keep=True, stats=stats, generator=torch.Generator().manual_seed(2))
+    assert stats["engine"] == first["engine"] and engine.HELD[lm] is kept
+    assert [c.untyped_storage().data_ptr() for c in kept.cache] == cache
+    assert all(kept.graphs[k] is g for k, g in graphs.items())  # the graphs (here their functions) made once
+    fresh = engine.generate(lm, ids, 3, eos, **kw, generator=torch.Generator().manual_seed(2))
+    assert got[0] == fresh[0]
+    assert got[1] == fresh[1]
+    del engine.HELD[lm]

@@ -194,14 +194,26 @@ def test_bf16_logits(monkeypatch):
     assert math.isfinite(float(logp.sum()))
 
 
-def test_same_tokens_as_engine_sample_with_one_seed():
-    """The race is torch.multinomial's own draw for one sample (argmax p / E over the same Exp(1)
-    stream), so switching the engine to this sampler keeps its runs' tokens for a given seed."""
-    import engine
+def multinomial_sample(logits, temperature, top_k=0, top_p=1.0, generator=None):
+    """HF's sampling as transformers writes it (the engine's sampler before sampling.py): the
+    warpers in float32, then torch.multinomial; the log-prob under the tempered softmax."""
+    scores = logits.float() / temperature
+    logp = torch.log_softmax(scores, -1)
+    if top_k:
+        scores = lp.TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1:
+        scores = lp.TopPLogitsWarper(top_p)(None, scores)
+    tokens = torch.multinomial(torch.softmax(scores, -1), 1, generator=generator)
+    return tokens[:, 0], logp.gather(1, tokens)[:, 0]
 
+
+def test_same_tokens_as_hf_multinomial_with_one_seed():
+    """The race is torch.multinomial's own draw for one sample (argmax p / E over the same Exp(1)
+    stream), so the engine's runs keep HF's tokens for a given seed (test_engine checks it through
+    engine.generate)."""
     x = torch.randn(128, 700, generator=torch.Generator().manual_seed(9))
     for t, k, p in [(0.7, 0, 1.0), (1.0, 0, 0.9), (1.3, 40, 0.95)]:
         got = sampling.sample(x, t, k, p, generator=torch.Generator().manual_seed(1))
-        want = engine.sample(x, t, k, p, torch.Generator().manual_seed(1))
+        want = multinomial_sample(x, t, k, p, torch.Generator().manual_seed(1))
         assert torch.equal(got[0], want[0]), (t, k, p)
         torch.testing.assert_close(got[1], want[1])

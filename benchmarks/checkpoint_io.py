@@ -112,6 +112,7 @@ def child(phase: str, shape_name: str, out: str) -> dict:
             p.grad = torch.full_like(p, 1e-3)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        os.makedirs(run_dir, exist_ok=True)  # a script's run folder exists before its first save
         distributed.barrier()
         with PeakRSS() as mem:
             t = time.perf_counter()

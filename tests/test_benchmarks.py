@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import common
 from conftest import ROOT
 
@@ -34,6 +36,7 @@ def test_logprob_benchmark_prints_its_table():
     assert "| chunked | 1024 |" in p.stdout and "| naive | 1024 |" in p.stdout and "command: python" in p.stdout
 
 
+@pytest.mark.slow
 def test_grading_benchmark_prints_its_table():
     p = subprocess.run([sys.executable, "benchmarks/grading.py", "--prompts", "10", "--group-size", "4", "--repeats",
                         "1", "--timeout", "30"], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -53,6 +56,7 @@ def test_qwen3_shapes_match_the_model_cards():
         assert abs(P - total) < 0.05 and abs(P - embeddings - non_embedding) < 0.05, (name, P, embeddings)  # 0.1 B
 
 
+@pytest.mark.slow
 def test_gpu_benchmark_smoke(tmp_path):
     """benchmarks/gpu.py --smoke: every measurement of the GPU run, on CPU with tiny shapes, in its table and JSON."""
     p = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
@@ -111,6 +115,7 @@ def test_gpu_benchmark_minutes():
     assert rows["engine"]["tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_gpu_benchmark_gen_modes(tmp_path):
     """--gen-modes times the modes named, in its table's columns; an unknown mode fails in one line."""
     p = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--no-trl", "--gen-modes", "static,repeat",
@@ -124,6 +129,7 @@ def test_gpu_benchmark_gen_modes(tmp_path):
     assert p.returncode and p.stderr.strip() == "error: --gen-modes takes repeat, shared-prefill, static, engine, engine-tp, engine-eager, engine-sdpa, engine-nocompile"
 
 
+@pytest.mark.slow
 def test_cpu_0p6b_benchmark_smoke(tmp_path):
     """benchmarks/cpu_0p6b.py --smoke: the model folder, both runs (python, torchrun with FSDP2 over 2 ranks) and each
     process's peak memory against memory_plan.cpu_process, with tiny shapes."""
@@ -212,6 +218,7 @@ def test_memory_bandwidth_bound_by_hand():
     assert gpu.bound_seconds([1, 2], 3, 100, 10, 2.0) == 150.0
 
 
+@pytest.mark.slow
 def test_checkpoint_benchmark_prints_its_table():
     p = subprocess.run([sys.executable, "benchmarks/checkpoint_io.py", "--smoke", "--worlds", "2"], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)

@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_learning_tax_lab_smoke(tmp_path):
     p = subprocess.run([sys.executable, "experiments/learning_tax.py", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)

@@ -194,6 +194,7 @@ def straight_lora(tmp_path_factory):
     return _straight["run"]
 
 
+@pytest.mark.slow
 def test_stopped_lora_run_resumes_bitwise(tmp_path, tmp_path_factory):
     """SIGTERM in step 3 (a checkpoint of the adapters and their AdamW state), then --resume auto: the adapters,
     the merged model and every logged number (KL to the reference included) equal the unbroken run's."""

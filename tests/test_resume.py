@@ -125,6 +125,7 @@ def main_exits(monkeypatch, out, *argv):
     return e.value.code
 
 
+@pytest.mark.slow
 def test_sigterm_on_one_rank_saves_on_every_rank_and_resume_is_exact(tmp_path, tmp_path_factory):
     """Preemption: SIGTERM to rank 1 alone during step 3; both ranks finish step 3, save it, exit 0."""
     p = launch(tmp_path, world=2, crash="sigterm:3", crash_rank=1)
@@ -179,6 +180,7 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, tmp
     assert sorted(d for d in os.listdir(run) if "step" in d) == ["step_4", "step_6"]  # --keep-checkpoints 2
 
 
+@pytest.mark.slow
 def test_torchrun_max_restarts_resumes_a_killed_rank(tmp_path, tmp_path_factory):
     p = launch(tmp_path, "--save-every", "3", "--resume", "auto", world=2, crash="start:4", crash_rank=1, restarts=1)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -42,7 +42,8 @@ def read_rows(path, jitter_row=True):
     return rows
 
 
-@pytest.mark.parametrize("script", ["gspo", "grpo", "gspo_token", "dfpo"])
+@pytest.mark.parametrize("script", ["gspo", "grpo", pytest.param("gspo_token", marks=pytest.mark.slow),
+                                    pytest.param("dfpo", marks=pytest.mark.slow)])
 def test_reward_rises(script, monkeypatch, tmp_path):
     # 100 steps: since the grader stopped reading a digit glued to a letter ('x7') as the answer, the built-in
     # task's early rewards are sparser (at 80 steps gspo had reached 0.19, at 100 0.25, at 120 0.38)

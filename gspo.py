@@ -204,7 +204,7 @@ def main():
         policy.train()
         stats = []
         skipped = 0
-        for minibatch in minibatch_slices * args.num_iterations:  # mu passes, pi_old fixed
+        for update, minibatch in enumerate(minibatch_slices * args.num_iterations):  # mu passes
             seqs = (minibatch.stop - minibatch.start) * dist_env.world  # its sequences on all ranks
             norm = seqs  # 1/G sum_i over every group: the loss is divided by the minibatch's count
             minibatch_loss = 0.0
@@ -226,7 +226,7 @@ def main():
                 first_token_grads.append(logp.grad[:, 0])
                 minibatch_loss = minibatch_loss + loss.detach()
                 micro_stats.append({**loss_stats, **log_ratio_spread(
-                    logp, old_logp[micro], mask[micro], first=minibatch.start == 0)})
+                    logp, old_logp[micro], mask[micro], first=update == 0)})
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
                 grad_norm = grad_norm.full_tensor()

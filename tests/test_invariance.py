@@ -151,6 +151,8 @@ def test_script_num_iterations(monkeypatch, tmp_path):
     moved = max(rows[0]["losses/ratio_max"] - 1, 1 - rows[0]["losses/ratio_min"])
     assert moved > 1e-4, moved  # with one minibatch and mu = 1 the ratios are 1 to float error
     assert rows[0]["losses/clipfrac"] > 0
+    # the second pass over the one minibatch is a later update: its log-ratio spread is not the first's (which is 0)
+    assert rows[0]["losses/log_ratio_var_later"] > 0 and rows[0]["losses/log_ratio_var_first"] < 1e-12
 
 
 def test_micro_batches():

@@ -750,6 +750,9 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
         engine = None
         if pool_tokens is None:
             pool_tokens = kv_plan(lm, slots, max_len, n, device, dtype, world, page)
+            # a pool planned from 90% of the free memory is not kept: the training step's peak
+            # (AdamW's moments appear at its first step) would not fit beside it
+            keep = keep and pool_tokens is None
         if pool_tokens is not None and pool_tokens // page < n * -(-max_len // page):
             raise ValueError(f"a KV pool of {pool_tokens} positions cannot hold one group of {n} "
                              f"rows of up to {max_len} positions")

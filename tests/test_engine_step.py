@@ -201,3 +201,17 @@ def test_one_engine_per_run(setup, pool):
     assert got[0] == fresh[0]
     assert got[1] == fresh[1]
     del engine.HELD[lm]
+
+
+def test_a_pool_planned_from_free_memory_is_not_kept(setup, monkeypatch):
+    """A paged pool that kv_plan sized to 90% of the free memory is freed after its rollout, not kept: the training
+    step's peak (AdamW's moments, made at its first step) would not fit beside it. A whole cache is kept."""
+    tok, lm, ids = setup
+    kw = dict(max_new_tokens=4, temperature=1.0, top_k=1, top_p=1.0, slots=6, device=CPU, dtype=torch.float32)
+    monkeypatch.setattr(engine, "kv_plan", lambda *a, **k: 400)  # a paged plan
+    engine.generate(lm, ids[:2], 3, [tok.eos_token_id], **kw, keep=True)
+    assert lm not in engine.HELD
+    monkeypatch.setattr(engine, "kv_plan", lambda *a, **k: None)  # whole
+    engine.generate(lm, ids[:2], 3, [tok.eos_token_id], **kw, keep=True)
+    assert lm in engine.HELD
+    del engine.HELD[lm]

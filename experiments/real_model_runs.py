@@ -68,6 +68,8 @@ class Args:
     """the model folder (python tools/real_model.py writes it)"""
     seeds: int = 3
     """seeds per command (1, 2, ...)"""
+    skip_done: bool = False
+    """run only the (command, seed) pairs whose logs/ are not there yet (an experiment continued)"""
     workers: int = 2
     """runs at once, one CPU thread each"""
     only: str | None = None
@@ -130,7 +132,9 @@ def run_all(args, wanted: list[str], seeds: list[int]):
         print(f"  {name} seed {seed}: {time.time() - t:.0f}s", flush=True)
 
     with ThreadPoolExecutor(args.workers) as pool:
-        list(pool.map(one, [(name, s) for s in seeds for name in wanted]))
+        jobs = [(name, s) for s in seeds for name in wanted
+                if not (args.skip_done and os.path.isdir(os.path.join(logs, f"{exp_name(name)}__{s}")))]
+        list(pool.map(one, jobs))
 
 
 def summarize(logs: str, seeds: list[int]) -> dict:

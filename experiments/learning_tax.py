@@ -18,7 +18,8 @@ exactly (no sampling), per checkpoint:
   log pi("So, " | x): the prefix every completion shares, so its reward is nothing; any drift of it is learning tax
       (App. A.2, eq. 38). The two forms differ in length, so eq. 63 cancels it only approximately (eq. 72-73);
       dfpo.py --length-aware cancels it exactly.
-Energy on frequent tokens (eq. 24) needs a backward pass per token: not cheap, not measured.
+Energy on frequent tokens (eq. 24) needs a backward pass per token: energy.py computes it exactly
+(experiments/energy_cost.py states its cost); this lab does not log it yet.
 
     pip install -r experiments/requirements.txt     # matplotlib for the plots (the table needs nothing more)
     python experiments/learning_tax.py              # ~12 min on 2 CPU cores; results in experiments/results/

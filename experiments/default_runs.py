@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from learning_tax import ROOT, exp_name, fmt, metrics, run_jobs, sci  # noqa: E402
+from learning_tax import ROOT, exp_name, fmt, metrics, only_commands, run_jobs, sci  # noqa: E402
 
 COMMANDS = {  # gspo_token.py with its default A_it = A_i is gspo.py to the last digit (tests/test_gspo_token.py)
     "gspo.py": ["gspo.py"],
@@ -58,9 +58,7 @@ class Args:
 def main():
     args = tyro.cli(Args)
     t0 = time.time()
-    wanted = args.only.split(",") if args.only else list(COMMANDS)
-    if unknown := set(wanted) - set(COMMANDS):
-        raise SystemExit(f"--only {sorted(unknown)}: unknown (choose from {', '.join(COMMANDS)})")
+    wanted = only_commands(args.only, COMMANDS)
     runs = os.path.join(args.out, "runs")
     seeds = list(range(1, args.seeds + 1))
     if not args.table_only:

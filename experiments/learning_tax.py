@@ -96,9 +96,10 @@ class Args:
     metrics.jsonl and checkpoints), with the same --seeds, --steps, --only ... as the run that wrote them"""
 
 
-def run_jobs(jobs: list[tuple[str, list[str], str]], workers: int):
+def run_jobs(jobs: list[tuple[str, list[str], str]], workers: int, after=None):
     """Each job (label, argv, log file) as its own process, `workers` at a time with one thread each; a failed run
-    stops the experiment with the end of its log."""
+    stops the experiment with the end of its log; after(label), where given, runs once a job has succeeded (before
+    its time is printed)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
     def one(job):
@@ -108,10 +109,20 @@ def run_jobs(jobs: list[tuple[str, list[str], str]], workers: int):
             rc = subprocess.run([sys.executable, *argv], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
         if rc:
             raise SystemExit(f"{label} failed (exit {rc}); the end of {log}:\n" + open(log).read()[-3000:])
+        if after is not None:
+            after(label)
         print(f"  {label}: {time.time() - t:.0f}s", flush=True)
 
     with ThreadPoolExecutor(workers) as pool:
         list(pool.map(one, jobs))
+
+
+def only_commands(only: str | None, commands: dict) -> list[str]:
+    """--only's comma-separated names, checked against `commands` (default: all of them, in order)."""
+    wanted = only.split(",") if only else list(commands)
+    if unknown := set(wanted) - set(commands):
+        raise SystemExit(f"--only {sorted(unknown)}: unknown (choose from {', '.join(commands)})")
+    return wanted
 
 
 def exp_name(name: str) -> str:
@@ -411,9 +422,7 @@ def main():
     if args.smoke:
         args.seeds, args.steps, args.two_form_steps, args.save_every, args.sft_steps = 1, 3, 4, 2, 20
         args.only = args.only or "gspo,dfpo min-replace --length-aware"
-    wanted = set(args.only.split(",")) if args.only else set(BUILTIN)
-    if unknown := wanted - set(BUILTIN):
-        raise SystemExit(f"--only {sorted(unknown)}: unknown (choose from {', '.join(BUILTIN)})")
+    wanted = set(only_commands(args.only, BUILTIN))
     if args.seeds < 1 or args.steps < 3 or args.two_form_steps < args.save_every or args.save_every < 1:
         raise SystemExit("--seeds >= 1, --steps >= 3 (Jitter2 needs 3 points), --two-form-steps >= --save-every >= 1")
     if not 1 <= args.probes <= 100:

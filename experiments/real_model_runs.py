@@ -20,16 +20,14 @@ import json
 import os
 import random
 import shutil
-import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from learning_tax import ROOT, exp_name, fmt, sci, steps_to  # noqa: E402
+from learning_tax import ROOT, exp_name, fmt, only_commands, run_jobs, sci, steps_to  # noqa: E402
 
 HELD_OUT = 128  # unordered pairs kept apart (both orders) for the held-out set
 PROMPT = "What is {a} + {b}? Put the final answer in \\boxed{{}}."
@@ -107,21 +105,22 @@ def run_all(args, wanted: list[str], seeds: list[int]):
         raise SystemExit(f"--model {args.model}: no such folder; write it with python tools/real_model.py")
     runs, logs = os.path.join(args.out, "runs"), os.path.join(args.out, "logs")
     train, test = write_task(os.path.join(runs, "data"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    jobs, names = [], {}
+    for seed in seeds:
+        for name in wanted:
+            name_s = exp_name(name)
+            if args.skip_done and os.path.isdir(os.path.join(logs, f"{name_s}__{seed}")):
+                continue
+            for path in glob.glob(os.path.join(runs, f"{name_s}__{seed}__*")):
+                shutil.rmtree(path)
+            label = f"{name} seed {seed}"
+            names[label] = (name_s, seed)
+            jobs.append((label, [*COMMANDS[name], "--model", args.model, "--dataset", train, "--eval-dataset", test,
+                                 *BUDGET, "--seed", str(seed), "--exp-name", name_s, "--output-dir", runs],
+                         os.path.join(runs, f"{name_s}__{seed}.log")))
 
-    def one(job):
-        name, seed = job
-        t = time.time()
-        name_s = exp_name(name)
-        for path in glob.glob(os.path.join(runs, f"{name_s}__{seed}__*")):
-            shutil.rmtree(path)
-        log = os.path.join(runs, f"{name_s}__{seed}.log")
-        argv = [sys.executable, *COMMANDS[name], "--model", args.model, "--dataset", train, "--eval-dataset", test,
-                *BUDGET, "--seed", str(seed), "--exp-name", name_s, "--output-dir", runs]
-        with open(log, "w") as f:
-            rc = subprocess.run(argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
-        if rc:
-            raise SystemExit(f"{name} seed {seed} failed (exit {rc}); the end of {log}:\n" + open(log).read()[-3000:])
+    def keep_logs(label):  # the run's logs to {out}/logs/, its folder (the 1.8 GB checkpoint) removed
+        name_s, seed = names[label]
         (run,) = glob.glob(os.path.join(runs, f"{name_s}__{seed}__*"))
         dest = os.path.join(logs, f"{name_s}__{seed}")
         os.makedirs(dest, exist_ok=True)
@@ -129,12 +128,8 @@ def run_all(args, wanted: list[str], seeds: list[int]):
             if os.path.exists(os.path.join(run, f)):
                 shutil.copy(os.path.join(run, f), dest)
         shutil.rmtree(run)
-        print(f"  {name} seed {seed}: {time.time() - t:.0f}s", flush=True)
 
-    with ThreadPoolExecutor(args.workers) as pool:
-        jobs = [(name, s) for s in seeds for name in wanted
-                if not (args.skip_done and os.path.isdir(os.path.join(logs, f"{exp_name(name)}__{s}")))]
-        list(pool.map(one, jobs))
+    run_jobs(jobs, args.workers, after=keep_logs)
 
 
 def summarize(logs: str, seeds: list[int]) -> dict:
@@ -224,9 +219,7 @@ def plot(result: dict, path: str) -> bool:
 def main():
     args = tyro.cli(Args)
     t0 = time.time()
-    wanted = args.only.split(",") if args.only else list(COMMANDS)
-    if unknown := set(wanted) - set(COMMANDS):
-        raise SystemExit(f"--only {sorted(unknown)}: unknown (choose from {', '.join(COMMANDS)})")
+    wanted = only_commands(args.only, COMMANDS)
     seeds = list(range(1, args.seeds + 1))
     if not args.table_only:
         run_all(args, wanted, seeds)

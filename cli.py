@@ -116,6 +116,10 @@ class CommonArgs:
     mask_truncated: bool = False
     """completions cut at --max-new-tokens (no EOS) get zero loss weight; their rewards still set
     the group's A"""
+    truncated_reward_scale: float | None = None
+    """a completion cut at --max-new-tokens (no EOS) scores this fraction of its reward, in [0, 1]
+    (default: 0.5 for --dataset builtin, whose task is the digit and a stop; 1.0, unchanged,
+    otherwise; 0 scores every cut completion 0)"""
     dtype: Literal["auto", "bf16", "fp32", "bf16-pure"] = "auto"
     """compute dtype (auto: bf16 on GPU, fp32 on CPU). bf16 keeps fp32 master weights,
     gradients and AdamW state (16 bytes a parameter) and computes in bf16: torch.autocast in
@@ -407,17 +411,23 @@ def tyro_error_line(box: str) -> str:
 
 
 # -------------------- argument checks: every flag before any heavy work
-def default_learning_rate(model: str) -> float:
-    """--learning-rate when not given: the tiny model learns fast with a large step; real models
-    follow the papers' scale. Each script's main() fills it in, in view, before anything reads
-    it."""
-    return 5e-4 if model in ("tiny", "tiny-moe") else 1e-6
-
-
-def default_max_new_tokens(dataset: str) -> int:
-    """--max-new-tokens when not given: the built-in task's answer is one digit, then EOS; real
-    tasks reason."""
-    return 2 if dataset == "builtin" else 1024
+def fill_defaults(args):
+    """args with the defaults that depend on the model and the task filled in (each None until
+    here); every script's main() calls it first, so the run is logged, checkpointed and compared on
+    resume with these values, and nothing changes args after it:
+    --learning-rate   5e-4 for the tiny models (random init learns fast with a large step), 1e-6
+                      otherwise (the papers' scale)
+    --max-new-tokens  2 for the built-in task (one digit, then EOS), 1024 otherwise (real tasks
+                      reason)
+    --truncated-reward-scale  0.5 for the built-in task, whose reward asks for the digit and a
+                      stop (a right digit cut at the limit scores half), 1.0 otherwise"""
+    builtin, tiny = args.dataset == "builtin", args.model in ("tiny", "tiny-moe")
+    return dataclasses.replace(
+        args,
+        learning_rate=(5e-4 if tiny else 1e-6) if args.learning_rate is None else args.learning_rate,
+        max_new_tokens=(2 if builtin else 1024) if args.max_new_tokens is None else args.max_new_tokens,
+        truncated_reward_scale=(0.5 if builtin else 1.0) if args.truncated_reward_scale is None
+        else args.truncated_reward_scale)
 
 
 def eval_sampling(args) -> dict:
@@ -464,12 +474,12 @@ def check_int(flag: str, n: int, low: int, high: int | None = None, why: str = "
 
 def check_common_args(args):
     """Bad input fails with one line before any heavy work. Reads args, never writes them: main()
-    has filled in --learning-rate and --max-new-tokens already (default_learning_rate,
-    default_max_new_tokens)."""
+    has filled in the defaults already (fill_defaults)."""
     check_int("seed", args.seed, 0, MAX_SEED, " (numpy's seed range)")
     check_int("group-size", args.group_size, 2, MAX_COMPLETIONS,
               " (group-relative advantages need at least 2 completions a prompt)")
     check_int("max-new-tokens", args.max_new_tokens, 1, MAX_NEW_TOKENS)
+    check_float("truncated-reward-scale", args.truncated_reward_scale, 0, 1)
     check_float("clip-low", args.clip_low, 0, low_open=True)
     check_float("clip-high", args.clip_high, 0, low_open=True)
     check_int("prompts-per-rank", args.prompts_per_rank, 1, MAX_COMPLETIONS)

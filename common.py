@@ -933,7 +933,8 @@ def evaluate(policy, tok, held, eos, d: Dist, *, k: int, n: int | None = None,
     """Over the held-out prompts (each rank an equal share), from n >= k samples a prompt (n
     defaults to k): avg@k, the mean accuracy of the n samples (an unbiased estimate of the mean
     accuracy of k samples, the DFPO paper's metric), and pass@k, the mean over prompts of the
-    unbiased 1 - C(n - c, k) / C(n, k) (pass_at_k)."""
+    unbiased 1 - C(n - c, k) / C(n, k) (pass_at_k); the reward is the task's own, whole whether
+    or not a completion stopped (truncated_frac: the fraction cut at max_new_tokens)."""
     n = n or k
     m = len(held) // d.world * d.world  # equal shares, or the FSDP all-gathers would hang
     if m == 0:
@@ -941,7 +942,7 @@ def evaluate(policy, tok, held, eos, d: Dist, *, k: int, n: int | None = None,
              "share it: give a larger dataset (a local file holds out a tenth, at most "
              "--eval-size) or --eval-every 0")
     rows = held.select(range(d.rank, m, d.world))
-    r, errors = torch.zeros(0), 0
+    r, errors, cut = torch.zeros(0), 0, 0
     per_call = max(1, gen_batch_size // n)  # prompts per generate call
     for i in range(0, len(rows), per_call):
         part = rows.select(range(i, min(i + per_call, len(rows))))
@@ -951,11 +952,13 @@ def evaluate(policy, tok, held, eos, d: Dist, *, k: int, n: int | None = None,
                        cuda_graphs=cuda_graphs, engine_dtype=engine_dtype)
         part_r, part_errors = score(out["texts"], part, n, reward, watch=False)
         r, errors = torch.cat([r, part_r]), errors + part_errors
+        cut += int(out["truncated"].sum())
     r = r.view(-1, n)
     passk = sum(pass_at_k(n, int(c), k) for c in (r > 0).sum(1))
-    s = all_reduce(torch.tensor([r.mean(1).sum(), passk, len(rows), errors], dtype=torch.float64))
+    s = all_reduce(torch.tensor([r.mean(1).sum(), passk, len(rows), errors, cut], dtype=torch.float64))
     return {f"eval/avg@{k}": (s[0] / s[2]).item(), f"eval/pass@{k}": (s[1] / s[2]).item(),
-            "eval/prompts": m, "eval/samples": n, "eval/reward_errors": s[3].item()}
+            "eval/prompts": m, "eval/samples": n, "eval/reward_errors": s[3].item(),
+            "eval/truncated_frac": (s[4] / (s[2] * n)).item()}
 
 
 def eval_report(result: dict, args, run_dir: str, d: Dist) -> str:

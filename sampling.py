@@ -41,10 +41,15 @@ under torch.compile inductor fuses each loop into one kernel):
   min_p > 0: no more (its compare is in the race's loop, on the exp(s - max) it reads);
   repetition_penalty != 1: no more over the logits (the penalty is applied where the first loop
   reads them), plus the [rows, vocab] bool `seen` read there (a quarter of fp32 logits' bytes;
-  the engine sets one entry a row a step). Not measured yet (the counts below are without them).
+  the engine sets one entry a row a step).
 Measured (benchmarks/sampler_speed.py, CPU): inductor kernels 1 / 8 / 9 + aten topk / 2 + aten topk
-in the rows' order (bf16 logits, noise passed in); eager aten ops (bf16) 17 / 182 / 197 / 22, on
+in the rows' order (bf16 logits, noise passed in); eager aten ops (fp32) 17 / 182 / 197 / 22, on
 [rows, vocab] 11 / 61 / 36 / 14 of them (HF's warpers + multinomial: 8 / 17 / 21 / 12 ops).
+On 2026-11-28 (torch 2.13, which leaves top-p's cumsums to aten: 1 / 6 + 5 cumsum / 7 + topk + 5
+cumsum / 2 + topk): min-p 0.05, the penalty 1.3, or both beside top-p 0.9 add no kernel (1 -> 1,
+1 -> 1, 6 -> 6); eager they add 3, 5 and 7 aten ops on [rows, vocab] (fp32, --rows 64: the
+penalty 0.37 -> 0.51 s a call on one CPU thread, where HF's gather/scatter over 64 ids costs
+nothing measurable; on a GPU, fused, it is the read of `seen`).
 Exactness: the kept set is HF's in exact arithmetic. Float32 sums (our histograms, HF's cumsum)
 can differ only where the boundary lies within rounding (~1e-7 of the mass) of a cumulative sum,
 and HF's subset of a tie group cut by the boundary is whatever its unstable sort gives (the count

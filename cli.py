@@ -591,9 +591,9 @@ def check_rollout_args(args):
     config (a generation mode that returns log-probs, --routing-replay on an MoE model) is checked
     by common.check_model."""
     if args.old_logp == "rollout" and args.repetition_penalty != 1:
-        fail(f"--old-logp rollout with --repetition-penalty {args.repetition_penalty}: the engine's "
-             "log-probs are then the penalised sampler's, not the policy's, so pi_old would be "
-             "wrong; use --old-logp recompute (the default), or drop --repetition-penalty")
+        fail(f"--old-logp rollout with --repetition-penalty {args.repetition_penalty}: the "
+             "engine's log-probs are then the penalised sampler's, not the policy's, so pi_old would "
+             "be wrong; use --old-logp recompute (the default), or drop --repetition-penalty")
     cap = args.rollout_is_cap
     if cap is None:
         return

@@ -564,7 +564,8 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
             completions, logps = engine.generate(
                 policy.lm, sum(everyone, []), n, eos, max_new_tokens=max_new_tokens,
                 temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                repetition_penalty=repetition_penalty, slots=tp * max(n, gen_batch_size // n * n), device=d.device,
+                repetition_penalty=repetition_penalty,
+                slots=tp * max(n, gen_batch_size // n * n), device=d.device,
                 dtype={"bf16": torch.bfloat16, "fp32": torch.float32}.get(engine_dtype) or getattr(
                     policy, "compute_dtype", None) or (
                     torch.bfloat16 if d.device.type == "cuda" else torch.float32),

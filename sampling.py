@@ -1,5 +1,5 @@
-"""The rollout's sampler on the device: HF's repetition penalty, temperature, top-k, top-p and min-p,
-one exponential race.
+"""The rollout's sampler on the device: HF's repetition penalty, temperature, top-k, top-p and
+min-p, one exponential race.
 
 `sample(logits, temperature, top_k, top_p, min_p, repetition_penalty, seen=, generator=, noise=)`
 -> (tokens [R], log-probs [R]). Semantics are transformers' RepetitionPenaltyLogitsProcessor (on

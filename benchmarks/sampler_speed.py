@@ -13,8 +13,8 @@ setting (the noise passed in as a tensor: Dynamo does not trace a torch.Generato
 fused loops (each one read of its inputs) and the extern calls inductor left to aten (topk).
 Compiling takes about a minute a setting on CPU.
 
-For each sampling setting (temperature, top_k, top_p, min_p, repetition_penalty; the penalty on the ids of 64
-random tokens a row) and logits dtype it prints min and median
+For each sampling setting (temperature, top_k, top_p, min_p, repetition_penalty; the penalty on
+the ids of 64 random tokens a row) and logits dtype it prints min and median
 seconds a call over --repeat calls (after one untimed call) and the aten ops each call launches
 (a TorchDispatchMode count, on 8 rows: on a GPU, eagerly, each is about one kernel), and how
 many of them read or write a [rows, vocab] tensor (eager passes over the logits). CPU times are a proxy only:
@@ -102,8 +102,8 @@ def main():
                 (0.7, 0, 0.9, 0.05, 1.3)]
     print(f"[{args.rows}, {args.vocab}] logits, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}, {args.repeat} repetitions after one untimed call")
-    print(f"{'dtype':9} {'T':>4} {'top_k':>5} {'top_p':>5} {'min_p':>5} {'pen':>4} | {'sampler':15} {'min s':>7} "
-          f"{'median s':>8} {'aten ops':>8} {'[R,V] ops':>9}")
+    print(f"{'dtype':9} {'T':>4} {'top_k':>5} {'top_p':>5} {'min_p':>5} {'pen':>4} | "
+          f"{'sampler':15} {'min s':>7} {'median s':>8} {'aten ops':>8} {'[R,V] ops':>9}")
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         logits = (torch.randn(args.rows, args.vocab, generator=g) * 2).to(dtype)
@@ -146,8 +146,8 @@ def inductor_kernels(settings):
         src = "\n".join(code)
         fused = sorted(set(re.findall(r"\b(cpp_fused_\w+|triton_\w+_fused_\w+)\s*=", src)))
         extern = re.findall(r"(?:extern_kernels\.|torch\.ops\.aten\.)(\w+)[.\w]*\(", src)
-        print(f"  T {t} top_k {k} top_p {p} min_p {m} penalty {r}: {len(fused)} fused kernels, extern calls: "
-              f"{', '.join(extern) or 'none'}", flush=True)
+        print(f"  T {t} top_k {k} top_p {p} min_p {m} penalty {r}: {len(fused)} fused kernels, "
+              f"extern calls: {', '.join(extern) or 'none'}", flush=True)
 
 
 if __name__ == "__main__":

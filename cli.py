@@ -86,6 +86,14 @@ class CommonArgs:
     """nucleus sampling; 1.0 is off"""
     top_k: int = 0
     """top-k sampling; 0 is off"""
+    min_p: float = 0.0
+    """min-p sampling (HF's MinPLogitsWarper, after temperature, top-k and top-p): tokens less
+    likely than min_p x the most likely one are not sampled; 0 is off. Evaluation uses it too"""
+    repetition_penalty: float = 1.0
+    """HF's repetition penalty, on the raw logits of every id in the prompt and the completion so
+    far (divided by it when positive, multiplied when negative; > 1 discourages repeats); 1.0 is
+    off. Evaluation uses it too. The engine's log-probs are then the penalised sampler's, not the
+    policy's, so --old-logp rollout refuses it (docs/engine.md)"""
     gen_batch_size: int = 256
     """completions per `generate` call (memory only; not TRL's generation_batch_size, which is
     completions a step: --prompts-per-rank x --group-size here)"""
@@ -540,6 +548,9 @@ def check_common_args(args):
     check_float("min-lr-ratio", args.min_lr_ratio, 0, 1)
     check_float("learning-rate", args.learning_rate, 0, low_open=True)
     check_float("top-p", args.top_p, 0, 1, low_open=True, why=" (1 is off)")
+    check_float("min-p", args.min_p, 0, 1, high_open=True, why=" (0 is off)")
+    check_float("repetition-penalty", args.repetition_penalty, 0, low_open=True,
+                why=" (1 is off; > 1 discourages repeats)")
     if args.top_k < 0:
         fail(f"--top-k {args.top_k}: must be >= 0 (0 is off)")
     check_int("gen-batch-size", args.gen_batch_size, 1, MAX_COMPLETIONS,
@@ -585,9 +596,14 @@ def check_common_args(args):
 
 def check_rollout_args(args):
     """--rollout-is-cap: a finite C > 0, on a script whose loss is a sum of token terms, with pi_old
-    recomputed (the weight is pi_old / pi_rollout). What needs the model's config (a generation
-    mode that returns log-probs, --routing-replay on an MoE model) is checked by
-    common.check_model."""
+    recomputed (the weight is pi_old / pi_rollout). --old-logp rollout: no repetition penalty (the
+    engine's log-probs are then the penalised sampler's, not the policy's). What needs the model's
+    config (a generation mode that returns log-probs, --routing-replay on an MoE model) is checked
+    by common.check_model."""
+    if args.old_logp == "rollout" and args.repetition_penalty != 1:
+        fail(f"--old-logp rollout with --repetition-penalty {args.repetition_penalty}: the "
+             "engine's log-probs are then the penalised sampler's, not the policy's, so pi_old would "
+             "be wrong; use --old-logp recompute (the default), or drop --repetition-penalty")
     cap = args.rollout_is_cap
     if cap is None:
         return

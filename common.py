@@ -517,12 +517,15 @@ GEN_MODES = ("repeat", "shared-prefill", "static", "engine", "engine-tp")
 @torch.no_grad()
 def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d: Dist, *,
              max_new_tokens: int, temperature: float, top_p: float, top_k: int, gen_batch_size: int,
+             min_p: float = 0.0, repetition_penalty: float = 1.0,
              unshard: bool = False, mode: str = "shared-prefill", cuda_graphs: bool = True,
              flex: bool | None = None, compile_step: bool | None = None,
              engine_dtype: str = "auto") -> dict:
     """n completions per prompt (rows of one prompt are adjacent: a group). Returns input_ids [B,
     P+T], attention_mask, n_prompt P, completion mask [B, T] (up to and including the first EOS),
     truncated [B], texts, and with mode "engine" logp [B, T], each token's log-prob as sampled.
+    Every mode samples as HF's generate does: repetition_penalty (on the prompt's and the
+    completion's ids), temperature, top_k, top_p, min_p (0: off).
     mode "repeat": each prompt repeated n times, so `generate` prefills it n times, gen_batch_size
     rows a call.
     mode "shared-prefill": each prompt prefilled once and its KV cache repeated to its n rows
@@ -560,7 +563,8 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
         try:
             completions, logps = engine.generate(
                 policy.lm, sum(everyone, []), n, eos, max_new_tokens=max_new_tokens,
-                temperature=temperature, top_k=top_k, top_p=top_p,
+                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                repetition_penalty=repetition_penalty,
                 slots=tp * max(n, gen_batch_size // n * n), device=d.device,
                 dtype={"bf16": torch.bfloat16, "fp32": torch.float32}.get(engine_dtype) or getattr(
                     policy, "compute_dtype", None) or (
@@ -605,6 +609,7 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
             outs.append(policy.generate(
                 input_ids=ids[i:i + rows], attention_mask=am[i:i + rows], n=n if shared else 1,
                 do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k,
+                min_p=min_p or None, repetition_penalty=repetition_penalty,
                 max_new_tokens=max_new_tokens, eos_token_id=eos,
                 # FSDP: every rank steps until all are done
                 pad_token_id=tok.pad_token_id, synced_gpus=d.sharded,
@@ -927,8 +932,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 @torch.no_grad()
 def evaluate(policy, tok, held, eos, d: Dist, *, k: int, n: int | None = None,
              reward: Reward | None = None, max_new_tokens: int, temperature: float, top_p: float,
-             top_k: int, gen_batch_size: int, unshard: bool = False,
-             mode: str = "shared-prefill", cuda_graphs: bool = True,
+             top_k: int, gen_batch_size: int, min_p: float = 0.0, repetition_penalty: float = 1.0,
+             unshard: bool = False, mode: str = "shared-prefill", cuda_graphs: bool = True,
              engine_dtype: str = "auto") -> dict:
     """Over the held-out prompts (each rank an equal share), from n >= k samples a prompt (n
     defaults to k): avg@k, the mean accuracy of the n samples (an unbiased estimate of the mean
@@ -947,7 +952,8 @@ def evaluate(policy, tok, held, eos, d: Dist, *, k: int, n: int | None = None,
     for i in range(0, len(rows), per_call):
         part = rows.select(range(i, min(i + per_call, len(rows))))
         out = generate(policy, tok, part["text"], n, eos, d, max_new_tokens=max_new_tokens,
-                       temperature=temperature, top_p=top_p, top_k=top_k,
+                       temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                       repetition_penalty=repetition_penalty,
                        gen_batch_size=gen_batch_size, unshard=unshard, mode=mode,
                        cuda_graphs=cuda_graphs, engine_dtype=engine_dtype)
         part_r, part_errors = score(out["texts"], part, n, reward, watch=False)

@@ -178,7 +178,8 @@ def main():
               f"without an answer, {dropped['too_long']} over --max-prompt-tokens); "
               f"world size {dist_env.world}; logs: tensorboard --logdir {args.output_dir}")
     gen_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                  top_p=args.top_p, top_k=args.top_k, gen_batch_size=args.gen_batch_size,
+                  top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                  repetition_penalty=args.repetition_penalty, gen_batch_size=args.gen_batch_size,
                   unshard=args.gen_unshard, mode=args.gen_mode, cuda_graphs=args.gen_cuda_graphs,
                   engine_dtype=args.gen_dtype)
     eval_kw = dict(gen_kw, k=args.eval_k, n=args.eval_n, reward=reward, **eval_sampling(args))

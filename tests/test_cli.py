@@ -89,6 +89,14 @@ BAD_FLAGS = [  # every one fails in check_common_args: before the tokenizer, the
     (["--learning-rate", "nan"], "--learning-rate nan: must be > 0 and finite"),
     (["--learning-rate", "inf"], "--learning-rate inf: must be > 0 and finite"),
     (["--top-p", "nan"], "--top-p nan: must lie in (0, 1]"),
+    # issue 37 item 5: HF's ranges (min_p 1 would keep the top token alone: say it with --top-k 1)
+    (["--min-p", "-0.1"], "--min-p -0.1: must lie in [0, 1) (0 is off)"),
+    (["--min-p", "1"], "--min-p 1.0: must lie in [0, 1) (0 is off)"),
+    (["--repetition-penalty", "0"], "--repetition-penalty 0.0: must be > 0 and finite (1 is off; > 1 discourages"),
+    (["--repetition-penalty", "nan"], "--repetition-penalty nan: must be > 0 and finite"),
+    (["--old-logp", "rollout", "--gen-mode", "engine", "--repetition-penalty", "1.2"],
+     "--old-logp rollout with --repetition-penalty 1.2: the engine's log-probs are then the penalised sampler's, "
+     "not the policy's, so pi_old would be wrong; use --old-logp recompute"),
     (["--weight-decay", "nan"], "--weight-decay nan: must be >= 0 and finite"),
     (["--weight-decay", "inf"], "--weight-decay inf: must be >= 0 and finite"),
     (["--weight-decay", "-0.1"], "--weight-decay -0.1: must be >= 0 and finite"),

@@ -342,6 +342,8 @@ def main():
             bench_generation(policy, tok, shape, a, d, row["generation"], flush)
         except Exception as e:  # noqa: BLE001 (set-up of the modes: the bandwidth copy, the warm-up call)
             row["generation"]["error"] = {"error": f"{type(e).__name__}: {e}"[:200]}
+        if "engine" in sys.modules:  # the last mode's kept Engine (its cache, and through it this model) freed
+            sys.modules["engine"].HELD.clear()  # before training and the next model
         for ac in (False, True):
             if a.no_train or time.time() > a.deadline:
                 row[f"training_ac{int(ac)}"] = "skipped: " + ("--no-train" if a.no_train else

@@ -701,9 +701,8 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], d: Dist
                  "charts/surplus_groups": surplus, "charts/filled_groups": filled})
     if filled and d.main and not _FILLED_SAID:
         _FILLED_SAID.append(step)
-        print(f"step {step}: --max-gen-rounds {max_rounds} reached with {filled:.0f} groups short "
-              "of a spread: the batch is filled with flat groups (A = 0), counted in "
-              "charts/filled_groups (said once)", file=sys.stderr)
+        print(f"step {step}: --max-gen-rounds {max_rounds} spent; {filled:.0f} flat groups (A = 0) "
+              "fill the batch, counted in charts/filled_groups (said once)", file=sys.stderr)
     # group k of the concatenated rounds: round k // per_rank, its group k % per_rank
     parts = [(roll, rows_of(kept[kept // per_rank == r] % per_rank, group_size))
              for r, (_, roll, _, _) in enumerate(rounds)]

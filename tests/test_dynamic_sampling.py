@@ -8,6 +8,7 @@ import glob
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -208,27 +209,37 @@ def test_the_script_logs_the_hand_counts_and_trains_on_the_kept_groups(monkeypat
     are the logged ones; the samples, rewards and reward metrics are those of kept (odd) groups: mean 0.5."""
     (tmp_path / "parity_reward37.py").write_text(PARITY_REWARD)
     monkeypatch.syspath_prepend(str(tmp_path))
-    calls = []
+    calls = []  # per generate call: the answer of each prompt, and the completions
+
+    def generate(policy, tok, prompts, n, *a, **k):
+        roll = real(policy, tok, prompts, n, *a, **k)
+        calls.append(([int(re.search(r"(\d)%10=", p)[1]) for p in prompts], roll["texts"]))
+        return roll
+
     real = common.generate
-    monkeypatch.setattr(common, "generate", lambda policy, tok, prompts, *a, **k: calls.append(
-        [int(re.search(r"(\d)%10=", p)[1]) for p in prompts]) or real(policy, tok, prompts, *a, **k))
+    monkeypatch.setattr(common, "generate", generate)
     rows, run = run_script("gspo", ["--num-steps", "2", "--prompts-per-rank", "4", "--group-size", "4",
                                     "--eval-every", "0", "--log-samples", "1", "--dynamic-sampling",
                                     "--reward", "parity_reward37:parity"], monkeypatch, tmp_path / "runs")
+    samples = [json.loads(line) for line in open(os.path.join(run, "samples.jsonl"))]
+    assert len(samples) == 2 * 2 * 4 and all(int(s["answer"]) % 2 for s in samples)
+    assert all(s["reward"] == (i % 2) for i, s in enumerate(samples))
     for row in rows:  # by hand: rounds of 4 prompts until 4 odd answers, the first 4 kept
-        seen, rounds = [], 0
+        seen, rounds, groups = [], 0, set()
         while sum(x % 2 for x in seen) < 4:
-            seen += calls.pop(0)
+            answers, texts = calls.pop(0)
+            seen += answers
+            groups |= {(str(x), tuple(texts[4 * g:4 * g + 4])) for g, x in enumerate(answers)}
             rounds += 1
+        logged = [s for s in samples if s["step"] == row["step"]]  # a kept group's own completions
+        assert all((s["answer"], tuple(c["completion"] for c in logged[i - i % 4:i - i % 4 + 4])) in groups
+                   for i, s in enumerate(logged))
         odd = sum(x % 2 for x in seen)
         assert (row["charts/gen_rounds"], row["charts/dropped_groups"], row["charts/surplus_groups"],
                 row["charts/filled_groups"]) == (rounds, len(seen) - odd, odd - 4, 0), row
         assert row["charts/reward_mean"] == 0.5 and row["charts/zero_adv_group_frac"] == 0
         assert row["rewards/parity/mean"] == 0.5 and row["rewards/parity/std"] == 0.5
     assert not calls and any(r["charts/gen_rounds"] > 1 for r in rows)  # every call counted; a round was added
-    samples = [json.loads(line) for line in open(os.path.join(run, "samples.jsonl"))]
-    assert len(samples) == 2 * 2 * 4 and all(int(s["answer"]) % 2 for s in samples)
-    assert all(s["reward"] == (i % 2) for i, s in enumerate(samples))
 
 
 def test_resume_is_exact_with_dynamic_sampling(monkeypatch, tmp_path):
@@ -255,6 +266,13 @@ def test_two_ranks_make_the_same_generate_calls(tmp_path):
     """torchrun, 2 ranks (FSDP2, gloo), real generate: rank 0's groups all have a spread, rank 1's are flat in its
     first two rounds; both ranks run 3 rounds (an all_reduce of the shortfall), or 2 at --max-gen-rounds 2
     (tests/dynsample_ranks.py asserts the counts)."""
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "tests/dynsample_ranks.py"], cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert p.returncode == 0 and "dynamic sampling on 2 ranks OK" in p.stdout, p.stdout[-2000:] + p.stderr[-4000:]
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "tests/dynsample_ranks.py"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:  # a rank waits in a collective the other never joins: end them all
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        pytest.fail("the ranks hung: they made different generate (FSDP2 all-gather) or all_reduce calls")
+    assert p.returncode == 0 and "dynamic sampling on 2 ranks OK" in out, out[-2000:] + err[-4000:]

@@ -320,6 +320,10 @@ VERL_KEYS = {
     "actor_rollout_ref.model.enable_gradient_checkpointing": "--activation-checkpointing",
     "algorithm.adv_estimator": "the script (grpo: grpo.py)",
     "algorithm.norm_adv_by_std_in_grpo": "--scale-rewards group / none (and --adv-std bessel)",
+    "algorithm.filter_groups.enable": "--dynamic-sampling",
+    "algorithm.filter_groups.max_num_gen_batches": "--max-gen-rounds (with --dynamic-sampling)",
+    "algorithm.filter_groups.metric": "--dynamic-sampling (flat: equal rewards, the --reward the "
+                                      "advantages use)",
     "custom_reward_function.path": "--reward module:function",
     "custom_reward_function.name": "--reward module:function",
     "trainer.total_training_steps": "--num-steps",

@@ -197,6 +197,17 @@ def test_bad_values_fail_in_one_line_before_the_model(argv, needle, monkeypatch,
     fails_before_any_model("gspo", [str(small) if a == "SMALL" else a for a in argv], needle, monkeypatch, tmp_path)
 
 
+def test_verl_names_answer_with_ours():
+    import cli
+
+    ours = {"dynamic_sampling", "max_gen_rounds"}
+    assert cli.foreign_flag(["algorithm.filter_groups.enable=True"], ours) == (
+        "algorithm.filter_groups.enable=... is verl's config key: use --dynamic-sampling")
+    assert cli.foreign_flag(["algorithm.filter_groups.max_num_gen_batches=10"], ours) == (
+        "algorithm.filter_groups.max_num_gen_batches=... is verl's config key: use --max-gen-rounds (with "
+        "--dynamic-sampling)")
+
+
 PARITY_REWARD = """
 def parity(prompts, completions, answer, **kwargs):  # a group with an odd answer splits 0/1, an even one is flat
     return [float(int(answer[0]) % 2 and i % 2) for i in range(len(completions))]

@@ -2,6 +2,7 @@
 lives in each script. Sections:
   the model            tokenizer, weights (the built-in `tiny` model too), Policy, FSDP2
   generation           HF `generate`: repeat, shared-prefill, static
+  the step's groups    sample_groups: rollout -> rewards, DAPO's dynamic sampling in rounds
   rewards              the built-in reward functions a --reward names (scoring: rewards.py)
   group advantages     A_i and the mechanism metrics (Asym, shared-token coefficient)
   old log-probs        pi_old recomputed or from the rollout (--old-logp), TIS weights, log w spread
@@ -679,8 +680,7 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], d: Dist
         rounds.append((indices, roll, rewards, dict(getattr(reward, "values", {}))))
         if not dynamic or r + 1 == max_rounds:
             break
-        g = rewards.view(-1, group_size)
-        spread += int((g != g[:, :1]).any(1).sum())  # groups with a spread: they stay
+        spread += int((~flat_groups(rewards, group_size)).sum())  # groups with a spread stay
         short = torch.tensor(float(max(0, per_rank - spread)), device=d.device)
         if all_reduce(short).item() == 0:  # every rank full (the same answer on each)
             break
@@ -689,8 +689,7 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], d: Dist
     if not dynamic:
         return rows, roll, rewards, reward_errors, logs
     # the batch: the first per_rank groups with a spread, then (at the bound) the earliest flat ones
-    flat = torch.cat([(r.view(-1, group_size) == r.view(-1, group_size)[:, :1]).all(1)
-                      for _, _, r, _ in rounds])  # [groups of every round]
+    flat = torch.cat([flat_groups(rewards, group_size) for _, _, rewards, _ in rounds])
     order = torch.cat([(~flat).nonzero().flatten(), flat.nonzero().flatten()])  # stable
     kept = order[:per_rank].sort().values  # in generation order
     counts = torch.tensor([float(flat.sum() - flat[kept].sum()),  # dropped
@@ -704,8 +703,8 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], d: Dist
         print(f"step {step}: --max-gen-rounds {max_rounds} spent; {filled:.0f} flat groups (A = 0) "
               "fill the batch, counted in charts/filled_groups (said once)", file=sys.stderr)
     # group k of the concatenated rounds: round k // per_rank, its group k % per_rank
-    parts = [(roll, rows_of(kept[kept // per_rank == r] % per_rank, group_size))
-             for r, (_, roll, _, _) in enumerate(rounds)]
+    parts = [(rollout_r, rows_of(kept[kept // per_rank == r] % per_rank, group_size))
+             for r, (_, rollout_r, _, _) in enumerate(rounds)]
     roll = merge_rollouts(parts, tok.pad_token_id)
     everything = sum((indices for indices, _, _, _ in rounds), [])
     rows = train.select([everything[k] for k in kept.tolist()])
@@ -715,6 +714,12 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], d: Dist
         reward.values = {name: torch.cat([values[name] for _, _, _, values in rounds])[sequences]
                          for name in rounds[0][3]}
     return rows, roll, rewards, reward_errors, logs
+
+
+def flat_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[groups]: True where a group's rewards are all equal (std 0, so A_i = 0 for each: eq. 43)."""
+    g = rewards.view(-1, group_size)
+    return (g == g[:, :1]).all(1)
 
 
 def rows_of(groups: torch.Tensor, group_size: int) -> torch.Tensor:

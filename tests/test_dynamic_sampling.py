@@ -4,7 +4,6 @@ holds --prompts-per-rank groups with a spread, at most --max-gen-rounds rounds (
 common.sample_groups is tested on a scripted rollout and scripted rewards (the kept groups, their order, the padding
 of rounds of different lengths and the counts, all written out by hand), then in the scripts: the logged counts
 against hand counts, two ranks under torchrun (every rank makes the same generate calls), and exact resume."""
-import glob
 import json
 import os
 import re
@@ -251,6 +250,24 @@ def test_the_script_logs_the_hand_counts_and_trains_on_the_kept_groups(monkeypat
         assert row["charts/reward_mean"] == 0.5 and row["charts/zero_adv_group_frac"] == 0
         assert row["rewards/parity/mean"] == 0.5 and row["rewards/parity/std"] == 0.5
     assert not calls and any(r["charts/gen_rounds"] > 1 for r in rows)  # every call counted; a round was added
+
+
+def test_merged_rounds_give_the_engines_own_log_probs(monkeypatch, tmp_path):
+    """Prompts of 2-31 characters, so that each round is padded to its own length, and the parity reward, so that
+    a step keeps groups of several rounds: the rounds put together (prompts left-padded, completions right-padded to
+    the longest) give the training forward the log-probs the engine sampled with, to float error (gen/logp_drift,
+    fp32 on the CPU)."""
+    (tmp_path / "parity_reward37.py").write_text(PARITY_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = tmp_path / "varied.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "q" * (i * 7 % 30) + str(i), "answer": str(i % 10)}) + "\n"
+                            for i in range(60)))
+    rows, _ = run_script("gspo", ["--dataset", str(data), "--num-steps", "2", "--prompts-per-rank", "4",
+                                  "--group-size", "4", "--num-minibatches", "2", "--eval-every", "0", "--log-samples",
+                                  "0", "--max-new-tokens", "6", "--gen-mode", "engine", "--dynamic-sampling",
+                                  "--reward", "parity_reward37:parity"], monkeypatch, tmp_path / "runs")
+    assert all(r["charts/gen_rounds"] > 1 and r["charts/reward_mean"] == 0.5 for r in rows), rows
+    assert all(r["gen/logp_drift"] < 1e-5 for r in rows), rows
 
 
 def test_resume_is_exact_with_dynamic_sampling(monkeypatch, tmp_path):

@@ -646,8 +646,8 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], d: Dist
                   dynamic: bool = False, max_rounds: int = 1):
     """This rank's groups of `step`: its per_rank prompts (prompt_indices), group_size completions
     each (generate) and their rewards (score). -> (rows, roll, rewards, reward_errors, logs).
-    dynamic (--dynamic-sampling): DAPO's dynamic sampling (arXiv 2503.14476, Sec. 3.2, the
-    constraint 0 < |{o_i correct}| < G of its eq. 11), on the reward the advantages use: a group
+    dynamic (--dynamic-sampling): DAPO's dynamic sampling (arXiv 2503.14476, Sec. 3.2: the
+    constraint 0 < |{o_i correct}| < G on its objective's groups), on the reward the advantages use: a group
     whose rewards are all equal has A_i = 0 for each of its completions (eq. 43) and gives the
     policy-gradient term nothing; it is dropped, and more rounds of per_rank prompts a rank
     (extra_prompt_indices: never the step's own, a function of seed, step and round) are generated

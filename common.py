@@ -647,9 +647,9 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], d: Dist
     """This rank's groups of `step`: its per_rank prompts (prompt_indices), group_size completions
     each (generate) and their rewards (score). -> (rows, roll, rewards, reward_errors, logs).
     dynamic (--dynamic-sampling): DAPO's dynamic sampling (arXiv 2503.14476, Sec. 3.2: the
-    constraint 0 < |{o_i correct}| < G on its objective's groups), on the reward the advantages use: a group
-    whose rewards are all equal has A_i = 0 for each of its completions (eq. 43) and gives the
-    policy-gradient term nothing; it is dropped, and more rounds of per_rank prompts a rank
+    constraint 0 < |{o_i correct}| < G on its objective's groups), on the reward the advantages
+    use: a group whose rewards are all equal has A_i = 0 for each of its completions (DFPO eq. 43)
+    and gives the policy-gradient term nothing; it is dropped, and more rounds of per_rank prompts a rank
     (extra_prompt_indices: never the step's own, a function of seed, step and round) are generated
     and scored while any rank holds fewer than per_rank groups with a spread, max_rounds rounds in
     all. Every rank runs every round (an all_reduce of the shortfall decides), so the ranks make
@@ -717,7 +717,7 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], d: Dist
 
 
 def flat_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[groups]: True where a group's rewards are all equal (std 0, so A_i = 0 for each: eq. 43)."""
+    """[groups]: True where a group's rewards are all equal (std 0: A_i = 0 for each, DFPO eq. 43)."""
     g = rewards.view(-1, group_size)
     return (g == g[:, :1]).all(1)
 

@@ -649,21 +649,21 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], d: Dist
     dynamic (--dynamic-sampling): DAPO's dynamic sampling (arXiv 2503.14476, Sec. 3.2: the
     constraint 0 < |{o_i correct}| < G on its objective's groups), on the reward the advantages
     use: a group whose rewards are all equal has A_i = 0 for each of its completions (DFPO eq. 43)
-    and gives the policy-gradient term nothing; it is dropped, and more rounds of per_rank prompts a rank
-    (extra_prompt_indices: never the step's own, a function of seed, step and round) are generated
-    and scored while any rank holds fewer than per_rank groups with a spread, max_rounds rounds in
-    all. Every rank runs every round (an all_reduce of the shortfall decides), so the ranks make
-    the same generate calls (FSDP2's collectives) and score calls (the reward watch's). Each rank
-    keeps its first per_rank groups with a spread; past max_rounds, the earliest flat groups fill
-    the batch (A = 0; counted), so the step goes on. The kept groups stay in generation order:
-    a step whose first round has no flat group is the step without dynamic.
+    and gives the policy-gradient term nothing; it is dropped, and more rounds of per_rank prompts a
+    rank (extra_prompt_indices: never the step's own, a function of seed, step and round) are
+    generated and scored while any rank holds fewer than per_rank groups with a spread, max_rounds
+    rounds in all. Every rank runs every round (an all_reduce of the shortfall decides), so the
+    ranks make the same generate calls (FSDP2's collectives) and score calls (the reward watch's).
+    Each rank keeps its first per_rank groups with a spread; past max_rounds, the earliest flat
+    groups fill the batch (A = 0; counted), so the step goes on. The kept groups stay in generation
+    order: a step whose first round has no flat group is the step without dynamic.
     rows, roll (every per-sequence entry), rewards and reward.values (rewards/<name>/...) hold the
-    kept groups only; reward_errors counts the failures in every round. logs:
-    perf/gen_tokens_per_s (every completion generated, all ranks, over this rank's generate time),
-    and with dynamic, over all ranks: charts/gen_rounds; charts/dropped_groups (flat groups
-    dropped); charts/surplus_groups (groups with a spread past per_rank on their rank, unused);
-    charts/filled_groups (flat groups kept at the bound). Generated groups = gen_rounds x per_rank
-    x world = the batch + dropped + surplus."""
+    kept groups only; reward_errors counts the failures in every round. logs: perf/gen_tokens_per_s
+    (every completion generated, all ranks, over this rank's generate time), and with dynamic, over
+    all ranks: charts/gen_rounds; charts/dropped_groups (flat groups dropped); charts/surplus_groups
+    (groups with a spread past per_rank on their rank, unused); charts/filled_groups (flat groups
+    kept at the bound). Generated groups = gen_rounds x per_rank x world = the batch + dropped +
+    surplus."""
     rounds = []  # per round: (indices, roll, rewards, each reward's values)
     gen_time, gen_tokens, reward_errors, spread = 0.0, 0.0, 0, 0
     while True:
@@ -717,7 +717,7 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], d: Dist
 
 
 def flat_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[groups]: True where a group's rewards are all equal (std 0: A_i = 0 for each, DFPO eq. 43)."""
+    """[groups]: True where a group's rewards are all equal (std 0: A_i = 0, DFPO eq. 43)."""
     g = rewards.view(-1, group_size)
     return (g == g[:, :1]).all(1)
 

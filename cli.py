@@ -121,6 +121,16 @@ class CommonArgs:
     (/(n-1), TRL's and verl's: A_1 of rewards [1,0,0,0] is 1.5, not 1.732)"""
     adv_eps: float = 1e-6
     """A_i = (r_i - mean) / (std + adv_eps): 1e-6 is verl's, TRL's is 1e-4"""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (arXiv 2503.14476, Sec. 3.2; verl algorithm.filter_groups): a group
+    whose rewards are all equal (A = 0, no gradient) is dropped, and further rounds of
+    --prompts-per-rank prompts a rank (never the step's own; drawn from seed, step and round) are
+    generated and scored until every rank holds --prompts-per-rank groups with a spread"""
+    max_gen_rounds: int = 10
+    """--dynamic-sampling: generation rounds a step at most, the first included (verl's
+    max_num_gen_batches, 10 in its DAPO example); when they are spent the batch is filled with the
+    earliest flat groups (A = 0) and the step goes on (verl raises instead), counted in
+    charts/filled_groups"""
     mask_truncated: bool = False
     """completions cut at --max-new-tokens (no EOS) get zero loss weight; their rewards still set
     the group's A"""
@@ -322,6 +332,10 @@ VERL_KEYS = {
     "actor_rollout_ref.model.enable_gradient_checkpointing": "--activation-checkpointing",
     "algorithm.adv_estimator": "the script (grpo: grpo.py)",
     "algorithm.norm_adv_by_std_in_grpo": "--scale-rewards group / none (and --adv-std bessel)",
+    "algorithm.filter_groups.enable": "--dynamic-sampling",
+    "algorithm.filter_groups.max_num_gen_batches": "--max-gen-rounds (with --dynamic-sampling)",
+    "algorithm.filter_groups.metric": "--dynamic-sampling (flat: equal rewards, the --reward the "
+                                      "advantages use)",
     "custom_reward_function.path": "--reward module:function",
     "custom_reward_function.name": "--reward module:function",
     "trainer.total_training_steps": "--num-steps",
@@ -452,6 +466,8 @@ MAX_SEED = 2**32 - 1  # numpy's seed range (torch's is 2**64 - 1, less the per-r
 MAX_COMPLETIONS = 2**20  # completions a rank a step, held-out completions, rows a generate call
 MAX_NEW_TOKENS = 2**20  # beyond any model's context
 MAX_ITERATIONS = 1024  # passes over one rollout: far past any recipe's (TRL's, verl's default: 1)
+MAX_GEN_ROUNDS = 1024  # generation rounds a step (--dynamic-sampling): far past verl's example's 10
+MAX_GEN_ROUNDS_DEFAULT = CommonArgs.max_gen_rounds
 MAX_REWARD_TIMEOUT_S = 86400.0  # a day; past ~9e9 s select() overflows in the reward pool
 
 
@@ -500,6 +516,12 @@ def check_common_args(args):
              f"{args.num_minibatches} (each minibatch holds whole groups)")
     check_int("num-iterations", args.num_iterations, 1, MAX_ITERATIONS,
               " (passes over each rollout's minibatches)")
+    check_int("max-gen-rounds", args.max_gen_rounds, 1, MAX_GEN_ROUNDS,
+              " (generation rounds a step, the first included; verl's 0, no bound, is not offered: "
+              "a task whose groups are all flat would generate for ever)")
+    if args.max_gen_rounds != MAX_GEN_ROUNDS_DEFAULT and not args.dynamic_sampling:
+        fail(f"--max-gen-rounds {args.max_gen_rounds} bounds the rounds of --dynamic-sampling: add "
+             "--dynamic-sampling, or drop it")
     check_float("temperature", args.temperature, MIN_TEMPERATURE,
                 why=" (RL samples from the policy; below, logits / T overflow float32)")
     check_int("log-samples", args.log_samples, 0, why=" (0: never)")
@@ -592,6 +614,17 @@ def check_common_args(args):
     check_run_name(args.output_dir, args.exp_name)
     check_run_folder(args.output_dir, args.exp_name, args.seed)
     catch_startup_signals()  # SIGINT, SIGTERM from here to the first step: one line
+
+
+def check_prompt_pool(args, n_train: int, world: int):
+    """--dynamic-sampling draws its extra prompts from the train rows outside the step's own batch
+    (common.extra_prompt_indices): there must be some. Called once the data is loaded, before the
+    model."""
+    if args.dynamic_sampling and not args.eval_only and n_train <= args.prompts_per_rank * world:
+        fail(f"--dynamic-sampling replaces flat groups with prompts from outside the step's own "
+             f"batch, and the {n_train} train rows fit in one step (--prompts-per-rank "
+             f"{args.prompts_per_rank} x {world} ranks): use more data or a smaller "
+             "--prompts-per-rank, or drop --dynamic-sampling")
 
 
 def check_rollout_args(args):

@@ -2,6 +2,7 @@
 lives in each script. Sections:
   the model            tokenizer, weights (the built-in `tiny` model too), Policy, FSDP2
   generation           HF `generate`: repeat, shared-prefill, static
+  the step's groups    sample_groups: rollout -> rewards, DAPO's dynamic sampling in rounds
   rewards              the built-in reward functions a --reward names (scoring: rewards.py)
   group advantages     A_i and the mechanism metrics (Asym, shared-token coefficient)
   old log-probs        pi_old recomputed or from the rollout (--old-logp), TIS weights, log w spread
@@ -31,6 +32,7 @@ import math
 import os
 import re
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -635,6 +637,142 @@ def rollout(ids, am, comp, tok, eos: list[int]) -> dict:
             "n_prompt": ids.shape[1], "mask": before_eos.float(), "truncated": ~is_eos.any(1),
             "texts": tok.batch_decode(comp.masked_fill(is_eos, tok.pad_token_id),
                                       skip_special_tokens=True)}
+
+
+# -------------------- the step's groups: rollout -> rewards, and DAPO's dynamic sampling
+# roll's per-sequence entries by shape: [B] and [B, T] (completion positions, right-padded)
+ROLL_ROW_KEYS = ("truncated",)
+ROLL_COMPLETION_KEYS = ("mask", "logp")
+_FILLED_SAID = []  # the line saying that --max-gen-rounds was reached, said once a run
+
+
+def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], d: Dist, reward,
+                  gen_kw: dict, *, per_rank: int, group_size: int, seed: int,
+                  dynamic: bool = False, max_rounds: int = 1, truncated_scale: float = 1.0):
+    """This rank's groups of `step`: its per_rank prompts (prompt_indices), group_size completions
+    each (generate) and their rewards (score; a completion cut at the token limit scores
+    truncated_scale times its reward, --truncated-reward-scale). -> (rows, roll, rewards,
+    reward_errors, logs).
+    dynamic (--dynamic-sampling): DAPO's dynamic sampling (arXiv 2503.14476, Sec. 3.2: the
+    constraint 0 < |{o_i correct}| < G on its objective's groups), on the reward the advantages
+    use: a group whose rewards are all equal has A_i = 0 for each of its completions (DFPO eq. 43)
+    and gives the policy-gradient term nothing; it is dropped, and more rounds of per_rank prompts a
+    rank (extra_prompt_indices: never the step's own, a function of seed, step and round) are
+    generated and scored while any rank holds fewer than per_rank groups with a spread, max_rounds
+    rounds in all. Every rank runs every round (an all_reduce of the shortfall decides), so the
+    ranks make the same generate calls (FSDP2's collectives) and score calls (the reward watch's).
+    Each rank keeps its first per_rank groups with a spread; past max_rounds, the earliest flat
+    groups fill the batch (A = 0; counted), so the step goes on. The kept groups stay in generation
+    order: a step whose first round has no flat group is the step without dynamic.
+    rows, roll (every per-sequence entry), rewards and reward.values (rewards/<name>/...) hold the
+    kept groups only; reward_errors counts the failures in every round. logs: perf/gen_tokens_per_s
+    (every completion generated, all ranks, over this rank's generate time), and with dynamic, over
+    all ranks: charts/gen_rounds; charts/dropped_groups (flat groups dropped); charts/surplus_groups
+    (groups with a spread past per_rank on their rank, unused); charts/filled_groups (flat groups
+    kept at the bound). Generated groups = gen_rounds x per_rank x world = the batch + dropped +
+    surplus."""
+    rounds = []  # per round: (indices, roll, rewards, each reward's values)
+    gen_time, gen_tokens, reward_errors, spread = 0.0, 0.0, 0, 0
+    while True:
+        r = len(rounds)
+        indices = (prompt_indices(len(train), step, per_rank, d, seed) if r == 0
+                   else extra_prompt_indices(len(train), step, r, per_rank, d, seed))
+        rows = train.select(indices)
+        t = time.time()
+        roll = generate(policy, tok, rows["text"], group_size, eos, d, **gen_kw)
+        gen_time += time.time() - t
+        gen_tokens += roll["mask"].sum().item()
+        rewards, errors = score(roll["texts"], rows, group_size, reward, truncated=roll["truncated"],
+                                truncated_scale=truncated_scale)
+        reward_errors += errors
+        rounds.append((indices, roll, rewards, dict(getattr(reward, "values", {}))))
+        if not dynamic or r + 1 == max_rounds:
+            break
+        spread += int((~flat_groups(rewards, group_size)).sum())  # groups with a spread stay
+        short = torch.tensor(float(max(0, per_rank - spread)), device=d.device)
+        if all_reduce(short).item() == 0:  # every rank full (the same answer on each)
+            break
+    tokens = all_reduce(torch.tensor(gen_tokens, dtype=torch.float64, device=d.device))
+    logs = {"perf/gen_tokens_per_s": tokens.item() / gen_time}
+    if not dynamic:
+        return rows, roll, rewards, reward_errors, logs
+    # the batch: the first per_rank groups with a spread, then (at the bound) the earliest flat ones
+    flat = torch.cat([flat_groups(rewards, group_size) for _, _, rewards, _ in rounds])
+    order = torch.cat([(~flat).nonzero().flatten(), flat.nonzero().flatten()])  # stable
+    kept = order[:per_rank].sort().values  # in generation order
+    counts = torch.tensor([float(flat.sum() - flat[kept].sum()),  # dropped
+                           float((~flat).sum() - (~flat)[kept].sum()),  # surplus
+                           float(flat[kept].sum())], device=d.device)  # filled
+    dropped, surplus, filled = all_reduce(counts).tolist()
+    logs.update({"charts/gen_rounds": len(rounds), "charts/dropped_groups": dropped,
+                 "charts/surplus_groups": surplus, "charts/filled_groups": filled})
+    if filled and d.main and not _FILLED_SAID:
+        _FILLED_SAID.append(step)
+        print(f"step {step}: --max-gen-rounds {max_rounds} spent; {filled:.0f} flat groups (A = 0) "
+              "fill the batch, counted in charts/filled_groups (said once)", file=sys.stderr)
+    # group k of the concatenated rounds: round k // per_rank, its group k % per_rank
+    parts = [(rollout_r, rows_of(kept[kept // per_rank == r] % per_rank, group_size))
+             for r, (_, rollout_r, _, _) in enumerate(rounds)]
+    roll = merge_rollouts(parts, tok.pad_token_id)
+    everything = sum((indices for indices, _, _, _ in rounds), [])
+    rows = train.select([everything[k] for k in kept.tolist()])
+    sequences = rows_of(kept, group_size)
+    rewards = torch.cat([rewards for _, _, rewards, _ in rounds])[sequences]
+    if rounds[0][3]:  # the reward's logs (reward.metrics) over the kept groups
+        reward.values = {name: torch.cat([values[name] for _, _, _, values in rounds])[sequences]
+                         for name in rounds[0][3]}
+    return rows, roll, rewards, reward_errors, logs
+
+
+def flat_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[groups]: True where a group's rewards are all equal (std 0: A_i = 0, DFPO eq. 43)."""
+    g = rewards.view(-1, group_size)
+    return (g == g[:, :1]).all(1)
+
+
+def rows_of(groups: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The completion rows of groups `groups` (rows of one group adjacent, groups in order)."""
+    return (groups[:, None] * group_size + torch.arange(group_size)).flatten()
+
+
+def extra_prompt_indices(n_rows: int, step: int, round_: int, per_rank: int, d: Dist,
+                         seed: int) -> list[int]:
+    """This rank's prompts for generation round `round_` >= 1 of `step` (--dynamic-sampling):
+    rows outside the step's own batch (every rank's prompt_indices), in an order drawn from (seed,
+    step); round r takes slice (r - 1) x world + rank of per_rank of it, and wraps around once the
+    pool is spent. A pure function of (seed, step, round, rank), so a resumed run draws the same.
+    The pool is never empty when n_rows > per_rank x world (cli.check_prompt_pool)."""
+    own = set(prompt_indices(n_rows, step, per_rank * d.world, Dist(0, 1, d.device), seed))
+    pool = torch.tensor([i for i in range(n_rows) if i not in own])
+    gen = torch.Generator().manual_seed(seed * 2**32 + step)  # seed < 2**32 (cli.MAX_SEED)
+    pool = pool[torch.randperm(len(pool), generator=gen)]
+    first = ((round_ - 1) * d.world + d.rank) * per_rank
+    return [int(pool[j % len(pool)]) for j in range(first, first + per_rank)]
+
+
+def merge_rollouts(parts: list[tuple[dict, torch.Tensor]], pad_id: int) -> dict:
+    """generate()'s dicts, rows `keep` of each (in order), as one: the prompts left-padded (pad id,
+    attention 0) and the completions right-padded (pad id, attention and mask 0; log-prob 0) to the
+    longest. One dict kept whole is returned as it is."""
+    parts = [(roll, keep) for roll, keep in parts if len(keep)]
+    if len(parts) == 1 and torch.equal(parts[0][1], torch.arange(len(parts[0][0]["texts"]))):
+        return parts[0][0]
+    P = max(roll["n_prompt"] for roll, _ in parts)
+    T = max(roll["mask"].shape[1] for roll, _ in parts)
+    out = {"n_prompt": P, "texts": [roll["texts"][i] for roll, keep in parts
+                                    for i in keep.tolist()]}
+    for key, value in (("input_ids", pad_id), ("attention_mask", 0)):
+        out[key] = torch.cat([F.pad(roll[key][keep.to(roll[key].device)], (
+            P - roll["n_prompt"], T - roll["mask"].shape[1]), value=value)
+            for roll, keep in parts])
+    for key in ROLL_ROW_KEYS + ROLL_COMPLETION_KEYS:
+        if key in parts[0][0]:
+            out[key] = torch.cat([
+                roll[key][keep.to(roll[key].device)] if key in ROLL_ROW_KEYS
+                else F.pad(roll[key][keep.to(roll[key].device)], (0, T - roll[key].shape[1]))
+                for roll, keep in parts])
+    assert set(out) == set(parts[0][0]), set(parts[0][0]) ^ set(out)  # no entry left behind
+    return out
 
 
 _ENGINE_FALLBACK = []  # the one line saying why HF generate runs in the engine's place, said once

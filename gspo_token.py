@@ -27,17 +27,17 @@ from tqdm import tqdm
 import moe
 from checkpoint import (catch_stop_signals, claim_run_dir, cleanup, resume_state, run_paths,
                         save_checkpoint, stop_requested)
-from cli import CommonArgs, check_common_args, check_float, eval_sampling, fill_defaults, parse_args
+from cli import (CommonArgs, check_common_args, check_float, check_prompt_pool, eval_sampling, fill_defaults,
+                 parse_args)
 from common import (Logger, all_finite, check_model, eos_ids, eval_report, eval_summary, evaluate,
-                    generate, group_advantages, group_metrics, jitter2, load_model, load_tokenizer,
+                    group_advantages, group_metrics, jitter2, load_model, load_tokenizer,
                     log_ratio_spread, log_samples, logp_drift, lr_scheduler, micro_batches,
-                    minibatches, old_log_probs, prompt_indices, reduce_stats, reference_policy,
+                    minibatches, old_log_probs, reduce_stats, reference_policy, sample_groups,
                     wrap_policy)
 from data import load_task
 from distributed import all_gather_cat, all_reduce, fail, seed_rank, setup_distributed
 from grader import answer_span, load_reward
 from lora import lora_spec
-from rewards import score
 
 LossAgg = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]  # --loss-agg
 
@@ -185,6 +185,7 @@ def main():
         args.max_prompt_tokens, prompt_column=args.prompt_column, answer_column=args.answer_column,
         system_prompt=args.system_prompt, eval_dataset=args.eval_dataset,
         eval_limit=args.eval_limit, eval_only=args.eval_only)
+    check_prompt_pool(args, len(train), dist_env.world)  # --dynamic-sampling's extra prompts
     run_dir = claim_run_dir(run_dir, ckpt, dist_env)  # one writer per run folder (writer.lock)
     lm, rank0_weights = load_model(ckpt or args.model, tok, dist_env, args.seed,
                                    args.trust_remote_code, args.dtype, lora_spec(args))
@@ -233,13 +234,13 @@ def main():
     for step in bar:
         # TRY NOT TO MODIFY: rollout -> rewards -> group advantages
         policy.eval()
-        indices = prompt_indices(len(train), step, args.prompts_per_rank, dist_env, args.seed)
-        rows = train.select(indices)
-        t = time.time()
-        roll = generate(policy, tok, rows["text"], args.group_size, eos, dist_env, **gen_kw)
-        gen_time = time.time() - t
-        rewards, reward_errors = score(roll["texts"], rows, args.group_size, reward,
-                                       truncated=roll["truncated"], truncated_scale=args.truncated_reward_scale)
+        # the step's prompts, G completions each, their rewards; --dynamic-sampling (DAPO): groups
+        # with equal rewards (A = 0) replaced by more prompts' groups, in rounds
+        rows, roll, rewards, reward_errors, sampling = sample_groups(
+            policy, tok, train, step, eos, dist_env, reward, gen_kw,
+            per_rank=args.prompts_per_rank, group_size=args.group_size, seed=args.seed,
+            dynamic=args.dynamic_sampling, max_rounds=args.max_gen_rounds,
+            truncated_scale=args.truncated_reward_scale)
         advantages, zero_groups = group_advantages(rewards, args.group_size, args.scale_rewards,
                                                    args.adv_std, args.adv_eps)
         log_samples(logger, run_dir, step, args.log_samples, rows["prompt"], rows["answer"],
@@ -351,7 +352,7 @@ def main():
                                         / lengths.sum()).item(),
             **old_stats,  # losses/entropy (recomputed pi_old), rollout_is/ (--rollout-is-cap)
             **moe.stats(routes),  # moe/route_flip_frac (MoE models)
-            "perf/gen_tokens_per_s": lengths.sum().item() / gen_time,
+            **sampling,  # perf/gen_tokens_per_s; --dynamic-sampling: charts/gen_rounds ...
             "perf/train_tokens_per_s": tokens.item() / train_time,
             "perf/wall_time": time.time() - start,
             **reduce_stats(stats),

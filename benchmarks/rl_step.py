@@ -100,11 +100,10 @@ def run_ours_fenced(a, folder: str, out_dir: str) -> dict:
 
     sys.path.insert(0, ROOT)
     import common
-    import rewards
 
     fence_training(torch)
     common.generate = fenced(common.generate, "generate", new_step=True)
-    rewards.score = fenced(rewards.score, "rewards")
+    common.score = fenced(common.score, "rewards")  # the scripts score through common.sample_groups
     common.Policy.forward = fenced(common.Policy.forward, "log-prob forward", by_grad=True)
     sys.argv = ["gspo.py", *ours_argv(a, folder, out_dir)]
     runpy.run_path(os.path.join(ROOT, "gspo.py"), run_name="__main__")
@@ -178,7 +177,7 @@ def run_trl(a, folder: str, out_dir: str) -> dict:
                           callbacks=[StepTimes()])
     gen_s, generate = [], trainer._generate
 
-    def timed_generate(*args, **kw):  # tokenize + generate + decode: what gspo.py's gen_time covers
+    def timed_generate(*args, **kw):  # tokenize + generate + decode: the time perf/gen_tokens_per_s divides by
         t = time.perf_counter()
         out = generate(*args, **kw)
         gen_s.append(time.perf_counter() - t)

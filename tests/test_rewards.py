@@ -1,5 +1,4 @@
 """Answer extraction, numeric equivalence, group advantages; model text is parsed, never executed."""
-import importlib
 import json
 import os
 
@@ -110,10 +109,11 @@ def test_a_truncated_completion_scores_its_fraction_of_the_reward():
 
 @pytest.mark.parametrize("script", ["gspo", "grpo", "gspo_token", "dfpo"])
 def test_the_loop_scores_the_rollouts_truncation(script, monkeypatch, tmp_path):
-    """Each script passes its rollout's truncation flags and --truncated-reward-scale (filled in: 0.5 on the
-    built-in task) to score (what score does with them: the test above)."""
-    mod = importlib.import_module(script)
-    seen, real_generate, real_score = {}, mod.generate, mod.score
+    """Each script passes --truncated-reward-scale (filled in: 0.5 on the built-in task) to sample_groups, which
+    scores its rollout with the rollout's truncation flags (what score does with them: the test above)."""
+    import common
+
+    seen, real_generate, real_score = {}, common.generate, common.score
 
     def generate(*args, **kw):
         seen["roll"] = real_generate(*args, **kw)
@@ -123,11 +123,10 @@ def test_the_loop_scores_the_rollouts_truncation(script, monkeypatch, tmp_path):
         seen.update(kw)
         return real_score(*args, **kw)
 
-    monkeypatch.setattr(mod, "generate", generate)
-    monkeypatch.setattr(mod, "score", spy)
+    monkeypatch.setattr(common, "generate", generate)
+    monkeypatch.setattr(common, "score", spy)
     run_script(script, ["--num-steps", "1", "--prompts-per-rank", "2", "--num-minibatches", "1", "--group-size", "4",
-                        "--eval-every", "0"],
-               monkeypatch, tmp_path)
+                        "--eval-every", "0"], monkeypatch, tmp_path)
     assert seen["truncated_scale"] == 0.5 and torch.equal(seen["truncated"], seen["roll"]["truncated"])
 
 

@@ -91,7 +91,7 @@ def test_engine_logprobs_in_the_trainers_dtype_equal_the_recomputed_run(script, 
     import importlib
 
     # a reward every group splits (the parity of the characters' codes): a gradient from the first step
-    monkeypatch.setattr(importlib.import_module(script), "score", lambda texts, *a: (
+    monkeypatch.setattr(common, "score", lambda texts, *a, **kw: (  # common.sample_groups scores
         torch.tensor([float(sum(map(ord, t)) % 2) for t in texts]), 0))
     argv = ["--num-steps", "1", "--prompts-per-rank", "4", "--num-minibatches", "2", "--eval-every", "0",
             "--gen-mode", "engine", "--learning-rate", "1e-2", "--max-new-tokens", "4", "--log-samples", "0"]

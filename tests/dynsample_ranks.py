@@ -1,0 +1,55 @@
+"""Run under `torchrun --nproc-per-node 2` (tests/test_dynamic_sampling.py): common.sample_groups with
+--dynamic-sampling on the tiny model under FSDP2 (gloo), real generate, scripted rewards: every group of rank 0 has
+a spread, rank 1's groups are flat in its first two rounds. Both ranks must make the same generate calls (FSDP2's
+all-gathers inside generate would hang otherwise), and the counts are summed over the ranks:
+  --max-gen-rounds 10: 3 rounds; rank 0 keeps round 0's 2 groups (4 surplus), rank 1 round 2's (4 flat dropped)
+  --max-gen-rounds 2:  2 rounds; rank 0: 2 surplus; rank 1: 4 flat, 2 of them fill its batch (2 dropped)"""
+import os
+import sys
+from types import SimpleNamespace
+
+import torch
+from datasets import Dataset
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import checkpoint  # noqa: E402
+import common  # noqa: E402
+import distributed  # noqa: E402
+
+d = distributed.setup_distributed(0)
+assert d.world == 2 and d.sharded, "run me with torchrun --nproc-per-node 2"
+tok = common.tiny_tokenizer()
+lm, rank0_weights = common.load_model("tiny", tok, d, seed=0)
+policy = common.wrap_policy(lm, d, 1.0, 16, False, "fp32", rank0_weights=rank0_weights)
+policy.eval()
+train = Dataset.from_list([{"prompt": f"{i}%10=", "answer": str(i % 10), "text": f"{i}%10="} for i in range(40)])
+gen_kw = dict(max_new_tokens=3, temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=256)
+calls = []
+real_generate = common.generate
+
+
+def generate(*a, **k):
+    calls.append(1)
+    return real_generate(*a, **k)
+
+
+def score(texts, rows, n, reward):
+    flat = d.rank == 1 and len(calls) <= 2  # rank 1: its first two rounds
+    return torch.tensor([0.0 if flat else float(i % 2) for i in range(len(texts))]), 0
+
+
+common.generate, common.score = generate, score
+for max_rounds, want in [(10, (3, 4.0, 4.0, 0.0)), (2, (2, 2.0, 2.0, 2.0))]:
+    calls.clear()
+    rows, roll, rewards, errors, logs = common.sample_groups(
+        policy, tok, train, 1, common.eos_ids(lm, tok), d, SimpleNamespace(values={}), gen_kw, per_rank=2,
+        group_size=2, seed=0, dynamic=True, max_rounds=max_rounds)
+    got = (logs["charts/gen_rounds"], logs["charts/dropped_groups"], logs["charts/surplus_groups"],
+           logs["charts/filled_groups"])
+    assert len(calls) == want[0] and got == want, (d.rank, len(calls), got, want)
+    assert len(rows) == 2 and roll["input_ids"].shape[0] == 4 == len(rewards) == len(roll["texts"])
+    flat_kept = 2 if d.rank == 1 and max_rounds == 2 else 0
+    assert rewards.tolist() == [0.0] * 2 * flat_kept + [0.0, 1.0] * (2 - flat_kept), (d.rank, rewards)
+if d.main:
+    print("dynamic sampling on 2 ranks OK")
+checkpoint.cleanup()

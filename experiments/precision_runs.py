@@ -1,0 +1,120 @@
+"""The GSPO paper's precision claim on a real model (issue 36 item 2): the rollout engine in bf16 beside the fp32
+trainer on SmolLM2-135M-Instruct (tools/real_model.py), the arithmetic task of real_model_runs.py, GSPO and GRPO
+with pi_old recomputed by the trainer or taken from the engine (`--old-logp rollout`), and GRPO with truncated
+importance sampling (`--rollout-is-cap 2`); GSPO with an fp32 engine is the control (the engine's kernels alone).
+
+GSPO 2507.18071 (Sec. 5.4, "Benefit of GSPO for RL Infrastructure"): because s_i averages the token log-ratios
+over the sequence, GSPO "tolerates the precision mismatch" and can use the inference engine's likelihoods. What
+one step with a single minibatch measures, where pi_theta = pi_old and every ratio should be exactly 1: the
+variance of the token log-ratios log w_it, the range of the ratio the clip sees (w_it for GRPO, s_i for GSPO) and
+the fraction of tokens clipped, and the time a step takes with and without the recomputation pass.
+
+    python tools/real_model.py                        # the model folder, once
+    python experiments/precision_runs.py              # 6 configurations x 3 seeds, one step each
+    python experiments/precision_runs.py --table-only
+
+Each run's metrics.jsonl and args.json are kept under {out}/logs/ (its checkpoint is deleted).
+"""
+import glob
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+
+import tyro
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from learning_tax import ROOT, exp_name, fmt, only_commands, run_jobs, sci  # noqa: E402
+from real_model_runs import write_task  # noqa: E402
+
+# one step, one minibatch: every statistic below is taken where pi_theta = pi_old (the first minibatch)
+BUDGET = ["--num-steps", "1", "--prompts-per-rank", "4", "--group-size", "8", "--num-minibatches", "1",
+          "--max-new-tokens", "40", "--temperature", "0.7", "--learning-rate", "2e-5", "--eval-every", "0",
+          "--log-samples", "0", "--gen-mode", "engine"]
+BF16 = ["--gen-dtype", "bf16"]
+COMMANDS = {
+    "gspo, fp32 engine, rollout": ["gspo.py", "--gen-dtype", "fp32", "--old-logp", "rollout"],
+    "gspo, recomputed": ["gspo.py", *BF16],
+    "gspo, rollout": ["gspo.py", *BF16, "--old-logp", "rollout"],
+    "grpo, recomputed": ["grpo.py", *BF16],
+    "grpo, rollout": ["grpo.py", *BF16, "--old-logp", "rollout"],
+    "grpo, recomputed, --rollout-is-cap 2": ["grpo.py", *BF16, "--rollout-is-cap", "2"],
+}
+COLUMNS = {  # metrics.jsonl key -> column
+    "losses/log_ratio_var_first": "Var log w_it",
+    "losses/ratio_min": "ratio min (w_it or s_i)",
+    "losses/ratio_max": "ratio max",
+    "losses/clipfrac": "clip fraction (tokens)",
+    "losses/clipfrac_seq": "clip fraction (sequences)",
+    "rollout_is/weight_mean": "TIS weight mean",
+    "rollout_is/capped_frac": "TIS capped fraction",
+    "perf/wall_time": "step s",
+}
+
+
+@dataclass
+class Args:
+    out: str = os.path.join(ROOT, "experiments", "results", "precision")
+    """where the data, runs, logs/ and table.md go"""
+    model: str = os.path.expanduser("~/.cache/group-rl/smollm2-135m-instruct")
+    """the model folder (python tools/real_model.py writes it)"""
+    seeds: int = 3
+    """seeds per configuration (1, 2, ...)"""
+    workers: int = 2
+    """runs at once, one CPU thread each"""
+    only: str | None = None
+    """comma-separated configuration names to run (default: all); the others' logs stay in the table"""
+    table_only: bool = False
+    """run nothing: rebuild table.md from the logs under {out}/logs"""
+
+
+def table(logs: str, seeds: list[int]) -> str:
+    """One row a configuration: each column's mean ± sample std over the seeds whose logs are there."""
+    lines = ["| configuration | seeds | " + " | ".join(COLUMNS.values()) + " |", "|---|---" + "|---" * len(COLUMNS) + "|"]
+    for name in COMMANDS:
+        rows = [json.loads(open(p).readlines()[-1]) for s in seeds
+                if os.path.exists(p := os.path.join(logs, f"{exp_name(name)}__{s}", "metrics.jsonl"))]
+        if not rows:
+            continue
+        cells = []
+        for key in COLUMNS:
+            xs = [r[key] for r in rows if r.get(key) is not None]
+            cells.append("" if not xs else sci(xs) if key == "losses/log_ratio_var_first" else fmt(xs, 4))
+        lines.append(f"| {name} | {len(rows)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main():
+    args = tyro.cli(Args)
+    seeds = list(range(1, args.seeds + 1))
+    runs, logs = os.path.join(args.out, "runs"), os.path.join(args.out, "logs")
+    if not args.table_only:
+        if not os.path.isdir(args.model):
+            raise SystemExit(f"--model {args.model}: no such folder; write it with python tools/real_model.py")
+        train, test = write_task(os.path.join(runs, "data"))
+        jobs = [(f"{name} seed {s}", [*COMMANDS[name], "--model", args.model, "--dataset", train, "--eval-dataset",
+                                      test, *BUDGET, "--seed", str(s), "--exp-name", exp_name(name),
+                                      "--output-dir", runs], os.path.join(runs, f"{exp_name(name)}__{s}.log"))
+                for s in seeds for name in only_commands(args.only, COMMANDS)]
+
+        def keep_logs(label):  # the run's logs to {out}/logs/, its folder (the checkpoint) removed
+            name, _, s = label.rpartition(" seed ")
+            (run,) = glob.glob(os.path.join(runs, f"{exp_name(name)}__{s}__*"))
+            dest = os.path.join(logs, f"{exp_name(name)}__{s}")
+            os.makedirs(dest, exist_ok=True)
+            for f in ("metrics.jsonl", "args.json"):
+                shutil.copy(os.path.join(run, f), dest)
+            shutil.rmtree(run)
+
+        run_jobs(jobs, args.workers, after=keep_logs)
+    report = (f"`python experiments/precision_runs.py {' '.join(sys.argv[1:])}`: seeds {seeds}, one step of "
+              f"`{' '.join(BUDGET)}` on {os.path.basename(args.model)}; mean ± sample std (ddof 1) over seeds.\n\n"
+              f"{table(logs, seeds)}\n")
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write(report)
+    print(report)
+
+
+if __name__ == "__main__":
+    main()

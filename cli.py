@@ -29,8 +29,10 @@ GenMode = Literal["repeat", "shared-prefill", "static", "engine", "engine-tp"]  
 # -------------------- the flags every script shares (each script's Args extends these)
 @dataclass
 class CommonArgs:
-    """Flags shared by every script, in --help's order; each script's Args adds its objective's own
-    and names its runs after itself (exp_name)."""
+    """Flags shared by every script, in --help's order: those most runs set first (exp_name to
+    resume), then the rest by what they shape (data, batch, sampling, optimizer, advantages,
+    precision and generation, LoRA, evaluation, checkpoints, rewards, KL, logging); each script's
+    Args adds its objective's own and names its runs after itself (exp_name)."""
     token_terms: ClassVar[bool] = False  # the loss is a sum of per-token terms (--rollout-is-cap)
     exp_name: str = "run"
     """name of the run: logs and checkpoints go to {output_dir}/{exp_name}__{seed}__{unix time}"""
@@ -39,12 +41,39 @@ class CommonArgs:
     model: str = "tiny"
     """'tiny' (built-in random-init Qwen3-architecture model, offline), 'tiny-moe' (the same as a
     Qwen3-MoE: 8 experts, top 2), a local folder, or a hub id"""
-    trust_remote_code: bool = False
-    """let transformers run code shipped with the model (off unless you trust the model's source)"""
     dataset: str = "builtin"
     """'builtin' (offline: 'x%10=' for a digit x), 'gsm8k', 'math500', 'dapo17k' (hub sets with
     their own columns and instruction), a hub id, or a local json, jsonl, parquet, csv or arrow
     file (or a glob of them) read by `datasets.load_dataset`"""
+    reward: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
+    """the reward: the built-in math grader, or 'module:function' naming your
+    f(completion, answer) -> float or TRL's f(prompts, completions, **columns) ->
+    list[float | None] (imported from the current folder or the Python path; runs in worker
+    processes, so sandbox code you execute); repeat it for several, summed with --reward-weights;
+    built in: common:math_reward, common:think_format, common:length_penalty"""
+    num_steps: int = 200
+    """RL steps (one rollout batch each)"""
+    prompts_per_rank: int = 16
+    """prompts per rank per step; the rollout batch is prompts_per_rank x group_size completions per
+    rank"""
+    group_size: int = 8
+    """G: completions per prompt"""
+    learning_rate: float | None = None
+    """AdamW learning rate (default: 5e-4 for --model tiny, 1e-6 otherwise)"""
+    max_new_tokens: int | None = None
+    """completion length limit (default: 2 for --dataset builtin, 1024 otherwise)"""
+    temperature: float = 1.0
+    """sampling temperature (log-probs are taken at the same temperature)"""
+    eval_every: int = 50
+    """evaluate on the held-out split every N steps, and at the start and the end (0: never)"""
+    output_dir: str = "runs"
+    """where runs are written"""
+    resume: str | None = None
+    """continue exactly from a checkpoint folder (.../step_N), or 'auto': the newest one of this
+    exp_name and seed under --output-dir, a fresh run if there is none (use it with torchrun
+    --max-restarts)"""
+    trust_remote_code: bool = False
+    """let transformers run code shipped with the model (off unless you trust the model's source)"""
     data_files: str | None = None
     """local files laid out in a named hub set's own columns (--dataset gsm8k, math500, dapo17k),
     read instead of the hub (offline mirror)"""
@@ -61,13 +90,6 @@ class CommonArgs:
     (Qwen3: thinks, so the prompt does not end in an empty <think></think>)"""
     max_prompt_tokens: int = 2048
     """prompts longer than this (tokens, after the chat template) are dropped at load and counted"""
-    num_steps: int = 200
-    """RL steps (one rollout batch each)"""
-    prompts_per_rank: int = 16
-    """prompts per rank per step; the rollout batch is prompts_per_rank x group_size completions per
-    rank"""
-    group_size: int = 8
-    """G: completions per prompt"""
     num_minibatches: int = 4
     """optimizer steps per rollout batch, each over whole groups (4 in the GSPO paper)"""
     num_iterations: int = 1
@@ -78,10 +100,6 @@ class CommonArgs:
     """sequences per forward/backward inside a minibatch (0: the whole minibatch); gradients
     accumulate and the loss is divided by the minibatch's count over all ranks, so this changes
     memory, never the gradient"""
-    max_new_tokens: int | None = None
-    """completion length limit (default: 2 for --dataset builtin, 1024 otherwise)"""
-    temperature: float = 1.0
-    """sampling temperature (log-probs are taken at the same temperature)"""
     top_p: float = 1.0
     """nucleus sampling; 1.0 is off"""
     top_k: int = 0
@@ -97,8 +115,6 @@ class CommonArgs:
     gen_batch_size: int = 256
     """completions per `generate` call (memory only; not TRL's generation_batch_size, which is
     completions a step: --prompts-per-rank x --group-size here)"""
-    learning_rate: float | None = None
-    """AdamW learning rate (default: 5e-4 for --model tiny, 1e-6 otherwise)"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
@@ -190,8 +206,6 @@ class CommonArgs:
     layer of the decoder (not the LM head)"""
     logprob_chunk_tokens: int = 1024
     """tokens per LM-head chunk: log-probs never hold more than chunk x vocab logits"""
-    eval_every: int = 50
-    """evaluate on the held-out split every N steps, and at the start and the end (0: never)"""
     eval_size: int = 64
     """held-out prompts kept apart from --dataset's rows (a tenth of them at most) or taken from its
     test split, when there is no --eval-dataset"""
@@ -217,18 +231,6 @@ class CommonArgs:
     """write a checkpoint every N steps, and always at the end (0: only at the end)"""
     keep_checkpoints: int = 2
     """keep the newest K checkpoints of the run and delete older ones (0: keep all)"""
-    resume: str | None = None
-    """continue exactly from a checkpoint folder (.../step_N), or 'auto': the newest one of this
-    exp_name and seed under --output-dir, a fresh run if there is none (use it with torchrun
-    --max-restarts)"""
-    output_dir: str = "runs"
-    """where runs are written"""
-    reward: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
-    """the reward: the built-in math grader, or 'module:function' naming your
-    f(completion, answer) -> float or TRL's f(prompts, completions, **columns) ->
-    list[float | None] (imported from the current folder or the Python path; runs in worker
-    processes, so sandbox code you execute); repeat it for several, summed with --reward-weights;
-    built in: common:math_reward, common:think_format, common:length_penalty"""
     reward_weights: list[float] = field(default_factory=list)
     """one weight per --reward (default 1 each): a completion's reward is the weighted sum of the
     rewards that apply to it (a TRL reward's None does not)"""
@@ -410,8 +412,9 @@ def script_description(cls) -> str:
 
     doc = (inspect.getmodule(cls).__doc__ or "").strip()
     first = " ".join(doc.split("\n\n")[0].split())
-    return (f"{first}\nThe flags every script shares come first, then this script's objective's "
-            "own; TRL's and verl's names for them: docs/trl-and-verl.md.")
+    return (f"{first}\nThe flags most runs set come first (--exp-name to --resume), then the rest "
+            "every script shares, then this script's objective's own; TRL's and verl's names for them: "
+            "docs/trl-and-verl.md.")
 
 
 def tyro_error_line(box: str) -> str:

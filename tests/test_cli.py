@@ -5,6 +5,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -280,6 +281,12 @@ def test_every_arg_documented(script):
     assert help_text.startswith(f"usage: {script}.py [-h] [OPTIONS] {doc}"), help_text[:300]
     for f in dataclasses.fields(mod.Args):
         assert "--" + f.name.replace("_", "-") in help_text
+    # the flags most runs set come first (issue 37 item 7), in this order, before any other
+    first = ["--exp-name", "--seed", "--model", "--dataset", "--reward", "--num-steps", "--prompts-per-rank",
+             "--group-size", "--learning-rate", "--max-new-tokens", "--temperature", "--eval-every", "--output-dir",
+             "--resume"]
+    flags = re.findall(r"│ (--[a-z0-9-]+)", p.stdout)
+    assert flags[:len(first)] == first, flags[:len(first)]
     names = set()
     for path, cls in ((f"{ROOT}/{script}.py", "class Args"), (f"{ROOT}/cli.py", "class CommonArgs")):
         src = open(path).read()

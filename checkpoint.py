@@ -351,6 +351,7 @@ RESUME_FIXED = ("seed", "model", "dataset", "data_files", "prompt_column", "answ
                 # with --eval-dataset no held-out split is taken from --dataset: other train rows
                 "eval_dataset", "prompts_per_rank", "group_size",
                 "clip_low", "clip_high", "scale_rewards", "adv_std", "adv_eps", "mask_truncated",
+                "truncated_reward_scale",
                 "loss_agg", "kl_ratio_correction",
                 "symmetric_clip", "kl_coef", "post_answer_penalty", "transform", "length_aware",
                 "clip_gated", "stop_grad", "orth_floor", "lora_rank", "lora_alpha",

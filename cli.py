@@ -86,6 +86,14 @@ class CommonArgs:
     """nucleus sampling; 1.0 is off"""
     top_k: int = 0
     """top-k sampling; 0 is off"""
+    min_p: float = 0.0
+    """min-p sampling (HF's MinPLogitsWarper, after temperature, top-k and top-p): tokens less
+    likely than min_p x the most likely one are not sampled; 0 is off. Evaluation uses it too"""
+    repetition_penalty: float = 1.0
+    """HF's repetition penalty, on the raw logits of every id in the prompt and the completion so
+    far (divided by it when positive, multiplied when negative; > 1 discourages repeats); 1.0 is
+    off. Evaluation uses it too. The engine's log-probs are then the penalised sampler's, not the
+    policy's, so --old-logp rollout refuses it (docs/engine.md)"""
     gen_batch_size: int = 256
     """completions per `generate` call (memory only; not TRL's generation_batch_size, which is
     completions a step: --prompts-per-rank x --group-size here)"""
@@ -116,6 +124,10 @@ class CommonArgs:
     mask_truncated: bool = False
     """completions cut at --max-new-tokens (no EOS) get zero loss weight; their rewards still set
     the group's A"""
+    truncated_reward_scale: float | None = None
+    """a completion cut at --max-new-tokens (no EOS) scores this fraction of its reward, in [0, 1]
+    (default: 0.5 for --dataset builtin, whose task is the digit and a stop; 1.0, unchanged,
+    otherwise; 0 scores every cut completion 0)"""
     dtype: Literal["auto", "bf16", "fp32", "bf16-pure"] = "auto"
     """compute dtype (auto: bf16 on GPU, fp32 on CPU). bf16 keeps fp32 master weights,
     gradients and AdamW state (16 bytes a parameter) and computes in bf16: torch.autocast in
@@ -407,17 +419,23 @@ def tyro_error_line(box: str) -> str:
 
 
 # -------------------- argument checks: every flag before any heavy work
-def default_learning_rate(model: str) -> float:
-    """--learning-rate when not given: the tiny model learns fast with a large step; real models
-    follow the papers' scale. Each script's main() fills it in, in view, before anything reads
-    it."""
-    return 5e-4 if model in ("tiny", "tiny-moe") else 1e-6
-
-
-def default_max_new_tokens(dataset: str) -> int:
-    """--max-new-tokens when not given: the built-in task's answer is one digit, then EOS; real
-    tasks reason."""
-    return 2 if dataset == "builtin" else 1024
+def fill_defaults(args):
+    """args with the defaults that depend on the model and the task filled in (each None until
+    here); every script's main() calls it first, so the run is logged, checkpointed and compared on
+    resume with these values, and nothing changes args after it:
+    --learning-rate   5e-4 for the tiny models (random init learns fast with a large step), 1e-6
+                      otherwise (the papers' scale)
+    --max-new-tokens  2 for the built-in task (one digit, then EOS), 1024 otherwise (real tasks
+                      reason)
+    --truncated-reward-scale  0.5 for the built-in task, whose reward asks for the digit and a
+                      stop (a right digit cut at the limit scores half), 1.0 otherwise"""
+    builtin, tiny = args.dataset == "builtin", args.model in ("tiny", "tiny-moe")
+    return dataclasses.replace(
+        args,
+        learning_rate=(5e-4 if tiny else 1e-6) if args.learning_rate is None else args.learning_rate,
+        max_new_tokens=(2 if builtin else 1024) if args.max_new_tokens is None else args.max_new_tokens,
+        truncated_reward_scale=(0.5 if builtin else 1.0) if args.truncated_reward_scale is None
+        else args.truncated_reward_scale)
 
 
 def eval_sampling(args) -> dict:
@@ -464,12 +482,12 @@ def check_int(flag: str, n: int, low: int, high: int | None = None, why: str = "
 
 def check_common_args(args):
     """Bad input fails with one line before any heavy work. Reads args, never writes them: main()
-    has filled in --learning-rate and --max-new-tokens already (default_learning_rate,
-    default_max_new_tokens)."""
+    has filled in the defaults already (fill_defaults)."""
     check_int("seed", args.seed, 0, MAX_SEED, " (numpy's seed range)")
     check_int("group-size", args.group_size, 2, MAX_COMPLETIONS,
               " (group-relative advantages need at least 2 completions a prompt)")
     check_int("max-new-tokens", args.max_new_tokens, 1, MAX_NEW_TOKENS)
+    check_float("truncated-reward-scale", args.truncated_reward_scale, 0, 1)
     check_float("clip-low", args.clip_low, 0, low_open=True)
     check_float("clip-high", args.clip_high, 0, low_open=True)
     check_int("prompts-per-rank", args.prompts_per_rank, 1, MAX_COMPLETIONS)
@@ -530,6 +548,9 @@ def check_common_args(args):
     check_float("min-lr-ratio", args.min_lr_ratio, 0, 1)
     check_float("learning-rate", args.learning_rate, 0, low_open=True)
     check_float("top-p", args.top_p, 0, 1, low_open=True, why=" (1 is off)")
+    check_float("min-p", args.min_p, 0, 1, high_open=True, why=" (0 is off)")
+    check_float("repetition-penalty", args.repetition_penalty, 0, low_open=True,
+                why=" (1 is off; > 1 discourages repeats)")
     if args.top_k < 0:
         fail(f"--top-k {args.top_k}: must be >= 0 (0 is off)")
     check_int("gen-batch-size", args.gen_batch_size, 1, MAX_COMPLETIONS,
@@ -575,9 +596,14 @@ def check_common_args(args):
 
 def check_rollout_args(args):
     """--rollout-is-cap: a finite C > 0, on a script whose loss is a sum of token terms, with pi_old
-    recomputed (the weight is pi_old / pi_rollout). What needs the model's config (a generation
-    mode that returns log-probs, --routing-replay on an MoE model) is checked by
-    common.check_model."""
+    recomputed (the weight is pi_old / pi_rollout). --old-logp rollout: no repetition penalty (the
+    engine's log-probs are then the penalised sampler's, not the policy's). What needs the model's
+    config (a generation mode that returns log-probs, --routing-replay on an MoE model) is checked
+    by common.check_model."""
+    if args.old_logp == "rollout" and args.repetition_penalty != 1:
+        fail(f"--old-logp rollout with --repetition-penalty {args.repetition_penalty}: the "
+             "engine's log-probs are then the penalised sampler's, not the policy's, so pi_old would "
+             "be wrong; use --old-logp recompute (the default), or drop --repetition-penalty")
     cap = args.rollout_is_cap
     if cap is None:
         return

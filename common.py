@@ -517,12 +517,15 @@ GEN_MODES = ("repeat", "shared-prefill", "static", "engine", "engine-tp")
 @torch.no_grad()
 def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d: Dist, *,
              max_new_tokens: int, temperature: float, top_p: float, top_k: int, gen_batch_size: int,
+             min_p: float = 0.0, repetition_penalty: float = 1.0,
              unshard: bool = False, mode: str = "shared-prefill", cuda_graphs: bool = True,
              flex: bool | None = None, compile_step: bool | None = None,
              engine_dtype: str = "auto") -> dict:
     """n completions per prompt (rows of one prompt are adjacent: a group). Returns input_ids [B,
     P+T], attention_mask, n_prompt P, completion mask [B, T] (up to and including the first EOS),
     truncated [B], texts, and with mode "engine" logp [B, T], each token's log-prob as sampled.
+    Every mode samples as HF's generate does: repetition_penalty (on the prompt's and the
+    completion's ids), temperature, top_k, top_p, min_p (0: off).
     mode "repeat": each prompt repeated n times, so `generate` prefills it n times, gen_batch_size
     rows a call.
     mode "shared-prefill": each prompt prefilled once and its KV cache repeated to its n rows
@@ -560,7 +563,8 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
         try:
             completions, logps = engine.generate(
                 policy.lm, sum(everyone, []), n, eos, max_new_tokens=max_new_tokens,
-                temperature=temperature, top_k=top_k, top_p=top_p,
+                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                repetition_penalty=repetition_penalty,
                 slots=tp * max(n, gen_batch_size // n * n), device=d.device,
                 dtype={"bf16": torch.bfloat16, "fp32": torch.float32}.get(engine_dtype) or getattr(
                     policy, "compute_dtype", None) or (
@@ -605,6 +609,7 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
             outs.append(policy.generate(
                 input_ids=ids[i:i + rows], attention_mask=am[i:i + rows], n=n if shared else 1,
                 do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k,
+                min_p=min_p or None, repetition_penalty=repetition_penalty,
                 max_new_tokens=max_new_tokens, eos_token_id=eos,
                 # FSDP: every rank steps until all are done
                 pad_token_id=tok.pad_token_id, synced_gpus=d.sharded,
@@ -927,13 +932,14 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 @torch.no_grad()
 def evaluate(policy, tok, held, eos, d: Dist, *, k: int, n: int | None = None,
              reward: Reward | None = None, max_new_tokens: int, temperature: float, top_p: float,
-             top_k: int, gen_batch_size: int, unshard: bool = False,
-             mode: str = "shared-prefill", cuda_graphs: bool = True,
+             top_k: int, gen_batch_size: int, min_p: float = 0.0, repetition_penalty: float = 1.0,
+             unshard: bool = False, mode: str = "shared-prefill", cuda_graphs: bool = True,
              engine_dtype: str = "auto") -> dict:
     """Over the held-out prompts (each rank an equal share), from n >= k samples a prompt (n
     defaults to k): avg@k, the mean accuracy of the n samples (an unbiased estimate of the mean
     accuracy of k samples, the DFPO paper's metric), and pass@k, the mean over prompts of the
-    unbiased 1 - C(n - c, k) / C(n, k) (pass_at_k)."""
+    unbiased 1 - C(n - c, k) / C(n, k) (pass_at_k); the reward is the task's own, whole whether
+    or not a completion stopped (truncated_frac: the fraction cut at max_new_tokens)."""
     n = n or k
     m = len(held) // d.world * d.world  # equal shares, or the FSDP all-gathers would hang
     if m == 0:
@@ -941,21 +947,24 @@ def evaluate(policy, tok, held, eos, d: Dist, *, k: int, n: int | None = None,
              "share it: give a larger dataset (a local file holds out a tenth, at most "
              "--eval-size) or --eval-every 0")
     rows = held.select(range(d.rank, m, d.world))
-    r, errors = torch.zeros(0), 0
+    r, errors, cut = torch.zeros(0), 0, 0
     per_call = max(1, gen_batch_size // n)  # prompts per generate call
     for i in range(0, len(rows), per_call):
         part = rows.select(range(i, min(i + per_call, len(rows))))
         out = generate(policy, tok, part["text"], n, eos, d, max_new_tokens=max_new_tokens,
-                       temperature=temperature, top_p=top_p, top_k=top_k,
+                       temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                       repetition_penalty=repetition_penalty,
                        gen_batch_size=gen_batch_size, unshard=unshard, mode=mode,
                        cuda_graphs=cuda_graphs, engine_dtype=engine_dtype)
         part_r, part_errors = score(out["texts"], part, n, reward, watch=False)
         r, errors = torch.cat([r, part_r]), errors + part_errors
+        cut += int(out["truncated"].sum())
     r = r.view(-1, n)
     passk = sum(pass_at_k(n, int(c), k) for c in (r > 0).sum(1))
-    s = all_reduce(torch.tensor([r.mean(1).sum(), passk, len(rows), errors], dtype=torch.float64))
+    s = all_reduce(torch.tensor([r.mean(1).sum(), passk, len(rows), errors, cut], dtype=torch.float64))
     return {f"eval/avg@{k}": (s[0] / s[2]).item(), f"eval/pass@{k}": (s[1] / s[2]).item(),
-            "eval/prompts": m, "eval/samples": n, "eval/reward_errors": s[3].item()}
+            "eval/prompts": m, "eval/samples": n, "eval/reward_errors": s[3].item(),
+            "eval/truncated_frac": (s[4] / (s[2] * n)).item()}
 
 
 def eval_report(result: dict, args, run_dir: str, d: Dist) -> str:

@@ -37,9 +37,10 @@ HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # owner/name
 def builtin_task(n: int, seed: int) -> list[dict]:
     """The built-in offline task (seeded, deterministic): 'x%10=' for a digit x, answer x. The
     answer is uniform over 0-9, so no constant answer scores above 0.1: the model has to read the
-    digit, write it and stop. A random tiny model hits it about 2% of the time; RL alone takes it
-    past 0.7 in a few hundred steps. With 10 distinct prompts the held-out split measures sampling
-    accuracy, not generalisation."""
+    digit, write it and stop (a right digit cut at --max-new-tokens scores half:
+    --truncated-reward-scale). A random tiny model writes the right digit about 2% of the time; RL
+    alone takes the reward past 0.7 in a few hundred steps. With 10 distinct prompts the held-out
+    split measures sampling accuracy, not generalisation."""
     rng = random.Random(seed)
     return [{"prompt": f"{x}%10=", "answer": str(x)} for x in (rng.randint(0, 9) for _ in range(n))]
 

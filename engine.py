@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from distributed import check_host_memory
-from sampling import sample  # HF's temperature, top-k, top-p: one pass, on the device
+from sampling import sample  # HF's penalty, temperature, top-k, top-p, min-p: on the device
 
 ARCHITECTURES = ("qwen3", "qwen2", "llama")  # config.model_type values the forward below covers
 SYNC_EVERY = 8  # decoding steps between two looks from the host at which rows have finished
@@ -374,6 +374,10 @@ class Engine:
         # tokens, positions, and whether each slot decodes a live row (1) or not (0: free, finished)
         self.static = torch.zeros(3, slots, dtype=torch.long, device=device)
         self.static_positions = self.static[1]
+        # --repetition-penalty: [slots, vocab] bool, the ids each slot's row has read (its prompt,
+        # set at its prefill; each token it reads, set in the step), made by the first call that
+        # asks for a penalty (see_ids), at a fixed address for the graphs
+        self.seen = None
         # live_blocks' mask_mod over the step's positions: one function object, so that a compiled
         # step sees the same one
         self.static_mask_mod = self.mask_mod(self.static_positions)
@@ -396,6 +400,12 @@ class Engine:
         """The model's weights now (after an optimizer step) into the engine's copies, in place:
         one Engine serves every rollout of a run, its cache, compilations and graphs made once."""
         take_weights(lm, **self.taken, into=self.w)
+
+    def see_ids(self):
+        """The repetition penalty's [slots, vocab] buffer, made once (zeros: nothing read yet)."""
+        if self.seen is None:
+            self.seen = torch.zeros(self.slots, self.w.head.shape[0], dtype=torch.bool,
+                                    device=self.static.device)
 
     def blocks_for(self, positions: int) -> int:
         return -(-positions // self.block)
@@ -509,6 +519,11 @@ class Engine:
                                                   scale=self.head_dim ** -0.5)
 
         h = self.layers(F.embedding(ids, self.w.embed), positions, attend)
+        if self.seen is not None:  # the penalty's ids: a new row has read its prompt's, no other
+            vocab = self.seen.shape[1]  # (the padding as id `vocab`, a column dropped)
+            seen = torch.zeros(len(prompts), vocab + 1, dtype=torch.bool, device=ids.device)
+            seen.scatter_(1, ids.masked_fill(positions >= lengths[:, None], vocab), True)
+            self.seen[slots] = seen[:, :vocab].repeat_interleave(n, 0)
         return self.logits(h[torch.arange(len(prompts)), lengths - 1])
 
     @torch.no_grad()
@@ -519,17 +534,18 @@ class Engine:
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, reach: int,
-             alive: torch.Tensor | None, how: tuple[float, int, float],
+             alive: torch.Tensor | None, how: tuple,
              generator=None) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoding step as the rollout runs it, sampled: -> (tokens [slots], their log-probs
-        [slots]) drawn by sampling.sample with how = (temperature, top_k, top_p) from `generator`
+        [slots]) drawn by sampling.sample with how = (temperature, top_k, top_p, min_p,
+        repetition_penalty) from `generator`
         (None: torch's global stream). Eager, or (graphs) the captured step of `reach` rounded up
         to GRAPH_REACH, run on copies of tokens and positions at fixed addresses: the layers, the
         LM head and the sampler (its noise drawn inside, from the same stream) in one replay, no
         host sync."""
         if self.graphs is None:
             return self.draw(self.logits(self.hidden(tokens, positions, reach, alive)), how,
-                             generator)
+                             generator, tokens)
         reach = min(-(-reach // GRAPH_REACH) * GRAPH_REACH, self.max_len)
         if self.flex is not None:  # the block mask reads each row's own blocks whatever the read
             reach = self.max_len  # length: one graph, one compilation
@@ -541,18 +557,22 @@ class Engine:
             self.graphs[key] = self.capture(reach, how, generator)
         return self.graphs[key]()
 
-    def draw(self, logits: torch.Tensor, how: tuple[float, int, float], generator=None):
-        """sampling.sample over logits [N, V] (bf16 on a GPU: the sampler reads them once, in
-        float32 inside its kernels); compiled with the layers on a GPU, where its passes over
-        [N, V] fuse (its Exp(1) noise drawn eagerly from `generator`, graph-safe)."""
+    def draw(self, logits: torch.Tensor, how: tuple, generator=None, read=None):
+        """sampling.sample over the slots' logits [slots, V] (bf16 on a GPU: the sampler reads them
+        once, in float32 inside its kernels); compiled with the layers on a GPU, where its passes
+        over [N, V] fuse (its Exp(1) noise drawn eagerly from `generator`, graph-safe). read
+        [slots]: the tokens the step fed, marked seen first when how has a repetition penalty."""
+        seen = None
+        if how[4] != 1:  # HF penalises the ids in input_ids: the prompt and every token read
+            seen = self.seen.scatter_(1, read[:, None], True)
         if self.sampler is None:
-            return sample(logits, *how, generator=generator)
+            return sample(logits, *how, seen=seen, generator=generator)
         if how[0] == 0:  # greedy: no noise
-            return self.sampler(logits, *how)
+            return self.sampler(logits, *how, seen=seen)
         noise = torch.empty(logits.shape, device=logits.device).exponential_(generator=generator)
-        return self.sampler(logits, *how, noise=noise)
+        return self.sampler(logits, *how, seen=seen, noise=noise)
 
-    def capture(self, reach: int, how: tuple[float, int, float], generator=None):
+    def capture(self, reach: int, how: tuple, generator=None):
         """The decoding step at read length `reach` over self.static, sampled -> a function that
         runs it and returns (tokens [slots], log-probs [slots]). On a GPU a CUDA graph: a step's
         kernels (~9 a layer compiled, ~55 eager, the LM head and the sampler) launched as one
@@ -567,7 +587,7 @@ class Engine:
         def run():
             h = self.hidden(self.static[0], self.static_positions, reach, self.static[2])
             logits = F.linear(rms_norm(h, self.w.norm, self.eps), self.w.head)
-            return self.draw(logits, how, generator)
+            return self.draw(logits, how, generator, self.static[0])
 
         if self.pool is None:
             return run
@@ -688,7 +708,8 @@ class Engine:
 @torch.no_grad()
 def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_tokens: int,
              temperature: float, top_k: int, top_p: float, slots: int, device, dtype,
-             sync_every: int = SYNC_EVERY, stats: dict | None = None, rank: int = 0, world: int = 1,
+             min_p: float = 0.0, repetition_penalty: float = 1.0, sync_every: int = SYNC_EVERY,
+             stats: dict | None = None, rank: int = 0, world: int = 1,
              generator=None, pool_tokens: int | None = None, graphs: bool | None = None,
              flex: bool | None = None, compile: bool | None = None,
              keep: bool = False) -> tuple[list[list[int]], list[list[float]]]:
@@ -696,7 +717,8 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
     adjacent. A completion ends at its first EOS (kept) or after max_new_tokens. `slots` rows decode
     at once; a prompt is admitted (prefilled once, its KV copied to n free slots) whenever n slots
     are free, and the host looks at which rows have finished every `sync_every` steps. Returns the
-    completions' token ids and the log-prob of each under the temperature-scaled softmax. `stats`,
+    completions' token ids and the log-prob of each under the temperature-scaled softmax (of the
+    logits repetition_penalty changed, if it is not 1: sampling.sample). `stats`,
     if given, gets the counts of decoding steps, prefills, prefills made while other rows were
     decoding (continuous batching at work), groups preempted, KV blocks still taken at the end,
     and graphs captured.
@@ -761,7 +783,10 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
         engine.key = key
         if keep:
             HELD[lm] = engine
-    how = (temperature, top_k, top_p)  # the sampler's settings (sampling.sample: HF's semantics)
+    # the sampler's settings (sampling.sample: HF's semantics)
+    how = (temperature, top_k, top_p, min_p, repetition_penalty)
+    if repetition_penalty != 1:
+        engine.see_ids()
     rows = Rows(slots, max_new_tokens, eos, device)
     plan = Scheduler(prompts, n, slots, sync_every, max_len, engine)
     while plan.busy() or plan.waiting:
@@ -793,7 +818,9 @@ def admit(plan, rows, engine, how, generator):
     batch, at = plan.admit(k)
     sel = torch.tensor(at, device=rows.tokens.device)
     logits = engine.prefill([plan.prompts[p] for p in batch], sel, plan.n)
-    new, new_logp = sample(logits.repeat_interleave(plan.n, 0), *how, generator=generator)
+    seen = None if engine.seen is None else engine.seen[sel]  # the prompts' ids (prefill)
+    new, new_logp = sample(logits.repeat_interleave(plan.n, 0), *how, seen=seen,
+                           generator=generator)
     lengths = [len(plan.prompts[p]) for p in batch]
     positions = torch.tensor(lengths, device=sel.device).repeat_interleave(plan.n)
     rows.start(sel, new, new_logp, positions)

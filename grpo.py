@@ -13,7 +13,6 @@ token-level range, (0.2, 0.27)), so every token carries its own weight w_it A_i 
 gradient (eq. 67); --loss-agg sets how token terms are summed, --kl-coef adds the KL penalty.
 """
 
-import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -25,8 +24,7 @@ from tqdm import tqdm
 import moe
 from checkpoint import (catch_stop_signals, claim_run_dir, cleanup, resume_state, run_paths,
                         save_checkpoint, stop_requested)
-from cli import (CommonArgs, check_common_args, default_learning_rate, default_max_new_tokens,
-                 eval_sampling, parse_args)
+from cli import CommonArgs, check_common_args, eval_sampling, fill_defaults, parse_args
 from common import (Logger, all_finite, check_model, eos_ids, eval_report, eval_summary, evaluate,
                     generate, group_advantages, group_metrics, jitter2, load_model, load_tokenizer,
                     log_ratio_spread, log_samples, logp_drift, lr_scheduler, micro_batches,
@@ -141,16 +139,9 @@ def aggregate(token_terms, mask, loss_agg: str, max_new_tokens: int | None):
 
 
 def main():
-    args = parse_args(Args)  # tyro; its errors in one line, once
-    # Defaults that depend on the model and the task, filled in here: the run is logged,
-    # checkpointed and compared on resume with these values; nothing changes args after this
-    learning_rate = args.learning_rate
-    if learning_rate is None:
-        learning_rate = default_learning_rate(args.model)
-    max_new_tokens = args.max_new_tokens
-    if max_new_tokens is None:
-        max_new_tokens = default_max_new_tokens(args.dataset)
-    args = dataclasses.replace(args, learning_rate=learning_rate, max_new_tokens=max_new_tokens)
+    # tyro (its errors in one line, once), then the defaults that depend on the model and the task:
+    # the run is logged, checkpointed and compared on resume with these values; nothing changes args after this
+    args = fill_defaults(parse_args(Args))
 
     # TRY NOT TO MODIFY: set-up (bad input fails here, before any model is built)
     check_common_args(args)
@@ -187,7 +178,8 @@ def main():
               f"without an answer, {dropped['too_long']} over --max-prompt-tokens); "
               f"world size {dist_env.world}; logs: tensorboard --logdir {args.output_dir}")
     gen_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                  top_p=args.top_p, top_k=args.top_k, gen_batch_size=args.gen_batch_size,
+                  top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                  repetition_penalty=args.repetition_penalty, gen_batch_size=args.gen_batch_size,
                   unshard=args.gen_unshard, mode=args.gen_mode, cuda_graphs=args.gen_cuda_graphs,
                   engine_dtype=args.gen_dtype)
     eval_kw = dict(gen_kw, k=args.eval_k, n=args.eval_n, reward=reward, **eval_sampling(args))
@@ -219,7 +211,8 @@ def main():
         t = time.time()
         roll = generate(policy, tok, rows["text"], args.group_size, eos, dist_env, **gen_kw)
         gen_time = time.time() - t
-        rewards, reward_errors = score(roll["texts"], rows, args.group_size, reward)
+        rewards, reward_errors = score(roll["texts"], rows, args.group_size, reward,
+                                       truncated=roll["truncated"], truncated_scale=args.truncated_reward_scale)
         advantages, zero_groups = group_advantages(rewards, args.group_size, args.scale_rewards,
                                                    args.adv_std, args.adv_eps)
         log_samples(logger, run_dir, step, args.log_samples, rows["prompt"], rows["answer"],

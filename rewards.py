@@ -21,7 +21,8 @@ _MATH_GRADER = []  # the default Reward, made on first use
 
 
 def score(texts: list[str], answers, n: int, reward: Reward | Rewards | None = None,
-          watch: bool = True) -> tuple[torch.Tensor, int]:
+          watch: bool = True, truncated: torch.Tensor | None = None,
+          truncated_scale: float = 1.0) -> tuple[torch.Tensor, int]:
     """Reward per completion (reward: a Reward or Rewards, default the math grader), and on how
     many completions a reward failed (raised, returned a non-finite value or not a reward a
     completion, ran past its time bound, or an answer too long to grade): those score 0 from that
@@ -32,6 +33,8 @@ def score(texts: list[str], answers, n: int, reward: Reward | Rewards | None = N
     TRL's nansum). Each answer is normalised once per prompt, and each distinct request (extracted
     answer and reference; for a user's f(completion, answer), completion and answer) is graded
     once; a TRL-form reward is called once per group of n completions.
+    truncated [B] (bool), truncated_scale (--truncated-reward-scale): a completion cut at
+    --max-new-tokens scores truncated_scale times its reward.
     watch: a training step; say once when every group of each of the first steps has equal
     rewards (watch_flat_groups), keep each reward's values for its logs (reward.metrics()), and
     stop the run on a reward that keeps failing (watch_failures)."""
@@ -67,7 +70,10 @@ def score(texts: list[str], answers, n: int, reward: Reward | Rewards | None = N
         error, count = first[name]
         first[name] = error or f"ValueError: the weighted reward {r[i].item():g} is past float32's range", count + 1
     failed |= over
-    r = r.masked_fill(over, 0.0).float()
+    r = r.masked_fill(over, 0.0)
+    if truncated is not None and truncated_scale != 1.0:
+        r = torch.where(truncated.cpu(), truncated_scale * r, r)
+    r = r.float()
     for name, (error, count) in first.items():
         if count:
             who = "the reward" if len(first) == 1 else f"the reward {name}"

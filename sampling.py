@@ -1,13 +1,20 @@
-"""The rollout's sampler on the device: HF's temperature, top-k and top-p, one exponential race.
+"""The rollout's sampler on the device: HF's repetition penalty, temperature, top-k, top-p and
+min-p, one exponential race.
 
-`sample(logits, temperature, top_k, top_p, generator=, noise=)` -> (tokens [R], log-probs [R]).
-Semantics are transformers' TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper in that
-order (min_tokens_to_keep 1) on float32 scores, then one draw from the softmax of what is kept.
-The log-prob is the token's under the temperature-scaled softmax over the whole vocabulary (before
-top-k/top-p): the policy's own log-prob at this temperature, what Policy.forward recomputes.
+`sample(logits, temperature, top_k, top_p, min_p, repetition_penalty, seen=, generator=, noise=)`
+-> (tokens [R], log-probs [R]). Semantics are transformers' RepetitionPenaltyLogitsProcessor (on
+the raw float32 logits of the ids `seen` marks: the prompt's and the completion's so far), then
+TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, in the order HF's
+generate applies them (min_tokens_to_keep 1), then one draw from the softmax of what is kept.
+The log-prob is the token's under the temperature-scaled softmax over the whole vocabulary of the
+penalised logits (before top-k/top-p/min-p): without a penalty (repetition_penalty 1) the policy's
+own log-prob at this temperature, what Policy.forward recomputes; with one, the penalised
+sampler's, which is not the policy's (so --old-logp rollout refuses a penalty: cli.py).
 
 How (three steps, no sort of the vocabulary, no host sync, no shape that depends on the data):
-1. s = float(logits) / T. top-k: the k-th largest by torch.topk; kept: s >= kth (HF keeps the
+0. repetition penalty: x = float(logits); where seen, x * penalty if x < 0 else x / penalty (HF's
+   own two float32 operations, so the penalised logits are HF's bit for bit).
+1. s = x / T. top-k: the k-th largest by torch.topk; kept: s >= kth (HF keeps the
    ties at the k-th value). The softmax's max and normaliser Z over the whole vocabulary.
 2. top-p: HF removes token j iff the cumulative probability of the ascending sort up to j is
    <= 1 - p, i.e. keeps j iff the mass ranked strictly above j is < p. The boundary value is
@@ -17,6 +24,9 @@ How (three steps, no sort of the vocabulary, no host sync, no shape that depends
    With top_k > 0 the rounds run over the k candidates torch.topk returned, not the vocabulary.
    A tie group cut by the boundary keeps its members of highest index (what the ascending sort
    HF calls returns when it is stable), at least one token always kept.
+   min-p: HF removes j iff p_j < min_p * max p over what top-k/top-p kept; the max is the
+   vocabulary's (always kept) and p_j / max p = exp(s_j - max), so kept iff exp(s_j - max) >=
+   min_p: one compare on the exp(s - max) the race reads anyway (the max itself always kept).
 3. Exponential race: token = argmax over the kept set of exp(s - max) / E, E ~ Exp(1) i.i.d.
    (Gumbel-max: the argmax of s - log E). This is torch.multinomial's own algorithm for one
    sample (argmax p / E), so with the same generator state the tokens are HF's (warpers, then
@@ -28,9 +38,18 @@ under torch.compile inductor fuses each loop into one kernel):
   top_p == 1, top_k > 0:  topk, sum of exp, race                                   3
   top_p < 1,  top_k > 0:  topk, sums of exp (all and kept), tie count + cumsum, race 4
   top_p < 1,  top_k == 0: max, sum of exp, 4 radix rounds, tie count + cumsum, race 8
+  min_p > 0: no more (its compare is in the race's loop, on the exp(s - max) it reads);
+  repetition_penalty != 1: no more over the logits (the penalty is applied where the first loop
+  reads them), plus the [rows, vocab] bool `seen` read there (a quarter of fp32 logits' bytes;
+  the engine sets one entry a row a step).
 Measured (benchmarks/sampler_speed.py, CPU): inductor kernels 1 / 8 / 9 + aten topk / 2 + aten topk
-in the rows' order (bf16 logits, noise passed in); eager aten ops (bf16) 17 / 182 / 197 / 22, on
+in the rows' order (bf16 logits, noise passed in); eager aten ops (fp32) 17 / 182 / 197 / 22, on
 [rows, vocab] 11 / 61 / 36 / 14 of them (HF's warpers + multinomial: 8 / 17 / 21 / 12 ops).
+On 2026-11-28 (torch 2.13, which leaves top-p's cumsums to aten: 1 / 6 + 5 cumsum / 7 + topk + 5
+cumsum / 2 + topk): min-p 0.05, the penalty 1.3, or both beside top-p 0.9 add no kernel (1 -> 1,
+1 -> 1, 6 -> 6); eager they add 3, 5 and 7 aten ops on [rows, vocab] (fp32, --rows 64: the
+penalty 0.37 -> 0.51 s a call on one CPU thread, where HF's gather/scatter over 64 ids costs
+nothing measurable; on a GPU, fused, it is the read of `seen`).
 Exactness: the kept set is HF's in exact arithmetic. Float32 sums (our histograms, HF's cumsum)
 can differ only where the boundary lies within rounding (~1e-7 of the mass) of a cumulative sum,
 and HF's subset of a tie group cut by the boundary is whatever its unstable sort gives (the count
@@ -40,8 +59,9 @@ passed as `noise`), written once and read once, unless a compiled caller draws i
 HF's warpers + multinomial make ~9 passes plus a full sort when top_p < 1. The engine samples
 with this function inside its decoding step (engine.Engine.step: in the CUDA graph, compiled
 with the layers on a GPU), and after each prefill.
-temperature == 0: greedy (argmax, the lowest index among ties), log-prob under the softmax at
-temperature 1 (the limit has no finite log-prob to compare with).
+temperature == 0: greedy (argmax of the penalised logits, the lowest index among ties; top-k,
+top-p and min-p do not change an argmax), log-prob under the softmax at temperature 1 (the limit
+has no finite log-prob to compare with).
 """
 import torch
 
@@ -50,17 +70,20 @@ BUCKETS = 1 << RADIX_BITS
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
-           generator: torch.Generator | None = None, noise: torch.Tensor | None = None):
-    """One token a row from HF's warped softmax of logits [R, V] (bf16 or fp32) -> (tokens [R]
-    int64, log-probs [R] float32 under softmax(logits / temperature) over the whole vocabulary).
-    top_k 0 and top_p 1 are off. noise: Exp(1) draws [R, V] (float32), else drawn from
-    `generator` (default: torch's global stream on the logits' device)."""
-    x = logits.float()
+           min_p: float = 0.0, repetition_penalty: float = 1.0, *,
+           seen: torch.Tensor | None = None, generator: torch.Generator | None = None,
+           noise: torch.Tensor | None = None):
+    """One token a row from HF's processed softmax of logits [R, V] (bf16 or fp32) -> (tokens [R]
+    int64, log-probs [R] float32 under softmax(penalised logits / temperature) over the whole
+    vocabulary). top_k 0, top_p 1, min_p 0 and repetition_penalty 1 are off. seen: [R, V] bool,
+    the ids each row has read (needed with a penalty). noise: Exp(1) draws [R, V] (float32), else
+    drawn from `generator` (default: torch's global stream on the logits' device)."""
+    x = penalise(logits.float(), repetition_penalty, seen)
     if temperature == 0:  # a Python value: no branch on the data
         tokens = x.argmax(-1)
         logp = x.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(x, -1)
         return tokens, logp
-    s, keep, e, lse = _warp(x, temperature, top_k, top_p)
+    s, keep, e, lse = _warp(x, temperature, top_k, top_p, min_p)
     if noise is None:
         noise = torch.empty_like(s).exponential_(generator=generator)
     # the race: argmax of e / E, e = exp(s - max) (Gumbel-max: argmax s - log E), as
@@ -73,13 +96,25 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: floa
     return tokens, logp
 
 
-def kept(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0):
+def kept(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+         min_p: float = 0.0):
     """The kept set [R, V] bool: True where HF's warpers leave a finite score."""
-    s, keep, _, _ = _warp(logits.float(), temperature, top_k, top_p)
+    s, keep, _, _ = _warp(logits.float(), temperature, top_k, top_p, min_p)
     return torch.ones_like(s, dtype=torch.bool) if keep is None else keep
 
 
-def _warp(x, temperature, top_k, top_p):
+def penalise(x: torch.Tensor, penalty: float, seen: torch.Tensor | None) -> torch.Tensor:
+    """HF's RepetitionPenaltyLogitsProcessor on float32 logits x [R, V]: a seen id's logit divided
+    by the penalty when positive, multiplied when negative (both make it less likely for a
+    penalty > 1); the rest as they are. penalty 1: x itself."""
+    if penalty == 1.0:  # a Python value: no branch on the data
+        return x
+    if seen is None:
+        raise ValueError("a repetition penalty needs `seen`, the ids each row has read")
+    return torch.where(seen, torch.where(x < 0, x * penalty, x / penalty), x)
+
+
+def _warp(x, temperature, top_k, top_p, min_p=0.0):
     """-> (scores s [R, V], kept [R, V] bool or None for all, exp(s - max) [R, V], log Z [R])."""
     s = x / temperature  # HF divides (TemperatureLogitsWarper), in float32
     vocab = s.shape[-1]
@@ -111,6 +146,8 @@ def _warp(x, temperature, top_k, top_p):
         in_group = tie & ((higher == 0) | (above + higher * q < target))
         keep_p = (key > v) | in_group
         keep = keep_p if keep is None else keep & keep_p
+    if min_p > 0:  # p_j >= min_p max p, i.e. exp(s_j - max) >= min_p (the max: exp(0) = 1)
+        keep = e >= min_p if keep is None else keep & (e >= min_p)
     return s, keep, e, lse
 
 

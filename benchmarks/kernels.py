@@ -42,9 +42,10 @@ def small_engine(shape: dict, layers: int, slots: int, max_len: int, flex: bool,
 def step_inputs(eng):
     import torch
 
-    # tokens, positions, read length, every slot alive, greedy sampling (temperature 0: no noise)
+    # tokens, positions, read length, every slot alive, greedy sampling (temperature 0: no noise; no
+    # min-p, no repetition penalty)
     return (torch.arange(eng.slots) % 7 + 3, torch.arange(eng.slots) + eng.max_len // 2, eng.max_len // 2 + eng.slots,
-            None, (0.0, 0, 1.0))
+            None, (0.0, 0, 1.0, 0.0, 1.0))
 
 
 def eager_ops_per_layer(eng) -> float:

@@ -71,13 +71,13 @@ def main():
                 for name in wanted for s in seeds]
         run_jobs(jobs, args.workers)
     lines = ["| command | reward, first 10% of steps | reward, last 10% | held-out avg@8, step 0 | avg@8, last step "
-             "| Jitter2 (eq. 20) | shared-token coef. (eq. 72), mean over steps | clip fraction (tokens) "
-             "| wall s |", "|---|---|---|---|---|---|---|---|---|"]
+             "| truncated fraction, last 10% | Jitter2 (eq. 20) | shared-token coef. (eq. 72), mean over steps "
+             "| clip fraction (tokens) | wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
     present = [n for n in COMMANDS if glob.glob(os.path.join(runs, f"{exp_name(n)}__*", "metrics.jsonl"))]
     if not present:
         raise SystemExit(f"no runs under {runs}")
     for name in present:
-        cols = {k: [] for k in ("first", "last", "eval0", "eval1", "jitter", "shared", "clip", "wall")}
+        cols = {k: [] for k in ("first", "last", "eval0", "eval1", "cut", "jitter", "shared", "clip", "wall")}
         for s in seeds:
             rows = metrics(runs, name, s)
             steps = [r for r in rows if "charts/reward_mean" in r]
@@ -88,12 +88,13 @@ def main():
             cols["last"].append(sum(r[-n:]) / n)
             cols["eval0"].append(evals[0])
             cols["eval1"].append(evals[-1])
+            cols["cut"].append(sum(x["charts/truncated_frac"] for x in steps[-n:]) / n)
             cols["jitter"].append(next(x["charts/reward_jitter2"] for x in rows if "charts/reward_jitter2" in x))
             cols["shared"].append(sum(x["losses/shared_coef"] for x in steps) / len(steps))
             cols["clip"].append(sum(x["losses/clipfrac"] for x in steps) / len(steps))
             cols["wall"].append(steps[-1]["perf/wall_time"])
         lines.append(f"| `{name}` | {fmt(cols['first'])} | {fmt(cols['last'])} | {fmt(cols['eval0'])} | "
-                     f"{fmt(cols['eval1'])} | {fmt(cols['jitter'])} | {sci(cols['shared'])} | {fmt(cols['clip'])} | "
+                     f"{fmt(cols['eval1'])} | {fmt(cols['cut'])} | {fmt(cols['jitter'])} | {sci(cols['shared'])} | {fmt(cols['clip'])} | "
                      f"{fmt(cols['wall'], 0)} |")
     table = "\n".join(lines)
     what = ("the table rebuilt from the runs under runs/" if args.table_only

@@ -80,6 +80,8 @@ BAD_FLAGS = [  # every one fails in check_common_args: before the tokenizer, the
     (["--temperature", "1e-40"], "--temperature 1e-40: must be >= 0.001 and finite (RL samples from the policy; "
                                  "below, logits / T overflow float32)"),
     (["--log-samples", "-1"], "--log-samples -1: must be >= 0 (0: never)"),
+    (["--truncated-reward-scale", "-0.5"], "--truncated-reward-scale -0.5: must lie in [0, 1]"),
+    (["--truncated-reward-scale", "nan"], "--truncated-reward-scale nan: must lie in [0, 1]"),
     (["--num-iterations", "0"], "--num-iterations 0: must lie in [1, 1024] (passes over each rollout's minibatches)"),
     (["--adv-eps", "nan"], "--adv-eps nan: must be >= 0 and finite (added to the std of --scale-rewards)"),
     (["--kl-ratio-correction"], "--kl-ratio-correction multiplies the KL penalty's k3 by the ratio: it needs "
@@ -87,6 +89,14 @@ BAD_FLAGS = [  # every one fails in check_common_args: before the tokenizer, the
     (["--learning-rate", "nan"], "--learning-rate nan: must be > 0 and finite"),
     (["--learning-rate", "inf"], "--learning-rate inf: must be > 0 and finite"),
     (["--top-p", "nan"], "--top-p nan: must lie in (0, 1]"),
+    # issue 37 item 5: HF's ranges (min_p 1 would keep the top token alone: say it with --top-k 1)
+    (["--min-p", "-0.1"], "--min-p -0.1: must lie in [0, 1) (0 is off)"),
+    (["--min-p", "1"], "--min-p 1.0: must lie in [0, 1) (0 is off)"),
+    (["--repetition-penalty", "0"], "--repetition-penalty 0.0: must be > 0 and finite (1 is off; > 1 discourages"),
+    (["--repetition-penalty", "nan"], "--repetition-penalty nan: must be > 0 and finite"),
+    (["--old-logp", "rollout", "--gen-mode", "engine", "--repetition-penalty", "1.2"],
+     "--old-logp rollout with --repetition-penalty 1.2: the engine's log-probs are then the penalised sampler's, "
+     "not the policy's, so pi_old would be wrong; use --old-logp recompute"),
     (["--weight-decay", "nan"], "--weight-decay nan: must be >= 0 and finite"),
     (["--weight-decay", "inf"], "--weight-decay inf: must be >= 0 and finite"),
     (["--weight-decay", "-0.1"], "--weight-decay -0.1: must be >= 0 and finite"),
@@ -436,3 +446,17 @@ def test_track_offline_with_real_wandb(monkeypatch, tmp_path):
                                      "--num-minibatches", "1", "--eval-every", "0", "--track"], monkeypatch,
                             tmp_path / "o")
     assert any(name.startswith("offline-run") for name in os.listdir(os.path.join(run_dir, "wandb")))
+
+
+def test_defaults_that_depend_on_the_model_and_the_task():
+    """fill_defaults: the tiny models' learning rate 5e-4 (1e-6 for a real model); the built-in task 2 new tokens and
+    a truncated-reward scale of 0.5 (1024 and 1.0, unchanged rewards, on other data); a value given is kept."""
+    from cli import fill_defaults
+    from gspo import Args
+
+    a = fill_defaults(Args())
+    assert (a.learning_rate, a.max_new_tokens, a.truncated_reward_scale) == (5e-4, 2, 0.5)
+    a = fill_defaults(Args(model="org/model", dataset="gsm8k"))
+    assert (a.learning_rate, a.max_new_tokens, a.truncated_reward_scale) == (1e-6, 1024, 1.0)
+    a = fill_defaults(Args(learning_rate=1e-3, max_new_tokens=5, truncated_reward_scale=0.0))
+    assert (a.learning_rate, a.max_new_tokens, a.truncated_reward_scale) == (1e-3, 5, 0.0)

@@ -28,12 +28,13 @@ def setup():
     return tok, lm, ids
 
 
-def hf_greedy(lm, tok, ids, n, eos, max_new_tokens):
+def hf_greedy(lm, tok, ids, n, eos, max_new_tokens, mode="repeat", **kw):
     """HF generate, each prompt repeated n times (--gen-mode repeat), greedy: completions up to the first EOS."""
     d = Dist(0, 1, CPU)
     texts = [tok.decode(p) for p in ids]
+    kw = {"temperature": 1.0, "top_p": 1.0, "top_k": 1, **kw}
     roll = common.generate(common.Policy(lm), tok, texts, n, eos, d, max_new_tokens=max_new_tokens,
-                           temperature=1.0, top_p=1.0, top_k=1, gen_batch_size=64, mode="repeat")
+                           gen_batch_size=64, mode=mode, **kw)
     P = roll["n_prompt"]
     comps = [row[P:][m.bool()].tolist() for row, m in zip(roll["input_ids"], roll["mask"])]
     return comps, roll["truncated"].tolist()
@@ -64,6 +65,31 @@ def test_greedy_tokens_equal_hf_generate(setup, n, slots):
     assert comps == ref
     assert [c[-1] not in eos for c in comps] == truncated
     assert [len(lp) for lp in logps] == [len(c) for c in comps]
+
+
+@pytest.mark.parametrize("n, slots, graphs", [(1, 2, False), (3, 4, True)])
+def test_repetition_penalty_greedy_tokens_equal_hf_generate(setup, n, slots, graphs):
+    """--repetition-penalty 1.8 under greedy decoding (top_k 1): the engine's completions equal HF generate's
+    (repeat, shared-prefill and static: every --gen-mode), and differ from those without the penalty; sampled
+    with --min-p 0.999, the same. Slots fewer than rows: finished
+    rows' slots take new rows, whose seen ids must be their own prompt's alone; eager and through the graphs'
+    step (which marks the tokens it reads in the Engine's fixed buffer)."""
+    tok, lm, ids = setup
+    eos = ragged_eos(lm, tok, ids)
+    ref, truncated = hf_greedy(lm, tok, ids, n, eos, 12, repetition_penalty=1.8)
+    for mode in ("shared-prefill", "static"):
+        assert hf_greedy(lm, tok, ids, n, eos, 12, mode, repetition_penalty=1.8) == (ref, truncated), mode
+    # --min-p 0.999 keeps the most likely token alone (no near-ties here): sampled, the greedy path, in every mode
+    for mode in ("repeat", "shared-prefill", "static"):
+        assert hf_greedy(lm, tok, ids, n, eos, 12, mode, top_k=0, min_p=0.999, repetition_penalty=1.8)[0] == ref
+    assert run(lm, ids, n, eos, 12, slots, top_k=0, min_p=0.999, repetition_penalty=1.8)[0] == ref
+    assert ref != hf_greedy(lm, tok, ids, n, eos, 12)[0]
+    stats = {}
+    comps, logps = run(lm, ids, n, eos, 12, slots, sync_every=3, graphs=graphs, repetition_penalty=1.8,
+                       stats=stats)
+    assert comps == ref
+    assert [c[-1] not in eos for c in comps] == truncated
+    assert stats["prefills"] >= 3  # 5 prompts' rows through slots for 2 of them at most: slots reused
 
 
 @pytest.mark.parametrize("n, slots, pool", [(1, 5, 96), (3, 9, 400)])
@@ -244,15 +270,18 @@ def test_top_k_top_p_equal_transformers_warpers():
         assert torch.equal(sampling.kept(scores, 1.0, top_k, top_p), ~want.isinf()), (top_k, top_p)
 
 
-@pytest.mark.parametrize("graphs, pool", [(False, None), (True, None), (True, 400)])
-def test_engine_samples_hf_multinomial_tokens_with_one_seed(setup, monkeypatch, graphs, pool):
-    """The engine's rollout sampled with one seed (temperature, top-k and top-p on): the same tokens as with HF's
-    warpers + torch.multinomial in the sampler's place, and log-probs within float error; eager and through the
-    graphs' step, whose captured function draws the tokens itself (the layers, the head and the sampler)."""
+@pytest.mark.parametrize("graphs, pool, knobs", [(False, None, {}), (True, None, {}), (True, 400, {}),
+                                                (False, None, {"min_p": 0.1, "repetition_penalty": 1.5}),
+                                                (True, None, {"min_p": 0.1, "repetition_penalty": 1.5})])
+def test_engine_samples_hf_multinomial_tokens_with_one_seed(setup, monkeypatch, graphs, pool, knobs):
+    """The engine's rollout sampled with one seed (temperature, top-k and top-p on; then min-p and a repetition
+    penalty too): the same tokens as with HF's processors + torch.multinomial in the sampler's place (given the
+    same seen ids), and log-probs within float error; eager and through the graphs' step, whose captured
+    function draws the tokens itself (the layers, the head and the sampler)."""
     from test_sampling import multinomial_sample
 
     tok, lm, ids = setup
-    kw = dict(sync_every=3, graphs=graphs, pool_tokens=pool, temperature=0.8, top_k=20, top_p=0.9)
+    kw = dict(sync_every=3, graphs=graphs, pool_tokens=pool, temperature=0.8, top_k=20, top_p=0.9, **knobs)
     first, _ = run(lm, ids, 3, [tok.eos_token_id], 12, 7, **kw, generator=torch.Generator().manual_seed(5))
     eos = [first[0][2], first[4][5]]  # tokens sampled at steps 3 and 6: rows end at different lengths
     runs = {}
@@ -267,8 +296,8 @@ def test_engine_samples_hf_multinomial_tokens_with_one_seed(setup, monkeypatch, 
     # the captured step returns tokens and log-probs: its sampler drew them from the generator, as the eager one does
     eng = engine.Engine(lm, 3, 40, CPU, torch.float32, graphs=True)
     x, at = torch.tensor([5, 9, 11]), torch.tensor([0, 0, 0])
-    got = eng.step(x, at, 1, None, (0.8, 20, 0.9), torch.Generator().manual_seed(3))
-    want = engine.sample(eng.decode(x, at, 1), 0.8, 20, 0.9, torch.Generator().manual_seed(3))
+    got = eng.step(x, at, 1, None, (0.8, 20, 0.9, 0.0, 1.0), torch.Generator().manual_seed(3))
+    want = engine.sample(eng.decode(x, at, 1), 0.8, 20, 0.9, generator=torch.Generator().manual_seed(3))
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 

@@ -1,4 +1,5 @@
 """Answer extraction, numeric equivalence, group advantages; model text is parsed, never executed."""
+import importlib
 import json
 import os
 
@@ -7,6 +8,7 @@ import torch
 
 from common import group_advantages, math_reward
 from grader import extract_answer, parse_number
+from rewards import score
 from test_train import run_script
 
 
@@ -93,6 +95,40 @@ def test_mask_truncated_takes_a_completion_out_of_the_gradient(monkeypatch, tmp_
     rows, _ = run_script("gspo", ["--num-steps", "1", "--prompts-per-rank", "4", "--eval-every", "0",
                                   "--mask-truncated"], monkeypatch, tmp_path)
     assert rows[0]["charts/masked_truncated"] == round(rows[0]["charts/truncated_frac"] * 32) > 0
+
+
+def test_a_truncated_completion_scores_its_fraction_of_the_reward():
+    """--truncated-reward-scale s: a completion cut at --max-new-tokens scores s x its reward (by hand: right answers
+    score 1, so a cut right one scores s, a cut wrong one 0); s = 1 and no truncation flags leave the rewards as they
+    were."""
+    texts, truncated = ["7", "7", "3", "7"], torch.tensor([False, True, True, False])
+    for s, want in [(0.5, [1.0, 0.5, 0.0, 1.0]), (0.0, [1.0, 0.0, 0.0, 1.0]), (1.0, [1.0, 1.0, 0.0, 1.0])]:
+        r, errors = score(texts, ["7"], 4, watch=False, truncated=truncated, truncated_scale=s)
+        assert r.tolist() == want and errors == 0
+    assert score(texts, ["7"], 4, watch=False)[0].tolist() == [1.0, 1.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("script", ["gspo", "grpo", "gspo_token", "dfpo"])
+def test_the_loop_scores_the_rollouts_truncation(script, monkeypatch, tmp_path):
+    """Each script passes its rollout's truncation flags and --truncated-reward-scale (filled in: 0.5 on the
+    built-in task) to score (what score does with them: the test above)."""
+    mod = importlib.import_module(script)
+    seen, real_generate, real_score = {}, mod.generate, mod.score
+
+    def generate(*args, **kw):
+        seen["roll"] = real_generate(*args, **kw)
+        return seen["roll"]
+
+    def spy(*args, **kw):
+        seen.update(kw)
+        return real_score(*args, **kw)
+
+    monkeypatch.setattr(mod, "generate", generate)
+    monkeypatch.setattr(mod, "score", spy)
+    run_script(script, ["--num-steps", "1", "--prompts-per-rank", "2", "--num-minibatches", "1", "--group-size", "4",
+                        "--eval-every", "0"],
+               monkeypatch, tmp_path)
+    assert seen["truncated_scale"] == 0.5 and torch.equal(seen["truncated"], seen["roll"]["truncated"])
 
 
 @pytest.mark.parametrize("n, c, k, expected", [  # 1 - C(n-c, k) / C(n, k), n = 4, written out
@@ -415,7 +451,7 @@ def test_trl_style_reward_through_a_script(trl_rewards, monkeypatch, tmp_path):
     """TRL's f(completions) through --reward with a project reward beside it: both logged under their names."""
     rows, _ = run_script("gspo", ["--num-steps", "1", "--prompts-per-rank", "4", "--group-size", "2", "--eval-every",
                                   "0", "--reward", f"{trl_rewards}:only_completions", "--reward", f"{trl_rewards}:length",
-                                  "--reward-weights", "0.5", "1"], monkeypatch, tmp_path)
+                                  "--reward-weights", "0.5", "1", "--truncated-reward-scale", "1"], monkeypatch, tmp_path)
     assert rows[0]["rewards/only_completions/mean"] == 1.0 and rows[0]["rewards/only_completions/std"] == 0.0
     assert rows[0]["charts/reward_mean"] == pytest.approx(0.5 + rows[0]["rewards/length/mean"])
     assert rows[0]["charts/reward_errors"] == 0

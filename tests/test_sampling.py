@@ -1,7 +1,8 @@
-"""sampling.py against transformers' warpers and hand computations: the kept set equals
-TemperatureLogitsWarper -> TopKLogitsWarper -> TopPLogitsWarper's (ties included), sampled frequencies
-follow the warped softmax (chi-square), one seed gives one run, the log-prob is the float64 one,
-Dynamo traces the sampler whole (no host sync), and bf16 logits work (CPU)."""
+"""sampling.py against transformers' processors and hand computations: the kept set equals
+TemperatureLogitsWarper -> TopKLogitsWarper -> TopPLogitsWarper -> MinPLogitsWarper's (ties included), the
+penalised logits RepetitionPenaltyLogitsProcessor's bit for bit, sampled frequencies follow the warped softmax
+(chi-square), one seed gives one run, the log-prob is the float64 one, Dynamo traces the sampler whole (no host
+sync), and bf16 logits work (CPU)."""
 import functools
 import math
 
@@ -12,14 +13,36 @@ from transformers.generation import logits_process as lp
 import sampling
 
 
-def hf_kept(x, temperature, top_k, top_p):
-    """transformers' own warpers on float32 scores (as generate casts them): True where finite."""
-    scores = lp.TemperatureLogitsWarper(float(temperature))(None, x.float())
+def hf_kept(x, temperature, top_k, top_p, min_p=0.0):
+    """transformers' own warpers on float32 scores (as generate casts them), in generate's order
+    (_get_logits_processor: temperature, top-k, top-p, min-p): True where finite."""
+    return ~hf_warped(x.float(), temperature, top_k, top_p, min_p).isinf()
+
+
+def hf_warped(scores, temperature, top_k, top_p, min_p=0.0):
+    scores = lp.TemperatureLogitsWarper(float(temperature))(None, scores)
     if top_k:
         scores = lp.TopKLogitsWarper(top_k)(None, scores)
     if top_p < 1:
         scores = lp.TopPLogitsWarper(top_p)(None, scores)
-    return ~scores.isinf()
+    if min_p > 0:
+        scores = lp.MinPLogitsWarper(min_p)(None, scores)
+    return scores
+
+
+def ids_of(seen):
+    """seen [R, V] bool -> input_ids [R, max count] as HF's RepetitionPenaltyLogitsProcessor reads them, padded
+    with V (an id past the logits, which it drops)."""
+    rows = [row.nonzero()[:, 0].tolist() for row in seen]
+    width = max(1, max(map(len, rows)))
+    return torch.tensor([r + [seen.shape[1]] * (width - len(r)) for r in rows])
+
+
+def hf_penalised(x, penalty, seen):
+    """RepetitionPenaltyLogitsProcessor on float32 logits (generate's first processor here)."""
+    if penalty == 1.0:
+        return x.float()
+    return lp.RepetitionPenaltyLogitsProcessor(float(penalty))(ids_of(seen), x.float())
 
 
 def stable_sort(monkeypatch):
@@ -78,10 +101,67 @@ def test_ties_cut_as_a_stable_sort_cuts_them(monkeypatch):
     assert torch.equal(sampling.kept(x, 1.0, 0, 0.5), hf_kept(x, 1.0, 0, 0.5))
 
 
-def warped_probs(logits, temperature, top_k, top_p):
-    """By hand in float64 (no ties): softmax at the temperature, the top_k largest, then the
-    shortest descending prefix whose mass reaches top_p, renormalised."""
-    p = torch.softmax(logits.double() / temperature, -1)
+def seen_ids(rows, vocab, generator):
+    """Each row's prompt and completion so far as HF's input_ids hold them (ids repeat) -> (input_ids, seen
+    [rows, vocab] bool)."""
+    ids = torch.randint(0, vocab, (rows, vocab // 3), generator=generator)
+    return ids, torch.zeros(rows, vocab, dtype=torch.bool).scatter_(1, ids, True)
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.7, 2.0])
+def test_repetition_penalty_equals_transformers_processor(penalty):
+    """The penalised logits are RepetitionPenaltyLogitsProcessor's on the same input_ids (repeated ids
+    penalised once), bit for bit in float32, positive and negative logits alike; float64 by hand agrees."""
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(8, 300, generator=g) * 3
+    ids, seen = seen_ids(8, 300, g)
+    got = sampling.penalise(x, penalty, seen)
+    want = lp.RepetitionPenaltyLogitsProcessor(penalty)(ids, x.clone())
+    assert torch.equal(got, want)
+    hand = x.double().clone()
+    for r in range(8):
+        for j in set(ids[r].tolist()):
+            hand[r, j] = hand[r, j] / penalty if hand[r, j] > 0 else hand[r, j] * penalty
+    torch.testing.assert_close(got.double(), hand, rtol=1e-7, atol=0)
+    assert not torch.equal(got, x) and torch.equal(got[~seen], x[~seen])
+    assert sampling.penalise(x, 1.0, None) is x
+    with pytest.raises(ValueError, match="needs `seen`"):
+        sampling.penalise(x, penalty, None)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_min_p_kept_set_equals_transformers_warpers(bf16):
+    """min-p alone and after top-k and top-p, at two temperatures, with and without a penalty: the kept set is
+    that of HF's processors in generate's order (penalty, temperature, top-k, top-p, min-p) on the same logits,
+    exactly. min-p before the temperature keeps other sets (checked: the test sees the order)."""
+    g = torch.Generator().manual_seed(11)
+    differs = 0
+    for t in (0.6, 1.7):
+        for k, p in ((0, 1.0), (20, 1.0), (0, 0.9), (20, 0.95)):
+            for min_p in (0.05, 0.3, 0.9, 1e-6):
+                for penalty in (1.0, 1.5):
+                    x = torch.randn(16, 400, generator=g) * (1 + 3 * torch.rand(16, 1, generator=g))
+                    x = x.to(torch.bfloat16).float() if bf16 else x
+                    _, seen = seen_ids(16, 400, g)
+                    pen = hf_penalised(x, penalty, seen)
+                    got = sampling.kept(sampling.penalise(x, penalty, seen), t, k, p, min_p)
+                    want = ~hf_warped(pen, t, k, p, min_p).isinf()
+                    assert torch.equal(got.sum(-1), want.sum(-1)), (t, k, p, min_p, penalty)
+                    if not bf16 or p == 1.0:  # bf16 ties cut by top-p: HF's unstable sort's subset
+                        assert torch.equal(got, want), (t, k, p, min_p, penalty)
+                    before = ~hf_warped(lp.MinPLogitsWarper(min_p)(None, pen.clone()), t, k, p).isinf()
+                    differs += not torch.equal(before, want)
+    assert differs > 10, differs
+
+
+def warped_probs(logits, temperature, top_k, top_p, min_p=0.0, penalty=1.0, seen=()):
+    """By hand in float64 (no ties): the ids in `seen` penalised (logit / penalty if > 0, else x penalty),
+    softmax at the temperature, the top_k largest, then the shortest descending prefix whose mass reaches
+    top_p, then those at least min_p x the largest probability, renormalised."""
+    x = logits.double().clone()
+    for j in seen:
+        x[j] = x[j] / penalty if x[j] > 0 else x[j] * penalty
+    p = torch.softmax(x / temperature, -1)
     order = p.argsort(descending=True)
     keep = torch.zeros_like(p, dtype=torch.bool)
     mass = 0.0
@@ -90,6 +170,7 @@ def warped_probs(logits, temperature, top_k, top_p):
             break
         keep[j] = True
         mass += p[j].item()
+    keep &= p >= min_p * p.max()
     q = torch.where(keep, p, 0.0)
     return q / q.sum()
 
@@ -116,6 +197,18 @@ def test_sampled_frequencies_follow_the_warped_softmax(dtype):
     assert int((probs > 0).sum()) != int((warped_probs(logits.float()[0], 1.0, 7, 0.93) > 0).sum())
     g = torch.Generator().manual_seed(0)
     tokens, _ = sampling.sample(logits.expand(10000, -1), 0.7, 7, 0.93, generator=g)
+    chi2, dof = chi_square(tokens, probs)
+    assert chi2 < CHI2_999[dof], (chi2, dof)
+    # repetition penalty 1.5 on ids 0 and 5 and min-p 0.1 at temperature 0.7: 5 tokens kept (id 0's 2.0 -> 1.33,
+    # the max now id 1's 1.5; kept iff (x - 1.5) / 0.7 >= log 0.1). Without the penalty 4 would be kept, with
+    # min-p before the temperature 6: either break draws a removed token or fails the chi-square
+    seen = torch.zeros(10000, 9, dtype=torch.bool)
+    seen[:, [0, 5]] = True
+    probs = warped_probs(logits.float()[0], 0.7, 0, 1.0, 0.1, 1.5, [0, 5])
+    assert int((probs > 0).sum()) == 5
+    assert int((warped_probs(logits.float()[0], 0.7, 0, 1.0, 0.1) > 0).sum()) == 4
+    assert int((warped_probs(logits.float()[0], 1.0, 0, 1.0, 0.1, 1.5, [0, 5]) > 0).sum()) == 6
+    tokens, _ = sampling.sample(logits.expand(10000, -1), 0.7, 0, 1.0, 0.1, 1.5, seen=seen, generator=g)
     chi2, dof = chi_square(tokens, probs)
     assert chi2 < CHI2_999[dof], (chi2, dof)
     # no top-k/top-p, temperature 1.6: the plain tempered softmax
@@ -157,17 +250,30 @@ def test_log_prob_is_the_tempered_softmax_in_float64():
     assert torch.equal(tokens, x.argmax(-1))
     want = torch.log_softmax(x.double(), -1).gather(1, tokens[:, None])[:, 0]
     torch.testing.assert_close(logp.double(), want, rtol=0, atol=1e-5)
+    # with a repetition penalty: the tempered softmax of the penalised logits (the sampler's own, not the
+    # policy's: --old-logp rollout refuses it), min-p changing nothing; greedy, the penalised argmax
+    _, seen = seen_ids(64, 500, g)
+    hand = x.double().clone()
+    hand[seen] = torch.where(hand[seen] > 0, hand[seen] / 1.4, hand[seen] * 1.4)
+    for t in (0.7, 0.0):
+        tokens, logp = sampling.sample(x, t, 0, 0.95, 0.02, 1.4, seen=seen, generator=g)
+        want = torch.log_softmax(hand / (t or 1.0), -1).gather(1, tokens[:, None])[:, 0]
+        torch.testing.assert_close(logp.double(), want, rtol=0, atol=1e-5)
+    assert torch.equal(tokens, hand.argmax(-1)) and not torch.equal(tokens, x.argmax(-1))
 
 
-@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 1.0), (0, 0.9), (5, 0.9)])
-def test_traced_whole_with_no_host_sync(top_k, top_p):
+@pytest.mark.parametrize("top_k,top_p,min_p,penalty", [(0, 1.0, 0, 1), (5, 1.0, 0, 1), (0, 0.9, 0, 1),
+                                                       (5, 0.9, 0, 1), (0, 0.9, 0.05, 1.3)])
+def test_traced_whole_with_no_host_sync(top_k, top_p, min_p, penalty):
     """torch.compile(fullgraph=True, dynamic=False) traces the sampler with no graph break: no
     .item(), no data-dependent shape, no branch on a tensor's value (what a CUDA graph capture
     needs). backend="eager" keeps it quick; the tokens and log-probs equal the eager call's."""
     torch._dynamo.reset()
     x = torch.randn(8, 300, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     noise = torch.empty(8, 300).exponential_(generator=torch.Generator().manual_seed(7))
-    step = functools.partial(sampling.sample, temperature=0.7, top_k=top_k, top_p=top_p)
+    seen = torch.rand(8, 300, generator=torch.Generator().manual_seed(8)) < 0.2
+    step = functools.partial(sampling.sample, temperature=0.7, top_k=top_k, top_p=top_p, min_p=min_p,
+                             repetition_penalty=penalty, seen=seen)
     compiled = torch.compile(lambda x, e: step(x, noise=e), fullgraph=True, dynamic=False,
                              backend="eager")
     got, want = compiled(x, noise), step(x, noise=noise)
@@ -194,15 +300,14 @@ def test_bf16_logits(monkeypatch):
     assert math.isfinite(float(logp.sum()))
 
 
-def multinomial_sample(logits, temperature, top_k=0, top_p=1.0, generator=None):
-    """HF's sampling as transformers writes it (the engine's sampler before sampling.py): the
-    warpers in float32, then torch.multinomial; the log-prob under the tempered softmax."""
-    scores = logits.float() / temperature
-    logp = torch.log_softmax(scores, -1)
-    if top_k:
-        scores = lp.TopKLogitsWarper(top_k)(None, scores)
-    if top_p < 1:
-        scores = lp.TopPLogitsWarper(top_p)(None, scores)
+def multinomial_sample(logits, temperature, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, *,
+                       seen=None, generator=None):
+    """HF's sampling as transformers writes it (the engine's sampler before sampling.py): its processors in
+    float32 in generate's order (repetition penalty, temperature, top-k, top-p, min-p), then torch.multinomial;
+    the log-prob under the tempered softmax of the penalised logits."""
+    scores = hf_penalised(logits, repetition_penalty, seen)
+    logp = torch.log_softmax(scores / temperature, -1)
+    scores = hf_warped(scores, temperature, top_k, top_p, min_p)
     tokens = torch.multinomial(torch.softmax(scores, -1), 1, generator=generator)
     return tokens[:, 0], logp.gather(1, tokens)[:, 0]
 
@@ -210,10 +315,12 @@ def multinomial_sample(logits, temperature, top_k=0, top_p=1.0, generator=None):
 def test_same_tokens_as_hf_multinomial_with_one_seed():
     """The race is torch.multinomial's own draw for one sample (argmax p / E over the same Exp(1)
     stream), so the engine's runs keep HF's tokens for a given seed (test_engine checks it through
-    engine.generate)."""
+    engine.generate); with min-p and a repetition penalty too (HF's processors in the draw's place)."""
     x = torch.randn(128, 700, generator=torch.Generator().manual_seed(9))
-    for t, k, p in [(0.7, 0, 1.0), (1.0, 0, 0.9), (1.3, 40, 0.95)]:
-        got = sampling.sample(x, t, k, p, generator=torch.Generator().manual_seed(1))
-        want = multinomial_sample(x, t, k, p, torch.Generator().manual_seed(1))
-        assert torch.equal(got[0], want[0]), (t, k, p)
+    _, seen = seen_ids(128, 700, torch.Generator().manual_seed(12))
+    for t, k, p, m, r in [(0.7, 0, 1.0, 0, 1), (1.0, 0, 0.9, 0, 1), (1.3, 40, 0.95, 0, 1),
+                          (0.7, 0, 1.0, 0.1, 1), (1.0, 0, 0.9, 0.05, 1.3), (1.3, 40, 0.95, 0.2, 0.8)]:
+        got = sampling.sample(x, t, k, p, m, r, seen=seen, generator=torch.Generator().manual_seed(1))
+        want = multinomial_sample(x, t, k, p, m, r, seen=seen, generator=torch.Generator().manual_seed(1))
+        assert torch.equal(got[0], want[0]), (t, k, p, m, r)
         torch.testing.assert_close(got[1], want[1])

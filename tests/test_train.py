@@ -45,12 +45,14 @@ def read_rows(path, jitter_row=True):
 @pytest.mark.parametrize("script", ["gspo", "grpo", pytest.param("gspo_token", marks=pytest.mark.slow),
                                     pytest.param("dfpo", marks=pytest.mark.slow)])
 def test_reward_rises(script, monkeypatch, tmp_path):
-    # 100 steps: since the grader stopped reading a digit glued to a letter ('x7') as the answer, the built-in
-    # task's early rewards are sparser (at 80 steps gspo had reached 0.19, at 100 0.25, at 120 0.38)
+    # 100 steps: the built-in task's reward asks for the digit and a stop (a right digit cut at the limit scores 0.5),
+    # so early rewards are sparse and the climb comes late (gspo, seed 1: 0.0066 over steps 1-10, 0.167 over 91-100;
+    # with an evaluation every 50 steps, another sampling path, 0.33 at step 100 and 0.89 at 120)
     rows, _ = run_script(script, ["--num-steps", "100", "--eval-every", "0"], monkeypatch, tmp_path)
     r = [row["charts/reward_mean"] for row in rows]
     first, last = sum(r[:10]) / 10, sum(r[-10:]) / 10
-    assert last > 3 * first and last > 0.2, (first, last)  # 0.1 is the best a constant answer can do
+    # 0.1 is the best a constant answer can do (with a stop; 0.05 without)
+    assert last > 10 * first and last > 0.12, (first, last)
 
 
 def test_local_model_folder_and_checkpoint(tiny_dir, monkeypatch, tmp_path):

@@ -30,7 +30,7 @@ Energy on frequent tokens (eq. 24) needs a backward pass per token: energy.py co
 (experiments/energy_cost.py states its cost); this lab does not log it yet.
 
     pip install -r experiments/requirements.txt     # matplotlib for the plots (the table needs nothing more)
-    python experiments/learning_tax.py              # ~12 min on 2 CPU cores; results in experiments/results/
+    python experiments/learning_tax.py              # ~32 min a run at a time on 2 CPU cores; experiments/results/
     python experiments/learning_tax.py --smoke      # a reduced form, under a minute
     python experiments/learning_tax.py --table-only # the table, summary.json and plots again from the runs there
 """

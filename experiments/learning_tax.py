@@ -18,11 +18,19 @@ exactly (no sampling), per checkpoint:
   log pi("So, " | x): the prefix every completion shares, so its reward is nothing; any drift of it is learning tax
       (App. A.2, eq. 38). The two forms differ in length, so eq. 63 cancels it only approximately (eq. 72-73);
       dfpo.py --length-aware cancels it exactly.
+Part 1 also holds two ablations on the same task and seeds, each with its own table:
+  Mixture-of-Experts (GSPO arXiv:2507.18071, Sec. 5.3: GRPO needs Routing Replay on an MoE, GSPO does not):
+      grpo.py, grpo.py --routing-replay and gspo.py on --model tiny-moe; reward, Jitter2, clip fraction, the spread of
+      log w_it on each step's first minibatch (pi = pi_old) and on the later ones, and the expert selections that flip
+      after one optimizer step (moe/route_flip_frac) or that the loss sees (moe/route_flip_frac_loss).
+  Group size (the DFPO paper's Table 4): dfpo.py --transform min-replace minus gspo.py at G = 4, 8, 16 (the same
+      prompts a step, so G completions each), as per-seed paired differences of the final reward: the same seed is
+      the same initial model and the same prompts for both objectives.
 Energy on frequent tokens (eq. 24) needs a backward pass per token: energy.py computes it exactly
 (experiments/energy_cost.py states its cost); this lab does not log it yet.
 
     pip install -r experiments/requirements.txt     # matplotlib for the plots (the table needs nothing more)
-    python experiments/learning_tax.py              # ~12 min on 2 CPU cores; results in experiments/results/
+    python experiments/learning_tax.py              # ~32 min a run at a time on 2 CPU cores; experiments/results/
     python experiments/learning_tax.py --smoke      # a reduced form, under a minute
     python experiments/learning_tax.py --table-only # the table, summary.json and plots again from the runs there
 """
@@ -43,6 +51,7 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import cli  # noqa: E402
 import common  # noqa: E402
 import data  # noqa: E402
 
@@ -58,10 +67,33 @@ BUILTIN = {
     "dfpo orth-proj-qp": ["dfpo.py", "--transform", "orth-proj-qp"],
     "dfpo scale": ["dfpo.py", "--transform", "scale"],
 }
+# the GSPO paper's MoE claim (arXiv:2507.18071, Sec. 5.3), on transformers' Qwen3-MoE built like tiny
+MOE = {
+    "grpo --model tiny-moe": ["grpo.py", "--model", "tiny-moe"],
+    "grpo --model tiny-moe --routing-replay": ["grpo.py", "--model", "tiny-moe", "--routing-replay"],
+    "gspo --model tiny-moe": ["gspo.py", "--model", "tiny-moe"],
+}
+# the DFPO paper's Table 4 (arXiv:2604.13088): min-replace minus GSPO as the group size G grows
+GROUP_SIZES = [4, 8, 16]
+GROUP_PAIR = ("gspo", "dfpo min-replace")  # (the baseline, the objective); their difference is the row
+PAPER_TABLE4 = {2: 3.1, 4: 4.2, 8: 5.6, 16: 5.7}  # its Delta: AIME25 avg@32 points, Qwen3-32B
+
+
+def group_name(name: str, g: int) -> str:
+    """The configuration of `name` at group size g: the part-1 run itself at the scripts' default G."""
+    return name if g == cli.CommonArgs.group_size else f"{name} --group-size {g}"
+
+
+GROUP = {group_name(n, g): [*BUILTIN[n], "--group-size", str(g)] for g in GROUP_SIZES for n in GROUP_PAIR
+         if g != cli.CommonArgs.group_size}
+PART1 = {**BUILTIN, **GROUP, **MOE}  # every configuration run on the built-in task
 TWO_FORM = {k: BUILTIN[k] for k in ["grpo", "gspo", "dfpo min-replace", "dfpo min-replace --clip-gated",
                                     "dfpo min-replace --length-aware"]}
 CURVES = {"charts/reward_mean": "reward", "losses/entropy": "entropy (nats/token)", "losses/asym": "Asym (eq. 23)",
           "losses/clipfrac": "clip fraction (tokens)", "losses/shared_coef": "shared-token coefficient (eq. 72)"}
+# kept as well where every step logged them (the MoE runs; the log w variances in every run)
+EXTRA_CURVES = ["losses/log_ratio_var_first", "losses/log_ratio_var_later", "moe/route_flip_frac",
+                "moe/route_flip_frac_loss"]
 FORM_A, FORM_B, PREFIX = "So, the answer is {n}.", "So, {a}+{b}={n}.", "So, "
 
 
@@ -89,8 +121,14 @@ class Args:
     """runs at once, one CPU thread each"""
     only: str | None = None
     """comma-separated configuration names to run (default: all)"""
+    two_form: bool = True
+    """run part 2 (Appendix A's task) for the configurations it holds; --no-two-form: part 1 and its tables only"""
+    skip_done: bool = False
+    """keep the runs already under {out}/runs and run only the (configuration, seed) pairs without a finished
+    metrics.jsonl (an experiment continued, or grown with --only); the tables cover --only as always"""
     smoke: bool = False
-    """a reduced form for the test suite: 1 seed, 3 + 4 steps, gspo and dfpo min-replace --length-aware only"""
+    """a reduced form for the test suite: 1 seed, 3 + 4 steps; gspo and dfpo min-replace --length-aware, gspo on
+    tiny-moe, gspo and dfpo min-replace at G = 4"""
     table_only: bool = False
     """run nothing: rebuild table.md, summary.json and the plots from the runs already under {out}/runs (their
     metrics.jsonl and checkpoints), with the same --seeds, --steps, --only ... as the run that wrote them"""
@@ -170,24 +208,59 @@ def sci(xs: list[float]) -> str:
 
 
 # ----------------------------------------------------------------------------- part 1: the built-in task
+def finished(root: str, name: str, seed: int) -> bool:
+    """--skip-done: one run folder whose metrics.jsonl ends with the run's Jitter2 (its last step); any other
+    folders of the pair (a run cut short) are removed, so that the pair runs again."""
+    paths = glob.glob(os.path.join(root, f"{exp_name(name)}__{seed}__*"))
+    log = os.path.join(paths[0], "metrics.jsonl") if len(paths) == 1 else ""
+    if os.path.isfile(log) and "charts/reward_jitter2" in (open(log).read().strip().splitlines() or [""])[-1]:
+        return True
+    for path in paths:
+        shutil.rmtree(path)
+    return False
+
+
+def pending(args, jobs: list, root: str) -> list:
+    """The jobs to run: all, or with --skip-done those whose (configuration, seed) has no finished run."""
+    if not args.skip_done:
+        return [job for job, _ in jobs]
+    todo = [job for job, (name, s) in jobs if not finished(root, name, s)]
+    print(f"  --skip-done: {len(jobs) - len(todo)} of {len(jobs)} runs there already", flush=True)
+    return todo
+
+
 def part1(args, configs: dict, seeds: list[int]) -> dict:
     root = os.path.join(args.out, "runs", "builtin")
-    jobs = [(f"{name} seed {s}", [*argv, "--seed", str(s), "--num-steps", str(args.steps), "--eval-every", "0",
-                                  "--exp-name", exp_name(name), "--output-dir", root],
-             os.path.join(root, f"{exp_name(name)}__{s}.log")) for name, argv in configs.items() for s in seeds]
+    jobs = [((f"{name} seed {s}", [*argv, "--seed", str(s), "--num-steps", str(args.steps), "--eval-every", "0",
+                                   "--exp-name", exp_name(name), "--output-dir", root],
+              os.path.join(root, f"{exp_name(name)}__{s}.log")), (name, s)) for name, argv in configs.items()
+            for s in seeds]
     if not args.table_only:
         os.makedirs(root, exist_ok=True)
-        run_jobs(jobs, args.workers)
+        run_jobs(pending(args, jobs, root), args.workers)
     result = {}
     for name in configs:
         per_seed = []
         for s in seeds:
             rows = metrics(root, name, s)
             steps = [r for r in rows if "charts/reward_mean" in r]
-            per_seed.append({"curves": {k: [r[k] for r in steps] for k in CURVES},
+            keys = list(CURVES) + [k for k in EXTRA_CURVES if all(k in r for r in steps)]
+            per_seed.append({"curves": {k: [r[k] for r in steps] for k in keys},
                              "jitter2": next(r["charts/reward_jitter2"] for r in rows if "charts/reward_jitter2" in r)})
         result[name] = per_seed
     return result
+
+
+def final_reward(run: dict) -> float:
+    """The mean reward of a run's last 10% of steps (at least one)."""
+    curve = run["curves"]["charts/reward_mean"]
+    n = max(1, len(curve) // 10)
+    return sum(curve[-n:]) / n
+
+
+def step_mean(run: dict, key: str) -> float:
+    """A per-step curve's mean over the run's steps."""
+    return sum(run["curves"][key]) / len(run["curves"][key])
 
 
 def table1(result: dict, args) -> str:
@@ -195,8 +268,7 @@ def table1(result: dict, args) -> str:
              "| Asym (eq. 23) | shared-token coef. (eq. 72) | clip fraction | entropy, last step |",
              "|---|---|---|---|---|---|---|---|"]
     for name, runs in result.items():
-        n = max(1, args.steps // 10)
-        last = [sum(r["curves"]["charts/reward_mean"][-n:]) / n for r in runs]
+        last = [final_reward(r) for r in runs]
         reach = [steps_to(r["curves"]["charts/reward_mean"], args.threshold, args.window) for r in runs]
         hit = [x for x in reach if x is not None]
         reach_s = (f"{fmt(hit, 1)} ({len(hit)}/{len(runs)} seeds)" if hit else f"not reached (0/{len(runs)})")
@@ -204,6 +276,54 @@ def table1(result: dict, args) -> str:
         lines.append(f"| {name} | {fmt(last)} | {reach_s} | {fmt([r['jitter2'] for r in runs])} | "
                      f"{fmt(avg('losses/asym'), 4)} | {sci(avg('losses/shared_coef'))} | "
                      f"{fmt(avg('losses/clipfrac'))} | {fmt([r['curves']['losses/entropy'][-1] for r in runs])} |")
+    return "\n".join(lines)
+
+
+def moe_numbers(runs: list[dict]) -> dict:
+    """Per seed: the final reward, Jitter2, and the means over steps of the clip fraction and the flip fractions;
+    the spread of log w_it as a std, the square root of the mean over steps of each step's variance over the
+    completion tokens of its first minibatch (pi = pi_old) and of its later minibatches."""
+    return {"reward": [final_reward(r) for r in runs], "jitter2": [r["jitter2"] for r in runs],
+            "clipfrac": [step_mean(r, "losses/clipfrac") for r in runs],
+            "log_w_std_first": [math.sqrt(step_mean(r, "losses/log_ratio_var_first")) for r in runs],
+            "log_w_std_later": [math.sqrt(step_mean(r, "losses/log_ratio_var_later")) for r in runs],
+            "route_flip_frac": [step_mean(r, "moe/route_flip_frac") for r in runs],
+            "route_flip_frac_loss": [step_mean(r, "moe/route_flip_frac_loss") for r in runs]}
+
+
+def table_moe(result: dict) -> str:
+    lines = ["| objective on tiny-moe | reward, last 10% of steps | Jitter2 (eq. 20) | clip fraction (tokens) | "
+             "std log w_it, first minibatch | std log w_it, later minibatches | route flips after one step | "
+             "route flips the loss sees |", "|---|---|---|---|---|---|---|---|"]
+    for name, runs in result.items():
+        m = moe_numbers(runs)
+        lines.append(f"| {name} | {fmt(m['reward'])} | {fmt(m['jitter2'])} | {fmt(m['clipfrac'], 4)} | "
+                     f"{sci(m['log_w_std_first'])} | {fmt(m['log_w_std_later'], 4)} | {fmt(m['route_flip_frac'], 4)} | "
+                     f"{fmt(m['route_flip_frac_loss'], 4)} |")
+    return "\n".join(lines)
+
+
+def group_numbers(result: dict) -> dict:
+    """Per group size whose two configurations ran: each one's final reward per seed and their per-seed
+    differences (objective - baseline; the same seed is the same initial model and the same prompts)."""
+    out = {}
+    for g in GROUP_SIZES:
+        base, obj = (group_name(n, g) for n in GROUP_PAIR)
+        if base in result and obj in result:
+            b, o = [final_reward(r) for r in result[base]], [final_reward(r) for r in result[obj]]
+            out[g] = {"baseline": b, "objective": o, "difference": [y - x for x, y in zip(b, o)]}
+    return out
+
+
+def table_group(result: dict) -> str:
+    base, obj = GROUP_PAIR
+    lines = [f"| G | {base}: reward, last 10% of steps | {obj} | {obj} - {base}, per-seed paired difference | "
+             f"seeds with {obj} ahead | the paper's Delta (Table 4: AIME25 avg@32, Qwen3-32B) |",
+             "|---|---|---|---|---|---|"]
+    for g, m in group_numbers(result).items():
+        ahead = sum(d > 0 for d in m["difference"])
+        lines.append(f"| {g} | {fmt(m['baseline'])} | {fmt(m['objective'])} | {fmt(m['difference'])} | "
+                     f"{ahead}/{len(m['difference'])} | +{PAPER_TABLE4[g]} |")
     return "\n".join(lines)
 
 
@@ -310,14 +430,16 @@ def part2(args, configs: dict, seeds: list[int]) -> dict:
     if not args.table_only:
         os.makedirs(root, exist_ok=True)
         data = two_form_data(root)
-        model = warm_start(root, args.sft_steps, 0)
+        if not (args.skip_done and os.path.isdir(model)):  # the warm start is the same every time (seed 0)
+            model = warm_start(root, args.sft_steps, 0)
         common_flags = ["--model", model, "--dataset", data, "--learning-rate", "5e-4", "--max-new-tokens", "24",
                         "--eval-every", "0", "--eval-size", "4", "--num-steps", str(args.two_form_steps),
                         "--save-every", str(args.save_every), "--keep-checkpoints", "0", "--output-dir", root]
-        jobs = [(f"{name} seed {s} (two forms)", [*argv, *common_flags, "--seed", str(s), "--exp-name",
-                                                  exp_name(name)],
-                 os.path.join(root, f"{exp_name(name)}__{s}.log")) for name, argv in configs.items() for s in seeds]
-        run_jobs(jobs, args.workers)
+        jobs = [((f"{name} seed {s} (two forms)", [*argv, *common_flags, "--seed", str(s), "--exp-name",
+                                                   exp_name(name)],
+                  os.path.join(root, f"{exp_name(name)}__{s}.log")), (name, s)) for name, argv in configs.items()
+                for s in seeds]
+        run_jobs(pending(args, jobs, root), args.workers)
     start = measure(model, probes)
     result = {}
     for name in configs:
@@ -383,10 +505,11 @@ def plot(out: str, part1_result: dict, part2_result: dict, window: int) -> list[
         ax.fill_between(xs[:n], ys.min(0).values, ys.max(0).values, color=line.get_color(), alpha=0.12, lw=0)
 
     paths = []
-    if part1_result:
+    builtin = {k: v for k, v in part1_result.items() if k in BUILTIN}
+    if builtin:
         fig, axes = plt.subplots(2, 3, figsize=(15, 8))
         for ax, (key, title) in zip(axes.flat, CURVES.items()):
-            for name, runs in part1_result.items():
+            for name, runs in builtin.items():
                 ys = [r["curves"][key] for r in runs]
                 band(ax, list(range(1, len(ys[0]) + 1)), ys, name, window)
             ax.set_title(title)
@@ -414,6 +537,43 @@ def plot(out: str, part1_result: dict, part2_result: dict, window: int) -> list[
         fig.tight_layout()
         paths.append(os.path.join(out, "two_form.png"))
         fig.savefig(paths[-1], dpi=90)
+    moe = {k: v for k, v in part1_result.items() if k in MOE}
+    groups = group_numbers(part1_result)
+    if moe or groups:
+        fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+        panels = [("charts/reward_mean", "tiny-moe: reward"), ("losses/log_ratio_var_later",
+                                                              "tiny-moe: std log w_it, later minibatches"),
+                  ("moe/route_flip_frac", "tiny-moe: route flips after one step")]
+        for ax, (key, title) in zip(axes, panels):
+            for name, runs in moe.items():
+                ys = [[math.sqrt(v) for v in r["curves"][key]] if "var" in key else r["curves"][key] for r in runs]
+                band(ax, list(range(1, len(ys[0]) + 1)), ys, name, window)
+            ax.set_title(title, fontsize=10)
+            ax.set_xlabel("RL step")
+        if moe:
+            axes[0].legend(fontsize=8)
+        ax = axes[3]
+        for g, m in groups.items():
+            ax.scatter([g] * len(m["difference"]), m["difference"], color="C0", s=12)
+        if groups:
+            ax.plot(list(groups), [mean_std(m["difference"])[0] for m in groups.values()], "o-", color="C0",
+                    label=f"{GROUP_PAIR[1]} - {GROUP_PAIR[0]}: seeds, mean")
+            ax.axhline(0, color="grey", lw=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(GROUP_SIZES, [str(g) for g in GROUP_SIZES])
+            ax.set_xlabel("group size G")
+            ax.set_ylabel("final reward difference")
+            paper = ax.twinx()
+            paper.plot(GROUP_SIZES, [PAPER_TABLE4[g] for g in GROUP_SIZES], "s--", color="C3",
+                       label="the paper (AIME25)")
+            paper.set_ylabel("the paper's Delta, AIME25 avg@32 points", color="C3")
+            ax.legend(*[a + b for a, b in zip(ax.get_legend_handles_labels(), paper.get_legend_handles_labels())],
+                      fontsize=8)
+        ax.set_title("DFPO Table 4: min-replace minus GSPO by G", fontsize=10)
+        fig.suptitle(f"built-in task ablations: mean over seeds of the {window}-step moving average, band = min..max")
+        fig.tight_layout()
+        paths.append(os.path.join(out, "ablations.png"))
+        fig.savefig(paths[-1], dpi=90)
     return paths
 
 
@@ -421,33 +581,42 @@ def main():
     args = tyro.cli(Args)
     if args.smoke:
         args.seeds, args.steps, args.two_form_steps, args.save_every, args.sft_steps = 1, 3, 4, 2, 20
-        args.only = args.only or "gspo,dfpo min-replace --length-aware"
-    wanted = set(only_commands(args.only, BUILTIN))
+        args.only = args.only or ("gspo,dfpo min-replace --length-aware,gspo --model tiny-moe,"
+                                  "gspo --group-size 4,dfpo min-replace --group-size 4")
+    wanted = set(only_commands(args.only, PART1))
     if args.seeds < 1 or args.steps < 3 or args.two_form_steps < args.save_every or args.save_every < 1:
         raise SystemExit("--seeds >= 1, --steps >= 3 (Jitter2 needs 3 points), --two-form-steps >= --save-every >= 1")
     if not 1 <= args.probes <= 100:
         raise SystemExit(f"--probes {args.probes}: between 1 and the task's 100 prompts")
     t0 = time.time()
-    if not args.table_only:
+    if not args.table_only and not args.skip_done:
         shutil.rmtree(os.path.join(args.out, "runs"), ignore_errors=True)
     os.makedirs(args.out, exist_ok=True)
     seeds = list(range(1, args.seeds + 1))
-    print(f"part 1: the built-in task, {len(wanted)} objectives x {len(seeds)} seeds x {args.steps} steps", flush=True)
-    r1 = part1(args, {k: v for k, v in BUILTIN.items() if k in wanted}, seeds)
-    two = {k: v for k, v in TWO_FORM.items() if k in wanted}
+    print(f"part 1: the built-in task, {len(wanted)} configurations x {len(seeds)} seeds x {args.steps} steps",
+          flush=True)
+    r1 = part1(args, {k: v for k, v in PART1.items() if k in wanted}, seeds)
+    two = {k: v for k, v in TWO_FORM.items() if k in wanted and args.two_form}
     print(f"part 2: two surface forms, {len(two)} objectives x {len(seeds)} seeds x {args.two_form_steps} steps",
           flush=True)
     r2 = part2(args, two, seeds) if two else {}
-    t1, t2 = table1(r1, args), table2(r2) if r2 else ""
+    builtin = {k: v for k, v in r1.items() if k in BUILTIN}
+    moe = {k: v for k, v in r1.items() if k in MOE}
+    groups = group_numbers(r1)
+    sections = [(f"Built-in task, {args.steps} steps", table1(builtin, args) if builtin else ""),
+                (f"Mixture-of-Experts (tiny-moe), built-in task, {args.steps} steps", table_moe(moe) if moe else ""),
+                (f"Group size (the DFPO paper's Table 4), built-in task, {args.steps} steps",
+                 table_group(r1) if groups else ""),
+                (f"Two surface forms (Appendix A), {args.two_form_steps} steps", table2(r2) if r2 else "")]
     what = "the tables rebuilt from the runs under runs/" if args.table_only else "runs and tables"
     report = (f"# Learning-tax lab\n\n`python experiments/learning_tax.py {' '.join(sys.argv[1:])}`: {len(seeds)} "
-              f"seeds, {what} in {time.time() - t0:.0f} s. Mean ± sample std (ddof 1) over seeds.\n\n"
-              f"## Built-in task, {args.steps} steps\n\n"
-              f"{t1}\n\n## Two surface forms (Appendix A), {args.two_form_steps} steps\n\n{t2}\n")
+              f"seeds, {what} in {time.time() - t0:.0f} s. Mean ± sample std (ddof 1) over seeds.\n"
+              + "".join(f"\n## {title}\n\n{table}\n" for title, table in sections if table))
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(report)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump({"args": vars(args), "builtin": r1, "two_form": r2}, f)
+        json.dump({"args": vars(args), "builtin": r1, "moe": {k: moe_numbers(v) for k, v in moe.items()},
+                   "group_size": groups, "two_form": r2}, f)
     plots = plot(args.out, r1, r2, args.window)
     print(report)
     print(f"written: {os.path.join(args.out, 'table.md')}, summary.json" + "".join(f", {p}" for p in plots)

@@ -1,5 +1,6 @@
 """The learning-tax lab in its reduced form (--smoke): every part runs end to end from the scripts' own logs and
-checkpoints, and the table it writes holds the measured numbers of each objective."""
+checkpoints, and the table it writes holds the measured numbers of each objective; the tables of the MoE and the
+group-size ablations computed from hand-made metrics (fast)."""
 import json
 import os
 import subprocess
@@ -25,6 +26,11 @@ def test_learning_tax_lab_smoke(tmp_path):
         assert two["steps"] == [0, 2, 4]  # the warm start, then the checkpoints of steps 2 and 4, measured exactly
         assert all(0 <= h <= 1 for h in two["h"]) and two["log_odds_drift"][0] == 0 == two["prefix_drift"][0]
         assert two["log_odds_drift"][-1] > 0  # the policy moved
+    # the ablations' tables (issue 36 items 6 and 7): the MoE run's row, and the group size both objectives ran at
+    assert "| gspo --model tiny-moe |" in table and "| 4 |" in table and "| 8 |" not in table
+    moe = summary["moe"]["gspo --model tiny-moe"]
+    assert moe["log_w_std_first"] == [0.0] and 0 < moe["route_flip_frac"][0] < 1  # pi = pi_old on minibatch 1
+    assert len(summary["group_size"]["4"]["difference"]) == 1
     # the two forms differ in length; the length-aware transform cancels the shared first token "S" exactly (eq. 72),
     # GSPO does not
     assert max(summary["two_form"]["dfpo min-replace --length-aware"][0]["shared_coef"]) < 1e-6
@@ -34,4 +40,58 @@ def test_learning_tax_lab_smoke(tmp_path):
     except ImportError:
         assert "table only, no plots" in p.stdout
     else:
-        assert (tmp_path / "builtin.png").stat().st_size > 10_000 and (tmp_path / "two_form.png").stat().st_size > 10_000
+        for png in ("builtin.png", "two_form.png", "ablations.png"):
+            assert (tmp_path / png).stat().st_size > 10_000
+
+
+def write_run(root, name: str, seed: int, rows: list[dict], jitter2: float):
+    """A fake run folder as the scripts write it: metrics.jsonl, one row a step, the last with the run's Jitter2."""
+    run = root / f"{name.replace(' ', '_')}__{seed}__1700000000"
+    run.mkdir(parents=True)
+    rows = [{"step": t + 1, "losses/entropy": 0.0, "losses/asym": 0.0, "losses/shared_coef": 0.0,
+             "losses/clipfrac": 0.0, **r} for t, r in enumerate(rows)]
+    rows[-1]["charts/reward_jitter2"] = jitter2
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_moe_and_group_size_tables_from_fake_runs(tmp_path):
+    """The MoE table (issue 36 item 6) and the group-size table (item 7, the DFPO paper's Table 4) from hand-made
+    metrics.jsonl files read as the lab reads real runs (--table-only), every cell computed by hand."""
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import learning_tax as lab
+
+    root = tmp_path / "runs" / "builtin"
+    # MoE: 20 steps, so the final reward is the mean of the last 2 (10%); log w variances and flips per step
+    moe = {1: dict(reward=[0.2, 0.4], clip=[0.01] * 20, var_later=[0.01] * 10 + [0.03] * 10, flip=0.02, j=0.1),
+           2: dict(reward=[0.5, 0.7], clip=[0.0] * 10 + [0.04] * 10, var_later=[0.0081] * 20, flip=0.04, j=0.3)}
+    for seed, m in moe.items():
+        write_run(root, "gspo --model tiny-moe", seed, [
+            {"charts/reward_mean": r, "losses/clipfrac": c, "losses/log_ratio_var_first": 0.0,
+             "losses/log_ratio_var_later": v, "moe/route_flip_frac": m["flip"], "moe/route_flip_frac_loss": 0.0}
+            for r, c, v in zip([0.0] * 18 + m["reward"], m["clip"], m["var_later"])], m["j"])
+    # group size: 10 steps (final reward = the last step's), 3 seeds, G = 4 and 8 (the scripts' default) only
+    finals = {"gspo --group-size 4": [0.1, 0.2, 0.3], "dfpo min-replace --group-size 4": [0.4, 0.15, 0.35],
+              "gspo": [0.25, 0.25, 0.25], "dfpo min-replace": [0.125, 0.5, 0.25]}
+    for name, per_seed in finals.items():
+        for seed, last in enumerate(per_seed, 1):
+            write_run(root, name, seed, [{"charts/reward_mean": 0.0}] * 9 + [{"charts/reward_mean": last}], 0.0)
+
+    args = lab.Args(out=str(tmp_path), table_only=True)
+    r_moe = lab.part1(args, {"gspo --model tiny-moe": lab.MOE["gspo --model tiny-moe"]}, [1, 2])
+    # reward: seeds 0.3, 0.6 -> 0.450 ± 0.212; Jitter2 0.1, 0.3 -> 0.200 ± 0.141; clip fraction 0.01, 0.02 ->
+    # 0.0150 ± 0.0071; std log w later: sqrt of the step-mean variance, sqrt(0.02) = 0.141421 and sqrt(0.0081) = 0.09
+    # -> 0.1157 ± 0.0364 (the mean of the per-step stds would give 0.1366 for seed 1); flips 0.02, 0.04 -> 0.0300 ±
+    # 0.0141; the loss's flips 0
+    assert lab.table_moe(r_moe).splitlines()[2] == (
+        "| gspo --model tiny-moe | 0.450 ± 0.212 | 0.200 ± 0.141 | 0.0150 ± 0.0071 | 0.0e+00 ± 0.0e+00 | "
+        "0.1157 ± 0.0364 | 0.0300 ± 0.0141 | 0.0000 ± 0.0000 |")
+
+    r_g = lab.part1(args, {k: lab.PART1[k] for k in finals}, [1, 2, 3])
+    lines = lab.table_group(r_g).splitlines()
+    assert len(lines) == 4  # header, rule, G = 4, G = 8; no G = 16 row (not run)
+    # G = 4: per-seed differences 0.30, -0.05, 0.05 -> 0.100 ± sqrt((0.2^2 + 0.15^2 + 0.05^2) / 2) = 0.180 (paired;
+    # the two objectives' own stds are 0.100 and 0.132); 2 of 3 seeds ahead; the paper's +4.2
+    assert lines[2] == "| 4 | 0.200 ± 0.100 | 0.300 ± 0.132 | 0.100 ± 0.180 | 2/3 | +4.2 |"
+    # G = 8: differences -0.125, 0.25, 0 -> 0.042 ± sqrt((0.1667^2 + 0.2083^2 + 0.0417^2) / 2) = 0.191; 1/3 ahead
+    assert lines[3] == "| 8 | 0.250 ± 0.000 | 0.292 ± 0.191 | 0.042 ± 0.191 | 1/3 | +5.6 |"
+    assert lab.group_numbers(r_g)[4]["difference"] == pytest.approx([0.3, -0.05, 0.05], abs=1e-12)

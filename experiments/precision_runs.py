@@ -80,7 +80,8 @@ def table(logs: str, seeds: list[int]) -> str:
         cells = []
         for key in COLUMNS:
             xs = [r[key] for r in rows if r.get(key) is not None]
-            cells.append("" if not xs else sci(xs) if key == "losses/log_ratio_var_first" else fmt(xs, 4))
+            digits = 0 if key == "perf/wall_time" else 4
+            cells.append("" if not xs else sci(xs) if key == "losses/log_ratio_var_first" else fmt(xs, digits))
         lines.append(f"| {name} | {len(rows)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

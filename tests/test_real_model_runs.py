@@ -88,3 +88,21 @@ def test_table_only_on_fabricated_logs(tmp_path):
     assert mech["gspo"][4].startswith("1.0e-03 ± 0.0e+00")
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["gspo"][0]["eval"] == [0.10, 0.30] and summary["gspo"][1]["eval_steps"] == [0, 4]
+
+
+def test_precision_table_from_fabricated_logs(tmp_path):
+    """experiments/precision_runs.py's table: each configuration's last metrics row, mean ± sample std over the seeds
+    whose logs are there (by hand: Var 1e-3 and 3e-3 -> 2.0e-03 ± 1.4e-03; clip 0.1 and 0.2 -> 0.1500 ± 0.0707;
+    step s 100 and 140 -> 120 ± 28), an empty cell for a metric the run does not log, no row without logs."""
+    from precision_runs import table
+
+    for seed, (var, clip, wall) in enumerate([(1e-3, 0.1, 100.0), (3e-3, 0.2, 140.0)], 1):
+        folder = tmp_path / f"gspo,_rollout__{seed}"
+        folder.mkdir()
+        row = {"losses/log_ratio_var_first": var, "losses/ratio_min": 0.9, "losses/ratio_max": 1.1,
+               "losses/clipfrac": clip, "losses/clipfrac_seq": 0.5, "perf/wall_time": wall}
+        (folder / "metrics.jsonl").write_text(json.dumps({"step": 0, "eval/avg@1": 0.1}) + "\n" + json.dumps(row) + "\n")
+    lines = table(str(tmp_path), [1, 2, 3]).splitlines()
+    assert len(lines) == 3  # header, rule, the one configuration with logs
+    assert lines[2] == ("| gspo, rollout | 2 | 2.0e-03 ± 1.4e-03 | 0.9000 ± 0.0000 | 1.1000 ± 0.0000 | 0.1500 ± 0.0707 "
+                        "| 0.5000 ± 0.0000 |  |  | 120 ± 28 |")

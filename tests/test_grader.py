@@ -385,7 +385,8 @@ def test_user_reward_reaches_training_and_evaluation(user_rewards, monkeypatch, 
     from test_train import run_script
 
     rows, _ = run_script("gspo", ["--num-steps", "1", "--prompts-per-rank", "4", "--eval-every", "1", "--eval-size",
-                                  "2", "--eval-k", "2", "--reward", f"{user_rewards}:half"], monkeypatch, tmp_path)
+                                  "2", "--eval-k", "2", "--reward", f"{user_rewards}:half",
+                                  "--truncated-reward-scale", "1"], monkeypatch, tmp_path)
     assert rows[1]["charts/reward_mean"] == 0.5 and rows[1]["charts/reward_errors"] == 0
     assert rows[0]["eval/avg@2"] == rows[1]["eval/avg@2"] == 0.5  # avg@k: the mean reward of the samples
 

@@ -142,7 +142,7 @@ def test_gradients_are_freed_before_generation_and_save(script, monkeypatch, tmp
         clipped.append(sum(p.grad is not None for p in params))
         return clip(params, *a, **k)
 
-    monkeypatch.setattr(mod, "generate", counting(mod.generate))
+    monkeypatch.setattr(common, "generate", counting(common.generate))  # the loop's, through sample_groups
     monkeypatch.setattr(mod, "save_checkpoint", counting(mod.save_checkpoint))
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", counting_clip)
     run_script(script, ["--num-steps", "2", "--prompts-per-rank", "4", "--eval-every", "0"], monkeypatch, tmp_path)

@@ -15,10 +15,8 @@ the fraction of tokens clipped, and the time a step takes with and without the r
 
 Each run's metrics.jsonl and args.json are kept under {out}/logs/ (its checkpoint is deleted).
 """
-import glob
 import json
 import os
-import shutil
 import sys
 from dataclasses import dataclass
 
@@ -26,7 +24,7 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from learning_tax import ROOT, exp_name, fmt, only_commands, run_jobs, sci  # noqa: E402
-from real_model_runs import write_task  # noqa: E402
+from real_model_runs import keep_logs, write_task  # noqa: E402
 
 # one step, one minibatch: every statistic below is taken where pi_theta = pi_old (the first minibatch)
 BUDGET = ["--num-steps", "1", "--prompts-per-rank", "4", "--group-size", "8", "--num-minibatches", "1",
@@ -99,16 +97,11 @@ def main():
                                       "--output-dir", runs], os.path.join(runs, f"{exp_name(name)}__{s}.log"))
                 for s in seeds for name in only_commands(args.only, COMMANDS)]
 
-        def keep_logs(label):  # the run's logs to {out}/logs/, its folder (the checkpoint) removed
-            name, _, s = label.rpartition(" seed ")
-            (run,) = glob.glob(os.path.join(runs, f"{exp_name(name)}__{s}__*"))
-            dest = os.path.join(logs, f"{exp_name(name)}__{s}")
-            os.makedirs(dest, exist_ok=True)
-            for f in ("metrics.jsonl", "args.json"):
-                shutil.copy(os.path.join(run, f), dest)
-            shutil.rmtree(run)
+        def after(label):  # the run's logs to {out}/logs/, its folder (the checkpoint) removed
+            name, _, seed = label.rpartition(" seed ")
+            keep_logs(runs, logs, exp_name(name), seed)
 
-        run_jobs(jobs, args.workers, after=keep_logs)
+        run_jobs(jobs, args.workers, after=after)
     report = (f"`python experiments/precision_runs.py {' '.join(sys.argv[1:])}`: seeds {seeds}, one step of "
               f"`{' '.join(BUDGET)}` on {os.path.basename(args.model)}; mean ± sample std (ddof 1) over seeds.\n\n"
               f"{table(logs, seeds)}\n")

@@ -123,17 +123,19 @@ def run_all(args, wanted: list[str], seeds: list[int]):
                                  *BUDGET, *flags, "--seed", str(seed), "--exp-name", name_s, "--output-dir", runs],
                          os.path.join(runs, f"{name_s}__{seed}.log")))
 
-    def keep_logs(label):  # the run's logs to {out}/logs/, its folder (the 1.8 GB checkpoint) removed
-        name_s, seed = names[label]
-        (run,) = glob.glob(os.path.join(runs, f"{name_s}__{seed}__*"))
-        dest = os.path.join(logs, f"{name_s}__{seed}")
-        os.makedirs(dest, exist_ok=True)
-        for f in ("metrics.jsonl", "samples.jsonl", "args.json"):
-            if os.path.exists(os.path.join(run, f)):
-                shutil.copy(os.path.join(run, f), dest)
-        shutil.rmtree(run)
+    run_jobs(jobs, args.workers, after=lambda label: keep_logs(runs, logs, *names[label]))
 
-    run_jobs(jobs, args.workers, after=keep_logs)
+
+def keep_logs(runs: str, logs: str, name_s: str, seed) -> None:
+    """A finished run's metrics.jsonl, samples.jsonl and args.json to {logs}/{name_s}__{seed}/, and its run folder
+    under runs (the 1.8 GB checkpoint) removed."""
+    (run,) = glob.glob(os.path.join(runs, f"{name_s}__{seed}__*"))
+    dest = os.path.join(logs, f"{name_s}__{seed}")
+    os.makedirs(dest, exist_ok=True)
+    for f in ("metrics.jsonl", "samples.jsonl", "args.json"):
+        if os.path.exists(os.path.join(run, f)):
+            shutil.copy(os.path.join(run, f), dest)
+    shutil.rmtree(run)
 
 
 def summarize(logs: str, seeds: list[int]) -> dict:

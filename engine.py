@@ -36,6 +36,14 @@ GRAPH_REACH = 256
 # positions that hold its live ones (its length rounded up), not the whole read length; paged, the
 # pool's blocks are this size too, so that the block mask's indices are the physical blocks
 FLEX_BLOCK = 128
+# kernel options of FlexAttention's decoding kernel (BLOCK_N, num_warps, num_stages, SPLIT_KV; torch's
+# torch/_inductor/kernel/flex/flex_decoding.py). None: by the GPU, HOPPER_FLEX on Hopper (sm_90),
+# inductor's defaults elsewhere (unmeasured); a dict: exactly those (benchmarks/gpu.py --flex-options)
+FLEX_OPTIONS: dict | None = None
+# measured on an H200 (benchmarks/README.md, 2026-11-28): the engine's rollout at 40.0% / 43.4% of the
+# bandwidth bound at the Qwen3 0.6B / 1.7B shapes, against 36.4% / 40.4% with inductor's Hopper
+# default (BLOCK_N 64, 3 stages, 2 warps) in the same call; 4 stages hide more of the KV reads
+HOPPER_FLEX = {"BLOCK_N": 64, "num_stages": 4, "num_warps": 2}
 _flex = {}  # the flex_attention each device type runs: compiled on a GPU, eager on the CPU
 HELD = weakref.WeakKeyDictionary()  # generate(keep=True): the model -> its kept Engine
 
@@ -56,6 +64,26 @@ def flex_attention(device):
             raise_recompile_limit()  # compile of its own
         _flex[kind] = torch.compile(fa.flex_attention) if kind == "cuda" else fa.flex_attention
     return _flex[kind]
+
+
+def flex_options(device) -> dict | None:
+    """The decoding kernel's options on this device (FLEX_OPTIONS)."""
+    if FLEX_OPTIONS is not None:
+        return dict(FLEX_OPTIONS)
+    device = torch.device(device)
+    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    return dict(HOPPER_FLEX) if hopper else None
+
+
+def release(lm):
+    """Drops lm's kept Engine (HELD) and frees its memory now. An Engine is a reference cycle (its
+    compiled layer holds its bound method, its graphs' closures hold it), which only the cycle
+    collector frees: on an H200, 39.5 GB were still allocated after the drop, 1.3 GB after
+    gc.collect(); without it the next Engine's plan finds that memory taken."""
+    import gc
+
+    if HELD.pop(lm, None) is not None:
+        gc.collect()
 
 
 def page_size(flex: bool) -> int:
@@ -368,6 +396,7 @@ class Engine:
         # CUDA graph when graphs is off
         self.graphs = {} if graphs or compile else None
         self.flex = flex_attention(device) if flex else None
+        self.flex_options = flex_options(device) if flex else None
         if flex and compile:  # inside the compiled layer: the function itself, which inductor
             from torch.nn.attention.flex_attention import flex_attention as plain  # compiles with
             self.flex = plain  # the layer (not a compiled function called from a compiled one)
@@ -695,7 +724,8 @@ class Engine:
         # serves any group size, where enable_gqa's wants a power of 2)
         grouped = q.view(self.slots, self.kv_heads, -1, self.head_dim)
         if self.flex is not None:
-            out = self.flex(grouped, keys, values, block_mask=live, scale=self.head_dim ** -0.5)
+            out = self.flex(grouped, keys, values, block_mask=live, scale=self.head_dim ** -0.5,
+                            kernel_options=self.flex_options)
         else:
             out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=live,
                                                  scale=self.head_dim ** -0.5)
@@ -760,16 +790,16 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
         flex = torch.device(device).type == "cuda"
     page = page_size(flex)  # paged, the pool's blocks
     key = (slots, str(device), dtype, rank, world, graphs, flex, compile, page, FLEX_BLOCK,
-           pool_tokens)
+           pool_tokens, str(FLEX_OPTIONS))
     engine = HELD.get(lm) if keep else None
     if (engine is not None and engine.key == key and engine.max_len >= max_len
             and not any(engine.owned)):  # (a call that raised may leave blocks taken)
         engine.refresh(lm)  # the same cache, compilations and graphs; the weights of now
         max_len = engine.max_len
     else:
-        if keep:  # an Engine of other settings: its cache freed before the plan
-            HELD.pop(lm, None)
         engine = None
+        if keep:  # an Engine of other settings: its cache freed before the plan
+            release(lm)
         if pool_tokens is None:
             pool_tokens = kv_plan(lm, slots, max_len, n, device, dtype, world, page)
             # a pool planned from 90% of the free memory is not kept: the training step's peak
@@ -856,7 +886,7 @@ class Rows:
     def start(self, sel, new, new_logp, positions):
         """Slots sel begin rows: their first tokens (sampled after the prefill) at `positions`."""
         self.out[sel, 0], self.out_logp[sel, 0], self.count[sel] = new, new_logp, 1
-        self.live[sel] = ~torch.isin(new, self.eos) & (self.max_new_tokens > 1)
+        self.live[sel] = ~self.is_eos(new) & (self.max_new_tokens > 1)
         self.tokens[sel] = new
         self.positions[sel] = positions
 
@@ -869,7 +899,14 @@ class Rows:
         self.count += live.long()
         self.tokens = torch.where(live, new, self.tokens)
         self.positions += live.long()
-        self.live &= ~torch.isin(new, self.eos) & (self.count < self.max_new_tokens)
+        self.live &= ~self.is_eos(new) & (self.count < self.max_new_tokens)
+
+    def is_eos(self, new):
+        """Whether each token is an EOS id: every pair compared ([slots, EOS ids], a few kernels).
+        Not torch.isin: past ~10 elements it sorts and takes torch.unique of both sides, whose
+        data-dependent sizes make the host wait for the GPU at every step (on an H200 its sort and
+        unique kernels ran 1,025 and 2,052 times in a 1,024-step rollout that was 25% idle)."""
+        return (new[:, None] == self.eos).any(1)
 
     def finish(self, done: list[int], made: list[int]):
         """Finished slots' completions -> [(token ids, log-probs)] (one copy to the host), their

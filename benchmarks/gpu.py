@@ -131,12 +131,99 @@ def bench_generation(policy, tok, shape, a, d, out=None, flush=lambda: None) -> 
                                   kv_bytes_per_token)
         except torch.OutOfMemoryError:
             out[mode] = {"error": "OOM"}
-        except Exception as e:  # one failing mode is a row, not the end of the call
+        except (Exception, SystemExit) as e:  # one failing mode is a row, not the end of the call (common.generate
+            # turns an OOM into SystemExit with its one-line error)
             import traceback
 
             traceback.print_exc()
             out[mode] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
         flush()  # each mode's row on disk the moment it is measured
+        if a.profile and mode == "engine" and time.time() < a.deadline:  # the engine's rollout, profiled
+            try:
+                out["profile"] = profile(policy, tok, texts, eos, a, d, a.model_name)
+            except (Exception, SystemExit) as e:  # noqa: BLE001
+                import traceback
+
+                traceback.print_exc()
+                out["profile"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+            flush()
+    return out
+
+
+def rollout(policy, tok, texts, eos, a, d, mode: str) -> dict:
+    """One GSPO rollout through common.generate in a row of --gen-modes, or of --flex-options
+    ('engine{...}': the engine with exactly those FlexAttention decoding kernel options, engine.FLEX_OPTIONS;
+    'engine{}': inductor's defaults)."""
+    import common
+
+    engine_mode = mode.startswith("engine-") and mode != "engine-tp"
+    options = json.loads(mode[len("engine"):]) if mode.startswith("engine{") else None
+    if options is not None:
+        import engine
+
+        engine.FLEX_OPTIONS = options
+    try:
+        return common.generate(policy, tok, texts, a.group_size, eos, d, max_new_tokens=a.new_tokens,
+                               temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=a.prompts * a.group_size,
+                               mode="engine" if options is not None else mode.split("-")[0] if engine_mode else mode,
+                               cuda_graphs=mode != "engine-eager", flex=False if mode == "engine-sdpa" else None,
+                               compile_step=False if mode == "engine-nocompile" else None)
+    finally:
+        if options is not None:
+            engine.FLEX_OPTIONS = None
+
+
+def profile(policy, tok, texts, eos, a, d, name: str) -> dict:
+    """The engine's rollout under torch.profiler (GPU kernels only, those its CUDA graphs replay included):
+    where the decoding time goes, kernel by kernel. Its table is written to --out as profile_<model>.txt;
+    returns the totals: wall seconds, seconds of kernels, kernels launched."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    sys.modules["engine"].HELD.clear() if "engine" in sys.modules else None
+    rollout(policy, tok, texts, eos, a, d, "engine")  # untimed: compiles, makes the Engine the next call keeps
+    sync(d.device)
+    with torch_profile(activities=[ProfilerActivity.CUDA] if d.device.type == "cuda" else [ProfilerActivity.CPU]) \
+            as prof:
+        t = time.perf_counter()
+        roll = rollout(policy, tok, texts, eos, a, d, "engine")
+        sync(d.device)
+        wall = time.perf_counter() - t
+    events = prof.key_averages()
+    own = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) or (  # noqa
+        e.self_cpu_time_total if d.device.type != "cuda" else 0)
+    rows = sorted(events, key=own, reverse=True)
+    busy = sum(own(e) for e in rows) / 1e6
+    count = sum(e.count for e in rows)
+    tokens = roll["mask"].sum().item()
+    lines = [f"{name}: the engine's rollout under torch.profiler: {wall:.2f} s wall, {busy:.2f} s of kernels "
+             f"({busy / wall:.0%} busy), {count} kernels, {tokens} tokens, {int(roll['mask'].sum(1).max())} steps",
+             "", "| kernel | calls | ms | share of kernel time |", "|---|---|---|---|"]
+    lines += [f"| {e.key[:120]} | {e.count} | {own(e) / 1e3:.1f} | {own(e) / 1e6 / busy:.1%} |" for e in rows[:40]]
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, f"profile_{name}.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines[:20]), flush=True)
+    return {"wall_s": wall, "kernel_s": busy, "kernels": count, "tokens": tokens}
+
+
+def held(device) -> dict:
+    """GB the allocator holds after the generation modes: with engine.HELD cleared, after gc, after
+    torch._dynamo.reset() (which of them frees the Engine says what kept it)."""
+    import gc
+
+    import torch
+
+    if "engine" in sys.modules:
+        sys.modules["engine"].HELD.clear()
+    out = {"HELD cleared": torch.cuda.memory_allocated(device) / 1e9}
+    gc.collect()
+    out["gc.collect"] = torch.cuda.memory_allocated(device) / 1e9
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+    out["torch._dynamo.reset"] = torch.cuda.memory_allocated(device) / 1e9
     return out
 
 
@@ -146,8 +233,8 @@ def _one_mode(policy, tok, shape, a, d, mode, texts, eos, bytes_per_s, weight_by
     import common
 
     cuda = d.device.type == "cuda"
-    if "engine" in sys.modules:  # the previous mode's kept Engine (common.generate keeps one per run): freed
-        sys.modules["engine"].HELD.clear()
+    # the previous mode's kept Engine (common.generate keeps one per run) freed, as far as each step frees it
+    freed = held(d.device) if cuda else None
     # static and the engine modes: the first call compiles (HF's step; FlexAttention, first and dynamic read
     # lengths) and is not timed, so no mode's time holds a compilation; the engine's first call also makes the
     # Engine the timed call reuses (its cache, graphs and weight copies): its memory is the first call's peak
@@ -160,11 +247,7 @@ def _one_mode(policy, tok, shape, a, d, mode, texts, eos, bytes_per_s, weight_by
             torch.cuda.reset_peak_memory_stats(d.device)
         base = torch.cuda.memory_allocated(d.device) if cuda else 0
         t = time.perf_counter()
-        roll = common.generate(policy, tok, texts, a.group_size, eos, d, max_new_tokens=a.new_tokens,
-                               temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=a.prompts * a.group_size,
-                               mode=mode.split("-")[0] if mode.startswith("engine-") and mode != "engine-tp" else mode,
-                               cuda_graphs=mode != "engine-eager", flex=False if mode == "engine-sdpa" else None,
-                               compile_step=False if mode == "engine-nocompile" else None)
+        roll = rollout(policy, tok, texts, eos, a, d, mode)
         sync(d.device)
         s = time.perf_counter() - t
         if cuda and peak is None:  # the call's peak GPU memory above what it started with
@@ -174,7 +257,7 @@ def _one_mode(policy, tok, shape, a, d, mode, texts, eos, bytes_per_s, weight_by
                           bytes_per_s)
     res = {"s": s, "tokens_per_s": tokens / s, "mean_length": tokens / roll["mask"].shape[0],
            "bound_share": bound / s, "bandwidth_GBps": bytes_per_s / 1e9,
-           "peak_gb": peak}
+           "peak_gb": peak, "allocated_before_gb": freed}
     if mode.startswith("engine") and cuda:  # against the engine's plan (memory_plan.py's engine row)
         import engine
 
@@ -281,6 +364,11 @@ def main():
                     help="keys of shapes.QWEN3, smallest first ('': none, the TRL comparison alone)")
     ap.add_argument("--gen-modes", type=lambda s: s.split(","), default=list(MODES),
                     help=f"generation modes to time, comma-separated ({', '.join(MODES)})")
+    ap.add_argument("--flex-options", type=lambda s: [json.loads(o) for o in s.split(";") if o], default=[],
+                    help="more engine rows, one a ';'-separated JSON dict of FlexAttention decoding kernel options "
+                         "(engine.FLEX_OPTIONS), e.g. '{\"num_warps\": 4};{\"BLOCK_N\": 128}'")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the modes, the engine's rollout again under torch.profiler: profile_<model>.txt")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group-size", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=256)
@@ -317,6 +405,7 @@ def main():
         raise SystemExit(f"error: --models takes {', '.join(shapes.QWEN3)}")
     if not set(a.gen_modes) <= set(MODES):
         raise SystemExit(f"error: --gen-modes takes {', '.join(MODES)}")
+    a.gen_modes = a.gen_modes + ["engine" + json.dumps(o, sort_keys=True) for o in a.flex_options]
     hf_logging.set_verbosity_error()
     d = distributed.Dist(0, 1, torch.device("cuda", 0) if torch.cuda.is_available() and not a.smoke else
                     torch.device("cpu"))
@@ -329,6 +418,7 @@ def main():
         if time.time() > a.deadline:
             results[name] = {"skipped": f"over --minutes {a.minutes}"}
             continue
+        a.model_name = name
         shape = shapes.TINY if name == "tiny" else shapes.QWEN3[name]
         tok = shapes.word_tokenizer(shape["vocab_size"])
         torch.manual_seed(0)
@@ -342,8 +432,11 @@ def main():
             bench_generation(policy, tok, shape, a, d, row["generation"], flush)
         except Exception as e:  # noqa: BLE001 (set-up of the modes: the bandwidth copy, the warm-up call)
             row["generation"]["error"] = {"error": f"{type(e).__name__}: {e}"[:200]}
-        if "engine" in sys.modules:  # the last mode's kept Engine (its cache, and through it this model) freed
-            sys.modules["engine"].HELD.clear()  # before training and the next model
+        if d.device.type == "cuda":  # the last mode's kept Engine (its cache, and through it this model) freed
+            row["allocated_after_generation_gb"] = held(d.device)  # before training and the next model
+            flush()
+        elif "engine" in sys.modules:
+            sys.modules["engine"].HELD.clear()
         for ac in (False, True):
             if a.no_train or time.time() > a.deadline:
                 row[f"training_ac{int(ac)}"] = "skipped: " + ("--no-train" if a.no_train else
@@ -427,6 +520,20 @@ def table(results: dict, a, device: str, command: str, seconds: float) -> str:
     if peaks:  # the engine's KV cache and weight copy (engine.memory_needed, memory_plan.py) against its peak
         lines += ["", "Engine peak GPU memory above the model's (engine.memory_needed: KV cache + weight copy):",
                   *[f"- {p}" for p in peaks]]
+    for name, r in results.items():
+        if isinstance(r, dict) and "allocated_after_generation_gb" in r:
+            lines.append(f"- {name}: GB allocated after the generation modes: " + ", ".join(
+                f"{k} {v:.2f}" for k, v in r["allocated_after_generation_gb"].items()))
+        for m in modes:
+            g = r.get("generation", {}).get(m, {}) if isinstance(r, dict) else {}
+            if g.get("allocated_before_gb"):
+                lines.append(f"- {name} {m}: GB allocated before it: " + ", ".join(
+                    f"{k} {v:.2f}" for k, v in g["allocated_before_gb"].items()))
+        p = r.get("generation", {}).get("profile") if isinstance(r, dict) else None
+        if p:
+            lines.append(f"- {name}: profiled engine rollout: " + (p["error"] if "error" in p else
+                         f"{p['wall_s']:.2f} s wall, {p['kernel_s']:.2f} s of kernels, {p['kernels']} kernels "
+                         f"(profile_{name}.txt)"))
     trl = results.get("trl", {"skipped": "not run yet"})
     lines += ["", "TRL (benchmarks/rl_step.py, 0.6B shape): " + (
         "\n" + "\n".join(trl["table"]) if "table" in trl else trl.get("skipped") or trl.get("error")),

@@ -102,7 +102,7 @@ def test_gpu_benchmark_minutes():
     tok = shapes.word_tokenizer(shapes.TINY["vocab_size"])
     policy = common.Policy(shapes.random_model(shapes.TINY, tok, torch.float32, torch.device("cpu"))).eval()
     a = argparse.Namespace(mean_length=3, prompts=1, prompt_tokens=4, gen_modes=["repeat", "engine"], minutes=0.0,
-                           deadline=0.0)
+                           deadline=0.0, profile=False)
     rows, flushed = {}, []
     out = gpu.bench_generation(policy, tok, shapes.TINY, a, distributed.Dist(0, 1, torch.device("cpu")), rows,
                                lambda: flushed.append(dict(rows)))
@@ -113,6 +113,51 @@ def test_gpu_benchmark_minutes():
                          lambda: flushed.append(dict(rows)))
     assert [list(f) for f in flushed] == [["repeat"], ["repeat", "engine"]]  # each row on disk as it is measured
     assert rows["engine"]["tokens_per_s"] > 0
+
+
+def test_gpu_benchmark_a_mode_that_exits_is_a_row(monkeypatch):
+    """common.generate turns a GPU's OOM into SystemExit with its one-line error: in gpu.py that mode is a row holding
+    the error, and the next mode still runs (on an H200 the 5th engine's OOM ended a call that way)."""
+    import argparse
+
+    import torch
+
+    import distributed
+    import gpu
+
+    tok = shapes.word_tokenizer(shapes.TINY["vocab_size"])
+    policy = common.Policy(shapes.random_model(shapes.TINY, tok, torch.float32, torch.device("cpu"))).eval()
+    a = argparse.Namespace(mean_length=3, prompts=1, prompt_tokens=4, gen_modes=["engine", "repeat"], minutes=1.0,
+                           deadline=float("inf"), profile=False, group_size=2, new_tokens=3)
+    rollout = gpu.rollout
+
+    def exits(*args):
+        if args[-1] == "engine":
+            raise SystemExit("error: --gen-mode engine: the GPU ran out of memory while generating")
+        return rollout(*args)
+
+    monkeypatch.setattr(gpu, "rollout", exits)
+    rows = gpu.bench_generation(policy, tok, shapes.TINY, a, distributed.Dist(0, 1, torch.device("cpu")))
+    assert rows["engine"] == {"error": "SystemExit: error: --gen-mode engine: the GPU ran out of memory while "
+                                       "generating"}
+    assert rows["repeat"]["tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_flex_options_and_profile(tmp_path):
+    """--flex-options adds an engine row per set of FlexAttention kernel options (the engine's decoding attention
+    runs with exactly those: engine.FLEX_OPTIONS), and --profile writes the engine's rollout profiled, kernel by
+    kernel, to profile_<model>.txt."""
+    p = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--no-trl", "--no-train", "--gen-modes",
+                        "engine", "--flex-options", '{"num_warps": 4};{}', "--profile", "--out", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    gen = json.load(open(tmp_path / "gpu.json"))["results"]["tiny"]["generation"]
+    assert set(gen) == {"engine", 'engine{"num_warps": 4}', "engine{}", "profile"}
+    assert all(gen[m]["tokens_per_s"] > 0 for m in gen if m != "profile")
+    assert gen["profile"]["kernels"] > 0 and gen["profile"]["tokens"] > 0
+    text = open(tmp_path / "profile_tiny.txt").read()
+    assert text.startswith("tiny: the engine's rollout under torch.profiler") and "| aten::mm |" in text
 
 
 @pytest.mark.slow

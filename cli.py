@@ -258,6 +258,13 @@ class CommonArgs:
     """every N steps, the first 2 prompts of the step with their completions, rewards and
     advantages go to tensorboard (text, 'samples') and to samples.jsonl in the run folder
     (0: never)"""
+    energy_every: int = 0
+    """Energy on frequent tokens (DFPO arXiv:2604.13088 eq. 24) logged at step 1, every N steps
+    and the last (energy/*): each token's ||grad l_t|| of the step's loss, exact (one backward a
+    token: ~1 CPU s a token at 135M parameters) on --energy-rows completions, bucketed by the
+    tokens' frequency rank in the step's completions (0: never; one process only)"""
+    energy_rows: int = 2
+    """--energy-every: the completions measured (the first micro-batch's first rows)"""
 
 
 # -------------------- TRL's and verl's names for our flags (docs/trl-and-verl.md's tables)
@@ -528,6 +535,11 @@ def check_common_args(args):
     check_float("temperature", args.temperature, MIN_TEMPERATURE,
                 why=" (RL samples from the policy; below, logits / T overflow float32)")
     check_int("log-samples", args.log_samples, 0, why=" (0: never)")
+    check_int("energy-every", args.energy_every, 0, why=" (0: never)")
+    check_int("energy-rows", args.energy_rows, 1)
+    if args.energy_every and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        fail("--energy-every measures per-token gradients of the whole model, which FSDP2 shards over "
+             "ranks: run it in one process (torchrun --nproc-per-node 1, or python)")
     if args.num_steps < 1:
         fail(f"--num-steps {args.num_steps}: must be >= 1")
     if args.micro_batch_size < 0:

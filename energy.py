@@ -17,7 +17,13 @@ that is about 0.3-0.5 s a token: callers measure a small subsample of sequences 
 
 from __future__ import annotations
 
+import time
+
 import torch
+
+# the frequency-rank buckets a run logs (--energy-every): the 5 most frequent tokens of the step's
+# completions, the next 15, the rest (a short-answer task writes a few dozen distinct tokens)
+EDGES = (5, 20)
 
 
 def token_grad_norms(policy, input_ids, attention_mask, n_prompt: int, mask, coef=None) -> torch.Tensor:
@@ -64,3 +70,26 @@ def energy_by_frequency(norms, token_ids, mask, ranks, edges=(10, 100)) -> dict:
         inside = (r >= lo) & (r < hi) if hi is not None else r >= lo
         out[name] = (n[inside].sum() / total).item() if total > 0 else float("nan")
     return out
+
+
+def due(args, step: int) -> bool:
+    """--energy-every N: Energy at step 1, every N steps and the last."""
+    n = args.energy_every
+    return n > 0 and (step == 1 or step % n == 0 or step == args.num_steps)
+
+
+def measure(policy, ids, attention_mask, n_prompt: int, mask, coef, rows: int, counted_ids, counted_mask) -> dict:
+    """A run's Energy (eq. 24) on the first `rows` rows of a micro-batch whose loss gradient is not 0 (a flat group's
+    rows have none: A_i = 0): ids, attention_mask [B, P + T], mask [B, T], coef [B, T] = logp.grad after the loss's
+    backward (g_t = dL / d log pi(y_t)), so the norms are the step's loss's own ||grad l_t||, taken before the
+    optimizer step (at pi_old). Frequency ranks are counted over the completion tokens of counted_ids where
+    counted_mask (the step's completions in this process). -> energy/top5, energy/rank5-20, energy/rest (shares
+    summing to 1; nan when no row has a gradient), energy/tokens measured, energy/seconds it took."""
+    t = time.time()
+    vocab = int(max(ids.max(), counted_ids.max())) + 1
+    counts = torch.bincount(counted_ids[:, n_prompt:][counted_mask.bool()].cpu(), minlength=vocab)
+    r = ((coef.detach() * mask) != 0).any(1).nonzero().flatten()[:rows].cpu()
+    norms = token_grad_norms(policy, ids[r], attention_mask[r], n_prompt, mask[r], coef[r])
+    shares = energy_by_frequency(norms, ids[r, n_prompt:], mask[r], frequency_ranks(counts), EDGES)
+    return {**{k: float(v) for k, v in shares.items()}, "energy/tokens": int(mask[r].sum()),
+            "energy/seconds": time.time() - t}

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+import energy
 import moe
 from checkpoint import (catch_stop_signals, claim_run_dir, cleanup, resume_state, run_paths,
                         save_checkpoint, stop_requested)
@@ -197,6 +198,7 @@ def main():
         # optimizer steps, each over whole groups; old_logp stays pi_old's, so ratios move off 1
         policy.train()
         stats = []
+        energy_log = {}  # --energy-every: Energy (DFPO eq. 24) of this step's loss, at pi_old
         skipped = 0
         for update, minibatch in enumerate(minibatch_slices * args.num_iterations):  # mu passes
             seqs = (minibatch.stop - minibatch.start) * dist_env.world  # its sequences on all ranks
@@ -218,6 +220,9 @@ def main():
                 loss.backward()
                 seq_terms.append(terms)
                 first_token_grads.append(logp.grad[:, 0])
+                if update == 0 and not energy_log and energy.due(args, step):
+                    energy_log = energy.measure(policy, ids[micro], attention_mask[micro], n_prompt,
+                                                mask[micro], logp.grad, args.energy_rows, ids, mask)
                 minibatch_loss = minibatch_loss + loss.detach()
                 micro_stats.append({**loss_stats, **log_ratio_spread(
                     logp, old_logp[micro], mask[micro], first=update == 0)})
@@ -278,6 +283,7 @@ def main():
             "perf/wall_time": time.time() - start,
             **reduce_stats(stats),
             **logp_drift(roll, old_logp),  # --gen-mode engine: decode vs training forward
+            **energy_log,  # --energy-every: energy/top5, /rank5-20, /rest (DFPO eq. 24)
         }
         if eval_now(step):
             policy.eval()

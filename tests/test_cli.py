@@ -81,6 +81,8 @@ BAD_FLAGS = [  # every one fails in check_common_args: before the tokenizer, the
     (["--temperature", "1e-40"], "--temperature 1e-40: must be >= 0.001 and finite (RL samples from the policy; "
                                  "below, logits / T overflow float32)"),
     (["--log-samples", "-1"], "--log-samples -1: must be >= 0 (0: never)"),
+    (["--energy-every", "-1"], "--energy-every -1: must be >= 0 (0: never)"),
+    (["--energy-every", "1", "--energy-rows", "0"], "--energy-rows 0: must be >= 1"),
     (["--truncated-reward-scale", "-0.5"], "--truncated-reward-scale -0.5: must lie in [0, 1]"),
     (["--truncated-reward-scale", "nan"], "--truncated-reward-scale nan: must lie in [0, 1]"),
     (["--num-iterations", "0"], "--num-iterations 0: must lie in [1, 1024] (passes over each rollout's minibatches)"),

@@ -91,3 +91,43 @@ def test_energy_buckets_are_eq_24_by_hand():
     # ranks of the kept tokens: 0 (1.0), 1 (2.0), 5 (4.0), 2 (8.0), 3 (16.0); total 31
     assert out == {"energy/top1": 1 / 31, "energy/rank1-3": 10 / 31, "energy/rest": 20 / 31}
     assert math.isnan(energy.energy_by_frequency(norms * 0, tokens, mask, ranks)["energy/top10"])
+
+
+def test_a_run_logs_the_energy_of_its_own_loss(monkeypatch):
+    """energy.measure as the scripts' loop calls it (the first micro-batch, after its backward, before the optimizer
+    step): the rows measured are the first ones whose loss gradient is not 0 (row 0 here has none: a flat group's
+    A_i = 0), the norms are |g_t| ||grad log pi(y_t)|| with g_t = logp.grad, and the buckets rank tokens by their
+    count in the completions given (ties by id), all written here by hand."""
+    lm, ids, am, mask = tiny_batch()
+    policy = common.Policy(lm)
+    ids = torch.cat((ids[:1], ids))  # 3 rows: row 0 a copy of row 1 with no gradient
+    am, mask = torch.cat((am[:1], am)), torch.cat((mask[:1], mask))
+    coef = torch.tensor([[0.0] * 4, [0.5, -2.0, 1.0, 3.0], [-1.5, 0.25, 4.0, 0.0]], dtype=torch.float64)
+    counted = torch.tensor([[1, 1, 1, 20, 20, 20, 20], [1, 1, 1, 30, 30, 30, 21]])  # prompts: 3 tokens
+    counted_mask = torch.ones(2, 4)
+    got = energy.measure(policy, ids, am, 3, mask, coef, 1, counted, counted_mask)
+    # row 1 alone (the first with a gradient); ranks: 20 (4 times) 0, 30 (3) 1, 21 (1) 2, every other id after
+    norms = energy.token_grad_norms(policy, ids[1:2], am[1:2], 3, mask[1:2], coef[1:2])[0]
+    rank = {20: 0, 30: 1, 21: 2}
+    other = sorted(set(range(100)) - set(rank))
+    rank.update({t: 3 + other.index(t) for t in other})
+    by_bucket = {"energy/top5": 0.0, "energy/rank5-20": 0.0, "energy/rest": 0.0}
+    for t in range(4):
+        r = rank[int(ids[1, 3 + t])]
+        by_bucket["energy/top5" if r < 5 else "energy/rank5-20" if r < 20 else "energy/rest"] += norms[t].item()
+    total = sum(by_bucket.values())
+    for k, v in by_bucket.items():
+        assert math.isclose(got[k], v / total, rel_tol=1e-12), (k, got[k], v / total)
+    assert got["energy/tokens"] == 4 and got["energy/seconds"] >= 0
+    two = energy.measure(policy, ids, am, 3, mask, coef, 2, counted, counted_mask)
+    assert two["energy/tokens"] == 7  # rows 1 and 2 (row 2's last token is padding)
+    flat = energy.measure(policy, ids, am, 3, mask, torch.zeros_like(coef), 2, counted, counted_mask)
+    assert flat["energy/tokens"] == 0 and all(math.isnan(flat[k]) for k in by_bucket)
+
+
+def test_energy_due():
+    from types import SimpleNamespace
+
+    due = [s for s in range(1, 11) if energy.due(SimpleNamespace(energy_every=4, num_steps=10), s)]
+    assert due == [1, 4, 8, 10]
+    assert not any(energy.due(SimpleNamespace(energy_every=0, num_steps=10), s) for s in range(1, 11))

@@ -106,3 +106,23 @@ def test_precision_table_from_fabricated_logs(tmp_path):
     assert len(lines) == 3  # header, rule, the one configuration with logs
     assert lines[2] == ("| gspo, rollout | 2 | 2.0e-03 ± 1.4e-03 | 0.9000 ± 0.0000 | 1.1000 ± 0.0000 | 0.1500 ± 0.0707 "
                         "| 0.5000 ± 0.0000 |  |  | 120 ± 28 |")
+
+
+def test_energy_table_from_fabricated_logs(tmp_path):
+    """experiments/energy_runs.py's table: per objective, the step-1 and step-8 Energy shares (DFPO eq. 24), mean ±
+    sample std over the seeds that measured it (by hand: top-5 share 0.2 and 0.4 -> 0.300 ± 0.141; a seed whose
+    step had no gradient, energy/tokens 0, is left out and counted), the cost per token (30 s / 20 tokens = 1.50),
+    and the held-out accuracy at step 8."""
+    from energy_runs import table
+
+    for seed, (top, tokens) in enumerate([(0.2, 20), (0.4, 20), (None, 0)], 1):
+        folder = tmp_path / f"gspo__{seed}"
+        folder.mkdir()
+        share = {} if top is None else {"energy/top5": top, "energy/rank5-20": 0.5, "energy/rest": 0.5 - top}
+        rows = [{"step": 0, "eval/avg@1": 0.1}, {"step": 1, **share, "energy/tokens": tokens, "energy/seconds": 30.0},
+                {"step": 8, "eval/avg@1": 0.3 + 0.1 * seed}]
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = table(str(tmp_path), [1, 2, 3]).splitlines()
+    assert lines[2] == "| gspo | 1 | 2 of 3 | 0.300 ± 0.141 | 0.500 ± 0.000 | 0.200 ± 0.141 | 20 ± 0 | 1.50 ± 0.00 |  |"
+    assert lines[3] == "| gspo | 8 | 0 of 3 | - | - | - | - | - | 0.500 ± 0.100 |"
+    assert lines[4].startswith("| dfpo | 1 | 0 of 0 |")

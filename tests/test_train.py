@@ -55,6 +55,29 @@ def test_reward_rises(script, monkeypatch, tmp_path):
     assert last > 10 * first and last > 0.12, (first, last)
 
 
+@pytest.mark.parametrize("script", ["gspo", "dfpo"])
+def test_energy_logged_in_a_run(script, monkeypatch, tmp_path):
+    """--energy-every 3 over 4 steps: energy/ (DFPO eq. 24) in the rows of steps 1, 3 and 4 only, its shares summing
+    to 1, measured on at most --energy-rows completions (a reward that splits every group: each row has a gradient;
+    rows without one are skipped, tests/test_energy.py)."""
+    (tmp_path / "split_reward35.py").write_text(SPLIT_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows, _ = run_script(script, ["--num-steps", "4", "--eval-every", "0", "--energy-every", "3", "--energy-rows",
+                                  "2", "--max-new-tokens", "6", "--reward", "split_reward35:split"], monkeypatch,
+                         tmp_path / "runs")
+    assert [r["step"] for r in rows if "energy/tokens" in r] == [1, 3, 4]
+    for r in rows:
+        if "energy/tokens" in r:
+            assert abs(r["energy/top5"] + r["energy/rank5-20"] + r["energy/rest"] - 1) < 1e-9, r
+            assert 0 < r["energy/tokens"] <= 2 * 6 and r["energy/seconds"] > 0, r
+
+
+SPLIT_REWARD = """
+def split(prompts, completions, **kwargs):  # every group splits 0/1: every row has a loss gradient
+    return [float(i % 2) for i in range(len(completions))]
+"""
+
+
 def test_local_model_folder_and_checkpoint(tiny_dir, monkeypatch, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -27,6 +27,15 @@ def test_memory_plan_counts_parameters_exactly(tmp_path):
     p = subprocess.run([sys.executable, "benchmarks/memory_plan.py", "--config", str(tmp_path / "config.json"),
                         "--gpus", "1", "2"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and "| **training peak** |" in p.stdout and "command: python" in p.stdout, p.stderr
+    # the Engine kept across steps: the training peak plus its KV cache and its weight copy (by hand from the rows)
+    p = subprocess.run([sys.executable, "benchmarks/memory_plan.py", "--config", "qwen3-8b", "--gpus", "1", "8"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    table = {line.split(" | ")[0].strip("| *"): [float(x.strip("* ")) for x in line.strip(" |").split(" | ")[1:]]
+             for line in p.stdout.splitlines() if line.startswith("| ") and "GPUs" not in line}
+    for i, n in enumerate((1, 8)):
+        row = memory_plan.plan(memory_plan.QWEN3_8B, gpus=n, seqs=4, tokens=4608, gen_seqs=32, chunk=1024)
+        want = table["training peak"][i] + row["KV cache (generation)"] + row["--gen-unshard (bf16 model)"]
+        assert abs(table["training peak, --gen-mode engine (the Engine kept across steps)"][i] - want) < 0.11, (n, want)
 
 
 def test_logprob_benchmark_prints_its_table():

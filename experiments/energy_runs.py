@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from learning_tax import ROOT, exp_name, fmt, only_commands, run_jobs  # noqa: E402
-from real_model_runs import BUDGET, keep_logs, write_task  # noqa: E402
+from learning_tax import ROOT, exp_name, fmt, only_commands  # noqa: E402
+import real_model_runs  # noqa: E402
+from real_model_runs import BUDGET, run_all  # noqa: E402
 
 ENERGY = ["--energy-every", "8", "--energy-rows", "2"]
 COMMANDS = {"gspo": ["gspo.py", *ENERGY], "dfpo": ["dfpo.py", *ENERGY]}
@@ -31,19 +32,9 @@ SHARES = {"energy/top5": "top 5 tokens", "energy/rank5-20": "ranks 5-20", "energ
 
 
 @dataclass
-class Args:
+class Args(real_model_runs.Args):  # the same flags, another folder
     out: str = os.path.join(ROOT, "experiments", "results", "real_model_energy")
     """where the data, runs, logs/ and table.md go"""
-    model: str = os.path.expanduser("~/.cache/group-rl/smollm2-135m-instruct")
-    """the model folder (python tools/real_model.py writes it)"""
-    seeds: int = 3
-    """seeds per objective (1, 2, ...)"""
-    workers: int = 2
-    """runs at once, one CPU thread each"""
-    only: str | None = None
-    """comma-separated objectives to run (default: all); the others' logs stay in the table"""
-    table_only: bool = False
-    """run nothing: rebuild table.md from the logs under {out}/logs"""
 
 
 def table(logs: str, seeds: list[int]) -> str:
@@ -51,7 +42,8 @@ def table(logs: str, seeds: list[int]) -> str:
     groups were all flat has no gradient, so no Energy: counted in the seeds column), with the tokens measured and
     their cost; the held-out accuracy at step 8 beside it."""
     lines = ["| objective | step | seeds measured | " + " | ".join(f"Energy, {v}" for v in SHARES.values()) +
-             " | tokens measured | s a token | held-out accuracy, step 8 |", "|---|---|---|" + "---|" * (len(SHARES) + 3)]
+             " | tokens measured | s a token | held-out accuracy, step 8 |",
+             "|---|---|---|" + "---|" * (len(SHARES) + 3)]
     for name in COMMANDS:
         runs = [[json.loads(line) for line in open(p)] for s in seeds
                 if os.path.exists(p := os.path.join(logs, f"{exp_name(name)}__{s}", "metrics.jsonl"))]
@@ -70,21 +62,9 @@ def table(logs: str, seeds: list[int]) -> str:
 def main():
     args = tyro.cli(Args)
     seeds = list(range(1, args.seeds + 1))
-    runs, logs = os.path.join(args.out, "runs"), os.path.join(args.out, "logs")
+    logs = os.path.join(args.out, "logs")
     if not args.table_only:
-        if not os.path.isdir(args.model):
-            raise SystemExit(f"--model {args.model}: no such folder; write it with python tools/real_model.py")
-        train, test = write_task(os.path.join(runs, "data"))
-        jobs = [(f"{name} seed {s}", [*COMMANDS[name], "--model", args.model, "--dataset", train, "--eval-dataset",
-                                      test, *BUDGET, "--seed", str(s), "--exp-name", exp_name(name),
-                                      "--output-dir", runs], os.path.join(runs, f"{exp_name(name)}__{s}.log"))
-                for s in seeds for name in only_commands(args.only, COMMANDS)]
-
-        def after(label):  # the run's logs to {out}/logs/, its folder (the checkpoint) removed
-            name, _, seed = label.rpartition(" seed ")
-            keep_logs(runs, logs, exp_name(name), seed)
-
-        run_jobs(jobs, args.workers, after=after)
+        run_all(args, only_commands(args.only, COMMANDS), seeds, COMMANDS, BUDGET)
     report = (f"`python experiments/energy_runs.py {' '.join(sys.argv[1:])}`: seeds {seeds}, "
               f"`{' '.join(BUDGET + ENERGY)}` on {os.path.basename(args.model)}; mean ± sample std (ddof 1) over the "
               f"seeds that measured it.\n\n{table(logs, seeds)}\n")

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from learning_tax import ROOT, exp_name, fmt, only_commands, run_jobs, sci  # noqa: E402
-from real_model_runs import keep_logs, write_task  # noqa: E402
+from learning_tax import ROOT, exp_name, fmt, only_commands, sci  # noqa: E402
+import real_model_runs  # noqa: E402
+from real_model_runs import run_all  # noqa: E402
 
 # one step, one minibatch: every statistic below is taken where pi_theta = pi_old (the first minibatch)
 BUDGET = ["--num-steps", "1", "--prompts-per-rank", "4", "--group-size", "8", "--num-minibatches", "1",
@@ -52,19 +53,9 @@ COLUMNS = {  # metrics.jsonl key -> column
 
 
 @dataclass
-class Args:
+class Args(real_model_runs.Args):  # the same flags, another folder
     out: str = os.path.join(ROOT, "experiments", "results", "precision")
     """where the data, runs, logs/ and table.md go"""
-    model: str = os.path.expanduser("~/.cache/group-rl/smollm2-135m-instruct")
-    """the model folder (python tools/real_model.py writes it)"""
-    seeds: int = 3
-    """seeds per configuration (1, 2, ...)"""
-    workers: int = 2
-    """runs at once, one CPU thread each"""
-    only: str | None = None
-    """comma-separated configuration names to run (default: all); the others' logs stay in the table"""
-    table_only: bool = False
-    """run nothing: rebuild table.md from the logs under {out}/logs"""
 
 
 def table(logs: str, seeds: list[int]) -> str:
@@ -87,21 +78,9 @@ def table(logs: str, seeds: list[int]) -> str:
 def main():
     args = tyro.cli(Args)
     seeds = list(range(1, args.seeds + 1))
-    runs, logs = os.path.join(args.out, "runs"), os.path.join(args.out, "logs")
+    logs = os.path.join(args.out, "logs")
     if not args.table_only:
-        if not os.path.isdir(args.model):
-            raise SystemExit(f"--model {args.model}: no such folder; write it with python tools/real_model.py")
-        train, test = write_task(os.path.join(runs, "data"))
-        jobs = [(f"{name} seed {s}", [*COMMANDS[name], "--model", args.model, "--dataset", train, "--eval-dataset",
-                                      test, *BUDGET, "--seed", str(s), "--exp-name", exp_name(name),
-                                      "--output-dir", runs], os.path.join(runs, f"{exp_name(name)}__{s}.log"))
-                for s in seeds for name in only_commands(args.only, COMMANDS)]
-
-        def after(label):  # the run's logs to {out}/logs/, its folder (the checkpoint) removed
-            name, _, seed = label.rpartition(" seed ")
-            keep_logs(runs, logs, exp_name(name), seed)
-
-        run_jobs(jobs, args.workers, after=after)
+        run_all(args, only_commands(args.only, COMMANDS), seeds, COMMANDS, BUDGET)
     report = (f"`python experiments/precision_runs.py {' '.join(sys.argv[1:])}`: seeds {seeds}, one step of "
               f"`{' '.join(BUDGET)}` on {os.path.basename(args.model)}; mean ± sample std (ddof 1) over seeds.\n\n"
               f"{table(logs, seeds)}\n")

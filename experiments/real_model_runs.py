@@ -76,7 +76,8 @@ class Args:
     only: str | None = None
     """comma-separated command names to run (default: all); the others' logs stay in the table"""
     table_only: bool = False
-    """run nothing: rebuild table.md, summary.json and the plot from the logs under {out}/logs"""
+    """run nothing: rebuild the report (table.md; real_model_runs.py: summary.json and the plot too)
+    from the logs under {out}/logs"""
 
 
 def arithmetic_task(held_out: int = HELD_OUT, seed: int = 0) -> tuple[list[dict], list[dict]]:
@@ -101,9 +102,11 @@ def write_task(folder: str) -> tuple[str, str]:
     return paths[0], paths[1]
 
 
-def run_all(args, wanted: list[str], seeds: list[int]):
+def run_all(args, wanted: list[str], seeds: list[int], commands: dict = COMMANDS, budget: list[str] = BUDGET):
     """Seed-major, so that an interrupted experiment still has every command on the first seeds; each run's logs
-    are copied to {out}/logs/{name}__{seed}/ and its run folder (checkpoint included) deleted."""
+    are copied to {out}/logs/{name}__{seed}/ and its run folder (checkpoint included) deleted. commands, budget:
+    another experiment's on the same task (precision_runs.py, energy_runs.py); a command's flags follow the
+    budget's."""
     if not os.path.isdir(args.model):
         raise SystemExit(f"--model {args.model}: no such folder; write it with python tools/real_model.py")
     runs, logs = os.path.join(args.out, "runs"), os.path.join(args.out, "logs")
@@ -112,15 +115,15 @@ def run_all(args, wanted: list[str], seeds: list[int]):
     for seed in seeds:
         for name in wanted:
             name_s = exp_name(name)
-            if args.skip_done and os.path.isdir(os.path.join(logs, f"{name_s}__{seed}")):
+            if getattr(args, "skip_done", False) and os.path.isdir(os.path.join(logs, f"{name_s}__{seed}")):
                 continue
             for path in glob.glob(os.path.join(runs, f"{name_s}__{seed}__*")):
                 shutil.rmtree(path)
             label = f"{name} seed {seed}"
             names[label] = (name_s, seed)
-            script, *flags = COMMANDS[name]
+            script, *flags = commands[name]
             jobs.append((label, [script, "--model", args.model, "--dataset", train, "--eval-dataset", test,
-                                 *BUDGET, *flags, "--seed", str(seed), "--exp-name", name_s, "--output-dir", runs],
+                                 *budget, *flags, "--seed", str(seed), "--exp-name", name_s, "--output-dir", runs],
                          os.path.join(runs, f"{name_s}__{seed}.log")))
 
     run_jobs(jobs, args.workers, after=lambda label: keep_logs(runs, logs, *names[label]))

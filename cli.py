@@ -264,7 +264,8 @@ class CommonArgs:
     token: ~1 CPU s a token at 135M parameters) on --energy-rows completions, bucketed by the
     tokens' frequency rank in the step's completions (0: never; one process only)"""
     energy_rows: int = 2
-    """--energy-every: the completions measured (the first micro-batch's first rows)"""
+    """--energy-every: the completions measured (the first rows with a loss gradient of the step's
+    first micro-batch that has any)"""
 
 
 # -------------------- TRL's and verl's names for our flags (docs/trl-and-verl.md's tables)

@@ -81,8 +81,10 @@ def due(args, step: int) -> bool:
 def measure(policy, ids, attention_mask, n_prompt: int, mask, coef, rows: int, counted_ids, counted_mask) -> dict:
     """A run's Energy (eq. 24) on the first `rows` rows of a micro-batch whose loss gradient is not 0 (a flat group's
     rows have none: A_i = 0): ids, attention_mask [B, P + T], mask [B, T], coef [B, T] = logp.grad after the loss's
-    backward (g_t = dL / d log pi(y_t)), so the norms are the step's loss's own ||grad l_t||, taken before the
-    optimizer step (at pi_old). Frequency ranks are counted over the completion tokens of counted_ids where
+    backward (g_t = dL / d log pi(y_t)), so the norms are the step's loss's own ||grad l_t|| before that
+    micro-batch's optimizer step. The scripts call it on each micro-batch of a due step until one has rows with a
+    gradient (on the first minibatch pi_theta = pi_old; a later one has had the step's earlier updates, where GSPO
+    and DFPO differ). Frequency ranks are counted over the completion tokens of counted_ids where
     counted_mask (the step's completions in this process). -> energy/top5, energy/rank5-20, energy/rest (shares
     summing to 1; nan when no row has a gradient), energy/tokens measured, energy/seconds it took."""
     t = time.time()

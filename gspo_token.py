@@ -272,7 +272,7 @@ def main():
         # optimizer steps, each over whole groups; old_logp stays pi_old's, so ratios move off 1
         policy.train()
         stats = []
-        energy_log = {}  # --energy-every: Energy (DFPO eq. 24) of this step's loss, at pi_old
+        energy_log = {}  # --energy-every: Energy (DFPO eq. 24) of this step's loss
         skipped = 0
         for update, minibatch in enumerate(minibatch_slices * args.num_iterations):  # mu passes
             seqs = (minibatch.stop - minibatch.start) * dist_env.world  # its sequences on all ranks
@@ -297,7 +297,7 @@ def main():
                 loss.backward()
                 seq_terms.append(terms)
                 first_token_grads.append(logp.grad[:, 0])
-                if update == 0 and not energy_log and energy.due(args, step):
+                if not energy_log.get("energy/tokens") and energy.due(args, step):  # eq. 24
                     energy_log = energy.measure(policy, ids[micro], attention_mask[micro], n_prompt,
                                                 mask[micro], logp.grad, args.energy_rows, ids, mask)
                 minibatch_loss = minibatch_loss + loss.detach()

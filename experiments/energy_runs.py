@@ -1,12 +1,13 @@
 """Energy on frequent tokens (DFPO arXiv:2604.13088, eq. 24) inside real-model runs (issue 35 item 5): GSPO and DFPO
 on SmolLM2-135M-Instruct with real_model_runs.py's task and budget, each logging eq. 24 of its own loss at step 1 and
-step 8 (`--energy-every 8 --energy-rows 2`: exact per-token gradient norms, energy.py, on the first 2 completions of
-the step's first micro-batch that have a gradient, bucketed by frequency rank in the step's completions).
+step 8 (`--energy-every 8 --energy-rows 2`: exact per-token gradient norms, energy.py, on the first 2 completions
+with a gradient of the step's first micro-batch that has any, bucketed by frequency rank in the step's completions).
 
 DFPO's prediction (sec. 6): its in-group transform lowers the Energy on high-frequency tokens. At step 1 both
 objectives see the same weights and samples and give every token the same coefficient (s_i = 1 on the first
-minibatch, and DFPO's transform is the identity when sum_i A_i = 0), so their step-1 numbers must agree: the check
-that the measurement is the same on both sides. At step 8 they differ through the policies they trained.
+minibatch, and DFPO's transform is the identity when sum_i A_i = 0), so where both measure on the first minibatch
+their step-1 numbers must agree: the check that the measurement is the same on both sides. At step 8 they differ
+through the policies they trained (and, on a later minibatch, through the clip and the transform).
 
     python tools/real_model.py                 # the model folder, once
     python experiments/energy_runs.py          # gspo, dfpo x 3 seeds, two at a time

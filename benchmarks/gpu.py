@@ -181,7 +181,8 @@ def profile(policy, tok, texts, eos, a, d, name: str) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    sys.modules["engine"].HELD.clear() if "engine" in sys.modules else None
+    if "engine" in sys.modules:  # a fresh Engine, as the engine row had
+        sys.modules["engine"].HELD.clear()
     rollout(policy, tok, texts, eos, a, d, "engine")  # untimed: compiles, makes the Engine the next call keeps
     sync(d.device)
     with torch_profile(activities=[ProfilerActivity.CUDA] if d.device.type == "cuda" else [ProfilerActivity.CPU]) \
@@ -368,7 +369,7 @@ def main():
                     help="more engine rows, one a ';'-separated JSON dict of FlexAttention decoding kernel options "
                          "(engine.FLEX_OPTIONS), e.g. '{\"num_warps\": 4};{\"BLOCK_N\": 128}'")
     ap.add_argument("--profile", action="store_true",
-                    help="after the modes, the engine's rollout again under torch.profiler: profile_<model>.txt")
+                    help="after the engine's row, its rollout again under torch.profiler: profile_<model>.txt")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group-size", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=256)

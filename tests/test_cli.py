@@ -469,3 +469,11 @@ def test_defaults_that_depend_on_the_model_and_the_task():
     assert (a.learning_rate, a.max_new_tokens, a.truncated_reward_scale) == (1e-6, 1024, 1.0)
     a = fill_defaults(Args(learning_rate=1e-3, max_new_tokens=5, truncated_reward_scale=0.0))
     assert (a.learning_rate, a.max_new_tokens, a.truncated_reward_scale) == (1e-3, 5, 0.0)
+
+
+def test_energy_refused_over_ranks(monkeypatch, tmp_path):
+    """--energy-every takes per-token gradients of the whole model, which FSDP2 shards: refused under torchrun with more
+    than one rank, in one line, before any model."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    fails_before_any_model("gspo", ["--energy-every", "1"], "--energy-every measures per-token gradients of the whole "
+                           "model, which FSDP2 shards over ranks", monkeypatch, tmp_path)

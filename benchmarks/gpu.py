@@ -133,21 +133,23 @@ def bench_generation(policy, tok, shape, a, d, out=None, flush=lambda: None) -> 
             out[mode] = {"error": "OOM"}
         except (Exception, SystemExit) as e:  # one failing mode is a row, not the end of the call (common.generate
             # turns an OOM into SystemExit with its one-line error)
-            import traceback
-
-            traceback.print_exc()
-            out[mode] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+            out[mode] = error_row(e)
         flush()  # each mode's row on disk the moment it is measured
         if a.profile and mode == "engine" and time.time() < a.deadline:  # the engine's rollout, profiled
             try:
                 out["profile"] = profile(policy, tok, texts, eos, a, d, a.model_name)
             except (Exception, SystemExit) as e:  # noqa: BLE001
-                import traceback
-
-                traceback.print_exc()
-                out["profile"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+                out["profile"] = error_row(e)
             flush()
     return out
+
+
+def error_row(e: BaseException) -> dict:
+    """A failed measurement as its row: the error's type and first line (its traceback printed)."""
+    import traceback
+
+    traceback.print_exc()
+    return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
 
 
 def rollout(policy, tok, texts, eos, a, d, mode: str) -> dict:
@@ -177,7 +179,6 @@ def profile(policy, tok, texts, eos, a, d, name: str) -> dict:
     """The engine's rollout under torch.profiler (GPU kernels only, those its CUDA graphs replay included):
     where the decoding time goes, kernel by kernel. Its table is written to --out as profile_<model>.txt;
     returns the totals: wall seconds, seconds of kernels, kernels launched."""
-    import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -230,8 +231,6 @@ def held(device) -> dict:
 
 def _one_mode(policy, tok, shape, a, d, mode, texts, eos, bytes_per_s, weight_bytes, kv_bytes_per_token) -> dict:
     import torch
-
-    import common
 
     cuda = d.device.type == "cuda"
     # the previous mode's kept Engine (common.generate keeps one per run) freed, as far as each step frees it

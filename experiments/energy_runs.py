@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from learning_tax import ROOT, exp_name, fmt, only_commands  # noqa: E402
+from learning_tax import ROOT, exp_name, fmt  # noqa: E402
 import real_model_runs  # noqa: E402
-from real_model_runs import BUDGET, run_all  # noqa: E402
+from real_model_runs import BUDGET, run_and_report  # noqa: E402
 
 ENERGY = ["--energy-every", "8", "--energy-rows", "2"]
 COMMANDS = {"gspo": ["gspo.py", *ENERGY], "dfpo": ["dfpo.py", *ENERGY]}
@@ -62,17 +62,9 @@ def table(logs: str, seeds: list[int]) -> str:
 
 def main():
     args = tyro.cli(Args)
-    seeds = list(range(1, args.seeds + 1))
-    logs = os.path.join(args.out, "logs")
-    if not args.table_only:
-        run_all(args, only_commands(args.only, COMMANDS), seeds, COMMANDS, BUDGET)
-    report = (f"`python experiments/energy_runs.py {' '.join(sys.argv[1:])}`: seeds {seeds}, "
-              f"`{' '.join(BUDGET + ENERGY)}` on {os.path.basename(args.model)}; mean ± sample std (ddof 1) over the "
-              f"seeds that measured it.\n\n{table(logs, seeds)}\n")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "table.md"), "w") as f:
-        f.write(report)
-    print(report)
+    run_and_report(args, "energy_runs.py", COMMANDS, BUDGET,
+                   f"`{' '.join(BUDGET + ENERGY)}` on {os.path.basename(args.model)}; mean ± sample std (ddof 1) "
+                   "over the seeds that measured it.", table)
 
 
 if __name__ == "__main__":

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from learning_tax import ROOT, exp_name, fmt, only_commands, sci  # noqa: E402
+from learning_tax import ROOT, exp_name, fmt, sci  # noqa: E402
 import real_model_runs  # noqa: E402
-from real_model_runs import run_all  # noqa: E402
+from real_model_runs import run_and_report  # noqa: E402
 
 # one step, one minibatch: every statistic below is taken where pi_theta = pi_old (the first minibatch)
 BUDGET = ["--num-steps", "1", "--prompts-per-rank", "4", "--group-size", "8", "--num-minibatches", "1",
@@ -77,16 +77,9 @@ def table(logs: str, seeds: list[int]) -> str:
 
 def main():
     args = tyro.cli(Args)
-    seeds = list(range(1, args.seeds + 1))
-    logs = os.path.join(args.out, "logs")
-    if not args.table_only:
-        run_all(args, only_commands(args.only, COMMANDS), seeds, COMMANDS, BUDGET)
-    report = (f"`python experiments/precision_runs.py {' '.join(sys.argv[1:])}`: seeds {seeds}, one step of "
-              f"`{' '.join(BUDGET)}` on {os.path.basename(args.model)}; mean ± sample std (ddof 1) over seeds.\n\n"
-              f"{table(logs, seeds)}\n")
-    with open(os.path.join(args.out, "table.md"), "w") as f:
-        f.write(report)
-    print(report)
+    run_and_report(args, "precision_runs.py", COMMANDS, BUDGET,
+                   f"one step of `{' '.join(BUDGET)}` on {os.path.basename(args.model)}; mean ± sample std (ddof 1) "
+                   "over seeds.", table)
 
 
 if __name__ == "__main__":

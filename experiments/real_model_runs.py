@@ -129,6 +129,22 @@ def run_all(args, wanted: list[str], seeds: list[int], commands: dict = COMMANDS
     run_jobs(jobs, args.workers, after=lambda label: keep_logs(runs, logs, *names[label]))
 
 
+def run_and_report(args, script: str, commands: dict, budget: list[str], what: str, table) -> str:
+    """Another experiment on this task (precision_runs.py, energy_runs.py): its runs (run_all, unless
+    --table-only), then {out}/table.md: the command line, the seeds, `what` (the budget and statistics), and
+    table(logs, seeds) from the logs under {out}/logs; printed and returned."""
+    seeds = list(range(1, args.seeds + 1))
+    if not args.table_only:
+        run_all(args, only_commands(args.only, commands), seeds, commands, budget)
+    report = (f"`python experiments/{script} {' '.join(sys.argv[1:])}`: seeds {seeds}, {what}\n\n"
+              f"{table(os.path.join(args.out, 'logs'), seeds)}\n")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write(report)
+    print(report)
+    return report
+
+
 def keep_logs(runs: str, logs: str, name_s: str, seed) -> None:
     """A finished run's metrics.jsonl, samples.jsonl and args.json to {logs}/{name_s}__{seed}/, and its run folder
     under runs (the 1.8 GB checkpoint) removed."""

@@ -1,6 +1,6 @@
 """Energy on frequent tokens (DFPO arXiv:2604.13088, eq. 24) inside real-model runs (issue 35 item 5): GSPO and DFPO
-on SmolLM2-135M-Instruct with real_model_runs.py's task and budget, each logging eq. 24 of its own loss at step 1 and
-step 8 (`--energy-every 8 --energy-rows 2`: exact per-token gradient norms, energy.py, on the first 2 completions
+on SmolLM2-135M-Instruct with real_model_runs.py's task and budget, each logging eq. 24 of its own loss at every
+step (`--energy-every 1 --energy-rows 2`: exact per-token gradient norms, energy.py, on the first 2 completions
 with a gradient of the step's first micro-batch that has any, bucketed by frequency rank in the step's completions).
 
 DFPO's prediction (sec. 6): its in-group transform lowers the Energy on high-frequency tokens. At step 1 both
@@ -27,7 +27,7 @@ from learning_tax import ROOT, exp_name, fmt  # noqa: E402
 import real_model_runs  # noqa: E402
 from real_model_runs import BUDGET, run_and_report  # noqa: E402
 
-ENERGY = ["--energy-every", "8", "--energy-rows", "2"]
+ENERGY = ["--energy-every", "1", "--energy-rows", "2"]
 COMMANDS = {"gspo": ["gspo.py", *ENERGY], "dfpo": ["dfpo.py", *ENERGY]}
 SHARES = {"energy/top5": "top 5 tokens", "energy/rank5-20": "ranks 5-20", "energy/rest": "the rest"}
 

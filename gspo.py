@@ -190,6 +190,7 @@ def main():
         with torch.no_grad():
             old_logp, is_weight, old_stats = old_log_probs(
                 policy, roll, minibatch_slices, args.old_logp, args.rollout_is_cap, routes)
+            old_logp_time = time.time() - t  # what --old-logp rollout saves: 0 there
             ref_logp = None if ref is None else torch.cat(
                 [ref(ids[minibatch], attention_mask[minibatch], n_prompt)
                  for minibatch in minibatch_slices])
@@ -280,6 +281,7 @@ def main():
             **moe.stats(routes),  # moe/route_flip_frac (MoE models)
             **sampling,  # perf/gen_tokens_per_s; --dynamic-sampling: charts/gen_rounds ...
             "perf/train_tokens_per_s": tokens.item() / train_time,
+            "perf/old_logp_s": old_logp_time,
             "perf/wall_time": time.time() - start,
             **reduce_stats(stats),
             **logp_drift(roll, old_logp),  # --gen-mode engine: decode vs training forward

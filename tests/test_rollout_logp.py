@@ -107,6 +107,8 @@ def test_engine_logprobs_in_the_trainers_dtype_equal_the_recomputed_run(script, 
     else:
         assert "losses/entropy" in base[0] and "losses/entropy" not in rows[0]  # no old pass: no entropy
         assert "gen/logp_drift" in base[0] and "gen/logp_drift" not in rows[0]  # pi_old is pi_rollout
+        # perf/old_logp_s, the pass the option saves: a forward of the rollout against returning it
+        assert all(r["perf/old_logp_s"] < a["perf/old_logp_s"] for a, r in zip(base, rows))
     (a,) = glob.glob(f"{base_dir}/step_1/model")
     (b,) = glob.glob(f"{run_dir}/step_1/model")
     pa = dict(AutoModelForCausalLM.from_pretrained(a).named_parameters())

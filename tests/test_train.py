@@ -93,7 +93,7 @@ def test_local_model_folder_and_checkpoint(tiny_dir, monkeypatch, tmp_path):
                 "losses/clipfrac_seq", "losses/ratio_mean", "losses/ratio_min", "losses/ratio_max",
                 "losses/approx_kl", "losses/asym", "losses/shared_coef", "losses/entropy", "losses/grad_norm",
                 "charts/learning_rate", "charts/reward_errors", "losses/skipped_updates", "perf/gen_tokens_per_s",
-                "perf/train_tokens_per_s", "perf/wall_time"]:
+                "perf/train_tokens_per_s", "perf/old_logp_s", "perf/wall_time"]:
         assert key in rows[1], key
     assert rows[-1]["step"] == 2 and rows[-1]["charts/reward_jitter2"] is None  # eq. 20 needs 3 points: null
     assert glob.glob(f"{run}/events.out.tfevents.*")

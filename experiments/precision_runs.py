@@ -12,6 +12,12 @@ the fraction of tokens clipped, and the time a step takes with and without the r
     python tools/real_model.py                        # the model folder, once
     python experiments/precision_runs.py              # 6 configurations x 3 seeds, one step each
     python experiments/precision_runs.py --table-only
+    python experiments/precision_runs.py --curves     # 5 configurations x 3 seeds, 8 steps each: reward curves
+
+--curves: the learning runs' budget (real_model_runs.py: 8 steps, 2 minibatches a step, so later minibatches are
+off-policy) without its evaluation, the bf16 engine throughout, into {out}/curves: the reward curve, its Jitter2
+(DFPO eq. 20), the clip fraction over steps, and perf/old_logp_s, the seconds of the recomputation pass that
+`--old-logp rollout` skips (the time a step saves).
 
 Each run's metrics.jsonl and args.json are kept under {out}/logs/ (its checkpoint is deleted).
 """
@@ -40,6 +46,11 @@ COMMANDS = {
     "grpo, rollout": ["grpo.py", *BF16, "--old-logp", "rollout"],
     "grpo, recomputed, --rollout-is-cap 2": ["grpo.py", *BF16, "--rollout-is-cap", "2"],
 }
+# --curves: the learning budget of real_model_runs.py, with no evaluation (in the bf16 engine it would take ~1/3 of
+# a run), and the five bf16 configurations
+CURVE_BUDGET = [*real_model_runs.BUDGET[:real_model_runs.BUDGET.index("--eval-every")], "--eval-every", "0",
+                "--log-samples", "0", "--gen-mode", "engine"]
+CURVE_COMMANDS = {name: flags for name, flags in COMMANDS.items() if "fp32" not in name}
 COLUMNS = {  # metrics.jsonl key -> column
     "losses/log_ratio_var_first": "Var log w_it",
     "losses/ratio_min": "ratio min (w_it or s_i)",
@@ -55,7 +66,9 @@ COLUMNS = {  # metrics.jsonl key -> column
 @dataclass
 class Args(real_model_runs.Args):  # the same flags, another folder
     out: str = os.path.join(ROOT, "experiments", "results", "precision")
-    """where the data, runs, logs/ and table.md go"""
+    """where the data, runs, logs/ and table.md go ({out}/curves with --curves)"""
+    curves: bool = False
+    """the reward curves: CURVE_COMMANDS for 8 steps (CURVE_BUDGET) instead of one step"""
 
 
 def table(logs: str, seeds: list[int]) -> str:
@@ -75,8 +88,40 @@ def table(logs: str, seeds: list[int]) -> str:
     return "\n".join(lines)
 
 
+def curve_table(logs: str, seeds: list[int]) -> str:
+    """One row a configuration, mean ± sample std over seeds: the reward curve (each step's mean over seeds), its
+    first and last 2 steps, Jitter2, the clip fraction and Var log w_it on first minibatches averaged over steps,
+    and the seconds a step took (steps 2 on: step 1's wall time holds the model's load) and spent recomputing
+    pi_old."""
+    lines = ["| configuration | seeds | reward each step (mean over seeds) | reward, first 2 steps | reward, last 2 "
+             "steps | Jitter2 (eq. 20) | clip fraction, mean over steps | Var log w_it, first minibatches | "
+             "step s | pi_old pass s (saved by rollout) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name in CURVE_COMMANDS:
+        runs = [[r for r in map(json.loads, open(p)) if "charts/reward_mean" in r] for s in seeds
+                if os.path.exists(p := os.path.join(logs, f"{exp_name(name)}__{s}", "metrics.jsonl"))]
+        if not runs:
+            continue
+        curve = lambda k: [[r[k] for r in rows] for rows in runs]  # noqa: E731
+        avg = lambda k: [sum(c) / len(c) for c in curve(k)]  # noqa: E731
+        reward = curve("charts/reward_mean")
+        n = min(map(len, reward))
+        each = " ".join(f"{sum(c[t] for c in reward) / len(reward):.2f}" for t in range(n))
+        wall = [(rows[-1]["perf/wall_time"] - rows[0]["perf/wall_time"]) / (len(rows) - 1) for rows in runs]
+        lines.append(f"| {name} | {len(runs)} | {each} | {fmt([sum(c[:2]) / 2 for c in reward])} | "
+                     f"{fmt([sum(c[-2:]) / 2 for c in reward])} | {fmt([rows[-1]['charts/reward_jitter2'] for rows in runs])} | "
+                     f"{fmt(avg('losses/clipfrac'), 4)} | {sci(avg('losses/log_ratio_var_first'))} | {fmt(wall, 0)} | "
+                     f"{fmt(avg('perf/old_logp_s'), 1)} |")
+    return "\n".join(lines)
+
+
 def main():
     args = tyro.cli(Args)
+    if args.curves:
+        args.out = os.path.join(args.out, "curves")
+        run_and_report(args, "precision_runs.py", CURVE_COMMANDS, CURVE_BUDGET,
+                       f"`{' '.join(CURVE_BUDGET)}` on {os.path.basename(args.model)}, the bf16 engine; mean ± "
+                       "sample std (ddof 1) over seeds.", curve_table)
+        return
     run_and_report(args, "precision_runs.py", COMMANDS, BUDGET,
                    f"one step of `{' '.join(BUDGET)}` on {os.path.basename(args.model)}; mean ± sample std (ddof 1) "
                    "over seeds.", table)

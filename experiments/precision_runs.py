@@ -50,7 +50,7 @@ COMMANDS = {
 # a run), and the five bf16 configurations
 CURVE_BUDGET = [*real_model_runs.BUDGET[:real_model_runs.BUDGET.index("--eval-every")], "--eval-every", "0",
                 "--log-samples", "0", "--gen-mode", "engine"]
-CURVE_COMMANDS = {name: flags for name, flags in COMMANDS.items() if "fp32" not in name}
+CURVE_COMMANDS = {name.replace(",", ""): flags for name, flags in COMMANDS.items() if "fp32" not in name}  # --only
 COLUMNS = {  # metrics.jsonl key -> column
     "losses/log_ratio_var_first": "Var log w_it",
     "losses/ratio_min": "ratio min (w_it or s_i)",

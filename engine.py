@@ -639,8 +639,8 @@ class Engine:
     def live_blocks(self, positions: torch.Tensor, reach: int, alive: torch.Tensor | None = None):
         """FlexAttention's block mask of a decoding step: slot s's queries (its `group` query heads
         of each KV head, hidden's grouped view) read its key blocks 0 .. positions[s] // block
-        (block: self.flex_block) and within the last of them the positions up to its own (the
-        mask_mod). Whole, its blocks of the `reach` positions read; paged, the blocks its row of
+        (block: self.flex_block): the blocks before the last in full, and within the last the
+        positions up to its own (the mask_mod, evaluated there only). Whole, its blocks of the `reach` positions read; paged, the blocks its row of
         the table names, indices into the whole pool (read in place: page and key block are one
         size). Built from tensors alone (no host sync, shapes set by `reach`): a CUDA graph
         captures it with the step. The blocks past a row's length are never read: a row's cost is
@@ -650,21 +650,27 @@ class Engine:
 
         block = self.flex_block
         blocks = -(-reach // block)
-        count = (positions // block + 1).clamp(max=blocks)
+        last = (positions // block).clamp(max=blocks - 1)  # the block that holds the row's position
+        full, partial = last, torch.ones_like(last)  # blocks 0 .. last - 1: every key visible
         if alive is not None:  # free slots and finished rows read no block at all (their output: 0)
-            count = count * alive
-        count = count.to(torch.int32)[:, None, None]
+            full, partial = full * alive, partial * alive
         if self.paged:  # the physical blocks; keys: every position of the pool (the mask spans it:
             pool = self.cache_shape[1]  # its indices padded to the pool's count, as inductor asks)
             order = F.pad(self.table[:, :blocks], (0, pool - blocks), value=self.spare)
-            order, keys = order.to(torch.int32)[:, None, None], pool * block
+            keys = pool * block
         else:
-            order = torch.arange(blocks, device=positions.device, dtype=torch.int32)
-            order, keys = order.expand(self.slots, 1, 1, blocks), reach
+            order = torch.arange(blocks, device=positions.device).expand(self.slots, blocks)
+            keys = reach
+        # the row's last block is the one the mask_mod cuts (positions past the row's own); the
+        # full blocks before it are read without evaluating it (and inductor's CPU decoding
+        # template, torch 2.13, builds paged only with full blocks given)
+        at_last = order.gather(1, last[:, None]).expand_as(order)
+        index = lambda x: x.to(torch.int32)[:, None, None]  # noqa: E731  [slots, heads 1, q block 1, ...]
         mask_mod = (self.static_mask_mod if positions is self.static_positions else
                     self.mask_mod(positions))
         group = self.heads // self.kv_heads
-        return BlockMask.from_kv_blocks(count, order, BLOCK_SIZE=(block, block), mask_mod=mask_mod,
+        return BlockMask.from_kv_blocks(index(partial), index(at_last), index(full), index(order),
+                                        BLOCK_SIZE=(block, block), mask_mod=mask_mod,
                                         seq_lengths=(group, keys), compute_q_blocks=False)
 
     def mask_mod(self, positions: torch.Tensor):

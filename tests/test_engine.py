@@ -132,8 +132,10 @@ def test_flex_decoding_reads_live_blocks_and_equals_hf_generate(setup, monkeypat
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=1e-5)
     eng = engine.Engine(lm, 4, 40, CPU, torch.float32, flex=True)
     live = eng.live_blocks(torch.tensor([0, 7, 8, 33]), 40)  # blocks of 8: positions 0-7 one block, 8 two, 33 five
-    assert live.kv_num_blocks.flatten().tolist() == [1, 1, 2, 5]
-    assert live.kv_indices.shape[-1] == 5  # 40 positions read: 5 blocks at most
+    assert live.kv_num_blocks.flatten().tolist() == [1, 1, 1, 1]  # the last block: the mask_mod cuts it
+    assert live.full_kv_num_blocks.flatten().tolist() == [0, 0, 1, 4]  # the blocks before it, read in full
+    assert live.kv_indices[:, 0, 0, 0].tolist() == [0, 0, 1, 4]
+    assert live.kv_indices.shape[-1] == live.full_kv_indices.shape[-1] == 5  # 40 positions read: 5 blocks at most
 
 
 @pytest.mark.parametrize("n, slots, pool", [(2, 3, None), (3, 9, 400)])

@@ -142,7 +142,7 @@ def test_dead_slots_read_no_block(setup):
     positions = torch.tensor([5, 300, 0, 599])
     alive = torch.tensor([True, True, False, False])
     mask = eng.live_blocks(positions, 600, alive)
-    read = mask.kv_num_blocks[:, 0, 0].tolist()
+    read = (mask.kv_num_blocks + mask.full_kv_num_blocks)[:, 0, 0].tolist()
     assert read == [1, 300 // engine.FLEX_BLOCK + 1, 0, 0], read
 
 
@@ -217,10 +217,13 @@ def test_paged_flex_reads_the_pool_in_place(setup, monkeypatch):
         a, b = (e.decode(tokens, positions, reach, alive) for e in (whole, paged))
         torch.testing.assert_close(a[:4], b[:4], atol=1e-5, rtol=0)
         mask = paged.live_blocks(positions, reach, alive)
-        count = mask.kv_num_blocks[:, 0, 0]
+        full, partial = mask.full_kv_num_blocks[:, 0, 0], mask.kv_num_blocks[:, 0, 0]
+        count = full + partial
         assert count.tolist() == [int(p) // 8 + 1 for p in positions[:4]] + [0]  # the dead slot reads nothing
+        assert partial.tolist() == [1, 1, 1, 1, 0]  # only a row's last block is cut by the mask_mod
         for s in range(4):  # the blocks read are the row's own, in its order
-            assert mask.kv_indices[s, 0, 0, :count[s]].tolist() == paged.owned[s][:count[s]]
+            blocks = mask.full_kv_indices[s, 0, 0, :full[s]].tolist() + mask.kv_indices[s, 0, 0, :1].tolist()
+            assert blocks == paged.owned[s][:count[s]]
         per_position = 2 * paged.kv_heads * paged.head_dim * 4 * len(paged.cache)  # k and v, fp32, every layer
         read = int(count.sum()) * 8 * per_position
         assert read == sum(-(-(int(p) + 1) // 8) * 8 for p in positions[:4]) * per_position
@@ -298,3 +301,40 @@ def test_a_pool_planned_from_free_memory_is_not_kept(setup, monkeypatch):
     engine.generate(lm, ids[:2], 3, [tok.eos_token_id], **kw, keep=True)
     assert lm in engine.HELD
     del engine.HELD[lm]
+
+
+CPU_PAGED_BUG = pytest.mark.xfail(strict=True, reason=(
+    "2026-11-28, torch 2.13 CPU: the layer compiled with FlexAttention inside gives logits ~3 off eager's when paged "
+    "(the same flex_attention compiled alone, in the same engine, agrees to 2e-6); unexplained, so the CPU's paged "
+    "target is not measured through it"))
+ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device, pool", [("cpu", None), pytest.param("cpu", 128 * 8, marks=CPU_PAGED_BUG),
+                                          pytest.param("cuda", None, marks=ON_GPU),
+                                          pytest.param("cuda", 128 * 8, marks=ON_GPU)])
+def test_compiled_flex_decodes_as_eager(device, pool):
+    """FlexAttention compiled inside the decoder layer (on the CPU inductor's C++ template, on a GPU its Triton one) at
+    the Qwen3-0.6B attention shape (16 query heads over 8, head_dim 128; one layer, a small vocabulary), a prompt of
+    3 key blocks, 2 rows: three decoding steps' logits equal the eager engine's, whole and paged (on the CPU paged is a
+    known failure, see the mark; on a GPU the check for the next lease: `python -m pytest -m slow -k
+    compiled_flex_decodes tests/test_engine_step.py`). Paged, the CPU layer compiles at all only with the block
+    mask's full blocks given (without them: `full_kv_num_blocks` not declared in the generated C++)."""
+    shape = dict(shapes.QWEN3["0.6B"], num_hidden_layers=1, vocab_size=512)
+    torch.manual_seed(0)
+    lm = shapes.random_model(shape, shapes.word_tokenizer(512), torch.float32).to(device)
+    prompt, new, n = torch.randint(3, 512, (300,), device=device), 3, 2
+    engines = [engine.Engine(lm, n, 300 + new, device, torch.float32, pool_tokens=pool, flex=True, compile=c)
+               for c in (False, True)]
+    for e in engines if pool else []:  # the pool's blocks lent to the 2 rows, in shuffled order
+        e.free = torch.randperm(8, generator=torch.Generator().manual_seed(0)).tolist()
+        assert all(e.take(s, e.blocks_for(300 + new)) for s in range(n))
+    logits = [e.prefill([prompt], torch.arange(n, device=device), n) for e in engines]
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+    tokens = logits[0].argmax(-1).repeat_interleave(n)
+    positions, alive = torch.tensor([300, 300], device=device), torch.ones(n, device=device)
+    for _ in range(new):
+        a, b = (e.decode(tokens, positions, int(positions.max()) + 1, alive) for e in engines)
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        tokens, positions = a.argmax(-1), positions + 1

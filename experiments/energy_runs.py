@@ -39,24 +39,37 @@ class Args(real_model_runs.Args):  # the same flags, another folder
 
 
 def table(logs: str, seeds: list[int]) -> str:
-    """One row an objective and step: each share's mean ± sample std over the seeds that measured it (a step whose
-    groups were all flat has no gradient, so no Energy: counted in the seeds column), with the tokens measured and
-    their cost; the held-out accuracy at step 8 beside it."""
+    """One row an objective and step (1, the mean over steps 2-8 of each seed, 8): each share's mean ± sample std
+    over the seeds that measured it (a step whose groups were all flat has no gradient, so no Energy: counted in the
+    seeds column), with the tokens measured a step and their cost; the held-out accuracy at step 8 beside it. Then,
+    paired by seed (the same data order, the same step-1 samples), DFPO's top-5 share minus GSPO's over steps 2-8."""
     lines = ["| objective | step | seeds measured | " + " | ".join(f"Energy, {v}" for v in SHARES.values()) +
-             " | tokens measured | s a token | held-out accuracy, step 8 |",
+             " | tokens measured a step | s a token | held-out accuracy, step 8 |",
              "|---|---|---|" + "---|" * (len(SHARES) + 3)]
+    later = {}  # (objective, seed) -> each share's mean over steps 2-8 where measured
     for name in COMMANDS:
-        runs = [[json.loads(line) for line in open(p)] for s in seeds
-                if os.path.exists(p := os.path.join(logs, f"{exp_name(name)}__{s}", "metrics.jsonl"))]
-        acc = [r[k] for rows in runs for r in rows if r["step"] == 8 for k in r if k.startswith("eval/avg@")]
-        for step in (1, 8):
-            got = [r for rows in runs for r in rows if r["step"] == step and r.get("energy/tokens")]
+        runs = {s: [json.loads(line) for line in open(p)] for s in seeds
+                if os.path.exists(p := os.path.join(logs, f"{exp_name(name)}__{s}", "metrics.jsonl"))}
+        acc = [r[k] for rows in runs.values() for r in rows if r["step"] == 8 for k in r if k.startswith("eval/avg@")]
+        for label, steps in (("1", {1}), ("2-8, mean a seed", set(range(2, 9))), ("8", {8})):
+            got = []  # a seed's rows (its measured steps), averaged
+            for s, rows in runs.items():
+                m = [r for r in rows if r["step"] in steps and r.get("energy/tokens")]
+                if m:
+                    got.append({k: sum(r[k] for r in m) / len(m) for k in [*SHARES, "energy/tokens"]} |
+                               {"cost": sum(r["energy/seconds"] for r in m) / sum(r["energy/tokens"] for r in m)})
+                    if len(steps) > 1:
+                        later[name, s] = got[-1]
             cells = [fmt([r[k] for r in got]) if got else "-" for k in SHARES]
-            tokens = [r["energy/tokens"] for r in got]
-            cost = [r["energy/seconds"] / r["energy/tokens"] for r in got]
-            lines.append(f"| {name} | {step} | {len(got)} of {len(runs)} | " + " | ".join(cells) +
-                         f" | {fmt(tokens, 0) if got else '-'} | {fmt(cost, 2) if got else '-'} | "
-                         f"{fmt(acc) if step == 8 and acc else ''} |")
+            lines.append(f"| {name} | {label} | {len(got)} of {len(runs)} | " + " | ".join(cells) +
+                         f" | {fmt([r['energy/tokens'] for r in got], 0) if got else '-'} | "
+                         f"{fmt([r['cost'] for r in got], 2) if got else '-'} | "
+                         f"{fmt(acc) if label == '8' and acc else ''} |")
+    pairs = [(s, later["dfpo", s]["energy/top5"] - later["gspo", s]["energy/top5"]) for s in seeds
+             if ("dfpo", s) in later and ("gspo", s) in later]
+    if pairs:
+        lines.append("\nDFPO minus GSPO, top-5 share over steps 2-8, paired by seed: " +
+                     ", ".join(f"seed {s}: {d:+.3f}" for s, d in pairs) + f" (mean {fmt([d for _, d in pairs])})")
     return "\n".join(lines)
 
 

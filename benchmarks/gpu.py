@@ -31,6 +31,8 @@ Per model, as far as each fits:
 - engine memory: each engine mode's peak GPU memory above what the call started with, against engine.memory_needed
   (the KV cache and the weights the engine copies: here, bf16 weights on the GPU, the fused q/k/v and gate/up and
   the rotary tables; the other weights are read in place).
+- paged check (--paged-check): greedy completions through the engine with the whole KV cache and with a paged pool,
+  token for token and log-prob for log-prob (paging through the compiled layer has never run on a GPU).
 - TRL: if `trl` imports, benchmarks/rl_step.py on the 0.6B shape (gspo.py --gen-mode engine against TRL's
   GRPOTrainer as GSPO, no vLLM, one RL step's median wall time).
 One call cannot come back empty: each mode's row and each training row is written to --out (default $OUT, the
@@ -210,6 +212,33 @@ def profile(policy, tok, texts, eos, a, d, name: str) -> dict:
     return {"wall_s": wall, "kernel_s": busy, "kernels": count, "tokens": tokens}
 
 
+def paged_check(lm, shape, d) -> dict:
+    """Paging against the whole cache, where the engine runs by default (on a GPU: FlexAttention compiled inside the
+    layer, reading the pool in place; on the CPU the layer compiled by inductor gives wrong logits paged,
+    tests/test_engine_step.py): 4 prompts of 37-300 tokens x 2, 64 greedy tokens, no EOS, a pool that holds every
+    row (nothing preempted). The rows equal token for token, and the largest log-prob difference over the tokens
+    before each row's first difference (bf16: a near-tie may flip a token; a broken read is off by whole nats)."""
+    import torch
+
+    import engine
+
+    engine.HELD.clear()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, shape["vocab_size"], (n,), generator=g).tolist() for n in (37, 300, 130, 200)]
+    new, n = 64, 2
+    block = engine.page_size(d.device.type == "cuda")
+    pool = n * sum(-(-(len(p) + new + engine.SYNC_EVERY) // block) * block for p in prompts)
+    kw = dict(max_new_tokens=new, temperature=1.0, top_k=1, top_p=1.0, slots=len(prompts) * n, device=d.device,
+              dtype=next(lm.parameters()).dtype)
+    (whole, whole_lp), (paged, paged_lp) = (engine.generate(lm, prompts, n, [-1], pool_tokens=pt, **kw)
+                                            for pt in (None, pool))
+    diff = 0.0
+    for a, b, la, lb in zip(whole, paged, whole_lp, paged_lp):
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        diff = max([diff] + [abs(x - y) for x, y in zip(la[:same], lb[:same])])
+    return {"rows": len(whole), "rows_equal": sum(a == b for a, b in zip(whole, paged)), "max_logp_diff": diff}
+
+
 def held(device) -> dict:
     """GB the allocator holds after the generation modes: with engine.HELD cleared, after gc, after
     torch._dynamo.reset() (which of them frees the Engine says what kept it)."""
@@ -369,6 +398,9 @@ def main():
                          "(engine.FLEX_OPTIONS), e.g. '{\"num_warps\": 4};{\"BLOCK_N\": 128}'")
     ap.add_argument("--profile", action="store_true",
                     help="after the engine's row, its rollout again under torch.profiler: profile_<model>.txt")
+    ap.add_argument("--paged-check", action="store_true",
+                    help="after the generation modes, greedy completions with the whole KV cache and a paged pool, "
+                         "token for token (paging's correctness through the compiled layer, never run on a GPU)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group-size", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=256)
@@ -432,6 +464,12 @@ def main():
             bench_generation(policy, tok, shape, a, d, row["generation"], flush)
         except Exception as e:  # noqa: BLE001 (set-up of the modes: the bandwidth copy, the warm-up call)
             row["generation"]["error"] = {"error": f"{type(e).__name__}: {e}"[:200]}
+        if a.paged_check and time.time() < a.deadline:
+            try:
+                row["generation"]["paged_check"] = paged_check(lm, shape, d)
+            except (Exception, SystemExit) as e:  # noqa: BLE001
+                row["generation"]["paged_check"] = error_row(e)
+            flush()
         if d.device.type == "cuda":  # the last mode's kept Engine (its cache, and through it this model) freed
             row["allocated_after_generation_gb"] = held(d.device)  # before training and the next model
             flush()
@@ -529,6 +567,11 @@ def table(results: dict, a, device: str, command: str, seconds: float) -> str:
             if g.get("allocated_before_gb"):
                 lines.append(f"- {name} {m}: GB allocated before it: " + ", ".join(
                     f"{k} {v:.2f}" for k, v in g["allocated_before_gb"].items()))
+        c = r.get("generation", {}).get("paged_check") if isinstance(r, dict) else None
+        if c:
+            lines.append(f"- {name}: paged against whole, greedy: " + (c["error"] if "error" in c else
+                         f"{c['rows_equal']} of {c['rows']} rows equal, log-probs within {c['max_logp_diff']:.2g} "
+                         "before a row's first difference"))
         p = r.get("generation", {}).get("profile") if isinstance(r, dict) else None
         if p:
             lines.append(f"- {name}: profiled engine rollout: " + (p["error"] if "error" in p else

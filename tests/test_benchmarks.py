@@ -152,6 +152,28 @@ def test_gpu_benchmark_a_mode_that_exits_is_a_row(monkeypatch):
     assert rows["repeat"]["tokens_per_s"] > 0
 
 
+def test_gpu_paged_check_catches_a_wrong_read(monkeypatch):
+    """gpu.py --paged-check: paged and whole greedy rollouts agree token for token and log-prob for log-prob (CPU,
+    tiny); with each paged row reading another prompt's blocks (the block table rolled by 2 rows before attention),
+    the check shows it."""
+    import torch
+
+    import distributed
+    import engine
+    import gpu
+
+    lm = shapes.random_model(shapes.TINY, shapes.word_tokenizer(shapes.TINY["vocab_size"]), torch.float32,
+                             torch.device("cpu"))
+    d = distributed.Dist(0, 1, torch.device("cpu"))
+    ok = gpu.paged_check(lm, shapes.TINY, d)
+    assert ok == {"rows": 8, "rows_equal": 8, "max_logp_diff": 0.0}, ok
+    read = engine.Engine.read
+    monkeypatch.setattr(engine.Engine, "read", lambda self, c, table, reach: read(
+        self, c, table.roll(2, 0) if self.paged else table, reach))
+    bad = gpu.paged_check(lm, shapes.TINY, d)
+    assert bad["rows_equal"] < 8 or bad["max_logp_diff"] > 0.1, bad
+
+
 @pytest.mark.slow
 def test_gpu_benchmark_flex_options_and_profile(tmp_path):
     """--flex-options adds an engine row per set of FlexAttention kernel options (the engine's decoding attention

@@ -266,6 +266,9 @@ class CommonArgs:
     energy_rows: int = 2
     """--energy-every: the completions measured (the first rows with a loss gradient of the step's
     first micro-batch that has any)"""
+    energy_minibatch: Literal["first", "last"] = "first"
+    """--energy-every: measure from the step's first minibatch on (pi = pi_old: GSPO and DFPO give
+    every token the same coefficient there) or on its last only (ratios moved, the clip acting)"""
 
 
 # -------------------- TRL's and verl's names for our flags (docs/trl-and-verl.md's tables)

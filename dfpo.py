@@ -358,7 +358,8 @@ def main():
                 loss.backward()
                 seq_terms.append(terms)
                 first_token_grads.append(logp.grad[:, 0])
-                if not energy_log.get("energy/tokens") and energy.due(args, step):  # eq. 24
+                if not energy_log.get("energy/tokens") and energy.due(  # eq. 24
+                        args, step, update, len(minibatch_slices) * args.num_iterations):
                     energy_log = energy.measure(policy, ids[micro], attention_mask[micro], n_prompt,
                                                 mask[micro], logp.grad, args.energy_rows, ids, mask)
                 minibatch_loss = minibatch_loss + loss.detach()

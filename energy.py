@@ -72,10 +72,14 @@ def energy_by_frequency(norms, token_ids, mask, ranks, edges=(10, 100)) -> dict:
     return out
 
 
-def due(args, step: int) -> bool:
-    """--energy-every N: Energy at step 1, every N steps and the last."""
+def due(args, step: int, update: int = 0, updates: int = 1) -> bool:
+    """--energy-every N: Energy at step 1, every N steps and the last; within a step, from the first minibatch
+    (update 0 of `updates`) on, or (--energy-minibatch last) on the step's last minibatch only, whose ratios the
+    step's earlier updates have moved off 1: there the clip acts, and with it what sets the objectives apart (on a
+    first minibatch GSPO and DFPO give every token the same coefficient)."""
     n = args.energy_every
-    return n > 0 and (step == 1 or step % n == 0 or step == args.num_steps)
+    return (n > 0 and (step == 1 or step % n == 0 or step == args.num_steps)
+            and (getattr(args, "energy_minibatch", "first") == "first" or update == updates - 1))
 
 
 def measure(policy, ids, attention_mask, n_prompt: int, mask, coef, rows: int, counted_ids, counted_mask) -> dict:

@@ -12,6 +12,7 @@ through the policies they trained (and, on a later minibatch, through the clip a
     python tools/real_model.py                 # the model folder, once
     python experiments/energy_runs.py          # gspo, dfpo x 3 seeds, two at a time
     python experiments/energy_runs.py --table-only
+    python experiments/energy_runs.py --minibatch last   # measured on each step's last minibatch: {out}/last
 
 Each run's metrics.jsonl, samples.jsonl and args.json are kept under {out}/logs/ (its checkpoint is deleted).
 """
@@ -35,7 +36,10 @@ SHARES = {"energy/top5": "top 5 tokens", "energy/rank5-20": "ranks 5-20", "energ
 @dataclass
 class Args(real_model_runs.Args):  # the same flags, another folder
     out: str = os.path.join(ROOT, "experiments", "results", "real_model_energy")
-    """where the data, runs, logs/ and table.md go"""
+    """where the data, runs, logs/ and table.md go ({out}/last with --minibatch last)"""
+    minibatch: str = "first"
+    """--energy-minibatch: 'first' (from the step's first minibatch on, where GSPO and DFPO give every token the
+    same coefficient) or 'last' (the step's last, where the ratios have moved and the clip acts)"""
 
 
 def table(logs: str, seeds: list[int]) -> str:
@@ -75,8 +79,14 @@ def table(logs: str, seeds: list[int]) -> str:
 
 def main():
     args = tyro.cli(Args)
+    if args.minibatch not in ("first", "last"):
+        raise SystemExit(f"--minibatch {args.minibatch}: first or last")
+    if args.minibatch == "last":
+        args.out = os.path.join(args.out, "last")
+        for flags in COMMANDS.values():
+            flags += ["--energy-minibatch", "last"]
     run_and_report(args, "energy_runs.py", COMMANDS, BUDGET,
-                   f"`{' '.join(BUDGET + ENERGY)}` on {os.path.basename(args.model)}; mean ± sample std (ddof 1) "
+                   f"`{' '.join(BUDGET + ENERGY)}` (--energy-minibatch {args.minibatch}) on {os.path.basename(args.model)}; mean ± sample std (ddof 1) "
                    "over the seeds that measured it.", table)
 
 

@@ -131,3 +131,9 @@ def test_energy_due():
     due = [s for s in range(1, 11) if energy.due(SimpleNamespace(energy_every=4, num_steps=10), s)]
     assert due == [1, 4, 8, 10]
     assert not any(energy.due(SimpleNamespace(energy_every=0, num_steps=10), s) for s in range(1, 11))
+    # --energy-minibatch: from the first minibatch on (any update), or the last of the step's 4 updates only
+    first = SimpleNamespace(energy_every=4, num_steps=10, energy_minibatch="first")
+    last = SimpleNamespace(energy_every=4, num_steps=10, energy_minibatch="last")
+    assert [u for u in range(4) if energy.due(first, 4, u, 4)] == [0, 1, 2, 3]
+    assert [u for u in range(4) if energy.due(last, 4, u, 4)] == [3]
+    assert not any(energy.due(last, 3, u, 4) for u in range(4))

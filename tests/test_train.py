@@ -74,6 +74,29 @@ def test_energy_logged_in_a_run(script, monkeypatch, tmp_path):
             assert 0 < r["energy/tokens"] <= 2 * 6 and r["energy/seconds"] > 0, r
 
 
+def test_energy_on_the_last_minibatch(monkeypatch, tmp_path):
+    """--energy-minibatch last: Energy measured on the step's last minibatch (its rows the second half of the step's,
+    2 minibatches), where the default measures on the first."""
+    import energy
+
+    (tmp_path / "split_reward35.py").write_text(SPLIT_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    measure, seen = energy.measure, []
+
+    def spy(policy, ids, *args):
+        counted = args[-2]  # the step's rows
+        seen.append(next(i for i in range(len(counted)) if torch.equal(counted[i], ids[0])) / len(counted))
+        return measure(policy, ids, *args)
+
+    monkeypatch.setattr(energy, "measure", spy)
+    argv = ["--num-steps", "1", "--eval-every", "0", "--energy-every", "1", "--prompts-per-rank", "4",
+            "--num-minibatches", "2", "--max-new-tokens", "6", "--reward", "split_reward35:split"]
+    for where, half in (("first", 0.0), ("last", 0.5)):
+        seen.clear()
+        rows, _ = run_script("dfpo", argv + ["--energy-minibatch", where], monkeypatch, tmp_path / where)
+        assert seen == [half] and rows[-1]["energy/tokens"] > 0, (where, seen)
+
+
 SPLIT_REWARD = """
 def split(prompts, completions, **kwargs):  # every group splits 0/1: every row has a loss gradient
     return [float(i % 2) for i in range(len(completions))]

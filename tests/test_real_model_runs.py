@@ -109,20 +109,56 @@ def test_precision_table_from_fabricated_logs(tmp_path):
 
 
 def test_energy_table_from_fabricated_logs(tmp_path):
-    """experiments/energy_runs.py's table: per objective, the step-1 and step-8 Energy shares (DFPO eq. 24), mean ±
-    sample std over the seeds that measured it (by hand: top-5 share 0.2 and 0.4 -> 0.300 ± 0.141; a seed whose
-    step had no gradient, energy/tokens 0, is left out and counted), the cost per token (30 s / 20 tokens = 1.50),
-    and the held-out accuracy at step 8."""
+    """experiments/energy_runs.py's table, by hand: per objective, step 1, steps 2-8 (each seed's mean over its
+    measured steps, then mean ± sample std over seeds) and step 8, a seed whose steps had no gradient (energy/tokens 0
+    or no energy) left out and counted; the cost per token (30 s / 20 tokens = 1.50); the held-out accuracy at step
+    8; then DFPO minus GSPO's top-5 share over steps 2-8, paired by seed."""
     from energy_runs import table
 
-    for seed, (top, tokens) in enumerate([(0.2, 20), (0.4, 20), (None, 0)], 1):
-        folder = tmp_path / f"gspo__{seed}"
-        folder.mkdir()
-        share = {} if top is None else {"energy/top5": top, "energy/rank5-20": 0.5, "energy/rest": 0.5 - top}
-        rows = [{"step": 0, "eval/avg@1": 0.1}, {"step": 1, **share, "energy/tokens": tokens, "energy/seconds": 30.0},
-                {"step": 8, "eval/avg@1": 0.3 + 0.1 * seed}]
-        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    def share(top):
+        return {"energy/top5": top, "energy/rank5-20": 0.5, "energy/rest": 0.5 - top, "energy/tokens": 20,
+                "energy/seconds": 30.0}
+
+    runs = {"gspo": {1: {1: 0.2, 2: 0.1, 3: 0.3}, 2: {1: 0.4, 2: 0.5}, 3: {}},  # objective: seed: step: top-5 share
+            "dfpo": {1: {2: 0.1}, 2: {3: 0.2}}}
+    for name, seeds in runs.items():
+        for seed, steps in seeds.items():
+            folder = tmp_path / f"{name}__{seed}"
+            folder.mkdir()
+            rows = [{"step": 0, "eval/avg@1": 0.1}, *({"step": t, **(share(steps[t]) if t in steps else
+                                                                      {"energy/tokens": 0})} for t in range(1, 8)),
+                    {"step": 8, "eval/avg@1": 0.3 + 0.1 * seed}]
+            (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     lines = table(str(tmp_path), [1, 2, 3]).splitlines()
     assert lines[2] == "| gspo | 1 | 2 of 3 | 0.300 ± 0.141 | 0.500 ± 0.000 | 0.200 ± 0.141 | 20 ± 0 | 1.50 ± 0.00 |  |"
-    assert lines[3] == "| gspo | 8 | 0 of 3 | - | - | - | - | - | 0.500 ± 0.100 |"
-    assert lines[4].startswith("| dfpo | 1 | 0 of 0 |")
+    # seed 1: (0.1 + 0.3) / 2 = 0.2, its rest (0.4 + 0.2) / 2 = 0.3; seed 2: 0.5, rest 0.0
+    assert lines[3] == ("| gspo | 2-8, mean a seed | 2 of 3 | 0.350 ± 0.212 | 0.500 ± 0.000 | 0.150 ± 0.212 | 20 ± 0 "
+                        "| 1.50 ± 0.00 |  |")
+    assert lines[4] == "| gspo | 8 | 0 of 3 | - | - | - | - | - | 0.500 ± 0.100 |"
+    assert lines[5].startswith("| dfpo | 1 | 0 of 2 |")
+    assert lines[6] == ("| dfpo | 2-8, mean a seed | 2 of 2 | 0.150 ± 0.071 | 0.500 ± 0.000 | 0.350 ± 0.071 | 20 ± 0 "
+                        "| 1.50 ± 0.00 |  |")
+    assert lines[-1] == ("DFPO minus GSPO, top-5 share over steps 2-8, paired by seed: seed 1: -0.100, seed 2: -0.300 "
+                         "(mean -0.200 ± 0.141)")
+
+
+def test_precision_curve_table_from_fabricated_logs(tmp_path):
+    """experiments/precision_runs.py --curves' table, by hand: the reward each step (mean over seeds), the first and
+    last 2 steps, Jitter2 from the last row, the clip fraction and Var log w_it averaged over steps, a step's seconds
+    from step 2 on (step 1 holds the model's load) and the pi_old pass's; no row without logs."""
+    from precision_runs import curve_table
+
+    for seed, rewards in enumerate([[0.0, 0.2, 0.4, 0.6], [0.2, 0.2, 0.6, 1.0]], 1):
+        folder = tmp_path / f"gspo_rollout__{seed}"
+        folder.mkdir()
+        rows = [{"step": 0, "eval/avg@1": 0.1}]
+        for t, r in enumerate(rewards, 1):
+            rows.append({"step": t, "charts/reward_mean": r, "losses/clipfrac": 0.1 * seed,
+                         "losses/log_ratio_var_first": 1e-3 * seed, "perf/wall_time": 100.0 + 50 * seed * t,
+                         "perf/old_logp_s": 0.0, "charts/reward_jitter2": 0.05 * seed if t == 4 else None})
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = curve_table(str(tmp_path), [1, 2, 3]).splitlines()
+    assert len(lines) == 3  # header, rule, the one configuration with logs
+    # first 2: 0.1, 0.2; last 2: 0.5, 0.8; step s: 50 and 100
+    assert lines[2] == ("| gspo rollout | 2 | 0.10 0.20 0.50 0.80 | 0.150 ± 0.071 | 0.650 ± 0.212 | 0.075 ± 0.035 "
+                        "| 0.1500 ± 0.0707 | 1.5e-03 ± 7.1e-04 | 75 ± 35 | 0.0 ± 0.0 |")

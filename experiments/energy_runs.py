@@ -20,6 +20,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass
+from typing import Literal
 
 import tyro
 
@@ -37,7 +38,7 @@ SHARES = {"energy/top5": "top 5 tokens", "energy/rank5-20": "ranks 5-20", "energ
 class Args(real_model_runs.Args):  # the same flags, another folder
     out: str = os.path.join(ROOT, "experiments", "results", "real_model_energy")
     """where the data, runs, logs/ and table.md go ({out}/last with --minibatch last)"""
-    minibatch: str = "first"
+    minibatch: Literal["first", "last"] = "first"
     """--energy-minibatch: 'first' (from the step's first minibatch on, where GSPO and DFPO give every token the
     same coefficient) or 'last' (the step's last, where the ratios have moved and the clip acts)"""
 
@@ -79,15 +80,14 @@ def table(logs: str, seeds: list[int]) -> str:
 
 def main():
     args = tyro.cli(Args)
-    if args.minibatch not in ("first", "last"):
-        raise SystemExit(f"--minibatch {args.minibatch}: first or last")
     if args.minibatch == "last":
         args.out = os.path.join(args.out, "last")
         for flags in COMMANDS.values():
             flags += ["--energy-minibatch", "last"]
     run_and_report(args, "energy_runs.py", COMMANDS, BUDGET,
-                   f"`{' '.join(BUDGET + ENERGY)}` (--energy-minibatch {args.minibatch}) on {os.path.basename(args.model)}; mean ± sample std (ddof 1) "
-                   "over the seeds that measured it.", table)
+                   f"`{' '.join(BUDGET + ENERGY)}` (--energy-minibatch {args.minibatch}) on "
+                   f"{os.path.basename(args.model)}; mean ± sample std (ddof 1) over the seeds that measured it.",
+                   table)
 
 
 if __name__ == "__main__":

@@ -107,10 +107,10 @@ def curve_table(logs: str, seeds: list[int]) -> str:
         n = min(map(len, reward))
         each = " ".join(f"{sum(c[t] for c in reward) / len(reward):.2f}" for t in range(n))
         wall = [(rows[-1]["perf/wall_time"] - rows[0]["perf/wall_time"]) / (len(rows) - 1) for rows in runs]
+        jitter2 = [rows[-1]["charts/reward_jitter2"] for rows in runs]
         lines.append(f"| {name} | {len(runs)} | {each} | {fmt([sum(c[:2]) / 2 for c in reward])} | "
-                     f"{fmt([sum(c[-2:]) / 2 for c in reward])} | {fmt([rows[-1]['charts/reward_jitter2'] for rows in runs])} | "
-                     f"{fmt(avg('losses/clipfrac'), 4)} | {sci(avg('losses/log_ratio_var_first'))} | {fmt(wall, 0)} | "
-                     f"{fmt(avg('perf/old_logp_s'), 1)} |")
+                     f"{fmt([sum(c[-2:]) / 2 for c in reward])} | {fmt(jitter2)} | {fmt(avg('losses/clipfrac'), 4)} | "
+                     f"{sci(avg('losses/log_ratio_var_first'))} | {fmt(wall, 0)} | {fmt(avg('perf/old_logp_s'), 1)} |")
     return "\n".join(lines)
 
 

@@ -643,9 +643,10 @@ class Engine:
         positions up to its own (the mask_mod, evaluated there only). Whole, its blocks of the
         `reach` positions read; paged, the blocks its row of the table names, indices into the
         whole pool (read in place: page and key block are one size). Built from tensors alone (no
-        host sync, shapes set by `reach`): a CUDA graph captures it with the step. The blocks past a row's length are never read: a row's cost is
-        its own length, not the longest row's; and a slot that `alive` [slots] marks 0 (free, or its
-        row finished) reads no block at all (issue 34: ~65% of a long rollout's slot-steps)."""
+        host sync, shapes set by `reach`): a CUDA graph captures it with the step. The blocks past
+        a row's length are never read: a row's cost is its own length, not the longest row's; and a
+        slot that `alive` [slots] marks 0 (free, or its row finished) reads no block at all (issue
+        34: ~65% of a long rollout's slot-steps)."""
         from torch.nn.attention.flex_attention import BlockMask
 
         block = self.flex_block
@@ -665,7 +666,7 @@ class Engine:
         # full blocks before it are read without evaluating it (and inductor's CPU decoding
         # template, torch 2.13, builds paged only with full blocks given)
         at_last = order.gather(1, last[:, None]).expand_as(order)
-        index = lambda x: x.to(torch.int32)[:, None, None]  # noqa: E731  [slots, 1 head, 1 q block, ..]
+        index = lambda x: x.to(torch.int32)[:, None, None]  # noqa: E731  [slots, 1, 1, ...]
         mask_mod = (self.static_mask_mod if positions is self.static_positions else
                     self.mask_mod(positions))
         group = self.heads // self.kv_heads

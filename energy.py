@@ -79,7 +79,7 @@ def due(args, step: int, update: int = 0, updates: int = 1) -> bool:
     first minibatch GSPO and DFPO give every token the same coefficient)."""
     n = args.energy_every
     return (n > 0 and (step == 1 or step % n == 0 or step == args.num_steps)
-            and (getattr(args, "energy_minibatch", "first") == "first" or update == updates - 1))
+            and (args.energy_minibatch == "first" or update == updates - 1))
 
 
 def measure(policy, ids, attention_mask, n_prompt: int, mask, coef, rows: int, counted_ids, counted_mask) -> dict:

@@ -80,11 +80,11 @@ def table(logs: str, seeds: list[int]) -> str:
 
 def main():
     args = tyro.cli(Args)
+    commands = COMMANDS
     if args.minibatch == "last":
         args.out = os.path.join(args.out, "last")
-        for flags in COMMANDS.values():
-            flags += ["--energy-minibatch", "last"]
-    run_and_report(args, "energy_runs.py", COMMANDS, BUDGET,
+        commands = {name: [*flags, "--energy-minibatch", "last"] for name, flags in COMMANDS.items()}
+    run_and_report(args, "energy_runs.py", commands, BUDGET,
                    f"`{' '.join(BUDGET + ENERGY)}` (--energy-minibatch {args.minibatch}) on "
                    f"{os.path.basename(args.model)}; mean ± sample std (ddof 1) over the seeds that measured it.",
                    table)

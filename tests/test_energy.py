@@ -128,9 +128,10 @@ def test_a_run_logs_the_energy_of_its_own_loss(monkeypatch):
 def test_energy_due():
     from types import SimpleNamespace
 
-    due = [s for s in range(1, 11) if energy.due(SimpleNamespace(energy_every=4, num_steps=10), s)]
+    every = lambda n: SimpleNamespace(energy_every=n, num_steps=10, energy_minibatch="first")  # noqa: E731
+    due = [s for s in range(1, 11) if energy.due(every(4), s)]
     assert due == [1, 4, 8, 10]
-    assert not any(energy.due(SimpleNamespace(energy_every=0, num_steps=10), s) for s in range(1, 11))
+    assert not any(energy.due(every(0), s) for s in range(1, 11))
     # --energy-minibatch: from the first minibatch on (any update), or the last of the step's 4 updates only
     first = SimpleNamespace(energy_every=4, num_steps=10, energy_minibatch="first")
     last = SimpleNamespace(energy_every=4, num_steps=10, energy_minibatch="last")

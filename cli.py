@@ -651,7 +651,7 @@ def check_rollout_args(args):
     recomputed (the weight is pi_old / pi_rollout). --old-logp rollout: no repetition penalty (the
     engine's log-probs are then the penalised sampler's, not the policy's). What needs the model's
     config (a generation mode that returns log-probs, --routing-replay on an MoE model) is checked
-    by common.check_model."""
+    by modeling.check_model."""
     if args.old_logp == "rollout" and args.repetition_penalty != 1:
         fail(f"--old-logp rollout with --repetition-penalty {args.repetition_penalty}: the "
              "engine's log-probs are then the penalised sampler's, not the policy's, so pi_old would "

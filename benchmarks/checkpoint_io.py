@@ -9,7 +9,7 @@ issue 27: a sha256 of every file at save and again at resume) would add.
                                                        # (a git worktree of an older commit: before and after)
 
 Every (shape, world) runs as two fresh processes (two torchrun jobs at world 2, gloo): `save` loads the model
-folder as a run does (common.load_model + wrap_policy: FSDP2 at world 2), makes AdamW state by one step on fixed
+folder as a run does (modeling.load_model + wrap_policy: FSDP2 at world 2), makes AdamW state by one step on fixed
 gradients and saves step_1; `resume` then does what a resumed run does before its first step (verify, load_model
 of the checkpoint, wrap_policy, resume_state) and checks the weights equal the saved ones. A thread samples each
 process's resident set every 5 ms: each phase's RSS before it (freed heap handed back first) and its peak.
@@ -81,8 +81,8 @@ def child(phase: str, shape_name: str, out: str) -> dict:
     import torch
 
     import checkpoint
-    import common
     import distributed
+    import modeling
     import shapes
 
     d = distributed.setup_distributed(0)
@@ -94,11 +94,11 @@ def child(phase: str, shape_name: str, out: str) -> dict:
     with PeakRSS() as mem:
         t = time.perf_counter()
         if phase == "save":
-            lm, rank0 = common.load_model(os.path.join(out, "base"), tok, d, 0)
+            lm, rank0 = modeling.load_model(os.path.join(out, "base"), tok, d, 0)
         else:
             assert checkpoint.verify_checkpoint(ckpt, d) is None
-            lm, rank0 = common.load_model(ckpt, tok, d, 0)
-        policy = common.wrap_policy(lm, d, 1.0, 64, False, rank0_weights=rank0)
+            lm, rank0 = modeling.load_model(ckpt, tok, d, 0)
+        policy = modeling.wrap_policy(lm, d, 1.0, 64, False, rank0_weights=rank0)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0)
         if phase == "resume":

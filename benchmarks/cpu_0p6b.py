@@ -5,7 +5,7 @@ against memory_plan.py's prediction for the same job:
     python benchmarks/cpu_0p6b.py --smoke     # tiny shapes, seconds (the test suite)
 
 The model folder: random weights in shapes.QWEN3["0.6B"] (28 layers, hidden 1024, vocabulary 151,936, tied
-embeddings) saved with save_pretrained, and the built-in task's character tokenizer (common.tiny_tokenizer, 100
+embeddings) saved with save_pretrained, and the built-in task's character tokenizer (modeling.tiny_tokenizer, 100
 ids: the built-in task's prompts and its chat template need it; the model's other ids are only ever sampled). Then
 `python gspo.py --model <folder>` and `torchrun --nproc-per-node 2 gspo.py --model <folder>` (FSDP2 over gloo: a
 meta-device build on every rank, rank 0 reads the weights and scatters the shards), each with the same small job.
@@ -101,10 +101,10 @@ def build(folder: str, shape: dict):
     """The model folder: random weights in `shape` (fp32) and the built-in task's tokenizer."""
     import torch
 
-    import common
+    import modeling
     import shapes
 
-    tok = common.tiny_tokenizer()
+    tok = modeling.tiny_tokenizer()
     torch.manual_seed(0)
     lm = shapes.random_model(shape, tok, torch.float32)
     lm.save_pretrained(folder)

@@ -55,6 +55,7 @@ def main():
 
     import common
     import distributed
+    import modeling
     import shapes
 
     hf_logging.set_verbosity_error()  # EOS id -1 below is on purpose (transformers warns about it)
@@ -91,7 +92,7 @@ def main():
     print(f"model built in {time.perf_counter() - t:.0f}s: {sum(p.numel() for p in lm.parameters()) / 1e9:.3f}B "
           f"parameters, fp32, {a.threads} threads, torch {torch.__version__}")
     d = distributed.Dist(0, 1, torch.device("cpu"))
-    policy = common.Policy(lm).eval()
+    policy = modeling.Policy(lm).eval()
     P = tok(texts, padding=True, add_special_tokens=False, return_tensors="pt").input_ids.shape[1]
 
     pool = a.pool_tokens or a.prompts * a.group_size * (a.prompt_tokens + a.new_tokens) // 2

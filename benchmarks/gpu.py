@@ -25,7 +25,7 @@ Per model, as far as each fits:
   matmul parameters, LM head included, input embedding not; L layers, h = heads x head_dim, T the sequence length;
   recomputation is not counted as useful work).
 - memory: peak allocated GPU memory of the training step against memory_plan.py's prediction for the same job with
-  checkpointed layers. One process trains the plain bf16 model (common.wrap_policy without FSDP): weights, gradients
+  checkpointed layers. One process trains the plain bf16 model (modeling.wrap_policy without FSDP): weights, gradients
   and AdamW's two moments in bf16 are 8 bytes a parameter, in place of the plan's sharded fp32 16 P / n and gathered
   units; activations and the log-prob chunk are the plan's own terms.
 - engine memory: each engine mode's peak GPU memory above what the call started with, against engine.memory_needed
@@ -356,13 +356,13 @@ def trl_step(a, out_dir: str) -> dict:
     """benchmarks/rl_step.py on the 0.6B shape (the tiny shape under --smoke), its table as printed."""
     import torch
 
-    import common
+    import modeling
     import shapes
 
     if importlib.util.find_spec("trl") is None:
         return {"skipped": "trl does not import (pip install -r benchmarks/requirements.txt)"}
     folder = os.path.join(out_dir, "rl_step_model")
-    tok = common.tiny_tokenizer()  # the built-in task's characters; the model's larger vocabulary is unused
+    tok = modeling.tiny_tokenizer()  # the built-in task's characters; the model's larger vocabulary is unused
     torch.manual_seed(0)
     shape = dict(shapes.TINY, vocab_size=len(tok)) if a.smoke else shapes.QWEN3["0.6B"]
     lm = shapes.random_model(shape, tok, torch.float32)
@@ -383,6 +383,7 @@ def trl_step(a, out_dir: str) -> dict:
 def main():
     import common
     import distributed
+    import modeling
 
     # engine-eager: --gen-mode engine --no-gen-cuda-graphs; engine-sdpa: the engine decoding through SDPA over the
     # whole read length instead of FlexAttention's live blocks (the GPU's default)
@@ -455,7 +456,7 @@ def main():
         tok = shapes.word_tokenizer(shape["vocab_size"])
         torch.manual_seed(0)
         lm = shapes.random_model(shape, tok, dtype, d.device)
-        policy = common.Policy(lm).eval()
+        policy = modeling.Policy(lm).eval()
         row = {"parameters_B": sum(p.numel() for p in lm.parameters()) / 1e9}
         results[name] = row
         row["generation"] = {}

@@ -89,7 +89,7 @@ def cpu_process(c: dict, procs: int, seqs: int, tokens: int, gen_seqs: int, chun
       (sqrt of the second moment, then its division); they come after the backward, when the gathered units are
       freed, so training's peak is the larger of the two, not their sum.
     Rank 0 under FSDP2 (rank0 True) also holds the whole fp32 model (4 P) while it reads the weights, freed once they
-    are scattered (common.load_model), and while it saves a checkpoint the export's bf16 copy of the whole model (2 P,
+    are scattered (modeling.load_model), and while it saves a checkpoint the export's bf16 copy of the whole model (2 P,
     gathered a tensor at a time: checkpoint.full_state_dict) next to its shards and AdamW state (the gradients were
     freed after the optimizer step), plus one gathered copy of the largest tensor in bf16; the fp32 master weights
     are written from each rank's own shard, with no gather (checkpoint.write_masters). Measured on the 0.6B shape, 2

@@ -8,7 +8,7 @@ configured as GSPO (importance_sampling_level="sequence"), with the same tiny mo
 
     python benchmarks/rl_step.py                     # P=16 prompts x G=8, M=4 minibatches, 64 new tokens, 20 steps
 
-Both sides load the same random-init `tiny` model (common.tiny_model, seed 1) from one saved folder, train on the
+Both sides load the same random-init `tiny` model (modeling.tiny_model, seed 1) from one saved folder, train on the
 built-in task with common.math_reward, sample at temperature 1 without top-p/top-k, take AdamW steps at the same
 constant learning rate with grad-norm clipping 1.0 and GSPO's clip range (3e-4, 4e-4), in fp32 without activation
 checkpointing. Each side runs in a fresh process, one after the other, with the same number of torch threads.
@@ -31,11 +31,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def save_tiny(folder: str, seed: int):
-    """The weights gspo.py builds for --model tiny --seed 1 (common.load_model seeds, then builds), saved once."""
+    """The weights gspo.py builds for --model tiny --seed 1 (modeling.load_model seeds, then builds), saved once."""
     sys.path.insert(0, ROOT)
     from transformers.utils import logging as hf_logging
 
-    from common import tiny_model, tiny_tokenizer
+    from modeling import tiny_model, tiny_tokenizer
     from distributed import seed_everything
 
     hf_logging.disable_progress_bar()
@@ -100,11 +100,12 @@ def run_ours_fenced(a, folder: str, out_dir: str) -> dict:
 
     sys.path.insert(0, ROOT)
     import common
+    import modeling
 
     fence_training(torch)
     common.generate = fenced(common.generate, "generate", new_step=True)
     common.score = fenced(common.score, "rewards")  # the scripts score through common.sample_groups
-    common.Policy.forward = fenced(common.Policy.forward, "log-prob forward", by_grad=True)
+    modeling.Policy.forward = fenced(modeling.Policy.forward, "log-prob forward", by_grad=True)
     sys.argv = ["gspo.py", *ours_argv(a, folder, out_dir)]
     runpy.run_path(os.path.join(ROOT, "gspo.py"), run_name="__main__")
     return ours_result(a, out_dir)
@@ -135,7 +136,7 @@ def run_trl(a, folder: str, out_dir: str) -> dict:
     from data import load_task
 
     tok = AutoTokenizer.from_pretrained(folder)
-    tok.padding_side = "left"  # as common.load_tokenizer: left-padded prompts for generation
+    tok.padding_side = "left"  # as modeling.load_tokenizer: left-padded prompts for generation
     train, _, _ = load_task("builtin", None, 64, a.seed, tok, False, 2048)  # the same prompts ("text") as gspo.py
     train = train.remove_columns("prompt").rename_column("text", "prompt")  # a plain string prompt is used as-is
 

@@ -23,6 +23,7 @@ from real_model_runs import arithmetic_task  # noqa: E402
 sys.path.insert(0, ROOT)
 import common  # noqa: E402
 import energy  # noqa: E402
+import modeling  # noqa: E402
 from data import chat_prompts  # noqa: E402
 from distributed import Dist  # noqa: E402
 
@@ -44,10 +45,10 @@ class Args:
 def main():
     args = tyro.cli(Args)
     torch.manual_seed(args.seed)
-    tok = common.load_tokenizer(args.model, False)
-    lm, _ = common.load_model(args.model, tok, Dist(0, 1, torch.device("cpu")), args.seed)
-    policy = common.Policy(lm, temperature=0.7)
-    eos = common.eos_ids(lm, tok)
+    tok = modeling.load_tokenizer(args.model, False)
+    lm, _ = modeling.load_model(args.model, tok, Dist(0, 1, torch.device("cpu")), args.seed)
+    policy = modeling.Policy(lm, temperature=0.7)
+    eos = modeling.eos_ids(lm, tok)
     _, test = arithmetic_task()
     prompt = chat_prompts(tok, [test[0]["prompt"]])
     policy.eval()

@@ -52,8 +52,8 @@ import tyro
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import cli  # noqa: E402
-import common  # noqa: E402
 import data  # noqa: E402
+import modeling  # noqa: E402
 
 # name -> the script and its flags; everything else is the script's default (the papers' settings)
 BUILTIN = {
@@ -350,8 +350,8 @@ def warm_start(out: str, steps: int, seed: int) -> str:
     starts from a policy that writes both and is sometimes wrong (groups with reward variance). Returns its folder."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    tok = common.tiny_tokenizer()
-    lm = common.tiny_model(tok)
+    tok = modeling.tiny_tokenizer()
+    lm = modeling.tiny_model(tok)
     opt = torch.optim.AdamW(lm.parameters(), lr=3e-3)
     for step in range(steps):
         prompts, completions = [], []

@@ -14,13 +14,13 @@ torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, min(2, os.
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """The built-in tiny model and tokenizer saved to a folder, so scripts run the local-path branch."""
-    import common
     import distributed
+    import modeling
 
     path = str(tmp_path_factory.mktemp("tiny"))
-    tok = common.tiny_tokenizer()
+    tok = modeling.tiny_tokenizer()
     distributed.seed_everything(0)
-    common.tiny_model(tok).save_pretrained(path)
+    modeling.tiny_model(tok).save_pretrained(path)
     tok.save_pretrained(path)
     return path
 

@@ -15,12 +15,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import checkpoint  # noqa: E402
 import common  # noqa: E402
 import distributed  # noqa: E402
+import modeling  # noqa: E402
 
 d = distributed.setup_distributed(0)
 assert d.world == 2 and d.sharded, "run me with torchrun --nproc-per-node 2"
-tok = common.tiny_tokenizer()
-lm, rank0_weights = common.load_model("tiny", tok, d, seed=0)
-policy = common.wrap_policy(lm, d, 1.0, 16, False, "fp32", rank0_weights=rank0_weights)
+tok = modeling.tiny_tokenizer()
+lm, rank0_weights = modeling.load_model("tiny", tok, d, seed=0)
+policy = modeling.wrap_policy(lm, d, 1.0, 16, False, "fp32", rank0_weights=rank0_weights)
 policy.eval()
 train = Dataset.from_list([{"prompt": f"{i}%10=", "answer": str(i % 10), "text": f"{i}%10="} for i in range(40)])
 gen_kw = dict(max_new_tokens=3, temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=256)
@@ -42,7 +43,7 @@ common.generate, common.score = generate, score
 for max_rounds, want in [(10, (3, 4.0, 4.0, 0.0)), (2, (2, 2.0, 2.0, 2.0))]:
     calls.clear()
     rows, roll, rewards, errors, logs = common.sample_groups(
-        policy, tok, train, 1, common.eos_ids(lm, tok), d, SimpleNamespace(values={}), gen_kw, per_rank=2,
+        policy, tok, train, 1, modeling.eos_ids(lm, tok), d, SimpleNamespace(values={}), gen_kw, per_rank=2,
         group_size=2, seed=0, dynamic=True, max_rounds=max_rounds)
     got = (logs["charts/gen_rounds"], logs["charts/dropped_groups"], logs["charts/surplus_groups"],
            logs["charts/filled_groups"])

@@ -9,17 +9,18 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 import distributed  # noqa: E402
+import modeling  # noqa: E402
 from data import chat_prompts  # noqa: E402
 
 d = distributed.setup_distributed(0)
 assert d.world == 2, "run me with torchrun --nproc-per-node 2"
-tok = common.tiny_tokenizer()
-lm, rank0_weights = common.load_model("tiny", tok, d, seed=0)
-policy = common.wrap_policy(lm, d, 1.0, 16, False, "fp32", rank0_weights=rank0_weights)
+tok = modeling.tiny_tokenizer()
+lm, rank0_weights = modeling.load_model("tiny", tok, d, seed=0)
+policy = modeling.wrap_policy(lm, d, 1.0, 16, False, "fp32", rank0_weights=rank0_weights)
 one = distributed.Dist(d.rank, 1, d.device)
-single = common.Policy(common.load_model("tiny", tok, one, seed=0)[0], 1.0, 16)
+single = modeling.Policy(modeling.load_model("tiny", tok, one, seed=0)[0], 1.0, 16)
 policy.eval(), single.eval()
-eos = common.eos_ids(lm, tok)
+eos = modeling.eos_ids(lm, tok)
 # rank 0: two short prompts and up to 3 tokens; rank 1: three prompts and up to 12 (it decodes 4x longer)
 prompts = chat_prompts(tok, ["1%10=", "2%10="] if d.rank == 0 else ["3%10=", "a longer one, 4%10=", "5"], False)
 kw = dict(max_new_tokens=3 if d.rank == 0 else 12, temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=4,

@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import checkpoint  # noqa: E402
 import common  # noqa: E402
 import distributed  # noqa: E402
+import modeling  # noqa: E402
 from dfpo import dfpo_loss, group_weights, sequence_weights  # noqa: E402
 from grpo import grpo_loss  # noqa: E402
 from gspo import gspo_loss  # noqa: E402
@@ -24,12 +25,12 @@ micro = int(sys.argv[4]) if len(sys.argv) > 4 else 0  # micro-batch size on each
 per_rank_mean = len(sys.argv) > 5 and sys.argv[5] == "per-rank-mean"  # the bug: divide by this rank's count only
 d = distributed.setup_distributed(0)
 assert d.world == 2, "run me with torchrun --nproc-per-node 2"
-tok = common.tiny_tokenizer()
+tok = modeling.tiny_tokenizer()
 # FSDP2: built on the meta device, rank 0's weights scattered to fp32 shards, computed in `dtype`, reduced in fp32
-lm, rank0_weights = common.load_model("tiny", tok, d, seed=0)
-policy = common.wrap_policy(lm, d, 1.0, 16, ac, dtype, rank0_weights=rank0_weights)
+lm, rank0_weights = modeling.load_model("tiny", tok, d, seed=0)
+policy = modeling.wrap_policy(lm, d, 1.0, 16, ac, dtype, rank0_weights=rank0_weights)
 one = distributed.Dist(d.rank, 1, d.device)
-single = common.Policy(common.load_model("tiny", tok, one, seed=0, dtype=dtype)[0], 1.0, 16)  # same init, one process
+single = modeling.Policy(modeling.load_model("tiny", tok, one, seed=0, dtype=dtype)[0], 1.0, 16)  # same init, one process
 policy.train(), single.train()
 for (name, p), (_, q) in zip(policy.named_parameters(), single.named_parameters()):
     assert p.dtype == torch.float32 and torch.equal(p.full_tensor().to(q.dtype), q.detach()), name  # fp32 masters

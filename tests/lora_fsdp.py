@@ -12,20 +12,20 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import checkpoint  # noqa: E402
-import common  # noqa: E402
 import distributed  # noqa: E402
 import engine  # noqa: E402
 import lora  # noqa: E402
+import modeling  # noqa: E402
 from gspo import gspo_loss  # noqa: E402
 
 d = distributed.setup_distributed(0)
 assert d.world == 2, "run me with torchrun --nproc-per-node 2"
-tok = common.tiny_tokenizer()
+tok = modeling.tiny_tokenizer()
 spec = lora.LoraSpec(rank=4, alpha=8.0, dropout=0.0, targets=(lora.ALL_LINEAR,))
-lm, rank0_weights = common.load_model("tiny", tok, d, seed=0, lora=spec)
-policy = common.wrap_policy(lm, d, 1.0, 16, True, "fp32", rank0_weights=rank0_weights)
+lm, rank0_weights = modeling.load_model("tiny", tok, d, seed=0, lora=spec)
+policy = modeling.wrap_policy(lm, d, 1.0, 16, True, "fp32", rank0_weights=rank0_weights)
 one = distributed.Dist(d.rank, 1, d.device)
-single = common.Policy(common.load_model("tiny", tok, one, seed=0, lora=spec)[0], 1.0, 16)
+single = modeling.Policy(modeling.load_model("tiny", tok, one, seed=0, lora=spec)[0], 1.0, 16)
 names = [n for n, _ in single.named_parameters()]
 assert [n for n, _ in policy.named_parameters()] == names
 for (name, p), (_, q) in zip(policy.named_parameters(), single.named_parameters()):
@@ -83,7 +83,7 @@ distributed.barrier()
 from peft import PeftModel  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-loaded = PeftModel.from_pretrained(common.load_model("tiny", tok, one, 0)[0], os.path.join(folder[0], lora.ADAPTER_DIR))
+loaded = PeftModel.from_pretrained(modeling.load_model("tiny", tok, one, 0)[0], os.path.join(folder[0], lora.ADAPTER_DIR))
 for (name, p), (_, q) in zip(loaded.named_parameters(), single.lm.named_parameters()):
     assert "lora_" not in name or torch.allclose(p, q, rtol=1e-5, atol=1e-5), name
 merged = load_file(os.path.join(folder[0], "model.safetensors"))
@@ -91,8 +91,8 @@ assert merged["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
 
 # bf16 (a GPU's auto): the frozen base sharded in bf16, the adapters fp32 (FSDP2 gathers both in bf16, reduces the
 # adapters' gradients in fp32); one step trains them
-lm, rank0_weights = common.load_model("tiny", tok, d, seed=0, dtype="bf16", lora=spec)
-policy = common.wrap_policy(lm, d, 1.0, 16, True, "bf16", rank0_weights=rank0_weights)
+lm, rank0_weights = modeling.load_model("tiny", tok, d, seed=0, dtype="bf16", lora=spec)
+policy = modeling.wrap_policy(lm, d, 1.0, 16, True, "bf16", rank0_weights=rank0_weights)
 for name, p in policy.named_parameters():
     assert p.to_local().dtype == (torch.float32 if "lora_" in name else torch.bfloat16), name
 opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)

@@ -16,12 +16,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import checkpoint  # noqa: E402
-import common  # noqa: E402
 import distributed  # noqa: E402
+import modeling  # noqa: E402
 
 out, phase = sys.argv[1], sys.argv[2]
 d = distributed.setup_distributed(0)
-tok = common.tiny_tokenizer()
+tok = modeling.tiny_tokenizer()
 args = types.SimpleNamespace(seed=7, keep_checkpoints=0)
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -30,7 +30,7 @@ if phase == "save":
     if d.main:  # odd dim-0 sizes (127, 383): FSDP2's uneven chunks on 2 ranks (64 + 63 rows)
         from transformers import Qwen3ForCausalLM
 
-        config = common.tiny_config(tok)
+        config = modeling.tiny_config(tok)
         config.hidden_size, config.intermediate_size = 127, 383
         distributed.seed_everything(0)
         Qwen3ForCausalLM(config).save_pretrained(base)
@@ -38,8 +38,8 @@ if phase == "save":
     name, step = base, 0
 else:
     name, step = sys.argv[3], int(sys.argv[3].rsplit("_", 1)[1])
-lm, rank0_weights = common.load_model(name, tok, d, seed=0)
-policy = common.wrap_policy(lm, d, 1.0, 16, False, rank0_weights=rank0_weights)
+lm, rank0_weights = modeling.load_model(name, tok, d, seed=0)
+policy = modeling.wrap_policy(lm, d, 1.0, 16, False, rank0_weights=rank0_weights)
 optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2, weight_decay=0.1)
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0)
 

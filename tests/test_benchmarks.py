@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import common
+import modeling
 from conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -16,7 +17,7 @@ import shapes  # noqa: E402
 
 
 def test_memory_plan_counts_parameters_exactly(tmp_path):
-    lm = common.tiny_model(common.tiny_tokenizer())
+    lm = modeling.tiny_model(modeling.tiny_tokenizer())
     config = lm.config.to_dict()
     row = memory_plan.plan(config, gpus=2, seqs=1, tokens=10, gen_seqs=1, chunk=4)
     assert row["parameters (B)"] * 1e9 == sum(p.numel() for p in lm.parameters())  # tied embeddings counted once
@@ -109,7 +110,7 @@ def test_gpu_benchmark_minutes():
     import gpu
 
     tok = shapes.word_tokenizer(shapes.TINY["vocab_size"])
-    policy = common.Policy(shapes.random_model(shapes.TINY, tok, torch.float32, torch.device("cpu"))).eval()
+    policy = modeling.Policy(shapes.random_model(shapes.TINY, tok, torch.float32, torch.device("cpu"))).eval()
     a = argparse.Namespace(mean_length=3, prompts=1, prompt_tokens=4, gen_modes=["repeat", "engine"], minutes=0.0,
                            deadline=0.0, profile=False)
     rows, flushed = {}, []
@@ -135,7 +136,7 @@ def test_gpu_benchmark_a_mode_that_exits_is_a_row(monkeypatch):
     import gpu
 
     tok = shapes.word_tokenizer(shapes.TINY["vocab_size"])
-    policy = common.Policy(shapes.random_model(shapes.TINY, tok, torch.float32, torch.device("cpu"))).eval()
+    policy = modeling.Policy(shapes.random_model(shapes.TINY, tok, torch.float32, torch.device("cpu"))).eval()
     a = argparse.Namespace(mean_length=3, prompts=1, prompt_tokens=4, gen_modes=["engine", "repeat"], minutes=1.0,
                            deadline=float("inf"), profile=False, group_size=2, new_tokens=3)
     rollout = gpu.rollout

@@ -196,10 +196,10 @@ def test_a_checkpoint_in_the_flat_layout_before_model_and_state_still_resumes(tm
 
 
 def test_a_checkpoint_given_as_model_names_its_export(saved):
-    import common
+    import modeling
 
     with pytest.raises(SystemExit) as e:
-        common.check_model(saved, False)
+        modeling.check_model(saved, False)
     assert e.value.code == (f"error: --model {saved!r}: a checkpoint folder; give its model, {saved}/model (or "
                             f"continue the run with --resume {saved})")
-    common.check_model(f"{saved}/model", False)  # the export is a model folder
+    modeling.check_model(f"{saved}/model", False)  # the export is a model folder

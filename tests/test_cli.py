@@ -16,6 +16,7 @@ import pytest
 import checkpoint
 import common
 import data
+import modeling
 from conftest import ROOT
 
 SCRIPTS = ["gspo", "grpo", "gspo_token", "dfpo"]
@@ -302,7 +303,7 @@ def test_every_arg_documented(script):
 
 
 def test_hub_columns_through_local_files(tmp_path):
-    tok = common.tiny_tokenizer()
+    tok = modeling.tiny_tokenizer()
     gsm = write_jsonl(tmp_path / "gsm8k.jsonl", [
         {"question": f"What is {i}+1?", "answer": f"{i}+1 = {i + 1}\n#### {i + 1:,}"} for i in range(998, 1018)
     ] + [{"question": "no answer here", "answer": None}])
@@ -388,7 +389,7 @@ def test_hub_model_offline_fails_in_one_line_within_seconds(env, line, monkeypat
     connection to the endpoint, here a closed port on this machine), where transformers retries for ~30 s."""
     import time
 
-    import common
+    import modeling
 
     for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         monkeypatch.delenv(k, raising=False)
@@ -397,7 +398,7 @@ def test_hub_model_offline_fails_in_one_line_within_seconds(env, line, monkeypat
         monkeypatch.setenv(k, v)
     t = time.monotonic()
     with pytest.raises(SystemExit) as e:
-        common.check_model("SomeOrg/not-cached-37", False)
+        modeling.check_model("SomeOrg/not-cached-37", False)
     assert time.monotonic() - t < 20  # generous for a loaded machine; the retries it avoids take ~30 s
     assert e.value.code == f"error: {line}"
 

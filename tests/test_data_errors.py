@@ -13,6 +13,7 @@ import common
 import data
 import distributed
 import grader
+import modeling
 import rewards
 from conftest import ROOT
 
@@ -114,7 +115,7 @@ def test_numbers_as_answers_and_chat_prompts_are_text(tmp_path):
             {"prompt": [{"role": "user", "content": "4%10="}], "answer": 4}, {"prompt": "none", "answer": None}]
     path = tmp_path / "mixed.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows * 4))
-    train, held, dropped = data.load_task(str(path), None, 2, 0, common.tiny_tokenizer(), False, 2048)
+    train, held, dropped = data.load_task(str(path), None, 2, 0, modeling.tiny_tokenizer(), False, 2048)
     assert dropped == {"no_answer": 4, "too_long": 0} and len(train) + len(held) == 16
     assert sorted(set(train["answer"]) | set(held["answer"])) == ["2", "3", "4", "5.0"]
     prompts = list(train["prompt"]) + list(held["prompt"])  # a column of text and message lists (datasets' Json)

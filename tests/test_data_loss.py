@@ -94,23 +94,23 @@ def test_a_folder_of_mixed_formats_is_refused_in_one_line(tmp_path, monkeypatch)
 
 def test_a_folder_of_one_format_reads_every_file(tmp_path):
     """.json and .jsonl are one format (`datasets`' json builder): every row of both is read."""
-    import common
     import data
+    import modeling
 
     one = tmp_path / "onedir"
     one.mkdir()
     write_rows(one / "a.jsonl", 20, "json")
     (one / "b.json").write_text(json.dumps([{"prompt": f"b {i}%10=", "answer": str(i)} for i in range(7)]))
     (one / "README.md").write_text("notes on the data")  # a dataset card, not data
-    train, held, dropped = data.load_task(str(one), None, 3, 0, common.tiny_tokenizer(), None, 100)
+    train, held, dropped = data.load_task(str(one), None, 3, 0, modeling.tiny_tokenizer(), None, 100)
     assert len(train) + len(held) == 27 and dropped == {"no_answer": 0, "too_long": 0}
 
 
 def test_a_folders_test_file_is_its_held_out_split(tmp_path):
     """train.jsonl and test.jsonl: `datasets` reads them as two splits, of which test's rows were dropped (silently,
     a tenth of train held out instead); now test.jsonl is held out, as a hub set's test split is."""
-    import common
     import data
+    import modeling
 
     tt = tmp_path / "ttdir"
     tt.mkdir()
@@ -118,7 +118,7 @@ def test_a_folders_test_file_is_its_held_out_split(tmp_path):
     os.rename(tt / "train", tt / "train.jsonl")
     (tt / "test.jsonl").write_text("".join(json.dumps({"prompt": f"t {i}%10=", "answer": str(i)}) + "\n"
                                            for i in range(5)))
-    train, held, dropped = data.load_task(str(tt), None, 8, 0, common.tiny_tokenizer(), None, 100)
+    train, held, dropped = data.load_task(str(tt), None, 8, 0, modeling.tiny_tokenizer(), None, 100)
     assert (len(train), len(held)) == (20, 5) and all(p.startswith("t ") for p in held["prompt"])
 
 

@@ -11,10 +11,11 @@ import pytest
 import cli
 import common
 import data
+import modeling
 import rewards
 from test_cli import fails_before_any_model
 
-TOK = common.tiny_tokenizer()
+TOK = modeling.tiny_tokenizer()
 SYSTEM = [{"role": "system", "content": "Answer with one digit."}]
 
 
@@ -155,7 +156,7 @@ def test_thinking_defaults_to_the_templates_own():
     """--enable-thinking unset passes nothing: a Qwen3 template thinks (no empty <think></think> closing the
     prompt); False still turns it off; the tiny model's template ignores it (default runs are unchanged)."""
     assert cli.CommonArgs().enable_thinking is None
-    qwen = common.tiny_tokenizer()
+    qwen = modeling.tiny_tokenizer()
     qwen.chat_template = QWEN3_END
     default, = data.chat_prompts(qwen, ["2+2="], None)
     assert default == "<|im_start|>user\n2+2=<|im_end|>\n<|im_start|>assistant\n"

@@ -11,6 +11,7 @@ import torch
 import common
 import data
 import distributed
+import modeling
 from dfpo import dfpo_loss, group_weights, in_group_transform, sequence_weights
 from gspo import gspo_loss
 from test_losses import mean, ragged_batch
@@ -313,9 +314,9 @@ def toy_gradients(loss_fn):
     the loss restricted to the shared-prefix tokens (sum over the group of dL/dlogp_it grad logp_it for t < 2), the
     whole gradient, the per-token log-ratios, and g* = grad of the two prefix log-probs of trajectory 1."""
     d = distributed.Dist(0, 1, torch.device("cpu"))
-    tok = common.tiny_tokenizer()
-    lm_old = common.load_model("tiny", tok, d, seed=0)[0].double()
-    lm = common.load_model("tiny", tok, d, seed=0)[0].double()
+    tok = modeling.tiny_tokenizer()
+    lm_old = modeling.load_model("tiny", tok, d, seed=0)[0].double()
+    lm = modeling.load_model("tiny", tok, d, seed=0)[0].double()
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for p in lm.parameters():
@@ -326,8 +327,8 @@ def toy_gradients(loss_fn):
     ids = torch.cat([ids[:, :P], ids[:, P:P + 2], torch.tensor([[tok.convert_tokens_to_ids("5")],
                                                                   [tok.convert_tokens_to_ids("0")]])], 1)
     am = torch.ones_like(ids)
-    old = common.Policy(lm_old, 1.0, 64)(ids, am, P).detach()
-    policy = common.Policy(lm, 1.0, 64)
+    old = modeling.Policy(lm_old, 1.0, 64)(ids, am, P).detach()
+    policy = modeling.Policy(lm, 1.0, 64)
     logp = policy(ids, am, P)
     assert torch.equal(logp[0, :2], logp[1, :2])  # the shared prefix: the same token in the same context
     loss = loss_fn(logp, old)

@@ -7,8 +7,8 @@ import math
 
 import torch
 
-import common
 import energy
+import modeling
 from gspo import gspo_loss
 
 
@@ -16,8 +16,8 @@ def tiny_batch():
     """A float64 tiny model and 2 rows: prompts of 3 and 2 tokens (the second left-padded), completions of 4
     tokens, the second row's last one padding after its EOS (attention mask 0)."""
     torch.manual_seed(0)
-    tok = common.tiny_tokenizer()
-    lm = common.tiny_model(tok).double()
+    tok = modeling.tiny_tokenizer()
+    lm = modeling.tiny_model(tok).double()
     ids = torch.randint(10, 90, (2, 7))
     ids[1, 0] = tok.pad_token_id
     am = torch.ones(2, 7, dtype=torch.long)
@@ -36,7 +36,7 @@ def plain_logp(lm, ids, am, n_prompt):
 
 def test_token_norm_equals_an_independent_autograd_computation():
     lm, ids, am, mask = tiny_batch()
-    policy = common.Policy(lm)
+    policy = modeling.Policy(lm)
     coef = torch.tensor([[0.5, -2.0, 1.0, 3.0], [-1.5, 0.25, 4.0, 7.0]], dtype=torch.float64)
     got = energy.token_grad_norms(policy, ids, am, 3, mask, coef)
     assert got.dtype == torch.float64 and got.shape == (2, 4)
@@ -57,7 +57,7 @@ def test_token_terms_add_up_to_the_gradient_of_the_loss():
     """sum_t g_t grad log pi(y_t) = grad L for GSPO's loss (eq. 42), with s_i != 1 (old log-probs shifted)
     and one sequence clipped: what makes |g_t| ||grad log pi(y_t)|| the norm of token t's own term."""
     lm, ids, am, mask = tiny_batch()
-    policy = common.Policy(lm)
+    policy = modeling.Policy(lm)
     params = list(lm.parameters())
     logp = policy(ids, am, 3)
     old = logp.detach() + torch.tensor([[1e-4, -2e-4, 0.0, 1e-4], [0.3, 0.0, 0.0, 0.0]], dtype=torch.float64)
@@ -99,7 +99,7 @@ def test_a_run_logs_the_energy_of_its_own_loss(monkeypatch):
     A_i = 0), the norms are |g_t| ||grad log pi(y_t)|| with g_t = logp.grad, and the buckets rank tokens by their
     count in the completions given (ties by id), all written here by hand."""
     lm, ids, am, mask = tiny_batch()
-    policy = common.Policy(lm)
+    policy = modeling.Policy(lm)
     ids = torch.cat((ids[:1], ids))  # 3 rows: row 0 a copy of row 1 with no gradient
     am, mask = torch.cat((am[:1], am)), torch.cat((mask[:1], mask))
     coef = torch.tensor([[0.0] * 4, [0.5, -2.0, 1.0, 3.0], [-1.5, 0.25, 4.0, 0.0]], dtype=torch.float64)

@@ -8,6 +8,7 @@ import torch
 
 import common
 import engine
+import modeling
 from data import chat_prompts
 from distributed import Dist, seed_everything
 
@@ -17,9 +18,9 @@ PROMPTS = ["1%10=", "a longer prompt, 23%10=", "7%10=", "xy", "a much longer pro
 
 @pytest.fixture(scope="module")
 def setup():
-    tok = common.tiny_tokenizer()
+    tok = modeling.tiny_tokenizer()
     seed_everything(0)
-    lm = common.tiny_model(tok).eval()
+    lm = modeling.tiny_model(tok).eval()
     g = torch.Generator().manual_seed(0)
     for p in lm.parameters():  # larger weights than the init's: greedy rows that differ token by token
         if p.dim() == 2:
@@ -33,7 +34,7 @@ def hf_greedy(lm, tok, ids, n, eos, max_new_tokens, mode="repeat", **kw):
     d = Dist(0, 1, CPU)
     texts = [tok.decode(p) for p in ids]
     kw = {"temperature": 1.0, "top_p": 1.0, "top_k": 1, **kw}
-    roll = common.generate(common.Policy(lm), tok, texts, n, eos, d, max_new_tokens=max_new_tokens,
+    roll = common.generate(modeling.Policy(lm), tok, texts, n, eos, d, max_new_tokens=max_new_tokens,
                            gen_batch_size=64, mode=mode, **kw)
     P = roll["n_prompt"]
     comps = [row[P:][m.bool()].tolist() for row, m in zip(roll["input_ids"], roll["mask"])]
@@ -173,10 +174,10 @@ def test_logprobs_equal_policy_forward(setup):
     temperature to 1e-5 (the built-in model as it is initialised)."""
     tok, _, ids = setup
     seed_everything(0)
-    lm = common.tiny_model(tok).eval()
+    lm = modeling.tiny_model(tok).eval()
     torch.manual_seed(3)
     comps, logps = run(lm, ids, 3, [tok.eos_token_id], 10, 6, temperature=0.7, top_k=0)
-    policy = common.Policy(lm, temperature=0.7, chunk_tokens=16)
+    policy = modeling.Policy(lm, temperature=0.7, chunk_tokens=16)
     for b, (c, lp) in enumerate(zip(comps, logps)):
         x = torch.tensor([ids[b // 3] + c])
         want = policy(x, torch.ones_like(x), len(ids[b // 3]))[0]
@@ -377,13 +378,13 @@ def test_scripts_train_with_the_engine(script, monkeypatch, tmp_path):
 def test_an_architecture_the_engine_does_not_cover_falls_back_with_one_line(setup, monkeypatch, capsys):
     tok, lm, ids = setup
     monkeypatch.setattr(engine, "unsupported", lambda config: "model_type 'other' (the engine covers ...)")
-    monkeypatch.setattr(common, "_ENGINE_FALLBACK", [])
+    monkeypatch.setattr(modeling, "_ENGINE_FALLBACK", [])
     d = Dist(0, 1, CPU)
     kw = dict(max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=1, gen_batch_size=8)
     texts = [tok.decode(p) for p in ids]
-    got = [common.generate(common.Policy(lm), tok, texts, 2, [tok.eos_token_id], d, mode=mode, **kw)
+    got = [common.generate(modeling.Policy(lm), tok, texts, 2, [tok.eos_token_id], d, mode=mode, **kw)
            for mode in ("engine", "engine-tp")]
-    want = common.generate(common.Policy(lm), tok, texts, 2, [tok.eos_token_id], d, mode="shared-prefill", **kw)
+    want = common.generate(modeling.Policy(lm), tok, texts, 2, [tok.eos_token_id], d, mode="shared-prefill", **kw)
     for g in got:  # both engine modes fall back to shared-prefill, not another sampler
         assert torch.equal(g["input_ids"], want["input_ids"]) and "logp" not in g
     err = capsys.readouterr().err
@@ -414,10 +415,10 @@ def test_engine_tp_heads_that_do_not_split_fail_before_any_model(monkeypatch, tm
 def test_check_model_says_the_fallback_before_the_model_is_built(monkeypatch, capsys):
     """An architecture the engine does not cover: the one line comes at check_model (config only), once."""
     monkeypatch.setattr(engine, "unsupported", lambda config: "model_type 'other' (the engine covers ...)")
-    monkeypatch.setattr(common, "_ENGINE_FALLBACK", [])
-    common.check_model("tiny", False, "engine")
-    common.check_model("tiny", False, "engine")
-    common.check_model("tiny", False, "shared-prefill")
+    monkeypatch.setattr(modeling, "_ENGINE_FALLBACK", [])
+    modeling.check_model("tiny", False, "engine")
+    modeling.check_model("tiny", False, "engine")
+    modeling.check_model("tiny", False, "shared-prefill")
     assert capsys.readouterr().err.count("--gen-mode engine does not cover model_type 'other'") == 1
 
 
@@ -485,7 +486,7 @@ def test_memory_needed_and_a_pool_the_gpu_cannot_hold(setup, monkeypatch):
 
     monkeypatch.setattr(engine, "kv_plan", short)
     with pytest.raises(SystemExit) as e:
-        common.generate(common.Policy(lm), tok, [tok.decode(ids[0])], 2, [tok.eos_token_id], Dist(0, 1, CPU),
+        common.generate(modeling.Policy(lm), tok, [tok.decode(ids[0])], 2, [tok.eos_token_id], Dist(0, 1, CPU),
                         max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=8, mode="engine")
     msg = str(e.value.code)
     assert "\n" not in msg and "lower --gen-batch-size (now 8) or --max-new-tokens (now 5)" in msg, msg
@@ -495,7 +496,7 @@ def test_memory_needed_and_a_pool_the_gpu_cannot_hold(setup, monkeypatch):
 
     monkeypatch.setattr(engine, "generate", oom)
     with pytest.raises(SystemExit) as e:
-        common.generate(common.Policy(lm), tok, [tok.decode(ids[0])], 2, [tok.eos_token_id], Dist(0, 1, CPU),
+        common.generate(modeling.Policy(lm), tok, [tok.decode(ids[0])], 2, [tok.eos_token_id], Dist(0, 1, CPU),
                         max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=8, mode="engine")
     assert str(e.value.code) == ("error: --gen-mode engine: the GPU ran out of memory while generating (CUDA out of "
                                  "memory. Tried to allocate 2.00 GiB.); lower --gen-batch-size (now 8) or "

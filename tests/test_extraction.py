@@ -589,10 +589,10 @@ def test_post_answer_tokens_start_right_after_the_answer():
     one closing \\boxed{} is not, nor the $ closing the math span that holds the box."""
     import torch
 
-    import common
+    import modeling
     from gspo_token import post_answer_tokens
 
-    tok = common.tiny_tokenizer()  # one token a character
+    tok = modeling.tiny_tokenizer()  # one token a character
     cases = [("x 7}ab", "}ab"), ("x \\boxed{7}}ab", "}ab"), ("so $\\boxed{5}$. ok", ". ok")]
     rows = [tok(text, add_special_tokens=False).input_ids for text, _ in cases]
     T = max(map(len, rows))

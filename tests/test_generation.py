@@ -6,16 +6,17 @@ import torch
 import common
 import data
 import distributed
+import modeling
 
 
 @pytest.fixture(scope="module")
 def setup():
     d = distributed.Dist(0, 1, torch.device("cpu"))
-    tok = common.tiny_tokenizer()
-    lm, _ = common.load_model("tiny", tok, d, seed=0)
-    policy = common.wrap_policy(lm, d, 1.0, 64, False).eval()
+    tok = modeling.tiny_tokenizer()
+    lm, _ = modeling.load_model("tiny", tok, d, seed=0)
+    policy = modeling.wrap_policy(lm, d, 1.0, 64, False).eval()
     prompts = data.chat_prompts(tok, ["1%10=", "a longer prompt, 23%10=", "7%10="], False)  # ragged: left padding
-    return d, tok, policy, prompts, common.eos_ids(lm, tok)
+    return d, tok, policy, prompts, modeling.eos_ids(lm, tok)
 
 
 def rollout(setup, mode, gen_batch_size, top_k, prompts=None, seed=0):

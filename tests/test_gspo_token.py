@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-import common
+import modeling
 from gspo import gspo_loss
 from gspo_token import gspo_token_loss, post_answer_tokens
 from test_losses import mean, ragged_batch
@@ -109,7 +109,7 @@ def test_without_stop_gradients_token_credit_is_lost(seed):
 def test_post_answer_tokens():
     """Tokens after the final answer (the closing EOS excluded) are the ones the penalty hits; the tiny tokenizer
     is one token per character."""
-    tok = common.tiny_tokenizer()
+    tok = modeling.tiny_tokenizer()
     eos = [tok.eos_token_id]
     cases = [("7<|im_end|>", ""), ("7ab<|im_end|>", "ab"), ("x \\boxed{12}. ok<|im_end|>", ". ok"),
              ("no answer<|im_end|>", ""), ("5xy", "xy"), ("#### 42 done<|im_end|>", " done")]

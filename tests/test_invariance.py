@@ -7,6 +7,7 @@ import torch
 
 import common
 import distributed
+import modeling
 from dfpo import dfpo_loss, group_weights, sequence_weights
 from grpo import grpo_loss
 from gspo import gspo_loss
@@ -28,8 +29,8 @@ LOSSES = {
 @pytest.fixture(scope="module")
 def setup():
     """The tiny model and one minibatch of 4 groups: left padding, ragged completions, pi_old a little off."""
-    tok = common.tiny_tokenizer()
-    policy = common.Policy(common.load_model("tiny", tok, distributed.Dist(0, 1, torch.device("cpu")), seed=0)[0], 1.0, 16)
+    tok = modeling.tiny_tokenizer()
+    policy = modeling.Policy(modeling.load_model("tiny", tok, distributed.Dist(0, 1, torch.device("cpu")), seed=0)[0], 1.0, 16)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(3, len(tok), (B, P + T), generator=g)
     am = torch.ones(B, P + T, dtype=torch.long)

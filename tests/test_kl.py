@@ -1,12 +1,12 @@
 """--kl-coef in every script (issue 26): k3 = exp(ref - logp) - (ref - logp) - 1 per token, aggregated as each
 script aggregates its token terms, checked against float64 loops written by hand (value and gradient); the
-reference model is set up once, in common.reference_policy, for all four scripts."""
+reference model is set up once, in modeling.reference_policy, for all four scripts."""
 import math
 
 import pytest
 import torch
 
-import common
+import modeling
 from dfpo import dfpo_loss
 from grpo import grpo_loss
 from gspo import gspo_loss
@@ -84,13 +84,13 @@ def test_reference_policy_is_shared_and_off_at_zero(monkeypatch):
     d = distributed.Dist(0, 1, torch.device("cpu"))
     args = types.SimpleNamespace(kl_coef=0.0, model="tiny", seed=3, trust_remote_code=False, dtype="fp32",
                                  temperature=1.0, logprob_chunk_tokens=64, cpu_offload=False)
-    monkeypatch.setattr(common, "load_model", lambda *a, **k: pytest.fail("loaded a reference at --kl-coef 0"))
-    assert common.reference_policy(args, None, d) is None
+    monkeypatch.setattr(modeling, "load_model", lambda *a, **k: pytest.fail("loaded a reference at --kl-coef 0"))
+    assert modeling.reference_policy(args, None, d) is None
     monkeypatch.undo()
     torch.set_default_dtype(torch.float32)
-    tok = common.tiny_tokenizer()
-    ref = common.reference_policy(types.SimpleNamespace(**{**vars(args), "kl_coef": 0.1}), tok, d)
-    lm, _ = common.load_model("tiny", tok, d, 3)
+    tok = modeling.tiny_tokenizer()
+    ref = modeling.reference_policy(types.SimpleNamespace(**{**vars(args), "kl_coef": 0.1}), tok, d)
+    lm, _ = modeling.load_model("tiny", tok, d, 3)
     assert not ref.training and not any(p.requires_grad for p in ref.parameters())
     assert all(torch.equal(a, b) for a, b in zip(ref.lm.state_dict().values(), lm.state_dict().values()))
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import common
 import distributed
 import logprobs
+import modeling
 from conftest import ROOT
 
 
@@ -179,9 +179,9 @@ def test_policy_no_grad_pass_equals_the_training_pass():
     """Policy.forward: the no-grad pass (old log-probs, entropy), which skips the padding after EOS, gives the kept
     positions the bits of the pass with gradient, so the first minibatch's ratios are exactly 1; both read 0 after
     EOS."""
-    tok = common.tiny_tokenizer()
-    lm, _ = common.load_model("tiny", tok, distributed.Dist(0, 1, torch.device("cpu")), seed=0)
-    policy = common.Policy(lm, temperature=0.9, chunk_tokens=16)
+    tok = modeling.tiny_tokenizer()
+    lm, _ = modeling.load_model("tiny", tok, distributed.Dist(0, 1, torch.device("cpu")), seed=0)
+    policy = modeling.Policy(lm, temperature=0.9, chunk_tokens=16)
     g = torch.Generator().manual_seed(4)
     B, P, T = 12, 5, 9
     ids = torch.randint(3, len(tok), (B, P + T), generator=g)
@@ -199,15 +199,15 @@ def test_policy_no_grad_pass_equals_the_training_pass():
 
 def test_policy_logprobs_equal_the_model_logits():
     """Policy.forward (decoder -> chunked head over the completion) against the full model's logits, fp32."""
-    tok = common.tiny_tokenizer()
-    lm, _ = common.load_model("tiny", tok, distributed.Dist(0, 1, torch.device("cpu")), seed=0)
+    tok = modeling.tiny_tokenizer()
+    lm, _ = modeling.load_model("tiny", tok, distributed.Dist(0, 1, torch.device("cpu")), seed=0)
     g = torch.Generator().manual_seed(0)
     B, P, T = 4, 5, 6
     ids = torch.randint(3, len(tok), (B, P + T), generator=g)
     am = torch.ones_like(ids)
     am[1, :2] = 0  # left padding
     ids = ids.masked_fill(am == 0, tok.pad_token_id)
-    policy = common.Policy(lm, temperature=0.8, chunk_tokens=7)
+    policy = modeling.Policy(lm, temperature=0.8, chunk_tokens=7)
     logp, ent = policy(ids, am, P, entropy=True)
     pos = (am.cumsum(-1) - 1).clamp(min=0)
     logits = lm(input_ids=ids, attention_mask=am, position_ids=pos).logits[:, P - 1:-1] / 0.8

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import common
 import lora
+import modeling
 from conftest import ROOT
 from distributed import Dist, seed_everything
 from gspo import gspo_loss
@@ -34,9 +34,9 @@ def batch(tok, B=8, P=6, T=5):
 
 
 def policies(seed=0):
-    tok = common.tiny_tokenizer()
-    full = common.Policy(common.load_model("tiny", tok, CPU, seed)[0], 1.0, 16)
-    adapted = common.Policy(common.load_model("tiny", tok, CPU, seed, lora=SPEC)[0], 1.0, 16)
+    tok = modeling.tiny_tokenizer()
+    full = modeling.Policy(modeling.load_model("tiny", tok, CPU, seed)[0], 1.0, 16)
+    adapted = modeling.Policy(modeling.load_model("tiny", tok, CPU, seed, lora=SPEC)[0], 1.0, 16)
     return tok, full, adapted
 
 
@@ -70,9 +70,9 @@ def test_adapters_on_every_decoder_linear_fp32_and_only_they_learn():
 def test_bf16_base_fp32_adapters_computed_in_bf16():
     """--dtype bf16 (a GPU's auto) in one process: the frozen base held in bf16, the adapters and their gradients
     and AdamW state in fp32, the forward under autocast (bf16 matmuls); log-probs fp32."""
-    tok = common.tiny_tokenizer()
-    lm = common.load_model("tiny", tok, CPU, 0, dtype="bf16", lora=SPEC)[0]
-    policy = common.wrap_policy(lm, CPU, 1.0, 16, False, "bf16")
+    tok = modeling.tiny_tokenizer()
+    lm = modeling.load_model("tiny", tok, CPU, 0, dtype="bf16", lora=SPEC)[0]
+    policy = modeling.wrap_policy(lm, CPU, 1.0, 16, False, "bf16")
     assert policy.autocast == torch.bfloat16
     for n, p in policy.named_parameters():
         assert p.dtype == (torch.float32 if "lora_" in n else torch.bfloat16), n
@@ -133,9 +133,9 @@ def test_engine_decodes_the_merged_weights():
     from data import chat_prompts
     from test_engine import PROMPTS, hf_greedy, run
 
-    tok = common.tiny_tokenizer()
+    tok = modeling.tiny_tokenizer()
     seed_everything(0)
-    base = common.tiny_model(tok).eval()
+    base = modeling.tiny_model(tok).eval()
     g = torch.Generator().manual_seed(0)
     for p in base.parameters():  # larger weights than the init's, as test_engine: decisive greedy tokens
         if p.dim() == 2:
@@ -222,8 +222,8 @@ def test_export_loads_and_generates_the_training_models_tokens(tmp_path_factory)
     from transformers import AutoModelForCausalLM
 
     adapters, merged, _, step = straight_lora(tmp_path_factory)
-    tok = common.tiny_tokenizer()
-    base = common.load_model("tiny", tok, CPU, 1)[0]
+    tok = modeling.tiny_tokenizer()
+    base = modeling.load_model("tiny", tok, CPU, 1)[0]
     trained = PeftModel.from_pretrained(base, os.path.join(step, lora.ADAPTER_DIR)).eval()
     B = trained.get_decoder().layers[0].mlp.down_proj.lora_B["default"].weight
     assert B.dtype == torch.float32 and B.abs().sum() > 0  # trained, fp32
@@ -290,7 +290,7 @@ def test_bad_lora_flags_fail_before_any_model(argv, needle, monkeypatch, tmp_pat
 def test_unknown_target_module_lists_the_linear_layers(targets, needle, monkeypatch, tmp_path):
     """Known once the model's config is read: checked on a model without weights, before any is built."""
     mod = importlib.import_module("grpo")
-    monkeypatch.setattr(common, "apply_lora", lambda *a, **k: pytest.fail("adapters built before the check"))
+    monkeypatch.setattr(modeling, "apply_lora", lambda *a, **k: pytest.fail("adapters built before the check"))
     monkeypatch.setattr(sys, "argv", ["grpo.py", "--output-dir", str(tmp_path), "--lora-rank", "4",
                                       "--lora-target-modules", *targets])
     with pytest.raises(SystemExit) as e:

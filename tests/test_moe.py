@@ -12,6 +12,7 @@ import torch
 import common
 import data
 import distributed
+import modeling
 import moe
 from test_train import run_script, torchrun, read_rows
 
@@ -101,11 +102,11 @@ def test_flip_fraction_and_forced_weights_by_hand(replay):
 
 def tiny_moe_rollout():
     d = distributed.Dist(0, 1, torch.device("cpu"))
-    tok = common.tiny_tokenizer()
-    lm, _ = common.load_model("tiny-moe", tok, d, seed=0)
-    policy = common.wrap_policy(lm, d, 1.0, 64, False)
+    tok = modeling.tiny_tokenizer()
+    lm, _ = modeling.load_model("tiny-moe", tok, d, seed=0)
+    policy = modeling.wrap_policy(lm, d, 1.0, 64, False)
     prompts = data.chat_prompts(tok, [r["prompt"] for r in data.builtin_task(8, 0)], False)
-    roll = common.generate(policy.eval(), tok, prompts, 4, common.eos_ids(lm, tok), d, max_new_tokens=8,
+    roll = common.generate(policy.eval(), tok, prompts, 4, modeling.eos_ids(lm, tok), d, max_new_tokens=8,
                            temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=64)
     return lm, policy, roll
 

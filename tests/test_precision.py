@@ -7,6 +7,7 @@ import torch
 
 import common
 import distributed
+import modeling
 from test_train import run_script
 
 CPU = distributed.Dist(0, 1, torch.device("cpu"))
@@ -24,9 +25,9 @@ def batch(tok):
 
 
 def policy_for(dtype):
-    tok = common.tiny_tokenizer()
-    lm, _ = common.load_model("tiny", tok, CPU, seed=0, dtype=dtype)
-    return common.wrap_policy(lm, CPU, 1.0, 64, False, dtype), tok
+    tok = modeling.tiny_tokenizer()
+    lm, _ = modeling.load_model("tiny", tok, CPU, seed=0, dtype=dtype)
+    return modeling.wrap_policy(lm, CPU, 1.0, 64, False, dtype), tok
 
 
 def fraction_changed(dtype, steps=8, lr=1e-6):
@@ -104,15 +105,15 @@ def test_bf16_compute_in_forward_and_generate():
 
 def test_fp32_and_cpu_default_take_no_autocast():
     """--dtype fp32, and auto on CPU: fp32 weights computed in fp32, no autocast region (the numbers of before)."""
-    tok = common.tiny_tokenizer()
+    tok = modeling.tiny_tokenizer()
     for dtype in ("fp32", "auto"):
-        lm, _ = common.load_model("tiny", tok, CPU, seed=0, dtype=dtype)
-        policy = common.wrap_policy(lm, CPU, 1.0, 64, False, dtype)
+        lm, _ = modeling.load_model("tiny", tok, CPU, seed=0, dtype=dtype)
+        policy = modeling.wrap_policy(lm, CPU, 1.0, 64, False, dtype)
         assert policy.autocast is None and all(p.dtype == torch.float32 for p in policy.parameters())
-        assert common.compute_dtype(dtype, CPU) == torch.float32
-    assert common.compute_dtype("auto", distributed.Dist(0, 1, torch.device("cuda"))) == torch.bfloat16
-    assert common.weights_dtype("auto") == common.weights_dtype("bf16") == torch.float32
-    assert common.weights_dtype("bf16-pure") == torch.bfloat16
+        assert modeling.compute_dtype(dtype, CPU) == torch.float32
+    assert modeling.compute_dtype("auto", distributed.Dist(0, 1, torch.device("cuda"))) == torch.bfloat16
+    assert modeling.weights_dtype("auto") == modeling.weights_dtype("bf16") == torch.float32
+    assert modeling.weights_dtype("bf16-pure") == torch.bfloat16
 
 
 def test_script_trains_fp32_masters_in_bf16(monkeypatch, tmp_path):

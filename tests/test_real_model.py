@@ -17,6 +17,7 @@ import torch
 import checkpoint
 import common
 import engine
+import modeling
 from conftest import ROOT
 from data import chat_prompts
 from distributed import Dist
@@ -37,8 +38,8 @@ def chatml(user: str) -> str:
 
 @pytest.fixture(scope="module")
 def loaded(real_model_dir):
-    tok = common.load_tokenizer(real_model_dir, False)
-    lm, _ = common.load_model(real_model_dir, tok, Dist(0, 1, CPU), 0)
+    tok = modeling.load_tokenizer(real_model_dir, False)
+    lm, _ = modeling.load_model(real_model_dir, tok, Dist(0, 1, CPU), 0)
     return tok, lm.eval()
 
 
@@ -53,7 +54,7 @@ def test_chat_template_and_eos_as_the_model_defines_them(loaded):
     assert tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [IM_START, IM_END]
     ids = tok(chatml("hi"), add_special_tokens=False).input_ids
     assert ids[0] == IM_START and ids.count(IM_END) == 2  # the specials are single tokens, no BOS added
-    assert common.eos_ids(lm, tok) == [IM_END] and tok.pad_token_id == IM_END and tok.padding_side == "left"
+    assert modeling.eos_ids(lm, tok) == [IM_END] and tok.pad_token_id == IM_END and tok.padding_side == "left"
 
 
 def test_the_folder_holds_the_ggufs_weights_and_is_written_once(real_model_dir):
@@ -102,7 +103,7 @@ def policy_logps(lm, prompts: list[list[int]], comps: list[list[int]]) -> list[t
         ids[b, P - len(p): P + len(c)] = torch.tensor(p + c)
         am[b, P - len(p): P + len(c)] = 1
     with torch.no_grad():
-        logp = common.Policy(lm, 1.0, 64)(ids, am, P)
+        logp = modeling.Policy(lm, 1.0, 64)(ids, am, P)
     return [logp[b, : len(c)] for b, c in enumerate(comps)]
 
 
@@ -124,7 +125,7 @@ def test_engine_greedy_and_logprobs_equal_hf_generate_and_policy_forward(loaded)
     for want, got in zip(refs, policy_logps(lm, ids, [r[1] for r in refs])):
         torch.testing.assert_close(got, want[2], atol=1e-4, rtol=0)
 
-    roll = common.generate(common.Policy(lm), tok, chat_prompts(tok, PROMPTS), 3, [IM_END], Dist(0, 1, CPU),
+    roll = common.generate(modeling.Policy(lm), tok, chat_prompts(tok, PROMPTS), 3, [IM_END], Dist(0, 1, CPU),
                            max_new_tokens=NEW, temperature=1.0, top_p=1.0, top_k=1, gen_batch_size=16,
                            mode="shared-prefill")
     P = roll["n_prompt"]
@@ -213,11 +214,11 @@ def test_lora_adapter_folder_and_merged_export_write_the_training_models_answer(
     _, run = run_script("dfpo", [*argv(real_model_dir, data, "--num-steps", "1", "--lora-rank", "4",
                                        "--learning-rate", "2e-3")], monkeypatch, tmp_path / "runs")
     step = f"{run}/step_1"
-    tok = common.load_tokenizer(real_model_dir, False)
+    tok = modeling.load_tokenizer(real_model_dir, False)
     base = AutoModelForCausalLM.from_pretrained(real_model_dir, dtype=torch.float32).eval()
     prompts = [PROMPTS[1], "What is 6 + 7? Answer with the number only."]
     before = greedy(base, tok, prompts)
-    trained = common.load_model(step, tok, Dist(0, 1, CPU), 0, lora=spec)[0].eval()
+    trained = modeling.load_model(step, tok, Dist(0, 1, CPU), 0, lora=spec)[0].eval()
     want = greedy(trained, tok, prompts)
     assert want != before, want  # the adapters matter (here the answers' wording changes)
     peft = PeftModel.from_pretrained(base, os.path.join(step, lora.ADAPTER_DIR)).eval()

@@ -11,6 +11,7 @@ import data
 import distributed
 import grader
 import checkpoint
+import modeling
 import rewards
 from conftest import ROOT
 from test_train import run_script
@@ -86,8 +87,8 @@ def test_nonfinite_updates_never_touch_the_weights(monkeypatch, tmp_path):
                                     "--max-nonfinite", "10"], monkeypatch, tmp_path)
     assert rows[0]["losses/skipped_updates"] == 4
     trained = AutoModelForCausalLM.from_pretrained(f"{run}/step_1/state")  # fp32 masters, not the bf16 export
-    tok = common.tiny_tokenizer()
-    start, _ = common.load_model("tiny", tok, distributed.Dist(0, 1, torch.device("cpu")), seed=1)  # the run's init
+    tok = modeling.tiny_tokenizer()
+    start, _ = modeling.load_model("tiny", tok, distributed.Dist(0, 1, torch.device("cpu")), seed=1)  # the run's init
     for (n, p), q in zip(trained.named_parameters(), start.parameters()):
         assert torch.equal(p, q), n
 
@@ -105,7 +106,7 @@ def test_nonfinite_updates_in_a_row_stop_the_run(monkeypatch, tmp_path):
 
 
 def test_rows_without_answer_and_long_prompts_are_dropped_and_counted(tmp_path):
-    tok = common.tiny_tokenizer()
+    tok = modeling.tiny_tokenizer()
     rows = ([{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(30)]
             + [{"prompt": "x" * 500 + "=", "answer": "1"} for _ in range(5)]  # 500+ tokens for the tiny tokenizer
             + [{"prompt": "no answer", "answer": None}, {"prompt": "empty answer", "answer": "  "}])
@@ -539,7 +540,7 @@ def test_available_host_memory_is_meminfos_memavailable(monkeypatch, tmp_path):
 def test_the_engine_plans_host_memory_before_allocating(monkeypatch, tmp_path):
     import engine
 
-    lm = common.tiny_model(common.tiny_tokenizer())
+    lm = modeling.tiny_model(modeling.tiny_tokenizer())
     kv = 2 * 2 * 8 * 2 * 100 * 32 * 4  # K and V, 2 layers, 8 slots, 2 KV heads, 100 positions, head_dim 32, fp32
     weights = 2 * 100 * 32 * 4  # the copy: cos and sin tables only (an fp32 model on the CPU is read in place)
     need_kb = (kv + weights) / 0.9 / 1024

@@ -16,6 +16,7 @@ from safetensors import safe_open
 import checkpoint
 import common
 import distributed
+import modeling
 from conftest import ROOT
 from test_train import read_rows
 
@@ -62,8 +63,8 @@ def straight(world, tmp_path_factory):
         assert p.returncode == 0, p.stderr[-3000:]
         _straight[world] = result(out)
         weights, rows = _straight[world]
-        tok = common.tiny_tokenizer()
-        init = common.load_model("tiny", tok, distributed.Dist(0, 1, torch.device("cpu")), 1)[0].state_dict()
+        tok = modeling.tiny_tokenizer()
+        init = modeling.load_model("tiny", tok, distributed.Dist(0, 1, torch.device("cpu")), 1)[0].state_dict()
         assert not torch.equal(weights["model.layers.0.mlp.up_proj.weight"], init["model.layers.0.mlp.up_proj.weight"])
         assert sum(r.get("charts/reward_mean", 0) for r in rows) > 0  # some groups had signal: the runs learn
     return _straight[world]
@@ -403,7 +404,7 @@ def test_resume_on_another_world_size_under_torchrun(tmp_path):
         assert r1.get_slice("model.norm.weight").get_shape() == [63]
     # plain python (no torchrun, no FSDP2) puts the ranks' rows together: the weights the writer gathered, bitwise
     ref = torch.load(tmp_path / "ref_2.pt", weights_only=True)["weights"]
-    lm, _ = common.load_model(str(tmp_path / "run" / "step_2"), common.tiny_tokenizer(),
+    lm, _ = modeling.load_model(str(tmp_path / "run" / "step_2"), modeling.tiny_tokenizer(),
                               distributed.Dist(0, 1, torch.device("cpu")), seed=0)
     got = lm.state_dict()
     assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
@@ -412,7 +413,7 @@ def test_resume_on_another_world_size_under_torchrun(tmp_path):
     import lora
 
     with pytest.raises(SystemExit, match=r"cannot be a LoRA base; give its export, step_N/model$"):
-        common.load_model(str(state), common.tiny_tokenizer(), distributed.Dist(0, 1, torch.device("cpu")), seed=0,
+        modeling.load_model(str(state), modeling.tiny_tokenizer(), distributed.Dist(0, 1, torch.device("cpu")), seed=0,
                           lora=lora.LoraSpec(4, 8.0, 0.0, (lora.ALL_LINEAR,)))
     assert "resharded resume OK on 1 rank(s)" in run(1, "load", f"{tmp_path}/run/step_2", "3")
     assert "resharded resume OK on 2 rank(s)" in run(2, "load", f"{tmp_path}/run/step_3", "4")

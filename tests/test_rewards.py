@@ -536,9 +536,9 @@ def test_verl_compute_score_on_verl_parquet(verl_rewards, tmp_path):
 
     import pandas as pd
 
-    import common
     import data
     import grader
+    import modeling
     from rewards import score
 
     assert grader.reward_form(lambda data_source, solution_str, ground_truth, extra_info=None: 0)[0] == "verl"
@@ -546,7 +546,7 @@ def test_verl_compute_score_on_verl_parquet(verl_rewards, tmp_path):
              "reward_model": {"style": "rule", "ground_truth": str(i)}, "extra_info": {"split": "train", "index": i}}
             for i in range(20)]
     pd.DataFrame(rows).to_parquet(tmp_path / "train.parquet")
-    train, _, _ = data.load_task(str(tmp_path / "train.parquet"), None, 2, 0, common.tiny_tokenizer(), None, 2048)
+    train, _, _ = data.load_task(str(tmp_path / "train.parquet"), None, 2, 0, modeling.tiny_tokenizer(), None, 2048)
     batch = train.select([0, 1])
     i0, i1 = (r["extra_info"]["index"] for r in batch)
     reward = grader.load_reward([f"{verl_rewards}:compute_score"], 5.0)

@@ -14,6 +14,7 @@ import torch
 import common
 import data
 import distributed
+import modeling
 from conftest import ROOT
 from test_losses import mean
 
@@ -123,7 +124,7 @@ def test_local_model_folder_and_checkpoint(tiny_dir, monkeypatch, tmp_path):
     trained = AutoModelForCausalLM.from_pretrained(f"{run}/step_2/model")
     start = AutoModelForCausalLM.from_pretrained(tiny_dir)
     tok = AutoTokenizer.from_pretrained(f"{run}/step_2/model")
-    assert tok("12%10=").input_ids == common.tiny_tokenizer()("12%10=").input_ids
+    assert tok("12%10=").input_ids == modeling.tiny_tokenizer()("12%10=").input_ids
     assert trained.config.model_type == "qwen3" and trained.generation_config.eos_token_id == tok.eos_token_id
     assert [n for n, _ in trained.named_parameters()] == [n for n, _ in start.named_parameters()]
     assert all(torch.isfinite(p).all() for p in trained.parameters())
@@ -134,16 +135,16 @@ def test_first_minibatch_ratio_is_one():
     from gspo import gspo_loss
 
     d = distributed.Dist(0, 1, torch.device("cpu"))
-    tok = common.tiny_tokenizer()
-    lm, _ = common.load_model("tiny", tok, d, seed=0)
-    policy = common.wrap_policy(lm, d, 1.0, 64, False)
+    tok = modeling.tiny_tokenizer()
+    lm, _ = modeling.load_model("tiny", tok, d, seed=0)
+    policy = modeling.wrap_policy(lm, d, 1.0, 64, False)
     prompts = data.chat_prompts(tok, [r["prompt"] for r in data.builtin_task(8, 0)], False)
-    roll = common.generate(policy.eval(), tok, prompts, 4, common.eos_ids(lm, tok), d, max_new_tokens=12,
+    roll = common.generate(policy.eval(), tok, prompts, 4, modeling.eos_ids(lm, tok), d, max_new_tokens=12,
                            temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=64)
     ids, am, mask, P = roll["input_ids"], roll["attention_mask"], roll["mask"], roll["n_prompt"]
     lengths = mask.sum(1).long()
     last = ids[torch.arange(len(ids)), P + lengths - 1]  # the last completion token kept by the mask
-    eos = torch.tensor(common.eos_ids(lm, tok))
+    eos = torch.tensor(modeling.eos_ids(lm, tok))
     assert torch.equal(torch.isin(last, eos), ~roll["truncated"])  # kept up to and including the first EOS
     assert torch.all(lengths[roll["truncated"]] == 12) and (~roll["truncated"]).any()
     with torch.no_grad():
@@ -177,7 +178,7 @@ def test_gradients_are_freed_before_generation_and_save(script, monkeypatch, tmp
 
     def counting(fn):
         def wrapped(*a, **k):
-            policy = next(x for x in a if isinstance(x, common.Policy))
+            policy = next(x for x in a if isinstance(x, modeling.Policy))
             held.append(sum(p.grad is not None for p in policy.parameters()))
             return fn(*a, **k)
         return wrapped
@@ -286,7 +287,7 @@ def test_torchrun_two_ranks_runs_and_saves(tmp_path):
     assert [row["step"] for row in rows] == [0, 1, 2] and rows[0]["eval/prompts"] == 4  # 5 -> equal shares of 2
     model = AutoModelForCausalLM.from_pretrained(os.path.join(os.path.dirname(run), "step_2", "model"))  # gathered from shards
     assert sum(p.numel() for p in model.parameters()) == sum(
-        p.numel() for p in common.tiny_model(common.tiny_tokenizer()).parameters())
+        p.numel() for p in modeling.tiny_model(modeling.tiny_tokenizer()).parameters())
 
 
 def test_grpo_kl_penalty_to_reference(monkeypatch, tmp_path):

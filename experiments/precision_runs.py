@@ -92,13 +92,16 @@ def curve_table(logs: str, seeds: list[int]) -> str:
     """One row a configuration, mean ± sample std over seeds: the reward curve (each step's mean over seeds), its
     first and last 2 steps, Jitter2, the clip fraction and Var log w_it on first minibatches averaged over steps,
     and the seconds a step took (steps 2 on: step 1's wall time holds the model's load) and spent recomputing
-    pi_old."""
+    pi_old. Then, paired by seed (the same data order and step-1 samples), each configuration's reward over the last
+    2 steps minus its objective's recomputed run's."""
     lines = ["| configuration | seeds | reward each step (mean over seeds) | reward, first 2 steps | reward, last 2 "
              "steps | Jitter2 (eq. 20) | clip fraction, mean over steps | Var log w_it, first minibatches | "
              "step s | pi_old pass s (saved by rollout) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    last2 = {}  # (configuration, seed) -> reward over the last 2 steps
     for name in CURVE_COMMANDS:
-        runs = [[r for r in map(json.loads, open(p)) if "charts/reward_mean" in r] for s in seeds
-                if os.path.exists(p := os.path.join(logs, f"{exp_name(name)}__{s}", "metrics.jsonl"))]
+        found = [s for s in seeds if os.path.exists(os.path.join(logs, f"{exp_name(name)}__{s}", "metrics.jsonl"))]
+        runs = [[r for r in map(json.loads, open(os.path.join(logs, f"{exp_name(name)}__{s}", "metrics.jsonl")))
+                 if "charts/reward_mean" in r] for s in found]
         if not runs:
             continue
         curve = lambda k: [[r[k] for r in rows] for rows in runs]  # noqa: E731
@@ -108,9 +111,16 @@ def curve_table(logs: str, seeds: list[int]) -> str:
         each = " ".join(f"{sum(c[t] for c in reward) / len(reward):.2f}" for t in range(n))
         wall = [(rows[-1]["perf/wall_time"] - rows[0]["perf/wall_time"]) / (len(rows) - 1) for rows in runs]
         jitter2 = [rows[-1]["charts/reward_jitter2"] for rows in runs]
+        last2.update({(name, s): sum(c[-2:]) / 2 for s, c in zip(found, reward)})
         lines.append(f"| {name} | {len(runs)} | {each} | {fmt([sum(c[:2]) / 2 for c in reward])} | "
                      f"{fmt([sum(c[-2:]) / 2 for c in reward])} | {fmt(jitter2)} | {fmt(avg('losses/clipfrac'), 4)} | "
                      f"{sci(avg('losses/log_ratio_var_first'))} | {fmt(wall, 0)} | {fmt(avg('perf/old_logp_s'), 1)} |")
+    for name in CURVE_COMMANDS:
+        base = name.split()[0] + " recomputed"
+        pairs = [(s, last2[name, s] - last2[base, s]) for s in seeds if (name, s) in last2 and (base, s) in last2]
+        if name != base and pairs:
+            lines.append(f"\n{name} minus {base}, reward over the last 2 steps, paired by seed: " +
+                         ", ".join(f"seed {s}: {d:+.3f}" for s, d in pairs) + f" (mean {fmt([d for _, d in pairs])})")
     return "\n".join(lines)
 
 

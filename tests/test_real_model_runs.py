@@ -145,7 +145,8 @@ def test_energy_table_from_fabricated_logs(tmp_path):
 def test_precision_curve_table_from_fabricated_logs(tmp_path):
     """experiments/precision_runs.py --curves' table, by hand: the reward each step (mean over seeds), the first and
     last 2 steps, Jitter2 from the last row, the clip fraction and Var log w_it averaged over steps, a step's seconds
-    from step 2 on (step 1 holds the model's load) and the pi_old pass's; no row without logs."""
+    from step 2 on (step 1 holds the model's load) and the pi_old pass's; no row without logs; the reward over the
+    last 2 steps paired by seed with the objective's recomputed run, over the seeds both have."""
     from precision_runs import curve_table
 
     for seed, rewards in enumerate([[0.0, 0.2, 0.4, 0.6], [0.2, 0.2, 0.6, 1.0]], 1):
@@ -157,8 +158,18 @@ def test_precision_curve_table_from_fabricated_logs(tmp_path):
                          "losses/log_ratio_var_first": 1e-3 * seed, "perf/wall_time": 100.0 + 50 * seed * t,
                          "perf/old_logp_s": 0.0, "charts/reward_jitter2": 0.05 * seed if t == 4 else None})
         (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert len(curve_table(str(tmp_path), [1, 2, 3]).splitlines()) == 3  # header, rule, the one with logs
+    folder = tmp_path / "gspo_recomputed__2"  # its objective's recomputed run, seed 2 only: one pair
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(
+        {"step": t, "charts/reward_mean": r, "losses/clipfrac": 0.0, "losses/log_ratio_var_first": 0.0,
+         "perf/wall_time": 10.0 * t, "perf/old_logp_s": 2.0, "charts/reward_jitter2": 0.0}) + "\n"
+        for t, r in enumerate([0.0, 0.0, 0.3, 0.5], 1)))
     lines = curve_table(str(tmp_path), [1, 2, 3]).splitlines()
-    assert len(lines) == 3  # header, rule, the one configuration with logs
+    assert len(lines) == 6 and lines[2].startswith("| gspo recomputed | 1 | 0.00 0.00 0.30 0.50 | ")
     # first 2: 0.1, 0.2; last 2: 0.5, 0.8; step s: 50 and 100
-    assert lines[2] == ("| gspo rollout | 2 | 0.10 0.20 0.50 0.80 | 0.150 ± 0.071 | 0.650 ± 0.212 | 0.075 ± 0.035 "
+    assert lines[3] == ("| gspo rollout | 2 | 0.10 0.20 0.50 0.80 | 0.150 ± 0.071 | 0.650 ± 0.212 | 0.075 ± 0.035 "
                         "| 0.1500 ± 0.0707 | 1.5e-03 ± 7.1e-04 | 75 ± 35 | 0.0 ± 0.0 |")
+    # seed 2's last 2 steps: 0.8 against 0.4
+    assert lines[5] == ("gspo rollout minus gspo recomputed, reward over the last 2 steps, paired by seed: seed 2: "
+                        "+0.400 (mean 0.400)")

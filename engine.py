@@ -400,6 +400,14 @@ class Engine:
         if flex and compile:  # inside the compiled layer: the function itself, which inductor
             from torch.nn.attention.flex_attention import flex_attention as plain  # compiles with
             self.flex = plain  # the layer (not a compiled function called from a compiled one)
+            if self.paged and torch.device(device).type == "cpu":
+                # except paged on the CPU: there inductor's lowering of flex inside the layer's graph
+                # gives logits ~3 off (torch 2.13; the same graph under aot_eager agrees exactly),
+                # and flex compiled on its own agrees to 1e-6. So the layer's graph breaks around a
+                # call of flex compiled apart (disable() given the compiled function itself would
+                # unwrap it and run flex eagerly)
+                apart = torch.compile(plain, dynamic=False)
+                self.flex = torch.compiler.disable(lambda *a, **k: apart(*a, **k))
         # tokens, positions, and whether each slot decodes a live row (1) or not (0: free, finished)
         self.static = torch.zeros(3, slots, dtype=torch.long, device=device)
         self.static_positions = self.static[1]

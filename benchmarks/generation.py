@@ -46,8 +46,11 @@ def main():
     ap.add_argument("--baseline", default="shared-prefill", help="the mode the ratios are taken against")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--profile", action="store_true", help="profile round 1 (torch.profiler) and print its tables")
-    ap.add_argument("--flex", action="store_true", help="engine modes attend through FlexAttention, each decoder "
-                    "layer compiled by inductor with it, as on a GPU (paged: the pool read in place)")
+    ap.add_argument("--flex", nargs="?", const="all", choices=["all", "paged"],
+                    help="engine modes attend through FlexAttention, each decoder layer compiled by inductor with it, "
+                    "as on a GPU (paged: the pool read in place; on the CPU the layer's graph breaks around flex, "
+                    "compiled on its own: engine.Engine); --flex paged: engine-paged only, beside the CPU's default "
+                    "engine (SDPA, eager layers)")
     a = ap.parse_args()
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -66,10 +69,6 @@ def main():
     if a.shape != "tiny" and a.shape not in shapes.QWEN3 or not set(modes) <= {*common.GEN_MODES, "engine-paged"}:
         raise SystemExit(f"error: --shape is one of tiny, {', '.join(shapes.QWEN3)} and --modes a comma list of "
                          f"{', '.join(common.GEN_MODES)}, engine-paged")
-    if a.flex and "engine-paged" in modes:
-        raise SystemExit("error: --flex with engine-paged: on the CPU the layer compiled with FlexAttention gives wrong "
-                         "logits paged (tests/test_engine_step.py, the xfail), so its time would measure another "
-                         "computation; time engine-paged without --flex (SDPA, which gathers)")
     torch.set_num_threads(a.threads)
     t = time.perf_counter()
     torch.manual_seed(0)
@@ -99,13 +98,14 @@ def main():
     whole = engine.generate
 
     def run(mode, prompts, new_tokens):
+        flex = a.flex == "all" or a.flex == "paged" and mode == "engine-paged"
         t, cpu = time.perf_counter(), time.process_time()
         engine.generate = (lambda *p, **k: whole(*p, **k, pool_tokens=max(pool, a.group_size * (
             a.prompt_tokens + new_tokens)))) if mode == "engine-paged" else whole
         out = common.generate(policy, tok, prompts, a.group_size, [-1], d, max_new_tokens=new_tokens,
                               temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=a.gen_batch_size,
                               mode=mode.replace("-paged", ""),  # EOS id -1: never produced, every completion
-                              flex=a.flex or None, compile_step=a.flex or None)
+                              flex=flex or None, compile_step=flex or None)
         # has new_tokens tokens
         if len(prompts) == len(texts):
             assert out["input_ids"].shape == (len(prompts) * a.group_size, P + new_tokens)

@@ -44,6 +44,11 @@ FLEX_OPTIONS: dict | None = None
 # bandwidth bound at the Qwen3 0.6B / 1.7B shapes, against 36.4% / 40.4% with inductor's Hopper
 # default (BLOCK_N 64, 3 stages, 2 warps) in the same call; 4 stages hide more of the KV reads
 HOPPER_FLEX = {"BLOCK_N": 64, "num_stages": 4, "num_warps": 2}
+# with the layer compiled: whether flex_attention is compiled apart, the layer's graph broken around it
+# (True), or inside the layer's graph, its q/k norms and RoPE fused into its kernel (False). None: apart
+# where paged on the CPU only (inside the layer there inductor gets it wrong); on a GPU inside (the
+# variant apart: benchmarks/gpu.py's engine-flexapart, unmeasured)
+FLEX_APART: bool | None = None
 _flex = {}  # the flex_attention each device type runs: compiled on a GPU, eager on the CPU
 HELD = weakref.WeakKeyDictionary()  # generate(keep=True): the model -> its kept Engine
 
@@ -400,12 +405,12 @@ class Engine:
         if flex and compile:  # inside the compiled layer: the function itself, which inductor
             from torch.nn.attention.flex_attention import flex_attention as plain  # compiles with
             self.flex = plain  # the layer (not a compiled function called from a compiled one)
-            if self.paged and torch.device(device).type == "cpu":
-                # except paged on the CPU: there inductor's lowering of flex inside the layer's graph
-                # gives logits ~3 off (torch 2.13; the same graph under aot_eager agrees exactly),
-                # and flex compiled on its own agrees to 1e-6. So the layer's graph breaks around a
-                # call of flex compiled apart (disable() given the compiled function itself would
-                # unwrap it and run flex eagerly)
+            if FLEX_APART or FLEX_APART is None and self.paged and torch.device(device).type == "cpu":
+                # except paged on the CPU (FLEX_APART): there inductor's lowering of flex inside the
+                # layer's graph gives logits ~3 off (torch 2.13; the same graph under aot_eager agrees
+                # exactly), and flex compiled on its own agrees to 1e-6. So the layer's graph breaks
+                # around a call of flex compiled apart (disable() given the compiled function itself
+                # would unwrap it and run flex eagerly)
                 apart = torch.compile(plain, dynamic=False)
                 self.flex = torch.compiler.disable(lambda *a, **k: apart(*a, **k))
         # tokens, positions, and whether each slot decodes a live row (1) or not (0: free, finished)

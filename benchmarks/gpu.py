@@ -10,7 +10,9 @@ Per model, as far as each fits:
   prompts, up to --new-tokens new tokens, in each mode of --gen-modes (default: all of common.GEN_MODES, and
   engine-eager: the engine without CUDA graphs, --no-gen-cuda-graphs, to show what the graphs gain; engine-sdpa: the
   engine attending through SDPA over the whole read length, to show what FlexAttention's live blocks gain;
-  engine-nocompile: the graphs replaying the eager layers, to show what inductor's fusion gains). Random
+  engine-nocompile: the graphs replaying the eager layers, to show what inductor's fusion gains; engine-flexapart:
+  FlexAttention compiled apart from the layer, its kernel without the q/k norms and RoPE fused in, engine.FLEX_APART).
+  Random
   weights never say EOS, so realistic early stops are made by declaring V / --mean-length token ids EOS: a completion
   stops at each step with probability about 1 / --mean-length (roughly geometric lengths; the table gives the measured
   mean). static and the engine modes are timed after one untimed call (which compiles). tokens/s = completion tokens
@@ -162,10 +164,11 @@ def rollout(policy, tok, texts, eos, a, d, mode: str) -> dict:
 
     engine_mode = mode.startswith("engine-") and mode != "engine-tp"
     options = json.loads(mode[len("engine"):]) if mode.startswith("engine{") else None
-    if options is not None:
-        import engine
+    import engine
 
+    if options is not None:
         engine.FLEX_OPTIONS = options
+    engine.FLEX_APART = True if mode == "engine-flexapart" else None
     try:
         return common.generate(policy, tok, texts, a.group_size, eos, d, max_new_tokens=a.new_tokens,
                                temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=a.prompts * a.group_size,
@@ -173,8 +176,7 @@ def rollout(policy, tok, texts, eos, a, d, mode: str) -> dict:
                                cuda_graphs=mode != "engine-eager", flex=False if mode == "engine-sdpa" else None,
                                compile_step=False if mode == "engine-nocompile" else None)
     finally:
-        if options is not None:
-            engine.FLEX_OPTIONS = None
+        engine.FLEX_OPTIONS, engine.FLEX_APART = None, None
 
 
 def profile(policy, tok, texts, eos, a, d, name: str) -> dict:
@@ -387,8 +389,9 @@ def main():
 
     # engine-eager: --gen-mode engine --no-gen-cuda-graphs; engine-sdpa: the engine decoding through SDPA over the
     # whole read length instead of FlexAttention's live blocks (the GPU's default)
-    # engine-nocompile: the graphs replay the eager layers (each layer not compiled by inductor)
-    MODES = (*common.GEN_MODES, "engine-eager", "engine-sdpa", "engine-nocompile")
+    # engine-nocompile: the graphs replay the eager layers (each layer not compiled by inductor); engine-flexapart:
+    # FlexAttention compiled apart from the layer (engine.FLEX_APART)
+    MODES = (*common.GEN_MODES, "engine-eager", "engine-sdpa", "engine-nocompile", "engine-flexapart")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="0.6B,1.7B,4B,8B",
                     help="keys of shapes.QWEN3, smallest first ('': none, the TRL comparison alone)")

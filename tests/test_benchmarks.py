@@ -74,7 +74,8 @@ def test_gpu_benchmark_smoke(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.load(open(tmp_path / "gpu.json"))
     row = out["results"]["tiny"]
-    assert set(row["generation"]) == {*common.GEN_MODES, "engine-eager", "engine-sdpa", "engine-nocompile"}
+    assert set(row["generation"]) == {*common.GEN_MODES, "engine-eager", "engine-sdpa", "engine-nocompile",
+                                      "engine-flexapart"}
     for mode, g in row["generation"].items():
         assert g["tokens_per_s"] > 0 and 1 <= g["mean_length"] < 6, (mode, g)  # EOS ids stop some completions early
         assert 0 < g["bound_share"] and g["bandwidth_GBps"] > 0, (mode, g)
@@ -92,7 +93,8 @@ def test_gpu_benchmark_without_training_packages(tmp_path):
                        capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     row = json.load(open(tmp_path / "gpu.json"))["results"]["tiny"]
-    assert set(row["generation"]) == {*common.GEN_MODES, "engine-eager", "engine-sdpa", "engine-nocompile"}
+    assert set(row["generation"]) == {*common.GEN_MODES, "engine-eager", "engine-sdpa", "engine-nocompile",
+                                      "engine-flexapart"}
     assert all(g["tokens_per_s"] > 0 for g in row["generation"].values()), row["generation"]
     for ac in (0, 1):
         assert row[f"training_ac{ac}"].startswith("skipped: gspo.py does not import (tyro is blocked"), row
@@ -203,7 +205,9 @@ def test_gpu_benchmark_gen_modes(tmp_path):
             in open(tmp_path / "gpu.md").read())
     p = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--gen-modes", "static,fast"], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
-    assert p.returncode and p.stderr.strip() == "error: --gen-modes takes repeat, shared-prefill, static, engine, engine-tp, engine-eager, engine-sdpa, engine-nocompile"
+    assert p.returncode and p.stderr.strip() == ("error: --gen-modes takes repeat, shared-prefill, static, engine, "
+                                                 "engine-tp, engine-eager, engine-sdpa, engine-nocompile, "
+                                                 "engine-flexapart")
 
 
 @pytest.mark.slow

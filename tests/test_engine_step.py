@@ -307,10 +307,11 @@ ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("device, pool", [("cpu", None), ("cpu", 128 * 8),
-                                          pytest.param("cuda", None, marks=ON_GPU),
-                                          pytest.param("cuda", 128 * 8, marks=ON_GPU)])
-def test_compiled_flex_decodes_as_eager(device, pool, monkeypatch):
+@pytest.mark.parametrize("device, pool, apart", [("cpu", None, None), ("cpu", 128 * 8, None), ("cpu", None, True),
+                                                 pytest.param("cuda", None, None, marks=ON_GPU),
+                                                 pytest.param("cuda", 128 * 8, None, marks=ON_GPU),
+                                                 pytest.param("cuda", None, True, marks=ON_GPU)])
+def test_compiled_flex_decodes_as_eager(device, pool, apart, monkeypatch):
     """FlexAttention compiled inside the decoder layer (on the CPU inductor's C++ template, on a GPU its Triton one) at
     the Qwen3-0.6B attention shape (16 query heads over 8, head_dim 128; one layer, a small vocabulary), a prompt of
     3 key blocks, 2 rows: three decoding steps' logits equal the eager engine's, whole and paged (on a GPU the check
@@ -318,7 +319,8 @@ def test_compiled_flex_decodes_as_eager(device, pool, monkeypatch):
     CPU the layer's graph breaks around flex (compiled on its own): inductor's CPU lowering of flex inside the layer
     gives logits ~3 off when paged (torch 2.13), which this test caught before that. After the first step (which
     compiles) the compiled engine never runs flex's dense eager computation (math_attention), which the eager engine
-    does: a graph break that ran flex eagerly would agree and be ~40x slower."""
+    does: a graph break that ran flex eagerly would agree and be ~40x slower. apart: engine.FLEX_APART (flex compiled
+    apart from the layer, gpu.py's engine-flexapart)."""
     import importlib
 
     hop = importlib.import_module("torch._higher_order_ops.flex_attention")  # the module, not the op it exports
@@ -329,12 +331,17 @@ def test_compiled_flex_decodes_as_eager(device, pool, monkeypatch):
         return dense(*a, **k)
 
     monkeypatch.setattr(hop, "math_attention", counting)
+    monkeypatch.setattr(engine, "FLEX_APART", apart)
     shape = dict(shapes.QWEN3["0.6B"], num_hidden_layers=1, vocab_size=512)
     torch.manual_seed(0)
     lm = shapes.random_model(shape, shapes.word_tokenizer(512), torch.float32).to(device)
     prompt, new, n = torch.randint(3, 512, (300,), device=device), 3, 2
     engines = [engine.Engine(lm, n, 300 + new, device, torch.float32, pool_tokens=pool, flex=True, compile=c)
                for c in (False, True)]
+    from torch.nn.attention.flex_attention import flex_attention as plain
+
+    inside = not apart and not (pool and device == "cpu")  # flex inside the layer's graph, or compiled apart
+    assert (engines[1].flex is plain) == inside
     for e in engines if pool else []:  # the pool's blocks lent to the 2 rows, in shuffled order
         e.free = torch.randperm(8, generator=torch.Generator().manual_seed(0)).tolist()
         assert all(e.take(s, e.blocks_for(300 + new)) for s in range(n))

@@ -176,6 +176,23 @@ def check_engine(config, gen_mode: str):
         check_tensor_parallel(config, int(os.environ.get("WORLD_SIZE", "1")))
 
 
+_ENGINE_FALLBACK = []  # the one line saying why HF generate runs in the engine's place, said once
+
+
+def engine_covers(config, main: bool) -> bool:
+    """--gen-mode engine: True when engine.py covers this architecture; else one line (once, from
+    the main process) that HF generate (shared-prefill) runs instead."""
+    import engine
+
+    why = engine.unsupported(config)
+    if why and not _ENGINE_FALLBACK:
+        _ENGINE_FALLBACK.append(why)
+        if main:
+            print(f"--gen-mode engine does not cover {why}: generating with HF generate "
+                  "(shared-prefill) instead", file=sys.stderr)
+    return why is None
+
+
 def check_tensor_parallel(config, world: int):
     """--gen-mode engine-tp over `world` processes: one line when the heads do not split."""
     import engine
@@ -480,19 +497,3 @@ def reference_policy(args, tok, d: Dist, policy: Policy | None = None):
                        args.logprob_chunk_tokens, False, args.dtype, args.cpu_offload,
                        ref_weights).eval()
 
-
-_ENGINE_FALLBACK = []  # the one line saying why HF generate runs in the engine's place, said once
-
-
-def engine_covers(config, main: bool) -> bool:
-    """--gen-mode engine: True when engine.py covers this architecture; else one line (once, from
-    the main process) that HF generate (shared-prefill) runs instead."""
-    import engine
-
-    why = engine.unsupported(config)
-    if why and not _ENGINE_FALLBACK:
-        _ENGINE_FALLBACK.append(why)
-        if main:
-            print(f"--gen-mode engine does not cover {why}: generating with HF generate "
-                  "(shared-prefill) instead", file=sys.stderr)
-    return why is None

@@ -98,10 +98,10 @@ def curve_table(logs: str, seeds: list[int]) -> str:
              "steps | Jitter2 (eq. 20) | clip fraction, mean over steps | Var log w_it, first minibatches | "
              "step s | pi_old pass s (saved by rollout) |", "|---|---|---|---|---|---|---|---|---|---|"]
     last2 = {}  # (configuration, seed) -> reward over the last 2 steps
+    path = lambda name, s: os.path.join(logs, f"{exp_name(name)}__{s}", "metrics.jsonl")  # noqa: E731
     for name in CURVE_COMMANDS:
-        found = [s for s in seeds if os.path.exists(os.path.join(logs, f"{exp_name(name)}__{s}", "metrics.jsonl"))]
-        runs = [[r for r in map(json.loads, open(os.path.join(logs, f"{exp_name(name)}__{s}", "metrics.jsonl")))
-                 if "charts/reward_mean" in r] for s in found]
+        found = [s for s in seeds if os.path.exists(path(name, s))]
+        runs = [[r for r in map(json.loads, open(path(name, s))) if "charts/reward_mean" in r] for s in found]
         if not runs:
             continue
         curve = lambda k: [[r[k] for r in rows] for rows in runs]  # noqa: E731

@@ -1,7 +1,7 @@
 """Learning on a real model (issue 35 item 4): SmolLM2-135M-Instruct (tools/real_model.py) on 2-digit addition,
-gspo.py, grpo.py and dfpo.py from the same start, several seeds each, as a markdown table and a PNG: held-out
-accuracy before and after, the reward curve, entropy, response length and clip fraction, mean ± sample std over
-seeds.
+gspo.py, grpo.py, gspo_token.py and dfpo.py from the same start, several seeds each, as a markdown table and a PNG:
+held-out accuracy before and after, the reward curve, entropy, response length and clip fraction, mean ± sample std
+over seeds.
 
 The task: "What is a + b? Put the final answer in \\boxed{}." for a, b in 10..99, the answer a + b, through the
 model's own ChatML template. HELD_OUT unordered pairs {a, b} are kept out of training in both orders, so the
@@ -9,7 +9,7 @@ held-out accuracy measures arithmetic on sums the policy never trained on. The b
 completion 1 only when the number it states equals the sum ('62 + 43' for 105 scores 0: issue 38 item 0).
 
     python tools/real_model.py                           # the model folder, once
-    python experiments/real_model_runs.py                # 3 commands x 3 seeds, two at a time: ~1 h on 2 idle cores (est.)
+    python experiments/real_model_runs.py                # 6 commands x 3 seeds, two at a time: ~2 h on 2 idle cores (est.)
     python experiments/real_model_runs.py --table-only   # table.md, summary.json and the plot from logs/ again
 
 Each run's metrics.jsonl and samples.jsonl are kept under {out}/logs/ (small, committed); its checkpoint (1.8 GB
@@ -51,6 +51,10 @@ COMMANDS = {  # script, then its own flags (after BUDGET: they override it)
     "gspo": ["gspo.py"],
     "grpo": ["grpo.py"],
     "dfpo": ["dfpo.py"],
+    # GSPO-token: with one advantage per sequence its value and gradient are GSPO's (arXiv 2604.13088, eq. 44);
+    # --post-answer-penalty gives the tokens after the stated answer their own advantage, its reason to exist
+    "gspo_token": ["gspo_token.py"],
+    "gspo_token --post-answer-penalty 0.1": ["gspo_token.py", "--post-answer-penalty", "0.1"],
     # LoRA beside full fine-tuning (issue 35 item 4): every linear layer of the decoder, rank 16 of the model's 576,
     # 10x full fine-tuning's learning rate (the usual LoRA ratio; on the tiny model 4x was best, docs/scaling.md)
     "gspo --lora-rank 16": ["gspo.py", "--lora-rank", "16", "--lora-alpha", "32", "--learning-rate", "2e-4"],

@@ -387,8 +387,6 @@ def test_trl_and_verl_hints_name_real_flags():
 def test_hub_model_offline_fails_in_one_line_within_seconds(env, line, monkeypatch):
     """A hub id that can be neither downloaded nor read from the cache: one line naming the fix, at once (one
     connection to the endpoint, here a closed port on this machine), where transformers retries for ~30 s."""
-    import time
-
     import modeling
 
     for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):

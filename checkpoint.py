@@ -801,7 +801,7 @@ def save_checkpoint(run_dir: str, step: int, policy, tok, optimizer, scheduler, 
                        **loop_state}, f)
 
     _or_stop(_attempt(export, tmp) if d.main else None, tmp, d)
-    del sd
+    sd = None  # the export's full copy freed before the training state is written
     _or_stop(_attempt(training_state, tmp), tmp, d)
     _or_stop(_attempt(trainer_state, tmp) if d.main else None, tmp, d)
     files = _manifest_files(tmp, d)  # last: a folder without it is incomplete

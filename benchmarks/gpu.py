@@ -341,7 +341,7 @@ def bench_training(lm, policy, shape, a, d, checkpointing: bool) -> dict:
     sync(d.device)
     s = (time.perf_counter() - t) / a.train_steps
     peak = torch.cuda.max_memory_allocated(d.device) / 1e9 if cuda else None
-    del opt
+    opt = None  # its AdamW state freed
     policy.eval()
     lm.activation_checkpointing_disable()
     plan = memory_plan.plan(shape, gpus=1, seqs=B, tokens=T, gen_seqs=1, chunk=policy.chunk_tokens)

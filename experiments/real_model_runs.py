@@ -200,6 +200,27 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def paired(result: dict, base: str = "gspo") -> str:
+    """Each command against gspo's run of the same seed (the same data order, prompts and step-1 samples): its
+    held-out change and its reward over the last 2 steps minus gspo's, per seed, then mean ± std of the differences.
+    A difference smaller than its spread says the two are not apart on this budget."""
+    if base not in result:
+        return ""
+    seed_of = lambda runs: {r["seed"]: r for r in runs}  # noqa: E731
+    ref = seed_of(result[base])
+    change = lambda r: r["eval"][-1] - r["eval"][0]  # noqa: E731
+    last2 = lambda r: sum(r["curves"]["charts/reward_mean"][-2:]) / 2  # noqa: E731
+    lines = []
+    for name, runs in result.items():
+        pairs = [(s, r, ref[s]) for s, r in sorted(seed_of(runs).items()) if s in ref and name != base]
+        for what, f in (("held-out change", change), ("reward over the last 2 steps", last2)):
+            if pairs:
+                d = [(s, f(r) - f(b)) for s, r, b in pairs]
+                lines.append(f"- {name} minus {base}, {what}, paired by seed: "
+                             + ", ".join(f"seed {s}: {x:+.3f}" for s, x in d) + f" (mean {fmt([x for _, x in d])})")
+    return "\n".join(lines)
+
+
 def mechanism_table(result: dict) -> str:
     """The DFPO paper's predictions (arXiv:2604.13088 sec. 6) on this task: steps to a reward threshold (eq. 19),
     Jitter2 of the reward curve (eq. 20), Asym (eq. 23) and the shared-token coefficient (eq. 72), means over steps
@@ -261,6 +282,7 @@ def main():
               f"`python experiments/real_model_runs.py {' '.join(sys.argv[1:])}`: {what}. Mean ± sample std "
               f"(ddof 1) over seeds. Held-out: {HELD_OUT} sums never trained on (both orders), the first 64 "
               f"evaluated.\n\n{BUDGET_WHY}\n\nEvery command: `{' '.join(BUDGET)}`\n\n{table(result)}\n\n"
+              f"{paired(result)}\n\n"
               f"Mechanism metrics (DFPO paper, sec. 6), same runs:\n\n{mechanism_table(result)}\n")
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(report)

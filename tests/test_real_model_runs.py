@@ -61,7 +61,7 @@ def test_table_only_on_fabricated_logs(tmp_path):
     logs = tmp_path / "logs"
     fake_run(logs / "gspo__1", [0.1, 0.2, 0.3, 0.5], (0.10, 0.30))
     fake_run(logs / "gspo__2", [0.1, 0.1, 0.3, 0.3], (0.20, 0.30))
-    fake_run(logs / "dfpo__1", [0.2, 0.2, 0.2, 0.2], (0.25, 0.25), clip=0.3)
+    fake_run(logs / "dfpo__1", [0.2, 0.1, 0.2, 0.3], (0.25, 0.25), clip=0.3)
     p = subprocess.run([sys.executable, "experiments/real_model_runs.py", "--table-only", "--seeds", "2",
                         "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
@@ -88,6 +88,11 @@ def test_table_only_on_fabricated_logs(tmp_path):
     assert mech["gspo"][4].startswith("1.0e-03 ± 0.0e+00")
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["gspo"][0]["eval"] == [0.10, 0.30] and summary["gspo"][1]["eval_steps"] == [0, 4]
+    # paired with gspo by seed: dfpo has seed 1 alone; its held-out change 0.25 - 0.25 = 0 against gspo seed 1's
+    # 0.30 - 0.10 = 0.20, so -0.200; its last-2 reward (0.2 + 0.3) / 2 = 0.25 against (0.3 + 0.5) / 2 = 0.4: -0.150
+    assert [line for line in table.splitlines() if "paired by seed" in line] == [
+        "- dfpo minus gspo, held-out change, paired by seed: seed 1: -0.200 (mean -0.200)",
+        "- dfpo minus gspo, reward over the last 2 steps, paired by seed: seed 1: -0.150 (mean -0.150)"]
 
 
 def test_precision_table_from_fabricated_logs(tmp_path):

@@ -9,7 +9,7 @@ held-out accuracy measures arithmetic on sums the policy never trained on. The b
 completion 1 only when the number it states equals the sum ('62 + 43' for 105 scores 0: issue 38 item 0).
 
     python tools/real_model.py                           # the model folder, once
-    python experiments/real_model_runs.py                # 6 commands x 3 seeds, two at a time: ~2 h on 2 idle cores (est.)
+    python experiments/real_model_runs.py                # 7 commands x 3 seeds, two at a time: ~2.5 h on 2 idle cores (est.)
     python experiments/real_model_runs.py --table-only   # table.md, summary.json and the plot from logs/ again
 
 Each run's metrics.jsonl and samples.jsonl are kept under {out}/logs/ (small, committed); its checkpoint (1.8 GB
@@ -51,6 +51,9 @@ COMMANDS = {  # script, then its own flags (after BUDGET: they override it)
     "gspo": ["gspo.py"],
     "grpo": ["grpo.py"],
     "dfpo": ["dfpo.py"],
+    # GRPO-fix, the DFPO paper's GRPO baseline (arXiv 2604.13088, App. H eq. 79-80)
+    "grpo --symmetric-clip --loss-agg seq-mean-token-sum-norm": ["grpo.py", "--symmetric-clip", "--loss-agg",
+                                                                "seq-mean-token-sum-norm"],
     # GSPO-token: with one advantage per sequence its value and gradient are GSPO's (arXiv 2604.13088, eq. 44);
     # --post-answer-penalty gives the tokens after the stated answer their own advantage, its reason to exist
     "gspo_token": ["gspo_token.py"],

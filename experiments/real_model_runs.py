@@ -250,14 +250,14 @@ def plot(result: dict, path: str) -> bool:
         return False
     fig, axes = plt.subplots(1, len(CURVES), figsize=(4.5 * len(CURVES), 3.5))
     for ax, (key, label) in zip(axes, CURVES.items()):
-        for name, runs in result.items():
+        for k, (name, runs) in enumerate(result.items()):  # line styles in turn: equal curves both show
             curves = [r["curves"][key] for r in runs]
             n = min(len(c) for c in curves)
             mean = [sum(c[t] for c in curves) / len(curves) for t in range(n)]
             lo = [min(c[t] for c in curves) for t in range(n)]
             hi = [max(c[t] for c in curves) for t in range(n)]
             steps = list(range(1, n + 1))
-            ax.plot(steps, mean, label=name)
+            ax.plot(steps, mean, label=name, linestyle=("-", "--", ":")[k % 3])
             ax.fill_between(steps, lo, hi, alpha=0.2)
         ax.set_xlabel("step")
         ax.set_title(label, fontsize=9)

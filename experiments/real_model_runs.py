@@ -9,7 +9,7 @@ held-out accuracy measures arithmetic on sums the policy never trained on. The b
 completion 1 only when the number it states equals the sum ('62 + 43' for 105 scores 0: issue 38 item 0).
 
     python tools/real_model.py                           # the model folder, once
-    python experiments/real_model_runs.py                # 7 commands x 3 seeds, two at a time: ~2.5 h on 2 idle cores (est.)
+    python experiments/real_model_runs.py                # 7 commands x 3 seeds, two at a time: ~1.5 h on 2 idle cores
     python experiments/real_model_runs.py --table-only   # table.md, summary.json and the plot from logs/ again
 
 Each run's metrics.jsonl and samples.jsonl are kept under {out}/logs/ (small, committed); its checkpoint (1.8 GB

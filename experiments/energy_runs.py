@@ -25,7 +25,7 @@ from typing import Literal
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from learning_tax import ROOT, exp_name, fmt  # noqa: E402
+from learning_tax import ROOT, by_seed, exp_name, fmt  # noqa: E402
 import real_model_runs  # noqa: E402
 from real_model_runs import BUDGET, run_and_report  # noqa: E402
 
@@ -73,8 +73,7 @@ def table(logs: str, seeds: list[int]) -> str:
     pairs = [(s, later["dfpo", s]["energy/top5"] - later["gspo", s]["energy/top5"]) for s in seeds
              if ("dfpo", s) in later and ("gspo", s) in later]
     if pairs:
-        lines.append("\nDFPO minus GSPO, top-5 share over steps 2-8, paired by seed: " +
-                     ", ".join(f"seed {s}: {d:+.3f}" for s, d in pairs) + f" (mean {fmt([d for _, d in pairs])})")
+        lines.append(f"\nDFPO minus GSPO, top-5 share over steps 2-8, paired by seed: {by_seed(pairs)}")
     return "\n".join(lines)
 
 

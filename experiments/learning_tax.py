@@ -200,6 +200,12 @@ def fmt(xs: list[float], digits=3) -> str:
     return f"{m:.{digits}f}" + (f" ± {s:.{digits}f}" if len(xs) > 1 else "")
 
 
+def by_seed(diffs: list[tuple[int, float]]) -> str:
+    """Paired differences, each seed's then their mean ± sample std: 'seed 1: +0.100, seed 2: -0.050 (mean
+    0.025 ± 0.106)'."""
+    return ", ".join(f"seed {s}: {d:+.3f}" for s, d in diffs) + f" (mean {fmt([d for _, d in diffs])})"
+
+
 def sci(xs: list[float]) -> str:
     """Mean ± sample std in scientific notation: the shared-token coefficient spans 1e-10 (float32 zero) to
     1e-2."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from learning_tax import ROOT, exp_name, fmt, sci  # noqa: E402
+from learning_tax import ROOT, by_seed, exp_name, fmt, sci  # noqa: E402
 import real_model_runs  # noqa: E402
 from real_model_runs import run_and_report  # noqa: E402
 
@@ -119,8 +119,7 @@ def curve_table(logs: str, seeds: list[int]) -> str:
         base = name.split()[0] + " recomputed"
         pairs = [(s, last2[name, s] - last2[base, s]) for s in seeds if (name, s) in last2 and (base, s) in last2]
         if name != base and pairs:
-            lines.append(f"\n{name} minus {base}, reward over the last 2 steps, paired by seed: " +
-                         ", ".join(f"seed {s}: {d:+.3f}" for s, d in pairs) + f" (mean {fmt([d for _, d in pairs])})")
+            lines.append(f"\n{name} minus {base}, reward over the last 2 steps, paired by seed: {by_seed(pairs)}")
     return "\n".join(lines)
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from learning_tax import ROOT, exp_name, fmt, only_commands, run_jobs, sci, steps_to  # noqa: E402
+from learning_tax import ROOT, by_seed, exp_name, fmt, only_commands, run_jobs, sci, steps_to  # noqa: E402
 
 HELD_OUT = 128  # unordered pairs kept apart (both orders) for the held-out set
 PROMPT = "What is {a} + {b}? Put the final answer in \\boxed{{}}."
@@ -215,12 +215,12 @@ def paired(result: dict, base: str = "gspo") -> str:
     last2 = lambda r: sum(r["curves"]["charts/reward_mean"][-2:]) / 2  # noqa: E731
     lines = []
     for name, runs in result.items():
-        pairs = [(s, r, ref[s]) for s, r in sorted(seed_of(runs).items()) if s in ref and name != base]
+        pairs = [(s, r, ref[s]) for s, r in sorted(seed_of(runs).items()) if s in ref]
+        if name == base or not pairs:
+            continue
         for what, f in (("held-out change", change), ("reward over the last 2 steps", last2)):
-            if pairs:
-                d = [(s, f(r) - f(b)) for s, r, b in pairs]
-                lines.append(f"- {name} minus {base}, {what}, paired by seed: "
-                             + ", ".join(f"seed {s}: {x:+.3f}" for s, x in d) + f" (mean {fmt([x for _, x in d])})")
+            lines.append(f"- {name} minus {base}, {what}, paired by seed: "
+                         f"{by_seed([(s, f(r) - f(b)) for s, r, b in pairs])}")
     return "\n".join(lines)
 
 

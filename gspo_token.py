@@ -5,7 +5,8 @@
     grad s_it     = sg[s_i] grad log pi_theta(y_it)                                 (Observation 3)
                     with pi_theta(y_it) = pi_theta(y_it | x, y_i,<t)
     A_i           = (r_i - mean_j r_j) / std_j r_j                                       (eq. 43)
-    A_it          = A_i, or A_i - lambda after the final answer (--post-answer-penalty lambda)
+    A_it          = A_i, or A_i - lambda after the final answer, or on all of a completion that
+                    states none (--post-answer-penalty lambda)
     (--kl-coef)   - beta k3_it in each token's term, k3 = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1
                   (off, as in the GSPO recipe)
 
@@ -36,7 +37,7 @@ from common import (Logger, all_finite, eval_report, eval_summary, evaluate, gro
                     sample_groups)
 from data import load_task
 from distributed import all_gather_cat, all_reduce, fail, seed_rank, setup_distributed
-from grader import answer_span, load_reward
+from grader import answer_span, extract_answer, load_reward
 from lora import lora_spec
 from modeling import check_model, eos_ids, load_model, load_tokenizer, reference_policy, wrap_policy
 
@@ -58,8 +59,8 @@ class Args(CommonArgs):
     clip_high: float = 4e-4
     """eps_high: s_i is clipped above at 1 + eps_high (GSPO paper: 4e-4)"""
     post_answer_penalty: float = 0.0
-    """per-token advantages: tokens after the final answer (EOS excluded) get A_i - this; 0: A_it =
-    A_i (= GSPO)"""
+    """per-token advantages: tokens after the final answer, and every token of a completion that states
+    none (EOS excluded), get A_i - this; 0: A_it = A_i (= GSPO)"""
 
 
 def gspo_token_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: float,
@@ -140,18 +141,23 @@ def aggregate(token_terms, mask, loss_agg: str, max_new_tokens: int | None):
 
 
 def post_answer_tokens(tok, completion_ids, mask, texts: list[str], eos: list[int]) -> torch.Tensor:
-    """[B, T] bool: completion tokens written after the end of the final answer (grader.answer_span
-    on the decoded text), EOS tokens excluded. The answer's last token is found by bisection on the
-    decoded prefix length."""
+    """[B, T] bool: completion tokens that carry no answer, EOS tokens excluded: those written after
+    the end of the final answer (grader.answer_span on the decoded text), and every token of a
+    completion that states none, or only an empty \\boxed{} (else, in a group of equal rewards, where
+    A_i = 0, the penalty alone would make not answering the cheapest text). The answer's last token
+    is found by bisection on the decoded prefix length."""
     after = torch.zeros(mask.shape, dtype=torch.bool, device=mask.device)
     for b, text in enumerate(texts):
         span = answer_span(text)
+        ids = [i for i in completion_ids[b, :int(mask[b].sum())].tolist() if i not in eos]
+        if span is None or not extract_answer(text):  # no answer, or only empty boxes: \boxed{}
+            after[b, :len(ids)] = True  # none of it is the answer's
+            continue
         # the span ends after a box's closing brace or a math span's closing $: both belong to the
         # answer; a "}" after any other answer is text after it
-        end = span[1] if span else 0
-        if span is None or not text[end:].strip():
-            continue  # no answer, or nothing but whitespace after it
-        ids = [i for i in completion_ids[b, :int(mask[b].sum())].tolist() if i not in eos]
+        end = span[1]
+        if not text[end:].strip():
+            continue  # nothing but whitespace after the answer
         lo = 0  # bisection: the fewest tokens whose text reaches the answer's end
         hi = len(ids)
         while lo < hi:
@@ -254,7 +260,7 @@ def main():
             mask = mask * ~roll["truncated"][:, None]
         advantages = advantages.to(ids.device)
         minibatch_slices = minibatches(args.prompts_per_rank, args.group_size, args.num_minibatches)
-        # A_it = A_i - lambda on the tokens after the final answer
+        # A_it = A_i - lambda on the tokens after the final answer (all of them when it states none)
         after = post_answer_tokens(tok, ids[:, n_prompt:], roll["mask"], roll["texts"], eos)
         token_adv = (advantages[:, None] - args.post_answer_penalty * after.float()) * mask
 

@@ -112,7 +112,7 @@ def test_post_answer_tokens():
     tok = modeling.tiny_tokenizer()
     eos = [tok.eos_token_id]
     cases = [("7<|im_end|>", ""), ("7ab<|im_end|>", "ab"), ("x \\boxed{12}. ok<|im_end|>", ". ok"),
-             ("no answer<|im_end|>", ""), ("5xy", "xy"), ("#### 42 done<|im_end|>", " done")]
+             ("no answer<|im_end|>", "no answer"), ("5xy", "xy"), ("#### 42 done<|im_end|>", " done")]
     rows = [tok(text, add_special_tokens=False).input_ids for text, _ in cases]
     T = max(map(len, rows))
     ids = torch.tensor([r + [tok.pad_token_id] * (T - len(r)) for r in rows])

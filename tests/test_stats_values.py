@@ -474,7 +474,10 @@ def penalised(texts_eos):
     ("\\boxed{7}}z", True, "}z"),  # a second brace is written after the answer
     ("\\boxed{3}", True, ""),
     ("#### 42 done", True, " done"),
-    ("no answer here", True, ""),
+    ("no answer here", True, "no answer here"),  # no answer: every token, else not answering is the cheapest
+    ("so \\boxed{} ok", True, "so \\boxed{} ok"),  # an empty box states no answer
+    ("\\boxed{ }", False, "\\boxed{ }"),
+    ("", True, ""),  # the EOS alone: nothing to mark
     ("5xy", False, "xy"),  # truncated: no EOS
     ("the answer is 9 \n ", True, ""),  # only whitespace after it
     ("12 and then 3 more", True, " more"),  # the last number is the answer

@@ -108,9 +108,9 @@ def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok,
             no_answer += n
         n = len(train) + len(held)
         train, held = templated(train), templated(held)
-        if eval_limit > 0 and len(held) > eval_limit:
-            held = held.select(range(eval_limit))
         dropped = {"no_answer": no_answer, "too_long": n - len(train) - len(held)}
+        if eval_limit > 0 and len(held) > eval_limit:  # kept out by choice, not dropped
+            held = held.select(range(eval_limit))
         why = (f"no usable rows (dropped {no_answer} without an answer, {dropped['too_long']} over "
                f"--max-prompt-tokens {max_prompt_tokens})")
         if len(held) == 0:

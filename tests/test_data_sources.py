@@ -91,8 +91,8 @@ def test_eval_dataset_in_full_and_eval_only_on_the_whole_file(tmp_path):
     train, held, _ = load(train_file, eval_size=4, eval_dataset=str(eval_rows))
     assert len(train) == 30 and len(held) == 25  # no held-out split taken from training, the eval set whole
     assert held["prompt"] == [f"{i}*1=" for i in range(25)]
-    _, held, _ = load(train_file, eval_size=4, eval_dataset=str(eval_rows), eval_limit=7)
-    assert len(held) == 7
+    _, held, dropped = load(train_file, eval_size=4, eval_dataset=str(eval_rows), eval_limit=7)
+    assert len(held) == 7 and dropped == {"no_answer": 0, "too_long": 0}  # the 18 left out were not too long
     train, held, _ = load(train_file, eval_size=4, eval_only=True)
     assert len(train) == 0 and len(held) == 30  # --eval-only: the whole file, not a tenth of it
 

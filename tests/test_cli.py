@@ -294,8 +294,8 @@ def test_every_arg_documented(script):
     for path, cls in ((f"{ROOT}/{script}.py", "class Args"), (f"{ROOT}/cli.py", "class CommonArgs")):
         src = open(path).read()
         body = src[src.index(cls):src.index("\n\n\n", src.index(cls))].splitlines()
-        fields = [i for i, line in enumerate(body)
-                  if ": " in line and "=" in line and not line.strip().startswith(('"', "#"))
+        # a field: `    name: type = default` at the class body's indent (a docstring line may hold ": " and "=")
+        fields = [i for i, line in enumerate(body) if re.match(r"    [a-z_][a-z0-9_]*: .+ = ", line)
                   and "ClassVar[" not in line]  # a class constant (token_terms), not a flag
         assert all(body[i + 1].strip().startswith('"""') for i in fields)  # a docstring under every field
         names |= {body[i].split(":")[0].strip() for i in fields}

@@ -1,27 +1,16 @@
 """The map of what every algorithm script's loop calls, in the loop's order; the loop itself
-lives in each script, after its set-up (modeling.py: the model, the tokenizer, Policy). Sections:
+lives in each script, after its set-up (grouprl/modeling.py: the model, the tokenizer, Policy). Sections:
   generation           HF `generate`: repeat, shared-prefill, static
   the step's groups    sample_groups: rollout -> rewards, DAPO's dynamic sampling in rounds
-  rewards              the built-in reward functions a --reward names (scoring: rewards.py)
+  rewards              the built-in reward functions a --reward names (scoring: grouprl/rewards.py)
   group advantages     A_i and the mechanism metrics (Asym, shared-token coefficient)
   old log-probs        pi_old recomputed or from the rollout (--old-logp), TIS weights, log w spread
   data order           prompts a step, minibatches of whole groups, micro-batches
   the optimizer step   learning-rate schedule, finite checks, statistics over ranks
   evaluation, logging  held-out avg@k and pass@k, tensorboard and metrics.jsonl, samples
-The subsystems a reader of an algorithm need not read live in files named for them, each
-imported by the scripts or by this file, none importing a script:
-  distributed.py       torchrun set-up, ranks, seeds, collectives, one-line errors (the base)
-  modeling.py          the model: tokenizer, weights (`tiny` too), its checks, Policy, FSDP2
-  cli.py               the flags every script shares (CommonArgs) and their checks
-  data.py              tasks: prompts and reference answers (built-in, hub, local files)
-  rewards.py           score: rewards per completion, and the watch over a run's rewards
-  grader.py            the math grader, math-verify and --reward in worker processes
-                       (reward_worker.py: the worker's program)
-  checkpoint.py        run folders, checkpoints, exact resume, graceful stop, a run's end
-  engine.py            the rollout engine (--gen-mode engine, engine-tp)
-  logprobs.py          the LM head's log-probs and entropy in chunks (Policy.forward's last step)
-  lora.py              LoRA adapters (--lora-rank): applied, checked, saved, merged
-  moe.py               Mixture-of-Experts routing: recorded, flips counted, replayed (--routing-replay)
+The subsystems a reader of an algorithm need not read live in the grouprl package, one file
+each (grouprl/__init__.py lists them), imported by the scripts or by this file; none of them
+imports a script or this file.
 """
 
 from __future__ import annotations
@@ -38,12 +27,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import moe
-from checkpoint import writing
-from distributed import Dist, Refused, all_gather_cat, all_reduce, fail, on_rank0
-from grader import Reward
-from modeling import Policy, check_tensor_parallel, engine_covers
-from rewards import score
+from grouprl import moe
+from grouprl.checkpoint import writing
+from grouprl.distributed import Dist, Refused, all_gather_cat, all_reduce, fail, on_rank0
+from grouprl.grader import Reward
+from grouprl.modeling import Policy, check_tensor_parallel, engine_covers
+from grouprl.rewards import score
 
 
 # -------------------- generation
@@ -85,7 +74,7 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
     enc = tok(list(prompts), padding=True, return_tensors="pt", add_special_tokens=False)
     ids, am = enc.input_ids.to(d.device), enc.attention_mask.to(d.device)
     if mode in ("engine", "engine-tp") and engine_covers(policy.lm.config, d.main):
-        import engine
+        from grouprl import engine
 
         mine = [row[m.bool()].tolist() for row, m in zip(ids, am)]  # this rank's prompts, unpadded
         tp = d.world if mode == "engine-tp" else 1

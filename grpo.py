@@ -21,21 +21,21 @@ from typing import ClassVar, Literal
 import torch
 from tqdm import tqdm
 
-import energy
-import moe
-from checkpoint import (catch_stop_signals, claim_run_dir, cleanup, resume_state, run_paths,
-                        save_checkpoint, stop_requested)
-from cli import (CommonArgs, check_common_args, check_prompt_pool, eval_sampling, fill_defaults,
-                 parse_args)
 from common import (Logger, all_finite, eval_report, eval_summary, evaluate, group_advantages,
                     group_metrics, jitter2, log_ratio_spread, log_samples, logp_drift,
                     lr_scheduler, micro_batches, minibatches, old_log_probs, reduce_stats,
                     sample_groups)
-from data import load_task
-from distributed import all_gather_cat, all_reduce, fail, seed_rank, setup_distributed
-from grader import load_reward
-from lora import lora_spec
-from modeling import check_model, eos_ids, load_model, load_tokenizer, reference_policy, wrap_policy
+from grouprl import energy, moe
+from grouprl.checkpoint import (catch_stop_signals, claim_run_dir, cleanup, resume_state,
+                                run_paths, save_checkpoint, stop_requested)
+from grouprl.cli import (CommonArgs, check_common_args, check_prompt_pool, eval_sampling,
+                         fill_defaults, parse_args)
+from grouprl.data import load_task
+from grouprl.distributed import all_gather_cat, all_reduce, fail, seed_rank, setup_distributed
+from grouprl.grader import load_reward
+from grouprl.lora import lora_spec
+from grouprl.modeling import (check_model, eos_ids, load_model, load_tokenizer, reference_policy,
+                              wrap_policy)
 
 LossAgg = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]  # --loss-agg
 

@@ -80,9 +80,9 @@ def child(phase: str, shape_name: str, out: str) -> dict:
 
     import torch
 
-    import checkpoint
-    import distributed
-    import modeling
+    from grouprl import checkpoint
+    from grouprl import distributed
+    from grouprl import modeling
     import shapes
 
     d = distributed.setup_distributed(0)
@@ -188,7 +188,7 @@ def main():
         row = child(a.phase, a.shape, a.out)
         with open(os.path.join(a.out, f"{a.phase}_rank{row['rank']}.json"), "w") as f:
             json.dump(row, f)
-        import checkpoint
+        from grouprl import checkpoint
 
         checkpoint.cleanup()
         return

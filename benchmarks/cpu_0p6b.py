@@ -101,7 +101,7 @@ def build(folder: str, shape: dict):
     """The model folder: random weights in `shape` (fp32) and the built-in task's tokenizer."""
     import torch
 
-    import modeling
+    from grouprl import modeling
     import shapes
 
     tok = modeling.tiny_tokenizer()

@@ -57,13 +57,13 @@ def main():
     from transformers.utils import logging as hf_logging
 
     import common
-    import distributed
-    import modeling
+    from grouprl import distributed
+    from grouprl import modeling
     import shapes
 
     hf_logging.set_verbosity_error()  # EOS id -1 below is on purpose (transformers warns about it)
 
-    import engine
+    from grouprl import engine
 
     modes = a.modes.split(",")
     if a.shape != "tiny" and a.shape not in shapes.QWEN3 or not set(modes) <= {*common.GEN_MODES, "engine-paged"}:
@@ -75,7 +75,7 @@ def main():
     if a.model:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from data import chat_prompts
+        from grouprl.data import chat_prompts
 
         tok = AutoTokenizer.from_pretrained(a.model, padding_side="left")
         lm = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()

@@ -164,7 +164,7 @@ def rollout(policy, tok, texts, eos, a, d, mode: str) -> dict:
 
     engine_mode = mode.startswith("engine-") and mode != "engine-tp"
     options = json.loads(mode[len("engine"):]) if mode.startswith("engine{") else None
-    import engine
+    from grouprl import engine
 
     if options is not None:
         engine.FLEX_OPTIONS = options
@@ -186,8 +186,8 @@ def profile(policy, tok, texts, eos, a, d, name: str) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    if "engine" in sys.modules:  # a fresh Engine, as the engine row had
-        sys.modules["engine"].HELD.clear()
+    if "grouprl.engine" in sys.modules:  # a fresh Engine, as the engine row had
+        sys.modules["grouprl.engine"].HELD.clear()
     rollout(policy, tok, texts, eos, a, d, "engine")  # untimed: compiles, makes the Engine the next call keeps
     sync(d.device)
     with torch_profile(activities=[ProfilerActivity.CUDA] if d.device.type == "cuda" else [ProfilerActivity.CPU]) \
@@ -222,7 +222,7 @@ def paged_check(lm, shape, d) -> dict:
     before each row's first difference (bf16: a near-tie may flip a token; a broken read is off by whole nats)."""
     import torch
 
-    import engine
+    from grouprl import engine
 
     engine.HELD.clear()
     g = torch.Generator().manual_seed(1)
@@ -248,8 +248,8 @@ def held(device) -> dict:
 
     import torch
 
-    if "engine" in sys.modules:
-        sys.modules["engine"].HELD.clear()
+    if "grouprl.engine" in sys.modules:
+        sys.modules["grouprl.engine"].HELD.clear()
     out = {"HELD cleared": torch.cuda.memory_allocated(device) / 1e9}
     gc.collect()
     out["gc.collect"] = torch.cuda.memory_allocated(device) / 1e9
@@ -290,7 +290,7 @@ def _one_mode(policy, tok, shape, a, d, mode, texts, eos, bytes_per_s, weight_by
            "bound_share": bound / s, "bandwidth_GBps": bytes_per_s / 1e9,
            "peak_gb": peak, "allocated_before_gb": freed}
     if mode.startswith("engine") and cuda:  # against the engine's plan (memory_plan.py's engine row)
-        import engine
+        from grouprl import engine
 
         kv, weights = engine.memory_needed(policy.lm, a.prompts * a.group_size,
                                            a.prompt_tokens + a.new_tokens, next(policy.parameters()).dtype,
@@ -358,7 +358,7 @@ def trl_step(a, out_dir: str) -> dict:
     """benchmarks/rl_step.py on the 0.6B shape (the tiny shape under --smoke), its table as printed."""
     import torch
 
-    import modeling
+    from grouprl import modeling
     import shapes
 
     if importlib.util.find_spec("trl") is None:
@@ -384,8 +384,8 @@ def trl_step(a, out_dir: str) -> dict:
 
 def main():
     import common
-    import distributed
-    import modeling
+    from grouprl import distributed
+    from grouprl import modeling
 
     # engine-eager: --gen-mode engine --no-gen-cuda-graphs; engine-sdpa: the engine decoding through SDPA over the
     # whole read length instead of FlexAttention's live blocks (the GPU's default)
@@ -477,8 +477,8 @@ def main():
         if d.device.type == "cuda":  # the last mode's kept Engine (its cache, and through it this model) freed
             row["allocated_after_generation_gb"] = held(d.device)  # before training and the next model
             flush()
-        elif "engine" in sys.modules:
-            sys.modules["engine"].HELD.clear()
+        elif "grouprl.engine" in sys.modules:
+            sys.modules["grouprl.engine"].HELD.clear()
         for ac in (False, True):
             if a.no_train or time.time() > a.deadline:
                 row[f"training_ac{int(ac)}"] = "skipped: " + ("--no-train" if a.no_train else

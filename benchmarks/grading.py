@@ -37,8 +37,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
-import grader  # noqa: E402
-import rewards  # noqa: E402
+from grouprl import grader  # noqa: E402
+from grouprl import rewards  # noqa: E402
 from test_extraction import CASES  # noqa: E402
 
 

@@ -29,7 +29,7 @@ LAUNCH = re.compile(r"^\s+(?:\w+ = )?(cpp_fused_\w+\(|triton_\w+\.run\(|extern_k
 def small_engine(shape: dict, layers: int, slots: int, max_len: int, flex: bool, compile: bool):
     import torch
 
-    import engine
+    from grouprl import engine
     import shapes
 
     shape = dict(shape, num_hidden_layers=layers)

@@ -50,7 +50,7 @@ def measure(method: str, tokens: int, vocab: int, hidden: int, chunk: int, repea
     import torch.nn.functional as F
 
     sys.path.insert(0, ROOT)
-    from logprobs import chunked_logprobs
+    from grouprl.logprobs import chunked_logprobs
 
     torch.manual_seed(0)
     B = 8 if tokens % 8 == 0 else 1

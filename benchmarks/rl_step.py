@@ -35,8 +35,8 @@ def save_tiny(folder: str, seed: int):
     sys.path.insert(0, ROOT)
     from transformers.utils import logging as hf_logging
 
-    from modeling import tiny_model, tiny_tokenizer
-    from distributed import seed_everything
+    from grouprl.modeling import tiny_model, tiny_tokenizer
+    from grouprl.distributed import seed_everything
 
     hf_logging.disable_progress_bar()
     seed_everything(seed)
@@ -100,7 +100,7 @@ def run_ours_fenced(a, folder: str, out_dir: str) -> dict:
 
     sys.path.insert(0, ROOT)
     import common
-    import modeling
+    from grouprl import modeling
 
     fence_training(torch)
     common.generate = fenced(common.generate, "generate", new_step=True)
@@ -133,7 +133,7 @@ def run_trl(a, folder: str, out_dir: str) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from common import math_reward
-    from data import load_task
+    from grouprl.data import load_task
 
     tok = AutoTokenizer.from_pretrained(folder)
     tok.padding_side = "left"  # as modeling.load_tokenizer: left-padded prompts for generation

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import sampling  # noqa: E402
+from grouprl import sampling  # noqa: E402
 
 
 def hf_sample(logits, temperature, top_k, top_p, min_p=0.0, penalty=1.0, ids=None, generator=None):

@@ -22,10 +22,10 @@ from real_model_runs import arithmetic_task  # noqa: E402
 
 sys.path.insert(0, ROOT)
 import common  # noqa: E402
-import energy  # noqa: E402
-import modeling  # noqa: E402
-from data import chat_prompts  # noqa: E402
-from distributed import Dist  # noqa: E402
+from grouprl import energy  # noqa: E402
+from grouprl import modeling  # noqa: E402
+from grouprl.data import chat_prompts  # noqa: E402
+from grouprl.distributed import Dist  # noqa: E402
 
 
 @dataclass

@@ -51,9 +51,9 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import cli  # noqa: E402
-import data  # noqa: E402
-import modeling  # noqa: E402
+from grouprl import cli  # noqa: E402
+from grouprl import data  # noqa: E402
+from grouprl import modeling  # noqa: E402
 
 # name -> the script and its flags; everything else is the script's default (the papers' settings)
 BUILTIN = {

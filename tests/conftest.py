@@ -14,8 +14,8 @@ torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, min(2, os.
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """The built-in tiny model and tokenizer saved to a folder, so scripts run the local-path branch."""
-    import distributed
-    import modeling
+    from grouprl import distributed
+    from grouprl import modeling
 
     path = str(tmp_path_factory.mktemp("tiny"))
     tok = modeling.tiny_tokenizer()

@@ -12,10 +12,10 @@ import torch
 from datasets import Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import checkpoint  # noqa: E402
+from grouprl import checkpoint  # noqa: E402
 import common  # noqa: E402
-import distributed  # noqa: E402
-import modeling  # noqa: E402
+from grouprl import distributed  # noqa: E402
+from grouprl import modeling  # noqa: E402
 
 d = distributed.setup_distributed(0)
 assert d.world == 2 and d.sharded, "run me with torchrun --nproc-per-node 2"

@@ -8,9 +8,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
-import distributed  # noqa: E402
-import modeling  # noqa: E402
-from data import chat_prompts  # noqa: E402
+from grouprl import distributed  # noqa: E402
+from grouprl import modeling  # noqa: E402
+from grouprl.data import chat_prompts  # noqa: E402
 
 d = distributed.setup_distributed(0)
 assert d.world == 2, "run me with torchrun --nproc-per-node 2"

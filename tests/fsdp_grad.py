@@ -14,10 +14,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import checkpoint  # noqa: E402
+from grouprl import checkpoint  # noqa: E402
 import common  # noqa: E402
-import distributed  # noqa: E402
-import modeling  # noqa: E402
+from grouprl import distributed  # noqa: E402
+from grouprl import modeling  # noqa: E402
 from dfpo import dfpo_loss, group_weights, sequence_weights  # noqa: E402
 from grpo import grpo_loss  # noqa: E402
 from gspo import gspo_loss  # noqa: E402

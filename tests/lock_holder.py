@@ -15,7 +15,7 @@ import time
 
 if sys.argv[1] == "claim":
     sys.path.insert(0, sys.argv[2])
-    import checkpoint
+    from grouprl import checkpoint
 
     checkpoint._claim_run_dir(sys.argv[3], sys.argv[4])
 else:

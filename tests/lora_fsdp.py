@@ -11,11 +11,11 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import checkpoint  # noqa: E402
-import distributed  # noqa: E402
-import engine  # noqa: E402
-import lora  # noqa: E402
-import modeling  # noqa: E402
+from grouprl import checkpoint  # noqa: E402
+from grouprl import distributed  # noqa: E402
+from grouprl import engine  # noqa: E402
+from grouprl import lora  # noqa: E402
+from grouprl import modeling  # noqa: E402
 from gspo import gspo_loss  # noqa: E402
 
 d = distributed.setup_distributed(0)

@@ -15,9 +15,9 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import checkpoint  # noqa: E402
-import distributed  # noqa: E402
-import modeling  # noqa: E402
+from grouprl import checkpoint  # noqa: E402
+from grouprl import distributed  # noqa: E402
+from grouprl import modeling  # noqa: E402
 
 out, phase = sys.argv[1], sys.argv[2]
 d = distributed.setup_distributed(0)

@@ -14,7 +14,7 @@ import sys
 import threading
 
 sys.path[:0] = json.loads(sys.argv[2])
-import grader  # noqa: E402
+from grouprl import grader  # noqa: E402
 
 mode = sys.argv[1]
 reward = grader.load_reward("hole27:f", 30.0)

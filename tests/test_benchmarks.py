@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import common
-import modeling
+from grouprl import modeling
 from conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -108,7 +108,7 @@ def test_gpu_benchmark_minutes():
 
     import torch
 
-    import distributed
+    from grouprl import distributed
     import gpu
 
     tok = shapes.word_tokenizer(shapes.TINY["vocab_size"])
@@ -134,7 +134,7 @@ def test_gpu_benchmark_a_mode_that_exits_is_a_row(monkeypatch):
 
     import torch
 
-    import distributed
+    from grouprl import distributed
     import gpu
 
     tok = shapes.word_tokenizer(shapes.TINY["vocab_size"])
@@ -161,8 +161,8 @@ def test_gpu_paged_check_catches_a_wrong_read(monkeypatch):
     the check shows it."""
     import torch
 
-    import distributed
-    import engine
+    from grouprl import distributed
+    from grouprl import engine
     import gpu
 
     lm = shapes.random_model(shapes.TINY, shapes.word_tokenizer(shapes.TINY["vocab_size"]), torch.float32,

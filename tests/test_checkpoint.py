@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import checkpoint
-import distributed
+from grouprl import checkpoint
+from grouprl import distributed
 from conftest import ROOT
 from test_train import run_script
 
@@ -196,7 +196,7 @@ def test_a_checkpoint_in_the_flat_layout_before_model_and_state_still_resumes(tm
 
 
 def test_a_checkpoint_given_as_model_names_its_export(saved):
-    import modeling
+    from grouprl import modeling
 
     with pytest.raises(SystemExit) as e:
         modeling.check_model(saved, False)

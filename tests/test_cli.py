@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-import checkpoint
+from grouprl import checkpoint
 import common
-import data
-import modeling
+from grouprl import data
+from grouprl import modeling
 from conftest import ROOT
 
 SCRIPTS = ["gspo", "grpo", "gspo_token", "dfpo"]
@@ -210,7 +210,7 @@ def test_error_after_a_progress_bar_starts_its_own_line(capsys):
     last line: fail ends it first, so that the error line is a line of its own."""
     from tqdm import tqdm
 
-    from distributed import fail
+    from grouprl.distributed import fail
 
     steps = iter(tqdm(range(5), desc="train"))  # held: a generator dropped closes its bar
     next(steps)
@@ -249,7 +249,7 @@ def test_error_under_torchrun_is_printed_once_and_every_rank_exits(tmp_path):
 ])
 def test_tyro_errors_are_one_line(argv, line, monkeypatch, capsys):
     """tyro's own errors (6-9 lines in a box) come out as one line: what tyro said first, the flag it suggests."""
-    import cli
+    from grouprl import cli
     import gspo
 
     monkeypatch.setattr(sys, "argv", ["gspo.py", *argv])
@@ -291,7 +291,7 @@ def test_every_arg_documented(script):
     flags = re.findall(r"│ (--[a-z0-9-]+)", p.stdout)
     assert flags[:len(first)] == first, flags[:len(first)]
     names = set()
-    for path, cls in ((f"{ROOT}/{script}.py", "class Args"), (f"{ROOT}/cli.py", "class CommonArgs")):
+    for path, cls in ((f"{ROOT}/{script}.py", "class Args"), (f"{ROOT}/grouprl/cli.py", "class CommonArgs")):
         src = open(path).read()
         body = src[src.index(cls):src.index("\n\n\n", src.index(cls))].splitlines()
         # a field: `    name: type = default` at the class body's indent (a docstring line may hold ": " and "=")
@@ -353,7 +353,7 @@ def test_builtin_task_is_deterministic_and_uniform():
 def test_trl_and_verl_names_answer_with_ours(script, argv, line, monkeypatch, capsys):
     """A TRL or verl name given as a flag: one line naming ours (issue 37 item 7), not tyro's "Unrecognized
     options"; a name both share (--learning-rate, --num-iterations) is ours and parses."""
-    import cli
+    from grouprl import cli
 
     mod = importlib.import_module(script)
     with pytest.raises(SystemExit) as e:
@@ -365,7 +365,7 @@ def test_trl_and_verl_names_answer_with_ours(script, argv, line, monkeypatch, ca
 
 
 def test_trl_and_verl_hints_name_real_flags():
-    import cli
+    from grouprl import cli
 
     flags = set()
     for script in SCRIPTS:
@@ -387,7 +387,7 @@ def test_trl_and_verl_hints_name_real_flags():
 def test_hub_model_offline_fails_in_one_line_within_seconds(env, line, monkeypatch):
     """A hub id that can be neither downloaded nor read from the cache: one line naming the fix, at once (one
     connection to the endpoint, here a closed port on this machine), where transformers retries for ~30 s."""
-    import modeling
+    from grouprl import modeling
 
     for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         monkeypatch.delenv(k, raising=False)
@@ -459,7 +459,7 @@ def test_track_offline_with_real_wandb(monkeypatch, tmp_path):
 def test_defaults_that_depend_on_the_model_and_the_task():
     """fill_defaults: the tiny models' learning rate 5e-4 (1e-6 for a real model); the built-in task 2 new tokens and
     a truncated-reward scale of 0.5 (1024 and 1.0, unchanged rewards, on other data); a value given is kept."""
-    from cli import fill_defaults
+    from grouprl.cli import fill_defaults
     from gspo import Args
 
     a = fill_defaults(Args())

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import common
-import data
-import distributed
-import grader
-import modeling
-import rewards
+from grouprl import data
+from grouprl import distributed
+from grouprl import grader
+from grouprl import modeling
+from grouprl import rewards
 from conftest import ROOT
 
 ROWS = [{"prompt": f"{i}%10=", "answer": str(i % 10)} for i in range(20)]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-import checkpoint
+from grouprl import checkpoint
 from test_resume import fake_checkpoint
 
 
@@ -60,7 +60,7 @@ def test_an_exp_name_ending_in_a_seed_like_number_is_refused(name, monkeypatch, 
 
 @pytest.mark.parametrize("name", ["x_1", "x__v1", "x__1a", "x__", "gspo"])
 def test_other_exp_names_are_fine(name):
-    import cli
+    from grouprl import cli
 
     cli.check_run_name("runs", name)  # no error
 
@@ -85,7 +85,7 @@ def test_a_folder_of_mixed_formats_is_refused_in_one_line(tmp_path, monkeypatch)
     write_rows(mix / "b.csv", 20, "csv")
     fails_before_any_model("gspo", ["--dataset", f"{mix}/"], "files of several formats (csv: b.csv; json: a.jsonl)",
                            monkeypatch, tmp_path)
-    import data
+    from grouprl import data
 
     with pytest.raises(SystemExit) as e:  # the same line from read_files (load_task's callers that skip the checks)
         data.read_files("--dataset", str(mix))
@@ -94,8 +94,8 @@ def test_a_folder_of_mixed_formats_is_refused_in_one_line(tmp_path, monkeypatch)
 
 def test_a_folder_of_one_format_reads_every_file(tmp_path):
     """.json and .jsonl are one format (`datasets`' json builder): every row of both is read."""
-    import data
-    import modeling
+    from grouprl import data
+    from grouprl import modeling
 
     one = tmp_path / "onedir"
     one.mkdir()
@@ -109,8 +109,8 @@ def test_a_folder_of_one_format_reads_every_file(tmp_path):
 def test_a_folders_test_file_is_its_held_out_split(tmp_path):
     """train.jsonl and test.jsonl: `datasets` reads them as two splits, of which test's rows were dropped (silently,
     a tenth of train held out instead); now test.jsonl is held out, as a hub set's test split is."""
-    import data
-    import modeling
+    from grouprl import data
+    from grouprl import modeling
 
     tt = tmp_path / "ttdir"
     tt.mkdir()

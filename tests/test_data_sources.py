@@ -8,11 +8,11 @@ import json
 import pandas as pd
 import pytest
 
-import cli
+from grouprl import cli
 import common
-import data
-import modeling
-import rewards
+from grouprl import data
+from grouprl import modeling
+from grouprl import rewards
 from test_cli import fails_before_any_model
 
 TOK = modeling.tiny_tokenizer()
@@ -169,7 +169,7 @@ def test_thinking_defaults_to_the_templates_own():
 def test_docs_think_format_scores_on_the_builtin_task(tmp_path, monkeypatch):
     """docs/rewards.md's think_format reward, as written there, through --reward's loader and the scoring of a step,
     on built-in rows: a completion that thinks and boxes its answer scores 1, a bare answer 0."""
-    import grader
+    from grouprl import grader
 
     page = open(f"{common.__file__.rsplit('/', 1)[0]}/docs/rewards.md").read()
     block = page.split("def think_format", 1)[1].split("```", 1)[0]

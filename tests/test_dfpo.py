@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import common
-import data
-import distributed
-import modeling
+from grouprl import data
+from grouprl import distributed
+from grouprl import modeling
 from dfpo import dfpo_loss, group_weights, in_group_transform, sequence_weights
 from gspo import gspo_loss
 from test_losses import mean, ragged_batch

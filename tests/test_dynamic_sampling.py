@@ -18,7 +18,7 @@ from datasets import Dataset
 
 import common
 from conftest import ROOT
-from distributed import Dist
+from grouprl.distributed import Dist
 from test_cli import fails_before_any_model
 from test_train import run_script
 
@@ -197,7 +197,7 @@ def test_bad_values_fail_in_one_line_before_the_model(argv, needle, monkeypatch,
 
 
 def test_verl_names_answer_with_ours():
-    import cli
+    from grouprl import cli
 
     ours = {"dynamic_sampling", "max_gen_rounds"}
     assert cli.foreign_flag(["algorithm.filter_groups.enable=True"], ours) == (
@@ -275,7 +275,7 @@ def test_resume_is_exact_with_dynamic_sampling(monkeypatch, tmp_path):
     """A run of 3 steps that added rounds and hit the bound, resumed from its step_2 checkpoint: step 3 again gives
     the same weights, bitwise, and the same logged numbers (the rounds and counts too): the extra prompts come from
     (seed, step, round) and the sampling from the RNG state the checkpoint holds."""
-    import checkpoint
+    from grouprl import checkpoint
 
     argv = ["--num-steps", "3", "--prompts-per-rank", "4", "--group-size", "4", "--eval-every", "0",
             "--save-every", "1", "--log-samples", "0", "--learning-rate", "2e-3", "--dynamic-sampling",

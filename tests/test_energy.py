@@ -7,8 +7,8 @@ import math
 
 import torch
 
-import energy
-import modeling
+from grouprl import energy
+from grouprl import modeling
 from gspo import gspo_loss
 
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import common
-import engine
-import modeling
-from data import chat_prompts
-from distributed import Dist, seed_everything
+from grouprl import engine
+from grouprl import modeling
+from grouprl.data import chat_prompts
+from grouprl.distributed import Dist, seed_everything
 
 CPU = torch.device("cpu")
 PROMPTS = ["1%10=", "a longer prompt, 23%10=", "7%10=", "xy", "a much longer prompt than the others, 5%10="]
@@ -258,7 +258,7 @@ def test_top_k_top_p_equal_transformers_warpers():
     """The engine's sampler (engine.sample is sampling.sample) keeps what transformers' warpers keep."""
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-    import sampling
+    from grouprl import sampling
 
     assert engine.sample is sampling.sample
     g = torch.Generator().manual_seed(0)

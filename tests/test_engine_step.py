@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-import engine
+from grouprl import engine
 from conftest import ROOT
 from test_engine import CPU, run, setup  # noqa: F401 (the fixture)
 

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-import grader
-from rewards import score
+from grouprl import grader
+from grouprl.rewards import score
 
 # ---- the failures measured in the issue ("a grader that reads answers where models write them")
 ISSUE = [
@@ -589,7 +589,7 @@ def test_post_answer_tokens_start_right_after_the_answer():
     one closing \\boxed{} is not, nor the $ closing the math span that holds the box."""
     import torch
 
-    import modeling
+    from grouprl import modeling
     from gspo_token import post_answer_tokens
 
     tok = modeling.tiny_tokenizer()  # one token a character

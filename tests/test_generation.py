@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import common
-import data
-import distributed
-import modeling
+from grouprl import data
+from grouprl import distributed
+from grouprl import modeling
 
 
 @pytest.fixture(scope="module")

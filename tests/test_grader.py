@@ -7,10 +7,10 @@ import time
 import pytest
 
 import common
-import grader
-import rewards
+from grouprl import grader
+from grouprl import rewards
 from common import math_reward
-from rewards import score
+from grouprl.rewards import score
 
 
 @pytest.fixture(autouse=True, scope="module")

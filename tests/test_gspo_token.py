@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-import modeling
+from grouprl import modeling
 from gspo import gspo_loss
 from gspo_token import gspo_token_loss, post_answer_tokens
 from test_losses import mean, ragged_batch

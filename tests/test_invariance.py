@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import common
-import distributed
-import modeling
+from grouprl import distributed
+from grouprl import modeling
 from dfpo import dfpo_loss, group_weights, sequence_weights
 from grpo import grpo_loss
 from gspo import gspo_loss

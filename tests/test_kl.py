@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-import modeling
+from grouprl import modeling
 from dfpo import dfpo_loss
 from grpo import grpo_loss
 from gspo import gspo_loss
@@ -79,7 +79,7 @@ def test_reference_policy_is_shared_and_off_at_zero(monkeypatch):
     """kl_coef 0: no second model is loaded at all; > 0: the initial --model (not a checkpoint), frozen, in eval mode."""
     import types
 
-    import distributed
+    from grouprl import distributed
 
     d = distributed.Dist(0, 1, torch.device("cpu"))
     args = types.SimpleNamespace(kl_coef=0.0, model="tiny", seed=3, trust_remote_code=False, dtype="fp32",

@@ -1,7 +1,9 @@
-"""The layout: the files the README says to copy run one algorithm on their own, and the modules import each other
-in one direction (no module imports a script, no circle)."""
+"""The layout: the scripts and common.py at the root, every subsystem in the grouprl package; the files and the
+folder the README says to copy run one algorithm on their own, and the modules import each other in one direction
+(no module imports a script, the package never imports common.py, no circle)."""
 import ast
 import glob
+import json
 import os
 import re
 import shutil
@@ -11,36 +13,62 @@ import sys
 from conftest import ROOT
 
 SCRIPTS = ["grpo", "gspo", "gspo_token", "dfpo"]
+PACKAGE = "grouprl"
 
 
 def readme_copy_list() -> list[str]:
-    """The files of the README's `cp ... /path/to/project/` line."""
+    """The files and folders of the README's `cp -r ... /path/to/project/` line."""
     readme = open(os.path.join(ROOT, "README.md")).read()
-    (line,) = re.findall(r"^cp (.+) /path/to/project/$", readme, re.M)
+    (line,) = re.findall(r"^cp -r (.+) /path/to/project/$", readme, re.M)
     return line.split()
 
 
+def project_modules() -> dict[str, str]:
+    """module name as imported ('gspo', 'common', 'grouprl.cli') -> its file."""
+    files = glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, PACKAGE, "*.py"))
+    mods = {}
+    for f in files:
+        rel = os.path.relpath(f, ROOT)[: -len(".py")].replace(os.sep, ".")
+        mods[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = f
+    return mods
+
+
 def project_imports() -> dict[str, set[str]]:
-    """module -> the project's modules it imports (at the top or inside a function)."""
-    mods = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "*.py"))}
+    """module -> the project's modules it imports (at the top or inside a function): `from grouprl import x`
+    and `from . import x` name grouprl.x, `from .x import f` names grouprl.x."""
+    mods = project_modules()
     graph = {}
-    for m in mods:
-        tree = ast.parse(open(os.path.join(ROOT, f"{m}.py")).read())
+    for m, f in mods.items():
+        package = m.rpartition(".")[0] if "." in m else (m if m == PACKAGE else "")
         names = set()
-        for node in ast.walk(tree):
+        for node in ast.walk(ast.parse(open(f).read())):
             if isinstance(node, ast.Import):
-                names |= {a.name.split(".")[0] for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names.add(node.module.split(".")[0])
-        graph[m] = names & mods
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = package if node.level else (node.module or "")
+                if node.level and node.module:
+                    base = f"{package}.{node.module}"
+                names.add(base)
+                names |= {f"{base}.{a.name}" for a in node.names}
+        graph[m] = (names & set(mods)) - {m}
     return graph
+
+
+def test_the_root_holds_the_scripts_and_common_only():
+    assert sorted(glob.glob("*.py", root_dir=ROOT)) == sorted([f"{s}.py" for s in SCRIPTS] + ["common.py"])
+    assert os.path.isfile(os.path.join(ROOT, PACKAGE, "__init__.py"))
 
 
 def test_modules_import_in_one_direction():
     graph = project_imports()
+    assert graph["gspo"] >= {"common", f"{PACKAGE}.cli", f"{PACKAGE}.checkpoint"}, graph["gspo"]  # the reader sees it
+    assert graph[f"{PACKAGE}.grader"] >= {f"{PACKAGE}.reward_worker", f"{PACKAGE}.distributed"}, graph["grouprl.grader"]
     for m, deps in graph.items():
         if m not in SCRIPTS:
-            assert not deps & set(SCRIPTS), f"{m}.py imports a script: {deps & set(SCRIPTS)}"
+            assert not deps & set(SCRIPTS), f"{m} imports a script: {deps & set(SCRIPTS)}"
+        if m.startswith(PACKAGE):
+            assert "common" not in deps, f"{m} imports common.py: the package sits below the scripts' map"
+    assert graph[f"{PACKAGE}.reward_worker"] == set(), "the worker is started by file path: it imports nothing of ours"
     done, path = set(), []
 
     def visit(m):  # depth-first: a module met again on the current path is a circle
@@ -61,30 +89,38 @@ def test_copy_list_covers_every_script_import():
     """What each script imports from the project, directly or through a module, is in the README's copy list, so
     copying those files with any one of the scripts in place of gspo.py works."""
     graph = project_imports()
-    copied = {f[:-3] for f in readme_copy_list() if f.endswith(".py")}
+    copied = readme_copy_list()
+    assert copied == ["gspo.py", "common.py", PACKAGE, "requirements.txt"], copied
     for script in SCRIPTS:
         need, todo = set(), [script]
         while todo:
             for d in graph[todo.pop()] - need:
                 need.add(d)
                 todo.append(d)
-        assert need <= copied - {"gspo"}, (script, need - copied)
+        assert all(d == "common" or d.split(".")[0] == PACKAGE for d in need), (script, need)
 
 
-def test_the_copied_files_run_one_step_alone(tmp_path):
+def test_the_copied_files_run_two_steps_alone(tmp_path):
+    """The README's copy line into an empty folder, then two steps there with nothing of the repository on the path
+    (and a reward worker started from the copied package: --reward runs through it)."""
     files = readme_copy_list()
-    assert "gspo.py" in files and "requirements.txt" in files
     dest = tmp_path / "project"
     dest.mkdir()
     for f in files:
-        shutil.copy(os.path.join(ROOT, f), dest / f)
+        src = os.path.join(ROOT, f)
+        if os.path.isdir(src):
+            shutil.copytree(src, dest / f, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(src, dest / f)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing from the repository on the path
     env["PYTHONDONTWRITEBYTECODE"] = "1"
-    out = subprocess.run([sys.executable, "gspo.py", "--num-steps", "1", "--prompts-per-rank", "4", "--eval-every",
-                          "0", "--output-dir", "runs"], cwd=dest, env=env, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "gspo.py", "--num-steps", "2", "--prompts-per-rank", "4", "--eval-every",
+                          "0", "--reward", "common:math_reward", "--output-dir", "runs"], cwd=dest, env=env,
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert glob.glob(str(dest / "runs" / "gspo__1__*" / "step_1" / "model" / "model.safetensors"))
+    (run,) = glob.glob(str(dest / "runs" / "gspo__1__*"))
+    assert [json.loads(line)["step"] for line in open(os.path.join(run, "metrics.jsonl"))] == [1, 2]
+    assert os.path.isfile(os.path.join(run, "step_2", "model", "model.safetensors"))
     assert sorted(os.listdir(dest)) == sorted(files + ["runs"])  # nothing else was needed, nothing else written
 
 
@@ -107,7 +143,7 @@ def test_every_relative_link_and_named_file_exists():
     every file the README's copy line names exists, and every `tests/...`, `benchmarks/...`, `experiments/...`,
     `docs/...` or `tools/...` file a page names in code quotes exists: a page moved or renamed breaks this test, not
     a reader's click."""
-    assert all(os.path.isfile(os.path.join(ROOT, f)) for f in readme_copy_list()), readme_copy_list()
+    assert all(os.path.exists(os.path.join(ROOT, f)) for f in readme_copy_list()), readme_copy_list()
     broken = []
     for page in markdown_pages():
         text = open(os.path.join(ROOT, page)).read()
@@ -121,7 +157,7 @@ def test_every_relative_link_and_named_file_exists():
                 broken.append(f"{page}: {target} (no such file)")
             elif anchor and anchor not in anchors(path):
                 broken.append(f"{page}: {target} (no such heading in {path})")
-        for named in re.findall(r"`((?:tests|benchmarks|experiments|docs|tools)/[\w/.-]+\.(?:py|md|txt))`", text):
+        for named in re.findall(r"`((?:tests|benchmarks|experiments|docs|tools|grouprl)/[\w/.-]+\.(?:py|md|txt))`", text):
             if not os.path.isfile(os.path.join(ROOT, named)):
                 broken.append(f"{page}: `{named}` (no such file)")
     assert not broken, "\n".join(broken)
@@ -137,10 +173,8 @@ def test_every_docs_page_says_what_it_covers_and_the_readme_links_it():
 
 
 def test_no_benchmark_shadows_a_module():
-    """benchmarks/gpu.py puts benchmarks/ first on sys.path: a benchmark named like a module of the project (as
+    """benchmarks/gpu.py puts benchmarks/ first on sys.path: a benchmark named like a root module or the package (as
     benchmarks/sampling.py once was) would be imported in its place by every later test of the session."""
-    import glob
-
-    modules = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "*.py"))}
-    benches = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "benchmarks", "*.py"))}
-    assert not modules & benches
+    modules = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "*.py"))} | {f"{PACKAGE}.py"}
+    benches = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "benchmarks", "*"))}
+    assert not modules & benches and PACKAGE not in benches

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import distributed
-import logprobs
-import modeling
+from grouprl import distributed
+from grouprl import logprobs
+from grouprl import modeling
 from conftest import ROOT
 
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import lora
-import modeling
+from grouprl import lora
+from grouprl import modeling
 from conftest import ROOT
-from distributed import Dist, seed_everything
+from grouprl.distributed import Dist, seed_everything
 from gspo import gspo_loss
 
 CPU = Dist(0, 1, torch.device("cpu"))
@@ -130,7 +130,7 @@ def test_engine_decodes_the_merged_weights():
     tokens equal HF generate's on the merged model (peft's merge_and_unload)."""
     import copy
 
-    from data import chat_prompts
+    from grouprl.data import chat_prompts
     from test_engine import PROMPTS, hf_greedy, run
 
     tok = modeling.tiny_tokenizer()

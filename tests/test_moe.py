@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import common
-import data
-import distributed
-import modeling
-import moe
+from grouprl import data
+from grouprl import distributed
+from grouprl import modeling
+from grouprl import moe
 from test_train import run_script, torchrun, read_rows
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import common
-import distributed
-import modeling
+from grouprl import distributed
+from grouprl import modeling
 from test_train import run_script
 
 CPU = distributed.Dist(0, 1, torch.device("cpu"))

@@ -14,13 +14,13 @@ import sys
 import pytest
 import torch
 
-import checkpoint
+from grouprl import checkpoint
 import common
-import engine
-import modeling
+from grouprl import engine
+from grouprl import modeling
 from conftest import ROOT
-from data import chat_prompts
-from distributed import Dist
+from grouprl.data import chat_prompts
+from grouprl.distributed import Dist
 
 CPU = torch.device("cpu")
 IM_START, IM_END = 1, 2  # SmolLM2's <|im_start|> and <|im_end|> (= EOS = pad)
@@ -205,7 +205,7 @@ def test_lora_adapter_folder_and_merged_export_write_the_training_models_answer(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    import lora
+    from grouprl import lora
     from test_train import run_script
 
     data = task(tmp_path)

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 import common
-import data
-import distributed
-import grader
-import checkpoint
-import modeling
-import rewards
+from grouprl import data
+from grouprl import distributed
+from grouprl import grader
+from grouprl import checkpoint
+from grouprl import modeling
+from grouprl import rewards
 from conftest import ROOT
 from test_train import run_script
 
@@ -538,7 +538,7 @@ def test_available_host_memory_is_meminfos_memavailable(monkeypatch, tmp_path):
 
 
 def test_the_engine_plans_host_memory_before_allocating(monkeypatch, tmp_path):
-    import engine
+    from grouprl import engine
 
     lm = modeling.tiny_model(modeling.tiny_tokenizer())
     kv = 2 * 2 * 8 * 2 * 100 * 32 * 4  # K and V, 2 layers, 8 slots, 2 KV heads, 100 positions, head_dim 32, fp32

@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import checkpoint
+from grouprl import checkpoint
 import common
-import distributed
-import modeling
+from grouprl import distributed
+from grouprl import modeling
 from conftest import ROOT
 from test_train import read_rows
 
@@ -410,7 +410,7 @@ def test_resume_on_another_world_size_under_torchrun(tmp_path):
     assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
     assert [n for n, _ in lm.named_buffers()] and all(b.isfinite().all() for b in lm.buffers())
     # the state folder as a LoRA base: one line (its export is the base to give), not a from_pretrained traceback
-    import lora
+    from grouprl import lora
 
     with pytest.raises(SystemExit, match=r"cannot be a LoRA base; give its export, step_N/model$"):
         modeling.load_model(str(state), modeling.tiny_tokenizer(), distributed.Dist(0, 1, torch.device("cpu")), seed=0,

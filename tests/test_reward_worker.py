@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-import reward_worker
+from grouprl import reward_worker
 from conftest import ROOT
 
 
@@ -73,7 +73,7 @@ def test_two_stage_parsing_still_reaches_the_private_names_it_wraps():
 def test_the_worker_imports_the_standard_library_only():
     """Nothing of the project and nothing heavy (torch, transformers) at start-up: math-verify, or the user's module,
     is imported when the worker sets its reward up."""
-    tree = ast.parse(open(os.path.join(ROOT, "reward_worker.py")).read())
+    tree = ast.parse(open(os.path.join(ROOT, "grouprl", "reward_worker.py")).read())
     top = set()
     for node in tree.body:
         if isinstance(node, ast.Import):

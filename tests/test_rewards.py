@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from common import group_advantages, math_reward
-from grader import extract_answer, parse_number
-from rewards import score
+from grouprl.grader import extract_answer, parse_number
+from grouprl.rewards import score
 from test_train import run_script
 
 
@@ -240,7 +240,7 @@ def trl_rewards(tmp_path, monkeypatch):
 
 
 def test_reward_form_is_read_from_the_signature():
-    from grader import reward_form
+    from grouprl.grader import reward_form
 
     def pair(completion, answer):
         return 0.0
@@ -261,8 +261,8 @@ def test_reward_form_is_read_from_the_signature():
 def test_trl_reward_gets_prompts_completions_and_every_column(trl_rewards, tmp_path):
     import json
 
-    import grader
-    from rewards import score
+    from grouprl import grader
+    from grouprl.rewards import score
 
     reward = grader.load_reward([f"{trl_rewards}:seen"], 5.0)
     rows = {"prompt": ["p0", "p1"], "answer": ["4", "5"], "text": ["<t>p0", "<t>p1"], "solution": ["a", "b"]}
@@ -280,8 +280,8 @@ def test_trl_reward_gets_prompts_completions_and_every_column(trl_rewards, tmp_p
 
 
 def test_trl_reward_gets_conversational_prompts_and_completions_as_messages(trl_rewards):
-    import grader
-    from rewards import score
+    from grouprl import grader
+    from grouprl.rewards import score
 
     reward = grader.load_reward([f"{trl_rewards}:conv", f"{trl_rewards}:only_completions"], 5.0)
     chat = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "q1"}],
@@ -298,8 +298,8 @@ def test_a_weighted_sum_past_float32_scores_0_and_is_counted(trl_rewards, capsys
     """1e38 x a weight of 10, 1e308 and 1e39 are finite floats whose sum is not a float32: each scores 0 and is counted
     as a failure of the reward (before: inf, and the run stopped on non-finite updates); 1e38 alone, weighted by 1,
     is a float32 and is kept."""
-    import grader
-    from rewards import score
+    from grouprl import grader
+    from grouprl.rewards import score
 
     reward = grader.load_reward([f"{trl_rewards}:huge", f"{trl_rewards}:length"], 5.0, [10.0, 1.0])
     r, errors = score(["big", "bigger", "ok", "past"], ["1", "2"], 2, reward, watch=False)
@@ -314,8 +314,8 @@ def test_a_weighted_sum_past_float32_scores_0_and_is_counted(trl_rewards, capsys
 
 def test_several_rewards_are_a_weighted_sum_that_skips_none(trl_rewards):
     """r = sum_k w_k r_k over the rewards that apply (TRL's nansum), each logged under its own name."""
-    import grader
-    from rewards import score
+    from grouprl import grader
+    from grouprl.rewards import score
 
     reward = grader.load_reward([f"{trl_rewards}:length", f"{trl_rewards}:only_completions"], 5.0, [1.0, 0.1])
     r, errors = score(["ab", "skip", "abc", "skip"], ["1", "2"], 2, reward)
@@ -330,8 +330,8 @@ def test_several_rewards_are_a_weighted_sum_that_skips_none(trl_rewards):
 
 
 def test_a_trl_reward_of_the_wrong_length_is_an_error(trl_rewards, capsys):
-    import grader
-    from rewards import score
+    from grouprl import grader
+    from grouprl.rewards import score
 
     reward = grader.load_reward([f"{trl_rewards}:wrong_length"], 5.0)
     r, errors = score(["a", "b"], {"prompt": ["p"], "answer": ["1"], "text": ["p"]}, 2, reward, watch=False)
@@ -341,8 +341,8 @@ def test_a_trl_reward_of_the_wrong_length_is_an_error(trl_rewards, capsys):
 
 
 def test_a_column_a_trl_reward_needs_is_named_with_those_there_are(trl_rewards):
-    import grader
-    from rewards import score
+    from grouprl import grader
+    from grouprl.rewards import score
 
     reward = grader.load_reward([f"{trl_rewards}:seen"], 5.0)
     with pytest.raises(SystemExit) as e:
@@ -352,8 +352,8 @@ def test_a_column_a_trl_reward_needs_is_named_with_those_there_are(trl_rewards):
 
 
 def test_a_reward_failing_on_every_completion_of_the_first_step_stops_the_run(trl_rewards):
-    import grader
-    from rewards import score
+    from grouprl import grader
+    from grouprl.rewards import score
 
     reward = grader.load_reward([f"{trl_rewards}:length", f"{trl_rewards}:boom"], 5.0, fail_steps=3)
     with pytest.raises(SystemExit) as e:
@@ -364,8 +364,8 @@ def test_a_reward_failing_on_every_completion_of_the_first_step_stops_the_run(tr
 
 
 def test_a_reward_failing_on_more_than_half_for_n_steps_in_a_row_stops_the_run(trl_rewards):
-    import grader
-    from rewards import score
+    from grouprl import grader
+    from grouprl.rewards import score
 
     reward = grader.load_reward([f"{trl_rewards}:half_boom"], 5.0, fail_steps=2)
     score(["a", "b", "c", "d"], ["1"], 4, reward)  # the first step: none fails
@@ -389,7 +389,7 @@ def test_builtin_rewards():
     0 up to L_max - L_cache, linear to -1 at L_max, -1 past it."""
     import common
     from common import length_penalty, think_format
-    from grader import load_reward
+    from grouprl.grader import load_reward
 
     assert think_format("<think>\n2+2 is 4\n</think>\nThe answer is 4.", "4") == 1.0
     assert think_format("2+2 is 4\n</think> 4", "4") == 1.0  # the template opened <think> in the prompt
@@ -423,8 +423,8 @@ def test_bad_rewards_fail_before_any_model(argv, needle, trl_rewards, monkeypatc
 def test_a_user_reward_calling_math_reward_grades_at_once_in_its_worker(tmp_path, monkeypatch):
     """common.math_reward inside a --reward worker grades there (math-verify made before the worker is ready), not in
     workers of its own that would start within the reward's 1-s bound and time out (issue 26)."""
-    import grader
-    from rewards import score
+    from grouprl import grader
+    from grouprl.rewards import score
 
     (tmp_path / "wraps_math26.py").write_text(
         "from common import math_reward\n\n\ndef r(completion, answer):\n    return math_reward(completion, answer)\n")
@@ -460,8 +460,8 @@ def test_trl_own_rewards_through_the_pool(monkeypatch):
     """trl.rewards' think_format_reward and accuracy_reward (its `solution` column) score conversational rows as in
     TRL: 1 for the right format / the right boxed answer."""
     pytest.importorskip("trl")
-    import grader
-    from rewards import score
+    from grouprl import grader
+    from grouprl.rewards import score
 
     monkeypatch.setattr(grader, "GRADING_WORKERS", 1)
     reward = grader.load_reward(["trl.rewards:think_format_reward", "trl.rewards:accuracy_reward"], 60.0)
@@ -536,10 +536,10 @@ def test_verl_compute_score_on_verl_parquet(verl_rewards, tmp_path):
 
     import pandas as pd
 
-    import data
-    import grader
-    import modeling
-    from rewards import score
+    from grouprl import data
+    from grouprl import grader
+    from grouprl import modeling
+    from grouprl.rewards import score
 
     assert grader.reward_form(lambda data_source, solution_str, ground_truth, extra_info=None: 0)[0] == "verl"
     rows = [{"data_source": "digits", "prompt": [{"role": "user", "content": f"{i}%10="}], "ability": "math",
@@ -564,8 +564,8 @@ def test_verl_compute_score_on_verl_parquet(verl_rewards, tmp_path):
 
 
 def test_verl_dict_without_score_is_an_error(verl_rewards, capsys):
-    import grader
-    from rewards import score
+    from grouprl import grader
+    from grouprl.rewards import score
 
     reward = grader.load_reward([f"{verl_rewards}:no_score"], 5.0)
     r, errors = score(["a", "b"], {"prompt": ["p"], "answer": ["1"], "text": ["p"]}, 2, reward, watch=False)
@@ -577,8 +577,8 @@ def test_verl_dict_without_score_is_an_error(verl_rewards, capsys):
 def test_trl_rewards_function_on_plain_prompts_says_it_needs_conversational_data(verl_rewards):
     """A trl.rewards-style function reads completion[0]['content']: on plain-text prompts the completions are
     strings and it raises TypeError; the run stops saying it needs conversational data (issue 37 item 7)."""
-    import grader
-    from rewards import score
+    from grouprl import grader
+    from grouprl.rewards import score
 
     reward = grader.load_reward([f"{verl_rewards}:accuracy_reward"], 5.0, fail_steps=3)
     with pytest.raises(SystemExit) as e:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers.generation import logits_process as lp
 
-import sampling
+from grouprl import sampling
 
 
 def hf_kept(x, temperature, top_k, top_p, min_p=0.0):

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import common
-import data
-import distributed
-import modeling
+from grouprl import data
+from grouprl import distributed
+from grouprl import modeling
 from conftest import ROOT
 from test_losses import mean
 
@@ -78,7 +78,7 @@ def test_energy_logged_in_a_run(script, monkeypatch, tmp_path):
 def test_energy_on_the_last_minibatch(monkeypatch, tmp_path):
     """--energy-minibatch last: Energy measured on the step's last minibatch (its rows the second half of the step's,
     2 minibatches), where the default measures on the first."""
-    import energy
+    from grouprl import energy
 
     (tmp_path / "split_reward35.py").write_text(SPLIT_REWARD)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -46,7 +46,7 @@ PHASES = ["write_model", "write_training_state", "_manifest_files", "_write_mani
 
 def child(argv: list[str]):
     """The script run with a SIGKILL at HOSTILE_KILL=function:step (the save of that step)."""
-    import checkpoint
+    from grouprl import checkpoint
 
     name, _, step = os.environ.get("HOSTILE_KILL", "").partition(":")
     if name:
@@ -345,8 +345,8 @@ def run_cases(cases: Cases, tmp: str, reward: list[str], quick: bool):
 
 def reward_cases(cases: Cases, tmp: str, quick: bool):
     """Every bad reward form, through the trainer's own path (grader.load_reward, rewards.score)."""
-    import grader
-    import rewards
+    from grouprl import grader
+    from grouprl import rewards
 
     with open(os.path.join(tmp, "bad_rewards.py"), "w") as f:
         f.write(BAD_REWARDS)

@@ -116,7 +116,8 @@ def compare(a_path: str, b_path: str) -> int:
             print(f"{name}: only in {a_path if name in a else b_path}")
             bad += 1
             continue
-        same_metrics = a[name]["metrics"] == b[name]["metrics"]
+        same_metrics = ([list(row.items()) for row in a[name]["metrics"]]  # keys in the same order too
+                        == [list(row.items()) for row in b[name]["metrics"]])
         diff_files = sorted(f for f in set(a[name]["files"]) | set(b[name]["files"])
                             if a[name]["files"].get(f) != b[name]["files"].get(f))
         print(f"{name}: metrics.jsonl {'equal' if same_metrics else 'DIFFER'} "

@@ -14,8 +14,8 @@ import threading
 import time
 from fractions import Fraction
 
-from distributed import fail
-from reward_worker import make_math_verify, probe, reward_form  # noqa: F401 - reward_form: API
+from .distributed import fail
+from .reward_worker import make_math_verify, probe, reward_form  # noqa: F401 - reward_form: API
 
 
 # -------------------- the math grader: answers read where models write them
@@ -645,7 +645,7 @@ class _Watched:
         """rewards/<name>/mean and rewards/<name>/std of each reward (TRL's names) over the last
         training step's completions on all ranks, those it applied to (not None); population std,
         as charts/reward_std."""
-        from distributed import all_gather_cat
+        from .distributed import all_gather_cat
 
         out = {}
         for name, v in self.values.items():

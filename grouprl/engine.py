@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from distributed import check_host_memory
-from sampling import sample  # HF's penalty, temperature, top-k, top-p, min-p: on the device
+from .distributed import check_host_memory
+from .sampling import sample  # HF's penalty, temperature, top-k, top-p, min-p: on the device
 
 ARCHITECTURES = ("qwen3", "qwen2", "llama")  # config.model_type values the forward below covers
 SYNC_EVERY = 8  # decoding steps between two looks from the host at which rows have finished

@@ -14,8 +14,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from distributed import all_reduce, fail
-from grader import MAX_ANSWER_CHARS, Reward, Rewards, canonical, decide, extract_answer
+from .distributed import all_reduce, fail
+from .grader import MAX_ANSWER_CHARS, Reward, Rewards, canonical, decide, extract_answer
 
 _MATH_GRADER = []  # the default Reward, made on first use
 

@@ -131,7 +131,7 @@ def load(spec: str):
         import importlib
         module, name = spec.split(":")
         fn = getattr(importlib.import_module(module), name)
-        grader = sys.modules.get("grader")
+        grader = sys.modules.get("grouprl.grader")
         if grader is not None:  # the reward may call common.math_reward: math-verify ready now
             try:
                 grader.in_process_math()

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from distributed import (ON_FAIL, Dist, Refused, all_reduce, barrier, fail, main_process,
-                         on_rank0, seed_rank)
-from lora import is_lora, save_lora
+from .distributed import (ON_FAIL, Dist, Refused, all_reduce, barrier, fail, main_process,
+                          on_rank0, seed_rank)
+from .lora import is_lora, save_lora
 
 
 # -------------------- checkpoints and exact resume

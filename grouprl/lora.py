@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from distributed import fail, host_memory_short
+from .distributed import fail, host_memory_short
 
 ADAPTER_DIR = "adapter"  # a LoRA checkpoint's adapter folder: step_N/adapter
 ALL_LINEAR = "all-linear"  # --lora-target-modules' default: every linear layer of the decoder

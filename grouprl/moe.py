@@ -24,7 +24,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from distributed import all_reduce
+from .distributed import all_reduce
 
 
 def is_moe(config) -> bool:

@@ -12,7 +12,7 @@ import random
 import re
 from collections.abc import Mapping
 
-from distributed import fail, main_process
+from .distributed import fail, main_process
 
 
 # -------------------- tasks: prompts and reference answers

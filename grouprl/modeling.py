@@ -13,12 +13,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-import moe
-from checkpoint import is_checkpoint, load_masters, masters_files, model_folder_problem, state_dir
-from distributed import Dist, fail, main_process, seed_everything
-from logprobs import chunked_logprobs
-from lora import (LoraSpec, adapter_folder, adapters_disabled, apply_lora, base_of, describe,
-                  resolve_targets)
+from . import moe
+from .checkpoint import is_checkpoint, load_masters, masters_files, model_folder_problem, state_dir
+from .distributed import Dist, fail, main_process, seed_everything
+from .logprobs import chunked_logprobs
+from .lora import (LoraSpec, adapter_folder, adapters_disabled, apply_lora, base_of, describe,
+                   resolve_targets)
 
 TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # pad, turn start, turn end (= EOS)
 TINY_CHAT_TEMPLATE = (
@@ -118,7 +118,7 @@ def check_model_flags(name: str, config, gen_mode: str, old_logp: str,
     (generate's roll["logp"]): one line where the generation mode returns none (HF generate, and the
     engine's HF fallback for an architecture it does not cover). --routing-replay: one line on a
     dense model."""
-    import engine
+    from . import engine
 
     needs = "--old-logp rollout" if old_logp == "rollout" else (
         "--rollout-is-cap" if rollout_is_cap is not None else None)
@@ -139,7 +139,7 @@ def check_hub_model(name: str):
     transformers would retry for ~30 s and print a dozen lines."""
     from huggingface_hub import try_to_load_from_cache
 
-    from data import hub_offline, unreachable_hub
+    from .data import hub_offline, unreachable_hub
 
     cached = isinstance(try_to_load_from_cache(name, "config.json"), str)
     if hub_offline() and not cached:
@@ -182,7 +182,7 @@ _ENGINE_FALLBACK = []  # the one line saying why HF generate runs in the engine'
 def engine_covers(config, main: bool) -> bool:
     """--gen-mode engine: True when engine.py covers this architecture; else one line (once, from
     the main process) that HF generate (shared-prefill) runs instead."""
-    import engine
+    from . import engine
 
     why = engine.unsupported(config)
     if why and not _ENGINE_FALLBACK:
@@ -195,7 +195,7 @@ def engine_covers(config, main: bool) -> bool:
 
 def check_tensor_parallel(config, world: int):
     """--gen-mode engine-tp over `world` processes: one line when the heads do not split."""
-    import engine
+    from . import engine
 
     if why := engine.tensor_parallel_fits(config, world):
         fail(f"--gen-mode engine-tp: {why}; use --gen-mode engine, or a number of processes that "

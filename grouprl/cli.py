@@ -17,10 +17,10 @@ from typing import Annotated, ClassVar, Literal
 import torch
 import tyro
 
-from checkpoint import STEP_DIR, catch_startup_signals
-from data import check_dataset
-from distributed import fail, launched, main_process
-from lora import ALL_LINEAR, DEFAULT_ALPHA
+from .checkpoint import STEP_DIR, catch_startup_signals
+from .data import check_dataset
+from .distributed import fail, launched, main_process
+from .lora import ALL_LINEAR, DEFAULT_ALPHA
 
 
 GenMode = Literal["repeat", "shared-prefill", "static", "engine", "engine-tp"]  # common.GEN_MODES

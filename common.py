@@ -22,16 +22,17 @@ import os
 import re
 import sys
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from grouprl import moe
+from grouprl import energy, engine, moe
 from grouprl.checkpoint import writing
 from grouprl.distributed import Dist, Refused, all_gather_cat, all_reduce, fail, on_rank0
 from grouprl.grader import Reward
-from grouprl.modeling import Policy, check_tensor_parallel, engine_covers
+from grouprl.modeling import Policy
 from grouprl.rewards import score
 
 
@@ -40,61 +41,43 @@ GEN_MODES = ("repeat", "shared-prefill", "static", "engine", "engine-tp")
 
 
 @torch.no_grad()
-def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d: Dist, *,
+def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], dist_env: Dist, *,
              max_new_tokens: int, temperature: float, top_p: float, top_k: int, gen_batch_size: int,
              min_p: float = 0.0, repetition_penalty: float = 1.0,
              unshard: bool = False, mode: str = "shared-prefill", cuda_graphs: bool = True,
              flex: bool | None = None, compile_step: bool | None = None,
              engine_dtype: str = "auto") -> dict:
-    """n completions per prompt (rows of one prompt are adjacent: a group). Returns input_ids [B,
-    P+T], attention_mask, n_prompt P, completion mask [B, T] (up to and including the first EOS),
-    truncated [B], texts, and with mode "engine" logp [B, T], each token's log-prob as sampled.
-    Every mode samples as HF's generate does: repetition_penalty (on the prompt's and the
-    completion's ids), temperature, top_k, top_p, min_p (0: off).
-    mode "repeat": each prompt repeated n times, so `generate` prefills it n times, gen_batch_size
-    rows a call.
-    mode "shared-prefill": each prompt prefilled once and its KV cache repeated to its n rows
-    (Policy.generate), whole groups a call, max(1, gen_batch_size // n) prompts. mode "static": as
-    repeat, with a KV cache allocated once for the whole call and written in place (no copy of the
-    cache per token); on a GPU, with the model unsharded (plain `python`), transformers compiles the
-    decoding step (torch.compile; recompiled only when the cache or batch grows); under FSDP2 it
-    stays eager. mode "engine": engine.py, gen_batch_size rows decoding at once (continuous
-    batching), whole groups admitted. mode "engine-tp": the engine's layers split over the ranks
-    (tensor parallel), every rank decoding every rank's prompts (world x gen_batch_size rows) and
-    keeping its own. Same tokens under greedy decoding (top_k=1). cuda_graphs: the engine's decoding
-    step replayed as CUDA graphs on a GPU (one rank; engine.Engine.step), else eager. flex: the
-    engine's decoding attention (engine.generate's; None: FlexAttention on a GPU, SDPA on the CPU;
-    benchmarks/gpu.py compares the two). compile_step: the engine's decoding step compiled
-    (engine.generate's compile; None: with the CUDA graphs, on a GPU). engine_dtype (--gen-dtype):
-    the engine's weights and KV cache in bf16 or fp32 whatever the trainer computes in (auto: the
-    trainer's compute dtype), the inference/training numerics mismatch of GSPO's infrastructure
-    claim made on purpose."""
+    """n completions per prompt, rows of one prompt adjacent (a group); B = len(prompts) x n.
+    Returns a dict: input_ids and attention_mask [B, P + T] (prompts left-padded), n_prompt P,
+    mask [B, T] (completion tokens up to and including the first EOS), truncated [B] (no EOS),
+    texts [B], and with the engine logp [B, T], each token's log-prob as sampled. Every mode
+    samples as HF's generate does (repetition_penalty, temperature, top_k, top_p, min_p); mode:
+    repeat, shared-prefill (each prompt prefilled once, its KV cache repeated to its n rows),
+    static, engine, engine-tp (grouprl/engine.py). Greedy decoding (top_k=1) gives the same tokens
+    in every mode. The modes, cuda_graphs, flex, compile_step and engine_dtype: docs/engine.md."""
     if mode not in GEN_MODES:
         raise ValueError(f"unknown generation mode {mode!r} ({', '.join(GEN_MODES)})")
     enc = tok(list(prompts), padding=True, return_tensors="pt", add_special_tokens=False)
-    ids, am = enc.input_ids.to(d.device), enc.attention_mask.to(d.device)
-    if mode in ("engine", "engine-tp") and engine_covers(policy.lm.config, d.main):
-        from grouprl import engine
-
+    ids, am = enc.input_ids.to(dist_env.device), enc.attention_mask.to(dist_env.device)
+    tp = dist_env.world if mode == "engine-tp" else 1  # the engine's layers split over tp ranks
+    if mode in ("engine", "engine-tp") and engine.runs(policy.lm.config, tp, dist_env.main):
         mine = [row[m.bool()].tolist() for row, m in zip(ids, am)]  # this rank's prompts, unpadded
-        tp = d.world if mode == "engine-tp" else 1
-        check_tensor_parallel(policy.lm.config, tp)  # for callers that skip check_model
         everyone, generator = [mine], None
         if tp > 1:  # every rank decodes every rank's prompts, with the same random stream
             everyone = [None] * tp
             dist.all_gather_object(everyone, mine)
-            seed = all_reduce(torch.randint(2 ** 62, (1,)) * d.main)  # rank 0's draw
-            generator = torch.Generator(d.device).manual_seed(int(seed))
+            seed = all_reduce(torch.randint(2 ** 62, (1,)) * dist_env.main)  # rank 0's draw
+            generator = torch.Generator(dist_env.device).manual_seed(int(seed))
         try:
             completions, logps = engine.generate(
                 policy.lm, sum(everyone, []), n, eos, max_new_tokens=max_new_tokens,
                 temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                 repetition_penalty=repetition_penalty,
-                slots=tp * max(n, gen_batch_size // n * n), device=d.device,
+                slots=tp * max(n, gen_batch_size // n * n), device=dist_env.device,
                 dtype={"bf16": torch.bfloat16, "fp32": torch.float32}.get(engine_dtype) or getattr(
                     policy, "compute_dtype", None) or (
-                    torch.bfloat16 if d.device.type == "cuda" else torch.float32),
-                rank=d.rank if tp > 1 else 0, world=tp, generator=generator,
+                    torch.bfloat16 if dist_env.device.type == "cuda" else torch.float32),
+                rank=dist_env.rank if tp > 1 else 0, world=tp, generator=generator,
                 graphs=None if cuda_graphs else False, flex=flex, compile=compile_step,
                 keep=True)  # one Engine per run: cache and graphs made once, weights refreshed
         except MemoryError as e:  # said before anything is allocated (engine.kv_plan)
@@ -105,17 +88,19 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
             msg = (f"--gen-mode {mode}: the GPU ran out of memory while generating ({why}); lower "
                    f"--gen-batch-size (now {gen_batch_size}) or --max-new-tokens (now "
                    f"{max_new_tokens})")
-            if not d.main:  # only this rank knows: fail() prints on rank 0 alone
-                print(f"error: rank {d.rank}: {msg}", file=sys.stderr)
+            if not dist_env.main:  # only this rank knows: fail() prints on rank 0 alone
+                print(f"error: rank {dist_env.rank}: {msg}", file=sys.stderr)
             fail(msg)
-        first = sum(len(p) for p in everyone[:d.rank]) * n if tp > 1 else 0  # this rank's rows
+        # this rank's rows
+        first = sum(len(p) for p in everyone[:dist_env.rank]) * n if tp > 1 else 0
         completions = completions[first:first + len(mine) * n]
         logps = logps[first:first + len(mine) * n]
         T = max(len(c) for c in completions)
         comp = torch.tensor([c + [tok.pad_token_id] * (T - len(c)) for c in completions],
-                            device=d.device)
+                            device=dist_env.device)
         roll = rollout(ids.repeat_interleave(n, 0), am.repeat_interleave(n, 0), comp, tok, eos)
-        roll["logp"] = torch.tensor([lp + [0.0] * (T - len(lp)) for lp in logps], device=d.device)
+        roll["logp"] = torch.tensor([lp + [0.0] * (T - len(lp)) for lp in logps],
+                                    device=dist_env.device)
         return roll
     # engine, engine-tp: HF shared-prefill for a model the engine does not cover
     shared = mode in ("shared-prefill", "engine", "engine-tp")
@@ -126,8 +111,8 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
     rows = max(1, gen_batch_size // n) if shared else gen_batch_size
     if not shared:
         ids, am = ids.repeat_interleave(n, 0), am.repeat_interleave(n, 0)
-    static = (dict(cache_implementation="static", disable_compile=d.sharded) if mode == "static"
-              else {})
+    static = (dict(cache_implementation="static", disable_compile=dist_env.sharded)
+              if mode == "static" else {})
     outs = []
     with gathered(policy, unshard):
         for i in range(0, ids.shape[0], rows):
@@ -137,7 +122,7 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], d:
                 min_p=min_p or None, repetition_penalty=repetition_penalty,
                 max_new_tokens=max_new_tokens, eos_token_id=eos,
                 # FSDP: every rank steps until all are done
-                pad_token_id=tok.pad_token_id, synced_gpus=d.sharded,
+                pad_token_id=tok.pad_token_id, synced_gpus=dist_env.sharded,
                 **static,
             )[:, ids.shape[1]:])
     if shared:
@@ -163,19 +148,44 @@ def rollout(ids, am, comp, tok, eos: list[int]) -> dict:
 
 
 # -------------------- the step's groups: rollout -> rewards, and DAPO's dynamic sampling
+@dataclass
+class Rollout:
+    """This rank's groups of one step, as sample_groups hands them to the loop: B = prompts x G
+    rows, the rows of a group adjacent; P prompt positions (left-padded), T completion positions
+    (right-padded)."""
+    rows: object  # the step's prompts, one a group (datasets rows: prompt, answer, text)
+    input_ids: torch.Tensor  # [B, P + T] the prompt's ids, then the completion's
+    attention_mask: torch.Tensor  # [B, P + T]
+    n_prompt: int  # P: input_ids[:, n_prompt:] are the completions
+    mask: torch.Tensor  # [B, T] float: completion tokens up to and including the first EOS
+    truncated: torch.Tensor  # [B] bool: no EOS, cut at --max-new-tokens
+    texts: list[str]  # [B] the completions, decoded without their EOS
+    logp: torch.Tensor | None  # [B, T] each token's log-prob as the engine sampled it (HF: None)
+    rewards: torch.Tensor  # [B] each completion's reward
+    reward_errors: int = 0  # reward calls that failed, every generation round
+    stats: dict = field(default_factory=dict)  # perf/gen_tokens_per_s; charts/gen_rounds ...
+
+    @classmethod
+    def of(cls, roll: dict, rows=None, rewards=None, reward_errors: int = 0,
+           stats: dict | None = None) -> Rollout:
+        """generate()'s dict, with its prompts and rewards."""
+        return cls(rows, roll["input_ids"], roll["attention_mask"], roll["n_prompt"], roll["mask"],
+                   roll["truncated"], roll["texts"], roll.get("logp"), rewards, reward_errors,
+                   stats or {})
+
+
 # roll's per-sequence entries by shape: [B] and [B, T] (completion positions, right-padded)
 ROLL_ROW_KEYS = ("truncated",)
 ROLL_COMPLETION_KEYS = ("mask", "logp")
 _FILLED_SAID = []  # the line saying that --max-gen-rounds was reached, said once a run
 
 
-def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], d: Dist, reward,
+def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_env: Dist, reward,
                   gen_kw: dict, *, per_rank: int, group_size: int, seed: int,
                   dynamic: bool = False, max_rounds: int = 1, truncated_scale: float = 1.0):
     """This rank's groups of `step`: its per_rank prompts (prompt_indices), group_size completions
     each (generate) and their rewards (score; a completion cut at the token limit scores
-    truncated_scale times its reward, --truncated-reward-scale). -> (rows, roll, rewards,
-    reward_errors, logs).
+    truncated_scale times its reward, --truncated-reward-scale), as a Rollout.
     dynamic (--dynamic-sampling): DAPO's dynamic sampling (arXiv 2503.14476, Sec. 3.2: the
     constraint 0 < |{o_i correct}| < G on its objective's groups), on the reward the advantages
     use: a group whose rewards are all equal has A_i = 0 for each of its completions (DFPO eq. 43)
@@ -187,8 +197,8 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], d: Dist
     Each rank keeps its first per_rank groups with a spread; past max_rounds, the earliest flat
     groups fill the batch (A = 0; counted), so the step goes on. The kept groups stay in generation
     order: a step whose first round has no flat group is the step without dynamic.
-    rows, roll (every per-sequence entry), rewards and reward.values (rewards/<name>/...) hold the
-    kept groups only; reward_errors counts the failures in every round. logs: perf/gen_tokens_per_s
+    The Rollout's rows, tensors, texts, rewards and reward.values (rewards/<name>/...) hold the kept
+    groups only; reward_errors counts the failures in every round. Its stats: perf/gen_tokens_per_s
     (every completion generated, all ranks, over this rank's generate time), and with dynamic, over
     all ranks: charts/gen_rounds; charts/dropped_groups (flat groups dropped); charts/surplus_groups
     (groups with a spread past per_rank on their rank, unused); charts/filled_groups (flat groups
@@ -198,11 +208,11 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], d: Dist
     gen_time, gen_tokens, reward_errors, spread = 0.0, 0.0, 0, 0
     while True:
         r = len(rounds)
-        indices = (prompt_indices(len(train), step, per_rank, d, seed) if r == 0
-                   else extra_prompt_indices(len(train), step, r, per_rank, d, seed))
+        indices = (prompt_indices(len(train), step, per_rank, dist_env, seed) if r == 0
+                   else extra_prompt_indices(len(train), step, r, per_rank, dist_env, seed))
         rows = train.select(indices)
         t = time.time()
-        roll = generate(policy, tok, rows["text"], group_size, eos, d, **gen_kw)
+        roll = generate(policy, tok, rows["text"], group_size, eos, dist_env, **gen_kw)
         gen_time += time.time() - t
         gen_tokens += roll["mask"].sum().item()
         rewards, errors = score(roll["texts"], rows, group_size, reward, truncated=roll["truncated"],
@@ -212,24 +222,24 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], d: Dist
         if not dynamic or r + 1 == max_rounds:
             break
         spread += int((~flat_groups(rewards, group_size)).sum())  # groups with a spread stay
-        short = torch.tensor(float(max(0, per_rank - spread)), device=d.device)
+        short = torch.tensor(float(max(0, per_rank - spread)), device=dist_env.device)
         if all_reduce(short).item() == 0:  # every rank full (the same answer on each)
             break
-    tokens = all_reduce(torch.tensor(gen_tokens, dtype=torch.float64, device=d.device))
+    tokens = all_reduce(torch.tensor(gen_tokens, dtype=torch.float64, device=dist_env.device))
     logs = {"perf/gen_tokens_per_s": tokens.item() / gen_time}
     if not dynamic:
-        return rows, roll, rewards, reward_errors, logs
+        return Rollout.of(roll, rows, rewards, reward_errors, logs)
     # the batch: the first per_rank groups with a spread, then (at the bound) the earliest flat ones
     flat = torch.cat([flat_groups(rewards, group_size) for _, _, rewards, _ in rounds])
     order = torch.cat([(~flat).nonzero().flatten(), flat.nonzero().flatten()])  # stable
     kept = order[:per_rank].sort().values  # in generation order
     counts = torch.tensor([float(flat.sum() - flat[kept].sum()),  # dropped
                            float((~flat).sum() - (~flat)[kept].sum()),  # surplus
-                           float(flat[kept].sum())], device=d.device)  # filled
+                           float(flat[kept].sum())], device=dist_env.device)  # filled
     dropped, surplus, filled = all_reduce(counts).tolist()
     logs.update({"charts/gen_rounds": len(rounds), "charts/dropped_groups": dropped,
                  "charts/surplus_groups": surplus, "charts/filled_groups": filled})
-    if filled and d.main and not _FILLED_SAID:
+    if filled and dist_env.main and not _FILLED_SAID:
         _FILLED_SAID.append(step)
         print(f"step {step}: --max-gen-rounds {max_rounds} spent; {filled:.0f} flat groups (A = 0) "
               "fill the batch, counted in charts/filled_groups (said once)", file=sys.stderr)
@@ -244,7 +254,7 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], d: Dist
     if rounds[0][3]:  # the reward's logs (reward.metrics) over the kept groups
         reward.values = {name: torch.cat([values[name] for _, _, _, values in rounds])[sequences]
                          for name in rounds[0][3]}
-    return rows, roll, rewards, reward_errors, logs
+    return Rollout.of(roll, rows, rewards, reward_errors, logs)
 
 
 def flat_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -258,18 +268,19 @@ def rows_of(groups: torch.Tensor, group_size: int) -> torch.Tensor:
     return (groups[:, None] * group_size + torch.arange(group_size)).flatten()
 
 
-def extra_prompt_indices(n_rows: int, step: int, round_: int, per_rank: int, d: Dist,
+def extra_prompt_indices(n_rows: int, step: int, round_: int, per_rank: int, dist_env: Dist,
                          seed: int) -> list[int]:
     """This rank's prompts for generation round `round_` >= 1 of `step` (--dynamic-sampling):
     rows outside the step's own batch (every rank's prompt_indices), in an order drawn from (seed,
     step); round r takes slice (r - 1) x world + rank of per_rank of it, and wraps around once the
     pool is spent. A pure function of (seed, step, round, rank), so a resumed run draws the same.
     The pool is never empty when n_rows > per_rank x world (cli.check_prompt_pool)."""
-    own = set(prompt_indices(n_rows, step, per_rank * d.world, Dist(0, 1, d.device), seed))
+    own = set(prompt_indices(n_rows, step, per_rank * dist_env.world,
+                             Dist(0, 1, dist_env.device), seed))
     pool = torch.tensor([i for i in range(n_rows) if i not in own])
     gen = torch.Generator().manual_seed(seed * 2**32 + step)  # seed < 2**32 (cli.MAX_SEED)
     pool = pool[torch.randperm(len(pool), generator=gen)]
-    first = ((round_ - 1) * d.world + d.rank) * per_rank
+    first = ((round_ - 1) * dist_env.world + dist_env.rank) * per_rank
     return [int(pool[j % len(pool)]) for j in range(first, first + per_rank)]
 
 
@@ -300,15 +311,15 @@ def merge_rollouts(parts: list[tuple[dict, torch.Tensor]], pad_id: int) -> dict:
 
 
 
-def logp_drift(roll: dict, old_logp: torch.Tensor) -> dict:
+def logp_drift(roll: Rollout, old_logp: torch.Tensor) -> dict:
     """gen/logp_drift: the mean |log-prob as sampled - old log-prob| over the completion tokens of
     every rank (the engine's decode against the training forward; it catches engine bugs). Empty
     when the rollout has no sampled log-probs (the HF modes), or when they are pi_old itself
     (--old-logp rollout: nothing to compare)."""
-    if "logp" not in roll or old_logp is roll["logp"]:
+    if roll.logp is None or old_logp is roll.logp:
         return {}
-    mask = roll["mask"]
-    total = all_reduce(((roll["logp"] - old_logp).abs() * mask).sum())
+    mask = roll.mask
+    total = all_reduce(((roll.logp - old_logp).abs() * mask).sum())
     return {"gen/logp_drift": (total / all_reduce(mask.sum()).clamp(min=1)).item()}
 
 
@@ -421,35 +432,37 @@ def group_metrics(seq_terms: torch.Tensor, first_token_grads: torch.Tensor, grou
 
 # -------------------- old log-probs: pi_old, and the rollout's own likelihoods
 @torch.no_grad()
-def old_log_probs(policy, roll: dict, minibatches: list[slice], source: str = "recompute",
+def old_log_probs(policy, roll: Rollout, minibatches: list[slice], source: str = "recompute",
                   is_cap: float | None = None, routes: moe.Routes | None = None):
     """pi_old of every completion token [B, T], the TIS weights [B, T] (None without is_cap), and
-    their logs.
+    their logs (with perf/old_logp_s, the pass's time).
     source "recompute": the training forward without gradient, a minibatch at a time, so that the
     ratio's numerator and denominator come from the same numerics (losses/entropy logged; on an MoE
     model each (token, layer)'s experts go to the router tape, moe.recording). "rollout"
     (--old-logp rollout): the log-prob the engine computed when it sampled each token, under the
-    sampling temperature (roll["logp"]); no forward pass, the saving GSPO (arXiv 2507.18071) claims
+    sampling temperature (roll.logp); no forward pass, the saving GSPO (arXiv 2507.18071) claims
     its sequence ratio affords, as it averages the per-token mismatch between the two numerics.
     is_cap C (--rollout-is-cap): truncated importance sampling (TIS: Yao et al. 2025, "Your
     Efficient RL Framework Secretly Brings You Off-Policy RL Training"; verl's rollout correction,
     TRL's vllm_importance_sampling_correction): the tokens were drawn from the engine's pi_rollout,
     not pi_old, so each token's loss term is weighted by min(pi_old / pi_rollout, C), a constant."""
-    if source == "rollout":
-        return roll["logp"], None, {}
-    ids, attention_mask, n_prompt = roll["input_ids"], roll["attention_mask"], roll["n_prompt"]
+    if source == "rollout":  # what --old-logp rollout saves: perf/old_logp_s 0
+        return roll.logp, None, {"perf/old_logp_s": 0.0}
+    start = time.time()
+    ids, attention_mask, n_prompt = roll.input_ids, roll.attention_mask, roll.n_prompt
     old = []
     for rows in minibatches:
         with moe.recording(routes, rows, attention_mask):
             old.append(policy(ids[rows], attention_mask[rows], n_prompt, entropy=True))
     old_logp = torch.cat([minibatch_logp for minibatch_logp, _ in old])
     entropy = torch.cat([minibatch_entropy for _, minibatch_entropy in old])
-    mask = roll["mask"]
+    mask = roll.mask
     tokens = all_reduce(mask.sum()).clamp(min=1)  # completion tokens on all ranks
-    stats = {"losses/entropy": (all_reduce((entropy * mask).sum()) / tokens).item()}
+    stats = {"losses/entropy": (all_reduce((entropy * mask).sum()) / tokens).item(),
+             "perf/old_logp_s": time.time() - start}
     if is_cap is None:
         return old_logp, None, stats
-    log_ratio = torch.where(mask.bool(), old_logp - roll["logp"], 0.0)  # log pi_old / pi_rollout
+    log_ratio = torch.where(mask.bool(), old_logp - roll.logp, 0.0)  # log pi_old / pi_rollout
     weight = torch.exp(log_ratio.clamp(max=math.log(is_cap)))  # min(pi_old / pi_rollout, C)
     stats["rollout_is/weight_mean"] = (all_reduce((weight * mask).sum()) / tokens).item()
     capped = (log_ratio > math.log(is_cap)).float() * mask
@@ -470,11 +483,31 @@ def log_ratio_spread(logp, old_logp, mask, first: bool) -> dict:
             "losses/log_ratio_var_later": zero if first else moments}
 
 
+def policy_log_probs(policy, roll: Rollout, rows: slice, routes: moe.Routes | None) -> torch.Tensor:
+    """log pi_theta of the completion tokens of rows `rows` [rows, T] (Policy.forward), routed as
+    the old pass was on an MoE model (moe.replaying: flips counted; --routing-replay). With grad,
+    its own gradient is kept: d loss / d logp, read by the shared-token coefficient and Energy."""
+    with moe.replaying(routes, rows):
+        logp = policy(roll.input_ids[rows], roll.attention_mask[rows], roll.n_prompt)
+    if logp.requires_grad:
+        logp.retain_grad()
+    return logp
+
+
+@torch.no_grad()
+def ref_log_probs(ref, roll: Rollout, minibatches: list[slice]) -> torch.Tensor | None:
+    """log pi_ref of every completion token [B, T], a minibatch at a time (None: no KL term)."""
+    if ref is None:
+        return None
+    return torch.cat([ref(roll.input_ids[rows], roll.attention_mask[rows], roll.n_prompt)
+                      for rows in minibatches])
+
+
 # -------------------- data order: prompts a step, minibatches, micro-batches
-def prompt_indices(n_rows: int, step: int, per_rank: int, d: Dist, seed: int) -> list[int]:
+def prompt_indices(n_rows: int, step: int, per_rank: int, dist_env: Dist, seed: int) -> list[int]:
     """This rank's prompts for `step` (1-based): a fresh seeded permutation each epoch, global batch
     split across ranks, so the data position is a pure function of the step."""
-    first = (step - 1) * per_rank * d.world + d.rank * per_rank
+    first = (step - 1) * per_rank * dist_env.world + dist_env.rank * per_rank
     perms = {}  # one permutation per epoch this batch touches (at most two), not one per prompt
     out = []
     for j in range(first, first + per_rank):
@@ -520,6 +553,88 @@ def lr_scheduler(optimizer, args):
                 + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def clip_grad_norm(policy, max_norm: float) -> torch.Tensor:
+    """The gradient's total norm before clipping to max_norm, one value on every rank (FSDP2's
+    DTensor made whole)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm)
+    return grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+
+
+class Updates:
+    """One step's optimizer updates as the loop makes them, and what they log: each micro-batch's
+    loss stats and the spread of its token log-ratios; each minibatch's loss, gradient norm and
+    group metrics (Asym, DFPO eq. 23; the shared-token coefficient, eq. 70-72, from d loss / d logp
+    at each sequence's first completion token); Energy once in a due step (--energy-every, eq. 24);
+    the finite check of each update (a non-finite one is skipped on every rank together and
+    counted; --max-nonfinite in a row stop the run). Its clock starts when it is made, before the
+    old log-probs: perf/train_tokens_per_s is the step's tokens over the old pass and updates."""
+
+    def __init__(self, policy, roll: Rollout, mask: torch.Tensor, args, step: int,
+                 nonfinite_run: int, dist_env: Dist):
+        self.policy, self.roll, self.mask, self.args, self.step, self.dist_env = (
+            policy, roll, mask, args, step, dist_env)
+        self.count = args.num_minibatches * args.num_iterations  # optimizer steps this step
+        self.nonfinite_run, self.skipped = nonfinite_run, 0
+        self.stats, self.energy = [], {}
+        self.start = time.time()
+        self._new_minibatch()
+
+    def _new_minibatch(self):
+        self.loss, self.micro_stats, self.seq_terms, self.first_token_grads = 0.0, [], [], []
+
+    def after_backward(self, update: int, micro: slice, logp, loss, seq_terms, loss_stats: dict,
+                       old_logp):
+        """After a micro-batch's loss.backward(): logp [micro, T] its log-probs (their .grad kept by
+        policy_log_probs), seq_terms [micro] each sequence's m_i = w_i A_i, old_logp [micro, T]."""
+        self.seq_terms.append(seq_terms)
+        self.first_token_grads.append(logp.grad[:, 0])
+        if not self.energy.get("energy/tokens") and energy.due(  # eq. 24
+                self.args, self.step, update, self.count):
+            roll = self.roll
+            self.energy = energy.measure(self.policy, roll.input_ids[micro],
+                                         roll.attention_mask[micro], roll.n_prompt,
+                                         self.mask[micro], logp.grad, self.args.energy_rows,
+                                         roll.input_ids, self.mask)
+        self.loss = self.loss + loss.detach()
+        self.micro_stats.append({**loss_stats, **log_ratio_spread(
+            logp, old_logp, self.mask[micro], first=update == 0)})
+
+    def finite(self, grad_norm: torch.Tensor) -> bool:
+        """Whether this minibatch's loss and gradient are finite on every rank; if not, the update
+        is skipped (by the caller) and counted, and max_nonfinite in a row stop the run."""
+        if all_finite(self.loss, grad_norm):
+            self.nonfinite_run = 0
+            return True
+        self.skipped += 1
+        self.nonfinite_run += 1
+        if self.nonfinite_run >= self.args.max_nonfinite:
+            fail(f"step {self.step}: {self.nonfinite_run} non-finite updates in a row (loss "
+                 f"{self.loss.item()}, grad norm {grad_norm.item()}); lower the "
+                 "learning rate or look at this step's data")
+        return False
+
+    def minibatch_done(self, grad_norm: torch.Tensor, groups_total: int):
+        """After a minibatch's optimizer step; groups_total: its groups on all ranks."""
+        groups = group_metrics(torch.cat(self.seq_terms), torch.cat(self.first_token_grads),
+                               self.args.group_size, groups_total)
+        minibatch_stats = {
+            # the minibatch's loss: the mean over ranks of world x their share
+            "losses/policy_loss": self.loss * self.dist_env.world,
+            "losses/grad_norm": grad_norm,
+            **groups,
+        }
+        self.stats += [{**loss_stats, **minibatch_stats} for loss_stats in self.micro_stats]
+        self._new_minibatch()
+
+    def log(self) -> dict:
+        """losses/ over the step's micro-batches and all ranks (reduce_stats), the skipped
+        updates, perf/train_tokens_per_s, and energy/ when it was measured."""
+        tokens = all_gather_cat(self.roll.attention_mask.sum().view(1).float()).sum()
+        return {"losses/skipped_updates": self.skipped,
+                "perf/train_tokens_per_s": tokens.item() / (time.time() - self.start),
+                **reduce_stats(self.stats), **self.energy}
 
 
 def all_finite(*tensors: torch.Tensor) -> bool:
@@ -576,7 +691,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 @torch.no_grad()
-def evaluate(policy, tok, held, eos, d: Dist, *, k: int, n: int | None = None,
+def evaluate(policy, tok, held, eos, dist_env: Dist, *, k: int, n: int | None = None,
              reward: Reward | None = None, max_new_tokens: int, temperature: float, top_p: float,
              top_k: int, gen_batch_size: int, min_p: float = 0.0, repetition_penalty: float = 1.0,
              unshard: bool = False, mode: str = "shared-prefill", cuda_graphs: bool = True,
@@ -587,17 +702,18 @@ def evaluate(policy, tok, held, eos, d: Dist, *, k: int, n: int | None = None,
     unbiased 1 - C(n - c, k) / C(n, k) (pass_at_k); the reward is the task's own, whole whether
     or not a completion stopped (truncated_frac: the fraction cut at max_new_tokens)."""
     n = n or k
-    m = len(held) // d.world * d.world  # equal shares, or the FSDP all-gathers would hang
+    world = dist_env.world
+    m = len(held) // world * world  # equal shares, or the FSDP all-gathers would hang
     if m == 0:
-        fail(f"the held-out split has {len(held)} prompt(s), fewer than the {d.world} ranks that "
+        fail(f"the held-out split has {len(held)} prompt(s), fewer than the {world} ranks that "
              "share it: give a larger dataset (a local file holds out a tenth, at most "
              "--eval-size) or --eval-every 0")
-    rows = held.select(range(d.rank, m, d.world))
+    rows = held.select(range(dist_env.rank, m, dist_env.world))
     r, errors, cut = torch.zeros(0), 0, 0
     per_call = max(1, gen_batch_size // n)  # prompts per generate call
     for i in range(0, len(rows), per_call):
         part = rows.select(range(i, min(i + per_call, len(rows))))
-        out = generate(policy, tok, part["text"], n, eos, d, max_new_tokens=max_new_tokens,
+        out = generate(policy, tok, part["text"], n, eos, dist_env, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                        repetition_penalty=repetition_penalty,
                        gen_batch_size=gen_batch_size, unshard=unshard, mode=mode,
@@ -613,7 +729,7 @@ def evaluate(policy, tok, held, eos, d: Dist, *, k: int, n: int | None = None,
             "eval/truncated_frac": (s[4] / (s[2] * n)).item()}
 
 
-def eval_report(result: dict, args, run_dir: str, d: Dist) -> str:
+def eval_report(result: dict, args, run_dir: str, dist_env: Dist) -> str:
     """--eval-only: the table printed, and eval.json in the run folder (its key: the set
     evaluated, --eval-dataset or --dataset). Returns the JSON path."""
     path = os.path.join(run_dir, "eval.json")
@@ -621,7 +737,7 @@ def eval_report(result: dict, args, run_dir: str, d: Dist) -> str:
     part = "held-out" if dataset == "builtin" else "whole set"  # --eval-only: the whole file
     if args.eval_limit and dataset != "builtin":
         part = f"first {args.eval_limit}"
-    if d.main:
+    if dist_env.main:
         k = next(key for key in result if key.startswith("eval/avg@")).split("@")[1]
         print(f"\n| dataset | prompts | samples a prompt | avg@{k} | pass@{k} | reward errors |\n"
               "|---|---|---|---|---|---|\n"
@@ -652,10 +768,10 @@ class Logger:
     tensorboard, and a torn last line (a write cut short) is dropped and said so; the kept rows are
     rewritten into a new file that replaces the old one whole."""
 
-    def __init__(self, run_dir: str, d: Dist, args, first_step: int = 1):
-        self.d, self.writer, self.wandb, self.run_dir = d, None, None, run_dir
+    def __init__(self, run_dir: str, dist_env: Dist, args, first_step: int = 1):
+        self.dist_env, self.writer, self.wandb, self.run_dir = dist_env, None, None, run_dir
         # a bad metrics.jsonl stops every rank
-        on_rank0(lambda: self._open(run_dir, args, first_step), d)
+        on_rank0(lambda: self._open(run_dir, args, first_step), dist_env)
 
     def _open(self, run_dir: str, args, first_step: int):
         from torch.utils.tensorboard import SummaryWriter
@@ -682,7 +798,7 @@ class Logger:
                                     id=os.path.basename(os.path.normpath(run_dir)))
 
     def log(self, step: int, scalars: dict):
-        if not self.d.main:
+        if not self.dist_env.main:
             return
         # strict JSON: null, not NaN
         row = {k: v if math.isfinite(v) else None for k, v in scalars.items()}
@@ -696,7 +812,7 @@ class Logger:
             self.wandb.log({k: v for k, v in row.items() if v is not None}, step=step)
 
     def close(self):
-        if self.d.main:
+        if self.dist_env.main:
             self.writer.close()
             self.metrics.close()
             if self.wandb is not None:
@@ -737,6 +853,30 @@ def read_metrics(path: str, keep_below: int | None = None) -> list[dict]:
     return rows
 
 
+def rollout_log(roll: Rollout, zero_groups: int, reward: Reward, args, dist_env: Dist) -> dict:
+    """The step's rollout over all ranks: charts/ (rewards, lengths, truncation, flat groups,
+    failed reward calls), rewards/<name>/ of each --reward, and the rollout's own stats
+    (perf/gen_tokens_per_s; --dynamic-sampling: charts/gen_rounds ...)."""
+    rewards = all_gather_cat(roll.rewards.to(roll.input_ids.device))
+    lengths = all_gather_cat(roll.mask.sum(1))
+    masked_truncated = 0
+    if args.mask_truncated:
+        masked_truncated = all_reduce(roll.truncated.sum().float()).item()
+    zero_frac = torch.tensor(zero_groups / args.prompts_per_rank)  # this rank's
+    return {
+        "charts/reward_mean": rewards.mean().item(),
+        "charts/reward_std": rewards.std(unbiased=False).item(),
+        "charts/response_length_mean": lengths.mean().item(),
+        "charts/response_length_max": lengths.max().item(),
+        "charts/truncated_frac": all_gather_cat(roll.truncated.float()).mean().item(),
+        "charts/masked_truncated": masked_truncated,
+        "charts/zero_adv_group_frac": all_reduce(zero_frac).item() / dist_env.world,  # rank mean
+        "charts/reward_errors": all_reduce(torch.tensor(float(roll.reward_errors))).item(),
+        **reward.metrics(),  # rewards/<name>/mean and /std, each --reward
+        **roll.stats,  # perf/gen_tokens_per_s; --dynamic-sampling: charts/gen_rounds ...
+    }
+
+
 SAMPLE_PROMPTS = 2  # prompts a --log-samples step shows, each with all its completions
 
 
@@ -748,7 +888,7 @@ def log_samples(logger: Logger, run_dir: str, step: int, every: int, prompts, an
     ('samples') and as one JSON object a completion in {run_dir}/samples.jsonl (a resumed run's
     Logger has dropped the rows of the steps it redoes). prompt_texts: the prompts as the model saw
     them (through the chat template), logged in samples.jsonl as "prompt_text"."""
-    if not every or step % every or not logger.d.main:
+    if not every or step % every or not logger.dist_env.main:
         return
     path = os.path.join(run_dir, "samples.jsonl")
     rows, md = [], []

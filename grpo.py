@@ -21,17 +21,17 @@ from typing import ClassVar, Literal
 import torch
 from tqdm import tqdm
 
-from common import (Logger, all_finite, eval_report, eval_summary, evaluate, group_advantages,
-                    group_metrics, jitter2, log_ratio_spread, log_samples, logp_drift,
-                    lr_scheduler, micro_batches, minibatches, old_log_probs, reduce_stats,
+from common import (Logger, Updates, clip_grad_norm, eval_report, eval_summary, evaluate,
+                    group_advantages, jitter2, log_samples, logp_drift, lr_scheduler, micro_batches,
+                    minibatches, old_log_probs, policy_log_probs, ref_log_probs, rollout_log,
                     sample_groups)
-from grouprl import energy, moe
+from grouprl import moe
 from grouprl.checkpoint import (catch_stop_signals, claim_run_dir, cleanup, resume_state,
                                 run_paths, save_checkpoint, stop_requested)
 from grouprl.cli import (CommonArgs, check_common_args, check_prompt_pool, eval_sampling,
-                         fill_defaults, parse_args)
+                         fill_defaults, generation_kwargs, parse_args)
 from grouprl.data import load_task
-from grouprl.distributed import all_gather_cat, all_reduce, fail, seed_rank, setup_distributed
+from grouprl.distributed import all_reduce, seed_rank, setup_distributed
 from grouprl.grader import load_reward
 from grouprl.lora import lora_spec
 from grouprl.modeling import (check_model, eos_ids, load_model, load_tokenizer, reference_policy,
@@ -179,11 +179,7 @@ def main():
         print(f"{len(train)} train / {len(held)} held-out prompts (dropped: {dropped['no_answer']} "
               f"without an answer, {dropped['too_long']} over --max-prompt-tokens); "
               f"world size {dist_env.world}; logs: tensorboard --logdir {args.output_dir}")
-    gen_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                  top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                  repetition_penalty=args.repetition_penalty, gen_batch_size=args.gen_batch_size,
-                  unshard=args.gen_unshard, mode=args.gen_mode, cuda_graphs=args.gen_cuda_graphs,
-                  engine_dtype=args.gen_dtype)
+    gen_kw = generation_kwargs(args)
     eval_kw = dict(gen_kw, k=args.eval_k, n=args.eval_n, reward=reward, **eval_sampling(args))
 
     def eval_now(step: int) -> bool:
@@ -210,54 +206,40 @@ def main():
         policy.eval()
         # the step's prompts, G completions each, their rewards; --dynamic-sampling (DAPO): groups
         # with equal rewards (A = 0) replaced by more prompts' groups, in rounds
-        rows, roll, rewards, reward_errors, sampling = sample_groups(
-            policy, tok, train, step, eos, dist_env, reward, gen_kw,
-            per_rank=args.prompts_per_rank, group_size=args.group_size, seed=args.seed,
-            dynamic=args.dynamic_sampling, max_rounds=args.max_gen_rounds,
-            truncated_scale=args.truncated_reward_scale)
-        advantages, zero_groups = group_advantages(rewards, args.group_size, args.scale_rewards,
-                                                   args.adv_std, args.adv_eps)
-        log_samples(logger, run_dir, step, args.log_samples, rows["prompt"], rows["answer"],
-                    roll["texts"], rewards, advantages, args.group_size, rows["text"])
-        ids = roll["input_ids"]
-        attention_mask = roll["attention_mask"]
-        n_prompt = roll["n_prompt"]  # ids[:, n_prompt:] are the completions
-        mask = roll["mask"]  # completion tokens up to the first EOS
-        if args.mask_truncated:  # the loss mask (the logs keep roll["mask"])
-            mask = mask * ~roll["truncated"][:, None]
-        advantages = advantages.to(ids.device)
+        roll = sample_groups(policy, tok, train, step, eos, dist_env, reward, gen_kw,
+                             per_rank=args.prompts_per_rank, group_size=args.group_size,
+                             seed=args.seed, dynamic=args.dynamic_sampling,
+                             max_rounds=args.max_gen_rounds,
+                             truncated_scale=args.truncated_reward_scale)
+        advantages, zero_groups = group_advantages(roll.rewards, args.group_size,
+                                                   args.scale_rewards, args.adv_std, args.adv_eps)
+        log_samples(logger, run_dir, step, args.log_samples, roll.rows["prompt"],
+                    roll.rows["answer"], roll.texts, roll.rewards, advantages, args.group_size,
+                    roll.rows["text"])
+        mask = roll.mask  # the loss's tokens: the completions up to their first EOS
+        if args.mask_truncated:  # and only the rows that stopped (the logs keep roll.mask)
+            mask = mask * ~roll.truncated[:, None]
+        advantages = advantages.to(mask.device)
         minibatch_slices = minibatches(args.prompts_per_rank, args.group_size, args.num_minibatches)
 
         # old log-probs: pi_old is the policy that generated the rollout (no grad), recomputed or
         # as the engine sampled it (--old-logp); TIS weights (--rollout-is-cap); MoE: experts taped
-        t = time.time()
+        updates = Updates(policy, roll, mask, args, step, nonfinite_run, dist_env)  # logs, Energy
         with torch.no_grad():
             old_logp, is_weight, old_stats = old_log_probs(
                 policy, roll, minibatch_slices, args.old_logp, args.rollout_is_cap, routes)
-            old_logp_time = time.time() - t  # what --old-logp rollout saves: 0 there
-            ref_logp = None if ref is None else torch.cat(
-                [ref(ids[minibatch], attention_mask[minibatch], n_prompt)
-                 for minibatch in minibatch_slices])
+            ref_logp = ref_log_probs(ref, roll, minibatch_slices)  # --kl-coef: the KL's pi_ref
 
         # ALGO LOGIC: num_iterations (mu, GRPO arXiv 2402.03300 Alg. 1) passes of num_minibatches
         # optimizer steps, each over whole groups; old_logp stays pi_old's, so ratios move off 1
         policy.train()
-        stats = []
-        energy_log = {}  # --energy-every: Energy (DFPO eq. 24) of this step's loss
-        skipped = 0
         for update, minibatch in enumerate(minibatch_slices * args.num_iterations):  # mu passes
             seqs = (minibatch.stop - minibatch.start) * dist_env.world  # its sequences on all ranks
             norm = seqs  # 1/G sum_i over every group: the loss is divided by the minibatch's count
             if args.loss_agg == "token-mean":  # 1 / its completion tokens on all ranks
                 norm = max(1.0, all_reduce(mask[minibatch].sum()).item())  # none: it adds 0
-            minibatch_loss = 0.0
-            micro_stats = []
-            seq_terms = []  # each sequence's m_i = w_i A_i, for the group metrics
-            first_token_grads = []  # d loss / d logp at each sequence's first completion token
             for micro in micro_batches(minibatch, args.micro_batch_size):  # gradient accumulation
-                with moe.replaying(routes, micro):  # MoE: flips counted; --routing-replay
-                    logp = policy(ids[micro], attention_mask[micro], n_prompt)
-                logp.retain_grad()  # d loss / d logp: the shared-token coefficient
+                logp = policy_log_probs(policy, roll, micro, routes)  # [micro, T] log pi_theta
                 loss, terms, loss_stats = grpo_loss(
                     logp, old_logp[micro], advantages[micro], mask[micro],
                     clip_low=args.clip_low, clip_high=args.clip_high,
@@ -267,74 +249,26 @@ def main():
                     loss_agg=args.loss_agg, max_new_tokens=args.max_new_tokens, norm=norm,
                     is_weight=None if is_weight is None else is_weight[micro])
                 loss.backward()
-                seq_terms.append(terms)
-                first_token_grads.append(logp.grad[:, 0])
-                if not energy_log.get("energy/tokens") and energy.due(  # eq. 24
-                        args, step, update, len(minibatch_slices) * args.num_iterations):
-                    energy_log = energy.measure(policy, ids[micro], attention_mask[micro], n_prompt,
-                                                mask[micro], logp.grad, args.energy_rows, ids, mask)
-                minibatch_loss = minibatch_loss + loss.detach()
-                micro_stats.append({**loss_stats, **log_ratio_spread(
-                    logp, old_logp[micro], mask[micro], first=update == 0)})
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-            if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
-                grad_norm = grad_norm.full_tensor()
-            if all_finite(minibatch_loss, grad_norm):
+                updates.after_backward(update, micro, logp, loss, terms, loss_stats, old_logp[micro])
+            grad_norm = clip_grad_norm(policy, args.max_grad_norm)
+            if updates.finite(grad_norm):  # else skipped on every rank together, and counted
                 optimizer.step()
                 scheduler.step()
-                nonfinite_run = 0
-            else:  # skipped on every rank together, counted; max_nonfinite in a row stop the run
-                skipped += 1
-                nonfinite_run += 1
-                if nonfinite_run >= args.max_nonfinite:
-                    fail(f"step {step}: {nonfinite_run} non-finite updates in a row (loss "
-                         f"{minibatch_loss.item()}, grad norm {grad_norm.item()}); lower the "
-                         "learning rate or look at this step's data")
             # free the gradients now, not before the next backward: generation and the checkpoint
             # save in between get their 4 P / n bytes (the Qwen3-32B recipe: 16 GB a GPU)
             optimizer.zero_grad(set_to_none=True)
-            groups = group_metrics(torch.cat(seq_terms), torch.cat(first_token_grads),
-                                   args.group_size, seqs // args.group_size)
-            minibatch_stats = {
-                # the minibatch's loss: the mean over ranks of world x their share
-                "losses/policy_loss": minibatch_loss * dist_env.world,
-                "losses/grad_norm": grad_norm,
-                **groups,
-            }
-            stats += [{**loss_stats, **minibatch_stats} for loss_stats in micro_stats]
-        train_time = time.time() - t
+            updates.minibatch_done(grad_norm, seqs // args.group_size)
+        nonfinite_run = updates.nonfinite_run
 
         # TRY NOT TO MODIFY: logging, evaluation, checkpoints
-        all_rewards = all_gather_cat(rewards.to(ids.device))
-        lengths = all_gather_cat(roll["mask"].sum(1))
-        tokens = all_gather_cat(attention_mask.sum().view(1).float()).sum()
-        truncated_frac = all_gather_cat(roll["truncated"].float()).mean().item()
-        masked_truncated = 0
-        if args.mask_truncated:
-            masked_truncated = all_reduce(roll["truncated"].sum().float()).item()
-        zero_frac = torch.tensor(zero_groups / args.prompts_per_rank)  # this rank's
-        zero_group_frac = all_reduce(zero_frac).item() / dist_env.world  # the mean over ranks
         log = {
-            "charts/reward_mean": all_rewards.mean().item(),
-            "charts/reward_std": all_rewards.std(unbiased=False).item(),
-            "charts/response_length_mean": lengths.mean().item(),
-            "charts/response_length_max": lengths.max().item(),
-            "charts/truncated_frac": truncated_frac,
-            "charts/masked_truncated": masked_truncated,
-            "charts/zero_adv_group_frac": zero_group_frac,
+            **rollout_log(roll, zero_groups, reward, args, dist_env),  # charts/, rewards/
             "charts/learning_rate": optimizer.param_groups[0]["lr"],
-            "charts/reward_errors": all_reduce(torch.tensor(float(reward_errors))).item(),
-            **reward.metrics(),  # rewards/<name>/mean and /std, each --reward
-            "losses/skipped_updates": skipped,
+            **updates.log(),  # losses/ over micro-batches and ranks; --energy-every: energy/
             **old_stats,  # losses/entropy (recomputed pi_old), rollout_is/ (--rollout-is-cap)
             **moe.stats(routes),  # moe/route_flip_frac (MoE models)
-            **sampling,  # perf/gen_tokens_per_s; --dynamic-sampling: charts/gen_rounds ...
-            "perf/train_tokens_per_s": tokens.item() / train_time,
-            "perf/old_logp_s": old_logp_time,
-            "perf/wall_time": time.time() - start,
-            **reduce_stats(stats),
             **logp_drift(roll, old_logp),  # --gen-mode engine: decode vs training forward
-            **energy_log,  # --energy-every: energy/top5, /rank5-20, /rest (DFPO eq. 24)
+            "perf/wall_time": time.time() - start,
         }
         if eval_now(step):
             policy.eval()
@@ -361,7 +295,6 @@ def main():
               f"{eval_summary(log)}; checkpoint: {ckpt}")
     logger.close()
     cleanup()
-
 
 if __name__ == "__main__":
     main()

@@ -13,6 +13,6 @@ common.py import them, none of them imports a script or common.py.
     grader        the math grader and the worker processes for it and for --reward
     reward_worker the worker's program (started by file path; imports nothing of the project)
     checkpoint    run folders, checkpoints, exact resume, graceful stop
-    engine        the rollout engine of --gen-mode engine / engine-tp (imported only then)
+    engine        the rollout engine of --gen-mode engine / engine-tp (engine.runs: for a model?)
     sampling      the engine's sampler on the device
 """

@@ -32,31 +32,11 @@ from .lora import is_lora, save_lora
 
 
 # -------------------- checkpoints and exact resume
-# A checkpoint is a folder {run_dir}/step_N holding two folders and a manifest:
-#   model/  the model a user ships: bf16 safetensors (save_pretrained), config, generation config,
-#           tokenizer and chat template; from_pretrained and pipeline load it as it is.
-#   state/  what exact resume needs: the weights as training holds them (fp32 master weights:
-#           one process, save_pretrained's model.safetensors, which from_pretrained loads too;
-#           under torchrun, masters_rank{r}.safetensors, each rank's own rows of every weight,
-#           written by every rank in parallel, beside config.json), rank{r}.pt per rank (this
-#           rank's optimizer shard, the lr schedule, the RNG states; plain tensors, read with
-#           weights_only=True) and trainer_state.json (step, world size, script, flags, reward
-#           curve).
-#   adapter/ under LoRA (lora.py), in place of state/'s weights: the fp32 adapters, which
-#           PeftModel.from_pretrained loads onto the base (its --model, which resume reads again);
-#           model/ then holds the merged model in bf16.
-#   manifest.json, written last by the writer once every rank has written its files: the size of
-#           every file it wrote, and the sha256 of the small ones (< HASH_BELOW bytes).
-# It is written into .tmp_step_N and renamed into place when complete, so a crash mid-write leaves
-# the previous ones intact; pruning (--keep-checkpoints) renames one to .pruned_step_N before
-# deleting it, so a kill mid-delete leaves a folder the next prune or start removes. Resume checks
-# the manifest's sizes and small files' hashes: a truncated or missing file is caught, a same-size
-# change inside a big file is not (rereading hundreds of GB a save and a resume is what this
-# avoids). Files a user adds (a README, notes) are not listed and not looked at. Checkpoints
-# written before model/ and state/ (one flat folder) resume too.
-# A checkpoint resumes on any world size (torchrun or plain python): on another than its writer's,
-# each rank takes its rows of the master weights (load_masters) and of the optimizer state
-# (resume_state) from the old ranks' shards, reading only those rows.
+# {run_dir}/step_N holds model/ (the bf16 export from_pretrained loads), state/ (fp32 master weights,
+# rank{r}.pt: each rank's optimizer shard, lr schedule and RNG states, trainer_state.json) or, under
+# LoRA, adapter/, and manifest.json (written last: every file's size, the small ones' sha256). It is
+# written as .tmp_step_N and renamed when complete; resume checks the manifest, on any world size.
+# The whole layout and its guarantees: docs/checkpoints.md.
 STEP_DIR = re.compile(r"step_(\d+)$")
 MANIFEST = "manifest.json"
 MODEL, STATE = "model", "state"
@@ -153,33 +133,33 @@ def _entry(path: str) -> list:
     return [size, _sha256(path) if size < HASH_BELOW else None]
 
 
-def _entries(folder: str, names: list[str], d: Dist) -> dict:
+def _entries(folder: str, names: list[str], dist_env: Dist) -> dict:
     """{name: [bytes, sha256 or None]} of files in folder, each rank hashing its share of the small
     ones (names: the same on every rank)."""
     mine = {}
-    for name in names[d.rank::d.world]:
+    for name in names[dist_env.rank::dist_env.world]:
         try:
             mine[name] = _entry(os.path.join(folder, name))
         except OSError as e:
             mine[name] = [-1, f"{type(e).__name__}: {e}"]
-    if d.world > 1:
-        parts = [None] * d.world
+    if dist_env.world > 1:
+        parts = [None] * dist_env.world
         dist.all_gather_object(parts, mine)
         mine = {k: v for part in parts for k, v in part.items()}
     return mine
 
 
-def _manifest_files(folder: str, d: Dist) -> dict:
+def _manifest_files(folder: str, dist_env: Dist) -> dict:
     """What manifest.json lists for folder: every file in it (rank 0 lists them), collectively."""
     barrier()
     names = [None]
-    if d.main:
+    if dist_env.main:
         names = [sorted(os.path.relpath(os.path.join(root, f), folder)
                         for root, _, files in os.walk(folder)
                         for f in files if f != MANIFEST)]
-    if d.world > 1:
+    if dist_env.world > 1:
         dist.broadcast_object_list(names, src=0)
-    return _entries(folder, names[0], d)
+    return _entries(folder, names[0], dist_env)
 
 
 def _write_manifest_file(folder: str, files: dict):
@@ -188,12 +168,12 @@ def _write_manifest_file(folder: str, files: dict):
     os.replace(os.path.join(folder, MANIFEST + ".tmp"), os.path.join(folder, MANIFEST))
 
 
-def write_manifest(folder: str, d: Dist | None = None):
+def write_manifest(folder: str, dist_env: Dist | None = None):
     """manifest.json: the size of every other file in folder and the sha256 of the small ones
     (ranks hash in parallel), written last, whole."""
-    d = d or Dist(0, 1, torch.device("cpu"))
-    files = _manifest_files(folder, d)
-    if d.main:
+    dist_env = dist_env or Dist(0, 1, torch.device("cpu"))
+    files = _manifest_files(folder, dist_env)
+    if dist_env.main:
         _write_manifest_file(folder, files)
     barrier()
 
@@ -231,13 +211,13 @@ def _check_listed(ckpt: str, files: dict) -> str | None:
     return None
 
 
-def verify_checkpoint(ckpt: str, d: Dist) -> str | None:
+def verify_checkpoint(ckpt: str, dist_env: Dist) -> str | None:
     """None when every file the manifest lists has its size, and the small ones their sha256; else
     why not, in a few words, the same answer on every rank (rank 0 reads the manifest and the sizes,
     then the ranks hash a share of the small files each). Big files are not reread: sizes and the
     manifest (written last, once every rank is done) are what says a save completed."""
     out = [None, []]  # (reason, files to hash)
-    if d.main:
+    if dist_env.main:
         try:
             with open(os.path.join(ckpt, MANIFEST)) as f:
                 manifest = json.load(f)
@@ -253,30 +233,30 @@ def verify_checkpoint(ckpt: str, d: Dist) -> str | None:
             out[0] = f"no {MANIFEST} (written before manifests, or never completed)"
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             out[0] = f"{MANIFEST} cannot be read ({type(e).__name__}: {e})"
-    if d.world > 1:
+    if dist_env.world > 1:
         dist.broadcast_object_list(out, src=0)
     if out[0] is not None:
         return out[0]
-    found = _entries(ckpt, out[1], d)
+    found = _entries(ckpt, out[1], dist_env)
     bad = [None]
-    if d.main:
+    if dist_env.main:
         with open(os.path.join(ckpt, MANIFEST)) as f:
             wanted = json.load(f)["files"]
         mismatched = [name for name in out[1] if found[name][1] != wanted[name][1]]
         bad = [f"{mismatched[0]} does not match its sha256 in the manifest" if mismatched else None]
-    if d.world > 1:
+    if dist_env.world > 1:
         dist.broadcast_object_list(bad, src=0)
     return bad[0]
 
 
-def run_paths(args, d: Dist, script: str) -> tuple[str, str | None]:
+def run_paths(args, dist_env: Dist, script: str) -> tuple[str, str | None]:
     """The run folder and the checkpoint to resume from (None: a fresh run). --resume auto takes the
     newest complete checkpoint of this exp_name and seed under --output-dir, or starts a fresh run
     when there is none, so the same command serves the first launch and every torchrun restart. Rank
     0 lists the checkpoints and names a fresh run folder; every rank then reads the same files and
     reaches the same verdict, so an error stops all ranks at once."""
     listed = [None, None]  # (candidate checkpoints, newest first; a fresh run's folder)
-    if d.main:
+    if dist_env.main:
         candidates = [args.resume] if args.resume not in (None, "auto") else []
         if args.resume == "auto":
             runs = own_runs(args.output_dir, args.exp_name, args.seed)
@@ -285,20 +265,20 @@ def run_paths(args, d: Dist, script: str) -> tuple[str, str | None]:
             candidates = [p for _, _, p in reversed(found)]
         fresh = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time())}")
         listed = [[os.path.normpath(p) for p in candidates], fresh]
-    if d.world > 1:
+    if dist_env.world > 1:
         dist.broadcast_object_list(listed, src=0)
     candidates, fresh = listed
     ckpt = None
     for path in candidates:  # the newest that verifies
-        reason = verify_checkpoint(path, d)
+        reason = verify_checkpoint(path, dist_env)
         if reason is None:
             ckpt = path
             break
         if args.resume != "auto":
             fail(f"--resume {path}: {reason}; resume from another checkpoint (or --resume auto)")
-        if d.main:
+        if dist_env.main:
             print(f"--resume auto: skipping {path}: {reason}")
-    if args.resume == "auto" and ckpt is None and d.main:
+    if args.resume == "auto" and ckpt is None and dist_env.main:
         print(f"--resume auto: no checkpoint of {args.exp_name}__{args.seed}__<time> under "
               f"{args.output_dir}, starting a fresh run")
     step = 0
@@ -317,12 +297,12 @@ def run_paths(args, d: Dist, script: str) -> tuple[str, str | None]:
                      "resume, or start a new run without --resume")
         changed = [f"--{k.replace('_', '-')} {then[k]} -> {v}" for k, v in now.items()
                    if k in then and then[k] != v and k != "resume"]
-        if d.main:
+        if dist_env.main:
             print(f"resuming {ckpt} (step {step})")
             if changed:
                 print(f"changed on resume, in effect from step {step + 1}: {', '.join(changed)}")
     if step >= args.num_steps:  # e.g. a restart after the last checkpoint was written
-        if d.main:
+        if dist_env.main:
             print(f"{ckpt} is at step {step} and --num-steps is {args.num_steps}: nothing to do")
         cleanup()
         raise SystemExit(0)
@@ -392,12 +372,12 @@ _run_lock = []  # rank 0's open run folder and writer.lock
 _fresh = []  # a fresh run folder this process made and has not logged into yet
 
 
-def claim_run_dir(run_dir: str, ckpt: str | None, d: Dist) -> str:
+def claim_run_dir(run_dir: str, ckpt: str | None, dist_env: Dist) -> str:
     """Rank 0 creates a fresh run's folder (a run started in the same second with the same
     --exp-name and --seed takes the next free second's name, never the same folder) or takes a
     resumed run's, and locks it. Returns the folder, the same on every rank; a folder held by a live
     writer stops every rank with one line naming it."""
-    return on_rank0(lambda: _claim_run_dir(run_dir, ckpt), d)
+    return on_rank0(lambda: _claim_run_dir(run_dir, ckpt), dist_env)
 
 
 def _lock(fd: int, run_dir: str, path: str) -> bool:
@@ -622,22 +602,23 @@ ON_FAIL.append(remove_unused_run_dir)
 atexit.register(remove_unused_run_dir)  # an exception or SystemExit that fail() did not raise
 
 
-def _rng_state(d: Dist) -> dict:
+def _rng_state(dist_env: Dist) -> dict:
     py, npy = random.getstate(), np.random.get_state()
     return {"python": py, "numpy": (npy[0], npy[1].tolist(), *npy[2:]),
             "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state(d.device) if d.device.type == "cuda" else None}
+            "cuda": (torch.cuda.get_rng_state(dist_env.device) if dist_env.device.type == "cuda"
+                     else None)}
 
 
-def _set_rng_state(s: dict, d: Dist):
+def _set_rng_state(s: dict, dist_env: Dist):
     random.setstate(s["python"])
     np.random.set_state((s["numpy"][0], np.array(s["numpy"][1], dtype=np.uint32), *s["numpy"][2:]))
     torch.set_rng_state(s["torch"])
     if s["cuda"] is not None:
-        torch.cuda.set_rng_state(s["cuda"], d.device)
+        torch.cuda.set_rng_state(s["cuda"], dist_env.device)
 
 
-def resume_state(ckpt: str | None, optimizer, scheduler, d: Dist) -> dict:
+def resume_state(ckpt: str | None, optimizer, scheduler, dist_env: Dist) -> dict:
     """Restore optimizer, lr schedule and this rank's RNG states from `ckpt` and return the loop's
     state (step, reward curve, non-finite run, wall time); a fresh run's state when ckpt is None.
     The data position is a pure function of the step (prompt_indices), so the step restores it.
@@ -647,12 +628,12 @@ def resume_state(ckpt: str | None, optimizer, scheduler, d: Dist) -> dict:
     if ckpt is None:
         return {"step": 0, "reward_curve": [], "nonfinite_run": 0, "wall_time": 0.0}
     state = read_trainer_state(ckpt)
-    same_world = state["world"] == d.world
+    same_world = state["world"] == dist_env.world
     if same_world:  # this rank's own file: bitwise what it held
-        blob = torch.load(os.path.join(state_dir(ckpt), f"rank{d.rank}.pt"), map_location="cpu",
-                          weights_only=True)
+        blob = torch.load(os.path.join(state_dir(ckpt), f"rank{dist_env.rank}.pt"),
+                          map_location="cpu", weights_only=True)
     else:
-        blob = _resharded(state_dir(ckpt), state["world"], optimizer, d)
+        blob = _resharded(state_dir(ckpt), state["world"], optimizer, dist_env)
     # this run's
     flags = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     optimizer.load_state_dict(blob["optimizer"])
@@ -678,17 +659,18 @@ def resume_state(ckpt: str | None, optimizer, scheduler, d: Dist) -> dict:
         group["lr"] = base * factor(scheduler.last_epoch)
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
     if same_world:
-        _set_rng_state(blob["rng"], d)
+        _set_rng_state(blob["rng"], dist_env)
     else:  # no rank's RNG states carry over one-to-one: each rank's drawn from (seed, step, rank)
-        seed_rank(state.get("args", {}).get("seed", 0) + state["step"], d)
-        if d.main:
-            print(f"{ckpt} was written by {state['world']} rank(s), this run has {d.world}: the "
-                  "optimizer state is resharded (exact), each rank's RNG re-seeded from (seed, "
-                  f"step {state['step']}, rank), and the data split over ranks is this run's")
+        seed_rank(state.get("args", {}).get("seed", 0) + state["step"], dist_env)
+        if dist_env.main:
+            print(f"{ckpt} was written by {state['world']} rank(s), this run has "
+                  f"{dist_env.world}: the optimizer state is resharded (exact), each rank's RNG "
+                  f"re-seeded from (seed, step {state['step']}, rank), and the data split over "
+                  "ranks is this run's")
     return state
 
 
-def _resharded(folder: str, old_world: int, optimizer, d: Dist) -> dict:
+def _resharded(folder: str, old_world: int, optimizer, dist_env: Dist) -> dict:
     """A rank{r}.pt blob for this rank of a new world size, from the old world's files: every
     moment is the old ranks' shards concatenated along dim 0 (FSDP2's Shard(0): rank r holds rows
     [r*c, r*c + its length) of the full tensor, c = ceil(rows / world), the last ranks fewer or
@@ -751,7 +733,7 @@ def reshard_rows(shards: list[torch.Tensor], start: int, length: int) -> torch.T
     return torch.cat(out) if len(out) > 1 else out[0].clone()
 
 
-def save_checkpoint(run_dir: str, step: int, policy, tok, optimizer, scheduler, d: Dist,
+def save_checkpoint(run_dir: str, step: int, policy, tok, optimizer, scheduler, dist_env: Dist,
                     args, script: str, **loop_state):
     """Write {run_dir}/step_{step} (see above; trainer_state.json holds the run's flags too)
     atomically, then delete all but the newest --keep-checkpoints (0: keep all).
@@ -762,19 +744,20 @@ def save_checkpoint(run_dir: str, step: int, policy, tok, optimizer, scheduler, 
     full disk) stops every rank with one line, the partial .tmp_step_N removed: the previous
     checkpoints stay what --resume auto takes."""
     lora = is_lora(policy.lm)
-    if d.sharded:  # every parameter as its shard (a unit left gathered would be written whole)
+    if dist_env.sharded:  # every parameter as its shard (a unit left gathered: written whole)
         from torch.distributed.fsdp import FSDPModule
 
         for m in policy.modules():
             if isinstance(m, FSDPModule):
                 m.reshard()
-    if d.sharded and lora:
+    if dist_env.sharded and lora:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(policy.lm,
                                   options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    elif d.sharded:
-        sd = full_state_dict(policy.lm, d, torch.bfloat16)  # rank 0: the export's; None elsewhere
+    elif dist_env.sharded:
+        # rank 0: the export's; None elsewhere
+        sd = full_state_dict(policy.lm, dist_env, torch.bfloat16)
     else:
         sd = None  # one process: the model's own tensors
     path, tmp = os.path.join(run_dir, f"step_{step}"), os.path.join(run_dir, f".tmp_step_{step}")
@@ -787,26 +770,27 @@ def save_checkpoint(run_dir: str, step: int, policy, tok, optimizer, scheduler, 
             tok.save_pretrained(os.path.join(tmp, MODEL))
         else:
             write_model(os.path.join(tmp, MODEL), policy.lm, sd, tok)
-            if not d.sharded:  # the master weights, as held
+            if not dist_env.sharded:  # the master weights, as held
                 _save_pretrained(policy.lm, os.path.join(tmp, STATE), None)
 
     def training_state():  # every rank, once rank 0 has made the folder
-        if d.sharded and not lora:
-            write_masters(os.path.join(tmp, STATE), policy.lm, d)
-        write_training_state(os.path.join(tmp, STATE), optimizer, scheduler, d)
+        if dist_env.sharded and not lora:
+            write_masters(os.path.join(tmp, STATE), policy.lm, dist_env)
+        write_training_state(os.path.join(tmp, STATE), optimizer, scheduler, dist_env)
 
     def trainer_state():
         with open(os.path.join(tmp, STATE, "trainer_state.json"), "w") as f:
-            json.dump({"step": step, "world": d.world, "script": script, "args": vars(args),
+            json.dump({"step": step, "world": dist_env.world, "script": script, "args": vars(args),
                        **loop_state}, f)
 
-    _or_stop(_attempt(export, tmp) if d.main else None, tmp, d)
+    _or_stop(_attempt(export, tmp) if dist_env.main else None, tmp, dist_env)
     sd = None  # the export's full copy freed before the training state is written
-    _or_stop(_attempt(training_state, tmp), tmp, d)
-    _or_stop(_attempt(trainer_state, tmp) if d.main else None, tmp, d)
-    files = _manifest_files(tmp, d)  # last: a folder without it is incomplete
-    _or_stop(_attempt(lambda: _write_manifest_file(tmp, files), tmp) if d.main else None, tmp, d)
-    if d.main:
+    _or_stop(_attempt(training_state, tmp), tmp, dist_env)
+    _or_stop(_attempt(trainer_state, tmp) if dist_env.main else None, tmp, dist_env)
+    files = _manifest_files(tmp, dist_env)  # last: a folder without it is incomplete
+    _or_stop(_attempt(lambda: _write_manifest_file(tmp, files), tmp) if dist_env.main else None,
+             tmp, dist_env)
+    if dist_env.main:
         if os.path.exists(path):  # the same step written again: swap, then delete the old copy
             os.rename(path, tmp + ".old")
         os.rename(tmp, path)
@@ -816,7 +800,7 @@ def save_checkpoint(run_dir: str, step: int, policy, tok, optimizer, scheduler, 
     return path
 
 
-def full_state_dict(lm, d: Dist, dtype: torch.dtype) -> dict | None:
+def full_state_dict(lm, dist_env: Dist, dtype: torch.dtype) -> dict | None:
     """FSDP2: the model's full state dict in dtype on rank 0's CPU (None on the other ranks), every
     rank taking part. One tensor at a time, each cast before its all-gather: in bf16 rank 0 holds
     half of an fp32 gather and the GPUs one full tensor at a time beside their shards. Tied weights
@@ -830,19 +814,19 @@ def full_state_dict(lm, d: Dist, dtype: torch.dtype) -> dict | None:
         key = owner.get(name, name)  # the same on every rank: each rank gathers the same tensors
         if key not in seen:
             if isinstance(v, DTensor):
-                cast = v.to_local().to(d.device, dtype if v.is_floating_point() else v.dtype)
+                cast = v.to_local().to(dist_env.device, dtype if v.is_floating_point() else v.dtype)
                 full = DTensor.from_local(cast, v.device_mesh, v.placements, shape=v.shape,
                                           stride=v.stride(), run_check=False).full_tensor()
             else:
                 full = v.to(dtype) if v.is_floating_point() else v
-            seen[key] = full.cpu() if d.main else None
+            seen[key] = full.cpu() if dist_env.main else None
             del full
-        if d.main:
+        if dist_env.main:
             out[name] = seen[key]
-    return out if d.main else None
+    return out if dist_env.main else None
 
 
-def write_masters(folder: str, lm, d: Dist):
+def write_masters(folder: str, lm, dist_env: Dist):
     """FSDP2: this rank's rows of every fp32 master weight (its local shard of FSDP2's Shard(0))
     into folder/masters_rank{r}.safetensors, keyed by parameter name (tied weights once); rank 0
     adds the buffers and the config and generation config that resume builds the model from. No
@@ -852,12 +836,12 @@ def write_masters(folder: str, lm, d: Dist):
 
     tensors = {n: (p.to_local() if isinstance(p, DTensor) else p).detach().cpu().contiguous()
                for n, p in lm.named_parameters()}
-    if d.main:
+    if dist_env.main:
         tensors.update({BUFFER + n: b.detach().cpu().contiguous() for n, b in lm.named_buffers()})
         lm.config.save_pretrained(folder)
         lm.generation_config.save_pretrained(folder)
-    save_file(tensors, os.path.join(folder, MASTERS.format(d.rank)),
-              metadata={"rank": str(d.rank), "world": str(d.world)})
+    save_file(tensors, os.path.join(folder, MASTERS.format(dist_env.rank)),
+              metadata={"rank": str(dist_env.rank), "world": str(dist_env.world)})
 
 
 def masters_files(folder: str) -> list[str]:
@@ -870,7 +854,7 @@ def masters_files(folder: str) -> list[str]:
     return files
 
 
-def load_masters(lm, folder: str, d: Dist):
+def load_masters(lm, folder: str, dist_env: Dist):
     """Every parameter of lm (FSDP2: this rank's rows, its local shard; one process: all of them)
     from the masters_rank*.safetensors in folder, written by any number of ranks: the old shards'
     rows in order make the full tensor, of which only the rows this rank holds are read (bitwise
@@ -945,7 +929,7 @@ def write_model(folder: str, lm, sd: dict | None, tok, dtype: torch.dtype = torc
     tok.save_pretrained(folder)
 
 
-def write_training_state(folder: str, optimizer, scheduler, d: Dist):
+def write_training_state(folder: str, optimizer, scheduler, dist_env: Dist):
     """rank{r}.pt into folder: this rank's optimizer shard (FSDP2: its local tensors), the lr
     schedule and this rank's RNG states."""
     from torch.distributed.tensor import DTensor
@@ -953,8 +937,8 @@ def write_training_state(folder: str, optimizer, scheduler, d: Dist):
     optim = optimizer.state_dict()
     optim["state"] = {i: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in s.items()}
                       for i, s in optim["state"].items()}
-    torch.save({"optimizer": optim, "scheduler": scheduler.state_dict(), "rng": _rng_state(d)},
-               os.path.join(folder, f"rank{d.rank}.pt"))
+    torch.save({"optimizer": optim, "scheduler": scheduler.state_dict(),
+                "rng": _rng_state(dist_env)}, os.path.join(folder, f"rank{dist_env.rank}.pt"))
 
 
 # What a short write looks like where the error is not an OSError: torch.save's zip writer, and
@@ -1021,17 +1005,17 @@ def writing(run_dir: str, path: str):
              "--resume auto from its last checkpoint once it can be written")
 
 
-def _or_stop(err: str | None, tmp: str, d: Dist):
+def _or_stop(err: str | None, tmp: str, dist_env: Dist):
     """Every rank learns of any rank's failed write (the first one's line); then the partial folder
     is removed and every rank stops with that line."""
     errs = [err]
-    if d.world > 1:
-        errs = [None] * d.world
+    if dist_env.world > 1:
+        errs = [None] * dist_env.world
         dist.all_gather_object(errs, err)
     err = next((e for e in errs if e is not None), None)
     if err is None:
         return
-    if d.main:
+    if dist_env.main:
         shutil.rmtree(tmp, ignore_errors=True)
     fail(err)
 

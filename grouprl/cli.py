@@ -466,6 +466,15 @@ def fill_defaults(args):
         else args.truncated_reward_scale)
 
 
+def generation_kwargs(args) -> dict:
+    """The rollout's flags as common.generate's keywords (sampling, lengths, --gen-mode)."""
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                repetition_penalty=args.repetition_penalty, gen_batch_size=args.gen_batch_size,
+                unshard=args.gen_unshard, mode=args.gen_mode, cuda_graphs=args.gen_cuda_graphs,
+                engine_dtype=args.gen_dtype)
+
+
 def eval_sampling(args) -> dict:
     """The evaluation's temperature and top_p: --eval-temperature and --eval-top-p, by default the
     training ones."""

@@ -44,16 +44,16 @@ class Refused(Exception):
     """A one-line error that rank 0 alone can see (its files): on_rank0 stops every rank with it."""
 
 
-def on_rank0(fn, d):
+def on_rank0(fn, dist_env):
     """fn() on rank 0 alone, its result given to every rank; a Refused raised there stops every rank
     with its line."""
     out = [None, None]
-    if d.main:
+    if dist_env.main:
         try:
             out = [fn(), None]
         except Refused as e:
             out = [None, str(e)]
-    if d.world > 1:
+    if dist_env.world > 1:
         dist.broadcast_object_list(out, src=0)
     if out[1] is not None:
         fail(out[1])
@@ -120,9 +120,9 @@ def seed_everything(seed: int):
     torch.manual_seed(seed)
 
 
-def seed_rank(seed: int, d: Dist):
+def seed_rank(seed: int, dist_env: Dist):
     """Per-rank seed for sampling, after the (identical) model init on every rank."""
-    seed_everything(seed + 1_000_003 * d.rank)
+    seed_everything(seed + 1_000_003 * dist_env.rank)
 
 
 def all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:

@@ -16,6 +16,7 @@ FlexAttention, each live row reading only its own blocks of the KV cache and dea
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .distributed import check_host_memory
+from .distributed import check_host_memory, fail
 from .sampling import sample  # HF's penalty, temperature, top-k, top-p, min-p: on the device
 
 ARCHITECTURES = ("qwen3", "qwen2", "llama")  # config.model_type values the forward below covers
@@ -40,9 +41,8 @@ FLEX_BLOCK = 128
 # torch/_inductor/kernel/flex/flex_decoding.py). None: by the GPU, HOPPER_FLEX on Hopper (sm_90),
 # inductor's defaults elsewhere (unmeasured); a dict: exactly those (benchmarks/gpu.py --flex-options)
 FLEX_OPTIONS: dict | None = None
-# measured on an H200 (benchmarks/README.md, 2026-11-28): the engine's rollout at 40.0% / 43.4% of the
-# bandwidth bound at the Qwen3 0.6B / 1.7B shapes, against 36.4% / 40.4% with inductor's Hopper
-# default (BLOCK_N 64, 3 stages, 2 warps) in the same call; 4 stages hide more of the KV reads
+# on Hopper: inductor's default with 4 pipeline stages, not 3, which hide more of the KV reads (measured
+# against the default on an H200: benchmarks/README.md, "One GPU call")
 HOPPER_FLEX = {"BLOCK_N": 64, "num_stages": 4, "num_warps": 2}
 # with the layer compiled: whether flex_attention is compiled apart, the layer's graph broken around it
 # (True), or inside the layer's graph, its q/k norms and RoPE fused into its kernel (False). None: apart
@@ -106,6 +106,28 @@ def raise_recompile_limit():
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(dynamo, name):
             setattr(dynamo, name, max(getattr(dynamo, name), 64))
+
+
+_FALLBACK_SAID = []  # the one line saying why HF generate runs in the engine's place, said once
+
+
+def runs(config, world: int = 1, main: bool = True) -> bool:
+    """Whether the engine decodes a model of this config, its layers split over `world` ranks
+    (--gen-mode engine-tp; 1: engine): False for an architecture it does not cover, said in one
+    line, once, from the main process (HF generate, shared-prefill, runs in its place); heads that
+    do not split over the ranks fail in one line."""
+    why = unsupported(config)
+    if why:
+        if not _FALLBACK_SAID:
+            _FALLBACK_SAID.append(why)
+            if main:
+                print(f"--gen-mode engine does not cover {why}: generating with HF generate "
+                      "(shared-prefill) instead", file=sys.stderr)
+        return False
+    if world > 1 and (why := tensor_parallel_fits(config, world)):
+        fail(f"--gen-mode engine-tp: {why}; use --gen-mode engine, or a number of processes that "
+             "divides them")
+    return True
 
 
 def unsupported(config) -> str | None:

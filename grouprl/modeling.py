@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-from . import moe
+from . import engine, moe
 from .checkpoint import is_checkpoint, load_masters, masters_files, model_folder_problem, state_dir
 from .distributed import Dist, fail, main_process, seed_everything
 from .logprobs import chunked_logprobs
@@ -118,8 +117,6 @@ def check_model_flags(name: str, config, gen_mode: str, old_logp: str,
     (generate's roll["logp"]): one line where the generation mode returns none (HF generate, and the
     engine's HF fallback for an architecture it does not cover). --routing-replay: one line on a
     dense model."""
-    from . import engine
-
     needs = "--old-logp rollout" if old_logp == "rollout" else (
         "--rollout-is-cap" if rollout_is_cap is not None else None)
     if needs and gen_mode not in ("engine", "engine-tp"):
@@ -168,38 +165,11 @@ def check_not_gguf(name: str):
 
 def check_engine(config, gen_mode: str):
     """--gen-mode engine / engine-tp, before the model is built: an architecture the engine does
-    not cover is said in one line (HF generate runs instead, engine_covers); heads that do not split
-    over the processes fail in one line."""
-    if gen_mode not in ("engine", "engine-tp") or not engine_covers(config, main_process()):
-        return
-    if gen_mode == "engine-tp":
-        check_tensor_parallel(config, int(os.environ.get("WORLD_SIZE", "1")))
-
-
-_ENGINE_FALLBACK = []  # the one line saying why HF generate runs in the engine's place, said once
-
-
-def engine_covers(config, main: bool) -> bool:
-    """--gen-mode engine: True when engine.py covers this architecture; else one line (once, from
-    the main process) that HF generate (shared-prefill) runs instead."""
-    from . import engine
-
-    why = engine.unsupported(config)
-    if why and not _ENGINE_FALLBACK:
-        _ENGINE_FALLBACK.append(why)
-        if main:
-            print(f"--gen-mode engine does not cover {why}: generating with HF generate "
-                  "(shared-prefill) instead", file=sys.stderr)
-    return why is None
-
-
-def check_tensor_parallel(config, world: int):
-    """--gen-mode engine-tp over `world` processes: one line when the heads do not split."""
-    from . import engine
-
-    if why := engine.tensor_parallel_fits(config, world):
-        fail(f"--gen-mode engine-tp: {why}; use --gen-mode engine, or a number of processes that "
-             "divides them")
+    not cover is said in one line (HF generate runs instead); heads that do not split over the
+    processes fail in one line (engine.runs)."""
+    if gen_mode in ("engine", "engine-tp"):
+        world = int(os.environ.get("WORLD_SIZE", "1")) if gen_mode == "engine-tp" else 1
+        engine.runs(config, world, main_process())
 
 
 def load_tokenizer(name: str, trust_remote_code: bool):
@@ -213,10 +183,10 @@ def load_tokenizer(name: str, trust_remote_code: bool):
     return tok
 
 
-def compute_dtype(dtype: str, d: Dist) -> torch.dtype:
+def compute_dtype(dtype: str, dist_env: Dist) -> torch.dtype:
     """--dtype's compute dtype: auto is bf16 on GPU, fp32 on CPU; bf16 and bf16-pure are bf16."""
     if dtype == "auto":
-        return torch.bfloat16 if d.device.type == "cuda" else torch.float32
+        return torch.bfloat16 if dist_env.device.type == "cuda" else torch.float32
     return torch.float32 if dtype == "fp32" else torch.bfloat16
 
 
@@ -226,7 +196,7 @@ def weights_dtype(dtype: str) -> torch.dtype:
     return torch.bfloat16 if dtype == "bf16-pure" else torch.float32
 
 
-def load_model(name: str, tok, d: Dist, seed: int, trust_remote_code: bool = False,
+def load_model(name: str, tok, dist_env: Dist, seed: int, trust_remote_code: bool = False,
                dtype: str = "auto", lora: LoraSpec | None = None):
     """One process: the model on its device, fp32 master weights (bf16 with --dtype bf16-pure);
     wrap_policy has them computed in the compute dtype. Under torchrun: fp32 master weights (FSDP2
@@ -257,7 +227,7 @@ def load_model(name: str, tok, d: Dist, seed: int, trust_remote_code: bool = Fal
     if sharded_masters and lora is not None:
         fail(f"--model {name}: the training state of a torchrun checkpoint (its master weights, "
              "one file a rank) cannot be a LoRA base; give its export, step_N/model")
-    frozen = None if lora is None else compute_dtype(dtype, d)  # the base's dtype under LoRA
+    frozen = None if lora is None else compute_dtype(dtype, dist_env)  # the base's dtype under LoRA
 
     def skeleton(dt):
         """The model without weights (the meta device), with its generation config."""
@@ -285,25 +255,25 @@ def load_model(name: str, tok, d: Dist, seed: int, trust_remote_code: bool = Fal
                                                     trust_remote_code=trust_remote_code)
 
     rank0_weights = None
-    if not d.sharded and sharded_masters:  # every old rank's rows, into one model
+    if not dist_env.sharded and sharded_masters:  # every old rank's rows, into one model
         lm = skeleton(weights_dtype(dtype)).to_empty(device="cpu")
         lm.tie_weights()  # to_empty gives tied weights a tensor each
-        load_masters(lm, path, d)
-        lm = lm.to(d.device)
-    elif not d.sharded:
-        lm = adapt(build(frozen or weights_dtype(dtype)).to(d.device))
+        load_masters(lm, path, dist_env)
+        lm = lm.to(dist_env.device)
+    elif not dist_env.sharded:
+        lm = adapt(build(frozen or weights_dtype(dtype)).to(dist_env.device))
     elif sharded_masters:  # each rank reads its own rows in wrap_policy
         lm, rank0_weights = skeleton(torch.float32), path
     else:
         lm = skeleton(frozen or torch.float32)
         # rank 0's adapters drawn first, as one process draws them (peft's init on the meta device
         # still draws from the RNG)
-        src = adapt(build(frozen or torch.float32)) if d.main else None
+        src = adapt(build(frozen or torch.float32)) if dist_env.main else None
         lm = adapt(lm)
         # for wrap_policy
-        rank0_weights = (src.state_dict(), dict(src.named_buffers())) if d.main else None
+        rank0_weights = (src.state_dict(), dict(src.named_buffers())) if dist_env.main else None
     lm.config.use_cache = True
-    if lora is not None and d.main:
+    if lora is not None and dist_env.main:
         print(describe(lm))
     return lm, rank0_weights
 
@@ -415,8 +385,9 @@ class Policy(torch.nn.Module):
         return (logp, ent.view(B, T)) if entropy else logp
 
 
-def wrap_policy(lm, d: Dist, temperature: float, chunk_tokens: int, activation_checkpointing: bool,
-                dtype: str = "auto", cpu_offload: bool = False, rank0_weights=None) -> Policy:
+def wrap_policy(lm, dist_env: Dist, temperature: float, chunk_tokens: int,
+                activation_checkpointing: bool, dtype: str = "auto", cpu_offload: bool = False,
+                rank0_weights=None) -> Policy:
     """Plain `python`: the plain model, its weights (fp32, bf16 with --dtype bf16-pure, load_model)
     computed in the compute dtype under torch.autocast (Policy) where that is not theirs. Under
     torchrun (one process too): FSDP2, `fully_shard` on each decoder layer, then the root (the tied
@@ -428,18 +399,18 @@ def wrap_policy(lm, d: Dist, temperature: float, chunk_tokens: int, activation_c
         lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         # generation still uses the KV cache (checkpointing acts only in training)
         lm.config.use_cache = True
-    compute = compute_dtype(dtype, d)
+    compute = compute_dtype(dtype, dist_env)
     # the trained weights' dtype (under LoRA the adapters', fp32 beside a bf16 base)
     weights = next((p for p in lm.parameters() if p.requires_grad), next(lm.parameters())).dtype
-    autocast = compute if not d.sharded and compute != weights else None
+    autocast = compute if not dist_env.sharded and compute != weights else None
     policy = Policy(lm, temperature, chunk_tokens, autocast)
     policy.compute_dtype = compute  # what --gen-mode engine decodes in
-    if not d.sharded and d.main and compute == torch.bfloat16:
+    if not dist_env.sharded and dist_env.main and compute == torch.bfloat16:
         print("one process: " + ("fp32 master weights and AdamW state, computed in bf16 "
                                  "(torch.autocast)" if autocast else
                                  "bf16 weights and AdamW state (updates below bf16's resolution "
                                  "are lost)"))
-    if d.sharded:
+    if dist_env.sharded:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
                                             fully_shard, register_fsdp_forward_method)
@@ -449,9 +420,10 @@ def wrap_policy(lm, d: Dist, temperature: float, chunk_tokens: int, activation_c
         for layer in lm.get_decoder().layers:
             fully_shard(layer, **kw)
         fully_shard(policy, **kw)
-        if d.main:
-            print(f"FSDP2 over {d.world} process(es): {len(lm.get_decoder().layers)} decoder "
-                  f"layers + the root, fp32 master weights computed in {compute}"
+        if dist_env.main:
+            print(f"FSDP2 over {dist_env.world} process(es): "
+                  f"{len(lm.get_decoder().layers)} decoder layers + the root, fp32 master weights "
+                  f"computed in {compute}"
                   + (", CPU offload" if cpu_offload else ""))
         # sum the gradients over ranks: each rank's loss is already divided by the minibatch's count
         # over all ranks (the loss's `norm`)
@@ -461,27 +433,27 @@ def wrap_policy(lm, d: Dist, temperature: float, chunk_tokens: int, activation_c
                 m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
         register_fsdp_forward_method(policy, "generate")
         # meta -> real (uninitialised) shards
-        policy.to_empty(device="cpu" if cpu_offload else d.device)
+        policy.to_empty(device="cpu" if cpu_offload else dist_env.device)
         # buffers (rotary inv_freq: outside the state dict) live on the GPU even with --cpu-offload
         for mod in lm.modules():
             for n, b in mod._buffers.items():
                 if b is not None:
-                    mod._buffers[n] = b.to(d.device)
+                    mod._buffers[n] = b.to(dist_env.device)
         if isinstance(rank0_weights, str):  # a torchrun checkpoint: each rank reads its own rows
-            load_masters(lm, rank0_weights, d)
+            load_masters(lm, rank0_weights, dist_env)
             return policy
         state, buffers = rank0_weights or ({}, {})
         set_model_state_dict(lm, state, options=StateDictOptions(full_state_dict=True,
                                                                  broadcast_from_rank0=True))
         for n, b in lm.named_buffers():  # from rank 0 too
-            if d.main:
+            if dist_env.main:
                 b.copy_(buffers[n])
             dist.broadcast(b, src=0)
         del state, buffers
     return policy
 
 
-def reference_policy(args, tok, d: Dist, policy: Policy | None = None):
+def reference_policy(args, tok, dist_env: Dist, policy: Policy | None = None):
     """The frozen reference of the KL penalty (--kl-coef): the initial model, --model (not the
     checkpoint a run resumes from), loaded and wrapped as the policy is, without gradients or
     activation checkpointing; under LoRA the policy itself with its adapters off (the base: no
@@ -491,9 +463,9 @@ def reference_policy(args, tok, d: Dist, policy: Policy | None = None):
         return None
     if getattr(args, "lora_rank", 0) > 0:
         return adapters_disabled(policy)
-    ref_lm, ref_weights = load_model(args.model, tok, d, args.seed, args.trust_remote_code,
+    ref_lm, ref_weights = load_model(args.model, tok, dist_env, args.seed, args.trust_remote_code,
                                      args.dtype)
-    return wrap_policy(ref_lm.requires_grad_(False), d, args.temperature,
+    return wrap_policy(ref_lm.requires_grad_(False), dist_env, args.temperature,
                        args.logprob_chunk_tokens, False, args.dtype, args.cpu_offload,
                        ref_weights).eval()
 

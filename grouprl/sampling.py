@@ -1,67 +1,12 @@
 """The rollout's sampler on the device: HF's repetition penalty, temperature, top-k, top-p and
-min-p, one exponential race.
+min-p, then one draw, with no sort of the vocabulary, no host sync and no data-dependent shape.
 
-`sample(logits, temperature, top_k, top_p, min_p, repetition_penalty, seen=, generator=, noise=)`
--> (tokens [R], log-probs [R]). Semantics are transformers' RepetitionPenaltyLogitsProcessor (on
-the raw float32 logits of the ids `seen` marks: the prompt's and the completion's so far), then
-TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, in the order HF's
-generate applies them (min_tokens_to_keep 1), then one draw from the softmax of what is kept.
-The log-prob is the token's under the temperature-scaled softmax over the whole vocabulary of the
-penalised logits (before top-k/top-p/min-p): without a penalty (repetition_penalty 1) the policy's
-own log-prob at this temperature, what Policy.forward recomputes; with one, the penalised
-sampler's, which is not the policy's (so --old-logp rollout refuses a penalty: cli.py).
-
-How (three steps, no sort of the vocabulary, no host sync, no shape that depends on the data):
-0. repetition penalty: x = float(logits); where seen, x * penalty if x < 0 else x / penalty (HF's
-   own two float32 operations, so the penalised logits are HF's bit for bit).
-1. s = x / T. top-k: the k-th largest by torch.topk; kept: s >= kth (HF keeps the
-   ties at the k-th value). The softmax's max and normaliser Z over the whole vocabulary.
-2. top-p: HF removes token j iff the cumulative probability of the ascending sort up to j is
-   <= 1 - p, i.e. keeps j iff the mass ranked strictly above j is < p. The boundary value is
-   found exactly by a radix select on the float's order-preserving 32-bit key: four rounds of a
-   256-bucket histogram of the probability mass (scatter_add), each fixing 8 more bits of the
-   boundary key (a fixed number of rounds: exact among float32 values, no bisection tolerance).
-   With top_k > 0 the rounds run over the k candidates torch.topk returned, not the vocabulary.
-   A tie group cut by the boundary keeps its members of highest index (what the ascending sort
-   HF calls returns when it is stable), at least one token always kept.
-   min-p: HF removes j iff p_j < min_p * max p over what top-k/top-p kept; the max is the
-   vocabulary's (always kept) and p_j / max p = exp(s_j - max), so kept iff exp(s_j - max) >=
-   min_p: one compare on the exp(s - max) the race reads anyway (the max itself always kept).
-3. Exponential race: token = argmax over the kept set of exp(s - max) / E, E ~ Exp(1) i.i.d.
-   (Gumbel-max: the argmax of s - log E). This is torch.multinomial's own algorithm for one
-   sample (argmax p / E), so with the same generator state the tokens are HF's (warpers, then
-   torch.multinomial) up to float rounding of near-ties.
-
-Reads of the [rows, vocab] logits, each a loop over them (eager: one or a few aten ops each;
-under torch.compile inductor fuses each loop into one kernel):
-  top_p == 1, top_k == 0: max, sum of exp, race (+ the noise)                      3
-  top_p == 1, top_k > 0:  topk, sum of exp, race                                   3
-  top_p < 1,  top_k > 0:  topk, sums of exp (all and kept), tie count + cumsum, race 4
-  top_p < 1,  top_k == 0: max, sum of exp, 4 radix rounds, tie count + cumsum, race 8
-  min_p > 0: no more (its compare is in the race's loop, on the exp(s - max) it reads);
-  repetition_penalty != 1: no more over the logits (the penalty is applied where the first loop
-  reads them), plus the [rows, vocab] bool `seen` read there (a quarter of fp32 logits' bytes;
-  the engine sets one entry a row a step).
-Measured (benchmarks/sampler_speed.py, CPU): inductor kernels 1 / 8 / 9 + aten topk / 2 + aten topk
-in the rows' order (bf16 logits, noise passed in); eager aten ops (fp32) 17 / 182 / 197 / 22, on
-[rows, vocab] 11 / 61 / 36 / 14 of them (HF's warpers + multinomial: 8 / 17 / 21 / 12 ops).
-On 2026-11-28 (torch 2.13, which leaves top-p's cumsums to aten: 1 / 6 + 5 cumsum / 7 + topk + 5
-cumsum / 2 + topk): min-p 0.05, the penalty 1.3, or both beside top-p 0.9 add no kernel (1 -> 1,
-1 -> 1, 6 -> 6); eager they add 3, 5 and 7 aten ops on [rows, vocab] (fp32, --rows 64: the
-penalty 0.37 -> 0.51 s a call on one CPU thread, where HF's gather/scatter over 64 ids costs
-nothing measurable; on a GPU, fused, it is the read of `seen`).
-Exactness: the kept set is HF's in exact arithmetic. Float32 sums (our histograms, HF's cumsum)
-can differ only where the boundary lies within rounding (~1e-7 of the mass) of a cumulative sum,
-and HF's subset of a tie group cut by the boundary is whatever its unstable sort gives (the count
-is the same); tests/test_sampling.py checks both.
-The noise is one [rows, vocab] float32 tensor (drawn by `exponential_` from `generator`, or
-passed as `noise`), written once and read once, unless a compiled caller draws it in-kernel.
-HF's warpers + multinomial make ~9 passes plus a full sort when top_p < 1. The engine samples
-with this function inside its decoding step (engine.Engine.step: in the CUDA graph, compiled
-with the layers on a GPU), and after each prefill.
-temperature == 0: greedy (argmax of the penalised logits, the lowest index among ties; top-k,
-top-p and min-p do not change an argmax), log-prob under the softmax at temperature 1 (the limit
-has no finite log-prob to compare with).
+sample(logits [R, V], ...) -> (tokens [R], log-probs [R]): the kept set is HF's processors' (in
+the order HF's generate applies them); the draw is an exponential race, argmax over the kept set
+of exp(s - max) / E with E ~ Exp(1) (torch.multinomial's own algorithm for one sample); the
+log-prob is the token's under the temperature-scaled softmax over the whole vocabulary of the
+penalised logits (before top-k/top-p/min-p). How each step is computed, what it reads and how it
+was measured: docs/engine.md (the sampler, step by step).
 """
 import torch
 

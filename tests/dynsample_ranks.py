@@ -42,13 +42,14 @@ def score(texts, rows, n, reward):
 common.generate, common.score = generate, score
 for max_rounds, want in [(10, (3, 4.0, 4.0, 0.0)), (2, (2, 2.0, 2.0, 2.0))]:
     calls.clear()
-    rows, roll, rewards, errors, logs = common.sample_groups(
+    roll = common.sample_groups(
         policy, tok, train, 1, modeling.eos_ids(lm, tok), d, SimpleNamespace(values={}), gen_kw, per_rank=2,
         group_size=2, seed=0, dynamic=True, max_rounds=max_rounds)
+    rows, rewards, logs = roll.rows, roll.rewards, roll.stats
     got = (logs["charts/gen_rounds"], logs["charts/dropped_groups"], logs["charts/surplus_groups"],
            logs["charts/filled_groups"])
     assert len(calls) == want[0] and got == want, (d.rank, len(calls), got, want)
-    assert len(rows) == 2 and roll["input_ids"].shape[0] == 4 == len(rewards) == len(roll["texts"])
+    assert len(rows) == 2 and roll.input_ids.shape[0] == 4 == len(rewards) == len(roll.texts)
     flat_kept = 2 if d.rank == 1 and max_rounds == 2 else 0
     assert rewards.tolist() == [0.0] * 2 * flat_kept + [0.0, 1.0] * (2 - flat_kept), (d.rank, rewards)
 if d.main:

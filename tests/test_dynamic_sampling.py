@@ -66,9 +66,13 @@ def train_rows(n=40):
 
 
 def sample(reward, dynamic=True, max_rounds=10, per_rank=4, group_size=2, step=3):
-    return common.sample_groups(None, SimpleNamespace(pad_token_id=PAD), train_rows(), step, [1], Dist(0, 1, CPU),
-                                reward, {}, per_rank=per_rank, group_size=group_size, seed=5, dynamic=dynamic,
-                                max_rounds=max_rounds)
+    """common.sample_groups' Rollout as (rows, generate()'s entries, rewards, reward errors, stats)."""
+    r = common.sample_groups(None, SimpleNamespace(pad_token_id=PAD), train_rows(), step, [1], Dist(0, 1, CPU),
+                             reward, {}, per_rank=per_rank, group_size=group_size, seed=5, dynamic=dynamic,
+                             max_rounds=max_rounds)
+    roll = {"input_ids": r.input_ids, "attention_mask": r.attention_mask, "n_prompt": r.n_prompt, "mask": r.mask,
+            "truncated": r.truncated, "texts": r.texts, "logp": r.logp}
+    return r.rows, roll, r.rewards, r.reward_errors, r.stats
 
 
 def expected_roll(kept, P, T, group_size=2):

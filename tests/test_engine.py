@@ -378,7 +378,7 @@ def test_scripts_train_with_the_engine(script, monkeypatch, tmp_path):
 def test_an_architecture_the_engine_does_not_cover_falls_back_with_one_line(setup, monkeypatch, capsys):
     tok, lm, ids = setup
     monkeypatch.setattr(engine, "unsupported", lambda config: "model_type 'other' (the engine covers ...)")
-    monkeypatch.setattr(modeling, "_ENGINE_FALLBACK", [])
+    monkeypatch.setattr(engine, "_FALLBACK_SAID", [])
     d = Dist(0, 1, CPU)
     kw = dict(max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=1, gen_batch_size=8)
     texts = [tok.decode(p) for p in ids]
@@ -415,7 +415,7 @@ def test_engine_tp_heads_that_do_not_split_fail_before_any_model(monkeypatch, tm
 def test_check_model_says_the_fallback_before_the_model_is_built(monkeypatch, capsys):
     """An architecture the engine does not cover: the one line comes at check_model (config only), once."""
     monkeypatch.setattr(engine, "unsupported", lambda config: "model_type 'other' (the engine covers ...)")
-    monkeypatch.setattr(modeling, "_ENGINE_FALLBACK", [])
+    monkeypatch.setattr(engine, "_FALLBACK_SAID", [])
     modeling.check_model("tiny", False, "engine")
     modeling.check_model("tiny", False, "engine")
     modeling.check_model("tiny", False, "shared-prefill")

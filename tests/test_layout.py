@@ -2,6 +2,7 @@
 folder the README says to copy run one algorithm on their own, and the modules import each other in one direction
 (no module imports a script, the package never imports common.py, no circle)."""
 import ast
+import difflib
 import glob
 import json
 import os
@@ -178,3 +179,37 @@ def test_no_benchmark_shadows_a_module():
     modules = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "*.py"))} | {f"{PACKAGE}.py"}
     benches = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "benchmarks", "*"))}
     assert not modules & benches and PACKAGE not in benches
+
+
+def main_and_loop(script: str) -> tuple[list[str], list[str]]:
+    """A script's main() (from `def main():` to the `if __name__` guard) and its step loop (`for step in bar:`
+    to the first line back at main's own indent)."""
+    lines = open(os.path.join(ROOT, f"{script}.py")).read().split("\n")
+    start, end = lines.index("def main():"), lines.index('if __name__ == "__main__":')
+    main = [line for line in lines[start:end]]
+    while main and not main[-1].strip():
+        main.pop()
+    first = main.index("    for step in bar:")
+    last = next(i for i in range(first + 1, len(main)) if main[i].strip() and not main[i].startswith("     "))
+    return main, main[first:last]
+
+
+def test_the_loop_reads_in_one_sitting():
+    """main() in at most ~170 lines, its step loop in at most 100, and each script's loop differs from gspo.py's in at
+    most 30 lines: the objective, its flags and its stats, the rest folded into named calls (common.Updates,
+    rollout_log, policy_log_probs ...)."""
+    _, gspo_loop = main_and_loop("gspo")
+    for script in SCRIPTS:
+        main, loop = main_and_loop(script)
+        assert len(main) <= 170 and len(loop) <= 100, (script, len(main), len(loop))
+        changed = [d for d in difflib.ndiff(gspo_loop, loop) if d[:2] in ("+ ", "- ")]
+        assert len(changed) <= 30, (script, len(changed), changed)
+
+
+def test_the_readme_is_a_front_door_and_the_library_holds_no_dated_measurement():
+    """The README in at most 200 lines (the measurements' narrative is docs/results.md); common.py and the package
+    carry no dated measurement in a comment or docstring (those go to benchmarks/ and docs/)."""
+    assert len(open(os.path.join(ROOT, "README.md")).read().split("\n")) <= 200
+    for path in [os.path.join(ROOT, "common.py")] + glob.glob(os.path.join(ROOT, PACKAGE, "*.py")):
+        dated = re.findall(r".*\b20\d\d-\d\d-\d\d.*", open(path).read())
+        assert not dated, (path, dated)

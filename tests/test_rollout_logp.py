@@ -32,8 +32,8 @@ class StubPolicy:
 
 def rollout():
     ids = torch.arange(2)[:, None].repeat(1, 5)  # 2 prompt + 3 completion positions
-    return {"input_ids": ids, "attention_mask": torch.ones(2, 5, dtype=torch.long), "n_prompt": 2,
-            "mask": torch.tensor(MASK, dtype=torch.float32), "logp": torch.tensor(ROLL)}
+    return common.Rollout(None, ids, torch.ones(2, 5, dtype=torch.long), 2, torch.tensor(MASK, dtype=torch.float32),
+                          torch.zeros(2, dtype=torch.bool), ["", ""], torch.tensor(ROLL), None)
 
 
 def test_tis_weight_and_its_logs_by_hand():
@@ -51,7 +51,7 @@ def test_tis_weight_and_its_logs_by_hand():
     assert common.old_log_probs(policy, roll, [slice(0, 2)], "recompute", None)[1] is None
     none = StubPolicy(None, None)
     logp, weight, stats = common.old_log_probs(none, roll, [slice(0, 2)], "rollout", None)
-    assert logp is roll["logp"] and weight is None and stats == {}
+    assert logp is roll.logp and weight is None and stats == {"perf/old_logp_s": 0.0}
 
 
 @pytest.mark.parametrize("script", ["grpo", "gspo_token"])

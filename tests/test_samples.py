@@ -45,7 +45,7 @@ def test_samples_every_k_steps(tmp_path):
     """Rows of steps k, 2k, ...; a resumed run's rows: test_resume.py's branch test."""
     logged = []
     writer = types.SimpleNamespace(add_text=lambda tag, text, step: logged.append((tag, step)))
-    logger = types.SimpleNamespace(d=types.SimpleNamespace(main=True), writer=writer)
+    logger = types.SimpleNamespace(dist_env=types.SimpleNamespace(main=True), writer=writer)
     r, adv = torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([1.5, -0.5, -0.5, -0.5])
     args = (["a", "b", "c"], ["1", "2", "3"], ["x", "y", "z", "w"], r, adv, 2)
     for step in (1, 2, 3, 4):

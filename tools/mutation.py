@@ -113,15 +113,15 @@ MUTATIONS = [
       '"losses/clipfrac_seq": (clipped.any(1).sum(), len(s))', "clipfrac_seq counts masked rows"),
     M("gspo_token.py", KL, KL_WRONG_WAY, "approx_kl estimates KL(new||old)"),
     M("gspo_token.py", "after[b, lo:len(ids)] = True", "after[b, :lo] = True", "penalty before the answer, not after"),
-    M("gspo_token.py", "end = span[1] if span else 0",
-      "end = span[1] - (text[span[1] - 1:span[1]] == \"}\") if span else 0",
+    M("gspo_token.py", "end = span[1]\n",
+      "end = span[1] - (text[span[1] - 1:span[1]] == \"}\")\n",
       "\\boxed{}'s closing brace penalised"),
-    M("gspo_token.py", "end = span[1] if span else 0",
-      "end = span[1] + (text[span[1]:span[1] + 1] == \"}\") if span else 0",
+    M("gspo_token.py", "end = span[1]\n",
+      "end = span[1] + (text[span[1]:span[1] + 1] == \"}\")\n",
       "a '}' after any answer exempted, not only \\boxed{}'s (the issue 24 finding)"),
     M("gspo_token.py", "if len(tok.decode(ids[:mid], skip_special_tokens=True)) >= end:",
       "if len(tok.decode(ids[:mid], skip_special_tokens=True)) > end:", "the answer's last token penalised"),
-    M("gspo_token.py", "if span is None or not text[end:].strip():", "if span is None:",
+    M("gspo_token.py", "if not text[end:].strip():", "if not text[end:]:",
       "trailing whitespace penalised"),
     M("gspo_token.py", "ids = [i for i in completion_ids[b, :int(mask[b].sum())].tolist() if i not in eos]",
       "ids = completion_ids[b, :int(mask[b].sum())].tolist()", "the closing EOS penalised"),
@@ -197,6 +197,7 @@ MUTATIONS = [
 def copy_repo(dest: Path):
     for p in ROOT.glob("*.py"):
         shutil.copy2(p, dest / p.name)
+    shutil.copytree(ROOT / "grouprl", dest / "grouprl", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     if (ROOT / "README.md").exists():  # the README's copy line and docs/' recipes are read by tests
         shutil.copy2(ROOT / "README.md", dest / "README.md")
     if (ROOT / "docs").exists():

@@ -38,6 +38,9 @@ RUNS = {
     "gspo-reward": ["gspo.py", "--reward", "common:math_reward", *SHORT],
     "grpo-fix": ["grpo.py", "--symmetric-clip", "--loss-agg", "seq-mean-token-sum-norm", *SHORT],
     "gspo-torchrun": ["--torchrun", "gspo.py", *SHORT],
+    "dfpo-split-groups": ["dfpo.py", "--micro-batch-size", "4", "--num-iterations", "2", *SHORT],
+    "grpo-token-mean-kl": ["grpo.py", "--loss-agg", "token-mean", "--kl-coef", "0.1", "--micro-batch-size", "8",
+                           *SHORT],
 }
 NORMALISED = {"trainer_state.json", "manifest.json", "args.json"}
 
@@ -108,19 +111,22 @@ def fingerprint(name: str, argv: list[str]) -> dict:
     return {"metrics": metrics, "files": files}
 
 
-def compare(a_path: str, b_path: str) -> int:
+def compare(a_path: str, b_path: str, only_common: bool = False) -> int:
     a, b = json.load(open(a_path)), json.load(open(b_path))
     bad = 0
     for name in sorted(set(a) | set(b)):
+        if (name not in a or name not in b) and only_common:
+            continue
         if name not in a or name not in b:
             print(f"{name}: only in {a_path if name in a else b_path}")
             bad += 1
             continue
-        same_metrics = ([list(row.items()) for row in a[name]["metrics"]]  # keys in the same order too
-                        == [list(row.items()) for row in b[name]["metrics"]])
+        same_metrics = a[name]["metrics"] == b[name]["metrics"]  # every row: the same keys and values
+        same_order = [list(r) for r in a[name]["metrics"]] == [list(r) for r in b[name]["metrics"]]
         diff_files = sorted(f for f in set(a[name]["files"]) | set(b[name]["files"])
                             if a[name]["files"].get(f) != b[name]["files"].get(f))
-        print(f"{name}: metrics.jsonl {'equal' if same_metrics else 'DIFFER'} "
+        print(f"{name}: metrics.jsonl {'equal' if same_metrics else 'DIFFER'}"
+              f"{'' if same_order or not same_metrics else ' (its keys in another order)'} "
               f"({len(a[name]['metrics'])} rows), checkpoint files "
               f"{len(a[name]['files'])} {'equal' if not diff_files else 'DIFFER: ' + ', '.join(diff_files)}")
         bad += (not same_metrics) + bool(diff_files)
@@ -133,9 +139,10 @@ def main():
     p.add_argument("--out", help="write the runs' fingerprints to this JSON file")
     p.add_argument("--only", nargs="*", help="run only these (names of RUNS)")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two fingerprint files")
+    p.add_argument("--common", action="store_true", help="with --compare: only the runs both files hold")
     args = p.parse_args()
     if args.compare:
-        sys.exit(compare(*args.compare))
+        sys.exit(compare(*args.compare, only_common=args.common))
     if not args.out:
         p.error("give --out FILE or --compare A B")
     names = args.only or list(RUNS)

@@ -26,6 +26,7 @@ COMMANDS = {  # gspo_token.py with its default A_it = A_i is gspo.py to the last
     "dfpo.py": ["dfpo.py"],
     "dfpo.py --clip-gated": ["dfpo.py", "--clip-gated"],
     "dfpo.py --length-aware": ["dfpo.py", "--length-aware"],
+    "cispo.py": ["cispo.py"],
     # LoRA (README, Scaling): every linear layer of the decoder, rank 16 of the tiny model's 128, a 4x learning rate,
     # at temperature 0.3 (at 1 the tiny model's frozen random LM head caps a token's probability near 11%), next to
     # full fine-tuning at the same temperature

@@ -282,8 +282,8 @@ TRL_FLAGS = {
     "beta": "use --kl-coef",
     "epsilon": "use --clip-low (and --clip-high)",
     "epsilon_high": "use --clip-high",
-    "loss_type": "use --loss-agg (grpo.py, gspo_token.py): dapo = token-mean, grpo = "
-                 "seq-mean-token-mean, dr_grpo = seq-mean-token-sum-norm",
+    "loss_type": "use --loss-agg (grpo.py, gspo_token.py, cispo.py): dapo = token-mean, grpo = "
+                 "seq-mean-token-mean, dr_grpo = seq-mean-token-sum-norm; cispo: cispo.py",
     "importance_sampling_level": "use the script: token is grpo.py, sequence is gspo.py",
     "use_vllm": "use --gen-mode engine (the built-in engine; vLLM is not used)",
     "vllm_mode": "use --gen-mode engine (the built-in engine; vLLM is not used)",
@@ -360,6 +360,7 @@ VERL_KEYS = {
 # TRL's loss_type -> --loss-agg (grpo.py, gspo_token.py); verl's loss_agg_mode names are ours
 TRL_LOSS_TYPES = {"dapo": "token-mean", "grpo": "seq-mean-token-mean",
                   "dr_grpo": "seq-mean-token-sum-norm", "bnpo": "token-mean"}
+TRL_LOSS_SCRIPTS = {"cispo": "cispo.py"}  # TRL's loss_type names that are an objective here
 VERL_OVERRIDE = re.compile(r"\+?([a-z_]+(?:\.[a-z_]+)+)=")
 
 
@@ -382,6 +383,9 @@ def foreign_flag(argv: list[str], ours: set[str]) -> str | None:
             if value in TRL_LOSS_TYPES:
                 return (f"--loss-agg {value} is TRL's loss_type name: use --loss-agg "
                         f"{TRL_LOSS_TYPES[value]}")
+            if value in TRL_LOSS_SCRIPTS:
+                return (f"--loss-agg {value} is TRL's loss_type name for an objective: run "
+                        f"{TRL_LOSS_SCRIPTS[value]}")
         if name in TRL_FLAGS and name not in ours:
             return f"--{flag} is TRL's name: {TRL_FLAGS[name]}"
     return None

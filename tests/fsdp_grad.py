@@ -1,6 +1,6 @@
 """Run under `torchrun --nproc-per-node 2`: the FSDP2 gradient of one minibatch, each rank holding half of the
 groups, must equal the 1-process gradient of the same global batch (fp32, rtol 1e-4).
-argv: one or more cases, each loss:ac:dtype:micro[:per-rank-mean]: the loss (gspo|grpo|gspo_token|dfpo|
+argv: one or more cases, each loss:ac:dtype:micro[:per-rank-mean]: the loss (gspo|grpo|gspo_token|dfpo|cispo|
 grpo_token_mean), activation checkpointing (0|1), compute dtype (fp32|bf16), the micro-batch size on each rank (0: all
 its rows), and per-rank-mean for the normalisation bug, which must fail.
 fp32 compares to rtol 1e-4; bf16 (FSDP2 MixedPrecisionPolicy: bf16 compute, fp32 shards and reduction) against the
@@ -18,6 +18,7 @@ from grouprl import checkpoint  # noqa: E402
 import common  # noqa: E402
 from grouprl import distributed  # noqa: E402
 from grouprl import modeling  # noqa: E402
+from cispo import cispo_loss  # noqa: E402
 from dfpo import dfpo_loss, group_weights, sequence_weights  # noqa: E402
 from grpo import grpo_loss  # noqa: E402
 from gspo import gspo_loss  # noqa: E402
@@ -57,7 +58,8 @@ def check(loss_name: str, ac: bool, dtype: str, micro: int, per_rank_mean: bool)
     adv = torch.randn(B, generator=g)
     if loss_name == "gspo_token":  # per-token advantages that change sign inside sequences
         adv = (adv[:, None] + torch.randn(B, T, generator=g)) * mask
-    kw = dict(clip_low=0.04, clip_high=0.05) if loss_name.startswith("grpo") else dict(clip_low=0.004, clip_high=0.005)
+    kw = (dict(clip_low=0.04, clip_high=0.05) if loss_name.startswith(("grpo", "cispo"))
+          else dict(clip_low=0.004, clip_high=0.005))
     if dtype == "bf16":  # bf16 rounding moves ratios by ~1e-2: keep them off the clip edges so no clip decision flips
         kw.update(clip_low=0.5, clip_high=0.5)
     if loss_name == "dfpo":
@@ -65,7 +67,10 @@ def check(loss_name: str, ac: bool, dtype: str, micro: int, per_rank_mean: bool)
     norm = B  # the global count the scripts divide by: sequences, or tokens for token-mean (all-reduced there)
     if loss_name == "grpo_token_mean":  # DAPO's token-mean: the ranks hold different token counts
         loss_name, kw["loss_agg"], norm = "grpo", "token-mean", mask.sum().item()
-    loss_fn = {"gspo": gspo_loss, "grpo": grpo_loss, "gspo_token": gspo_token_loss, "dfpo": dfpo_loss}[loss_name]
+    if loss_name == "cispo":  # CISPO's default: token-mean too
+        kw["loss_agg"], norm = "token-mean", mask.sum().item()
+    loss_fn = {"gspo": gspo_loss, "grpo": grpo_loss, "gspo_token": gspo_token_loss, "dfpo": dfpo_loss,
+               "cispo": cispo_loss}[loss_name]
 
     loss, _, stats = loss_fn(single(ids, am, P), old, adv, mask, **kw)  # the mean over the B rows
     loss.backward()

@@ -19,7 +19,7 @@ from grouprl import data
 from grouprl import modeling
 from conftest import ROOT
 
-SCRIPTS = ["gspo", "grpo", "gspo_token", "dfpo"]
+SCRIPTS = ["gspo", "grpo", "gspo_token", "dfpo", "cispo"]
 
 
 def write_jsonl(path, rows):
@@ -338,8 +338,10 @@ def test_builtin_task_is_deterministic_and_uniform():
     ("gspo", ["--per-device-train-batch-size", "4"], "--per-device-train-batch-size is TRL's name: use "
                                                      "--micro-batch-size (completions a forward/backward)"),
     ("dfpo", ["--use-vllm"], "--use-vllm is TRL's name: use --gen-mode engine (the built-in engine; vLLM is not used)"),
-    ("grpo", ["--loss-type", "dapo"], "--loss-type is TRL's name: use --loss-agg (grpo.py, gspo_token.py): dapo = "
-                                      "token-mean, grpo = seq-mean-token-mean, dr_grpo = seq-mean-token-sum-norm"),
+    ("grpo", ["--loss-type", "dapo"], "--loss-type is TRL's name: use --loss-agg (grpo.py, gspo_token.py, cispo.py): "
+                                      "dapo = token-mean, grpo = seq-mean-token-mean, dr_grpo = seq-mean-token-sum-norm; "
+                                      "cispo: cispo.py"),
+    ("grpo", ["--loss-agg", "cispo"], "--loss-agg cispo is TRL's loss_type name for an objective: run cispo.py"),
     ("grpo", ["--loss-agg", "dapo"], "--loss-agg dapo is TRL's loss_type name: use --loss-agg token-mean"),
     ("gspo_token", ["--loss-agg=dr_grpo"], "--loss-agg dr_grpo is TRL's loss_type name: use --loss-agg "
                                            "seq-mean-token-sum-norm"),
@@ -374,6 +376,7 @@ def test_trl_and_verl_hints_name_real_flags():
              if w.startswith("--")}
     assert named and named - {"--flags"} <= flags, named - flags
     assert set(cli.TRL_LOSS_TYPES.values()) <= {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"}
+    assert all(os.path.isfile(os.path.join(ROOT, script)) for script in cli.TRL_LOSS_SCRIPTS.values())
 
 
 @pytest.mark.parametrize("env, line", [

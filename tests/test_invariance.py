@@ -8,6 +8,7 @@ import torch
 import common
 from grouprl import distributed
 from grouprl import modeling
+from cispo import cispo_loss
 from dfpo import dfpo_loss, group_weights, sequence_weights
 from grpo import grpo_loss
 from gspo import gspo_loss
@@ -23,6 +24,7 @@ LOSSES = {
     "grpo token-mean": (grpo_loss, dict(clip_low=0.04, clip_high=0.05, loss_agg="token-mean")),
     "gspo_token dr-grpo": (gspo_token_loss, dict(clip_low=0.004, clip_high=0.005, loss_agg="seq-mean-token-sum-norm",
                                                  max_new_tokens=T)),
+    "cispo token-mean": (cispo_loss, dict(clip_low=0.04, clip_high=0.05, loss_agg="token-mean")),
 }
 
 
@@ -164,6 +166,7 @@ def test_micro_batches():
 
 
 @pytest.mark.parametrize("script, extra", [("gspo", []), ("grpo", []), ("gspo_token", []), ("dfpo", []),
+                                           ("cispo", ["--clip-low", "0.01", "--clip-high", "0.01"]),
                                            ("grpo", ["--loss-agg", "token-mean"]),
                                            # --num-iterations 2 end to end (the fast per-pass check is above)
                                            pytest.param("dfpo", ["--num-iterations", "2"], marks=pytest.mark.slow)])

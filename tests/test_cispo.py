@@ -1,0 +1,116 @@
+"""cispo_loss (CISPO, arXiv 2506.13585 Sec. 3.1) against the paper's objective and TRL's formula, each written here
+independently of the code under test, in float64:
+    paper:  J = 1/sum_i |y_i| sum_i sum_t sg(clip(w_it, 1 - eps_low, 1 + eps_high)) A_i log pi(y_it)
+    TRL:    per_token_loss = -clamp(coef_1, max=epsilon_high).detach() * A * logp (+ beta kl, x coef_1 with
+            use_bias_correction_kl); loss = (per_token_loss * mask).sum() / num_items_in_batch
+            (trl/trainer/grpo_trainer.py, _compute_loss, loss_type "cispo"; TRL's epsilon_high is the cap itself,
+            ours is 1 + --clip-high)
+Value and gradient with respect to logp, ratios well outside the band (some weights capped)."""
+import math
+
+import pytest
+import torch
+
+from cispo import Args, cispo_loss
+
+B, T = 6, 5
+
+
+def batch(seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    old = logp + 1.2 * torch.randn(B, T, generator=g, dtype=torch.float64)  # w from ~0.03 to ~30
+    ref = logp + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = (torch.arange(T)[None] < torch.tensor([5, 3, 1, 4, 5, 2])[:, None]).double()
+    adv = torch.tensor([1.2, -0.4, 0.0, -1.5, 0.7, 2.0], dtype=torch.float64)
+    return [x.to(dtype) for x in (logp, old, ref, mask, adv)]
+
+
+def paper_objective(logp, old, adv, mask, eps_low, eps_high):
+    """J_CISPO token by token: the weight clip(w, 1 - eps_low, 1 + eps_high) as a number (sg), times A_i log pi."""
+    total, tokens = 0.0, 0.0
+    for i in range(B):
+        for t in range(T):
+            if mask[i, t]:
+                w = math.exp(float(logp[i, t].detach() - old[i, t]))
+                r_hat = min(max(w, 1 - eps_low), 1 + eps_high)
+                total = total + r_hat * float(adv[i]) * logp[i, t]  # a tensor in logp: its gradient is r_hat A_i
+                tokens += 1
+    return total / tokens
+
+
+def trl_cispo(logp, old, ref, adv, mask, *, epsilon_high, beta=0.0, bias_kl=False):
+    coef_1 = torch.exp(logp - old)
+    clamped = torch.clamp(coef_1, max=epsilon_high).detach()
+    per_token_loss = -clamped * adv.unsqueeze(1) * logp
+    if beta != 0.0:
+        kl = torch.exp(ref - logp) - (ref - logp) - 1
+        if bias_kl:
+            kl = kl * coef_1
+        per_token_loss = per_token_loss + beta * kl
+    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def value_and_grad(fn, logp):
+    x = logp.clone().requires_grad_(True)
+    out = fn(x)
+    (g,) = torch.autograd.grad(out, x)
+    return out.detach(), g
+
+
+@pytest.mark.parametrize("eps_low,eps_high", [(1.0, 4.0), (0.2, 0.28), (0.5, 1.0)])
+def test_equals_the_papers_objective_in_float64(eps_low, eps_high):
+    logp, old, _, mask, adv = batch()
+    got, got_g = value_and_grad(lambda x: cispo_loss(x, old, adv, mask, clip_low=eps_low, clip_high=eps_high)[0],
+                                logp)
+    want, want_g = value_and_grad(lambda x: -paper_objective(x, old, adv, mask, eps_low, eps_high), logp)
+    assert abs(got.item() - want.item()) <= 1e-10
+    assert (got_g - want_g).abs().max().item() <= 1e-10
+    w = torch.exp(logp - old)[mask.bool()]
+    assert ((w > 1 + eps_high) | (w < 1 - eps_low)).any()  # the clip acts on this batch
+
+
+@pytest.mark.parametrize("beta,bias_kl", [(0.0, False), (0.05, False), (0.05, True)])
+def test_equals_trls_formula_in_float32(beta, bias_kl):
+    """TRL's cap epsilon_high = 1 + --clip-high; TRL has no lower bound: --clip-low 1 (floor 0, the default)."""
+    logp, old, ref, mask, adv = batch(1, torch.float32)
+    got, got_g = value_and_grad(lambda x: cispo_loss(x, old, adv, mask, clip_low=1.0, clip_high=4.0, ref_logp=ref,
+                                                     kl_coef=beta, kl_ratio=bias_kl)[0], logp)
+    want, want_g = value_and_grad(lambda x: trl_cispo(x.double(), old.double(), ref.double(), adv.double(),
+                                                      mask.double(), epsilon_high=5.0, beta=beta,
+                                                      bias_kl=bias_kl), logp)
+    assert abs(got.item() - want.item()) <= 1e-6
+    assert (got_g.double() - want_g).abs().max().item() <= 1e-6
+
+
+def test_one_token_by_hand():
+    """log pi = -1, log pi_old = -3: w = e^2 = 7.39, capped at 5; A = 1. Loss -5 x 1 x (-1) / 1 = 5, d loss / d log pi
+    = -5 (the token keeps its gradient, scaled by the cap); clipfrac 1. Below the floor (w = e^-2 = 0.135, floor 0.8)
+    with A = -1: loss 0.8 x (-1) x (-1) x -1 = -0.8, gradient 0.8."""
+    logp = torch.tensor([[-1.0]], dtype=torch.float64, requires_grad=True)
+    loss, terms, stats = cispo_loss(logp, torch.tensor([[-3.0]], dtype=torch.float64),
+                                    torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64),
+                                    clip_low=1.0, clip_high=4.0)
+    loss.backward()
+    assert loss.item() == pytest.approx(5.0) and logp.grad.item() == pytest.approx(-5.0)
+    assert terms.item() == pytest.approx(5.0)  # m_i = w_i A_i with w_i the capped weight
+    assert stats["losses/clipfrac"][0].item() == 1 and stats["losses/ratio_max"].item() == pytest.approx(math.e ** 2)
+    logp = torch.tensor([[-3.0]], dtype=torch.float64, requires_grad=True)
+    loss, _, _ = cispo_loss(logp, torch.tensor([[-1.0]], dtype=torch.float64), torch.tensor([-1.0], dtype=torch.float64),
+                            torch.ones(1, 1, dtype=torch.float64), clip_low=0.2, clip_high=4.0)
+    loss.backward()
+    assert loss.item() == pytest.approx(0.8 * -3.0) and logp.grad.item() == pytest.approx(0.8)
+
+
+def test_no_token_leaves_the_gradient():
+    """Unlike PPO's min (grpo.py), every unmasked token with A_i != 0 has a gradient, clipped weight or not; masked
+    tokens and A_i = 0 have none."""
+    logp, old, _, mask, adv = batch(2)
+    _, g = value_and_grad(lambda x: cispo_loss(x, old, adv, mask, clip_low=0.2, clip_high=0.28)[0], logp)
+    live = mask.bool() & (adv != 0)[:, None]
+    assert (g[live] != 0).all() and (g[~live] == 0).all()
+
+
+def test_defaults_are_the_papers_and_trls():
+    args = Args()
+    assert (args.clip_low, args.clip_high, args.loss_agg) == (1.0, 4.0, "token-mean")

@@ -1,0 +1,124 @@
+"""sapo_loss (SAPO, arXiv 2511.20347) against the paper's objective and TRL's formula, each written here independently
+of the code under test, in float64:
+    paper:  J = 1/G sum_i 1/|y_i| sum_t f_it(w_it) A_i,  f_it(x) = sigmoid(tau_i (x - 1)) 4 / tau_i,
+            tau_i = tau_pos if A_i > 0 else tau_neg
+    TRL:    temperatures = where(A > 0, sapo_temperature_pos, sapo_temperature_neg);
+            per_token_loss = -sigmoid(temperatures (coef_1 - 1)) 4 / temperatures A (+ beta kl);
+            loss = mean_i (sum_t per_token_loss m / |y_i|)   (trl/trainer/grpo_trainer.py, _compute_loss, "sapo",
+            the TRL source read for docs/trl-and-verl.md, 1.10.0.dev0)
+Value and gradient with respect to logp, ratios well off 1."""
+import math
+
+import pytest
+import torch
+
+from sapo import Args, sapo_loss
+
+B, T = 6, 5
+
+
+def batch(seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    old = logp + 0.8 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    ref = logp + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = (torch.arange(T)[None] < torch.tensor([5, 3, 1, 4, 5, 2])[:, None]).double()
+    adv = torch.tensor([1.2, -0.4, 0.0, -1.5, 0.7, 2.0], dtype=torch.float64)
+    return [x.to(dtype) for x in (logp, old, ref, mask, adv)]
+
+
+def paper_objective(logp, old, adv, mask, tau_pos, tau_neg):
+    """J_SAPO sequence by sequence, token by token."""
+    total = 0.0
+    for i in range(B):
+        tau = tau_pos if adv[i] > 0 else tau_neg
+        n = int(mask[i].sum())
+        seq = 0.0
+        for t in range(n):
+            w = torch.exp(logp[i, t] - old[i, t])
+            seq = seq + 1 / (1 + torch.exp(-tau * (w - 1))) * 4 / tau * adv[i]
+        total = total + seq / n
+    return total / B
+
+
+def trl_sapo(logp, old, ref, adv, mask, *, pos, neg, beta=0.0, bias_kl=False):
+    coef_1 = torch.exp(logp - old)
+    advantages = adv.unsqueeze(1)
+    temperatures = torch.where(advantages > 0, pos, neg)
+    soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
+    per_token_loss = -soft_coef_1 * advantages
+    if beta != 0.0:
+        kl = torch.exp(ref - logp) - (ref - logp) - 1
+        if bias_kl:
+            kl = kl * coef_1
+        per_token_loss = per_token_loss + beta * kl
+    return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+
+
+def value_and_grad(fn, logp):
+    x = logp.clone().requires_grad_(True)
+    out = fn(x)
+    (g,) = torch.autograd.grad(out, x)
+    return out.detach(), g
+
+
+@pytest.mark.parametrize("tau_pos,tau_neg", [(1.0, 1.05), (0.5, 2.0), (3.0, 3.0)])
+def test_equals_the_papers_objective_in_float64(tau_pos, tau_neg):
+    logp, old, _, mask, adv = batch()
+    got, got_g = value_and_grad(lambda x: sapo_loss(x, old, adv, mask, tau_pos=tau_pos, tau_neg=tau_neg)[0], logp)
+    want, want_g = value_and_grad(lambda x: -paper_objective(x, old, adv, mask, tau_pos, tau_neg), logp)
+    assert abs(got.item() - want.item()) <= 1e-10
+    assert (got_g - want_g).abs().max().item() <= 1e-10
+
+
+@pytest.mark.parametrize("beta,bias_kl", [(0.0, False), (0.05, False), (0.05, True)])
+def test_equals_trls_formula_in_float32(beta, bias_kl):
+    logp, old, ref, mask, adv = batch(1, torch.float32)
+    got, got_g = value_and_grad(lambda x: sapo_loss(x, old, adv, mask, tau_pos=1.0, tau_neg=1.05, ref_logp=ref,
+                                                    kl_coef=beta, kl_ratio=bias_kl)[0], logp)
+    want, want_g = value_and_grad(lambda x: trl_sapo(x.double(), old.double(), ref.double(), adv.double(),
+                                                     mask.double(), pos=1.0, neg=1.05, beta=beta, bias_kl=bias_kl),
+                                  logp)
+    assert abs(got.item() - want.item()) <= 1e-6
+    assert (got_g.double() - want_g).abs().max().item() <= 1e-6
+
+
+def test_the_gate_by_hand():
+    """On policy (w = 1) the gate is sigmoid(0) 4 / tau = 2 / tau and its slope d f / d log pi = 4 sigma (1 - sigma) w =
+    1 whatever tau: the plain policy gradient. One token, A = 1, tau_pos = 1: loss -2, gradient -1. At w = e (log w =
+    1) with A = -1, tau_neg = 2: f = sigmoid(2 (e - 1)) 4 / 2, loss -(-f) = f; gradient -(-1) 4 s (1 - s) e, s =
+    sigmoid(2 (e - 1))."""
+    logp = torch.tensor([[-1.0]], dtype=torch.float64, requires_grad=True)
+    one = torch.ones(1, 1, dtype=torch.float64)
+    loss, terms, stats = sapo_loss(logp, torch.tensor([[-1.0]], dtype=torch.float64),
+                                   torch.tensor([1.0], dtype=torch.float64), one, tau_pos=1.0, tau_neg=2.0)
+    loss.backward()
+    assert loss.item() == pytest.approx(-2.0) and logp.grad.item() == pytest.approx(-1.0)
+    assert terms.item() == pytest.approx(1.0) and stats["losses/gate_mean"][0].item() == pytest.approx(1.0)
+    logp = torch.tensor([[0.0]], dtype=torch.float64, requires_grad=True)
+    loss, _, stats = sapo_loss(logp, torch.tensor([[-1.0]], dtype=torch.float64),
+                               torch.tensor([-1.0], dtype=torch.float64), one, tau_pos=1.0, tau_neg=2.0)
+    loss.backward()
+    s = 1 / (1 + math.exp(-2 * (math.e - 1)))
+    assert loss.item() == pytest.approx(s * 2) and logp.grad.item() == pytest.approx(4 * s * (1 - s) * math.e)
+    assert stats["losses/clipfrac"][0].item() == 1  # w = e is outside GRPO's band (0.8, 1.27)
+
+
+def test_far_tokens_fade_but_none_is_cut():
+    """The gradient's weight 4 s (1 - s) w decays as w leaves 1 and never reaches 0 (no hard edge, unlike GRPO's
+    clip), faster for tau_neg > tau_pos."""
+    w = torch.tensor([1.0, 1.5, 3.0, 10.0], dtype=torch.float64)
+    logp = w.log()[None].clone().requires_grad_(True)
+    for a, tau in ((1.0, 1.0), (-1.0, 1.05)):
+        logp.grad = None
+        sapo_loss(logp, torch.zeros(1, 4, dtype=torch.float64), torch.tensor([a], dtype=torch.float64),
+                  torch.ones(1, 4, dtype=torch.float64), tau_pos=1.0, tau_neg=1.05)[0].backward()
+        weight = (logp.grad.abs() * 4).flatten()  # 1/|y| = 1/4 undone
+        s = torch.sigmoid(tau * (w - 1))
+        assert torch.allclose(weight, 4 * s * (1 - s) * w)
+        assert (weight > 0).all() and weight[2] < weight[1] and weight[3] < weight[2]
+
+
+def test_defaults_are_the_papers_and_trls():
+    args = Args()
+    assert (args.tau_pos, args.tau_neg, args.loss_agg) == (1.0, 1.05, "seq-mean-token-mean")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from learning_tax import ROOT, exp_name, fmt, metrics, only_commands, run_jobs, sci  # noqa: E402
+from learning_tax import ROOT, by_seed, exp_name, fmt, metrics, only_commands, run_jobs, sci  # noqa: E402
 
 COMMANDS = {  # gspo_token.py with its default A_it = A_i is gspo.py to the last digit (tests/test_gspo_token.py)
     "gspo.py": ["gspo.py"],
@@ -27,6 +27,9 @@ COMMANDS = {  # gspo_token.py with its default A_it = A_i is gspo.py to the last
     "dfpo.py --clip-gated": ["dfpo.py", "--clip-gated"],
     "dfpo.py --length-aware": ["dfpo.py", "--length-aware"],
     "cispo.py": ["cispo.py"],
+    "sapo.py": ["sapo.py"],
+    "gmpo.py": ["gmpo.py"],
+    "vespo.py": ["vespo.py"],
     # LoRA (README, Scaling): every linear layer of the decoder, rank 16 of the tiny model's 128, a 4x learning rate,
     # at temperature 0.3 (at 1 the tiny model's frozen random LM head caps a token's probability near 11%), next to
     # full fine-tuning at the same temperature
@@ -54,6 +57,33 @@ class Args:
     """comma-separated command names to run (default: all); the others' earlier runs stay in the table"""
     table_only: bool = False
     """run nothing: rebuild table.md from the runs already under {out}/runs"""
+    pair_with: str = "grpo.py"
+    """under the table, every other command minus this one, paired by seed (they share each seed's data order and
+    first rollout): the reward over the last 10% of steps and the held-out avg@8 at the last step"""
+
+
+def last_reward(rows: list[dict]) -> float:
+    """The mean reward over the last 10% of a run's steps (at least one)."""
+    r = [x["charts/reward_mean"] for x in rows if "charts/reward_mean" in x]
+    n = max(1, len(r) // 10)
+    return sum(r[-n:]) / n
+
+
+def paired_lines(runs: str, present: list[str], seeds: list[int], base: str) -> list[str]:
+    """Each command of `present` other than `base` minus `base`, seed by seed (by_seed): the last-10% reward and
+    the last held-out avg@8. None when `base` has no runs."""
+    if base not in present:
+        return []
+    lines = []
+    for name in present:
+        if name == base:
+            continue
+        pairs = [(s, metrics(runs, name, s), metrics(runs, base, s)) for s in seeds]
+        reward = by_seed([(s, last_reward(a) - last_reward(b)) for s, a, b in pairs])
+        held = by_seed([(s, [x["eval/avg@8"] for x in a if "eval/avg@8" in x][-1]
+                         - [x["eval/avg@8"] for x in b if "eval/avg@8" in x][-1]) for s, a, b in pairs])
+        lines.append(f"- `{name}` minus `{base}`: reward, last 10%: {reward}; held-out avg@8, last step: {held}")
+    return lines
 
 
 def main():
@@ -97,7 +127,8 @@ def main():
         lines.append(f"| `{name}` | {fmt(cols['first'])} | {fmt(cols['last'])} | {fmt(cols['eval0'])} | "
                      f"{fmt(cols['eval1'])} | {fmt(cols['cut'])} | {fmt(cols['jitter'])} | {sci(cols['shared'])} | {fmt(cols['clip'])} | "
                      f"{fmt(cols['wall'], 0)} |")
-    table = "\n".join(lines)
+    paired = paired_lines(runs, present, seeds, args.pair_with)
+    table = "\n".join(lines) + ("\n\nPaired by seed:\n" + "\n".join(paired) if paired else "")
     what = ("the table rebuilt from the runs under runs/" if args.table_only
             else f"{time.time() - t0:.0f} s, {args.workers} runs at a time")
     report = (f"`python experiments/default_runs.py {' '.join(sys.argv[1:])}`: seeds {seeds}, {what}. "

@@ -282,8 +282,15 @@ TRL_FLAGS = {
     "beta": "use --kl-coef",
     "epsilon": "use --clip-low (and --clip-high)",
     "epsilon_high": "use --clip-high",
-    "loss_type": "use --loss-agg (grpo.py, gspo_token.py, cispo.py): dapo = token-mean, grpo = "
-                 "seq-mean-token-mean, dr_grpo = seq-mean-token-sum-norm; cispo: cispo.py",
+    "loss_type": "use --loss-agg (grpo.py, gspo_token.py and the token-level scripts): dapo = "
+                 "token-mean, grpo = seq-mean-token-mean, dr_grpo = seq-mean-token-sum-norm; cispo, "
+                 "sapo, vespo: cispo.py, sapo.py, vespo.py",
+    "sapo_temperature_pos": "use --tau-pos (sapo.py)",
+    "sapo_temperature_neg": "use --tau-neg (sapo.py)",
+    "vespo_k_pos": "use --k-pos (vespo.py)",
+    "vespo_lambda_pos": "use --lambda-pos (vespo.py)",
+    "vespo_k_neg": "use --k-neg (vespo.py)",
+    "vespo_lambda_neg": "use --lambda-neg (vespo.py)",
     "importance_sampling_level": "use the script: token is grpo.py, sequence is gspo.py",
     "use_vllm": "use --gen-mode engine (the built-in engine; vLLM is not used)",
     "vllm_mode": "use --gen-mode engine (the built-in engine; vLLM is not used)",
@@ -335,7 +342,8 @@ VERL_KEYS = {
     "actor_rollout_ref.actor.clip_ratio_low": "--clip-low",
     "actor_rollout_ref.actor.clip_ratio_high": "--clip-high",
     "actor_rollout_ref.actor.loss_agg_mode": "--loss-agg",
-    "actor_rollout_ref.actor.policy_loss.loss_mode": "the script (gspo: gspo.py)",
+    "actor_rollout_ref.actor.policy_loss.loss_mode": "the script (gspo: gspo.py, geo_mean: gmpo.py, "
+                                                     "cispo: cispo.py)",
     "actor_rollout_ref.actor.use_kl_loss": "--kl-coef",
     "actor_rollout_ref.actor.kl_loss_coef": "--kl-coef",
     "actor_rollout_ref.actor.optim.lr": "--learning-rate",
@@ -360,7 +368,8 @@ VERL_KEYS = {
 # TRL's loss_type -> --loss-agg (grpo.py, gspo_token.py); verl's loss_agg_mode names are ours
 TRL_LOSS_TYPES = {"dapo": "token-mean", "grpo": "seq-mean-token-mean",
                   "dr_grpo": "seq-mean-token-sum-norm", "bnpo": "token-mean"}
-TRL_LOSS_SCRIPTS = {"cispo": "cispo.py"}  # TRL's loss_type names that are an objective here
+TRL_LOSS_SCRIPTS = {"cispo": "cispo.py", "sapo": "sapo.py",  # TRL loss_types that are a script here
+                    "vespo": "vespo.py"}
 VERL_OVERRIDE = re.compile(r"\+?([a-z_]+(?:\.[a-z_]+)+)=")
 
 

@@ -1,6 +1,6 @@
 """Run under `torchrun --nproc-per-node 2`: the FSDP2 gradient of one minibatch, each rank holding half of the
 groups, must equal the 1-process gradient of the same global batch (fp32, rtol 1e-4).
-argv: one or more cases, each loss:ac:dtype:micro[:per-rank-mean]: the loss (gspo|grpo|gspo_token|dfpo|cispo|
+argv: one or more cases, each loss:ac:dtype:micro[:per-rank-mean]: the loss (gspo|grpo|gspo_token|dfpo|cispo|sapo|gmpo|vespo|
 grpo_token_mean), activation checkpointing (0|1), compute dtype (fp32|bf16), the micro-batch size on each rank (0: all
 its rows), and per-rank-mean for the normalisation bug, which must fail.
 fp32 compares to rtol 1e-4; bf16 (FSDP2 MixedPrecisionPolicy: bf16 compute, fp32 shards and reduction) against the
@@ -20,6 +20,9 @@ from grouprl import distributed  # noqa: E402
 from grouprl import modeling  # noqa: E402
 from cispo import cispo_loss  # noqa: E402
 from dfpo import dfpo_loss, group_weights, sequence_weights  # noqa: E402
+from gmpo import gmpo_loss  # noqa: E402
+from sapo import sapo_loss  # noqa: E402
+from vespo import vespo_loss  # noqa: E402
 from grpo import grpo_loss  # noqa: E402
 from gspo import gspo_loss  # noqa: E402
 from gspo_token import gspo_token_loss  # noqa: E402
@@ -58,7 +61,7 @@ def check(loss_name: str, ac: bool, dtype: str, micro: int, per_rank_mean: bool)
     adv = torch.randn(B, generator=g)
     if loss_name == "gspo_token":  # per-token advantages that change sign inside sequences
         adv = (adv[:, None] + torch.randn(B, T, generator=g)) * mask
-    kw = (dict(clip_low=0.04, clip_high=0.05) if loss_name.startswith(("grpo", "cispo"))
+    kw = (dict(clip_low=0.04, clip_high=0.05) if loss_name.startswith(("grpo", "cispo", "gmpo"))
           else dict(clip_low=0.004, clip_high=0.005))
     if dtype == "bf16":  # bf16 rounding moves ratios by ~1e-2: keep them off the clip edges so no clip decision flips
         kw.update(clip_low=0.5, clip_high=0.5)
@@ -69,8 +72,13 @@ def check(loss_name: str, ac: bool, dtype: str, micro: int, per_rank_mean: bool)
         loss_name, kw["loss_agg"], norm = "grpo", "token-mean", mask.sum().item()
     if loss_name == "cispo":  # CISPO's default: token-mean too
         kw["loss_agg"], norm = "token-mean", mask.sum().item()
+    if loss_name == "sapo":  # the soft gate: clip_low/high only set the logged band
+        kw.update(tau_pos=1.0, tau_neg=1.05)
+    if loss_name == "vespo":  # the Gamma weight, token-mean as TRL's
+        kw.update(k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0, loss_agg="token-mean")
+        norm = mask.sum().item()
     loss_fn = {"gspo": gspo_loss, "grpo": grpo_loss, "gspo_token": gspo_token_loss, "dfpo": dfpo_loss,
-               "cispo": cispo_loss}[loss_name]
+               "cispo": cispo_loss, "sapo": sapo_loss, "gmpo": gmpo_loss, "vespo": vespo_loss}[loss_name]
 
     loss, _, stats = loss_fn(single(ids, am, P), old, adv, mask, **kw)  # the mean over the B rows
     loss.backward()

@@ -19,7 +19,7 @@ from grouprl import data
 from grouprl import modeling
 from conftest import ROOT
 
-SCRIPTS = ["gspo", "grpo", "gspo_token", "dfpo", "cispo"]
+SCRIPTS = ["gspo", "grpo", "gspo_token", "dfpo", "cispo", "sapo", "gmpo", "vespo"]
 
 
 def write_jsonl(path, rows):
@@ -338,9 +338,11 @@ def test_builtin_task_is_deterministic_and_uniform():
     ("gspo", ["--per-device-train-batch-size", "4"], "--per-device-train-batch-size is TRL's name: use "
                                                      "--micro-batch-size (completions a forward/backward)"),
     ("dfpo", ["--use-vllm"], "--use-vllm is TRL's name: use --gen-mode engine (the built-in engine; vLLM is not used)"),
-    ("grpo", ["--loss-type", "dapo"], "--loss-type is TRL's name: use --loss-agg (grpo.py, gspo_token.py, cispo.py): "
-                                      "dapo = token-mean, grpo = seq-mean-token-mean, dr_grpo = seq-mean-token-sum-norm; "
-                                      "cispo: cispo.py"),
+    ("grpo", ["--loss-type", "dapo"], "--loss-type is TRL's name: use --loss-agg (grpo.py, gspo_token.py and the "
+                                      "token-level scripts): dapo = token-mean, grpo = seq-mean-token-mean, dr_grpo = "
+                                      "seq-mean-token-sum-norm; cispo, sapo, vespo: cispo.py, sapo.py, vespo.py"),
+    ("vespo", ["--loss-agg", "vespo"], "--loss-agg vespo is TRL's loss_type name for an objective: run vespo.py"),
+    ("gspo", ["--sapo-temperature-neg", "2"], "--sapo-temperature-neg is TRL's name: use --tau-neg (sapo.py)"),
     ("grpo", ["--loss-agg", "cispo"], "--loss-agg cispo is TRL's loss_type name for an objective: run cispo.py"),
     ("grpo", ["--loss-agg", "dapo"], "--loss-agg dapo is TRL's loss_type name: use --loss-agg token-mean"),
     ("gspo_token", ["--loss-agg=dr_grpo"], "--loss-agg dr_grpo is TRL's loss_type name: use --loss-agg "

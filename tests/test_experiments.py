@@ -95,3 +95,25 @@ def test_moe_and_group_size_tables_from_fake_runs(tmp_path):
     # G = 8: differences -0.125, 0.25, 0 -> 0.042 ± sqrt((0.1667^2 + 0.2083^2 + 0.0417^2) / 2) = 0.191; 1/3 ahead
     assert lines[3] == "| 8 | 0.250 ± 0.000 | 0.292 ± 0.191 | 0.042 ± 0.191 | 1/3 | +5.6 |"
     assert lab.group_numbers(r_g)[4]["difference"] == pytest.approx([0.3, -0.05, 0.05], abs=1e-12)
+
+
+def test_default_runs_pairs_each_command_with_the_base_by_seed(tmp_path):
+    """experiments/default_runs.py's paired lines from hand-made metrics: 2 seeds, 10 steps (the last 10% is the last
+    step), held-out avg@8 at steps 0 and 10. cispo minus grpo: seed 1 (0.6 - 0.5, 0.55 - 0.50), seed 2 (0.2 - 0.4,
+    0.30 - 0.45); means 0.1 - 0.2 = -0.05 ± std(0.1, -0.2) = 0.212, and -0.05 ± std(0.05, -0.15) = 0.141."""
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import default_runs
+
+    last = {("grpo.py", 1): (0.5, 0.50), ("grpo.py", 2): (0.4, 0.45), ("cispo.py", 1): (0.6, 0.55),
+            ("cispo.py", 2): (0.2, 0.30)}
+    for (name, seed), (reward, held) in last.items():
+        run = tmp_path / f"{name}__{seed}__1"
+        run.mkdir()
+        rows = [{"step": 0, "eval/avg@8": 0.01}]
+        rows += [{"step": t, "charts/reward_mean": 0.0 if t < 10 else reward} for t in range(1, 11)]
+        rows[-1]["eval/avg@8"] = held
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (line,) = default_runs.paired_lines(str(tmp_path), ["grpo.py", "cispo.py"], [1, 2], "grpo.py")
+    assert line == ("- `cispo.py` minus `grpo.py`: reward, last 10%: seed 1: +0.100, seed 2: -0.200 (mean -0.050 ± "
+                    "0.212); held-out avg@8, last step: seed 1: +0.050, seed 2: -0.150 (mean -0.050 ± 0.141)")
+    assert default_runs.paired_lines(str(tmp_path), ["cispo.py"], [1, 2], "grpo.py") == []

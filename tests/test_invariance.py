@@ -10,6 +10,9 @@ from grouprl import distributed
 from grouprl import modeling
 from cispo import cispo_loss
 from dfpo import dfpo_loss, group_weights, sequence_weights
+from gmpo import gmpo_loss
+from sapo import sapo_loss
+from vespo import vespo_loss
 from grpo import grpo_loss
 from gspo import gspo_loss
 from gspo_token import gspo_token_loss
@@ -25,6 +28,9 @@ LOSSES = {
     "gspo_token dr-grpo": (gspo_token_loss, dict(clip_low=0.004, clip_high=0.005, loss_agg="seq-mean-token-sum-norm",
                                                  max_new_tokens=T)),
     "cispo token-mean": (cispo_loss, dict(clip_low=0.04, clip_high=0.05, loss_agg="token-mean")),
+    "sapo": (sapo_loss, dict(tau_pos=1.0, tau_neg=1.05)),
+    "gmpo": (gmpo_loss, dict(clip_low=0.04, clip_high=0.05)),
+    "vespo token-mean": (vespo_loss, dict(k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0, loss_agg="token-mean")),
 }
 
 
@@ -167,6 +173,9 @@ def test_micro_batches():
 
 @pytest.mark.parametrize("script, extra", [("gspo", []), ("grpo", []), ("gspo_token", []), ("dfpo", []),
                                            ("cispo", ["--clip-low", "0.01", "--clip-high", "0.01"]),
+                                           ("sapo", ["--clip-low", "0.01", "--clip-high", "0.01"]),
+                                           ("gmpo", ["--clip-low", "0.01", "--clip-high", "0.01"]),
+                                           ("vespo", ["--clip-low", "0.01", "--clip-high", "0.01"]),
                                            ("grpo", ["--loss-agg", "token-mean"]),
                                            # --num-iterations 2 end to end (the fast per-pass check is above)
                                            pytest.param("dfpo", ["--num-iterations", "2"], marks=pytest.mark.slow)])

@@ -13,7 +13,7 @@ import sys
 
 from conftest import ROOT
 
-SCRIPTS = ["grpo", "gspo", "gspo_token", "dfpo", "cispo"]
+SCRIPTS = ["grpo", "gspo", "gspo_token", "dfpo", "cispo", "sapo", "gmpo", "vespo"]
 PACKAGE = "grouprl"
 
 
@@ -220,6 +220,9 @@ LOSS_COPIES = {  # the README's one-function copy: each loss with the helpers it
     "grpo": ["grpo_loss", "aggregate"],
     "gspo_token": ["gspo_token_loss", "aggregate"],
     "cispo": ["cispo_loss", "aggregate"],
+    "sapo": ["sapo_loss", "aggregate"],
+    "gmpo": ["gmpo_loss"],
+    "vespo": ["vespo_loss", "aggregate"],
     "dfpo": ["dfpo_loss", "sequence_weights", "group_weights", "in_group_transform", "orth_proj_qp"],
 }
 
@@ -248,7 +251,9 @@ def test_each_loss_function_copies_alone(tmp_path):
         old = logp.detach() + 0.1 * torch.randn(B, T, generator=g)
         mask = (torch.arange(T)[None] < torch.randint(1, T + 1, (B,), generator=g)[:, None]).float()
         adv = torch.randn(B, T, generator=g) * mask if script == "gspo_token" else torch.randn(B, generator=g)
-        kw = dict(clip_low=0.2, clip_high=0.28)
+        kw = {"sapo": dict(tau_pos=1.0, tau_neg=1.05),
+              "vespo": dict(k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0)}.get(
+            script, dict(clip_low=0.2, clip_high=0.28))
         if script == "dfpo":
             kw["group_size"] = 4
         loss, terms, stats = getattr(mod, names[0])(logp, old, adv, mask, **kw)

@@ -156,7 +156,7 @@ def test_first_minibatch_ratio_is_one():
     assert mean(stats["losses/clipfrac"]) == 0
 
 
-@pytest.mark.parametrize("script", ["gspo", "grpo", "gspo_token", "dfpo", "cispo"])
+@pytest.mark.parametrize("script", ["gspo", "grpo", "gspo_token", "dfpo", "cispo", "sapo", "gmpo", "vespo"])
 def test_later_minibatches_use_the_rollout_logprobs(script, monkeypatch, tmp_path):
     """Minibatches 2..N take their ratios against pi_old, the policy that generated the rollout: after the first
     optimizer step with a signal (16 minibatches of one group each here) the policy has moved, so their k3 KL is
@@ -168,7 +168,7 @@ def test_later_minibatches_use_the_rollout_logprobs(script, monkeypatch, tmp_pat
     assert rows[0]["losses/ratio_max"] - rows[0]["losses/ratio_min"] > 1e-4
 
 
-@pytest.mark.parametrize("script", ["gspo", "grpo", "gspo_token", "dfpo", "cispo"])
+@pytest.mark.parametrize("script", ["gspo", "grpo", "gspo_token", "dfpo", "cispo", "sapo", "gmpo", "vespo"])
 def test_gradients_are_freed_before_generation_and_save(script, monkeypatch, tmp_path):
     """Each minibatch frees its gradients after the optimizer step, so the next step's generation and the
     checkpoint save run without their 4 P / n bytes. A loop that frees them only before its next backward reaches
@@ -203,7 +203,11 @@ def test_gradients_are_freed_before_generation_and_save(script, monkeypatch, tmp
                                   *[["dfpo", "--transform", t] for t in ["orth-proj", "orth-proj-qp", "scale"]],
                                   ["dfpo", "--no-stop-grad"], ["grpo", "--symmetric-clip"],
                                   ["gspo", "--lr-schedule", "cosine", "--warmup-frac", "0.25"],
-                                  ["cispo"], ["cispo", "--loss-agg", "seq-mean-token-mean", "--clip-low", "0.2"]])
+                                  ["cispo"], ["cispo", "--loss-agg", "seq-mean-token-mean", "--clip-low", "0.2"],
+                                  ["sapo"], ["sapo", "--tau-pos", "0.5", "--tau-neg", "2", "--loss-agg", "token-mean"],
+                                  ["gmpo"], ["gmpo", "--clip-low", "0.2", "--clip-high", "0.28", "--kl-coef", "0.1"],
+                                  ["vespo"], ["vespo", "--k-neg", "1", "--lambda-neg", "1", "--loss-agg",
+                                              "seq-mean-token-mean"]])
 def test_variants_run(argv, monkeypatch, tmp_path):
     """Every objective variant runs a few steps end to end with finite losses and logs its mechanism metrics."""
     rows, run = run_script(argv[0], [*argv[1:], "--num-steps", "4", "--prompts-per-rank", "4", "--eval-every", "0"],
@@ -239,7 +243,8 @@ def torchrun(*args):
 
 
 FULL = ["gspo:1:fp32:0", "grpo:1:fp32:0", "dfpo:1:fp32:0", "gspo:1:bf16:0", "grpo:0:bf16:0", "dfpo:1:bf16:0"]
-MICRO = [f"{loss}:0:fp32:3" for loss in ["gspo", "grpo", "gspo_token", "dfpo", "grpo_token_mean", "cispo"]]
+MICRO = [f"{loss}:0:fp32:3" for loss in ["gspo", "grpo", "gspo_token", "dfpo", "grpo_token_mean", "cispo", "sapo",
+                                          "gmpo", "vespo"]]
 BUG = "gspo:0:fp32:4:per-rank-mean"
 
 

@@ -1,0 +1,114 @@
+"""vespo_loss (VESPO, arXiv 2602.10693, as TRL computes it) against the Gamma weight written from its definition and
+against TRL's formula, each written here independently of the code under test:
+    definition: phi(W) = W^k exp(lambda (1 - W)), W_i = prod_t w_it, (k, lambda) by A_i >= 0 or < 0;
+                J = 1/sum_i |y_i| sum_i sum_t phi(W_i) A_i log pi(y_it), phi a constant
+    TRL:        get_gamma_weights (log w_it clamped to [-20, 20], summed, clamped to [log 1e-8, 20];
+                log phi = lambda + k log W - lambda W); per_token_loss = -phi A logp (+ beta kl);
+                loss = (per_token_loss m).sum() / num_items_in_batch   (trl/trainer/grpo_trainer.py, the TRL source
+                read for docs/trl-and-verl.md, 1.10.0.dev0)
+Value and gradient with respect to logp."""
+import math
+
+import pytest
+import torch
+
+from vespo import Args, vespo_loss
+
+B, T = 6, 5
+DEFAULTS = dict(k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0)
+
+
+def batch(seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    old = logp + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)  # W_i from ~0.5 to ~2
+    ref = logp + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = (torch.arange(T)[None] < torch.tensor([5, 3, 1, 4, 5, 2])[:, None]).double()
+    adv = torch.tensor([1.2, -0.4, 0.0, -1.5, 0.7, 2.0], dtype=torch.float64)
+    return [x.to(dtype) for x in (logp, old, ref, mask, adv)]
+
+
+def by_definition(logp, old, adv, mask, k_pos, lambda_pos, k_neg, lambda_neg):
+    total, tokens = 0.0, 0
+    for i in range(B):
+        n = int(mask[i].sum())
+        W = 1.0
+        for t in range(n):
+            W *= math.exp(float(logp[i, t].detach() - old[i, t]))
+        k, lam = (k_pos, lambda_pos) if adv[i] >= 0 else (k_neg, lambda_neg)
+        phi = W ** k * math.exp(lam * (1 - W))
+        for t in range(n):
+            total = total + phi * float(adv[i]) * logp[i, t]
+            tokens += 1
+    return total / tokens
+
+
+def trl_vespo(logp, old, ref, adv, mask, *, k_pos, lambda_pos, k_neg, lambda_neg, beta=0.0, bias_kl=False):
+    advantages = adv.unsqueeze(1)
+    with torch.no_grad():
+        log_ratio = torch.clamp(logp - old, -20.0, 20.0)
+        seq_log_ratio = torch.sum(log_ratio * mask, dim=-1, keepdim=True)
+        log_w_seq = torch.clamp(seq_log_ratio, math.log(1e-8), 20.0)
+        w_seq = torch.exp(log_w_seq)
+        nonneg = advantages >= 0
+        k_seq = torch.where(nonneg, k_pos, k_neg)
+        lambda_seq = torch.where(nonneg, lambda_pos, lambda_neg).clamp(min=1e-4)
+        phi_seq = torch.exp(lambda_seq + k_seq * log_w_seq - lambda_seq * w_seq).nan_to_num(nan=0.0, posinf=0.0,
+                                                                                           neginf=0.0)
+    per_token_loss = -phi_seq * advantages * logp
+    if beta != 0.0:
+        kl = torch.exp(ref - logp) - (ref - logp) - 1
+        if bias_kl:
+            kl = kl * torch.exp(logp - old)
+        per_token_loss = per_token_loss + beta * kl
+    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def value_and_grad(fn, logp):
+    x = logp.clone().requires_grad_(True)
+    out = fn(x)
+    (g,) = torch.autograd.grad(out, x)
+    return out.detach(), g
+
+
+@pytest.mark.parametrize("params", [DEFAULTS, dict(k_pos=1.0, lambda_pos=1.0, k_neg=5.0, lambda_neg=0.5)])
+def test_equals_the_gamma_weight_by_definition_in_float64(params):
+    logp, old, _, mask, adv = batch()
+    got, got_g = value_and_grad(lambda x: vespo_loss(x, old, adv, mask, **params)[0], logp)
+    want, want_g = value_and_grad(lambda x: -by_definition(x, old, adv, mask, **params), logp)
+    assert abs(got.item() - want.item()) <= 1e-10
+    assert (got_g - want_g).abs().max().item() <= 1e-10
+
+
+@pytest.mark.parametrize("beta,bias_kl", [(0.0, False), (0.05, False), (0.05, True)])
+def test_equals_trls_formula_in_float32(beta, bias_kl):
+    logp, old, ref, mask, adv = batch(1, torch.float32)
+    got, got_g = value_and_grad(lambda x: vespo_loss(x, old, adv, mask, **DEFAULTS, ref_logp=ref, kl_coef=beta,
+                                                     kl_ratio=bias_kl)[0], logp)
+    want, want_g = value_and_grad(lambda x: trl_vespo(x.double(), old.double(), ref.double(), adv.double(),
+                                                      mask.double(), **DEFAULTS, beta=beta, bias_kl=bias_kl), logp)
+    assert abs(got.item() - want.item()) <= 1e-6
+    assert (got_g.double() - want_g).abs().max().item() <= 1e-6
+
+
+def test_one_sequence_by_hand():
+    """Two tokens, log w = (0.1, 0.2): W = e^0.3; A = 1 takes (k, lambda) = (2, 3): phi = e^0.6 e^(3 (1 - e^0.3)).
+    Loss -phi (logp_1 + logp_2) / 2, gradient -phi / 2 on each token; on policy (W = 1) phi = 1."""
+    logp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[-1.1, -2.2]], dtype=torch.float64)
+    loss, terms, stats = vespo_loss(logp, old, torch.tensor([1.0], dtype=torch.float64),
+                                    torch.ones(1, 2, dtype=torch.float64), **DEFAULTS)
+    loss.backward()
+    phi = math.exp(0.6) * math.exp(3 * (1 - math.exp(0.3)))
+    assert loss.item() == pytest.approx(-phi * (-3.0) / 2) and terms.item() == pytest.approx(phi)
+    assert logp.grad[0].tolist() == pytest.approx([-phi / 2] * 2)
+    assert stats["losses/phi_mean"][0].item() == pytest.approx(phi)
+    on = vespo_loss(logp.detach(), logp.detach(), torch.tensor([-1.0], dtype=torch.float64),
+                    torch.ones(1, 2, dtype=torch.float64), **DEFAULTS)[1]
+    assert on.item() == pytest.approx(-1.0)  # phi(1) = 1 whatever (k, lambda)
+
+
+def test_defaults_are_trls():
+    args = Args()
+    assert (args.k_pos, args.lambda_pos, args.k_neg, args.lambda_neg, args.loss_agg) == (2.0, 3.0, 3.0, 2.0,
+                                                                                         "token-mean")

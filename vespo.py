@@ -1,0 +1,310 @@
+"""VESPO: Variational Sequence-level Soft Policy Optimization (arXiv:2602.10693), as TRL has it.
+
+    J_VESPO(theta) = E[ 1/sum_i |y_i| sum_i sum_t sg(phi(W_i)) A_i log pi_theta(y_it | x, y_<t) ]
+    phi(W)         = W^k exp(lambda (1 - W)),  W_i = prod_t w_it (the sequence ratio, not a mean)
+    (k, lambda)    = (k_pos, lambda_pos) if A_i >= 0 else (k_neg, lambda_neg)
+    A_i            = (r_i - mean_j r_j) / std_j r_j                 (DFPO arXiv:2604.13088, eq. 43)
+
+REINFORCE with a smooth sequence weight in place of a clip: phi is a Gamma-shaped curve with
+phi(1) = 1 and its peak at W = k / lambda, that falls off as W^k for W -> 0 and as exp(-lambda W)
+for large W, so sequences far off policy in either direction fade instead of being cut. Different
+from gspo.py: the weight is a constant (stop-gradient) on every token's log pi, from the product of
+the token ratios (TRL clamps each log w_it to [-20, 20] and log W_i to [log 1e-8, 20]); no token is
+dropped. Defaults: TRL's (k, lambda) = (2, 3) for A >= 0 and (3, 2) for A < 0. Derivation:
+docs/objectives.md.
+"""
+
+import os
+import time
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+from tqdm import tqdm
+
+from common import (Logger, Updates, clip_grad_norm, eval_report, eval_summary, evaluate,
+                    group_advantages, jitter2, log_samples, logp_drift, lr_scheduler, micro_batches,
+                    minibatches, old_log_probs, policy_log_probs, ref_log_probs, rollout_log,
+                    sample_groups)
+from grouprl import moe
+from grouprl.checkpoint import (catch_stop_signals, claim_run_dir, cleanup, resume_state,
+                                run_paths, save_checkpoint, stop_requested)
+from grouprl.cli import (CommonArgs, check_common_args, check_prompt_pool, eval_sampling,
+                         fill_defaults, generation_kwargs, parse_args)
+from grouprl.data import load_task
+from grouprl.distributed import all_reduce, seed_rank, setup_distributed
+from grouprl.grader import load_reward
+from grouprl.lora import lora_spec
+from grouprl.modeling import (check_model, eos_ids, load_model, load_tokenizer, reference_policy,
+                              wrap_policy)
+
+LossAgg = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]  # --loss-agg
+
+
+@dataclass
+class Args(CommonArgs):
+    token_terms: ClassVar[bool] = True  # the loss sums per-token terms: --rollout-is-cap applies
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of the run: logs and checkpoints go to {output_dir}/{exp_name}__{seed}__{unix time}"""
+    # Algorithm-specific arguments (the flags every script shares: cli.CommonArgs)
+    loss_agg: LossAgg = "token-mean"
+    """how token terms become the loss: token-mean (TRL's vespo: over all tokens of the minibatch),
+    seq-mean-token-mean (1/B sum_i 1/|y_i| sum_t), seq-mean-token-sum-norm (Dr. GRPO)"""
+    k_pos: float = 2.0
+    """k of phi for A_i >= 0: how fast a sequence with W < 1 fades, as W^k (TRL's vespo_k_pos:
+    2.0)"""
+    lambda_pos: float = 3.0
+    """lambda of phi for A_i >= 0: how fast a sequence with W > 1 fades, as exp(-lambda W) (TRL's
+    vespo_lambda_pos: 3.0)"""
+    k_neg: float = 3.0
+    """k of phi for A_i < 0 (TRL's vespo_k_neg: 3.0)"""
+    lambda_neg: float = 2.0
+    """lambda of phi for A_i < 0 (TRL's vespo_lambda_neg: 2.0)"""
+    clip_low: float = 0.2
+    """not used by the objective (no clip): the band of the logged losses/clipfrac, tokens whose w
+    leaves [1 - clip_low, 1 + clip_high] (GRPO's, for comparison)"""
+    clip_high: float = 0.27
+    """not used by the objective: the upper edge of the logged band (GRPO's 0.27)"""
+
+
+def vespo_loss(logp, old_logp, advantages, mask, *, k_pos: float, lambda_pos: float,
+               k_neg: float, lambda_neg: float, clip_low: float = 0.2, clip_high: float = 0.27,
+               ref_logp=None, kl_coef: float = 0.0, kl_ratio: bool = False,
+               loss_agg: str = "token-mean", max_new_tokens: int | None = None,
+               norm: float | None = None, is_weight=None):
+    """-J_VESPO over the minibatch. logp, old_logp, mask (and ref_logp): [B, T] completion tokens;
+    advantages: [B]. Each token's term is sg(phi(W_i)) A_i log pi(y_it), phi(W) = W^k exp(lambda
+    (1 - W)) of the sequence's ratio W_i = prod_t w_it (in log space, clamped as TRL does), (k,
+    lambda) by the sign of A_i. is_weight (--rollout-is-cap): [B, T] TIS weights pi_old /
+    pi_rollout, folded into W_i as TRL folds its importance_sampling_ratio (sum of their logs),
+    not multiplied into the terms. loss_agg: see aggregate; kl_ratio: each token's k3 times w_it.
+    norm: the count the summed objective is divided by (None: this batch's); the loop passes the
+    minibatch's count over all ranks, so that micro-batches and ranks add up to one gradient.
+    Returns (loss, seq_terms, stats): seq_terms [B] is each sequence's m_i = phi(W_i) A_i
+    (detached), for the group metrics; stats are detached scalars for the logs, a mean given as
+    (sum, count). The loss's value is the surrogate's (log pi weighted); its gradient is J's.
+    clip_low, clip_high: only the band whose leavers losses/clipfrac counts (phi has none)."""
+    valid = mask.bool()
+    log_w = torch.where(valid, logp - old_logp, 0.0)  # log w_it, token log-ratios
+    w = torch.exp(log_w)
+    A = advantages[:, None]  # the same A_i for every token of y_i
+    with torch.no_grad():  # phi(W_i): a constant weight on the sequence's log-probs
+        log_W = (log_w.clamp(-20.0, 20.0) * mask).sum(1)  # log W_i = sum_t log w_it
+        if is_weight is not None:  # TIS: the tokens were drawn from pi_rollout, not pi_old
+            log_W = log_W + (is_weight.log().clamp(-18.420680743952367, 20.0) * mask).sum(1)
+        log_W = log_W.clamp(-18.420680743952367, 20.0)  # TRL's clamp: [log 1e-8, 20]
+        nonneg = advantages >= 0
+        k = torch.where(nonneg, advantages.new_tensor(k_pos), advantages.new_tensor(k_neg))
+        lam = torch.where(nonneg, advantages.new_tensor(lambda_pos),
+                          advantages.new_tensor(lambda_neg)).clamp(min=1e-4)
+        log_phi = lam + k * log_W - lam * log_W.exp()  # log phi(W) = lambda + k log W - lambda W
+        phi = log_phi.exp().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # [B]
+    per_token = phi[:, None] * A * torch.where(valid, logp, 0.0)  # REINFORCE: phi A log pi
+    token_terms = per_token * mask
+    seq_terms = phi * advantages  # m_i = phi(W_i) A_i, the group metrics'
+    if ref_logp is not None and kl_coef > 0:  # k3: pi_ref/pi - log(pi_ref/pi) - 1 >= 0
+        log_ref = torch.where(valid, ref_logp - logp, 0.0)
+        k3 = log_ref.exp() - log_ref - 1
+        if kl_ratio:  # k3 under pi_theta, estimated from pi_old's samples: w_it k3_it
+            k3 = w * k3
+        token_terms = token_terms - kl_coef * k3 * mask
+    per_seq, count = aggregate(token_terms, mask, loss_agg, max_new_tokens)
+    loss = -per_seq.sum() / (norm or count)  # divided by the minibatch's count on all ranks (norm)
+    with torch.no_grad():  # outside GRPO's band: phi fades such tokens' sequences, drops none
+        outside = ((w > 1 + clip_high) | (w < 1 - clip_low)) & valid
+        in_loss = mask.sum(1) > 0  # rows with a token in the loss
+        stats = {
+            "losses/policy_loss": (-per_seq.sum(), count),  # over the rows given
+            "losses/clipfrac": (outside.sum(), mask.sum()),  # tokens outside the band
+            "losses/clipfrac_seq": (outside.any(1).sum(), in_loss.sum()),
+            "losses/phi_mean": ((phi * in_loss).sum(), in_loss.sum()),  # TRL's vespo/phi_seq_mean
+            "losses/ratio_mean": ((w * mask).sum(), mask.sum()),
+            "losses/ratio_min": torch.where(valid, w, torch.inf).min(),  # inf: no token counts
+            "losses/ratio_max": torch.where(valid, w, -torch.inf).max(),
+            # k3 estimate of KL(old||new)
+            "losses/approx_kl": (((log_w.exp() - 1 - log_w) * mask).sum(), mask.sum()),
+        }
+        if ref_logp is not None and kl_coef > 0:
+            stats["losses/kl_ref"] = (((log_ref.exp() - log_ref - 1) * mask).sum(), mask.sum())
+    return loss, seq_terms.detach(), stats
+
+
+def aggregate(token_terms, mask, loss_agg: str, max_new_tokens: int | None):
+    """--loss-agg: per-sequence sums of the masked [B, T] token terms, and the count their sum is
+    divided by (in brackets: TRL's loss_type / verl's loss_agg_mode):
+        seq-mean-token-mean      1/B sum_i 1/|y_i| sum_t    GRPO paper (grpo / seq-mean-token-mean)
+        token-mean               1/sum_i |y_i| sum_i sum_t  DAPO (dapo / token-mean)
+        seq-mean-token-sum-norm  1/B sum_i 1/L_max sum_t    Dr. GRPO, L_max = --max-new-tokens
+                                                            (dr_grpo / seq-mean-token-sum-norm)
+    The loop replaces the count by the minibatch's over all ranks (sequences, or tokens for
+    token-mean)."""
+    if loss_agg == "seq-mean-token-mean":
+        return token_terms.sum(1) / mask.sum(1).clamp(min=1), mask.shape[0]
+    if loss_agg == "token-mean":
+        return token_terms.sum(1), mask.sum().clamp(min=1)
+    if loss_agg == "seq-mean-token-sum-norm":
+        if not max_new_tokens:
+            raise ValueError("seq-mean-token-sum-norm divides by max_new_tokens: pass it")
+        return token_terms.sum(1) / max_new_tokens, mask.shape[0]
+    raise ValueError(f"unknown loss_agg {loss_agg!r}")
+
+
+def main():
+    # tyro (its errors in one line, once), then the defaults that depend on the model and the task:
+    # the run is logged, checkpointed and compared on resume with these values; nothing changes args after this
+    args = fill_defaults(parse_args(Args))
+
+    # TRY NOT TO MODIFY: set-up (bad input fails here, before any model is built)
+    check_common_args(args)
+    reward = load_reward(args.reward, args.reward_timeout, args.reward_weights,
+                         args.reward_fail_steps)  # a bad --reward fails here too
+    dist_env = setup_distributed(args.seed)
+    check_model(args.model, args.trust_remote_code, args.gen_mode, args.old_logp,
+                args.rollout_is_cap, args.routing_replay)
+    script = os.path.basename(__file__)
+    run_dir, ckpt = run_paths(args, dist_env, script)  # a fresh run, or the checkpoint to resume
+    tok = load_tokenizer(args.model, args.trust_remote_code)
+    train, held, dropped = load_task(
+        args.dataset, args.data_files, args.eval_size, args.seed, tok, args.enable_thinking,
+        args.max_prompt_tokens, prompt_column=args.prompt_column, answer_column=args.answer_column,
+        system_prompt=args.system_prompt, eval_dataset=args.eval_dataset,
+        eval_limit=args.eval_limit, eval_only=args.eval_only)
+    check_prompt_pool(args, len(train), dist_env.world)  # --dynamic-sampling's extra prompts
+    run_dir = claim_run_dir(run_dir, ckpt, dist_env)  # one writer per run folder (writer.lock)
+    lm, rank0_weights = load_model(ckpt or args.model, tok, dist_env, args.seed,
+                                   args.trust_remote_code, args.dtype, lora_spec(args))
+    eos = eos_ids(lm, tok)
+    policy = wrap_policy(lm, dist_env, args.temperature, args.logprob_chunk_tokens,
+                         args.activation_checkpointing, args.dtype, args.cpu_offload, rank0_weights)
+    ref = reference_policy(args, tok, dist_env, policy)  # the KL's initial model (or none)
+    routes = moe.track(lm, args.routing_replay)  # MoE: the router tape (None: a dense model)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate,
+                                  weight_decay=args.weight_decay)
+    scheduler = lr_scheduler(optimizer, args)
+    seed_rank(args.seed, dist_env)
+    # resumed: optimizer, lr schedule, RNG of each rank, step
+    state = resume_state(ckpt, optimizer, scheduler, dist_env)
+    logger = Logger(run_dir, dist_env, args, first_step=state["step"] + 1)
+    if dist_env.main:
+        print(f"{len(train)} train / {len(held)} held-out prompts (dropped: {dropped['no_answer']} "
+              f"without an answer, {dropped['too_long']} over --max-prompt-tokens); "
+              f"world size {dist_env.world}; logs: tensorboard --logdir {args.output_dir}")
+    gen_kw = generation_kwargs(args)
+    eval_kw = dict(gen_kw, k=args.eval_k, n=args.eval_n, reward=reward, **eval_sampling(args))
+
+    def eval_now(step: int) -> bool:
+        return args.eval_every > 0 and (step % args.eval_every == 0 or step == args.num_steps)
+
+    if args.eval_only:  # the table a paper reports, for --model as it is
+        policy.eval()
+        result = evaluate(policy, tok, held, eos, dist_env, **eval_kw)
+        logger.log(0, result)
+        eval_report(result, args, run_dir, dist_env)
+        logger.close()
+        return cleanup()
+    if eval_now(0) and state["step"] == 0:
+        policy.eval()
+        logger.log(0, evaluate(policy, tok, held, eos, dist_env, **eval_kw))
+    start = time.time() - state["wall_time"]
+    reward_curve = state["reward_curve"]
+    nonfinite_run = state["nonfinite_run"]
+    bar = tqdm(range(state["step"] + 1, args.num_steps + 1), initial=state["step"],
+               total=args.num_steps, disable=not dist_env.main, desc=args.exp_name)
+    catch_stop_signals()  # SIGTERM or SIGINT: every rank saves at the end of the step and stops
+    for step in bar:
+        # TRY NOT TO MODIFY: rollout -> rewards -> group advantages
+        policy.eval()
+        # the step's prompts, G completions each, their rewards; --dynamic-sampling (DAPO): groups
+        # with equal rewards (A = 0) replaced by more prompts' groups, in rounds
+        roll = sample_groups(policy, tok, train, step, eos, dist_env, reward, gen_kw,
+                             per_rank=args.prompts_per_rank, group_size=args.group_size,
+                             seed=args.seed, dynamic=args.dynamic_sampling,
+                             max_rounds=args.max_gen_rounds,
+                             truncated_scale=args.truncated_reward_scale)
+        advantages, zero_groups = group_advantages(roll.rewards, args.group_size,
+                                                   args.scale_rewards, args.adv_std, args.adv_eps)
+        log_samples(logger, run_dir, step, args.log_samples, roll.rows["prompt"],
+                    roll.rows["answer"], roll.texts, roll.rewards, advantages, args.group_size,
+                    roll.rows["text"])
+        mask = roll.mask  # the loss's tokens: the completions up to their first EOS
+        if args.mask_truncated:  # and only the rows that stopped (the logs keep roll.mask)
+            mask = mask * ~roll.truncated[:, None]
+        advantages = advantages.to(mask.device)
+        minibatch_slices = minibatches(args.prompts_per_rank, args.group_size, args.num_minibatches)
+
+        # old log-probs: pi_old is the policy that generated the rollout (no grad), recomputed or
+        # as the engine sampled it (--old-logp); TIS weights (--rollout-is-cap); MoE: experts taped
+        updates = Updates(policy, roll, mask, args, step, nonfinite_run, dist_env)  # logs, Energy
+        with torch.no_grad():
+            old_logp, is_weight, old_stats = old_log_probs(
+                policy, roll, minibatch_slices, args.old_logp, args.rollout_is_cap, routes)
+            ref_logp = ref_log_probs(ref, roll, minibatch_slices)  # --kl-coef: the KL's pi_ref
+
+        # ALGO LOGIC: num_iterations (mu, GRPO arXiv 2402.03300 Alg. 1) passes of num_minibatches
+        # optimizer steps, each over whole groups; old_logp stays pi_old's, so ratios move off 1
+        policy.train()
+        for update, minibatch in enumerate(minibatch_slices * args.num_iterations):  # mu passes
+            seqs = (minibatch.stop - minibatch.start) * dist_env.world  # its sequences on all ranks
+            norm = seqs  # 1/G sum_i over every group: the loss is divided by the minibatch's count
+            if args.loss_agg == "token-mean":  # 1 / its completion tokens on all ranks
+                norm = max(1.0, all_reduce(mask[minibatch].sum()).item())  # none: it adds 0
+            for micro in micro_batches(minibatch, args.micro_batch_size):  # gradient accumulation
+                logp = policy_log_probs(policy, roll, micro, routes)  # [micro, T] log pi_theta
+                loss, terms, loss_stats = vespo_loss(
+                    logp, old_logp[micro], advantages[micro], mask[micro],
+                    k_pos=args.k_pos, lambda_pos=args.lambda_pos, k_neg=args.k_neg,
+                    lambda_neg=args.lambda_neg, clip_low=args.clip_low, clip_high=args.clip_high,
+                    ref_logp=None if ref is None else ref_logp[micro], kl_coef=args.kl_coef,
+                    kl_ratio=args.kl_ratio_correction,
+                    loss_agg=args.loss_agg, max_new_tokens=args.max_new_tokens, norm=norm,
+                    is_weight=None if is_weight is None else is_weight[micro])
+                loss.backward()
+                updates.after_backward(update, micro, logp, loss, terms, loss_stats, old_logp[micro])
+            grad_norm = clip_grad_norm(policy, args.max_grad_norm)
+            if updates.finite(grad_norm):  # else skipped on every rank together, and counted
+                optimizer.step()
+                scheduler.step()
+            # free the gradients now, not before the next backward: generation and the checkpoint
+            # save in between get their 4 P / n bytes (the Qwen3-32B recipe: 16 GB a GPU)
+            optimizer.zero_grad(set_to_none=True)
+            updates.minibatch_done(grad_norm, seqs // args.group_size)
+        nonfinite_run = updates.nonfinite_run
+
+        # TRY NOT TO MODIFY: logging, evaluation, checkpoints
+        log = {
+            **rollout_log(roll, zero_groups, reward, args, dist_env),  # charts/, rewards/
+            "charts/learning_rate": optimizer.param_groups[0]["lr"],
+            **updates.log(),  # losses/ over micro-batches and ranks; --energy-every: energy/
+            **old_stats,  # losses/entropy (recomputed pi_old), rollout_is/ (--rollout-is-cap)
+            **moe.stats(routes),  # moe/route_flip_frac (MoE models)
+            **logp_drift(roll, old_logp),  # --gen-mode engine: decode vs training forward
+            "perf/wall_time": time.time() - start,
+        }
+        if eval_now(step):
+            policy.eval()
+            log.update(evaluate(policy, tok, held, eos, dist_env, **eval_kw))
+        reward_curve.append(log["charts/reward_mean"])
+        if step == args.num_steps:  # Jitter2 of the reward curve (DFPO eq. 20), last row
+            log["charts/reward_jitter2"] = jitter2(reward_curve)
+        logger.log(step, log)
+        bar.set_postfix(reward=f"{log['charts/reward_mean']:.3f}",
+                        clip=f"{log['losses/clipfrac']:.3f}", asym=f"{log['losses/asym']:.3f}")
+        stop = stop_requested()  # SIGTERM or SIGINT on any rank: all save this step, stop
+        if stop or step == args.num_steps or args.save_every and step % args.save_every == 0:
+            ckpt = save_checkpoint(run_dir, step, policy, tok, optimizer, scheduler, dist_env, args,
+                                   script, reward_curve=reward_curve, nonfinite_run=nonfinite_run,
+                                   wall_time=time.time() - start)
+        if stop:
+            break
+    n = max(1, len(reward_curve) // 10)
+    first = sum(reward_curve[:n]) / n
+    last = sum(reward_curve[-n:]) / n
+    if dist_env.main:
+        print(f"done in {time.time() - start:.0f}s: reward {first:.3f} (first 10% of steps) -> "
+              f"{last:.3f} (last 10%), Jitter2 (DFPO eq. 20) {jitter2(reward_curve):.4f}"
+              f"{eval_summary(log)}; checkpoint: {ckpt}")
+    logger.close()
+    cleanup()
+
+if __name__ == "__main__":
+    main()

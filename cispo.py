@@ -204,7 +204,8 @@ def main():
                              max_rounds=args.max_gen_rounds,
                              truncated_scale=args.truncated_reward_scale)
         advantages, zero_groups = group_advantages(roll.rewards, args.group_size,
-                                                   args.scale_rewards, args.adv_std, args.adv_eps)
+                                                   args.scale_rewards, args.adv_std, args.adv_eps,
+                                                   args.baseline)
         log_samples(logger, run_dir, step, args.log_samples, roll.rows["prompt"],
                     roll.rows["answer"], roll.texts, roll.rewards, advantages, args.group_size,
                     roll.rows["text"])
@@ -219,7 +220,8 @@ def main():
         updates = Updates(policy, roll, mask, args, step, nonfinite_run, dist_env)  # logs, Energy
         with torch.no_grad():
             old_logp, is_weight, old_stats = old_log_probs(
-                policy, roll, minibatch_slices, args.old_logp, args.rollout_is_cap, routes)
+                policy, roll, minibatch_slices, args.old_logp, args.rollout_is_cap, routes,
+                args.rollout_is_mode, args.rollout_is_min)
             ref_logp = ref_log_probs(ref, roll, minibatch_slices)  # --kl-coef: the KL's pi_ref
 
         # ALGO LOGIC: num_iterations (mu, GRPO arXiv 2402.03300 Alg. 1) passes of num_minibatches

@@ -388,18 +388,24 @@ def length_penalty(completion: str, answer: str) -> float:
 
 # -------------------- group advantages and the mechanism metrics
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group",
-                     std: str = "population", eps: float = 1e-6):
+                     std: str = "population", eps: float = 1e-6, baseline: str = "group-mean"):
     """A_i = (r_i - mean_g r) / (std + eps) (DFPO eq. 43). std: 'population' (divide the squared
     deviations by n; the blog's worked example: rewards [1,0,1,0] give A = [+1,-1,+1,-1]) or
     'bessel' (by n - 1, as TRL's nanstd and verl's torch.std: [1,0,0,0] gives A_1 = 1.5 where
     population gives 1.732). scale: the std of the group (eq. 43), of the whole batch over all
     ranks (TRL/verl "batch"), or none (centring only, Dr. GRPO). eps: 1e-6 (verl's), TRL's 1e-4.
+    baseline: 'group-mean' (eq. 43) or 'leave-one-out' (RLOO: r_i - 1/(G-1) sum_{j != i} r_j,
+    which is G/(G-1) (r_i - mean)), before the scaling.
     Groups with equal rewards get A = 0; their count is returned."""
     if std not in ("population", "bessel"):
         raise ValueError(f"unknown std {std!r} (population or bessel)")
     unbiased = std == "bessel"
     r = rewards.view(-1, group_size).double()
     centred = r - r.mean(1, keepdim=True)
+    if baseline == "leave-one-out":  # RLOO: the other G - 1 completions' mean as the baseline
+        centred = centred * group_size / (group_size - 1)
+    elif baseline != "group-mean":
+        raise ValueError(f"unknown baseline {baseline!r} (group-mean or leave-one-out)")
     group_std = r.std(1, unbiased=unbiased, keepdim=True)
     if scale == "group":
         adv = centred / (group_std + eps)
@@ -433,7 +439,8 @@ def group_metrics(seq_terms: torch.Tensor, first_token_grads: torch.Tensor, grou
 # -------------------- old log-probs: pi_old, and the rollout's own likelihoods
 @torch.no_grad()
 def old_log_probs(policy, roll: Rollout, minibatches: list[slice], source: str = "recompute",
-                  is_cap: float | None = None, routes: moe.Routes | None = None):
+                  is_cap: float | None = None, routes: moe.Routes | None = None,
+                  is_mode: str = "token-truncate", is_min: float | None = None):
     """pi_old of every completion token [B, T], the TIS weights [B, T] (None without is_cap), and
     their logs (with perf/old_logp_s, the pass's time).
     source "recompute": the training forward without gradient, a minibatch at a time, so that the
@@ -442,10 +449,15 @@ def old_log_probs(policy, roll: Rollout, minibatches: list[slice], source: str =
     (--old-logp rollout): the log-prob the engine computed when it sampled each token, under the
     sampling temperature (roll.logp); no forward pass, the saving GSPO (arXiv 2507.18071) claims
     its sequence ratio affords, as it averages the per-token mismatch between the two numerics.
-    is_cap C (--rollout-is-cap): truncated importance sampling (TIS: Yao et al. 2025, "Your
-    Efficient RL Framework Secretly Brings You Off-Policy RL Training"; verl's rollout correction,
-    TRL's vllm_importance_sampling_correction): the tokens were drawn from the engine's pi_rollout,
-    not pi_old, so each token's loss term is weighted by min(pi_old / pi_rollout, C), a constant."""
+    is_cap C_max (--rollout-is-cap), is_min C_min, is_mode: the rollout correction (TIS: Yao et al.
+    2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"; verl's rollout
+    correction, TRL's vllm_importance_sampling_mode): the tokens were drawn from the engine's
+    pi_rollout, not pi_old, so each token's loss term is weighted by rho = pi_old / pi_rollout, a
+    constant: the token's own (token-*) or its sequence's, the product over its tokens
+    (sequence-*), truncated to [C_min, C_max] (*-truncate) or set to 0 outside it (*-mask). Logged:
+    the weight's mean, the fraction truncated or masked, and the mismatch itself over tokens, the
+    k3 estimate of KL(pi_rollout || pi_old), mean(rho - 1 - log rho), and chi-square, mean(rho^2)
+    - 1."""
     if source == "rollout":  # what --old-logp rollout saves: perf/old_logp_s 0
         return roll.logp, None, {"perf/old_logp_s": 0.0}
     start = time.time()
@@ -463,10 +475,22 @@ def old_log_probs(policy, roll: Rollout, minibatches: list[slice], source: str =
     if is_cap is None:
         return old_logp, None, stats
     log_ratio = torch.where(mask.bool(), old_logp - roll.logp, 0.0)  # log pi_old / pi_rollout
-    weight = torch.exp(log_ratio.clamp(max=math.log(is_cap)))  # min(pi_old / pi_rollout, C)
+    log_rho = log_ratio  # token-*: each token's own ratio
+    if is_mode.startswith("sequence"):  # sequence-*: the product over the sequence, on each token
+        log_rho = torch.where(mask.bool(), log_ratio.sum(1, keepdim=True), 0.0)
+    high = math.log(is_cap)
+    low = -math.inf if is_min is None else math.log(is_min)
+    outside = ((log_rho > high) | (log_rho < low)).float() * mask
+    if is_mode.endswith("truncate"):  # TIS: clip(rho, C_min, C_max)
+        weight = torch.exp(log_rho.clamp(max=high) if is_min is None else log_rho.clamp(low, high))
+    else:  # masked: rho inside [C_min, C_max], else 0 (IcePop: token-mask with both bounds)
+        weight = torch.where(outside.bool(), 0.0, torch.exp(log_rho))
     stats["rollout_is/weight_mean"] = (all_reduce((weight * mask).sum()) / tokens).item()
-    capped = (log_ratio > math.log(is_cap)).float() * mask
-    stats["rollout_is/capped_frac"] = (all_reduce(capped.sum()) / tokens).item()
+    key = "rollout_is/capped_frac" if is_mode.endswith("truncate") else "rollout_is/masked_frac"
+    stats[key] = (all_reduce(outside.sum()) / tokens).item()
+    rho = torch.exp(log_ratio)  # the mismatch, token by token
+    stats["rollout_is/kl"] = (all_reduce(((rho - 1 - log_ratio) * mask).sum()) / tokens).item()
+    stats["rollout_is/chi2"] = (all_reduce((rho * rho * mask).sum()) / tokens).item() - 1
     return old_logp, weight, stats
 
 

@@ -6,6 +6,7 @@
     (--kl-coef)   - beta 1/G sum_i 1/|y_i| sum_t [pi_ref/pi_theta - log(pi_ref/pi_theta) - 1]   (k3)
     GRPO-fix (--symmetric-clip): the token term is A_i clip(w_it, 0, 1 + eps_high)     (eq. 79-80),
         summed over tokens without 1/|y_i| (eq. 80: --loss-agg seq-mean-token-sum-norm)
+    (--delta)     two-sided clipping: min(min(w_it, delta) A_i, clip(w_it) A_i) (TRL's delta)
 
 Equation numbers are the DFPO paper's (arXiv:2604.13088); derivations: docs/objectives.md.
 Different from gspo.py: one importance ratio per token, each clipped on its own (in GSPO's decoupled
@@ -28,10 +29,10 @@ from common import (Logger, Updates, clip_grad_norm, eval_report, eval_summary, 
 from grouprl import moe
 from grouprl.checkpoint import (catch_stop_signals, claim_run_dir, cleanup, resume_state,
                                 run_paths, save_checkpoint, stop_requested)
-from grouprl.cli import (CommonArgs, check_common_args, check_prompt_pool, eval_sampling,
-                         fill_defaults, generation_kwargs, parse_args)
+from grouprl.cli import (CommonArgs, check_common_args, check_float, check_prompt_pool,
+                         eval_sampling, fill_defaults, generation_kwargs, parse_args)
 from grouprl.data import load_task
-from grouprl.distributed import all_reduce, seed_rank, setup_distributed
+from grouprl.distributed import all_reduce, fail, seed_rank, setup_distributed
 from grouprl.grader import load_reward
 from grouprl.lora import lora_spec
 from grouprl.modeling import (check_model, eos_ids, load_model, load_tokenizer, reference_policy,
@@ -58,15 +59,21 @@ class Args(CommonArgs):
     """GRPO-fix (DFPO paper App. H): weight each token by clip(w_it, 0, 1 + eps_high) A_i whatever
     the sign of A_i; with --loss-agg seq-mean-token-sum-norm it is eq. 80, whose shared tokens
     cancel at any lengths (eq. 82)"""
+    delta: float | None = None
+    """two-sided clipping (TRL's delta, from INTELLECT-2 arXiv 2505.07291): w_it capped at delta
+    inside PPO's min, so a token of A_i < 0 whose ratio grew past delta stops there; must exceed
+    1 + eps_high (None: off, PPO's one-sided clip)"""
 
 
 def grpo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: float,
-              symmetric_clip: bool = False, ref_logp=None, kl_coef: float = 0.0,
+              symmetric_clip: bool = False, delta: float | None = None, ref_logp=None,
+              kl_coef: float = 0.0,
               kl_ratio: bool = False, loss_agg: str = "seq-mean-token-mean",
               max_new_tokens: int | None = None,
               norm: float | None = None, is_weight=None):
     """-J_GRPO over the minibatch. logp, old_logp, mask (and ref_logp): [B, T] completion tokens;
     advantages: [B]. loss_agg: how token terms are summed and divided (see aggregate).
+    delta (--delta): w_it capped at delta inside the min (two-sided clipping; None: off).
     kl_ratio: each token's k3 is multiplied by its ratio w_it (TRL's use_bias_correction_kl).
     is_weight (--rollout-is-cap): [B, T] constant TIS weights min(pi_old / pi_rollout, C), each
     multiplying its token's term (common.old_log_probs).
@@ -85,7 +92,8 @@ def grpo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: f
     if symmetric_clip:  # GRPO-fix (App. H eq. 79-80): clip(w, 0, 1 + eps_high) A_i, any sign of A
         per_token = w.clamp(max=1 + clip_high) * A
     else:  # min(w A, clip(w) A): A >= 0 takes min(w, clip(w)), A < 0 max(w, clip(w)) (eq. 78)
-        per_token = torch.min(w * A, w.clamp(1 - clip_low, 1 + clip_high) * A)
+        w_min = w if delta is None else w.clamp(max=delta)  # --delta: A < 0 capped at delta too
+        per_token = torch.min(w_min * A, w.clamp(1 - clip_low, 1 + clip_high) * A)
     if is_weight is not None:  # TIS: the token was drawn from pi_rollout, not pi_old
         per_token = per_token * is_weight
     token_terms = per_token * mask
@@ -103,6 +111,8 @@ def grpo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: f
             clipped = (w > 1 + clip_high) & valid
         else:
             clipped = (((w > 1 + clip_high) & (A > 0)) | ((w < 1 - clip_low) & (A < 0))) & valid
+            if delta is not None:  # past delta a token of A < 0 has no gradient either
+                clipped = clipped | ((w > delta) & (A < 0) & valid)
         stats = {
             "losses/policy_loss": (-per_seq.sum(), count),  # over the rows given
             "losses/clipfrac": (clipped.sum(), mask.sum()),  # tokens
@@ -139,6 +149,16 @@ def aggregate(token_terms, mask, loss_agg: str, max_new_tokens: int | None):
     raise ValueError(f"unknown loss_agg {loss_agg!r}")
 
 
+def check_grpo_args(args):
+    """GRPO's own flags, before any heavy work: one line each."""
+    if args.delta is not None:  # TRL's delta: above the clip band, not with GRPO-fix's cap
+        check_float("delta", args.delta, 1 + args.clip_high, low_open=True,
+                    why=" (1 + --clip-high: the cap sits above the clip band)")
+        if args.symmetric_clip:
+            fail("--delta caps w_it inside PPO's min; --symmetric-clip caps it at 1 + eps_high "
+                 "already: drop one")
+
+
 def main():
     # tyro (its errors in one line, once), then the defaults that depend on the model and the task:
     # the run is logged, checkpointed and compared on resume with these values; nothing changes args after this
@@ -146,6 +166,7 @@ def main():
 
     # TRY NOT TO MODIFY: set-up (bad input fails here, before any model is built)
     check_common_args(args)
+    check_grpo_args(args)
     reward = load_reward(args.reward, args.reward_timeout, args.reward_weights,
                          args.reward_fail_steps)  # a bad --reward fails here too
     dist_env = setup_distributed(args.seed)
@@ -212,7 +233,8 @@ def main():
                              max_rounds=args.max_gen_rounds,
                              truncated_scale=args.truncated_reward_scale)
         advantages, zero_groups = group_advantages(roll.rewards, args.group_size,
-                                                   args.scale_rewards, args.adv_std, args.adv_eps)
+                                                   args.scale_rewards, args.adv_std, args.adv_eps,
+                                                   args.baseline)
         log_samples(logger, run_dir, step, args.log_samples, roll.rows["prompt"],
                     roll.rows["answer"], roll.texts, roll.rewards, advantages, args.group_size,
                     roll.rows["text"])
@@ -227,7 +249,8 @@ def main():
         updates = Updates(policy, roll, mask, args, step, nonfinite_run, dist_env)  # logs, Energy
         with torch.no_grad():
             old_logp, is_weight, old_stats = old_log_probs(
-                policy, roll, minibatch_slices, args.old_logp, args.rollout_is_cap, routes)
+                policy, roll, minibatch_slices, args.old_logp, args.rollout_is_cap, routes,
+                args.rollout_is_mode, args.rollout_is_min)
             ref_logp = ref_log_probs(ref, roll, minibatch_slices)  # --kl-coef: the KL's pi_ref
 
         # ALGO LOGIC: num_iterations (mu, GRPO arXiv 2402.03300 Alg. 1) passes of num_minibatches
@@ -243,7 +266,7 @@ def main():
                 loss, terms, loss_stats = grpo_loss(
                     logp, old_logp[micro], advantages[micro], mask[micro],
                     clip_low=args.clip_low, clip_high=args.clip_high,
-                    symmetric_clip=args.symmetric_clip,
+                    symmetric_clip=args.symmetric_clip, delta=args.delta,
                     ref_logp=None if ref is None else ref_logp[micro], kl_coef=args.kl_coef,
                     kl_ratio=args.kl_ratio_correction,
                     loss_agg=args.loss_agg, max_new_tokens=args.max_new_tokens, norm=norm,

@@ -6,6 +6,7 @@
     A_i           = (r_i - mean_j r_j) / std_j r_j                                       (eq. 43)
     (--kl-coef)   - beta 1/G sum_i 1/|y_i| sum_t [pi_ref/pi_theta - log(pi_ref/pi_theta) - 1]   (k3)
                   (off by default, as in the GSPO and DFPO recipes)
+    (--luspo)     each sequence's term times |y_i| (LUSPO, arXiv:2602.05261; TRL's loss_type luspo)
 
 Equation numbers are the DFPO paper's (arXiv:2604.13088); derivations: docs/objectives.md.
 GSPO restated in its App. B.1: one importance ratio per sequence, clipped once, so every token of
@@ -45,11 +46,14 @@ class Args(CommonArgs):
     """eps_low: s_i is clipped below at 1 - eps_low (GSPO paper: 3e-4)"""
     clip_high: float = 4e-4
     """eps_high: s_i is clipped above at 1 + eps_high (GSPO paper: 4e-4)"""
+    luspo: bool = False
+    """LUSPO (arXiv 2602.05261): each sequence's term min(s_i A_i, clip(s_i) A_i) times its length
+    |y_i|, so that a long completion weighs by its tokens (TRL's loss_type luspo); off: GSPO"""
 
 
 def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: float,
               ref_logp=None, kl_coef: float = 0.0, kl_ratio: bool = False,
-              norm: float | None = None):
+              norm: float | None = None, luspo: bool = False):
     """-J_GSPO (eq. 42) over the minibatch. logp, old_logp, mask: [B, T] completion tokens;
     advantages: [B].
     ref_logp (with kl_coef = beta > 0): [B, T] log-probs of the reference model; each token adds
@@ -58,6 +62,7 @@ def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: f
     no KL: beta = 0). kl_ratio: each k3 is multiplied by s_i (TRL's use_bias_correction_kl).
     norm: the count the summed objective is divided by (None: this batch's); the loop passes the
     minibatch's count over all ranks, so that micro-batches and ranks add up to one gradient.
+    luspo: each sequence's clipped term is multiplied by |y_i| (the KL term is GSPO's).
     Returns (loss, seq_terms, stats): seq_terms [B] is each sequence's term m_i = w_i A_i
     (detached), from which the loop computes the group metrics over whole groups; stats are
     detached scalars for the logs, a mean given as (sum, count) so that micro-batches and ranks
@@ -69,6 +74,8 @@ def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: f
     s = torch.exp(log_w.sum(1) / lengths)  # eq. 44: s_i = exp(1/|y_i| sum_t log w_it)
     s_clipped = s.clamp(1 - clip_low, 1 + clip_high)
     objective = torch.min(s * advantages, s_clipped * advantages)  # eq. 42 (= A_i s_bar_i, eq. 49)
+    if luspo:  # LUSPO: the sequence's term times its length |y_i|
+        objective = objective * mask.sum(1)
     per_seq = objective
     if ref_logp is not None and kl_coef > 0:  # k3: pi_ref/pi - log(pi_ref/pi) - 1 >= 0, per token
         log_ref = torch.where(valid, ref_logp - logp, 0.0)
@@ -168,7 +175,8 @@ def main():
                              max_rounds=args.max_gen_rounds,
                              truncated_scale=args.truncated_reward_scale)
         advantages, zero_groups = group_advantages(roll.rewards, args.group_size,
-                                                   args.scale_rewards, args.adv_std, args.adv_eps)
+                                                   args.scale_rewards, args.adv_std, args.adv_eps,
+                                                   args.baseline)
         log_samples(logger, run_dir, step, args.log_samples, roll.rows["prompt"],
                     roll.rows["answer"], roll.texts, roll.rewards, advantages, args.group_size,
                     roll.rows["text"])
@@ -183,7 +191,8 @@ def main():
         updates = Updates(policy, roll, mask, args, step, nonfinite_run, dist_env)  # logs, Energy
         with torch.no_grad():
             old_logp, is_weight, old_stats = old_log_probs(
-                policy, roll, minibatch_slices, args.old_logp, args.rollout_is_cap, routes)
+                policy, roll, minibatch_slices, args.old_logp, args.rollout_is_cap, routes,
+                args.rollout_is_mode, args.rollout_is_min)
             ref_logp = ref_log_probs(ref, roll, minibatch_slices)  # --kl-coef: the KL's pi_ref
 
         # ALGO LOGIC: num_iterations (mu, GRPO arXiv 2402.03300 Alg. 1) passes of num_minibatches
@@ -199,7 +208,7 @@ def main():
                     clip_low=args.clip_low, clip_high=args.clip_high,
                     ref_logp=None if ref is None else ref_logp[micro], kl_coef=args.kl_coef,
                     kl_ratio=args.kl_ratio_correction,
-                    norm=norm)
+                    norm=norm, luspo=args.luspo)
                 loss.backward()
                 updates.after_backward(update, micro, logp, loss, terms, loss_stats, old_logp[micro])
             grad_norm = clip_grad_norm(policy, args.max_grad_norm)

@@ -330,12 +330,14 @@ def own_runs(output_dir: str, exp_name: str, seed: int) -> list[tuple[int, str]]
 RESUME_FIXED = ("seed", "model", "dataset", "data_files", "prompt_column", "answer_column",
                 # with --eval-dataset no held-out split is taken from --dataset: other train rows
                 "eval_dataset", "prompts_per_rank", "group_size",
-                "clip_low", "clip_high", "scale_rewards", "adv_std", "adv_eps", "mask_truncated",
+                "clip_low", "clip_high", "scale_rewards", "adv_std", "adv_eps", "baseline",
+                "mask_truncated",
                 "truncated_reward_scale",
                 "loss_agg", "kl_ratio_correction",
                 "symmetric_clip", "kl_coef", "post_answer_penalty", "transform", "length_aware",
                 "clip_gated", "stop_grad", "orth_floor", "lora_rank", "lora_alpha",
-                "lora_target_modules")
+                "lora_target_modules", "luspo", "delta", "tau_pos", "tau_neg", "k_pos", "lambda_pos",
+                "k_neg", "lambda_neg")
 
 
 def as_flag(name: str, value) -> str:

@@ -24,9 +24,12 @@ from .lora import ALL_LINEAR, DEFAULT_ALPHA
 
 
 GenMode = Literal["repeat", "shared-prefill", "static", "engine", "engine-tp"]  # common.GEN_MODES
+RolloutIsMode = Literal["token-truncate", "token-mask", "sequence-truncate", "sequence-mask"]
 
 
 # -------------------- the flags every script shares (each script's Args extends these)
+
+
 @dataclass
 class CommonArgs:
     """Flags shared by every script, in --help's order: those most runs set first (exp_name to
@@ -131,7 +134,11 @@ class CommonArgs:
     """cosine and linear: the last learning rate as a fraction of the peak (DFPO paper: 0.2)"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """divide the centred group rewards by the group's std (eq. 43), the whole batch's std (all
-    ranks), or nothing"""
+    ranks; with the group mean: REINFORCE++-baseline, arXiv 2501.03262), or nothing"""
+    baseline: Literal["group-mean", "leave-one-out"] = "group-mean"
+    """the baseline the rewards are centred on: the group's mean (GRPO, eq. 43), or the mean of
+    the group's other completions (RLOO, arXiv 2402.14740: r_i - 1/(G-1) sum_j!=i r_j =
+    G/(G-1) (r_i - mean); verl's rloo, with --scale-rewards none)"""
     adv_std: Literal["population", "bessel"] = "population"
     """the std of --scale-rewards: population (/n, the DFPO blog's worked example) or bessel
     (/(n-1), TRL's and verl's: A_1 of rewards [1,0,0,0] is 1.5, not 1.732)"""
@@ -185,8 +192,17 @@ class CommonArgs:
     it sampled each token (--gen-mode engine / engine-tp; no recompute pass, as GSPO arXiv
     2507.18071 proposes; no losses/entropy)"""
     rollout_is_cap: float | None = None
-    """grpo.py, gspo_token.py: TIS, each token's loss weighted by min(pi_old / pi_rollout, C), C
-    this cap (a constant weight; --gen-mode engine log-probs; off when not given)"""
+    """the rollout correction's upper bound C_max (TRL's vllm_importance_sampling_cap): each token's
+    loss weighted by pi_old / pi_rollout, truncated at or masked past C_max by --rollout-is-mode
+    (a constant weight; --gen-mode engine log-probs; token-level scripts; off when not given)"""
+    rollout_is_mode: RolloutIsMode = "token-truncate"
+    """the rollout correction's form (TRL's vllm_importance_sampling_mode): the ratio of each token
+    or of the whole sequence (the product over its tokens), truncated to [C_min, C_max] (TIS) or
+    set to 0 outside it (masked: IcePop is token-mask with both bounds); TRL's default with vLLM
+    is sequence-mask at C_max = 3"""
+    rollout_is_min: float | None = None
+    """the rollout correction's lower bound C_min (TRL's vllm_importance_sampling_clip_min; None:
+    none); needs --rollout-is-cap"""
     routing_replay: bool = False
     """MoE models: force the experts each (token, layer) got in the old-log-prob pass in the
     training forward, weighted by the current router (Routing Replay, GSPO arXiv 2507.18071)"""
@@ -284,9 +300,10 @@ TRL_FLAGS = {
     "epsilon_high": "use --clip-high",
     "loss_type": "use --loss-agg (grpo.py, gspo_token.py and the token-level scripts): dapo = "
                  "token-mean, grpo = seq-mean-token-mean, dr_grpo = seq-mean-token-sum-norm; cispo, "
-                 "sapo, vespo: cispo.py, sapo.py, vespo.py",
+                 "sapo, vespo: cispo.py, sapo.py, vespo.py; luspo: gspo.py --luspo",
     "sapo_temperature_pos": "use --tau-pos (sapo.py)",
     "sapo_temperature_neg": "use --tau-neg (sapo.py)",
+    "delta": "use grpo.py --delta (two-sided clipping)",
     "vespo_k_pos": "use --k-pos (vespo.py)",
     "vespo_lambda_pos": "use --lambda-pos (vespo.py)",
     "vespo_k_neg": "use --k-neg (vespo.py)",
@@ -351,7 +368,9 @@ VERL_KEYS = {
     "actor_rollout_ref.actor.optim.warmup_style": "--lr-schedule",
     "actor_rollout_ref.actor.grad_clip": "--max-grad-norm",
     "actor_rollout_ref.model.enable_gradient_checkpointing": "--activation-checkpointing",
-    "algorithm.adv_estimator": "the script (grpo: grpo.py)",
+    "algorithm.adv_estimator": "the script (grpo: grpo.py); rloo: --baseline leave-one-out "
+                               "--scale-rewards none; reinforce_plus_plus_baseline: --scale-rewards "
+                               "batch",
     "algorithm.norm_adv_by_std_in_grpo": "--scale-rewards group / none (and --adv-std bessel)",
     "algorithm.filter_groups.enable": "--dynamic-sampling",
     "algorithm.filter_groups.max_num_gen_batches": "--max-gen-rounds (with --dynamic-sampling)",
@@ -369,7 +388,7 @@ VERL_KEYS = {
 TRL_LOSS_TYPES = {"dapo": "token-mean", "grpo": "seq-mean-token-mean",
                   "dr_grpo": "seq-mean-token-sum-norm", "bnpo": "token-mean"}
 TRL_LOSS_SCRIPTS = {"cispo": "cispo.py", "sapo": "sapo.py",  # TRL loss_types that are a script here
-                    "vespo": "vespo.py"}
+                    "vespo": "vespo.py", "luspo": "gspo.py --luspo"}
 VERL_OVERRIDE = re.compile(r"\+?([a-z_]+(?:\.[a-z_]+)+)=")
 
 
@@ -680,12 +699,22 @@ def check_rollout_args(args):
              "be wrong; use --old-logp recompute (the default), or drop --repetition-penalty")
     cap = args.rollout_is_cap
     if cap is None:
+        if args.rollout_is_min is not None:
+            fail(f"--rollout-is-min {args.rollout_is_min} needs --rollout-is-cap (C_max; a large one "
+                 "for none): the rollout correction is on when a cap is given")
         return
     check_float("rollout-is-cap", cap, 0, low_open=True,
                 why=" (TIS weights each token by min(pi_old / pi_rollout, C))")
+    if args.rollout_is_min is not None:
+        check_float("rollout-is-min", args.rollout_is_min, 0, cap, low_open=True, high_open=True,
+                    why=" (C_min, below --rollout-is-cap)")
+    if args.rollout_is_mode.startswith("sequence") and getattr(args, "k_pos", None) is not None:
+        fail(f"--rollout-is-mode {args.rollout_is_mode}: vespo.py folds the rollout's ratios into "
+             "its sequence weight token by token; use token-truncate or token-mask (as TRL)")
     if not args.token_terms:
         fail(f"--rollout-is-cap {cap}: weights each token's term, and this script's loss is one "
-             "term a sequence (gspo.py, dfpo.py); use it with grpo.py or gspo_token.py")
+             "term a sequence (gspo.py, dfpo.py, gmpo.py); use it with a token-level script: grpo.py, "
+             "gspo_token.py, cispo.py, sapo.py or vespo.py")
     if args.old_logp == "rollout":
         fail(f"--rollout-is-cap {cap} weights by pi_old / pi_rollout, and --old-logp rollout makes "
              "pi_old the rollout's own: use --old-logp recompute, or drop --rollout-is-cap")

@@ -203,3 +203,20 @@ def test_a_checkpoint_given_as_model_names_its_export(saved):
     assert e.value.code == (f"error: --model {saved!r}: a checkpoint folder; give its model, {saved}/model (or "
                             f"continue the run with --resume {saved})")
     modeling.check_model(f"{saved}/model", False)  # the export is a model folder
+
+
+def test_every_objective_flag_is_fixed_on_resume():
+    """Each script's own flags (its Args beyond CommonArgs, the objective's) cannot change on resume: a run resumed
+    under another loss would not be the run it was. A new script's flags missing from checkpoint.RESUME_FIXED fail
+    here."""
+    import dataclasses
+    import importlib
+
+    from grouprl.checkpoint import RESUME_FIXED
+    from grouprl.cli import CommonArgs
+    from test_layout import SCRIPTS
+
+    common_fields = {f.name for f in dataclasses.fields(CommonArgs)}
+    for script in SCRIPTS:
+        own = {f.name for f in dataclasses.fields(importlib.import_module(script).Args)} - common_fields - {"exp_name"}
+        assert own <= set(RESUME_FIXED), (script, own - set(RESUME_FIXED))

@@ -154,6 +154,9 @@ def test_grpo_kl_coef(value, shown, monkeypatch, tmp_path):
     ("dfpo", ["--orth-floor", "nan"], "--orth-floor nan: must be > 0 and finite"),
     ("dfpo", ["--orth-floor", "inf"], "--orth-floor inf: must be > 0 and finite"),
     ("dfpo", ["--transform", "nope"], "invalid choice 'nope' for argument '--transform'"),  # tyro's own check
+    ("grpo", ["--delta", "1.2"], "--delta 1.2: must be > 1.27 and finite (1 + --clip-high: the cap sits above the "
+                                 "clip band)"),
+    ("grpo", ["--delta", "2", "--symmetric-clip"], "--delta caps w_it inside PPO's min; --symmetric-clip caps it"),
     ("gspo_token", ["--post-answer-penalty", "-1"], "--post-answer-penalty -1.0: must be >= 0 and finite"),
     ("gspo_token", ["--post-answer-penalty", "nan"], "--post-answer-penalty nan: must be >= 0 and finite"),
     ("gspo_token", ["--post-answer-penalty", "inf"], "--post-answer-penalty inf: must be >= 0 and finite"),
@@ -166,6 +169,11 @@ def test_grpo_kl_coef(value, shown, monkeypatch, tmp_path):
      "--rollout-is-cap 2.0: weights each token's term, and this script's loss is one term a sequence"),
     ("grpo", ["--rollout-is-cap", "2", "--old-logp", "rollout", "--gen-mode", "engine"],
      "--rollout-is-cap 2.0 weights by pi_old / pi_rollout, and --old-logp rollout makes pi_old the rollout's own"),
+    ("grpo", ["--rollout-is-min", "0.5"], "--rollout-is-min 0.5 needs --rollout-is-cap (C_max; a large one for none)"),
+    ("grpo", ["--rollout-is-cap", "2", "--rollout-is-min", "2", "--gen-mode", "engine"],
+     "--rollout-is-min 2.0: must lie in (0, 2) (C_min, below --rollout-is-cap)"),
+    ("vespo", ["--rollout-is-cap", "2", "--rollout-is-mode", "sequence-mask", "--gen-mode", "engine"],
+     "--rollout-is-mode sequence-mask: vespo.py folds the rollout's ratios into its sequence weight token by token"),
     ("grpo", ["--rollout-is-cap", "2"], "--rollout-is-cap reads the log-probs the engine computes as it samples; "
                                         "--gen-mode shared-prefill (HF generate) returns none"),
 ])
@@ -340,7 +348,10 @@ def test_builtin_task_is_deterministic_and_uniform():
     ("dfpo", ["--use-vllm"], "--use-vllm is TRL's name: use --gen-mode engine (the built-in engine; vLLM is not used)"),
     ("grpo", ["--loss-type", "dapo"], "--loss-type is TRL's name: use --loss-agg (grpo.py, gspo_token.py and the "
                                       "token-level scripts): dapo = token-mean, grpo = seq-mean-token-mean, dr_grpo = "
-                                      "seq-mean-token-sum-norm; cispo, sapo, vespo: cispo.py, sapo.py, vespo.py"),
+                                      "seq-mean-token-sum-norm; cispo, sapo, vespo: cispo.py, sapo.py, vespo.py; "
+                                      "luspo: gspo.py --luspo"),
+    ("gspo", ["--delta", "4"], "--delta is TRL's name: use grpo.py --delta (two-sided clipping)"),
+    ("grpo", ["--loss-agg", "luspo"], "--loss-agg luspo is TRL's loss_type name for an objective: run gspo.py --luspo"),
     ("vespo", ["--loss-agg", "vespo"], "--loss-agg vespo is TRL's loss_type name for an objective: run vespo.py"),
     ("gspo", ["--sapo-temperature-neg", "2"], "--sapo-temperature-neg is TRL's name: use --tau-neg (sapo.py)"),
     ("grpo", ["--loss-agg", "cispo"], "--loss-agg cispo is TRL's loss_type name for an objective: run cispo.py"),
@@ -378,7 +389,7 @@ def test_trl_and_verl_hints_name_real_flags():
              if w.startswith("--")}
     assert named and named - {"--flags"} <= flags, named - flags
     assert set(cli.TRL_LOSS_TYPES.values()) <= {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"}
-    assert all(os.path.isfile(os.path.join(ROOT, script)) for script in cli.TRL_LOSS_SCRIPTS.values())
+    assert all(os.path.isfile(os.path.join(ROOT, run.split()[0])) for run in cli.TRL_LOSS_SCRIPTS.values())
 
 
 @pytest.mark.parametrize("env, line", [

@@ -80,6 +80,24 @@ def test_scale_rewards_batch_divides_by_the_std_of_the_whole_batch():
         group_advantages(r, 3, "tokens")
 
 
+def test_leave_one_out_baseline_by_hand_and_as_verls_rloo():
+    """RLOO (--baseline leave-one-out): rewards [1, 0, 0, 0] give A_1 = 1 - 0 = 1 and A_2 = 0 - 1/3 (the others' mean),
+    unscaled; [0.2, 0.4, 0.9] give 0.2 - 0.65, 0.4 - 0.55, 0.9 - 0.3. verl's compute_rloo_outcome_advantage, written
+    from its source: r_i G/(G-1) - mean G/(G-1). Scaled by the group's std like any centred reward."""
+    adv, zero = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4, "none", baseline="leave-one-out")
+    assert adv.tolist() == pytest.approx([1.0, -1 / 3, -1 / 3, -1 / 3]) and zero == 0
+    r = torch.tensor([0.2, 0.4, 0.9, 1.0, 1.0, 1.0], dtype=torch.float64)
+    adv, zero = group_advantages(r, 3, "none", baseline="leave-one-out")
+    assert adv[:3].tolist() == pytest.approx([0.2 - 0.65, 0.4 - 0.55, 0.9 - 0.3], abs=1e-6) and zero == 1
+    g = r.view(-1, 3)
+    verl = (g * 3 / 2 - g.mean(1, keepdim=True) * 3 / 2).flatten()
+    assert torch.allclose(adv.double(), verl, atol=1e-6)
+    scaled, _ = group_advantages(r, 3, "group", baseline="leave-one-out")
+    assert torch.allclose(scaled[:3].double(), verl[:3] / (g[0].std(unbiased=False) + 1e-6), atol=1e-5)
+    with pytest.raises(ValueError, match="group-mean or leave-one-out"):
+        group_advantages(r, 3, baseline="others")
+
+
 def test_mask_truncated_takes_a_completion_out_of_the_gradient(monkeypatch, tmp_path):
     """--mask-truncated: the rows without EOS get mask 0, so their log-probs get no gradient, and they are counted."""
     from gspo import gspo_loss

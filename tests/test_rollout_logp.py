@@ -54,6 +54,57 @@ def test_tis_weight_and_its_logs_by_hand():
     assert logp is roll.logp and weight is None and stats == {"perf/old_logp_s": 0.0}
 
 
+def trl_is_ratio(old, sampling, mask, mode, clip_min, clip_max):
+    """TRL's vllm_importance_sampling_ratio (trl/trainer/grpo_trainer.py, _generate_and_score_completions), written
+    from its source: (B, T) for token_* modes, (B, 1) for sequence_* modes."""
+    diff = (old - sampling) * mask
+    logps_diff = diff.sum(dim=-1, keepdim=True) if mode in ("sequence_mask", "sequence_truncate") else diff
+    ratio = torch.exp(logps_diff)
+    if mode in ("sequence_truncate", "token_truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low = clip_min if clip_min is not None else -math.inf
+    high = clip_max if clip_max is not None else math.inf
+    return ratio.masked_fill((ratio < low) | (ratio > high), value=0.0)
+
+
+@pytest.mark.parametrize("mode", ["token-truncate", "token-mask", "sequence-truncate", "sequence-mask"])
+@pytest.mark.parametrize("clip_min", [None, 0.5])
+def test_rollout_correction_modes_equal_trls(mode, clip_min):
+    """Every --rollout-is-mode, with and without C_min, gives TRL's ratio on every completion token (TRL's (B, 1)
+    sequence ratio broadcast over the tokens, as its per_token_loss * ratio does); the logged fraction outside
+    [C_min, C_max] and the mismatch (k3 KL and chi-square over tokens) by hand."""
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(4, 6, generator=g, dtype=torch.float64) * 2
+    sampling = old + 0.6 * torch.randn(4, 6, generator=g, dtype=torch.float64)
+    mask = (torch.arange(6)[None] < torch.tensor([6, 4, 2, 5])[:, None]).double()
+    roll = common.Rollout(None, torch.arange(4)[:, None].repeat(1, 8), torch.ones(4, 8, dtype=torch.long), 2, mask,
+                          torch.zeros(4, dtype=torch.bool), [""] * 4, sampling, None)
+    _, weight, stats = common.old_log_probs(StubPolicy(old, torch.zeros(4, 6)), roll, [slice(0, 4)], "recompute", 3.0,
+                                            None, mode, clip_min)
+    theirs = trl_is_ratio(old, sampling, mask, mode.replace("-", "_"), clip_min, 3.0)
+    torch.testing.assert_close(weight * mask, (theirs * mask).to(weight.dtype), rtol=1e-12, atol=0)
+    rho = torch.exp(old - sampling)[mask.bool()]
+    level = torch.exp(((old - sampling) * mask).sum(1, keepdim=True)).expand_as(mask)[mask.bool()] \
+        if mode.startswith("sequence") else rho
+    out = ((level > 3.0) | (level < (clip_min or 0.0))).double().mean().item()
+    key = "rollout_is/capped_frac" if mode.endswith("truncate") else "rollout_is/masked_frac"
+    assert stats[key] == pytest.approx(out) and 0 < out < 1
+    assert stats["rollout_is/kl"] == pytest.approx((rho - 1 - rho.log()).mean().item())
+    assert stats["rollout_is/chi2"] == pytest.approx((rho ** 2).mean().item() - 1)
+    assert stats["rollout_is/weight_mean"] == pytest.approx(weight[mask.bool()].mean().item())
+
+
+def test_sequence_mask_by_hand():
+    """sequence-mask, C_max = 2: the first completion's ratio is e^0.5 e^-1 3 = 1.82 (kept, on each of its tokens),
+    the second's 1 x 2.5 = 2.5 (masked: 0)."""
+    roll = rollout()
+    _, weight, stats = common.old_log_probs(StubPolicy(torch.tensor(OLD), torch.zeros(2, 3)), roll,
+                                            [slice(0, 2)], "recompute", CAP, None, "sequence-mask")
+    first = math.exp(0.5) * math.exp(-1.0) * 3
+    assert weight[0].tolist() == pytest.approx([first] * 3) and weight[1, :2].tolist() == [0.0, 0.0]
+    assert stats["rollout_is/masked_frac"] == pytest.approx(2 / 5)
+
+
 @pytest.mark.parametrize("script", ["grpo", "gspo_token"])
 def test_tis_weight_multiplies_each_token_term(script):
     """At pi = pi_old every ratio is 1 (inside the clip), so the objective is 1/B sum_i 1/|y_i| sum_t A_i v_it and

@@ -4,10 +4,11 @@ The reference here is an independent float64 transcription of TRL's formulas (tr
 _generate_and_score_completions and _compute_loss; trl/trainer/utils.py nanstd), written from its source, not from
 this project's code:
     A      = (r - mean_group r) / (nanstd + 1e-4)        nanstd: Bessel-corrected (n - 1)
-    coef_1 = exp(logp - old)  (token)  or  exp(sum_t (logp - old) m / |y|)  (sequence)
+    coef_1 = exp(logp - old)  (token)  or  exp(sum_t (logp - old) m / |y|)  (sequence);  delta: coef_1 capped at delta
     kl     = exp(ref - logp) - (ref - logp) - 1,  x coef_1 with use_bias_correction_kl
     loss   = agg(-min(coef_1 A, clip(coef_1, 1 - eps_lo, 1 + eps_hi) A) + beta kl)
-    agg    = grpo: mean_i (sum_t / |y_i|);  dapo: sum / sum |y|;  dr_grpo: sum / (B max_completion_length)
+    agg    = grpo: mean_i (sum_t / |y_i|);  dapo: sum / sum |y|;  dr_grpo: sum / (B max_completion_length);
+             luspo (sequence level): mean_i (term_i |y_i|)
 Where trl is importable, TRL's own nanstd is compared too; elsewhere that test skips in one line."""
 import math
 
@@ -38,7 +39,7 @@ def trl_advantages(rewards, scale):
     return adv if scale == "none" else adv / (std + 1e-4)
 
 
-def trl_loss(logp, old, ref, adv, mask, *, level, loss_type, eps_lo, eps_hi, beta, bias_kl, max_len=T):
+def trl_loss(logp, old, ref, adv, mask, *, level, loss_type, eps_lo, eps_hi, beta, bias_kl, max_len=T, delta=None):
     log_ratio = logp - old
     if level == "token":
         log_w = log_ratio
@@ -50,6 +51,8 @@ def trl_loss(logp, old, ref, adv, mask, *, level, loss_type, eps_lo, eps_hi, bet
         kl = kl * coef_1
     a = adv.unsqueeze(1)
     coef_2 = torch.clamp(coef_1, 1 - eps_lo, 1 + eps_hi)
+    if delta is not None:  # two-sided clipping
+        coef_1 = torch.clamp(coef_1, max=delta)
     per_token = -torch.min(coef_1 * a, coef_2 * a) + beta * kl
     if loss_type == "grpo":
         return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
@@ -57,6 +60,8 @@ def trl_loss(logp, old, ref, adv, mask, *, level, loss_type, eps_lo, eps_hi, bet
         return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
     if loss_type == "dr_grpo":
         return (per_token * mask).sum() / (per_token.size(0) * max_len)
+    if loss_type == "luspo":  # sequence level: per_token is [B, 1] (beta = 0 here; TRL broadcasts its KL to [B, T])
+        return (per_token * mask.sum(1, keepdim=True)).mean()
     raise ValueError(loss_type)
 
 
@@ -132,6 +137,69 @@ def test_gspo_loss_equals_trl_sequence_level(loss_fn, bias_kl):
     theirs.backward()
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-6, abs=1e-9)
     torch.testing.assert_close(x.grad * mask, y.grad * mask, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("loss_type, loss_agg", [("grpo", "seq-mean-token-mean"), ("dapo", "token-mean")])
+def test_grpo_delta_equals_trls_two_sided_clip(loss_type, loss_agg):
+    """grpo.py --delta = TRL's delta: coef_1 capped at delta before the min; ratios up to ~e^1 here, so the cap acts on
+    tokens of A < 0 (for A > 0 the clip's 1 + eps_high < delta already decides)."""
+    logp, old, ref, mask, rewards = batch(2)
+    adv = group_advantages(rewards, G, "group", "bessel", 1e-4)[0].double()
+    x = logp.clone().requires_grad_()
+    ours, _, stats = grpo_loss(x, old, adv, mask, clip_low=0.2, clip_high=0.28, delta=1.1 + 0.28, loss_agg=loss_agg)
+    ours.backward()
+    y = logp.clone().requires_grad_()
+    theirs = trl_loss(y, old, ref, trl_advantages(rewards, "group"), mask, level="token", loss_type=loss_type,
+                      eps_lo=0.2, eps_hi=0.28, beta=0.0, bias_kl=False, delta=1.38)
+    theirs.backward()
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-6, abs=1e-9)
+    torch.testing.assert_close(x.grad * mask, y.grad * mask, rtol=1e-6, atol=1e-9)
+    w = torch.exp(logp - old)
+    assert ((w > 1.38) & (adv[:, None] < 0) & mask.bool()).any()  # the cap acts on this batch
+    plain, _, _ = grpo_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, loss_agg=loss_agg)
+    assert plain.item() != pytest.approx(ours.item())
+
+
+def test_luspo_equals_trls():
+    """gspo.py --luspo = TRL's loss_type='luspo' at importance_sampling_level='sequence' (beta 0: TRL broadcasts its
+    KL over the padded [B, T] there, and ours keeps GSPO's KL)."""
+    logp, old, ref, mask, rewards = batch(1)
+    old = logp + 0.002 * (old - logp)  # s_i near the GSPO band, some inside, some clipped
+    adv = group_advantages(rewards, G, "group", "bessel", 1e-4)[0].double()
+    x = logp.clone().requires_grad_()
+    ours, _, _ = gspo_loss(x, old, adv, mask, clip_low=3e-4, clip_high=4e-4, luspo=True)
+    ours.backward()
+    y = logp.clone().requires_grad_()
+    theirs = trl_loss(y, old, ref, trl_advantages(rewards, "group"), mask, level="sequence", loss_type="luspo",
+                      eps_lo=3e-4, eps_hi=4e-4, beta=0.0, bias_kl=False)
+    theirs.backward()
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-6, abs=1e-9)
+    torch.testing.assert_close(x.grad * mask, y.grad * mask, rtol=1e-6, atol=1e-9)
+
+
+def test_luspo_and_delta_by_hand():
+    """LUSPO, one sequence of 3 tokens on policy (s = 1), A = 1: GSPO gives each token -A/|y| = -1/3 in d loss / d
+    logp, LUSPO -A = -1, and the loss -1 x 3 = -3. Delta 1.5, one token of A = -1 at w = e: min(min(e, 1.5) (-1),
+    clip(e) (-1)) = -1.5, a constant: loss 1.5, no gradient (without delta: loss e, gradient e)."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64, requires_grad=True)
+    one = torch.tensor([1.0], dtype=torch.float64)
+    loss, terms, _ = gspo_loss(logp, logp.detach(), one, torch.ones(1, 3, dtype=torch.float64), clip_low=3e-4,
+                               clip_high=4e-4, luspo=True)
+    loss.backward()
+    assert loss.item() == pytest.approx(-3.0) and logp.grad[0].tolist() == pytest.approx([-1.0] * 3)
+    assert terms.item() == pytest.approx(3.0)
+    w = torch.tensor([[1.0]], dtype=torch.float64, requires_grad=True)  # log pi - log pi_old = 1: w = e
+    minus = torch.tensor([-1.0], dtype=torch.float64)
+    loss, _, stats = grpo_loss(w, torch.zeros(1, 1, dtype=torch.float64), minus, torch.ones(1, 1, dtype=torch.float64),
+                               clip_low=0.2, clip_high=0.28, delta=1.5)
+    loss.backward()
+    assert loss.item() == pytest.approx(1.5) and w.grad.item() == 0 and stats["losses/clipfrac"][0].item() == 1
+    w.grad = None
+    loss, _, stats = grpo_loss(w, torch.zeros(1, 1, dtype=torch.float64), minus, torch.ones(1, 1, dtype=torch.float64),
+                               clip_low=0.2, clip_high=0.28)
+    loss.backward()
+    assert loss.item() == pytest.approx(math.e) and w.grad.item() == pytest.approx(math.e)
+    assert stats["losses/clipfrac"][0].item() == 0
 
 
 def test_trl_own_nanstd():

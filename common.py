@@ -519,6 +519,23 @@ def policy_log_probs(policy, roll: Rollout, rows: slice, routes: moe.Routes | No
 
 
 @torch.no_grad()
+def off_policy_mask(advantages, logp, sample_logp, mask, delta: float | None):
+    """OPSM (DeepSeek-V3.2, arXiv 2512.02556 eq. 9; TRL's get_off_policy_mask): the advantages
+    [B] (or [B, T]) with the rows dropped set to 0, and the rows dropped as (count, rows) for the
+    logs (None when off). A row is dropped when its advantage is negative (a [B, T] row: its sum) and its mean
+    log(pi_sample / pi_theta) over its tokens exceeds delta; logp: pi_theta now (the micro-batch's
+    forward), sample_logp: what sampled the tokens. delta None: the advantages as they are."""
+    if delta is None:
+        return advantages, None
+    seq_adv = advantages.sum(1) if advantages.dim() == 2 else advantages
+    kl = ((sample_logp - logp) * mask).sum(1) / mask.sum(1).clamp(min=1)  # mean log pi_s / pi
+    drop = (seq_adv < 0) & (kl > delta)
+    keep = (~drop).to(advantages.dtype)
+    dropped = (drop.sum().float(), torch.tensor(float(len(mask))))
+    return advantages * (keep[:, None] if advantages.dim() == 2 else keep), dropped
+
+
+@torch.no_grad()
 def ref_log_probs(ref, roll: Rollout, minibatches: list[slice]) -> torch.Tensor | None:
     """log pi_ref of every completion token [B, T], a minibatch at a time (None: no KL term)."""
     if ref is None:
@@ -609,9 +626,10 @@ class Updates:
         self.loss, self.micro_stats, self.seq_terms, self.first_token_grads = 0.0, [], [], []
 
     def after_backward(self, update: int, micro: slice, logp, loss, seq_terms, loss_stats: dict,
-                       old_logp):
+                       old_logp, dropped=None):
         """After a micro-batch's loss.backward(): logp [micro, T] its log-probs (their .grad kept by
-        policy_log_probs), seq_terms [micro] each sequence's m_i = w_i A_i, old_logp [micro, T]."""
+        policy_log_probs), seq_terms [micro] each sequence's m_i = w_i A_i, old_logp [micro, T];
+        dropped: OPSM's (rows dropped, rows), logged as losses/opsm_frac (None: OPSM off)."""
         self.seq_terms.append(seq_terms)
         self.first_token_grads.append(logp.grad[:, 0])
         if not self.energy.get("energy/tokens") and energy.due(  # eq. 24
@@ -624,6 +642,8 @@ class Updates:
         self.loss = self.loss + loss.detach()
         self.micro_stats.append({**loss_stats, **log_ratio_spread(
             logp, old_logp, self.mask[micro], first=update == 0)})
+        if dropped is not None:
+            self.micro_stats[-1]["losses/opsm_frac"] = dropped
 
     def finite(self, grad_norm: torch.Tensor) -> bool:
         """Whether this minibatch's loss and gradient are finite on every rank; if not, the update

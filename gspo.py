@@ -22,8 +22,8 @@ from tqdm import tqdm
 
 from common import (Logger, Updates, clip_grad_norm, eval_report, eval_summary, evaluate,
                     group_advantages, jitter2, log_samples, logp_drift, lr_scheduler, micro_batches,
-                    minibatches, old_log_probs, policy_log_probs, ref_log_probs, rollout_log,
-                    sample_groups)
+                    minibatches, off_policy_mask, old_log_probs, policy_log_probs, ref_log_probs,
+                    rollout_log, sample_groups)
 from grouprl import moe
 from grouprl.checkpoint import (catch_stop_signals, claim_run_dir, cleanup, resume_state,
                                 run_paths, save_checkpoint, stop_requested)
@@ -194,6 +194,7 @@ def main():
                 policy, roll, minibatch_slices, args.old_logp, args.rollout_is_cap, routes,
                 args.rollout_is_mode, args.rollout_is_min)
             ref_logp = ref_log_probs(ref, roll, minibatch_slices)  # --kl-coef: the KL's pi_ref
+        sample_logp = old_logp if roll.logp is None else roll.logp  # OPSM's pi_sample
 
         # ALGO LOGIC: num_iterations (mu, GRPO arXiv 2402.03300 Alg. 1) passes of num_minibatches
         # optimizer steps, each over whole groups; old_logp stays pi_old's, so ratios move off 1
@@ -203,14 +204,17 @@ def main():
             norm = seqs  # 1/G sum_i over every group: the loss is divided by the minibatch's count
             for micro in micro_batches(minibatch, args.micro_batch_size):  # gradient accumulation
                 logp = policy_log_probs(policy, roll, micro, routes)  # [micro, T] log pi_theta
+                adv, dropped = off_policy_mask(advantages[micro], logp, sample_logp[micro], mask[micro],
+                                               args.off_policy_mask)  # --off-policy-mask: OPSM
                 loss, terms, loss_stats = gspo_loss(
-                    logp, old_logp[micro], advantages[micro], mask[micro],
+                    logp, old_logp[micro], adv, mask[micro],
                     clip_low=args.clip_low, clip_high=args.clip_high,
                     ref_logp=None if ref is None else ref_logp[micro], kl_coef=args.kl_coef,
                     kl_ratio=args.kl_ratio_correction,
                     norm=norm, luspo=args.luspo)
                 loss.backward()
-                updates.after_backward(update, micro, logp, loss, terms, loss_stats, old_logp[micro])
+                updates.after_backward(update, micro, logp, loss, terms, loss_stats, old_logp[micro],
+                                       dropped)
             grad_norm = clip_grad_norm(policy, args.max_grad_norm)
             if updates.finite(grad_norm):  # else skipped on every rank together, and counted
                 optimizer.step()

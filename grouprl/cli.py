@@ -206,6 +206,11 @@ class CommonArgs:
     routing_replay: bool = False
     """MoE models: force the experts each (token, layer) got in the old-log-prob pass in the
     training forward, weighted by the current router (Routing Replay, GSPO arXiv 2507.18071)"""
+    off_policy_mask: float | None = None
+    """off-policy sequence masking (OPSM, DeepSeek-V3.2 arXiv 2512.02556 eq. 9; TRL's
+    off_policy_mask_threshold delta): a sequence with A_i < 0 whose mean log(pi_sample / pi_theta)
+    over its tokens exceeds delta leaves the policy term (its advantage set to 0; the KL term
+    stays); pi_sample: the engine's log-probs, else pi_old (None: off; TRL suggests 0.5)"""
     gen_cuda_graphs: bool = True
     """--gen-mode engine on one GPU: replay the decoding step as CUDA graphs, one per read length
     (a multiple of 256 positions), captured on first use; --no-gen-cuda-graphs decodes eagerly"""
@@ -569,6 +574,12 @@ def check_common_args(args):
     if args.num_minibatches < 1 or args.prompts_per_rank % args.num_minibatches:
         fail(f"--prompts-per-rank {args.prompts_per_rank} must be a multiple of --num-minibatches "
              f"{args.num_minibatches} (each minibatch holds whole groups)")
+    if args.off_policy_mask is not None:
+        check_float("off-policy-mask", args.off_policy_mask, 0,
+                    why=" (delta, the mean log(pi_sample / pi_theta) past which OPSM drops a sequence)")
+        if hasattr(args, "transform"):  # dfpo.py
+            fail("--off-policy-mask zeroes a sequence's advantage, and DFPO's transform (eq. 63) "
+                 "weighs every sequence of the group by all their advantages: not with dfpo.py")
     check_int("num-iterations", args.num_iterations, 1, MAX_ITERATIONS,
               " (passes over each rollout's minibatches)")
     check_int("max-gen-rounds", args.max_gen_rounds, 1, MAX_GEN_ROUNDS,

@@ -169,6 +169,8 @@ def test_grpo_kl_coef(value, shown, monkeypatch, tmp_path):
      "--rollout-is-cap 2.0: weights each token's term, and this script's loss is one term a sequence"),
     ("grpo", ["--rollout-is-cap", "2", "--old-logp", "rollout", "--gen-mode", "engine"],
      "--rollout-is-cap 2.0 weights by pi_old / pi_rollout, and --old-logp rollout makes pi_old the rollout's own"),
+    ("dfpo", ["--off-policy-mask", "0.5"], "--off-policy-mask zeroes a sequence's advantage, and DFPO's transform"),
+    ("grpo", ["--off-policy-mask", "-1"], "--off-policy-mask -1.0: must be >= 0 and finite"),
     ("grpo", ["--rollout-is-min", "0.5"], "--rollout-is-min 0.5 needs --rollout-is-cap (C_max; a large one for none)"),
     ("grpo", ["--rollout-is-cap", "2", "--rollout-is-min", "2", "--gen-mode", "engine"],
      "--rollout-is-min 2.0: must lie in (0, 2) (C_min, below --rollout-is-cap)"),

@@ -205,6 +205,9 @@ def test_gradients_are_freed_before_generation_and_save(script, monkeypatch, tmp
                                   ["gspo", "--lr-schedule", "cosine", "--warmup-frac", "0.25"],
                                   ["gspo", "--luspo"], ["grpo", "--delta", "1.5"],
                                   ["grpo", "--baseline", "leave-one-out", "--scale-rewards", "none"],
+                                  ["gspo_token", "--off-policy-mask", "0", "--num-minibatches", "4",
+                                   "--post-answer-penalty", "0.1"],
+                                  ["gspo", "--off-policy-mask", "0"],
                                   ["grpo", "--gen-mode", "engine", "--rollout-is-cap", "3", "--rollout-is-mode",
                                    "sequence-mask"],
                                   ["cispo", "--gen-mode", "engine", "--rollout-is-cap", "2", "--rollout-is-min", "0.5",
@@ -224,6 +227,8 @@ def test_variants_run(argv, monkeypatch, tmp_path):
     assert json.loads(open(f"{run}/metrics.jsonl").readlines()[-1])["charts/reward_jitter2"] == pytest.approx(jitter)
     if argv[0] == "gspo_token":
         assert "charts/post_answer_frac" in rows[0]
+    if "--off-policy-mask" in argv:  # pi_sample = pi_old: nothing drops on a step's first minibatch, later ones may
+        assert all(0 <= r["losses/opsm_frac"] < 1 for r in rows)
     if "--no-stop-grad" in argv:  # min-replace without sg: the objective is s_bar_min * sum_i A_i = 0, no gradient
         assert all(r["losses/grad_norm"] < 1e-6 for r in rows)
     if "cosine" in argv:  # 16 optimizer steps: 4 of warm-up to the peak, then cosine towards 0.2 x the peak

@@ -202,6 +202,58 @@ def test_luspo_and_delta_by_hand():
     assert stats["losses/clipfrac"][0].item() == 0
 
 
+def trl_off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold):
+    """TRL's get_off_policy_mask, written from its source: (B, 1), 1 keep, 0 drop."""
+    kl_div = sampling_per_token_logps - per_token_logps.detach()
+    avg_seq_kl = (kl_div * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+    return ((advantages >= 0) | (avg_seq_kl <= off_policy_threshold)).to(dtype=mask.dtype)
+
+
+@pytest.mark.parametrize("delta", [0.0, 0.1, 0.5])
+def test_opsm_equals_trls_in_grpo(delta):
+    """--off-policy-mask: the rows TRL's mask drops get A = 0 here, so grpo.py's loss and gradient equal TRL's
+    per_token_loss x off_policy_mask (the KL term kept in both); the logged count is TRL's drops."""
+    from common import off_policy_mask
+
+    logp, old, ref, mask, rewards = batch(3)
+    sampling = logp + 0.3 * torch.randn(B, T, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    adv = group_advantages(rewards, G, "group", "bessel", 1e-4)[0].double()
+    x = logp.clone().requires_grad_()
+    masked, (dropped, rows) = off_policy_mask(adv, x, sampling, mask, delta)
+    ours, _, _ = grpo_loss(x, old, masked, mask, clip_low=0.2, clip_high=0.28, ref_logp=ref, kl_coef=0.04)
+    ours.backward()
+    y = logp.clone().requires_grad_()
+    opsm = trl_off_policy_mask(trl_advantages(rewards, "group").unsqueeze(1), y, sampling, mask, delta)
+    coef_1 = torch.exp(y - old)
+    a = trl_advantages(rewards, "group").unsqueeze(1)
+    per_token = -torch.min(coef_1 * a, torch.clamp(coef_1, 0.8, 1.28) * a) * opsm
+    per_token = per_token + 0.04 * (torch.exp(ref - y) - (ref - y) - 1)
+    theirs = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    theirs.backward()
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-6, abs=1e-9)
+    torch.testing.assert_close(x.grad * mask, y.grad * mask, rtol=1e-6, atol=1e-9)
+    assert dropped.item() == (1 - opsm).sum().item() and rows.item() == B
+    assert 0 < dropped.item() < B or delta == 0.5  # the mask acts on this batch (0.5: it may drop none)
+
+
+def test_opsm_by_hand():
+    """Three rows, log pi_sample - log pi_theta = 0.6, 0.4, 1.0 on every token; A = -1, -1, +1; delta 0.5: only the
+    first is dropped (negative and past delta); the third is past delta but positive. A [B, T] advantage row is
+    judged by its sum."""
+    from common import off_policy_mask
+
+    logp = torch.zeros(3, 2, dtype=torch.float64)
+    sampling = torch.tensor([[0.6, 0.6], [0.4, 0.4], [1.0, 1.0]], dtype=torch.float64)
+    mask = torch.ones(3, 2, dtype=torch.float64)
+    adv, dropped = off_policy_mask(torch.tensor([-1.0, -1.0, 1.0], dtype=torch.float64), logp, sampling, mask, 0.5)
+    assert adv.tolist() == [0.0, -1.0, 1.0] and dropped[0].item() == 1 and dropped[1].item() == 3
+    token_adv = torch.tensor([[-1.0, 0.5], [-1.0, -1.0], [2.0, -1.0]], dtype=torch.float64)
+    adv, _ = off_policy_mask(token_adv, logp, sampling, mask, 0.5)
+    assert adv.tolist() == [[0.0, 0.0], [-1.0, -1.0], [2.0, -1.0]]
+    same, none = off_policy_mask(token_adv, logp, sampling, mask, None)
+    assert same is token_adv and none is None
+
+
 def test_trl_own_nanstd():
     trl_utils = pytest.importorskip("trl.trainer.utils", reason="trl is not installed: TRL's own nanstd not compared")
     rewards = batch()[-1].double()

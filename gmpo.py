@@ -47,8 +47,8 @@ class Args(CommonArgs):
     """eps_low: each token's log-ratio is clipped below at -eps_low (w_it at e^-eps_low) if A_i < 0
     (GMPO paper: 0.4)"""
     clip_high: float = 0.4
-    """eps_high: each token's log-ratio is clipped above at eps_high, w_it at e^eps_high, where
-    A_i > 0 (GMPO paper: 0.4)"""
+    """eps_high: each token's log-ratio is clipped above at eps_high (w_it at e^eps_high) if A_i > 0
+    (GMPO paper: 0.4)"""
 
 
 def gmpo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: float,

@@ -482,7 +482,7 @@ def old_log_probs(policy, roll: Rollout, minibatches: list[slice], source: str =
     low = -math.inf if is_min is None else math.log(is_min)
     outside = ((log_rho > high) | (log_rho < low)).float() * mask
     if is_mode.endswith("truncate"):  # TIS: clip(rho, C_min, C_max)
-        weight = torch.exp(log_rho.clamp(max=high) if is_min is None else log_rho.clamp(low, high))
+        weight = torch.exp(log_rho.clamp(low, high))
     else:  # masked: rho inside [C_min, C_max], else 0 (IcePop: token-mask with both bounds)
         weight = torch.where(outside.bool(), 0.0, torch.exp(log_rho))
     stats["rollout_is/weight_mean"] = (all_reduce((weight * mask).sum()) / tokens).item()

@@ -23,7 +23,7 @@ beyond the bound on s_tilde; --clip-gated is GSPO's gating, kept for comparison.
 import os
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from tqdm import tqdm
@@ -47,6 +47,7 @@ from grouprl.modeling import (check_model, eos_ids, load_model, load_tokenizer, 
 
 @dataclass
 class Args(CommonArgs):
+    masks_advantages: ClassVar[bool] = False  # eq. 63 weighs a group by all its advantages: no OPSM
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of the run: logs and checkpoints go to {output_dir}/{exp_name}__{seed}__{unix time}"""
     micro_batch_size: int = 0

@@ -44,6 +44,7 @@ LossAgg = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"
 @dataclass
 class Args(CommonArgs):
     token_terms: ClassVar[bool] = True  # the loss sums per-token terms: --rollout-is-cap applies
+    sequence_is_weights: ClassVar[bool] = False  # the ratios fold into W_i token by token, as TRL's
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of the run: logs and checkpoints go to {output_dir}/{exp_name}__{seed}__{unix time}"""
     # Algorithm-specific arguments (the flags every script shares: cli.CommonArgs)

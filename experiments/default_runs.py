@@ -75,10 +75,11 @@ def paired_lines(runs: str, present: list[str], seeds: list[int], base: str) -> 
     if base not in present:
         return []
     lines = []
+    base_rows = {s: metrics(runs, base, s) for s in seeds}
     for name in present:
         if name == base:
             continue
-        pairs = [(s, metrics(runs, name, s), metrics(runs, base, s)) for s in seeds]
+        pairs = [(s, metrics(runs, name, s), base_rows[s]) for s in seeds]
         reward = by_seed([(s, last_reward(a) - last_reward(b)) for s, a, b in pairs])
         held = by_seed([(s, [x["eval/avg@8"] for x in a if "eval/avg@8" in x][-1]
                          - [x["eval/avg@8"] for x in b if "eval/avg@8" in x][-1]) for s, a, b in pairs])

@@ -37,6 +37,8 @@ class CommonArgs:
     precision and generation, LoRA, evaluation, checkpoints, rewards, KL, logging); each script's
     Args adds its objective's own and names its runs after itself (exp_name)."""
     token_terms: ClassVar[bool] = False  # the loss is a sum of per-token terms (--rollout-is-cap)
+    sequence_is_weights: ClassVar[bool] = True  # a sequence's ratio may weight it (sequence-* modes)
+    masks_advantages: ClassVar[bool] = True  # a sequence's advantage may be zeroed alone (OPSM)
     exp_name: str = "run"
     """name of the run: logs and checkpoints go to {output_dir}/{exp_name}__{seed}__{unix time}"""
     seed: int = 1
@@ -577,7 +579,7 @@ def check_common_args(args):
     if args.off_policy_mask is not None:
         check_float("off-policy-mask", args.off_policy_mask, 0,
                     why=" (delta, the mean log(pi_sample / pi_theta) past which OPSM drops a sequence)")
-        if hasattr(args, "transform"):  # dfpo.py
+        if not args.masks_advantages:
             fail("--off-policy-mask zeroes a sequence's advantage, and DFPO's transform (eq. 63) "
                  "weighs every sequence of the group by all their advantages: not with dfpo.py")
     check_int("num-iterations", args.num_iterations, 1, MAX_ITERATIONS,
@@ -719,7 +721,7 @@ def check_rollout_args(args):
     if args.rollout_is_min is not None:
         check_float("rollout-is-min", args.rollout_is_min, 0, cap, low_open=True, high_open=True,
                     why=" (C_min, below --rollout-is-cap)")
-    if args.rollout_is_mode.startswith("sequence") and getattr(args, "k_pos", None) is not None:
+    if args.rollout_is_mode.startswith("sequence") and not args.sequence_is_weights:
         fail(f"--rollout-is-mode {args.rollout_is_mode}: vespo.py folds the rollout's ratios into "
              "its sequence weight token by token; use token-truncate or token-mask (as TRL)")
     if not args.token_terms:

@@ -17,7 +17,7 @@ Derivation: docs/objectives.md.
 import os
 import time
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 from tqdm import tqdm
@@ -43,7 +43,6 @@ LossAgg = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"
 
 @dataclass
 class Args(CommonArgs):
-    token_terms: ClassVar[bool] = True  # the loss sums per-token terms: --rollout-is-cap applies
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of the run: logs and checkpoints go to {output_dir}/{exp_name}__{seed}__{unix time}"""
     # Algorithm-specific arguments (the flags every script shares: cli.CommonArgs)
@@ -61,13 +60,16 @@ class Args(CommonArgs):
 def cispo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: float,
                ref_logp=None, kl_coef: float = 0.0, kl_ratio: bool = False,
                loss_agg: str = "token-mean", max_new_tokens: int | None = None,
-               norm: float | None = None, is_weight=None):
+               norm: float | None = None, is_weight=None,
+               keep=None):
     """-J_CISPO over the minibatch. logp, old_logp, mask (and ref_logp): [B, T] completion tokens;
     advantages: [B]. Each token's term is sg(r_hat_it) A_i log pi(y_it), r_hat_it = clip(w_it,
     1 - clip_low, 1 + clip_high): its gradient is r_hat_it A_i grad log pi(y_it) for every token.
     loss_agg: how token terms are summed and divided (see aggregate); kl_ratio: each token's k3 is
     multiplied by w_it (TRL's use_bias_correction_kl); is_weight (--rollout-is-cap): [B, T]
     constant TIS weights, each multiplying its token's term.
+    keep (--top-entropy-quantile): [B, T], 1 on the high-entropy tokens, whose terms alone stay
+    (the KL's all stay, as TRL's).
     norm: the count the summed objective is divided by (None: this batch's); the loop passes the
     minibatch's count over all ranks, so that micro-batches and ranks add up to one gradient.
     Returns (loss, seq_terms, stats): seq_terms [B] is each sequence's m_i = w_i A_i with w_i =
@@ -83,6 +85,8 @@ def cispo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: 
     per_token = r_hat * A * torch.where(valid, logp, 0.0)  # REINFORCE: weight x A x log pi
     if is_weight is not None:  # TIS: the token was drawn from pi_rollout, not pi_old
         per_token = per_token * is_weight
+    if keep is not None:  # --top-entropy-quantile: only the high-entropy tokens' terms
+        per_token = per_token * keep
     token_terms = per_token * mask
     seq_terms = (r_hat * mask).sum(1) / lengths * advantages  # m_i = w_i A_i, the group metrics'
     if ref_logp is not None and kl_coef > 0:  # k3: pi_ref/pi - log(pi_ref/pi) - 1 >= 0
@@ -216,12 +220,13 @@ def main():
         minibatch_slices = minibatches(args.prompts_per_rank, args.group_size, args.num_minibatches)
 
         # old log-probs: pi_old is the policy that generated the rollout (no grad), recomputed or
-        # as the engine sampled it (--old-logp); TIS weights (--rollout-is-cap); MoE: experts taped
+        # as the engine sampled it (--old-logp); the rollout correction's weights (--rollout-is-cap)
+        # and the high-entropy tokens (--top-entropy-quantile); MoE: experts taped
         updates = Updates(policy, roll, mask, args, step, nonfinite_run, dist_env)  # logs, Energy
         with torch.no_grad():
-            old_logp, is_weight, old_stats = old_log_probs(
+            old_logp, is_weight, keep, old_stats = old_log_probs(
                 policy, roll, minibatch_slices, args.old_logp, args.rollout_is_cap, routes,
-                args.rollout_is_mode, args.rollout_is_min)
+                args.rollout_is_mode, args.rollout_is_min, args.top_entropy_quantile)
             ref_logp = ref_log_probs(ref, roll, minibatch_slices)  # --kl-coef: the KL's pi_ref
         sample_logp = old_logp if roll.logp is None else roll.logp  # OPSM's pi_sample
 
@@ -243,7 +248,8 @@ def main():
                     ref_logp=None if ref is None else ref_logp[micro], kl_coef=args.kl_coef,
                     kl_ratio=args.kl_ratio_correction,
                     loss_agg=args.loss_agg, max_new_tokens=args.max_new_tokens, norm=norm,
-                    is_weight=None if is_weight is None else is_weight[micro])
+                    is_weight=None if is_weight is None else is_weight[micro],
+                    keep=None if keep is None else keep[micro])
                 loss.backward()
                 updates.after_backward(update, micro, logp, loss, terms, loss_stats, old_logp[micro],
                                        dropped)

@@ -440,9 +440,11 @@ def group_metrics(seq_terms: torch.Tensor, first_token_grads: torch.Tensor, grou
 @torch.no_grad()
 def old_log_probs(policy, roll: Rollout, minibatches: list[slice], source: str = "recompute",
                   is_cap: float | None = None, routes: moe.Routes | None = None,
-                  is_mode: str = "token-truncate", is_min: float | None = None):
-    """pi_old of every completion token [B, T], the TIS weights [B, T] (None without is_cap), and
-    their logs (with perf/old_logp_s, the pass's time).
+                  is_mode: str = "token-truncate", is_min: float | None = None,
+                  top_entropy: float = 1.0):
+    """pi_old of every completion token [B, T], the rollout correction's weights [B, T] (None
+    without is_cap), the high-entropy tokens [B, T] (high_entropy_tokens; None at top_entropy 1),
+    and their logs (with perf/old_logp_s, the pass's time).
     source "recompute": the training forward without gradient, a minibatch at a time, so that the
     ratio's numerator and denominator come from the same numerics (losses/entropy logged; on an MoE
     model each (token, layer)'s experts go to the router tape, moe.recording). "rollout"
@@ -459,7 +461,7 @@ def old_log_probs(policy, roll: Rollout, minibatches: list[slice], source: str =
     k3 estimate of KL(pi_rollout || pi_old), mean(rho - 1 - log rho), and chi-square, mean(rho^2)
     - 1."""
     if source == "rollout":  # what --old-logp rollout saves: perf/old_logp_s 0
-        return roll.logp, None, {"perf/old_logp_s": 0.0}
+        return roll.logp, None, None, {"perf/old_logp_s": 0.0}
     start = time.time()
     ids, attention_mask, n_prompt = roll.input_ids, roll.attention_mask, roll.n_prompt
     old = []
@@ -472,8 +474,13 @@ def old_log_probs(policy, roll: Rollout, minibatches: list[slice], source: str =
     tokens = all_reduce(mask.sum()).clamp(min=1)  # completion tokens on all ranks
     stats = {"losses/entropy": (all_reduce((entropy * mask).sum()) / tokens).item(),
              "perf/old_logp_s": time.time() - start}
+    keep = None
+    if top_entropy < 1:  # --top-entropy-quantile: pi_old's entropies, the whole step's tokens
+        keep, threshold = high_entropy_tokens(entropy, mask, top_entropy)
+        stats["losses/entropy_threshold"] = threshold
+        stats["losses/entropy_kept_frac"] = (all_reduce(keep.sum()) / tokens).item()
     if is_cap is None:
-        return old_logp, None, stats
+        return old_logp, None, keep, stats
     log_ratio = torch.where(mask.bool(), old_logp - roll.logp, 0.0)  # log pi_old / pi_rollout
     log_rho = log_ratio  # token-*: each token's own ratio
     if is_mode.startswith("sequence"):  # sequence-*: the product over the sequence, on each token
@@ -491,7 +498,31 @@ def old_log_probs(policy, roll: Rollout, minibatches: list[slice], source: str =
     rho = torch.exp(log_ratio)  # the mismatch, token by token
     stats["rollout_is/kl"] = (all_reduce(((rho - 1 - log_ratio) * mask).sum()) / tokens).item()
     stats["rollout_is/chi2"] = (all_reduce((rho * rho * mask).sum()) / tokens).item() - 1
-    return old_logp, weight, stats
+    return old_logp, weight, keep, stats
+
+
+@torch.no_grad()
+def high_entropy_tokens(entropy, mask, quantile: float):
+    """The high-entropy minority (Wang et al. 2025, arXiv 2506.01939; TRL's top_entropy_quantile
+    rho): 1.0 on the completion tokens whose entropy is at least the (1 - rho) quantile of every
+    completion token's entropy on all ranks (linear interpolation, torch.quantile's, as TRL's
+    get_high_entropy_mask), 0 elsewhere; and the threshold. entropy, mask: [B, T]. The entropies
+    are pi_old's over the whole step, so the mask is one for every update and does not depend on
+    micro-batching or ranks; TRL's are the current forward's per micro-batch (the same tokens on
+    the first update when the micro-batch is the step's batch)."""
+    local = entropy[mask.bool()].float()
+    counts = all_gather_cat(torch.tensor([local.numel()]))
+    padded = torch.full((int(counts.max()),), -1.0, device=local.device)  # entropies >= 0: -1 pads
+    padded[:local.numel()] = local
+    gathered = all_gather_cat(padded)
+    values = gathered[gathered != -1.0].sort().values
+    if values.numel() == 0:
+        return torch.zeros_like(mask), 0.0
+    # torch.quantile's interpolation, without its 2^24-element limit: rank q (n - 1) in float32
+    rank = torch.tensor(1 - quantile, dtype=values.dtype) * (values.numel() - 1)
+    below, above = int(rank.floor()), int(rank.ceil())
+    threshold = torch.lerp(values[below], values[above], rank - below)
+    return ((entropy * mask >= threshold) & mask.bool()).to(mask.dtype), threshold.item()
 
 
 def log_ratio_spread(logp, old_logp, mask, first: bool) -> dict:

@@ -145,13 +145,17 @@ def dfpo_loss(logp, old_logp, advantages, mask, *, group_size: int, clip_low: fl
               clip_high: float, transform: str = "min-replace", floor: float = 1e-6,
               length_aware: bool = False, clip_gated: bool = False, stop_grad: bool = True,
               ref_logp=None, kl_coef: float = 0.0, kl_ratio: bool = False,
-              norm: float | None = None, s_tilde=None):
+              norm: float | None = None, s_tilde=None, is_weight=None, keep=None):
     """-J_DFPO over the minibatch. logp, old_logp, mask: [B, T] completion tokens; advantages: [B];
     rows are whole groups of group_size, unless s_tilde [B] (from their whole groups) is given.
     ref_logp (with kl_coef = beta > 0): [B, T] log-probs of the reference model; each token adds
     beta k3_it = beta (pi_ref/pi - log(pi_ref/pi) - 1) to the loss, averaged 1/|y_i| sum_t as s_i
     averages its token log-ratios, then 1/G sum_i as the objective (the GSPO and DFPO recipes use
     no KL: beta = 0).
+    is_weight (--rollout-is-cap) and keep (--top-entropy-quantile): [B, T] token weights (the
+    rollout correction's, 1 on the high-entropy tokens); the sequence's term (after the transform) is multiplied by
+    their product's mean over its tokens, as TRL's sequence-level loss averages its per-token
+    loss x weights (loss_type grpo).
     norm: the count the summed objective is divided by (None: this batch's); the loop passes the
     minibatch's count over all ranks, so that micro-batches and ranks add up to one gradient.
     Returns (loss, seq_terms, stats): seq_terms [B] is each sequence's term m_i = w_i A_i
@@ -177,6 +181,9 @@ def dfpo_loss(logp, old_logp, advantages, mask, *, group_size: int, clip_low: fl
         objective = advantages * s_tilde * s_bar / s_bar.detach()
     else:  # eq. 68: value A s_tilde; gradient s_tilde A grad log s_i for every sequence
         objective = advantages * s_tilde * torch.exp(log_s - log_s.detach())
+    if is_weight is not None or keep is not None:  # per-token weights: their mean over y_i (TRL)
+        weight = (1.0 if is_weight is None else is_weight) * (1.0 if keep is None else keep)
+        objective = objective * (weight * mask).sum(1) / lengths
     per_seq = objective
     if ref_logp is not None and kl_coef > 0:  # k3: pi_ref/pi - log(pi_ref/pi) - 1 >= 0, per token
         log_ref = torch.where(mask.bool(), ref_logp - logp, 0.0)
@@ -321,12 +328,13 @@ def main():
         minibatch_slices = minibatches(args.prompts_per_rank, args.group_size, args.num_minibatches)
 
         # old log-probs: pi_old is the policy that generated the rollout (no grad), recomputed or
-        # as the engine sampled it (--old-logp); TIS weights (--rollout-is-cap); MoE: experts taped
+        # as the engine sampled it (--old-logp); the rollout correction's weights (--rollout-is-cap)
+        # and the high-entropy tokens (--top-entropy-quantile); MoE: experts taped
         updates = Updates(policy, roll, mask, args, step, nonfinite_run, dist_env)  # logs, Energy
         with torch.no_grad():
-            old_logp, is_weight, old_stats = old_log_probs(
+            old_logp, is_weight, keep, old_stats = old_log_probs(
                 policy, roll, minibatch_slices, args.old_logp, args.rollout_is_cap, routes,
-                args.rollout_is_mode, args.rollout_is_min)
+                args.rollout_is_mode, args.rollout_is_min, args.top_entropy_quantile)
             ref_logp = ref_log_probs(ref, roll, minibatch_slices)  # --kl-coef: the KL's pi_ref
 
         # ALGO LOGIC: num_iterations (mu, GRPO arXiv 2402.03300 Alg. 1) passes of num_minibatches
@@ -348,7 +356,9 @@ def main():
                     clip_gated=args.clip_gated, stop_grad=args.stop_grad,
                     ref_logp=None if ref is None else ref_logp[micro], kl_coef=args.kl_coef,
                     kl_ratio=args.kl_ratio_correction,
-                    norm=norm, s_tilde=None if s_tilde is None else s_tilde[micro])
+                    norm=norm, s_tilde=None if s_tilde is None else s_tilde[micro],
+                    is_weight=None if is_weight is None else is_weight[micro],
+                    keep=None if keep is None else keep[micro])
                 loss.backward()
                 updates.after_backward(update, micro, logp, loss, terms, loss_stats, old_logp[micro])
             grad_norm = clip_grad_norm(policy, args.max_grad_norm)

@@ -53,7 +53,7 @@ class Args(CommonArgs):
 
 def gmpo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: float,
               ref_logp=None, kl_coef: float = 0.0, kl_ratio: bool = False,
-              norm: float | None = None):
+              norm: float | None = None, is_weight=None, keep=None):
     """-J_GMPO over the minibatch. logp, old_logp, mask: [B, T] completion tokens; advantages: [B].
     Each token's log-ratio is clipped in log space by the sign of A_i (the side PPO's min guards),
     then s_i = exp(1/|y_i| sum_t l_it), the geometric mean of the clipped ratios; the objective is
@@ -61,7 +61,10 @@ def gmpo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: f
     clipped one none.
     ref_logp (with kl_coef = beta > 0): [B, T] log-probs of the reference model; each token adds
     beta k3_it, averaged 1/|y_i| sum_t, then 1/G sum_i (kl_ratio: each k3 times s_i, TRL's
-    use_bias_correction_kl). norm: the count the summed objective is divided by (None: this
+    use_bias_correction_kl). is_weight (--rollout-is-cap): [B, T] rollout-correction weights, whose
+    geometric mean over the sequence's tokens multiplies its term (verl's geo_mean); keep
+    (--top-entropy-quantile): [B, T], 1 on the high-entropy tokens: the term is multiplied by
+    the fraction kept. norm: the count the summed objective is divided by (None: this
     batch's); the loop passes the minibatch's count over all ranks.
     Returns (loss, seq_terms, stats): seq_terms [B] is each sequence's m_i = s_i A_i (detached),
     for the group metrics; stats are detached scalars for the logs, a mean given as (sum, count)."""
@@ -73,6 +76,10 @@ def gmpo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: f
     clipped_log_w = sign * torch.min(sign * log_w, sign * log_w.clamp(-clip_low, clip_high))
     s = torch.exp((clipped_log_w * mask).sum(1) / lengths)  # the geometric mean of clipped w_it
     objective = advantages * s
+    if is_weight is not None:  # the rollout correction: the weights' geometric mean (verl's)
+        objective = objective * torch.exp((torch.log(is_weight + 1e-10) * mask).sum(1) / lengths)
+    if keep is not None:  # --top-entropy-quantile: the fraction of y_i's tokens kept
+        objective = objective * (keep * mask).sum(1) / lengths
     per_seq = objective
     if ref_logp is not None and kl_coef > 0:  # k3: pi_ref/pi - log(pi_ref/pi) - 1 >= 0, per token
         log_ref = torch.where(valid, ref_logp - logp, 0.0)
@@ -184,12 +191,13 @@ def main():
         minibatch_slices = minibatches(args.prompts_per_rank, args.group_size, args.num_minibatches)
 
         # old log-probs: pi_old is the policy that generated the rollout (no grad), recomputed or
-        # as the engine sampled it (--old-logp); TIS weights (--rollout-is-cap); MoE: experts taped
+        # as the engine sampled it (--old-logp); the rollout correction's weights (--rollout-is-cap)
+        # and the high-entropy tokens (--top-entropy-quantile); MoE: experts taped
         updates = Updates(policy, roll, mask, args, step, nonfinite_run, dist_env)  # logs, Energy
         with torch.no_grad():
-            old_logp, is_weight, old_stats = old_log_probs(
+            old_logp, is_weight, keep, old_stats = old_log_probs(
                 policy, roll, minibatch_slices, args.old_logp, args.rollout_is_cap, routes,
-                args.rollout_is_mode, args.rollout_is_min)
+                args.rollout_is_mode, args.rollout_is_min, args.top_entropy_quantile)
             ref_logp = ref_log_probs(ref, roll, minibatch_slices)  # --kl-coef: the KL's pi_ref
         sample_logp = old_logp if roll.logp is None else roll.logp  # OPSM's pi_sample
 
@@ -208,7 +216,9 @@ def main():
                     clip_low=args.clip_low, clip_high=args.clip_high,
                     ref_logp=None if ref is None else ref_logp[micro], kl_coef=args.kl_coef,
                     kl_ratio=args.kl_ratio_correction,
-                    norm=norm)
+                    norm=norm,
+                    is_weight=None if is_weight is None else is_weight[micro],
+                    keep=None if keep is None else keep[micro])
                 loss.backward()
                 updates.after_backward(update, micro, logp, loss, terms, loss_stats, old_logp[micro],
                                        dropped)

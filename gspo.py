@@ -53,7 +53,7 @@ class Args(CommonArgs):
 
 def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: float,
               ref_logp=None, kl_coef: float = 0.0, kl_ratio: bool = False,
-              norm: float | None = None, luspo: bool = False):
+              norm: float | None = None, luspo: bool = False, is_weight=None, keep=None):
     """-J_GSPO (eq. 42) over the minibatch. logp, old_logp, mask: [B, T] completion tokens;
     advantages: [B].
     ref_logp (with kl_coef = beta > 0): [B, T] log-probs of the reference model; each token adds
@@ -63,6 +63,10 @@ def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: f
     norm: the count the summed objective is divided by (None: this batch's); the loop passes the
     minibatch's count over all ranks, so that micro-batches and ranks add up to one gradient.
     luspo: each sequence's clipped term is multiplied by |y_i| (the KL term is GSPO's).
+    is_weight (--rollout-is-cap) and keep (--top-entropy-quantile): [B, T] token weights (the
+    rollout correction's, 1 on the high-entropy tokens); the sequence's term is multiplied by
+    their product's mean over its tokens, as TRL's sequence-level loss averages its per-token
+    loss x weights (loss_type grpo).
     Returns (loss, seq_terms, stats): seq_terms [B] is each sequence's term m_i = w_i A_i
     (detached), from which the loop computes the group metrics over whole groups; stats are
     detached scalars for the logs, a mean given as (sum, count) so that micro-batches and ranks
@@ -74,6 +78,9 @@ def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: f
     s = torch.exp(log_w.sum(1) / lengths)  # eq. 44: s_i = exp(1/|y_i| sum_t log w_it)
     s_clipped = s.clamp(1 - clip_low, 1 + clip_high)
     objective = torch.min(s * advantages, s_clipped * advantages)  # eq. 42 (= A_i s_bar_i, eq. 49)
+    if is_weight is not None or keep is not None:  # per-token weights: their mean over y_i (TRL)
+        weight = (1.0 if is_weight is None else is_weight) * (1.0 if keep is None else keep)
+        objective = objective * (weight * mask).sum(1) / lengths
     if luspo:  # LUSPO: the sequence's term times its length |y_i|
         objective = objective * mask.sum(1)
     per_seq = objective
@@ -187,12 +194,13 @@ def main():
         minibatch_slices = minibatches(args.prompts_per_rank, args.group_size, args.num_minibatches)
 
         # old log-probs: pi_old is the policy that generated the rollout (no grad), recomputed or
-        # as the engine sampled it (--old-logp); TIS weights (--rollout-is-cap); MoE: experts taped
+        # as the engine sampled it (--old-logp); the rollout correction's weights (--rollout-is-cap)
+        # and the high-entropy tokens (--top-entropy-quantile); MoE: experts taped
         updates = Updates(policy, roll, mask, args, step, nonfinite_run, dist_env)  # logs, Energy
         with torch.no_grad():
-            old_logp, is_weight, old_stats = old_log_probs(
+            old_logp, is_weight, keep, old_stats = old_log_probs(
                 policy, roll, minibatch_slices, args.old_logp, args.rollout_is_cap, routes,
-                args.rollout_is_mode, args.rollout_is_min)
+                args.rollout_is_mode, args.rollout_is_min, args.top_entropy_quantile)
             ref_logp = ref_log_probs(ref, roll, minibatch_slices)  # --kl-coef: the KL's pi_ref
         sample_logp = old_logp if roll.logp is None else roll.logp  # OPSM's pi_sample
 
@@ -211,7 +219,9 @@ def main():
                     clip_low=args.clip_low, clip_high=args.clip_high,
                     ref_logp=None if ref is None else ref_logp[micro], kl_coef=args.kl_coef,
                     kl_ratio=args.kl_ratio_correction,
-                    norm=norm, luspo=args.luspo)
+                    norm=norm, luspo=args.luspo,
+                    is_weight=None if is_weight is None else is_weight[micro],
+                    keep=None if keep is None else keep[micro])
                 loss.backward()
                 updates.after_backward(update, micro, logp, loss, terms, loss_stats, old_logp[micro],
                                        dropped)

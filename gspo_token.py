@@ -20,7 +20,7 @@ stop-gradients: docs/objectives.md) are checked in tests/test_gspo_token.py.
 import os
 import time
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 from tqdm import tqdm
@@ -46,7 +46,6 @@ LossAgg = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"
 
 @dataclass
 class Args(CommonArgs):
-    token_terms: ClassVar[bool] = True  # the loss sums per-token terms: --rollout-is-cap applies
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of the run: logs and checkpoints go to {output_dir}/{exp_name}__{seed}__{unix time}"""
     # Algorithm-specific arguments (the flags every script shares: cli.CommonArgs)
@@ -66,11 +65,14 @@ class Args(CommonArgs):
 def gspo_token_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: float,
                     loss_agg: str = "seq-mean-token-mean", max_new_tokens: int | None = None,
                     ref_logp=None, kl_coef: float = 0.0, kl_ratio: bool = False,
-                    norm: float | None = None, is_weight=None):
+                    norm: float | None = None, is_weight=None,
+                    keep=None):
     """-J_GSPO-token over the minibatch. logp, old_logp, mask and advantages: [B, T] completion
     tokens. loss_agg: how token terms are summed and divided (see aggregate).
     is_weight (--rollout-is-cap): [B, T] constant TIS weights min(pi_old / pi_rollout, C), each
     multiplying its token's term (common.old_log_probs).
+    keep (--top-entropy-quantile): [B, T], 1 on the high-entropy tokens, whose terms alone stay
+    (the KL's all stay, as TRL's).
     ref_logp (with kl_coef = beta > 0): [B, T] log-probs of the reference model; each token's term
     gets - beta k3_it = - beta (pi_ref/pi - log(pi_ref/pi) - 1), summed by loss_agg as the
     objective's token terms are (the GSPO recipe uses no KL: beta = 0).
@@ -92,6 +94,8 @@ def gspo_token_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_h
     per_token = torch.where(valid, torch.min(s_it * A, clipped_term), 0.0)  # the J(theta) term
     if is_weight is not None:  # TIS: the token was drawn from pi_rollout, not pi_old
         per_token = per_token * is_weight
+    if keep is not None:  # --top-entropy-quantile: only the high-entropy tokens' terms
+        per_token = per_token * keep
     seq_terms = per_token.sum(1) / lengths  # 1/|y_i| sum_t, for the group metrics
     token_terms = per_token
     if ref_logp is not None and kl_coef > 0:  # k3: pi_ref/pi - log(pi_ref/pi) - 1 >= 0
@@ -261,12 +265,13 @@ def main():
         token_adv = (advantages[:, None] - args.post_answer_penalty * after.float()) * mask
 
         # old log-probs: pi_old is the policy that generated the rollout (no grad), recomputed or
-        # as the engine sampled it (--old-logp); TIS weights (--rollout-is-cap); MoE: experts taped
+        # as the engine sampled it (--old-logp); the rollout correction's weights (--rollout-is-cap)
+        # and the high-entropy tokens (--top-entropy-quantile); MoE: experts taped
         updates = Updates(policy, roll, mask, args, step, nonfinite_run, dist_env)  # logs, Energy
         with torch.no_grad():
-            old_logp, is_weight, old_stats = old_log_probs(
+            old_logp, is_weight, keep, old_stats = old_log_probs(
                 policy, roll, minibatch_slices, args.old_logp, args.rollout_is_cap, routes,
-                args.rollout_is_mode, args.rollout_is_min)
+                args.rollout_is_mode, args.rollout_is_min, args.top_entropy_quantile)
             ref_logp = ref_log_probs(ref, roll, minibatch_slices)  # --kl-coef: the KL's pi_ref
         sample_logp = old_logp if roll.logp is None else roll.logp  # OPSM's pi_sample
 
@@ -288,7 +293,9 @@ def main():
                     max_new_tokens=args.max_new_tokens,
                     ref_logp=None if ref is None else ref_logp[micro], kl_coef=args.kl_coef,
                     kl_ratio=args.kl_ratio_correction,
-                    norm=norm, is_weight=None if is_weight is None else is_weight[micro])
+                    norm=norm,
+                    is_weight=None if is_weight is None else is_weight[micro],
+                    keep=None if keep is None else keep[micro])
                 loss.backward()
                 updates.after_backward(update, micro, logp, loss, terms, loss_stats, old_logp[micro],
                                        dropped)

@@ -43,7 +43,6 @@ LossAgg = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"
 
 @dataclass
 class Args(CommonArgs):
-    token_terms: ClassVar[bool] = True  # the loss sums per-token terms: --rollout-is-cap applies
     sequence_is_weights: ClassVar[bool] = False  # the ratios fold into W_i token by token, as TRL's
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of the run: logs and checkpoints go to {output_dir}/{exp_name}__{seed}__{unix time}"""
@@ -72,13 +71,15 @@ def vespo_loss(logp, old_logp, advantages, mask, *, k_pos: float, lambda_pos: fl
                k_neg: float, lambda_neg: float, clip_low: float = 0.2, clip_high: float = 0.27,
                ref_logp=None, kl_coef: float = 0.0, kl_ratio: bool = False,
                loss_agg: str = "token-mean", max_new_tokens: int | None = None,
-               norm: float | None = None, is_weight=None):
+               norm: float | None = None, is_weight=None, keep=None):
     """-J_VESPO over the minibatch. logp, old_logp, mask (and ref_logp): [B, T] completion tokens;
     advantages: [B]. Each token's term is sg(phi(W_i)) A_i log pi(y_it), phi(W) = W^k exp(lambda
     (1 - W)) of the sequence's ratio W_i = prod_t w_it (in log space, clamped as TRL does), (k,
     lambda) by the sign of A_i. is_weight (--rollout-is-cap): [B, T] TIS weights pi_old /
     pi_rollout, folded into W_i as TRL folds its importance_sampling_ratio (sum of their logs),
-    not multiplied into the terms. loss_agg: see aggregate; kl_ratio: each token's k3 times w_it.
+    not multiplied into the terms; keep (--top-entropy-quantile): [B, T], 1 on the high-entropy
+    tokens, whose terms alone stay (the KL's all stay). loss_agg: see aggregate; kl_ratio: each
+    token's k3 times w_it.
     norm: the count the summed objective is divided by (None: this batch's); the loop passes the
     minibatch's count over all ranks, so that micro-batches and ranks add up to one gradient.
     Returns (loss, seq_terms, stats): seq_terms [B] is each sequence's m_i = phi(W_i) A_i
@@ -101,6 +102,8 @@ def vespo_loss(logp, old_logp, advantages, mask, *, k_pos: float, lambda_pos: fl
         log_phi = lam + k * log_W - lam * log_W.exp()  # log phi(W) = lambda + k log W - lambda W
         phi = log_phi.exp().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # [B]
     per_token = phi[:, None] * A * torch.where(valid, logp, 0.0)  # REINFORCE: phi A log pi
+    if keep is not None:  # --top-entropy-quantile: only the high-entropy tokens' terms
+        per_token = per_token * keep
     token_terms = per_token * mask
     seq_terms = phi * advantages  # m_i = phi(W_i) A_i, the group metrics'
     if ref_logp is not None and kl_coef > 0:  # k3: pi_ref/pi - log(pi_ref/pi) - 1 >= 0
@@ -235,12 +238,13 @@ def main():
         minibatch_slices = minibatches(args.prompts_per_rank, args.group_size, args.num_minibatches)
 
         # old log-probs: pi_old is the policy that generated the rollout (no grad), recomputed or
-        # as the engine sampled it (--old-logp); TIS weights (--rollout-is-cap); MoE: experts taped
+        # as the engine sampled it (--old-logp); the rollout correction's weights (--rollout-is-cap)
+        # and the high-entropy tokens (--top-entropy-quantile); MoE: experts taped
         updates = Updates(policy, roll, mask, args, step, nonfinite_run, dist_env)  # logs, Energy
         with torch.no_grad():
-            old_logp, is_weight, old_stats = old_log_probs(
+            old_logp, is_weight, keep, old_stats = old_log_probs(
                 policy, roll, minibatch_slices, args.old_logp, args.rollout_is_cap, routes,
-                args.rollout_is_mode, args.rollout_is_min)
+                args.rollout_is_mode, args.rollout_is_min, args.top_entropy_quantile)
             ref_logp = ref_log_probs(ref, roll, minibatch_slices)  # --kl-coef: the KL's pi_ref
         sample_logp = old_logp if roll.logp is None else roll.logp  # OPSM's pi_sample
 
@@ -263,7 +267,8 @@ def main():
                     ref_logp=None if ref is None else ref_logp[micro], kl_coef=args.kl_coef,
                     kl_ratio=args.kl_ratio_correction,
                     loss_agg=args.loss_agg, max_new_tokens=args.max_new_tokens, norm=norm,
-                    is_weight=None if is_weight is None else is_weight[micro])
+                    is_weight=None if is_weight is None else is_weight[micro],
+                    keep=None if keep is None else keep[micro])
                 loss.backward()
                 updates.after_backward(update, micro, logp, loss, terms, loss_stats, old_logp[micro],
                                        dropped)

@@ -30,6 +30,21 @@ COMMANDS = {  # gspo_token.py with its default A_it = A_i is gspo.py to the last
     "sapo.py": ["sapo.py"],
     "gmpo.py": ["gmpo.py"],
     "vespo.py": ["vespo.py"],
+    # the objectives issue's flags with TRL's suggested values (docs/objectives.md, docs/algorithms.md)
+    "gspo.py --luspo": ["gspo.py", "--luspo"],
+    "grpo.py --delta 4": ["grpo.py", "--delta", "4"],
+    "grpo.py --baseline leave-one-out --scale-rewards none": [
+        "grpo.py", "--baseline", "leave-one-out", "--scale-rewards", "none"],
+    "grpo.py --off-policy-mask 0.5": ["grpo.py", "--off-policy-mask", "0.5"],
+    "grpo.py --gen-mode engine": ["grpo.py", "--gen-mode", "engine"],
+    "grpo.py --gen-mode engine --rollout-is-cap 2": ["grpo.py", "--gen-mode", "engine", "--rollout-is-cap", "2"],
+    "grpo.py --gen-mode engine --rollout-is-mode token-mask --rollout-is-min 0.5 --rollout-is-cap 2": [
+        "grpo.py", "--gen-mode", "engine", "--rollout-is-mode", "token-mask", "--rollout-is-min", "0.5",
+        "--rollout-is-cap", "2"],
+    "grpo.py --gen-mode engine --rollout-is-mode sequence-truncate --rollout-is-cap 3": [
+        "grpo.py", "--gen-mode", "engine", "--rollout-is-mode", "sequence-truncate", "--rollout-is-cap", "3"],
+    "grpo.py --gen-mode engine --rollout-is-mode sequence-mask --rollout-is-cap 3": [
+        "grpo.py", "--gen-mode", "engine", "--rollout-is-mode", "sequence-mask", "--rollout-is-cap", "3"],
     # LoRA (README, Scaling): every linear layer of the decoder, rank 16 of the tiny model's 128, a 4x learning rate,
     # at temperature 0.3 (at 1 the tiny model's frozen random LM head caps a token's probability near 11%), next to
     # full fine-tuning at the same temperature

@@ -36,7 +36,6 @@ class CommonArgs:
     resume), then the rest by what they shape (data, batch, sampling, optimizer, advantages,
     precision and generation, LoRA, evaluation, checkpoints, rewards, KL, logging); each script's
     Args adds its objective's own and names its runs after itself (exp_name)."""
-    token_terms: ClassVar[bool] = False  # the loss is a sum of per-token terms (--rollout-is-cap)
     sequence_is_weights: ClassVar[bool] = True  # a sequence's ratio may weight it (sequence-* modes)
     masks_advantages: ClassVar[bool] = True  # a sequence's advantage may be zeroed alone (OPSM)
     exp_name: str = "run"
@@ -194,9 +193,10 @@ class CommonArgs:
     it sampled each token (--gen-mode engine / engine-tp; no recompute pass, as GSPO arXiv
     2507.18071 proposes; no losses/entropy)"""
     rollout_is_cap: float | None = None
-    """the rollout correction's upper bound C_max (TRL's vllm_importance_sampling_cap): each token's
-    loss weighted by pi_old / pi_rollout, truncated at or masked past C_max by --rollout-is-mode
-    (a constant weight; --gen-mode engine log-probs; token-level scripts; off when not given)"""
+    """the rollout correction's upper bound C_max (TRL's vllm_importance_sampling_clip_max): each
+    token's loss weighted by pi_old / pi_rollout, truncated at or masked past C_max by
+    --rollout-is-mode (a constant weight; --gen-mode engine log-probs; a sequence-level script
+    weighs a sequence by its tokens' mean weight, as TRL's GSPO; off when not given)"""
     rollout_is_mode: RolloutIsMode = "token-truncate"
     """the rollout correction's form (TRL's vllm_importance_sampling_mode): the ratio of each token
     or of the whole sequence (the product over its tokens), truncated to [C_min, C_max] (TIS) or
@@ -213,6 +213,11 @@ class CommonArgs:
     off_policy_mask_threshold delta): a sequence with A_i < 0 whose mean log(pi_sample / pi_theta)
     over its tokens exceeds delta leaves the policy term (its advantage set to 0; the KL term
     stays); pi_sample: the engine's log-probs, else pi_old (None: off; TRL suggests 0.5)"""
+    top_entropy_quantile: float = 1.0
+    """rho: only the tokens whose entropy is in the step's top rho (pi_old's entropies over every
+    completion token on all ranks) keep their policy term (the high-entropy minority, arXiv
+    2506.01939: 0.2; TRL's top_entropy_quantile); the KL term stays; a sequence-level script
+    weighs a sequence by its fraction kept (1.0: off)"""
     gen_cuda_graphs: bool = True
     """--gen-mode engine on one GPU: replay the decoding step as CUDA graphs, one per read length
     (a multiple of 256 positions), captured on first use; --no-gen-cuda-graphs decodes eagerly"""
@@ -327,6 +332,14 @@ TRL_FLAGS = {
     "reward_funcs": "use --reward module:function",
     "mask_truncated_completions": "use --mask-truncated",
     "use_bias_correction_kl": "use --kl-ratio-correction",
+    "vllm_importance_sampling_correction": "use --rollout-is-cap C_max (the correction is on when "
+                                           "a cap is given; --gen-mode engine)",
+    "vllm_importance_sampling_mode": "use --rollout-is-mode (token-truncate, token-mask, "
+                                     "sequence-truncate, sequence-mask)",
+    "vllm_importance_sampling_clip_max": "use --rollout-is-cap",
+    "vllm_importance_sampling_cap": "use --rollout-is-cap",
+    "vllm_importance_sampling_clip_min": "use --rollout-is-min",
+    "off_policy_mask_threshold": "use --off-policy-mask",
     "max_steps": "use --num-steps",
     "num_train_epochs": "use --num-steps (RL steps, one rollout batch each)",
     "lr_scheduler_type": "use --lr-schedule",
@@ -706,6 +719,11 @@ def check_rollout_args(args):
     engine's log-probs are then the penalised sampler's, not the policy's). What needs the model's
     config (a generation mode that returns log-probs, --routing-replay on an MoE model) is checked
     by modeling.check_model."""
+    check_float("top-entropy-quantile", args.top_entropy_quantile, 0, 1, low_open=True,
+                why=" (rho, the fraction of tokens kept by entropy; 1: all)")
+    if args.top_entropy_quantile < 1 and args.old_logp == "rollout":
+        fail(f"--top-entropy-quantile {args.top_entropy_quantile} ranks tokens by pi_old's "
+             "entropies, computed by the recompute pass: use --old-logp recompute (the default)")
     if args.old_logp == "rollout" and args.repetition_penalty != 1:
         fail(f"--old-logp rollout with --repetition-penalty {args.repetition_penalty}: the "
              "engine's log-probs are then the penalised sampler's, not the policy's, so pi_old would "
@@ -724,10 +742,6 @@ def check_rollout_args(args):
     if args.rollout_is_mode.startswith("sequence") and not args.sequence_is_weights:
         fail(f"--rollout-is-mode {args.rollout_is_mode}: vespo.py folds the rollout's ratios into "
              "its sequence weight token by token; use token-truncate or token-mask (as TRL)")
-    if not args.token_terms:
-        fail(f"--rollout-is-cap {cap}: weights each token's term, and this script's loss is one "
-             "term a sequence (gspo.py, dfpo.py, gmpo.py); use it with a token-level script: grpo.py, "
-             "gspo_token.py, cispo.py, sapo.py or vespo.py")
     if args.old_logp == "rollout":
         fail(f"--rollout-is-cap {cap} weights by pi_old / pi_rollout, and --old-logp rollout makes "
              "pi_old the rollout's own: use --old-logp recompute, or drop --rollout-is-cap")

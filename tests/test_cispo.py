@@ -39,10 +39,12 @@ def paper_objective(logp, old, adv, mask, eps_low, eps_high):
     return total / tokens
 
 
-def trl_cispo(logp, old, ref, adv, mask, *, epsilon_high, beta=0.0, bias_kl=False):
+def trl_cispo(logp, old, ref, adv, mask, *, epsilon_high, beta=0.0, bias_kl=False, weight=None):
     coef_1 = torch.exp(logp - old)
     clamped = torch.clamp(coef_1, max=epsilon_high).detach()
     per_token_loss = -clamped * adv.unsqueeze(1) * logp
+    if weight is not None:  # entropy_mask, importance_sampling_ratio: before the KL
+        per_token_loss = per_token_loss * weight
     if beta != 0.0:
         kl = torch.exp(ref - logp) - (ref - logp) - 1
         if bias_kl:

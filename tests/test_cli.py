@@ -163,10 +163,10 @@ def test_grpo_kl_coef(value, shown, monkeypatch, tmp_path):
     ("grpo", ["--rollout-is-cap", "0"], "--rollout-is-cap 0.0: must be > 0 and finite"),
     ("gspo_token", ["--rollout-is-cap", "-2"], "--rollout-is-cap -2.0: must be > 0 and finite"),
     ("grpo", ["--rollout-is-cap", "nan"], "--rollout-is-cap nan: must be > 0 and finite"),
-    ("gspo", ["--rollout-is-cap", "2", "--gen-mode", "engine"],
-     "--rollout-is-cap 2.0: weights each token's term, and this script's loss is one term a sequence"),
-    ("dfpo", ["--rollout-is-cap", "2", "--gen-mode", "engine"],
-     "--rollout-is-cap 2.0: weights each token's term, and this script's loss is one term a sequence"),
+    ("gspo", ["--top-entropy-quantile", "0"], "--top-entropy-quantile 0.0: must lie in (0, 1]"),
+    ("grpo", ["--top-entropy-quantile", "1.5"], "--top-entropy-quantile 1.5: must lie in (0, 1]"),
+    ("cispo", ["--top-entropy-quantile", "0.2", "--old-logp", "rollout", "--gen-mode", "engine"],
+     "--top-entropy-quantile 0.2 ranks tokens by pi_old's entropies, computed by the recompute pass"),
     ("grpo", ["--rollout-is-cap", "2", "--old-logp", "rollout", "--gen-mode", "engine"],
      "--rollout-is-cap 2.0 weights by pi_old / pi_rollout, and --old-logp rollout makes pi_old the rollout's own"),
     ("dfpo", ["--off-policy-mask", "0.5"], "--off-policy-mask zeroes a sequence's advantage, and DFPO's transform"),
@@ -306,7 +306,7 @@ def test_every_arg_documented(script):
         body = src[src.index(cls):src.index("\n\n\n", src.index(cls))].splitlines()
         # a field: `    name: type = default` at the class body's indent (a docstring line may hold ": " and "=")
         fields = [i for i, line in enumerate(body) if re.match(r"    [a-z_][a-z0-9_]*: .+ = ", line)
-                  and "ClassVar[" not in line]  # a class constant (token_terms), not a flag
+                  and "ClassVar[" not in line]  # a class constant (masks_advantages), not a flag
         assert all(body[i + 1].strip().startswith('"""') for i in fields)  # a docstring under every field
         names |= {body[i].split(":")[0].strip() for i in fields}
     assert names == {f.name for f in dataclasses.fields(mod.Args)}  # every field is one of the two classes'

@@ -40,7 +40,7 @@ def paper_objective(logp, old, adv, mask, eps_low, eps_high):
     return total / B
 
 
-def verl_geo_mean(logp, old, adv, mask, clip_low, clip_high):
+def verl_geo_mean(logp, old, adv, mask, clip_low, clip_high, rollout_is_weights=None):
     advantages = adv[:, None] * mask  # verl's token-level advantages, the sequence's on every token
     negative_approx_kl = logp - old
     sgn = torch.sign(advantages)
@@ -49,7 +49,10 @@ def verl_geo_mean(logp, old, adv, mask, clip_low, clip_high):
     n = mask.sum(dim=-1)
     ratio = torch.exp((kl_min * mask).sum(dim=-1) / (n + 1e-8))
     advantage = (advantages * mask).sum(dim=-1) / (n + 1e-8)
-    return torch.mean(-advantage * ratio)
+    pg_losses = -advantage * ratio
+    if rollout_is_weights is not None:  # the token weights' geometric mean, the sequence's weight
+        pg_losses = pg_losses * torch.exp((torch.log(rollout_is_weights + 1e-10) * mask).sum(dim=-1) / (n + 1e-8))
+    return torch.mean(pg_losses)
 
 
 def value_and_grad(fn, logp):

@@ -124,7 +124,7 @@ def test_routing_replay_on_tiny_moe(replay):
         gate.register_forward_hook(lambda m, i, out: captured.append(out) if routes.mode == "train" else None)
     ids, am, P, mask = roll["input_ids"], roll["attention_mask"], roll["n_prompt"], roll["mask"]
     slices = common.minibatches(8, 4, 2)
-    old_logp, _, _ = common.old_log_probs(policy, common.Rollout.of(roll), slices, "recompute", None, routes)
+    old_logp, _, _, _ = common.old_log_probs(policy, common.Rollout.of(roll), slices, "recompute", None, routes)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     policy.train()
     with moe.replaying(routes, slices[0]):

@@ -40,7 +40,7 @@ def test_tis_weight_and_its_logs_by_hand():
     entropy = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     policy = StubPolicy(torch.tensor(OLD), entropy)
     roll = rollout()
-    old_logp, weight, stats = common.old_log_probs(policy, roll, [slice(0, 1), slice(1, 2)], "recompute", CAP)
+    old_logp, weight, keep, stats = common.old_log_probs(policy, roll, [slice(0, 1), slice(1, 2)], "recompute", CAP)
     assert torch.equal(old_logp, torch.tensor(OLD))
     got = weight.double()[torch.tensor(MASK).bool()].tolist()
     assert got == pytest.approx(WEIGHTS, rel=1e-6)
@@ -50,7 +50,7 @@ def test_tis_weight_and_its_logs_by_hand():
     # no cap: no weight, the same pi_old; rollout: the engine's log-probs, no forward at all
     assert common.old_log_probs(policy, roll, [slice(0, 2)], "recompute", None)[1] is None
     none = StubPolicy(None, None)
-    logp, weight, stats = common.old_log_probs(none, roll, [slice(0, 2)], "rollout", None)
+    logp, weight, keep, stats = common.old_log_probs(none, roll, [slice(0, 2)], "rollout", None)
     assert logp is roll.logp and weight is None and stats == {"perf/old_logp_s": 0.0}
 
 
@@ -79,7 +79,7 @@ def test_rollout_correction_modes_equal_trls(mode, clip_min):
     mask = (torch.arange(6)[None] < torch.tensor([6, 4, 2, 5])[:, None]).double()
     roll = common.Rollout(None, torch.arange(4)[:, None].repeat(1, 8), torch.ones(4, 8, dtype=torch.long), 2, mask,
                           torch.zeros(4, dtype=torch.bool), [""] * 4, sampling, None)
-    _, weight, stats = common.old_log_probs(StubPolicy(old, torch.zeros(4, 6)), roll, [slice(0, 4)], "recompute", 3.0,
+    _, weight, _, stats = common.old_log_probs(StubPolicy(old, torch.zeros(4, 6)), roll, [slice(0, 4)], "recompute", 3.0,
                                             None, mode, clip_min)
     theirs = trl_is_ratio(old, sampling, mask, mode.replace("-", "_"), clip_min, 3.0)
     torch.testing.assert_close(weight * mask, (theirs * mask).to(weight.dtype), rtol=1e-12, atol=0)
@@ -98,7 +98,7 @@ def test_sequence_mask_by_hand():
     """sequence-mask, C_max = 2: the first completion's ratio is e^0.5 e^-1 3 = 1.82 (kept, on each of its tokens),
     the second's 1 x 2.5 = 2.5 (masked: 0)."""
     roll = rollout()
-    _, weight, stats = common.old_log_probs(StubPolicy(torch.tensor(OLD), torch.zeros(2, 3)), roll,
+    _, weight, _, stats = common.old_log_probs(StubPolicy(torch.tensor(OLD), torch.zeros(2, 3)), roll,
                                             [slice(0, 2)], "recompute", CAP, None, "sequence-mask")
     first = math.exp(0.5) * math.exp(-1.0) * 3
     assert weight[0].tolist() == pytest.approx([first] * 3) and weight[1, :2].tolist() == [0.0, 0.0]

@@ -41,12 +41,14 @@ def paper_objective(logp, old, adv, mask, tau_pos, tau_neg):
     return total / B
 
 
-def trl_sapo(logp, old, ref, adv, mask, *, pos, neg, beta=0.0, bias_kl=False):
+def trl_sapo(logp, old, ref, adv, mask, *, pos, neg, beta=0.0, bias_kl=False, weight=None):
     coef_1 = torch.exp(logp - old)
     advantages = adv.unsqueeze(1)
     temperatures = torch.where(advantages > 0, pos, neg)
     soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
     per_token_loss = -soft_coef_1 * advantages
+    if weight is not None:  # entropy_mask, importance_sampling_ratio: before the KL
+        per_token_loss = per_token_loss * weight
     if beta != 0.0:
         kl = torch.exp(ref - logp) - (ref - logp) - 1
         if bias_kl:

@@ -39,7 +39,8 @@ def trl_advantages(rewards, scale):
     return adv if scale == "none" else adv / (std + 1e-4)
 
 
-def trl_loss(logp, old, ref, adv, mask, *, level, loss_type, eps_lo, eps_hi, beta, bias_kl, max_len=T, delta=None):
+def trl_loss(logp, old, ref, adv, mask, *, level, loss_type, eps_lo, eps_hi, beta, bias_kl, max_len=T, delta=None,
+             weight=None):
     log_ratio = logp - old
     if level == "token":
         log_w = log_ratio
@@ -53,7 +54,10 @@ def trl_loss(logp, old, ref, adv, mask, *, level, loss_type, eps_lo, eps_hi, bet
     coef_2 = torch.clamp(coef_1, 1 - eps_lo, 1 + eps_hi)
     if delta is not None:  # two-sided clipping
         coef_1 = torch.clamp(coef_1, max=delta)
-    per_token = -torch.min(coef_1 * a, coef_2 * a) + beta * kl
+    per_token = -torch.min(coef_1 * a, coef_2 * a)
+    if weight is not None:  # off_policy_mask, entropy_mask, importance_sampling_ratio: before the KL
+        per_token = per_token * weight
+    per_token = per_token + beta * kl
     if loss_type == "grpo":
         return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
     if loss_type == "dapo":

@@ -43,7 +43,8 @@ def by_definition(logp, old, adv, mask, k_pos, lambda_pos, k_neg, lambda_neg):
     return total / tokens
 
 
-def trl_vespo(logp, old, ref, adv, mask, *, k_pos, lambda_pos, k_neg, lambda_neg, beta=0.0, bias_kl=False):
+def trl_vespo(logp, old, ref, adv, mask, *, k_pos, lambda_pos, k_neg, lambda_neg, beta=0.0, bias_kl=False,
+              entropy_mask=None):
     advantages = adv.unsqueeze(1)
     with torch.no_grad():
         log_ratio = torch.clamp(logp - old, -20.0, 20.0)
@@ -56,6 +57,8 @@ def trl_vespo(logp, old, ref, adv, mask, *, k_pos, lambda_pos, k_neg, lambda_neg
         phi_seq = torch.exp(lambda_seq + k_seq * log_w_seq - lambda_seq * w_seq).nan_to_num(nan=0.0, posinf=0.0,
                                                                                            neginf=0.0)
     per_token_loss = -phi_seq * advantages * logp
+    if entropy_mask is not None:  # before the KL (TRL multiplies no IS ratio into vespo's terms)
+        per_token_loss = per_token_loss * entropy_mask
     if beta != 0.0:
         kl = torch.exp(ref - logp) - (ref - logp) - 1
         if bias_kl:

@@ -388,7 +388,8 @@ def length_penalty(completion: str, answer: str) -> float:
 
 # -------------------- group advantages and the mechanism metrics
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group",
-                     std: str = "population", eps: float = 1e-6, baseline: str = "group-mean"):
+                     std: str = "population", eps: float = 1e-6, baseline: str = "group-mean",
+                     parts: tuple[torch.Tensor, torch.Tensor] | None = None):
     """A_i = (r_i - mean_g r) / (std + eps) (DFPO eq. 43). std: 'population' (divide the squared
     deviations by n; the blog's worked example: rewards [1,0,1,0] give A = [+1,-1,+1,-1]) or
     'bessel' (by n - 1, as TRL's nanstd and verl's torch.std: [1,0,0,0] gives A_1 = 1.5 where
@@ -396,7 +397,12 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     ranks (TRL/verl "batch"), or none (centring only, Dr. GRPO). eps: 1e-6 (verl's), TRL's 1e-4.
     baseline: 'group-mean' (eq. 43) or 'leave-one-out' (RLOO: r_i - 1/(G-1) sum_{j != i} r_j,
     which is G/(G-1) (r_i - mean)), before the scaling.
-    Groups with equal rewards get A = 0; their count is returned."""
+    parts (reward_parts, --multi-objective-aggregation normalize-then-sum): each reward's values
+    [B, K] (NaN where it does not apply) and weights [K]; GDPO (arXiv 2601.05242; TRL's
+    normalize_then_sum): each reward normalised in its group, (r_k - mean_g r_k) / (std_g r_k +
+    eps), their weighted sum (NaN-skipping), then that normalised over the batch of all ranks;
+    a completion no reward applies to gets A = 0. scale and baseline are the defaults then.
+    Groups with equal rewards (the summed reward) get A = 0; their count is returned."""
     if std not in ("population", "bessel"):
         raise ValueError(f"unknown std {std!r} (population or bessel)")
     unbiased = std == "bessel"
@@ -407,6 +413,15 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     elif baseline != "group-mean":
         raise ValueError(f"unknown baseline {baseline!r} (group-mean or leave-one-out)")
     group_std = r.std(1, unbiased=unbiased, keepdim=True)
+    zero = int((group_std.squeeze(1) == 0).sum())
+    if parts is not None:  # GDPO: normalise each reward in its group, sum, normalise the batch
+        values, weights = parts
+        k = values.view(-1, group_size, values.shape[1])
+        z = ((k - k.nanmean(1, keepdim=True)) / (nanstd(k, 1, unbiased) + eps)).view_as(values)
+        summed = (z * weights).nansum(1).masked_fill(values.isnan().all(1), math.nan)
+        batch = all_gather_cat(summed)
+        adv = (summed - batch.nanmean()) / (nanstd(batch, 0, unbiased) + eps)
+        return adv.nan_to_num(0.0).float(), zero
     if scale == "group":
         adv = centred / (group_std + eps)
     elif scale == "batch":
@@ -415,7 +430,28 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
         adv = centred
     else:
         raise ValueError(f"unknown scale {scale!r} (group, batch or none)")
-    return adv.view(-1).float(), int((group_std.squeeze(1) == 0).sum())
+    return adv.view(-1).float(), zero
+
+
+def nanstd(x: torch.Tensor, dim: int, unbiased: bool) -> torch.Tensor:
+    """The std over dim of the non-NaN entries (keepdim for dim > 0): TRL's nanstd when unbiased
+    (divided by n - 1), else by n."""
+    keep = dim > 0
+    n = (~x.isnan()).sum(dim, keepdim=keep)
+    var = ((x - x.nanmean(dim, keepdim=True)) ** 2).nanmean(dim, keepdim=keep)
+    return (var * n / (n - 1) if unbiased else var).sqrt()
+
+
+def reward_parts(reward, roll: Rollout, args) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """--multi-objective-aggregation normalize-then-sum: each --reward's values on this rank's
+    rows [B, K] (NaN: it does not apply; a completion cut at --max-new-tokens: times
+    --truncated-reward-scale, as its summed reward) and their weights [K]; else None."""
+    if args.multi_objective_aggregation != "normalize-then-sum":
+        return None
+    values = torch.stack([reward.values[part.name] for part, _ in reward.parts], 1).double()
+    cut = roll.truncated.cpu()[:, None]
+    values = torch.where(cut, args.truncated_reward_scale * values, values)
+    return values, torch.tensor([w for _, w in reward.parts], dtype=torch.float64)
 
 
 def group_metrics(seq_terms: torch.Tensor, first_token_grads: torch.Tensor, group_size: int,

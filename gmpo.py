@@ -24,7 +24,7 @@ from tqdm import tqdm
 from common import (Logger, Updates, clip_grad_norm, eval_report, eval_summary, evaluate,
                     group_advantages, jitter2, log_samples, logp_drift, lr_scheduler, micro_batches,
                     minibatches, off_policy_mask, old_log_probs, policy_log_probs, ref_log_probs,
-                    rollout_log, sample_groups)
+                    reward_parts, rollout_log, sample_groups)
 from grouprl import moe
 from grouprl.checkpoint import (catch_stop_signals, claim_run_dir, cleanup, resume_state,
                                 run_paths, save_checkpoint, stop_requested)
@@ -180,7 +180,7 @@ def main():
                              truncated_scale=args.truncated_reward_scale)
         advantages, zero_groups = group_advantages(roll.rewards, args.group_size,
                                                    args.scale_rewards, args.adv_std, args.adv_eps,
-                                                   args.baseline)
+                                                   args.baseline, reward_parts(reward, roll, args))
         log_samples(logger, run_dir, step, args.log_samples, roll.rows["prompt"],
                     roll.rows["answer"], roll.texts, roll.rewards, advantages, args.group_size,
                     roll.rows["text"])

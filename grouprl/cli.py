@@ -25,6 +25,7 @@ from .lora import ALL_LINEAR, DEFAULT_ALPHA
 
 GenMode = Literal["repeat", "shared-prefill", "static", "engine", "engine-tp"]  # common.GEN_MODES
 RolloutIsMode = Literal["token-truncate", "token-mask", "sequence-truncate", "sequence-mask"]
+Aggregation = Literal["sum-then-normalize", "normalize-then-sum"]
 
 
 # -------------------- the flags every script shares (each script's Args extends these)
@@ -262,6 +263,10 @@ class CommonArgs:
     reward_weights: list[float] = field(default_factory=list)
     """one weight per --reward (default 1 each): a completion's reward is the weighted sum of the
     rewards that apply to it (a TRL reward's None does not)"""
+    multi_objective_aggregation: Aggregation = "sum-then-normalize"
+    """several --reward: the advantage of their weighted sum (sum-then-normalize), or GDPO's (arXiv
+    2601.05242): each reward normalised in its group, the weighted sum of those, normalised over
+    the batch (normalize-then-sum; TRL's multi_objective_aggregation)"""
     reward_fail_steps: int = 3
     """stop the run when a reward fails on more than half of the completions in N steps in a row
     (or on every completion of the first step); 0: never"""
@@ -589,6 +594,10 @@ def check_common_args(args):
     if args.num_minibatches < 1 or args.prompts_per_rank % args.num_minibatches:
         fail(f"--prompts-per-rank {args.prompts_per_rank} must be a multiple of --num-minibatches "
              f"{args.num_minibatches} (each minibatch holds whole groups)")
+    if args.multi_objective_aggregation == "normalize-then-sum" and (
+            args.scale_rewards != "group" or args.baseline != "group-mean"):
+        fail("--multi-objective-aggregation normalize-then-sum normalises each reward in its group "
+             "and their sum over the batch (GDPO): give no --scale-rewards or --baseline with it")
     if args.off_policy_mask is not None:
         check_float("off-policy-mask", args.off_policy_mask, 0,
                     why=" (delta, the mean log(pi_sample / pi_theta) past which OPSM drops a sequence)")

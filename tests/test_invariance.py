@@ -52,7 +52,7 @@ def setup():
     return policy, (ids, am, mask, old, adv, (adv[:, None] + torch.randn(B, T, generator=g)) * mask)
 
 
-def minibatch_grad(setup, name, micro, per_micro_mean=False, dfpo_own_groups=False):
+def minibatch_grad(setup, name, micro, per_micro_mean=False, dfpo_own_groups=False, weights=None):
     """The scripts' inner loop on one minibatch: micro-batches of `micro` sequences (a micro-batch may split a group),
     the loss divided by the minibatch count; DFPO with split groups first takes s_tilde from the whole groups in a
     no-grad pass, as dfpo.py does (dfpo_own_groups: the bug of transforming each micro-batch as if it were groups)."""
@@ -70,6 +70,8 @@ def minibatch_grad(setup, name, micro, per_micro_mean=False, dfpo_own_groups=Fal
     policy.zero_grad(set_to_none=True)
     for mu in micro_batches:
         given = {"group_size": micro} if dfpo_own_groups else {} if s_tilde is None else {"s_tilde": s_tilde[mu]}
+        if weights is not None:  # the step's token weights (--rollout-is-cap, --top-entropy-quantile), sliced
+            given.update(is_weight=weights[0][mu], keep=weights[1][mu])
         loss, _, _ = loss_fn(policy(ids[mu], am[mu], P), old[mu], a[mu], mask[mu], **{**kw, **given},
                               norm=None if per_micro_mean else norm)
         loss.backward()
@@ -93,6 +95,18 @@ def test_micro_batch_size_does_not_change_the_gradient(setup, name):
         assert close(wrong, [4 * r for r in whole])
     if name == "dfpo":  # DFPO's own bug: the transform applied to each half of a group as if it were the group
         assert not close(minibatch_grad(setup, name, 2, dfpo_own_groups=True), whole)
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_token_weights_keep_the_gradient_micro_batch_invariant(setup, name):
+    """With rollout-correction weights and the high-entropy mask, fixed for the step as the loop computes them."""
+    mask = setup[1][2]
+    g = torch.Generator().manual_seed(5)
+    weights = (0.5 + torch.rand(B, T, generator=g), (torch.rand(B, T, generator=g) < 0.6).float() * mask)
+    whole = minibatch_grad(setup, name, 0, weights=weights)
+    assert not close(whole, minibatch_grad(setup, name, 0))  # the weights act
+    for micro in (1, 3, G):
+        assert close(minibatch_grad(setup, name, micro, weights=weights), whole), (name, micro)
 
 
 def pass_grads(setup, name, micro, mu=2, lr=0.5):

@@ -133,7 +133,8 @@ KEYS = ["charts/reward_mean", "losses/policy_loss", "losses/clipfrac", "losses/r
 
 
 @pytest.mark.parametrize("script, extra", [("gspo", ["--old-logp", "rollout"]), ("grpo", ["--old-logp", "rollout"]),
-                                           ("grpo", ["--rollout-is-cap", "2"])])
+                                           ("grpo", ["--rollout-is-cap", "2"]),
+                                           ("gmpo", ["--rollout-is-cap", "2", "--rollout-is-mode", "sequence-mask"])])
 def test_engine_logprobs_in_the_trainers_dtype_equal_the_recomputed_run(script, extra, monkeypatch, tmp_path):
     """The engine decodes in fp32 on the CPU, as the trainer computes: pi_rollout = pi_old up to float error, so
     taking pi_old from the rollout, or weighting by min(pi_old / pi_rollout, 2) ~ 1, changes no number beyond it."""
@@ -154,7 +155,8 @@ def test_engine_logprobs_in_the_trainers_dtype_equal_the_recomputed_run(script, 
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (key, a[key], b[key])
     if "--rollout-is-cap" in extra:
         assert all(r["rollout_is/weight_mean"] == pytest.approx(1, abs=1e-5) for r in rows)
-        assert all(r["rollout_is/capped_frac"] == 0 for r in rows)
+        key = "rollout_is/masked_frac" if "sequence-mask" in extra else "rollout_is/capped_frac"
+        assert all(r[key] == 0 for r in rows)
     else:
         assert "losses/entropy" in base[0] and "losses/entropy" not in rows[0]  # no old pass: no entropy
         assert "gen/logp_drift" in base[0] and "gen/logp_drift" not in rows[0]  # pi_old is pi_rollout

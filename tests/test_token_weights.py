@@ -209,3 +209,80 @@ def test_scripts_log_the_mask_and_train(script, monkeypatch, tmp_path):
     plain, _ = run_script(script, argv, monkeypatch, tmp_path / "plain")
     assert "losses/entropy_kept_frac" not in plain[0]
     assert plain[0]["charts/reward_mean"] == rows[0]["charts/reward_mean"]  # the same rollout
+
+
+# -------------------- GDPO: --multi-objective-aggregation normalize-then-sum
+def trl_normalize_then_sum(rewards_per_func, weights, num_generations):
+    """TRL's normalize_then_sum branch (_generate_and_score_completions), written from its source, with its nanstd."""
+    def nanstd(x, dim=None, keepdim=False):
+        mean = torch.nanmean(x, dim=dim, keepdim=True)
+        var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
+        n = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
+        out = torch.sqrt(var * n / (n - 1))
+        return out if keepdim or dim is None else out.squeeze(dim)
+
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.shape[1])
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    std_k = nanstd(grouped, dim=1, keepdim=True)
+    reward_k = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, rewards_per_func.shape[1])
+    rewards = (reward_k * weights.unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable] = torch.nan
+    std_rewards = nanstd(rewards).expand_as(rewards)
+    advantages = (rewards - torch.nanmean(rewards)) / (std_rewards + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+def test_gdpo_equals_trls_normalize_then_sum():
+    """Three rewards of different scales over 3 groups of 4, a TRL reward's None (NaN) here and there and one
+    completion no reward applies to (A = 0), weights 1, 0.5, 2: Bessel std and eps 1e-4 as TRL's."""
+    g = torch.Generator().manual_seed(2)
+    values = torch.stack([(torch.rand(12, generator=g) > 0.5).double(), torch.rand(12, generator=g, dtype=torch.float64)
+                          * 10, torch.randn(12, generator=g, dtype=torch.float64)], 1)
+    values[3, 1] = values[7, 0] = math.nan
+    values[9] = math.nan
+    weights = torch.tensor([1.0, 0.5, 2.0], dtype=torch.float64)
+    summed = (values * weights).nansum(1).float()
+    ours, _ = common.group_advantages(summed, 4, "group", "bessel", 1e-4, parts=(values, weights))
+    theirs = trl_normalize_then_sum(values, weights, 4)
+    torch.testing.assert_close(ours.double(), theirs, rtol=1e-6, atol=1e-7)
+    assert ours[9] == 0
+    plain, _ = common.group_advantages(summed, 4, "group", "bessel", 1e-4)
+    assert not torch.allclose(plain, ours, atol=1e-2)  # GDPO is not the advantage of the sum
+
+
+def test_gdpo_by_hand():
+    """Two groups of 2, rewards r1 = [1, 0 | 1, 1] and r2 = [0, 1 | 0, 0], weights 2 and 1, population std:
+    the first group normalises each to [+1, -1] and [-1, +1], the second has no spread (0); sums 2 - 1 = 1, -1, 0, 0;
+    over the batch mean 0, std sqrt(1/2) (eps 1e-9): A = [sqrt 2, -sqrt 2, 0, 0]. The sum first (r = [2, 1, 2, 2]) gives
+    [1, -1, 0, 0]."""
+    values = torch.tensor([[1.0, 0], [0, 1], [1, 0], [1, 0]], dtype=torch.float64)
+    weights = torch.tensor([2.0, 1.0], dtype=torch.float64)
+    summed = (values * weights).sum(1).float()
+    ours, zero = common.group_advantages(summed, 2, "group", "population", 1e-9, parts=(values, weights))
+    assert ours.tolist() == pytest.approx([math.sqrt(2), -math.sqrt(2), 0, 0]) and zero == 1
+    assert common.group_advantages(summed, 2, "group", "population", 1e-9)[0].tolist() == pytest.approx([1, -1, 0, 0])
+
+
+def test_gdpo_through_the_loop(monkeypatch, tmp_path):
+    """grpo.py with two --reward functions and normalize-then-sum: the advantages it logs (samples.jsonl) are GDPO's
+    of the two rewards recomputed from the logged completions (every completion's row of the step's first groups)."""
+    import json
+
+    (tmp_path / "two_rewards53.py").write_text(
+        "def odd(completion, answer):\n    return float(len(completion) % 2)\n\n"
+        "def digits(completion, answer):\n    return float(sum(c.isdigit() for c in completion))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["--num-steps", "1", "--prompts-per-rank", "2", "--group-size", "4", "--num-minibatches", "1",
+            "--eval-every", "0",
+            "--max-new-tokens", "6", "--temperature", "1.5", "--log-samples", "1", "--reward", "two_rewards53:odd",
+            "--reward", "two_rewards53:digits", "--reward-weights", "1", "0.5", "--adv-std", "bessel",
+            "--adv-eps", "1e-4", "--truncated-reward-scale", "1", "--multi-objective-aggregation", "normalize-then-sum"]
+    _, run_dir = run_script("grpo", argv, monkeypatch, tmp_path / "gdpo")
+    rows = [json.loads(line) for line in open(f"{run_dir}/samples.jsonl")]
+    assert len(rows) == 8  # both prompts' groups: the whole batch of this rank
+    values = torch.tensor([[len(r["completion"]) % 2, sum(c.isdigit() for c in r["completion"])] for r in rows],
+                          dtype=torch.float64)
+    want = trl_normalize_then_sum(values, torch.tensor([1.0, 0.5], dtype=torch.float64), 4)
+    assert [r["advantage"] for r in rows] == pytest.approx(want.tolist(), rel=1e-5, abs=1e-6)
+    assert [r["reward"] for r in rows] == pytest.approx((values[:, 0] + 0.5 * values[:, 1]).tolist())

@@ -190,9 +190,8 @@ def main():
         advantages = advantages.to(mask.device)
         minibatch_slices = minibatches(args.prompts_per_rank, args.group_size, args.num_minibatches)
 
-        # old log-probs: pi_old is the policy that generated the rollout (no grad), recomputed or
-        # as the engine sampled it (--old-logp); the rollout correction's weights (--rollout-is-cap)
-        # and the high-entropy tokens (--top-entropy-quantile); MoE: experts taped
+        # pi_old, recomputed (no grad) or as the engine sampled it (--old-logp); token weights: the
+        # rollout correction's (--rollout-is-cap), the high-entropy tokens' (--top-entropy-quantile)
         updates = Updates(policy, roll, mask, args, step, nonfinite_run, dist_env)  # logs, Energy
         with torch.no_grad():
             old_logp, is_weight, keep, old_stats = old_log_probs(

@@ -264,9 +264,8 @@ def main():
                                    eos)
         token_adv = (advantages[:, None] - args.post_answer_penalty * after.float()) * mask
 
-        # old log-probs: pi_old is the policy that generated the rollout (no grad), recomputed or
-        # as the engine sampled it (--old-logp); the rollout correction's weights (--rollout-is-cap)
-        # and the high-entropy tokens (--top-entropy-quantile); MoE: experts taped
+        # pi_old, recomputed (no grad) or as the engine sampled it (--old-logp); token weights: the
+        # rollout correction's (--rollout-is-cap), the high-entropy tokens' (--top-entropy-quantile)
         updates = Updates(policy, roll, mask, args, step, nonfinite_run, dist_env)  # logs, Energy
         with torch.no_grad():
             old_logp, is_weight, keep, old_stats = old_log_probs(
@@ -292,8 +291,7 @@ def main():
                     clip_low=args.clip_low, clip_high=args.clip_high, loss_agg=args.loss_agg,
                     max_new_tokens=args.max_new_tokens,
                     ref_logp=None if ref is None else ref_logp[micro], kl_coef=args.kl_coef,
-                    kl_ratio=args.kl_ratio_correction,
-                    norm=norm,
+                    kl_ratio=args.kl_ratio_correction, norm=norm,
                     is_weight=None if is_weight is None else is_weight[micro],
                     keep=None if keep is None else keep[micro])
                 loss.backward()

@@ -45,6 +45,16 @@ COMMANDS = {  # gspo_token.py with its default A_it = A_i is gspo.py to the last
         "grpo.py", "--gen-mode", "engine", "--rollout-is-mode", "sequence-truncate", "--rollout-is-cap", "3"],
     "grpo.py --gen-mode engine --rollout-is-mode sequence-mask --rollout-is-cap 3": [
         "grpo.py", "--gen-mode", "engine", "--rollout-is-mode", "sequence-mask", "--rollout-is-cap", "3"],
+    "grpo.py --top-entropy-quantile 0.2": ["grpo.py", "--top-entropy-quantile", "0.2"],
+    "gspo.py --top-entropy-quantile 0.2": ["gspo.py", "--top-entropy-quantile", "0.2"],
+    "grpo.py --reward common:math_reward --reward common:length_penalty": [
+        "grpo.py", "--reward", "common:math_reward", "--reward", "common:length_penalty"],
+    "grpo.py --reward common:math_reward --reward common:length_penalty --multi-objective-aggregation "
+    "normalize-then-sum": ["grpo.py", "--reward", "common:math_reward", "--reward", "common:length_penalty",
+                           "--multi-objective-aggregation", "normalize-then-sum"],
+    "gspo.py --gen-mode engine --rollout-is-cap 3 --rollout-is-mode sequence-mask": [
+        "gspo.py", "--gen-mode", "engine", "--rollout-is-cap", "3", "--rollout-is-mode", "sequence-mask"],
+    "gmpo.py --gen-mode engine --rollout-is-cap 2": ["gmpo.py", "--gen-mode", "engine", "--rollout-is-cap", "2"],
     # LoRA (README, Scaling): every linear layer of the decoder, rank 16 of the tiny model's 128, a 4x learning rate,
     # at temperature 0.3 (at 1 the tiny model's frozen random LM head caps a token's probability near 11%), next to
     # full fine-tuning at the same temperature

@@ -286,3 +286,17 @@ def test_gdpo_through_the_loop(monkeypatch, tmp_path):
     want = trl_normalize_then_sum(values, torch.tensor([1.0, 0.5], dtype=torch.float64), 4)
     assert [r["advantage"] for r in rows] == pytest.approx(want.tolist(), rel=1e-5, abs=1e-6)
     assert [r["reward"] for r in rows] == pytest.approx((values[:, 0] + 0.5 * values[:, 1]).tolist())
+
+
+def test_the_step_statistics_over_two_ranks():
+    """tests/token_weights_ranks.py under torchrun (gloo): the entropy threshold and mask, and GDPO's batch
+    normalisation, over two ranks of unequal token counts = one process holding every row."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "tests/token_weights_ranks.py"], cwd=root, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0 and "rank 0 ok" in p.stdout and "rank 1 ok" in p.stdout, p.stderr[-3000:]

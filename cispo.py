@@ -1,4 +1,4 @@
-"""CISPO: Clipped IS-weight Policy Optimization (MiniMax, 2025, arXiv:2506.13585, Sec. 3.1).
+"""CISPO: Clipped IS-weight Policy Optimization (MiniMax, 2025, arXiv:2506.13585, Sec. 3.1, eq. 4-5).
 
     J_CISPO(theta) = E[ 1/sum_i |y_i| sum_i sum_t sg(r_hat_it) A_i log pi_theta(y_it | x, y_i,<t) ]
     r_hat_it       = clip(w_it, 1 - eps_low, 1 + eps_high),  w_it = pi_theta(y_it) / pi_old(y_it)

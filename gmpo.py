@@ -1,4 +1,4 @@
-"""GMPO: Geometric-Mean Policy Optimization (Zhao et al., 2025, arXiv:2507.20673).
+"""GMPO: Geometric-Mean Policy Optimization (Zhao et al., 2025, arXiv:2507.20673v3, Sec. 3, eq. 4).
 
     J_GMPO(theta) = E[ 1/G sum_i sgn(A_i) (prod_t |min(w_it A_i, clip(w_it) A_i)|)^(1/|y_i|) ]
                   = E[ 1/G sum_i A_i exp(1/|y_i| sum_t l_it) ],  clip to (e^-eps_low, e^eps_high)

@@ -6,7 +6,7 @@
     A_i           = (r_i - mean_j r_j) / std_j r_j                                       (eq. 43)
     (--kl-coef)   - beta 1/G sum_i 1/|y_i| sum_t [pi_ref/pi_theta - log(pi_ref/pi_theta) - 1]   (k3)
                   (off by default, as in the GSPO and DFPO recipes)
-    (--luspo)     each sequence's term times |y_i| (LUSPO, arXiv:2602.05261; TRL's loss_type luspo)
+    (--luspo)     each sequence's term times |y_i| (LUSPO, arXiv:2602.05261 eq. 7; TRL's loss_type luspo)
 
 Equation numbers are the DFPO paper's (arXiv:2604.13088); derivations: docs/objectives.md.
 GSPO restated in its App. B.1: one importance ratio per sequence, clipped once, so every token of

@@ -1,7 +1,7 @@
-"""VESPO: Variational Sequence-level Soft Policy Optimization (arXiv:2602.10693), as TRL has it.
+"""VESPO: Variational Sequence-level Soft Policy Optimization (arXiv:2602.10693v3, eq. 17, 20), as TRL.
 
     J_VESPO(theta) = E[ 1/sum_i |y_i| sum_i sum_t sg(phi(W_i)) A_i log pi_theta(y_it | x, y_<t) ]
-    phi(W)         = W^k exp(lambda (1 - W)),  W_i = prod_t w_it (the sequence ratio, not a mean)
+    phi(W)         = W^k exp(lambda (1 - W)),  W_i = prod_t w_it (eq. 5; the paper's c1, c2 = k, lambda)
     (k, lambda)    = (k_pos, lambda_pos) if A_i >= 0 else (k_neg, lambda_neg)
     A_i            = (r_i - mean_j r_j) / std_j r_j                 (DFPO arXiv:2604.13088, eq. 43)
 

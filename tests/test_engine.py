@@ -164,6 +164,13 @@ def test_group_prompt_stored_once(setup, monkeypatch, page):
     prompt_blocks = {True: groups * (P // page + n * (P % page > 0)), False: groups * n * -(-P // page)}
     assert on["kv_blocks_peak"] - prompt_blocks[True] == off["kv_blocks_peak"] - prompt_blocks[False]
     assert prompt_blocks[True] / prompt_blocks[False] == {16: 1 / 16, 128: 31 / 256}[page]
+    # admission counts the shared blocks once: a pool of exactly the blocks the shared rollout took admits both groups
+    # at once (counted unshared, the second would wait for the first)
+    monkeypatch.setattr(engine, "SHARE_PROMPTS", True)
+    tight = {}
+    assert run(lm, prompts, n, [0], new, groups * n, sync_every=4, pool_tokens=on["kv_blocks_peak"] * page,
+               stats=tight)[0] == out[True][0]
+    assert tight["prefills"] == 1 and tight["preempted"] == 0, tight
     print(f"page {page}: KV blocks taken {on['kv_blocks_peak']} shared, {off['kv_blocks_peak']} unshared (prompt "
           f"{prompt_blocks[True]} vs {prompt_blocks[False]}); KV bytes a step reads, physical: "
           f"{on['kv_read_physical_peak'] * on['block_bytes']} vs {off['kv_read_physical_peak'] * off['block_bytes']}")

@@ -39,6 +39,23 @@ def test_memory_plan_counts_parameters_exactly(tmp_path):
         assert abs(table["training peak, --gen-mode engine (the Engine kept across steps)"][i] - want) < 0.11, (n, want)
 
 
+def test_memory_plan_counts_shared_prompt_blocks():
+    """The engine's paged KV with a group's prompt once, by hand at issue 52's shape: 256 rows (16 groups of 16) of
+    2,000 + 4,096 positions in blocks of 128: each group's 15 full prompt blocks once, 48 - 15 = 33 blocks a row
+    (its copy of the prompt's last, partly filled block among them): 128 x (16 x 15 + 256 x 33) positions, against
+    256 x 6,096 whole; engine.group_blocks counts the same; at Qwen3-8B's 144 KiB a position, the plan's row."""
+    from grouprl import engine
+
+    assert memory_plan.shared_positions(256, 6096, 2000, 16) == 128 * (16 * 15 + 256 * 33) == 1_112_064
+    assert memory_plan.shared_positions(256, 6096, 2000, 16) == 16 * 128 * engine.group_blocks(2000, 6096, 16, 128)
+    assert memory_plan.shared_positions(3, 300, 0, 1) == 3 * 384  # no prompt to share: each row's blocks
+    row = memory_plan.plan(memory_plan.QWEN3_8B, gpus=8, seqs=1, tokens=6096, gen_seqs=256, chunk=1,
+                           prompt_tokens=2000, group_size=16)
+    per_position = 2 * 36 * 8 * 128 * 2  # k and v, 36 layers, 8 KV heads of 128, bf16
+    assert row["KV cache, engine paged (a group's prompt once)"] == 1_112_064 * per_position / 1e9
+    assert row["KV cache (generation)"] == 256 * 6096 * per_position / 1e9
+
+
 def test_logprob_benchmark_prints_its_table():
     p = subprocess.run([sys.executable, "benchmarks/logprob.py", "--tokens", "1024", "--vocab", "4096", "--chunk",
                         "256", "--methods", "chunked,naive"], cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -194,6 +194,34 @@ def test_gpu_paged_check_catches_a_wrong_read(monkeypatch):
     assert bad["rows_equal"] < 8 or bad["max_logp_diff"] > 0.1, bad
 
 
+def test_gpu_shared_check_counts_and_catches_a_wrong_share(monkeypatch):
+    """gpu.py --shared-check (CPU, tiny, --smoke's 4 x 3 rows of 40-token prompts, pages of 16): shared and unshared
+    rollouts agree row for row; shared, the KV blocks taken and read a step (distinct) are the unshared counts less
+    2 x 4 copies of each prompt's 2 full blocks, the blocks each row asks for the same; sharing the last, partly
+    filled block too (each row's tokens then written over by its group's others) shows in the sampled rows."""
+    import argparse
+
+    import torch
+
+    from grouprl import distributed
+    from grouprl import engine
+    import gpu
+
+    lm = shapes.random_model(shapes.TINY, shapes.word_tokenizer(shapes.TINY["vocab_size"]), torch.float32,
+                             torch.device("cpu"))
+    d, a = distributed.Dist(0, 1, torch.device("cpu")), argparse.Namespace(smoke=True, group_size=3)
+    ok = gpu.shared_check(lm, shapes.TINY, a, d)
+    on, off = ok["shared"], ok["unshared"]
+    assert ok["rows_equal"] == ok["rows"] == 12 and ok["max_logp_diff"] == 0.0, ok
+    assert on["kv_blocks_peak"] == off["kv_blocks_peak"] - 4 * 2 * 2, ok
+    assert on["kv_read_physical_peak"] == off["kv_read_physical_peak"] - 4 * 2 * 2 and on["kv_read_peak"] == off[
+        "kv_read_peak"], ok
+    assert "shared 20 KV blocks taken" in gpu.shared_line(ok) and "12 of 12 rows equal" in gpu.shared_line(ok)
+    monkeypatch.setattr(engine, "prompt_blocks", lambda length, page: -(-length // page) if engine.SHARE_PROMPTS else 0)
+    bad = gpu.shared_check(lm, shapes.TINY, a, d)  # (the random tiny model's logits move little: 0.04 here)
+    assert bad["rows_equal"] < 12 or bad["max_logp_diff"] > 1e-3, bad
+
+
 @pytest.mark.slow
 def test_gpu_benchmark_flex_options_and_profile(tmp_path):
     """--flex-options adds an engine row per set of FlexAttention kernel options (the engine's decoding attention

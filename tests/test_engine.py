@@ -137,7 +137,8 @@ def test_group_prompt_stored_once(setup, monkeypatch, page):
     (FlexAttention's): with the group's prompt blocks shared, the KV blocks taken and the distinct blocks a decoding
     step reads are the unshared counts less the 15 extra copies of each prompt's full blocks; the prompt's blocks are
     1/16 of the unshared ones at 16 (2,000 = 125 x 16), 31 of 256 a group at 128 (15 shared, and each row's own
-    copy of the last, partly filled one). The tokens and log-probs are the unshared rollout's."""
+    copy of the last, partly filled one). The tokens and log-probs are the unshared rollout's (sampled from one seed:
+    a group's greedy rows would be equal, and would not show one row writing over another's)."""
     monkeypatch.setattr(engine, "PAGE", page)
     tok, lm, ids = setup
     n, P, new, groups = 16, 2000, 8, 2
@@ -148,7 +149,8 @@ def test_group_prompt_stored_once(setup, monkeypatch, page):
     for share in (True, False):
         monkeypatch.setattr(engine, "SHARE_PROMPTS", share)
         stats[share] = {}
-        out[share] = run(lm, prompts, n, [0], new, groups * n, sync_every=4, pool_tokens=pool, stats=stats[share])
+        out[share] = run(lm, prompts, n, [0], new, groups * n, sync_every=4, pool_tokens=pool, stats=stats[share],
+                         temperature=1.0, top_k=0, generator=torch.Generator().manual_seed(3))
     assert out[True][0] == out[False][0]
     torch.testing.assert_close(out[True][1], out[False][1], atol=1e-6, rtol=0)
     on, off = stats[True], stats[False]
@@ -169,7 +171,7 @@ def test_group_prompt_stored_once(setup, monkeypatch, page):
     monkeypatch.setattr(engine, "SHARE_PROMPTS", True)
     tight = {}
     assert run(lm, prompts, n, [0], new, groups * n, sync_every=4, pool_tokens=on["kv_blocks_peak"] * page,
-               stats=tight)[0] == out[True][0]
+               stats=tight, temperature=1.0, top_k=0, generator=torch.Generator().manual_seed(3))[0] == out[True][0]
     assert tight["prefills"] == 1 and tight["preempted"] == 0, tight
     print(f"page {page}: KV blocks taken {on['kv_blocks_peak']} shared, {off['kv_blocks_peak']} unshared (prompt "
           f"{prompt_blocks[True]} vs {prompt_blocks[False]}); KV bytes a step reads, physical: "

@@ -119,6 +119,44 @@ def test_gpu_benchmark_without_training_packages(tmp_path):
     assert p.returncode and "tyro is blocked" in p.stderr  # the stand-ins do block
 
 
+def next_lease_commands() -> list[list[str]]:
+    """benchmarks/README.md's command lines for the next GPU lease (the block after "The next lease"), as argv lists."""
+    import shlex
+
+    text = open(os.path.join(ROOT, "benchmarks", "README.md")).read()
+    block = text[text.index("The next lease"):].split("```")[1]
+    lines = block.replace("\\\n", " ").replace(";", "\n").splitlines()
+    return [shlex.split(line.split("#")[0]) for line in lines if line.strip().startswith("timeout")]
+
+
+def test_next_lease_command_runs_without_training_packages(tmp_path):
+    """The next lease's exact command lines (benchmarks/README.md), on the CPU with --smoke in place of --models and
+    the shapes, with tyro, datasets, trl and math_verify unimportable as on the GPU image: every line exits 0 and
+    writes a row for each of its modes, and --paged-check and --shared-check their rows (the shared side taking
+    fewer KV blocks, the rows equal)."""
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "tests", "blocked"))
+    shape = {"--models", "--prompts", "--group-size", "--new-tokens", "--mean-length", "--minutes", "--out"}
+    commands = next_lease_commands()
+    assert len(commands) == 4 and any("--shared-check" in c for c in commands), commands
+    for i, argv in enumerate(commands):
+        assert argv[0] == "timeout" and argv[2:4] == ["python3", "benchmarks/gpu.py"], argv
+        flags = argv[4:]
+        kept = [f for j, f in enumerate(flags) if f not in shape and (j == 0 or flags[j - 1] not in shape)]
+        out = tmp_path / str(i)
+        p = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", *kept, "--out", str(out)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300, env=env)
+        assert p.returncode == 0, (argv, p.stderr[-3000:])
+        gen = json.load(open(out / "gpu.json"))["results"]["tiny"]["generation"]
+        modes = flags[flags.index("--gen-modes") + 1].split(",")
+        assert all(gen[m]["tokens_per_s"] > 0 for m in modes), (argv, gen)
+        if "--paged-check" in flags:
+            assert gen["paged_check"]["rows_equal"] == gen["paged_check"]["rows"], gen["paged_check"]
+        if "--shared-check" in flags:
+            c = gen["shared_check"]
+            assert c["rows_equal"] == c["rows"] and c["shared"]["kv_blocks_peak"] < c["unshared"]["kv_blocks_peak"], c
+            assert "a group's prompt stored once against each row's copy: 4 x 3 rows" in open(out / "gpu.md").read()
+
+
 def test_gpu_benchmark_minutes():
     """Past --minutes, each remaining mode is a row that says it was skipped, and none is run."""
     import argparse

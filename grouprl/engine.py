@@ -536,7 +536,6 @@ class Engine:
             self.table[s] = self.spare
             self.logical[s] = -1
 
-
     def where(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rows of a layer's keys (or values) viewed as [-1, head_dim] for slots [N] at positions
         [N] -> [N, kv heads], through the block table."""

@@ -35,6 +35,10 @@ Per model, as far as each fits:
   the rotary tables; the other weights are read in place).
 - paged check (--paged-check): greedy completions through the engine with the whole KV cache and with a paged pool,
   token for token and log-prob for log-prob (paging through the compiled layer has never run on a GPU).
+- shared check (--shared-check): a group's prompt stored once against each row's own copy (engine.SHARE_PROMPTS),
+  paged, 4 prompts of 2,000 tokens x --group-size rows, 128 sampled tokens: the KV blocks taken, the KV bytes a step
+  reads by row and distinct (the physical bytes; whether the GPU reads a shared block once is what the times say),
+  tok/s, and the two sides' rows token for token.
 - TRL: if `trl` imports, benchmarks/rl_step.py on the 0.6B shape (gspo.py --gen-mode engine against TRL's
   GRPOTrainer as GSPO, no vLLM, one RL step's median wall time).
 One call cannot come back empty: each mode's row and each training row is written to --out (default $OUT, the
@@ -241,6 +245,47 @@ def paged_check(lm, shape, d) -> dict:
     return {"rows": len(whole), "rows_equal": sum(a == b for a, b in zip(whole, paged)), "max_logp_diff": diff}
 
 
+def shared_check(lm, shape, a, d) -> dict:
+    """A group's prompt stored once (engine.SHARE_PROMPTS) against each row's own copy, paged: 4 prompts of 2,000
+    tokens (--smoke: 40) x --group-size rows, 128 tokens sampled from one seed (--smoke: 4; sampled, so that a
+    group's rows differ, which greedy ones would not), no EOS, a pool that holds every row
+    unshared (nothing waits). Per side: its time after one untimed call (compilation), the KV blocks taken and read by
+    a decoding step (each row's, and distinct: physical) and a block's bytes (engine.generate's stats); and whether
+    the two sides' rows are equal token for token, with their largest log-prob difference."""
+    import torch
+
+    from grouprl import engine
+
+    engine.HELD.clear()
+    P, new, n = (40, 4, a.group_size) if a.smoke else (2000, 128, a.group_size)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, shape["vocab_size"], (P,), generator=g).tolist() for _ in range(4)]
+    block = engine.page_size(d.device.type == "cuda")
+    kw = dict(max_new_tokens=new, temperature=1.0, top_k=0, top_p=1.0, slots=len(prompts) * n, device=d.device,
+              dtype=next(lm.parameters()).dtype, pool_tokens=len(prompts) * n * block * -(-(P + new + 8) // block))
+    out = {}
+    try:
+        for share in (True, False):
+            engine.SHARE_PROMPTS = share
+            engine.generate(lm, prompts, n, [-1], **kw)  # untimed: compiles
+            stats, seed = {}, torch.Generator(d.device).manual_seed(3)
+            sync(d.device)
+            t = time.perf_counter()
+            rows, logps = engine.generate(lm, prompts, n, [-1], stats=stats, generator=seed, **kw)
+            sync(d.device)
+            out[share] = dict(s=time.perf_counter() - t, rows=rows, logps=logps, **{
+                k: stats[k] for k in ("kv_blocks_peak", "kv_read_peak", "kv_read_physical_peak", "block_bytes")})
+    finally:
+        engine.SHARE_PROMPTS = True
+    diff = max(abs(x - y) for la, lb in zip(out[True]["logps"], out[False]["logps"]) for x, y in zip(la, lb))
+    equal = sum(x == y for x, y in zip(out[True].pop("rows"), out[False].pop("rows")))
+    for side in out.values():
+        side.pop("logps")
+        side["tokens_per_s"] = len(prompts) * n * new / side["s"]
+    return {"shape": f"{len(prompts)} x {n} rows, {P}-token prompts, {new} new tokens", "rows_equal": equal,
+            "rows": len(prompts) * n, "max_logp_diff": diff, "shared": out[True], "unshared": out[False]}
+
+
 def held(device) -> dict:
     """GB the allocator holds after the generation modes: with engine.HELD cleared, after gc, after
     torch._dynamo.reset() (which of them frees the Engine says what kept it)."""
@@ -405,6 +450,9 @@ def main():
     ap.add_argument("--paged-check", action="store_true",
                     help="after the generation modes, greedy completions with the whole KV cache and a paged pool, "
                          "token for token (paging's correctness through the compiled layer, never run on a GPU)")
+    ap.add_argument("--shared-check", action="store_true",
+                    help="after the generation modes, a G = --group-size rollout of 2,000-token prompts paged with "
+                         "each group's prompt blocks shared and not: KV blocks taken and read a step, time, rows")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group-size", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=256)
@@ -473,6 +521,12 @@ def main():
                 row["generation"]["paged_check"] = paged_check(lm, shape, d)
             except (Exception, SystemExit) as e:  # noqa: BLE001
                 row["generation"]["paged_check"] = error_row(e)
+            flush()
+        if a.shared_check and time.time() < a.deadline:
+            try:
+                row["generation"]["shared_check"] = shared_check(lm, shape, a, d)
+            except (Exception, SystemExit) as e:  # noqa: BLE001
+                row["generation"]["shared_check"] = error_row(e)
             flush()
         if d.device.type == "cuda":  # the last mode's kept Engine (its cache, and through it this model) freed
             row["allocated_after_generation_gb"] = held(d.device)  # before training and the next model
@@ -576,6 +630,10 @@ def table(results: dict, a, device: str, command: str, seconds: float) -> str:
             lines.append(f"- {name}: paged against whole, greedy: " + (c["error"] if "error" in c else
                          f"{c['rows_equal']} of {c['rows']} rows equal, log-probs within {c['max_logp_diff']:.2g} "
                          "before a row's first difference"))
+        c = r.get("generation", {}).get("shared_check") if isinstance(r, dict) else None
+        if c:
+            lines.append(f"- {name}: a group's prompt stored once against each row's copy: " + (c["error"] if "error"
+                         in c else shared_line(c)))
         p = r.get("generation", {}).get("profile") if isinstance(r, dict) else None
         if p:
             lines.append(f"- {name}: profiled engine rollout: " + (p["error"] if "error" in p else
@@ -586,6 +644,16 @@ def table(results: dict, a, device: str, command: str, seconds: float) -> str:
         "\n" + "\n".join(trl["table"]) if "table" in trl else trl.get("skipped") or trl.get("error")),
         "", f"command: {command}", ""]
     return "\n".join(lines)
+
+
+def shared_line(c: dict) -> str:
+    """--shared-check's result in one line: blocks taken, KV MB a step reads (each row's; distinct), tok/s, rows."""
+    def side(x):
+        mb = x["block_bytes"] / 1e6
+        return (f"{x['kv_blocks_peak']} KV blocks taken, a step reads {x['kv_read_peak'] * mb:.1f} MB by row, "
+                f"{x['kv_read_physical_peak'] * mb:.1f} MB distinct, {x['tokens_per_s']:.0f} tok/s")
+    return (f"{c['shape']}: shared {side(c['shared'])}; unshared {side(c['unshared'])}; {c['rows_equal']} of "
+            f"{c['rows']} rows equal, log-probs within {c['max_logp_diff']:.2g}")
 
 
 if __name__ == "__main__":

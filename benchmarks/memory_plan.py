@@ -19,6 +19,10 @@ What is counted (bytes; P parameters, L layers, H hidden, I intermediate, V voca
 - --gen-unshard: the whole model in bf16 (2 P) while generating.
 - --gen-mode engine: its own copy of the whole model in the compute dtype (2 P: each weight's full tensor, q/k/v
   and gate/up fused) and its KV pool, allocated once: --gen-batch-size rows of --tokens positions (the KV cache term).
+  Paged (where that whole cache does not fit), a group's --group-size rows share its prompt's full blocks of 128
+  positions (engine.group_blocks): a group of G rows at full length takes --prompt-tokens // 128 blocks once and
+  ceil(--tokens / 128) - that each, every row its own copy of the prompt's last, partly filled block (the "KV
+  cache, engine paged" term, the fewest positions the rollout decodes in without a row waiting).
 - --lora-rank R (lora.py): adapters B A on every linear layer of the decoder, A = R x sum over them of (inputs +
   outputs) parameters. The frozen base is held in bf16 and sharded (2 P / n, no gradient, no AdamW state); the
   adapters are fp32 with gradients and AdamW (16 A / n); a gathered unit is its bf16 weights only (no gradient or
@@ -51,8 +55,15 @@ def lora_parameters(c: dict, rank: int) -> int:
     return L * rank * ((H + q) + 2 * (H + kv) + (q + H) + 2 * (H + I) + (I + H))
 
 
+def shared_positions(gen_seqs: int, tokens: int, prompt_tokens: int, group_size: int, page: int = 128) -> int:
+    """KV positions the engine's paged pool takes for gen_seqs rows of `tokens` positions in groups of group_size
+    rows that share their prompt's full blocks of `page` (engine.group_blocks, FlexAttention's block)."""
+    groups, shared = -(-gen_seqs // group_size), prompt_tokens // page
+    return page * (groups * shared + gen_seqs * (-(-tokens // page) - shared))
+
+
 def plan(c: dict, gpus: int, seqs: int, tokens: int, gen_seqs: int, chunk: int, dtype: str = "bf16",
-         lora_rank: int = 0) -> dict:
+         lora_rank: int = 0, prompt_tokens: int = 0, group_size: int = 1) -> dict:
     H, I, L, V = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
     b = DTYPE_BYTES[dtype]  # the compute dtype: gathered weights, activations, logits, KV cache
     hd = c.get("head_dim") or H // c["num_attention_heads"]
@@ -74,6 +85,9 @@ def plan(c: dict, gpus: int, seqs: int, tokens: int, gen_seqs: int, chunk: int, 
         "activations": seqs * tokens * (b * H * L + b * (6 * H + 4 * I)) / GB,
         "log-prob chunk": chunk * V * (b + 4 + 4) / GB,
         "KV cache (generation)": gen_seqs * tokens * 2 * L * c["num_key_value_heads"] * hd * b / GB,
+        "KV cache, engine paged (a group's prompt once)":
+            shared_positions(gen_seqs, tokens, prompt_tokens, group_size) * 2 * L * c["num_key_value_heads"] * hd
+            * b / GB,
         f"--gen-unshard ({dtype} model)": b * P / GB,
     }
 
@@ -113,6 +127,8 @@ def main():
     ap.add_argument("--seqs", type=int, default=4, help="sequences per rank in one forward/backward (minibatch)")
     ap.add_argument("--tokens", type=int, default=512 + 4096, help="prompt + completion tokens a sequence")
     ap.add_argument("--gen-seqs", type=int, default=32, help="sequences per generate call (--gen-batch-size)")
+    ap.add_argument("--prompt-tokens", type=int, default=512, help="of --tokens, the prompt's")
+    ap.add_argument("--group-size", type=int, default=16, help="rows a prompt (the engine shares its prompt blocks)")
     ap.add_argument("--chunk", type=int, default=1024, help="--logprob-chunk-tokens")
     ap.add_argument("--dtype", choices=list(DTYPE_BYTES), help="compute dtype (default bf16, as on GPU)")
     ap.add_argument("--cpu", type=float, metavar="BASELINE_GB",
@@ -122,8 +138,8 @@ def main():
     c = PRESETS[a.config] if a.config in PRESETS else json.load(open(a.config)) if a.config else QWEN3_32B
     if a.cpu is not None:
         return print_cpu(c, a)
-    rows = {n: plan(c, n, a.seqs, a.tokens, a.gen_seqs, a.chunk, a.dtype or "bf16", a.lora_rank or 0)
-            for n in a.gpus}
+    rows = {n: plan(c, n, a.seqs, a.tokens, a.gen_seqs, a.chunk, a.dtype or "bf16", a.lora_rank or 0,
+                    a.prompt_tokens, a.group_size) for n in a.gpus}
     lora = f", LoRA rank {a.lora_rank}: {rows[a.gpus[0]]['LoRA adapters (B)']:.3f}B adapters" if a.lora_rank else ""
     print(f"{rows[a.gpus[0]]['parameters (B)']:.2f}B parameters{lora}; {a.seqs} sequences of {a.tokens} tokens per "
           f"rank per minibatch, {a.gen_seqs} per generate call; GB = 1e9 bytes, per GPU\n")
@@ -146,6 +162,10 @@ def main():
     print("| **training peak** | " + " | ".join(f"**{train[n]:.1f}**" for n in a.gpus) + " |")
     print("| **generation peak** (sharded) | " + " | ".join(f"**{gen[n]:.1f}**" for n in a.gpus) + " |")
     print("| generation peak, --gen-mode engine | " + " | ".join(f"{engine[n]:.1f}" for n in a.gpus) + " |")
+    paged = {n: engine[n] - rows[n]["KV cache (generation)"] + rows[n]["KV cache, engine paged (a group's prompt once)"]
+             for n in a.gpus}
+    print("| generation peak, --gen-mode engine, paged (a group's prompt once) | " +
+          " | ".join(f"{paged[n]:.1f}" for n in a.gpus) + " |")
     # the scripts keep the Engine (its whole KV cache and weight copy) across steps, so the training step runs beside
     # it (a paged pool sized to the free memory is not kept: engine.generate); on an H200 the checkpointed 0.6B step
     # peaked at 44.3 GB with the Engine held against 6.2 GB without (benchmarks/README.md, 2026-11-28)

@@ -33,6 +33,9 @@ PAGE = 16  # positions a block of a paged KV cache holds under SDPA (as vLLM's d
 # CUDA graphs of the decoding step are captured per read length, rounded up to a multiple of this
 # (the mask keeps the positions past each row's own out): at most max_len / GRAPH_REACH graphs
 GRAPH_REACH = 256
+# paged, a group's n rows share the physical blocks of its prompt (Engine.share); False: each row
+# holds its own copy (the count that sharing is measured against)
+SHARE_PROMPTS = True
 # FlexAttention's blocks of keys: a decoding step reads, for each row, only the blocks of this many
 # positions that hold its live ones (its length rounded up), not the whole read length; paged, the
 # pool's blocks are this size too, so that the block mask's indices are the physical blocks
@@ -312,12 +315,25 @@ def memory_needed(lm, slots: int, max_len: int, dtype, world: int = 1, device="c
     return kv * size, copied * size
 
 
+def prompt_blocks(length: int, page: int) -> int:
+    """Paged: the blocks a group's rows share, its prompt's full ones (the last, partly filled
+    block is each row's own: every row writes its first token there; 0 with SHARE_PROMPTS off)."""
+    return length // page if SHARE_PROMPTS else 0
+
+
+def group_blocks(prompt: int, positions: int, n: int, page: int) -> int:
+    """Paged: the blocks n rows of `positions` positions take, the prompt's full blocks once."""
+    shared = prompt_blocks(prompt, page)
+    return shared + n * (-(-positions // page) - shared)
+
+
 def kv_plan(lm, slots: int, max_len: int, n: int, device, dtype, world: int = 1,
-            page: int = PAGE) -> int | None:
+            page: int = PAGE, prompt: int = 0) -> int | None:
     """The KV cache a rollout gets on a GPU: None (whole: every slot max_len positions) when that
     and the weight copy fit 90% of the free memory (the driver's free and the allocator's cached);
     else the positions a paged pool can hold in 90% of what the weights leave; MemoryError (one
-    line) when that is less than one group of n rows at max_len (in blocks of `page`). On the CPU
+    line) when that is less than one group of n rows at max_len (in blocks of `page`, the full
+    blocks of its prompt, at least `prompt` positions long, shared: group_blocks). On the CPU
     always whole, and a MemoryError (one line) when that and the weight copy exceed 90% of the host
     memory available (distributed.check_host_memory)."""
     kv, weights = memory_needed(lm, slots, max_len, dtype, world, device)
@@ -333,7 +349,7 @@ def kv_plan(lm, slots: int, max_len: int, n: int, device, dtype, world: int = 1,
     if kv + weights <= 0.9 * free:  # the rest: prefill activations, logits, sampling, graphs
         return None
     pool = int((0.9 * free - weights) / (kv / (slots * max_len)))
-    if pool // page >= n * -(-max_len // page):
+    if pool // page >= group_blocks(prompt, max_len, n, page):
         return pool
     gib = 2 ** 30
     raise MemoryError(
@@ -415,6 +431,10 @@ class Engine:
                       torch.arange(slots, device=device)[:, None])
         self.owned = [[] for _ in range(slots)]  # paged: each slot's blocks, on the host
         self.free = list(range(pool_blocks))
+        # paged, a group's prompt stored once: its full blocks are in all n rows' tables (share),
+        # each block counted by the rows that hold it (refs) and freed when the last gives it back
+        self.refs = [0] * blocks
+        self.borrowed = [0] * slots  # the leading blocks each slot shares with its group's first
         # paged: each physical block's place in the row that owns it, per slot (-1: not the
         # slot's), for FlexAttention's mask_mod, which sees physical positions
         self.logical = (torch.full((slots, blocks), -1, device=device) if self.paged else None)
@@ -482,18 +502,37 @@ class Engine:
             return False
         if need > 0:
             new = [self.free.pop() for _ in range(need)]
-            at = len(self.owned[s])
-            self.owned[s] += new
-            new = torch.tensor(new, device=self.table.device)
-            self.table[s, at:at + need] = new
-            self.logical[s, new] = torch.arange(at, at + need, device=new.device)
+            for b in new:
+                self.refs[b] = 1
+            self.place(s, new)
         return True
 
+    def share(self, s: int, src: int, blocks: int):
+        """Paged: slot s (holding none) takes slot src's first `blocks` blocks into its table, the
+        same physical blocks (a group's full prompt blocks, which src's prefill writes once; s
+        writes from its next block on, its own)."""
+        shared = self.owned[src][:blocks]
+        for b in shared:
+            self.refs[b] += 1
+        self.borrowed[s] = len(shared)
+        self.place(s, shared)
+
+    def place(self, s: int, new: list[int]):
+        """Blocks `new` appended to slot s's row: its host list, block table and logical table."""
+        at = len(self.owned[s])
+        self.owned[s] += new
+        new = torch.tensor(new, device=self.table.device, dtype=torch.long)
+        self.table[s, at:at + len(new)] = new
+        self.logical[s, new] = torch.arange(at, at + len(new), device=new.device)
+
     def give(self, s: int):
-        """Paged: slot s's blocks back to the pool."""
+        """Paged: slot s's blocks back to the pool, each once no other row holds it."""
         if self.paged:
-            self.free += self.owned[s]
-            self.owned[s] = []
+            for b in self.owned[s]:
+                self.refs[b] -= 1
+                if self.refs[b] == 0:
+                    self.free.append(b)
+            self.owned[s], self.borrowed[s] = [], 0
             self.table[s] = self.spare
             self.logical[s] = -1
 
@@ -561,7 +600,8 @@ class Engine:
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]], slots: torch.Tensor, n: int) -> torch.Tensor:
         """Prompts (token ids) computed once each, their keys and values copied to their n slots
-        each (slots [len(prompts) x n], a prompt's adjacent); -> logits at each prompt's last token,
+        each (slots [len(prompts) x n], a prompt's adjacent; a slot's blocks shared with an earlier
+        one, Engine.share, are written once, by that one); -> logits at each prompt's last token,
         [len(prompts), V]."""
         lengths = torch.tensor([len(p) for p in prompts], device=self.table.device)
         P = int(lengths.max())
@@ -570,8 +610,12 @@ class Engine:
             ids[b, :len(p)] = torch.tensor(p, device=ids.device)
         positions = torch.arange(P, device=ids.device).expand(len(prompts), P)
 
-        # where the prompts' keys and values go: every slot of a prompt gets them (not the padding)
-        valid = (positions < lengths[:, None]).repeat_interleave(n, 0)  # [slots, P]
+        # where the prompts' keys and values go: every slot of a prompt gets them (not the padding),
+        # but for the positions a slot's shared blocks hold (written by its group's first slot)
+        borrowed = torch.tensor([self.borrowed[s] * self.block if self.paged else 0
+                                 for s in slots.tolist()], device=ids.device)
+        valid = ((positions < lengths[:, None]).repeat_interleave(n, 0)  # [slots, P]
+                 & (positions[:1] >= borrowed[:, None]))
         at = self.where(slots[:, None].expand(-1, P)[valid],
                         positions.repeat_interleave(n, 0)[valid]).flatten()
 
@@ -793,12 +837,14 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
     logits repetition_penalty changed, if it is not 1: sampling.sample). `stats`,
     if given, gets the counts of decoding steps, prefills, prefills made while other rows were
     decoding (continuous batching at work), groups preempted, KV blocks still taken at the end,
-    and graphs captured.
+    graphs captured, a block's bytes (k and v, every layer) and, paged, Scheduler.tally's peaks.
     pool_tokens: the KV cache's positions, paged (Engine) in blocks of page_size(flex); None: whole
     (slots x the longest prompt + max_new_tokens), or paged where that cannot fit the GPU (kv_plan).
-    Paged, a group is admitted only when the pool also holds its next sync_every positions beside
-    those the running rows need, and when running rows outgrow the pool the youngest group is
-    preempted: its blocks freed, its prompt first in line again, its completions made anew.
+    Paged, a group's rows share its prompt's full blocks (Engine.share, reference-counted, freed
+    with the last row that holds them; SHARE_PROMPTS), and it is admitted only when the pool also
+    holds its next sync_every positions beside those the running rows need; when running rows
+    outgrow the pool the youngest group is preempted: its blocks freed, its prompt first in line
+    again, its completions made anew.
     world > 1: tensor parallel, every rank running this call on the same prompts with its share of
     the heads (tensor_parallel_fits) and the same `generator`, so that every rank samples the same
     tokens.
@@ -822,6 +868,7 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
     # default of 256 slots for a rollout of 12 rows decoded 21x the rows it needed
     slots = min(slots, len(prompts) * n)
     max_len = max(len(p) for p in prompts) + max_new_tokens
+    shortest = min(len(p) for p in prompts)  # the fewest prompt blocks a group's rows share
     if graphs is None:
         graphs = torch.device(device).type == "cuda" and world == 1
     if compile is None:
@@ -843,11 +890,12 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
         if keep:  # an Engine of other settings: its cache freed before the plan
             release(lm)
         if pool_tokens is None:
-            pool_tokens = kv_plan(lm, slots, max_len, n, device, dtype, world, page)
+            pool_tokens = kv_plan(lm, slots, max_len, n, device, dtype, world, page, shortest)
             # a pool planned from 90% of the free memory is not kept: the training step's peak
             # (AdamW's moments appear at its first step) would not fit beside it
             keep = keep and pool_tokens is None
-        if pool_tokens is not None and pool_tokens // page < n * -(-max_len // page):
+        if (pool_tokens is not None
+                and pool_tokens // page < group_blocks(shortest, max_len, n, page)):
             raise ValueError(f"a KV pool of {pool_tokens} positions cannot hold one group of {n} "
                              f"rows of up to {max_len} positions")
         engine = Engine(lm, slots, max_len, device, dtype, rank, world, pool_tokens,
@@ -868,6 +916,8 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
         retire(plan, rows, engine)  # one-token completions finish at their prefill
         if engine.paged:
             plan.grow(rows)
+            if stats is not None:
+                plan.tally()
         for _ in range(sync_every if plan.busy() else 0):  # the model's steps, no host sync
             rows.advance(*engine.step(rows.tokens, rows.positions, plan.reach, rows.live, how,
                                       generator))
@@ -876,8 +926,11 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
         retire(plan, rows, engine)
     assert all(c is not None for c in plan.completions), "a request never finished"
     if stats is not None:
-        stats.update(plan.counts, blocks_taken=sum(len(o) for o in engine.owned),
-                     graphs=len(engine.graphs or {}), engine=id(engine))
+        kv = engine.cache[0]  # a block's bytes: k and v of every layer
+        stats.update(plan.counts, blocks_taken=(len(engine.refs) - 1 - len(engine.free)
+                                                if engine.paged else 0),
+                     block_bytes=kv.element_size() * kv.numel() // engine.cache_shape[1]
+                     * len(engine.cache), graphs=len(engine.graphs or {}), engine=id(engine))
     return plan.completions, plan.logps
 
 
@@ -982,7 +1035,8 @@ class Scheduler:
         self.logps = [None] * (len(prompts) * n)
         self.reach = 0  # one more than any slot's position, an upper bound between syncs
         self.counts = {"decode_steps": 0, "prefills": 0, "prefills_while_decoding": 0,
-                       "preempted": 0}
+                       "preempted": 0, "kv_blocks_peak": 0, "kv_row_blocks_peak": 0,
+                       "kv_read_peak": 0, "kv_read_physical_peak": 0}
 
     def busy(self) -> bool:
         return any(r >= 0 for r in self.row_of)
@@ -1000,9 +1054,10 @@ class Scheduler:
         if self.engine.paged:
             left = len(self.engine.free) - sum(self.blocks_ahead(s) - len(self.engine.owned[s])
                                                for s in range(self.slots) if self.row_of[s] >= 0)
-            for j in range(k):
-                left -= self.n * self.engine.blocks_for(
-                    min(len(self.prompts[self.waiting[j]]) + self.sync_every, self.max_len))
+            for j in range(k):  # n rows' blocks, the prompt's full blocks once (Engine.share)
+                length = len(self.prompts[self.waiting[j]])
+                left -= group_blocks(length, min(length + self.sync_every, self.max_len),
+                                     self.n, self.engine.block)
                 if left < 0:
                     return j
         return k
@@ -1015,7 +1070,11 @@ class Scheduler:
         self.counts["prefills"] += 1
         self.counts["prefills_while_decoding"] += self.busy()
         for j, s in enumerate(free[:k * self.n]):
-            self.row_of[s], self.made[s] = batch[j // self.n] * self.n + j % self.n, 1
+            p = batch[j // self.n]
+            self.row_of[s], self.made[s] = p * self.n + j % self.n, 1
+            if self.engine.paged and j % self.n:  # the group's prompt blocks, its first row's
+                self.engine.share(s, free[j - j % self.n],
+                                  prompt_blocks(len(self.prompts[p]), self.engine.block))
             if self.engine.paged and not self.engine.take(s, self.blocks_ahead(s)):
                 raise RuntimeError("admitted beyond the KV pool")  # admissible() counted them
         return batch, free[:k * self.n]
@@ -1044,6 +1103,20 @@ class Scheduler:
         self.running.remove(p)
         self.waiting.appendleft(p)
         self.counts["preempted"] += 1
+
+    def tally(self):
+        """Paged (stats): the most KV blocks taken at a look, physical (from the pool) and summed
+        over the rows (each row's table: what rows without shared prompts take), and read by the
+        step after it, by each live row (the blocks attention asks for) and distinct (physical)."""
+        e, rows = self.engine, [s for s in range(self.slots) if self.row_of[s] >= 0]
+        read = [e.owned[s][:e.blocks_for(len(self.prompts[self.row_of[s] // self.n])
+                                         + self.made[s])] for s in rows]
+        now = {"kv_blocks_peak": len(e.refs) - 1 - len(e.free),
+               "kv_row_blocks_peak": sum(len(e.owned[s]) for s in rows),
+               "kv_read_peak": sum(map(len, read)),
+               "kv_read_physical_peak": len(set().union(*read))}
+        for k, v in now.items():
+            self.counts[k] = max(self.counts[k], v)
 
     def grow(self, rows: Rows):
         """Paged: every running row's blocks for its next sync_every positions, oldest first,

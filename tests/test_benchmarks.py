@@ -39,6 +39,23 @@ def test_memory_plan_counts_parameters_exactly(tmp_path):
         assert abs(table["training peak, --gen-mode engine (the Engine kept across steps)"][i] - want) < 0.11, (n, want)
 
 
+def test_memory_plan_counts_shared_prompt_blocks():
+    """The engine's paged KV with a group's prompt once, by hand at issue 52's shape: 256 rows (16 groups of 16) of
+    2,000 + 4,096 positions in blocks of 128: each group's 15 full prompt blocks once, 48 - 15 = 33 blocks a row
+    (its copy of the prompt's last, partly filled block among them): 128 x (16 x 15 + 256 x 33) positions, against
+    256 x 6,096 whole; engine.group_blocks counts the same; at Qwen3-8B's 144 KiB a position, the plan's row."""
+    from grouprl import engine
+
+    assert memory_plan.shared_positions(256, 6096, 2000, 16) == 128 * (16 * 15 + 256 * 33) == 1_112_064
+    assert memory_plan.shared_positions(256, 6096, 2000, 16) == 16 * 128 * engine.group_blocks(2000, 6096, 16, 128)
+    assert memory_plan.shared_positions(3, 300, 0, 1) == 3 * 384  # no prompt to share: each row's blocks
+    row = memory_plan.plan(memory_plan.QWEN3_8B, gpus=8, seqs=1, tokens=6096, gen_seqs=256, chunk=1,
+                           prompt_tokens=2000, group_size=16)
+    per_position = 2 * 36 * 8 * 128 * 2  # k and v, 36 layers, 8 KV heads of 128, bf16
+    assert row["KV cache, engine paged (a group's prompt once)"] == 1_112_064 * per_position / 1e9
+    assert row["KV cache (generation)"] == 256 * 6096 * per_position / 1e9
+
+
 def test_logprob_benchmark_prints_its_table():
     p = subprocess.run([sys.executable, "benchmarks/logprob.py", "--tokens", "1024", "--vocab", "4096", "--chunk",
                         "256", "--methods", "chunked,naive"], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -100,6 +117,44 @@ def test_gpu_benchmark_without_training_packages(tmp_path):
         assert row[f"training_ac{ac}"].startswith("skipped: gspo.py does not import (tyro is blocked"), row
     p = subprocess.run([sys.executable, "-m", "tyro"], env=env, capture_output=True, text=True)  # resolves to the stand-in
     assert p.returncode and "tyro is blocked" in p.stderr  # the stand-ins do block
+
+
+def next_lease_commands() -> list[list[str]]:
+    """benchmarks/README.md's command lines for the next GPU lease (the block after "The next lease"), as argv lists."""
+    import shlex
+
+    text = open(os.path.join(ROOT, "benchmarks", "README.md")).read()
+    block = text[text.index("The next lease"):].split("```")[1]
+    lines = block.replace("\\\n", " ").replace(";", "\n").splitlines()
+    return [shlex.split(line.split("#")[0]) for line in lines if line.strip().startswith("timeout")]
+
+
+def test_next_lease_command_runs_without_training_packages(tmp_path):
+    """The next lease's exact command lines (benchmarks/README.md), on the CPU with --smoke in place of --models and
+    the shapes, with tyro, datasets, trl and math_verify unimportable as on the GPU image: every line exits 0 and
+    writes a row for each of its modes, and --paged-check and --shared-check their rows (the shared side taking
+    fewer KV blocks, the rows equal)."""
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "tests", "blocked"))
+    shape = {"--models", "--prompts", "--group-size", "--new-tokens", "--mean-length", "--minutes", "--out"}
+    commands = next_lease_commands()
+    assert len(commands) == 4 and any("--shared-check" in c for c in commands), commands
+    for i, argv in enumerate(commands):
+        assert argv[0] == "timeout" and argv[2:4] == ["python3", "benchmarks/gpu.py"], argv
+        flags = argv[4:]
+        kept = [f for j, f in enumerate(flags) if f not in shape and (j == 0 or flags[j - 1] not in shape)]
+        out = tmp_path / str(i)
+        p = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", *kept, "--out", str(out)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300, env=env)
+        assert p.returncode == 0, (argv, p.stderr[-3000:])
+        gen = json.load(open(out / "gpu.json"))["results"]["tiny"]["generation"]
+        modes = flags[flags.index("--gen-modes") + 1].split(",")
+        assert all(gen[m]["tokens_per_s"] > 0 for m in modes), (argv, gen)
+        if "--paged-check" in flags:
+            assert gen["paged_check"]["rows_equal"] == gen["paged_check"]["rows"], gen["paged_check"]
+        if "--shared-check" in flags:
+            c = gen["shared_check"]
+            assert c["rows_equal"] == c["rows"] and c["shared"]["kv_blocks_peak"] < c["unshared"]["kv_blocks_peak"], c
+            assert "a group's prompt stored once against each row's copy: 4 x 3 rows" in open(out / "gpu.md").read()
 
 
 def test_gpu_benchmark_minutes():
@@ -175,6 +230,34 @@ def test_gpu_paged_check_catches_a_wrong_read(monkeypatch):
         self, c, table.roll(2, 0) if self.paged else table, reach))
     bad = gpu.paged_check(lm, shapes.TINY, d)
     assert bad["rows_equal"] < 8 or bad["max_logp_diff"] > 0.1, bad
+
+
+def test_gpu_shared_check_counts_and_catches_a_wrong_share(monkeypatch):
+    """gpu.py --shared-check (CPU, tiny, --smoke's 4 x 3 rows of 40-token prompts, pages of 16): shared and unshared
+    rollouts agree row for row; shared, the KV blocks taken and read a step (distinct) are the unshared counts less
+    2 x 4 copies of each prompt's 2 full blocks, the blocks each row asks for the same; sharing the last, partly
+    filled block too (each row's tokens then written over by its group's others) shows in the sampled rows."""
+    import argparse
+
+    import torch
+
+    from grouprl import distributed
+    from grouprl import engine
+    import gpu
+
+    lm = shapes.random_model(shapes.TINY, shapes.word_tokenizer(shapes.TINY["vocab_size"]), torch.float32,
+                             torch.device("cpu"))
+    d, a = distributed.Dist(0, 1, torch.device("cpu")), argparse.Namespace(smoke=True, group_size=3)
+    ok = gpu.shared_check(lm, shapes.TINY, a, d)
+    on, off = ok["shared"], ok["unshared"]
+    assert ok["rows_equal"] == ok["rows"] == 12 and ok["max_logp_diff"] == 0.0, ok
+    assert on["kv_blocks_peak"] == off["kv_blocks_peak"] - 4 * 2 * 2, ok
+    assert on["kv_read_physical_peak"] == off["kv_read_physical_peak"] - 4 * 2 * 2 and on["kv_read_peak"] == off[
+        "kv_read_peak"], ok
+    assert "shared 20 KV blocks taken" in gpu.shared_line(ok) and "12 of 12 rows equal" in gpu.shared_line(ok)
+    monkeypatch.setattr(engine, "prompt_blocks", lambda length, page: -(-length // page) if engine.SHARE_PROMPTS else 0)
+    bad = gpu.shared_check(lm, shapes.TINY, a, d)  # (the random tiny model's logits move little: 0.04 here)
+    assert bad["rows_equal"] < 12 or bad["max_logp_diff"] > 1e-3, bad
 
 
 @pytest.mark.slow

@@ -93,11 +93,14 @@ def test_repetition_penalty_greedy_tokens_equal_hf_generate(setup, n, slots, gra
     assert stats["prefills"] >= 3  # 5 prompts' rows through slots for 2 of them at most: slots reused
 
 
-@pytest.mark.parametrize("n, slots, pool", [(1, 5, 96), (3, 9, 400)])
-def test_paged_pool_greedy_tokens_equal_hf_generate(setup, n, slots, pool):
+@pytest.mark.parametrize("n, slots, pool, share", [(1, 5, 96, True), (3, 9, 320, True), (3, 9, 320, False)])
+def test_paged_pool_greedy_tokens_equal_hf_generate(setup, monkeypatch, n, slots, pool, share):
     """A paged KV pool (blocks of engine.PAGE positions) far smaller than slots x the longest row (62-token prompt +
     24 new): rows wait for blocks, and when every row runs to the limit (no EOS met) the youngest groups are
-    preempted and made anew; the completions are still HF's, and every block is back in the pool at the end."""
+    preempted and made anew (their shared prompt blocks freed with their last row, and shared again); the
+    completions are still HF's, and every block is back in the pool at the end; with a group's prompt blocks
+    shared (SHARE_PROMPTS) and without."""
+    monkeypatch.setattr(engine, "SHARE_PROMPTS", share)
     new = 24
     tok, lm, ids = setup
     assert pool < slots * (max(map(len, ids)) + new)  # the whole cache would not fit the pool
@@ -108,6 +111,71 @@ def test_paged_pool_greedy_tokens_equal_hf_generate(setup, n, slots, pool):
         assert comps == ref and [c[-1] not in eos for c in comps] == truncated
         assert [len(lp) for lp in logps] == [len(c) for c in comps]
         assert stats["blocks_taken"] == 0 and (stats["preempted"] > 0) == preempts, stats
+
+
+def test_shared_prompt_blocks_refcounted(setup):
+    """Engine.share: a group's second row holds its first row's prompt blocks (the same physical blocks in its table
+    and in the logical map flex's mask_mod reads), each counted by the rows that hold them; the first row's retiring
+    frees only its own blocks, the last row's frees the shared ones too."""
+    tok, lm, ids = setup
+    eng = engine.Engine(lm, 2, 64, CPU, torch.float32, pool_tokens=16 * 10)
+    assert eng.take(0, 4)
+    eng.share(1, 0, 3)
+    assert eng.take(1, 4)
+    assert eng.owned[1][:3] == eng.owned[0][:3] and eng.owned[1][3] not in eng.owned[0]
+    assert eng.table[1, :3].tolist() == eng.owned[0][:3] and eng.logical[1, eng.owned[0][:3]].tolist() == [0, 1, 2]
+    assert len(eng.free) == 10 - 5
+    eng.give(0)
+    assert len(eng.free) == 10 - 4 and not set(eng.owned[1]) & set(eng.free)
+    eng.give(1)
+    assert sorted(eng.free) == list(range(10)) and not any(eng.refs)
+
+
+@pytest.mark.parametrize("page", [16, 128])
+def test_group_prompt_stored_once(setup, monkeypatch, page):
+    """Issue 52's shape, G = 16 rows of two 2,000-token prompts, paged in blocks of 16 (SDPA's page) and 128
+    (FlexAttention's): with the group's prompt blocks shared, the KV blocks taken and the distinct blocks a decoding
+    step reads are the unshared counts less the 15 extra copies of each prompt's full blocks; the prompt's blocks are
+    1/16 of the unshared ones at 16 (2,000 = 125 x 16), 31 of 256 a group at 128 (15 shared, and each row's own
+    copy of the last, partly filled one). The tokens and log-probs are the unshared rollout's (sampled from one seed:
+    a group's greedy rows would be equal, and would not show one row writing over another's)."""
+    monkeypatch.setattr(engine, "PAGE", page)
+    tok, lm, ids = setup
+    n, P, new, groups = 16, 2000, 8, 2
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 100, (P,), generator=g).tolist() for _ in range(groups)]
+    pool = groups * n * -(-(P + new + 4) // page) * page  # every row at once, unshared: nothing waits
+    out, stats = {}, {}
+    for share in (True, False):
+        monkeypatch.setattr(engine, "SHARE_PROMPTS", share)
+        stats[share] = {}
+        out[share] = run(lm, prompts, n, [0], new, groups * n, sync_every=4, pool_tokens=pool, stats=stats[share],
+                         temperature=1.0, top_k=0, generator=torch.Generator().manual_seed(3))
+    assert out[True][0] == out[False][0]
+    torch.testing.assert_close(out[True][1], out[False][1], atol=1e-6, rtol=0)
+    on, off = stats[True], stats[False]
+    assert on["prefills"] == off["prefills"] == 1 and on["preempted"] == off["preempted"] == 0
+    assert on["blocks_taken"] == off["blocks_taken"] == 0  # every block back, shared ones once
+    copies = groups * (n - 1) * (P // page)  # the full prompt blocks the unshared rows hold again
+    assert off["kv_blocks_peak"] == off["kv_row_blocks_peak"] == on["kv_row_blocks_peak"]
+    assert on["kv_blocks_peak"] == off["kv_blocks_peak"] - copies
+    # a decoding step: each live row asks for its own blocks either way; the distinct (physical) ones are fewer
+    assert on["kv_read_peak"] == off["kv_read_peak"] == off["kv_read_physical_peak"]
+    assert on["kv_read_physical_peak"] == off["kv_read_physical_peak"] - copies
+    assert on["block_bytes"] == page * 2 * 2 * lm.config.num_key_value_heads * lm.config.head_dim * 4  # k, v; 2 layers
+    prompt_blocks = {True: groups * (P // page + n * (P % page > 0)), False: groups * n * -(-P // page)}
+    assert on["kv_blocks_peak"] - prompt_blocks[True] == off["kv_blocks_peak"] - prompt_blocks[False]
+    assert prompt_blocks[True] / prompt_blocks[False] == {16: 1 / 16, 128: 31 / 256}[page]
+    # admission counts the shared blocks once: a pool of exactly the blocks the shared rollout took admits both groups
+    # at once (counted unshared, the second would wait for the first)
+    monkeypatch.setattr(engine, "SHARE_PROMPTS", True)
+    tight = {}
+    assert run(lm, prompts, n, [0], new, groups * n, sync_every=4, pool_tokens=on["kv_blocks_peak"] * page,
+               stats=tight, temperature=1.0, top_k=0, generator=torch.Generator().manual_seed(3))[0] == out[True][0]
+    assert tight["prefills"] == 1 and tight["preempted"] == 0, tight
+    print(f"page {page}: KV blocks taken {on['kv_blocks_peak']} shared, {off['kv_blocks_peak']} unshared (prompt "
+          f"{prompt_blocks[True]} vs {prompt_blocks[False]}); KV bytes a step reads, physical: "
+          f"{on['kv_read_physical_peak'] * on['block_bytes']} vs {off['kv_read_physical_peak'] * off['block_bytes']}")
 
 
 @pytest.mark.parametrize("n, slots, pool, graphs", [(2, 3, None, False), (3, 9, 400, False), (3, 7, None, True)])
@@ -163,10 +231,19 @@ def test_graphed_step_equals_the_eager_one(setup, monkeypatch, n, slots, pool):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
 
 
-def test_paged_pool_too_small_for_one_group(setup):
+def test_paged_pool_too_small_for_one_group(setup, monkeypatch):
+    """A pool smaller than one group at full length fails in one line: 62 + 40 positions, 7 blocks of 16 a row; the
+    shortest prompt (21 tokens) has 1 full block its 2 rows share: 1 + 2 x 6 = 13 blocks (208 positions), which run
+    to the end; unshared, 2 x 7 = 14 (224)."""
     tok, lm, ids = setup
+    with pytest.raises(ValueError, match="a KV pool of 207 positions cannot hold one group of 2 rows of up to 102"):
+        run(lm, ids, 2, [0], 40, 10, pool_tokens=207)
+    stats = {}
+    assert run(lm, ids, 2, [0], 40, 10, pool_tokens=208, stats=stats)[0] == run(lm, ids, 2, [0], 40, 10)[0]
+    assert stats["blocks_taken"] == 0
+    monkeypatch.setattr(engine, "SHARE_PROMPTS", False)
     with pytest.raises(ValueError, match="a KV pool of 223 positions cannot hold one group of 2 rows of up to 102"):
-        run(lm, ids, 2, [0], 40, 10, pool_tokens=223)  # 2 rows x 7 blocks of 16 = 224
+        run(lm, ids, 2, [0], 40, 10, pool_tokens=223)
 
 
 def test_logprobs_equal_policy_forward(setup):
@@ -479,7 +556,12 @@ def test_memory_needed_and_a_pool_the_gpu_cannot_hold(setup, monkeypatch):
         assert engine.kv_plan(lm, 8, 100, 2, "cuda", torch.float32) == int((0.9 * b - weights) / per_position)
     free(int((weights + 199.5 * per_position) / 0.9))  # 199 positions: less than a group of 2 x 100
     with pytest.raises(MemoryError, match="holds 199 positions, less than one group of 2 x 100"):
-        engine.kv_plan(lm, 8, 100, 2, "cuda", torch.float32)
+        engine.kv_plan(lm, 8, 100, 2, "cuda", torch.float32)  # 2 rows x 7 blocks of 16: 224
+    # 199 positions are 12 blocks; prompts of 32 or more tokens: their 2 full blocks shared by the 2 rows, 2 + 2 x 5
+    # = 12 blocks a group; of 31, 1 + 2 x 6 = 13
+    assert engine.kv_plan(lm, 8, 100, 2, "cuda", torch.float32, prompt=32) == 199
+    with pytest.raises(MemoryError, match="holds 199 positions"):
+        engine.kv_plan(lm, 8, 100, 2, "cuda", torch.float32, prompt=31)
 
     def short(*a):
         raise MemoryError("the KV cache of ... exceed the 1.0 GiB free on the GPU")

@@ -314,7 +314,8 @@ ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_compiled_flex_decodes_as_eager(device, pool, apart, monkeypatch):
     """FlexAttention compiled inside the decoder layer (on the CPU inductor's C++ template, on a GPU its Triton one) at
     the Qwen3-0.6B attention shape (16 query heads over 8, head_dim 128; one layer, a small vocabulary), a prompt of
-    3 key blocks, 2 rows: three decoding steps' logits equal the eager engine's, whole and paged (on a GPU the check
+    3 key blocks, 2 rows: three decoding steps' logits equal the eager engine's, whole and paged (the prompt's 2 full
+    blocks shared by the rows; on a GPU the check
     for the next lease: `python -m pytest -m slow -k compiled_flex_decodes tests/test_engine_step.py`). Paged on the
     CPU the layer's graph breaks around flex (compiled on its own): inductor's CPU lowering of flex inside the layer
     gives logits ~3 off when paged (torch 2.13), which this test caught before that. After the first step (which
@@ -342,9 +343,11 @@ def test_compiled_flex_decodes_as_eager(device, pool, apart, monkeypatch):
 
     inside = not apart and not (pool and device == "cpu")  # flex inside the layer's graph, or compiled apart
     assert (engines[1].flex is plain) == inside
-    for e in engines if pool else []:  # the pool's blocks lent to the 2 rows, in shuffled order
-        e.free = torch.randperm(8, generator=torch.Generator().manual_seed(0)).tolist()
-        assert all(e.take(s, e.blocks_for(300 + new)) for s in range(n))
+    for e in engines if pool else []:  # the pool's blocks lent to the 2 rows, in shuffled order, the prompt's 2 full
+        e.free = torch.randperm(8, generator=torch.Generator().manual_seed(0)).tolist()  # blocks shared (Engine.share)
+        assert e.take(0, e.blocks_for(300 + new))
+        e.share(1, 0, 300 // 128)
+        assert e.take(1, e.blocks_for(300 + new)) and len(e.free) == 8 - 4
     logits = [e.prefill([prompt], torch.arange(n, device=device), n) for e in engines]
     torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
     tokens = logits[0].argmax(-1).repeat_interleave(n)

@@ -43,7 +43,7 @@ GEN_MODES = ("repeat", "shared-prefill", "static", "engine", "engine-tp")
 @torch.no_grad()
 def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], dist_env: Dist, *,
              max_new_tokens: int, temperature: float, top_p: float, top_k: int, gen_batch_size: int,
-             min_p: float = 0.0, repetition_penalty: float = 1.0,
+             min_p: float = 0.0, repetition_penalty: float = 1.0, min_new_tokens: int = 0,
              unshard: bool = False, mode: str = "shared-prefill", cuda_graphs: bool = True,
              flex: bool | None = None, compile_step: bool | None = None,
              engine_dtype: str = "auto") -> dict:
@@ -53,13 +53,16 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], di
     texts [B], and with the engine logp [B, T], each token's log-prob as sampled. Every mode
     samples as HF's generate does (repetition_penalty, temperature, top_k, top_p, min_p); mode:
     repeat, shared-prefill (each prompt prefilled once, its KV cache repeated to its n rows),
-    static, engine, engine-tp (grouprl/engine.py). Greedy decoding (top_k=1) gives the same tokens
+    static, engine, engine-tp (grouprl/engine.py); min_new_tokens (HF's: EOS masked until then)
+    in the HF modes only. Greedy decoding (top_k=1) gives the same tokens
     in every mode. The modes, cuda_graphs, flex, compile_step and engine_dtype: docs/engine.md."""
     if mode not in GEN_MODES:
         raise ValueError(f"unknown generation mode {mode!r} ({', '.join(GEN_MODES)})")
     enc = tok(list(prompts), padding=True, return_tensors="pt", add_special_tokens=False)
     ids, am = enc.input_ids.to(dist_env.device), enc.attention_mask.to(dist_env.device)
     tp = dist_env.world if mode == "engine-tp" else 1  # the engine's layers split over tp ranks
+    if mode in ("engine", "engine-tp") and min_new_tokens:
+        raise ValueError("the engine does not mask EOS for min_new_tokens: use an HF mode")
     if mode in ("engine", "engine-tp") and engine.runs(policy.lm.config, tp, dist_env.main):
         mine = [row[m.bool()].tolist() for row, m in zip(ids, am)]  # this rank's prompts, unpadded
         everyone, generator = [mine], None
@@ -120,7 +123,8 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], di
                 input_ids=ids[i:i + rows], attention_mask=am[i:i + rows], n=n if shared else 1,
                 do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k,
                 min_p=min_p or None, repetition_penalty=repetition_penalty,
-                max_new_tokens=max_new_tokens, eos_token_id=eos,
+                max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens or None,
+                eos_token_id=eos,
                 # FSDP: every rank steps until all are done
                 pad_token_id=tok.pad_token_id, synced_gpus=dist_env.sharded,
                 **static,
@@ -574,6 +578,42 @@ def log_ratio_spread(logp, old_logp, mask, first: bool) -> dict:
             "losses/log_ratio_var_later": zero if first else moments}
 
 
+@torch.no_grad()
+def noise_stats(updates, logp, old_logp, mask, update: int) -> dict:
+    """--noise-stats, one micro-batch (half a minibatch): after the first update (update > 0), the
+    moments over sequences of x_i = 1/|y_i| sum_t log w_it (log s_i, GSPO's ratio) and of |y_i| x_i
+    (log prod_t w_it, the product GRPO's token ratios make), as (sum, sum of squares, count); and at
+    the minibatch's second half, the cosine between the two halves' gradients, g_1 (kept at the
+    first) and g_2 = grad - g_1, over every parameter on all ranks (GSPO arXiv 2507.18071 sec. 3:
+    token-level weights add noise that grows with the length)."""
+    zero = (torch.zeros((), dtype=torch.float64),) * 3
+    later = update > 0 and mask.sum() > 0
+    rows = mask.sum(1) > 0
+    log_sum = torch.where(mask.bool(), logp - old_logp, 0.0).double().sum(1)[rows]
+    log_mean = log_sum / mask.sum(1)[rows]
+
+    def moments(x):
+        return (x.sum(), (x * x).sum(), torch.tensor(float(len(x)), dtype=torch.float64)) \
+            if later else zero
+    out = {"noise/seq_log_ratio_var": moments(log_mean), "noise/seq_log_ratio_sum_var": moments(log_sum)}
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+             for p in updates.policy.parameters() if p.grad is not None]
+    key = "noise/grad_cos_first" if update == 0 else "noise/grad_cos_later"
+    other = "noise/grad_cos_later" if update == 0 else "noise/grad_cos_first"
+    out[other] = (0.0, 0.0)
+    if len(updates.micro_stats) == 1:  # the minibatch's first half: keep its gradient
+        updates.half = [g.detach().clone() for g in grads]
+        out[key] = (0.0, 0.0)
+        return out
+    dots = torch.zeros(3, dtype=torch.float64, device=grads[0].device)
+    for g1, g in zip(updates.half, grads):
+        g2 = g - g1
+        dots += torch.stack([(g1 * g2).sum(), (g1 * g1).sum(), (g2 * g2).sum()]).double()
+    d = all_reduce(dots)
+    out[key] = ((d[0] / (d[1] * d[2]).sqrt()).item() if d[1] * d[2] > 0 else 0.0, 1.0)
+    return out
+
+
 def policy_log_probs(policy, roll: Rollout, rows: slice, routes: moe.Routes | None) -> torch.Tensor:
     """log pi_theta of the completion tokens of rows `rows` [rows, T] (Policy.forward), routed as
     the old pass was on an MoE model (moe.replaying: flips counted; --routing-replay). With grad,
@@ -709,6 +749,8 @@ class Updates:
         self.loss = self.loss + loss.detach()
         self.micro_stats.append({**loss_stats, **log_ratio_spread(
             logp, old_logp, self.mask[micro], first=update == 0)})
+        if self.args.noise_stats:  # --noise-stats: the weights' spread, the halves' gradients
+            self.micro_stats[-1].update(noise_stats(self, logp, old_logp, self.mask[micro], update))
         if dropped is not None:
             self.micro_stats[-1]["losses/opsm_frac"] = dropped
 
@@ -806,7 +848,7 @@ def evaluate(policy, tok, held, eos, dist_env: Dist, *, k: int, n: int | None = 
              reward: Reward | None = None, max_new_tokens: int, temperature: float, top_p: float,
              top_k: int, gen_batch_size: int, min_p: float = 0.0, repetition_penalty: float = 1.0,
              unshard: bool = False, mode: str = "shared-prefill", cuda_graphs: bool = True,
-             engine_dtype: str = "auto") -> dict:
+             engine_dtype: str = "auto", min_new_tokens: int = 0) -> dict:
     """Over the held-out prompts (each rank an equal share), from n >= k samples a prompt (n
     defaults to k): avg@k, the mean accuracy of the n samples (an unbiased estimate of the mean
     accuracy of k samples, the DFPO paper's metric), and pass@k, the mean over prompts of the
@@ -826,7 +868,7 @@ def evaluate(policy, tok, held, eos, dist_env: Dist, *, k: int, n: int | None = 
         part = rows.select(range(i, min(i + per_call, len(rows))))
         out = generate(policy, tok, part["text"], n, eos, dist_env, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                       repetition_penalty=repetition_penalty,
+                       repetition_penalty=repetition_penalty, min_new_tokens=min_new_tokens,
                        gen_batch_size=gen_batch_size, unshard=unshard, mode=mode,
                        cuda_graphs=cuda_graphs, engine_dtype=engine_dtype)
         part_r, part_errors = score(out["texts"], part, n, reward, watch=False)

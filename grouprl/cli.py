@@ -186,6 +186,10 @@ class CommonArgs:
     decoding (Qwen3/Qwen2/Llama; others: HF shared-prefill, said once); engine-tp: the engine's
     layers split over the torchrun ranks (tensor parallel), for models whose bf16 copy does not
     fit one GPU beside the training state (same tokens; benchmarks/README.md)"""
+    min_new_tokens: int = 0
+    """no completion ends before N new tokens: EOS's logit is masked until then (HF's
+    min_new_tokens), in training and evaluation; the length lab's control (docs/lab.md). The HF
+    generation modes (the engine does not mask yet)"""
     gen_dtype: Literal["auto", "bf16", "fp32"] = "auto"
     """--gen-mode engine / engine-tp: the engine's weights and KV cache in this dtype (auto: the
     trainer's compute dtype); bf16 beside an fp32 trainer measures GSPO's precision claim"""
@@ -299,6 +303,12 @@ class CommonArgs:
     energy_rows: int = 2
     """--energy-every: the completions measured (the first rows with a loss gradient of the step's
     first micro-batch that has any)"""
+    noise_stats: bool = False
+    """log the importance weights' spread and the gradient's noise each step (noise/*; the length
+    lab, docs/lab.md): the variance over sequences of their mean token log-ratio (GSPO's log s_i)
+    and of their sum (GRPO's log prod_t w_it) after the first update, and the cosine between the
+    gradients of each minibatch's two halves (needs --micro-batch-size = half a minibatch's
+    completions)"""
     energy_minibatch: Literal["first", "last"] = "first"
     """--energy-every: measure from the step's first minibatch on (pi = pi_old: GSPO and DFPO give
     every token the same coefficient there) or on its last only (ratios moved, the clip acting)"""
@@ -525,7 +535,8 @@ def fill_defaults(args):
 
 def generation_kwargs(args) -> dict:
     """The rollout's flags as common.generate's keywords (sampling, lengths, --gen-mode)."""
-    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+    return dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
+                temperature=args.temperature,
                 top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                 repetition_penalty=args.repetition_penalty, gen_batch_size=args.gen_batch_size,
                 unshard=args.gen_unshard, mode=args.gen_mode, cuda_graphs=args.gen_cuda_graphs,
@@ -620,6 +631,10 @@ def check_common_args(args):
     if args.energy_every and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         fail("--energy-every measures per-token gradients of the whole model, which FSDP2 shards over "
              "ranks: run it in one process (torchrun --nproc-per-node 1, or python)")
+    half = args.prompts_per_rank * args.group_size // args.num_minibatches // 2
+    if args.noise_stats and args.micro_batch_size != half:
+        fail(f"--noise-stats compares the gradients of each minibatch's two halves: give "
+             f"--micro-batch-size {half} (half of a minibatch's {2 * half} completions)")
     if args.num_steps < 1:
         fail(f"--num-steps {args.num_steps}: must be >= 1")
     if args.micro_batch_size < 0:
@@ -733,6 +748,11 @@ def check_rollout_args(args):
     if args.top_entropy_quantile < 1 and args.old_logp == "rollout":
         fail(f"--top-entropy-quantile {args.top_entropy_quantile} ranks tokens by pi_old's "
              "entropies, computed by the recompute pass: use --old-logp recompute (the default)")
+    check_int("min-new-tokens", args.min_new_tokens, 0, args.max_new_tokens,
+              f" (at most --max-new-tokens {args.max_new_tokens})")
+    if args.min_new_tokens and args.gen_mode in ("engine", "engine-tp"):
+        fail(f"--min-new-tokens {args.min_new_tokens}: the engine does not mask EOS yet; use "
+             "--gen-mode shared-prefill (HF generate)")
     if args.old_logp == "rollout" and args.repetition_penalty != 1:
         fail(f"--old-logp rollout with --repetition-penalty {args.repetition_penalty}: the "
              "engine's log-probs are then the penalised sampler's, not the policy's, so pi_old would "

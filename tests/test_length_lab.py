@@ -1,0 +1,73 @@
+"""The length lab (issue 51): --min-new-tokens (HF's min_new_tokens) holds every completion to a length, and
+--noise-stats logs the importance weights' spread over sequences and the cosine between the gradients of a
+minibatch's two halves, by hand and through a script's own loop."""
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import common
+from test_train import run_script
+
+
+def test_noise_stats_by_hand():
+    """Two sequences, token log-ratios [0.2, 0.4] and [-0.3] (the padding's 5 is not read): x = mean = [0.3, -0.3],
+    sums [0.6, -0.3]; moments (0, 0.18, 2) and (0.3, 0.45, 2). Gradients: the first half [1, 0] then the total
+    [2, 1]: g_2 = [1, 1], cos = 1 / sqrt 2. On the step's first update the spread is not counted."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    updates = SimpleNamespace(policy=SimpleNamespace(parameters=lambda: [p]), micro_stats=[{}])
+    old = torch.zeros(2, 2, dtype=torch.float64)
+    logp = torch.tensor([[0.2, 0.4], [-0.3, 5.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]], dtype=torch.float64)
+    p.grad = torch.tensor([1.0, 0.0])
+    first = common.noise_stats(updates, logp, old, mask, update=1)
+    assert [float(x) for x in first["noise/seq_log_ratio_var"]] == pytest.approx([0.0, 0.18, 2])
+    assert [float(x) for x in first["noise/seq_log_ratio_sum_var"]] == pytest.approx([0.3, 0.45, 2])
+    assert first["noise/grad_cos_later"] == (0.0, 0.0)  # the first half: kept, not counted
+    updates.micro_stats.append({})
+    p.grad = torch.tensor([2.0, 1.0])
+    second = common.noise_stats(updates, logp, old, mask, update=1)
+    assert second["noise/grad_cos_later"][0] == pytest.approx(1 / math.sqrt(2)) and second["noise/grad_cos_later"][1] == 1
+    assert second["noise/grad_cos_first"] == (0.0, 0.0)
+    assert float(common.noise_stats(updates, logp, old, mask, update=0)["noise/seq_log_ratio_var"][2]) == 0
+
+
+def test_noise_stats_through_the_loop(monkeypatch, tmp_path):
+    """grpo.py, 2 minibatches of 2 groups of 4 in halves: the logged variances are those of the rows' log-ratios
+    after the first update (positive once the policy moved), the cosines lie in [-1, 1]; a wrong micro-batch size
+    is refused in one line."""
+    (tmp_path / "spread_reward51.py").write_text("def f(completion, answer):\n    return float(len(completion) % 3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["--num-steps", "1", "--prompts-per-rank", "4", "--group-size", "4", "--num-minibatches", "2",
+            "--eval-every", "0", "--reward", "spread_reward51:f", "--learning-rate", "1e-2", "--noise-stats",
+            "--min-new-tokens", "4", "--max-new-tokens", "4"]
+    rows, _ = run_script("grpo", argv + ["--micro-batch-size", "4"], monkeypatch, tmp_path / "ok")
+    r = rows[0]
+    assert r["noise/seq_log_ratio_var"] > 0 and r["noise/seq_log_ratio_sum_var"] > r["noise/seq_log_ratio_var"]
+    assert -1 <= r["noise/grad_cos_first"] <= 1 and -1 <= r["noise/grad_cos_later"] <= 1
+    with pytest.raises(SystemExit, match="--noise-stats compares the gradients of each minibatch's two halves: "
+                                         "give --micro-batch-size 4"):
+        run_script("grpo", argv + ["--micro-batch-size", "2"], monkeypatch, tmp_path / "bad")
+
+
+def test_min_new_tokens_masks_eos_until_then():
+    """Half the vocabulary made EOS: without the flag most completions stop at their first token; with
+    min_new_tokens 4 none stops before 4 tokens, and a row may stop right after."""
+    from grouprl import distributed, modeling
+
+    tok = modeling.tiny_tokenizer()
+    d = distributed.Dist(0, 1, torch.device("cpu"))
+    policy = modeling.Policy(modeling.load_model("tiny", tok, d, seed=0)[0], 1.0, 16)
+    eos = list(range(0, len(tok), 2))
+    kw = dict(max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=64)
+    torch.manual_seed(0)
+    free = common.generate(policy, tok, ["1+2=", "3+4="], 8, eos, d, **kw)
+    held = common.generate(policy, tok, ["1+2=", "3+4="], 8, eos, d, min_new_tokens=4, **kw)
+    assert (free["mask"].sum(1) < 4).float().mean() > 0.5
+    lengths = held["mask"].sum(1)
+    assert (lengths >= 4).all() and (lengths < 8).any()
+    first4 = held["input_ids"][:, held["n_prompt"]:held["n_prompt"] + 4]
+    assert not torch.isin(first4, torch.tensor(eos)).any()
+    with pytest.raises(ValueError, match="the engine does not mask EOS"):
+        common.generate(policy, tok, ["1+2="], 2, eos, d, min_new_tokens=4, mode="engine", **kw)

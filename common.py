@@ -610,7 +610,8 @@ def noise_stats(updates, logp, old_logp, mask, update: int) -> dict:
         g2 = g - g1
         dots += torch.stack([(g1 * g2).sum(), (g1 * g1).sum(), (g2 * g2).sum()]).double()
     d = all_reduce(dots)
-    out[key] = ((d[0] / (d[1] * d[2]).sqrt()).item() if d[1] * d[2] > 0 else 0.0, 1.0)
+    # a half with no gradient (its groups' rewards all equal) has no direction: not counted
+    out[key] = ((d[0] / (d[1] * d[2]).sqrt()).item(), 1.0) if d[1] * d[2] > 0 else (0.0, 0.0)
     return out
 
 

@@ -1,7 +1,10 @@
 """The length lab (issue 51): --min-new-tokens (HF's min_new_tokens) holds every completion to a length, and
 --noise-stats logs the importance weights' spread over sequences and the cosine between the gradients of a
 minibatch's two halves, by hand and through a script's own loop."""
+import json
 import math
+import os
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -71,3 +74,40 @@ def test_min_new_tokens_masks_eos_until_then():
     assert not torch.isin(first4, torch.tensor(eos)).any()
     with pytest.raises(ValueError, match="the engine does not mask EOS"):
         common.generate(policy, tok, ["1+2="], 2, eos, d, min_new_tokens=4, mode="engine", **kw)
+
+
+def test_length_table_from_fabricated_runs(tmp_path):
+    """experiments/length_runs.py's table from made-up metrics.jsonl: grpo.py at L = 16 and 64, two seeds, 10 steps.
+    Seed 1 at L = 64 rises to 0.8 and falls to 0.2: a window of 1 step, peak 0.8, last 0.2 < 0.4 and < 0.7:
+    collapsed; its other runs climb to 0.5 and stay. Var log prod_t w_it 1 and 4 (seed 1), 2 and 2 (seed 2): growth
+    4.00 and 1.00, mean 2.50 ± 2.12; reward per 1k tokens: the mean reward over steps / L x 1000."""
+    sys_path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments")
+    sys.path.insert(0, sys_path)
+    import length_runs
+
+    def write(length, seed, rewards, sum_var):
+        d = tmp_path / f"grpo__L{length}__lr5e-4__{seed}__1"
+        d.mkdir()
+        rows = [{"charts/reward_mean": r, "noise/seq_log_ratio_var": sum_var / length,
+                 "noise/seq_log_ratio_sum_var": sum_var, "noise/grad_cos_later": 0.5, "losses/clipfrac": 0.1,
+                 "losses/clipfrac_seq": 0.2, "perf/wall_time": 10.0 * (i + 1)} for i, r in enumerate(rewards)]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    climb = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.5, 0.5, 0.5, 0.5]
+    write(16, 1, climb, 1.0)
+    write(16, 2, climb, 2.0)
+    write(64, 1, [0.0, 0.2, 0.4, 0.6, 0.8, 0.6, 0.4, 0.3, 0.2, 0.2], 4.0)
+    write(64, 2, climb, 2.0)
+    out = length_runs.table(str(tmp_path), ["grpo.py"], [16, 64], ["5e-4"], [1, 2])
+    row16, row64 = [line for line in out.split("\n") if line.startswith("| `grpo.py`")]
+    assert row16.split(" | ")[1:8] == ["16", "5e-4", "0.000 ± 0.000", "0.500 ± 0.000", "0.500 ± 0.000", "0/2",
+                                       "0.0938 ± 0.0442"]
+    assert row64.split(" | ")[6] == "1/2"
+    assert row64.split(" | ")[5] == "0.650 ± 0.212"  # peaks 0.8 and 0.5
+    per_1k = 1000 * sum(climb) / (10 * 16)
+    assert row16.split(" | ")[12] == f"{per_1k:.2f} ± 0.00"
+    assert "4.00, 1.00 (mean 2.50 ± 2.12)" in out
+    assert length_runs.summary([{"charts/reward_mean": 1.0, "noise/grad_cos_later": None, "losses/clipfrac": 0.0,
+                                 "losses/clipfrac_seq": 0.0, "perf/wall_time": 1.0}], 4)["cos"] != \
+        length_runs.summary([{"charts/reward_mean": 1.0, "noise/grad_cos_later": None, "losses/clipfrac": 0.0,
+                              "losses/clipfrac_seq": 0.0, "perf/wall_time": 1.0}], 4)["cos"]  # nan: none counted

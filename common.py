@@ -210,14 +210,19 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
     surplus."""
     rounds = []  # per round: (indices, roll, rewards, each reward's values)
     gen_time, gen_tokens, reward_errors, spread = 0.0, 0.0, 0, 0
+    bar = GenBar(f"step {step} rollout", per_rank, group_size, tok.pad_token_id, dist_env.main,
+                 leave=False, delay=ROLLOUT_BAR_DELAY)  # a slow step's generation in view
     while True:
         r = len(rounds)
         indices = (prompt_indices(len(train), step, per_rank, dist_env, seed) if r == 0
                    else extra_prompt_indices(len(train), step, r, per_rank, dist_env, seed))
         rows = train.select(indices)
+        bar.bar.total += len(indices) if r else 0  # --dynamic-sampling's further rounds
         t = time.time()
-        roll = generate(policy, tok, rows["text"], group_size, eos, dist_env, **gen_kw)
+        roll = generate(policy, tok, rows["text"], group_size, eos, dist_env, **gen_kw,
+                        streamer=bar)
         gen_time += time.time() - t
+        bar.show(len(indices))
         gen_tokens += roll["mask"].sum().item()
         rewards, errors = score(roll["texts"], rows, group_size, reward, truncated=roll["truncated"],
                                 truncated_scale=truncated_scale)
@@ -229,6 +234,7 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
         short = torch.tensor(float(max(0, per_rank - spread)), device=dist_env.device)
         if all_reduce(short).item() == 0:  # every rank full (the same answer on each)
             break
+    bar.bar.close()
     tokens = all_reduce(torch.tensor(gen_tokens, dtype=torch.float64, device=dist_env.device))
     logs = {"perf/gen_tokens_per_s": tokens.item() / gen_time}
     if not dynamic:
@@ -738,30 +744,44 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-class EvalBar:
-    """The evaluation's progress bar (rank 0; tqdm, as the training bar): prompts done of this
-    rank's share, samples done, and generated tokens a second, moved by each decoding step (HF's
-    streamer: put() is given the prompt rows once, then each step's next token of every row; a
-    finished row's is the pad id)."""
+class GenBar:
+    """A generation's progress bar (rank 0; tqdm, as the training bar): prompts done of this rank's
+    share, samples done (rows counted as they stop) and generated tokens a second, moved by each
+    decoding step as HF's streamer: put() is given a call's prompt rows once, then each decoding
+    step's next token of every row, the pad id for a row that has stopped. delay: shown only once
+    that many seconds have passed (a fast step's rollout shows none)."""
 
-    def __init__(self, name: str, prompts: int, n: int, pad_id: int, main: bool, leave: bool):
+    def __init__(self, name: str, prompts: int, n: int, pad_id: int, main: bool, leave: bool,
+                 delay: float = 0.0):
         self.bar = tqdm(total=prompts, desc=name, unit="prompt", disable=not main, leave=leave,
-                        mininterval=1.0)
+                        mininterval=1.0, delay=delay)
         self.n, self.pad_id, self.tokens, self.start = n, pad_id, 0, time.time()
+        self.samples, self.stopped = 0, None  # samples of the prompts done; rows of this call
 
     def put(self, value: torch.Tensor):
-        if value.dim() == 1:  # a decoding step's tokens, not the prompts
-            self.tokens += int((value != self.pad_id).sum())
-            self.show()
+        if value.dim() > 1:  # a generate call's prompt rows
+            self.stopped = torch.zeros(len(value), dtype=torch.bool)
+            return
+        self.tokens += int((value != self.pad_id).sum())
+        if self.stopped is not None and len(self.stopped) == len(value):
+            self.stopped |= value == self.pad_id
+        self.show()
 
     def end(self):
         pass
 
     def show(self, prompts_done: int = 0, more: str = ""):
+        """prompts_done: prompts whose samples are now scored."""
+        if prompts_done:
+            self.samples, self.stopped = self.samples + prompts_done * self.n, None
+        live = 0 if self.stopped is None else int(self.stopped.sum())
         rate = self.tokens / max(time.time() - self.start, 1e-9)
-        self.bar.set_postfix_str(f"{(self.bar.n + prompts_done) * self.n} samples, "
+        self.bar.set_postfix_str(f"{self.samples + live}/{self.bar.total * self.n} samples, "
                                  f"{rate:.0f} tok/s{more}", refresh=False)
         self.bar.update(prompts_done)  # refreshes at most once a second (mininterval)
+
+
+ROLLOUT_BAR_DELAY = 10.0  # seconds a step's generation runs before its bar shows (a slow step's)
 
 
 EVAL_ROWS = "eval/completions"  # evaluate's rows of --log-eval-samples (Logger.log writes them)
@@ -779,7 +799,7 @@ def evaluate(policy, tok, held, eos, dist_env: Dist, *, k: int, n: int | None = 
     accuracy of k samples, the DFPO paper's metric), and pass@k, the mean over prompts of the
     unbiased 1 - C(n - c, k) / C(n, k) (pass_at_k); the reward is the task's own, whole whether
     or not a completion stopped (truncated_frac: the fraction cut at max_new_tokens).
-    A progress bar (EvalBar) shows it; before the first step it is named first_name, in the bar
+    A progress bar (GenBar) shows it; before the first step it is named first_name, in the bar
     and in a stop signal's line. log_samples (--log-eval-samples): the first N prompts of rank 0's
     share, each completion with its reward and extracted answer, as rows under EVAL_ROWS."""
     n = n or k
@@ -792,8 +812,8 @@ def evaluate(policy, tok, held, eos, dist_env: Dist, *, k: int, n: int | None = 
     rows = held.select(range(dist_env.rank, m, dist_env.world))
     first = starting_up()  # before the first step: the step-0 evaluation (or --eval-only)
     name = first_name if first else "held-out evaluation"
-    bar = EvalBar(name.removeprefix("the "), len(rows), n, tok.pad_token_id, dist_env.main,
-                  leave=first)
+    bar = GenBar(name.removeprefix("the "), len(rows), n, tok.pad_token_id, dist_env.main,
+                 leave=first)
     r, errors, cut, logged = torch.zeros(0), 0, 0, []
     per_call = max(1, gen_batch_size // n)  # prompts per generate call
     with startup_phase(name) if first else contextlib.nullcontext():

@@ -46,7 +46,7 @@ def test_eval_samples_bar_and_length_through_the_loop(monkeypatch, tmp_path, cap
     assert [t.step for t in texts] == [0, 1, 2]
     shown = texts[0].tensor_proto.string_val[0].decode()
     assert f"**prompt:** {samples[0]['prompt']}" in shown and "| reward | extracted | completion |" in shown
-    assert "step-0 evaluation: 100%" in err and "4/4" in err and "8 samples" in err and "tok/s" in err
+    assert "step-0 evaluation: 100%" in err and "4/4" in err and "8/8 samples" in err and "tok/s" in err
     assert "held-out evaluation" in err
 
 
@@ -68,13 +68,26 @@ def test_the_bar_moves_inside_one_generate_call():
     policy = modeling.wrap_policy(lm, d, 1.0, 64, False).eval()
     prompts = data.chat_prompts(tok, ["1%10=", "a longer prompt, 23%10=", "7%10="], False)
     seen = []
-    bar = common.EvalBar("eval", 3, 4, tok.pad_token_id, main=False, leave=False)
+    bar = common.GenBar("eval", 3, 4, tok.pad_token_id, main=True, leave=False)
     real_put = bar.put
     bar.put = lambda value: seen.append(value.shape) or real_put(value)
     out = common.generate(policy, tok, prompts, 4, modeling.eos_ids(lm, tok), d, max_new_tokens=6,
                           temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=64, streamer=bar)
     assert len(seen) >= 2 and all(len(s) == 1 and s[0] == 12 for s in seen[1:])  # [B x n] a decoding step
     assert bar.tokens == int(out["mask"].sum()) > 0 and bar.bar.n == 0  # prompts move once a call is scored
+    # a row counts as a sample done once it stops (the pad after its EOS: a row stopping at the last step does not)
+    stopped = ~out["truncated"] & (out["mask"].sum(1) < out["mask"].shape[1])
+    assert torch.equal(bar.stopped, stopped) and stopped.any()
+    bar.show(3)
+    assert (bar.samples, bar.stopped, bar.bar.n) == (12, None, 3)
+
+
+def test_a_slow_steps_rollout_is_in_view(monkeypatch, tmp_path, capsys):
+    """A step's generation shows its own bar once it has run ROLLOUT_BAR_DELAY seconds (here 0), cleared when done."""
+    monkeypatch.setattr(common, "ROLLOUT_BAR_DELAY", 0.0)
+    run_script("gspo", ["--num-steps", "2", "--prompts-per-rank", "4", "--eval-every", "0"], monkeypatch, tmp_path)
+    err = capsys.readouterr().err
+    assert "step 1 rollout:   0%|          | 0/4" in err and "step 2 rollout" in err
 
 
 def test_a_stop_signal_during_the_step0_evaluation_is_named(tmp_path):

@@ -85,9 +85,12 @@ def test_the_bar_moves_inside_one_generate_call():
 def test_a_slow_steps_rollout_is_in_view(monkeypatch, tmp_path, capsys):
     """A step's generation shows its own bar once it has run ROLLOUT_BAR_DELAY seconds (here 0), cleared when done."""
     monkeypatch.setattr(common, "ROLLOUT_BAR_DELAY", 0.0)
+    steps, put = [], common.GenBar.put
+    monkeypatch.setattr(common.GenBar, "put", lambda self, value: steps.append(value.dim()) or put(self, value))
     run_script("gspo", ["--num-steps", "2", "--prompts-per-rank", "4", "--eval-every", "0"], monkeypatch, tmp_path)
     err = capsys.readouterr().err
     assert "step 1 rollout:   0%|          | 0/4" in err and "step 2 rollout" in err
+    assert steps.count(2) == 2 and steps.count(1) >= 2  # each step's call: its prompts, then its decoding steps
 
 
 def test_a_stop_signal_during_the_step0_evaluation_is_named(tmp_path):
@@ -192,3 +195,34 @@ def test_help_says_what_a_checkpoint_holds():
     text = " ".join(p.stdout.replace("│", " ").split())
     assert "(0: only at the end). A checkpoint, step_N/, holds model/ (the bf16 export" in text
     assert "--save-final" in text and "what --resume needs" in text
+
+
+def readme_cpu_command() -> list[str]:
+    """The README's real-model CPU command, as words."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    block = text[text.index("### A real model on a CPU"):]
+    block = block[block.index("```bash"):block.index("```\n", block.index("```bash") + 7)]
+    lines = block.replace("\\\n", " ").splitlines()
+    return [line for line in lines if line.startswith("OMP_NUM_THREADS=1 python ")][0].split()[2:]
+
+
+def test_the_readmes_cpu_command_runs(tiny_dir, monkeypatch, tmp_path, capsys):
+    """The README's real-model CPU command, on the task `real_model_runs.py --task-only` writes, runs through every
+    flag it gives (the tiny model in the real one's place, one step): the held-out set is the 64 sums never trained
+    on, the evaluation greedy and 40 tokens long, and the run ends with the export alone."""
+    p = subprocess.run([sys.executable, "experiments/real_model_runs.py", "--task-only", str(tmp_path / "data")],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    train = [json.loads(line) for line in open(tmp_path / "data" / "train.jsonl")]
+    test = [json.loads(line) for line in open(tmp_path / "data" / "test.jsonl")]
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in test} and len(test) == 128
+    script, *argv = readme_cpu_command()
+    assert script == "grpo.py" and argv[argv.index("--learning-rate") + 1] == "2e-5"
+    argv = [w.replace("~/.cache/group-rl/smollm2-135m-instruct", tiny_dir).replace("data/", f"{tmp_path}/data/")
+            for w in argv]
+    rows, run = run_script("grpo", argv + ["--num-steps", "1"], monkeypatch, tmp_path / "runs")
+    assert (rows[0]["eval/prompts"], rows[0]["eval/samples"]) == (64, 1) and rows[-1]["step"] == 1
+    assert os.listdir(os.path.join(run, "final")) == ["model"] and "eval_samples.jsonl" in os.listdir(run)
+    args = json.load(open(os.path.join(run, "args.json")))
+    assert (args["eval_max_new_tokens"], args["eval_temperature"], args["symmetric_clip"]) == (40, 0.001, True)
+    assert capsys.readouterr().out.startswith("on the CPU this run generates at most: training 1 steps")

@@ -721,14 +721,15 @@ def cpu_cost_line(args) -> str:
     prompts x samples x --eval-max-new-tokens, with their share; and where the CPU recipe is."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     n = args.eval_n or args.eval_k
-    held = (args.eval_limit or None) if args.eval_dataset is not None else args.eval_size
+    whole = args.eval_dataset is not None or args.eval_only and args.dataset != "builtin"
+    held = (args.eval_limit or None) if whole else args.eval_size  # None: a whole set, unread yet
     if args.eval_only:
         evals, train = 1, 0
     else:
         evals = (1 + args.num_steps // args.eval_every + bool(args.num_steps % args.eval_every)
                  if args.eval_every else 0)
         train = args.num_steps * args.prompts_per_rank * world * args.group_size * args.max_new_tokens
-    prompts = "all --eval-dataset" if held is None else f"{held}"
+    prompts = "all the set's" if held is None else f"{held}"
     said = (f"{evals} evaluations x {prompts} held-out prompts x {n} samples x "
             f"{args.eval_max_new_tokens} tokens")
     if held is not None:

@@ -148,6 +148,11 @@ def test_the_cost_line_before_a_real_model_loads_on_a_cpu(tiny_dir, monkeypatch,
         "recipe: README.md, 'A real model on a CPU')\n")
     assert "evaluation 0 evaluations" in cost_line(argv + ["--eval-every", "0"], monkeypatch, capsys, str(tiny_dir))
     assert cost_line(argv, monkeypatch, capsys, "tiny") == ""
+    data = tmp_path / "set.jsonl"  # --eval-only evaluates the whole file: its size is not known yet
+    data.write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n")
+    assert cost_line(argv + ["--eval-only", "--dataset", str(data)], monkeypatch, capsys, str(tiny_dir)).startswith(
+        "on the CPU this run generates at most: 1 evaluations x all the set's held-out prompts x 2 samples x 10 "
+        "tokens new tokens")
 
 
 def size_of(folder):
@@ -226,3 +231,16 @@ def test_the_readmes_cpu_command_runs(tiny_dir, monkeypatch, tmp_path, capsys):
     args = json.load(open(os.path.join(run, "args.json")))
     assert (args["eval_max_new_tokens"], args["eval_temperature"], args["symmetric_clip"]) == (40, 0.001, True)
     assert capsys.readouterr().out.startswith("on the CPU this run generates at most: training 1 steps")
+
+
+def test_eval_only_logs_its_samples_and_names_its_bar(monkeypatch, tmp_path, capsys):
+    """--eval-only with --log-eval-samples 1: the first prompt's samples at step 0 in eval_samples.jsonl, none in
+    eval.json (its numbers only); the bar is named for --eval-only, not for a step 0 of training."""
+    rows, run = run_script("gspo", ["--eval-only", "--eval-size", "4", "--eval-k", "2", "--log-eval-samples", "1"],
+                           monkeypatch, tmp_path, jitter_row=False)
+    samples = [json.loads(line) for line in open(os.path.join(run, "eval_samples.jsonl"))]
+    assert [s["step"] for s in samples] == [0, 0] and len({s["prompt"] for s in samples}) == 1
+    result = json.load(open(os.path.join(run, "eval.json")))["builtin"]
+    assert "eval/completions" not in result and result["eval/samples"] == 2
+    err = capsys.readouterr().err
+    assert "--eval-only evaluation: 100%" in err and "step-0 evaluation" not in err

@@ -259,8 +259,8 @@ class CommonArgs:
     and AdamW's two moments, 12 bytes a parameter: what --resume needs); docs/checkpoints.md"""
     save_final: Literal["full", "model"] = "full"
     """what the end of the run writes: full (step_N/, resumable, as every --save-every save) or
-    model (the bf16 export alone, {run}/model/, for a run that will not be resumed; a stop
-    signal's save stays full)"""
+    model (the bf16 export alone, {run}/final/model/, for a run that will not be resumed; a stop
+    signal's save stays full); either way the end's save prints the size it wrote"""
     keep_checkpoints: int = 2
     """keep the newest K checkpoints of the run and delete older ones (0: keep all)"""
     reward_weights: list[float] = field(default_factory=list)

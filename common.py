@@ -27,11 +27,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from grouprl import energy, engine, moe
-from grouprl.checkpoint import writing
+from grouprl.checkpoint import startup_phase, starting_up, writing
 from grouprl.distributed import Dist, Refused, all_gather_cat, all_reduce, fail, on_rank0
-from grouprl.grader import Reward
+from grouprl.grader import Reward, extract_answer
 from grouprl.modeling import Policy
 from grouprl.rewards import score
 
@@ -46,7 +47,7 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], di
              min_p: float = 0.0, repetition_penalty: float = 1.0, min_new_tokens: int = 0,
              unshard: bool = False, mode: str = "shared-prefill", cuda_graphs: bool = True,
              flex: bool | None = None, compile_step: bool | None = None,
-             engine_dtype: str = "auto") -> dict:
+             engine_dtype: str = "auto", streamer=None) -> dict:
     """n completions per prompt, rows of one prompt adjacent (a group); B = len(prompts) x n.
     Returns a dict: input_ids and attention_mask [B, P + T] (prompts left-padded), n_prompt P,
     mask [B, T] (completion tokens up to and including the first EOS), truncated [B] (no EOS),
@@ -55,7 +56,8 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], di
     repeat, shared-prefill (each prompt prefilled once, its KV cache repeated to its n rows),
     static, engine, engine-tp (grouprl/engine.py); min_new_tokens (HF's: EOS masked until then)
     in the HF modes only. Greedy decoding (top_k=1) gives the same tokens
-    in every mode. The modes, cuda_graphs, flex, compile_step and engine_dtype: docs/engine.md."""
+    in every mode. The modes, cuda_graphs, flex, compile_step and engine_dtype: docs/engine.md.
+    streamer: HF's, given each decoding step's tokens (a progress bar; HF modes only)."""
     if mode not in GEN_MODES:
         raise ValueError(f"unknown generation mode {mode!r} ({', '.join(GEN_MODES)})")
     enc = tok(list(prompts), padding=True, return_tensors="pt", add_special_tokens=False)
@@ -114,8 +116,10 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], di
     rows = max(1, gen_batch_size // n) if shared else gen_batch_size
     if not shared:
         ids, am = ids.repeat_interleave(n, 0), am.repeat_interleave(n, 0)
-    static = (dict(cache_implementation="static", disable_compile=dist_env.sharded)
-              if mode == "static" else {})
+    extra = (dict(cache_implementation="static", disable_compile=dist_env.sharded)
+             if mode == "static" else {})
+    if streamer is not None:
+        extra["streamer"] = streamer
     outs = []
     with gathered(policy, unshard):
         for i in range(0, ids.shape[0], rows):
@@ -127,7 +131,7 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], di
                 eos_token_id=eos,
                 # FSDP: every rank steps until all are done
                 pad_token_id=tok.pad_token_id, synced_gpus=dist_env.sharded,
-                **static,
+                **extra,
             )[:, ids.shape[1]:])
     if shared:
         ids, am = ids.repeat_interleave(n, 0), am.repeat_interleave(n, 0)
@@ -210,14 +214,19 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
     surplus."""
     rounds = []  # per round: (indices, roll, rewards, each reward's values)
     gen_time, gen_tokens, reward_errors, spread = 0.0, 0.0, 0, 0
+    bar = GenBar(f"step {step} rollout", per_rank, group_size, tok.pad_token_id, dist_env.main,
+                 leave=False, delay=ROLLOUT_BAR_DELAY)  # a slow step's generation in view
     while True:
         r = len(rounds)
         indices = (prompt_indices(len(train), step, per_rank, dist_env, seed) if r == 0
                    else extra_prompt_indices(len(train), step, r, per_rank, dist_env, seed))
         rows = train.select(indices)
+        bar.bar.total += len(indices) if r else 0  # --dynamic-sampling's further rounds
         t = time.time()
-        roll = generate(policy, tok, rows["text"], group_size, eos, dist_env, **gen_kw)
+        roll = generate(policy, tok, rows["text"], group_size, eos, dist_env, **gen_kw,
+                        streamer=bar)
         gen_time += time.time() - t
+        bar.show(len(indices))
         gen_tokens += roll["mask"].sum().item()
         rewards, errors = score(roll["texts"], rows, group_size, reward, truncated=roll["truncated"],
                                 truncated_scale=truncated_scale)
@@ -229,6 +238,7 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
         short = torch.tensor(float(max(0, per_rank - spread)), device=dist_env.device)
         if all_reduce(short).item() == 0:  # every rank full (the same answer on each)
             break
+    bar.bar.close()
     tokens = all_reduce(torch.tensor(gen_tokens, dtype=torch.float64, device=dist_env.device))
     logs = {"perf/gen_tokens_per_s": tokens.item() / gen_time}
     if not dynamic:
@@ -844,17 +854,64 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+class GenBar:
+    """A generation's progress bar (rank 0; tqdm, as the training bar): prompts done of this rank's
+    share, samples done (rows counted as they stop) and generated tokens a second, moved by each
+    decoding step as HF's streamer: put() is given a call's prompt rows once, then each decoding
+    step's next token of every row, the pad id for a row that has stopped. delay: shown only once
+    that many seconds have passed (a fast step's rollout shows none)."""
+
+    def __init__(self, name: str, prompts: int, n: int, pad_id: int, main: bool, leave: bool,
+                 delay: float = 0.0):
+        self.bar = tqdm(total=prompts, desc=name, unit="prompt", disable=not main, leave=leave,
+                        mininterval=1.0, delay=delay)
+        self.n, self.pad_id, self.tokens, self.start = n, pad_id, 0, time.time()
+        self.samples, self.stopped = 0, None  # samples of the prompts done; rows of this call
+
+    def put(self, value: torch.Tensor):
+        if value.dim() > 1:  # a generate call's prompt rows
+            self.stopped = torch.zeros(len(value), dtype=torch.bool)
+            return
+        self.tokens += int((value != self.pad_id).sum())
+        if self.stopped is not None and len(self.stopped) == len(value):
+            self.stopped |= value == self.pad_id
+        self.show()
+
+    def end(self):
+        pass
+
+    def show(self, prompts_done: int = 0, more: str = ""):
+        """prompts_done: prompts whose samples are now scored."""
+        if prompts_done:
+            self.samples, self.stopped = self.samples + prompts_done * self.n, None
+        live = 0 if self.stopped is None else int(self.stopped.sum())
+        rate = self.tokens / max(time.time() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"{self.samples + live}/{self.bar.total * self.n} samples, "
+                                 f"{rate:.0f} tok/s{more}", refresh=False)
+        self.bar.update(prompts_done)  # refreshes at most once a second (mininterval)
+
+
+ROLLOUT_BAR_DELAY = 10.0  # seconds a step's generation runs before its bar shows (a slow step's)
+
+
+EVAL_ROWS = "eval/completions"  # evaluate's rows of --log-eval-samples (Logger.log writes them)
+
+
 @torch.no_grad()
 def evaluate(policy, tok, held, eos, dist_env: Dist, *, k: int, n: int | None = None,
              reward: Reward | None = None, max_new_tokens: int, temperature: float, top_p: float,
              top_k: int, gen_batch_size: int, min_p: float = 0.0, repetition_penalty: float = 1.0,
              unshard: bool = False, mode: str = "shared-prefill", cuda_graphs: bool = True,
-             engine_dtype: str = "auto", min_new_tokens: int = 0) -> dict:
+             engine_dtype: str = "auto", min_new_tokens: int = 0, log_samples: int = 0,
+             first_name: str = "the step-0 evaluation") -> dict:
     """Over the held-out prompts (each rank an equal share), from n >= k samples a prompt (n
     defaults to k): avg@k, the mean accuracy of the n samples (an unbiased estimate of the mean
     accuracy of k samples, the DFPO paper's metric), and pass@k, the mean over prompts of the
     unbiased 1 - C(n - c, k) / C(n, k) (pass_at_k); the reward is the task's own, whole whether
-    or not a completion stopped (truncated_frac: the fraction cut at max_new_tokens)."""
+    or not a completion stopped (truncated_frac: the fraction cut at max_new_tokens).
+    A progress bar (GenBar) shows it; before the first step it is named first_name, in the bar
+    and in a stop signal's line. log_samples (--log-eval-samples): the first N prompts of rank 0's
+    share, each completion with its reward and extracted answer, as rows under EVAL_ROWS."""
     n = n or k
     world = dist_env.world
     m = len(held) // world * world  # equal shares, or the FSDP all-gathers would hang
@@ -863,24 +920,43 @@ def evaluate(policy, tok, held, eos, dist_env: Dist, *, k: int, n: int | None = 
              "share it: give a larger dataset (a local file holds out a tenth, at most "
              "--eval-size) or --eval-every 0")
     rows = held.select(range(dist_env.rank, m, dist_env.world))
-    r, errors, cut = torch.zeros(0), 0, 0
+    first = starting_up()  # before the first step: the step-0 evaluation (or --eval-only)
+    name = first_name if first else "held-out evaluation"
+    bar = GenBar(name.removeprefix("the "), len(rows), n, tok.pad_token_id, dist_env.main,
+                 leave=first)
+    r, errors, cut, logged = torch.zeros(0), 0, 0, []
     per_call = max(1, gen_batch_size // n)  # prompts per generate call
-    for i in range(0, len(rows), per_call):
-        part = rows.select(range(i, min(i + per_call, len(rows))))
-        out = generate(policy, tok, part["text"], n, eos, dist_env, max_new_tokens=max_new_tokens,
-                       temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                       repetition_penalty=repetition_penalty, min_new_tokens=min_new_tokens,
-                       gen_batch_size=gen_batch_size, unshard=unshard, mode=mode,
-                       cuda_graphs=cuda_graphs, engine_dtype=engine_dtype)
-        part_r, part_errors = score(out["texts"], part, n, reward, watch=False)
-        r, errors = torch.cat([r, part_r]), errors + part_errors
-        cut += int(out["truncated"].sum())
+    with startup_phase(name) if first else contextlib.nullcontext():
+        for i in range(0, len(rows), per_call):
+            part = rows.select(range(i, min(i + per_call, len(rows))))
+            out = generate(policy, tok, part["text"], n, eos, dist_env,
+                           max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                           top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
+                           min_new_tokens=min_new_tokens, gen_batch_size=gen_batch_size,
+                           unshard=unshard, mode=mode, cuda_graphs=cuda_graphs,
+                           engine_dtype=engine_dtype, streamer=bar)
+            part_r, part_errors = score(out["texts"], part, n, reward, watch=False)
+            for g in range(max(0, min(len(part), log_samples - i))):  # --log-eval-samples
+                logged += [{"prompt": part[g]["prompt"], "answer": part[g]["answer"],
+                            "completion": out["texts"][j], "reward": part_r[j].item(),
+                            "extracted": extract_answer(out["texts"][j]),
+                            "truncated": bool(out["truncated"][j])}
+                           for j in range(g * n, (g + 1) * n)]
+            r, errors = torch.cat([r, part_r]), errors + part_errors
+            cut += int(out["truncated"].sum())
+            bar.show(len(part))
     r = r.view(-1, n)
     passk = sum(pass_at_k(n, int(c), k) for c in (r > 0).sum(1))
     s = all_reduce(torch.tensor([r.mean(1).sum(), passk, len(rows), errors, cut], dtype=torch.float64))
-    return {f"eval/avg@{k}": (s[0] / s[2]).item(), f"eval/pass@{k}": (s[1] / s[2]).item(),
-            "eval/prompts": m, "eval/samples": n, "eval/reward_errors": s[3].item(),
-            "eval/truncated_frac": (s[4] / (s[2] * n)).item()}
+    result = {f"eval/avg@{k}": (s[0] / s[2]).item(), f"eval/pass@{k}": (s[1] / s[2]).item(),
+              "eval/prompts": m, "eval/samples": n, "eval/reward_errors": s[3].item(),
+              "eval/truncated_frac": (s[4] / (s[2] * n)).item()}
+    bar.show(more=f", avg@{k} {result[f'eval/avg@{k}']:.3f}, pass@{k} "
+                  f"{result[f'eval/pass@{k}']:.3f}")
+    bar.bar.close()
+    if log_samples and dist_env.main:
+        result[EVAL_ROWS] = logged
+    return result
 
 
 def eval_report(result: dict, args, run_dir: str, dist_env: Dist) -> str:
@@ -900,7 +976,7 @@ def eval_report(result: dict, args, run_dir: str, dist_env: Dist) -> str:
               f"{result['eval/reward_errors']:.0f} |")
         os.makedirs(run_dir, exist_ok=True)
         with open(path, "w") as f:
-            json.dump({dataset: result}, f, indent=1)
+            json.dump({dataset: {k: v for k, v in result.items() if k != EVAL_ROWS}}, f, indent=1)
         print(f"written: {path}")
     return path
 
@@ -939,9 +1015,10 @@ class Logger:
         with open(os.path.join(run_dir, "args.json"), "w") as f:
             json.dump(vars(args), f, indent=1, default=str)
         rewrite_rows(path, kept)
-        samples = os.path.join(run_dir, "samples.jsonl")
-        if first_step > 1 and os.path.exists(samples):  # the steps this run redoes log new samples
-            rewrite_rows(samples, read_metrics(samples, keep_below=first_step))
+        for name in ("samples.jsonl", EVAL_SAMPLES):  # the steps this run redoes log new samples
+            samples = os.path.join(run_dir, name)
+            if first_step > 1 and os.path.exists(samples):
+                rewrite_rows(samples, read_metrics(samples, keep_below=first_step))
         self.metrics = open(path, "a")
         if getattr(args, "track", False):  # --track: Weights & Biases too, the same keys (CleanRL)
             import wandb
@@ -952,10 +1029,14 @@ class Logger:
                                     id=os.path.basename(os.path.normpath(run_dir)))
 
     def log(self, step: int, scalars: dict):
+        """The step's numbers; an evaluation's --log-eval-samples rows (EVAL_ROWS) go to
+        eval_samples.jsonl and tensorboard instead (log_eval_samples)."""
         if not self.dist_env.main:
             return
+        if scalars.get(EVAL_ROWS):
+            log_eval_samples(self, step, scalars[EVAL_ROWS])
         # strict JSON: null, not NaN
-        row = {k: v if math.isfinite(v) else None for k, v in scalars.items()}
+        row = {k: v if math.isfinite(v) else None for k, v in scalars.items() if k != EVAL_ROWS}
         with writing(self.run_dir, self.metrics.name):  # a full disk, a deleted run folder
             for k, v in row.items():
                 if v is not None:
@@ -1060,3 +1141,26 @@ def log_samples(logger: Logger, run_dir: str, step: int, every: int, prompts, an
         logger.writer.add_text("samples", "\n".join(md), step)
         with open(path, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+EVAL_SAMPLES = "eval_samples.jsonl"  # --log-eval-samples, beside samples.jsonl
+
+
+def log_eval_samples(logger: Logger, step: int, rows: list[dict]):
+    """An evaluation's rows (evaluate's EVAL_ROWS: prompt, answer, completion, reward, extracted
+    answer, truncated), one JSON object a completion with its step in {run_dir}/eval_samples.jsonl,
+    and a text table in tensorboard ('eval_samples'); main rank only."""
+    path = os.path.join(logger.run_dir, EVAL_SAMPLES)
+    md, prompt = [], None
+    for r in rows:
+        if r["prompt"] != prompt:
+            prompt = r["prompt"]
+            md.append(f"\n**prompt:** {prompt}  \n**answer:** {r['answer']}\n\n"
+                      "| reward | extracted | completion |\n|---|---|---|")
+        cell = r["completion"].replace("|", "\\|").replace("\n", "<br>")
+        said = str(r["extracted"]).replace("|", "\\|")
+        md.append(f"| {r['reward']:.3f} | {said} | {cell} |")
+    with writing(logger.run_dir, path):  # a full disk, a deleted run folder: one line
+        logger.writer.add_text("eval_samples", "\n".join(md).strip(), step)
+        with open(path, "a") as f:
+            f.writelines(json.dumps({"step": step, **r}) + "\n" for r in rows)

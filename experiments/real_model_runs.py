@@ -11,6 +11,7 @@ completion 1 only when the number it states equals the sum ('62 + 43' for 105 sc
     python tools/real_model.py                           # the model folder, once
     python experiments/real_model_runs.py                # 7 commands x 3 seeds, two at a time: ~1.5 h on 2 idle cores
     python experiments/real_model_runs.py --table-only   # table.md, summary.json and the plot from logs/ again
+    python experiments/real_model_runs.py --task-only data   # data/train.jsonl and data/test.jsonl alone
 
 Each run's metrics.jsonl and samples.jsonl are kept under {out}/logs/ (small, committed); its checkpoint (1.8 GB
 with the AdamW state) is deleted once the run ends.
@@ -82,6 +83,9 @@ class Args:
     """runs at once, one CPU thread each"""
     only: str | None = None
     """comma-separated command names to run (default: all); the others' logs stay in the table"""
+    task_only: str | None = None
+    """write the task's train.jsonl and test.jsonl (held-out sums) into this folder and stop (the README's real-model
+    CPU command)"""
     table_only: bool = False
     """run nothing: rebuild the report (table.md; real_model_runs.py: summary.json and the plot too)
     from the logs under {out}/logs"""
@@ -271,6 +275,9 @@ def plot(result: dict, path: str) -> bool:
 
 def main():
     args = tyro.cli(Args)
+    if args.task_only:
+        print(*write_task(args.task_only))
+        return
     t0 = time.time()
     wanted = only_commands(args.only, COMMANDS)
     seeds = list(range(1, args.seeds + 1))

@@ -527,7 +527,8 @@ def set_aside_later_checkpoints(run_dir: str, step: int):
           + f" are moved to {aside}; delete it when you no longer need them")
 
 
-LOGS = ("metrics.jsonl", "samples.jsonl")  # the Logger's rows, one JSON object a line with "step"
+# the Logger's rows, one JSON object a line with "step"
+LOGS = ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl")
 EVENTS = "events.out.tfevents."  # tensorboard's event files (SummaryWriter names them so)
 
 
@@ -744,7 +745,9 @@ def save_checkpoint(run_dir: str, step: int, policy, tok, optimizer, scheduler, 
     gathered to rank 0 one tensor at a time, already in bf16 (full_state_dict), and written there
     (under LoRA the full fp32 state dict, which the merge needs). A write that fails on any rank (a
     full disk) stops every rank with one line, the partial .tmp_step_N removed: the previous
-    checkpoints stay what --resume auto takes."""
+    checkpoints stay what --resume auto takes. The last step with --save-final model (no stop
+    signal): {run_dir}/final/ with model/ (and adapter/) alone, no training state. The end's save
+    says its size."""
     lora = is_lora(policy.lm)
     if dist_env.sharded:  # every parameter as its shard (a unit left gathered: written whole)
         from torch.distributed.fsdp import FSDPModule
@@ -763,6 +766,17 @@ def save_checkpoint(run_dir: str, step: int, policy, tok, optimizer, scheduler, 
     else:
         sd = None  # one process: the model's own tensors
     path, tmp = os.path.join(run_dir, f"step_{step}"), os.path.join(run_dir, f".tmp_step_{step}")
+    last = step == getattr(args, "num_steps", None)  # (tools pass a few flags only)
+    final = last or _stop["signal"] is not None
+    if last and getattr(args, "save_final", "full") == "model" and _stop["signal"] is None:
+        path, tmp = os.path.join(run_dir, FINAL), os.path.join(run_dir, f".tmp_{FINAL}")
+        _or_stop(_attempt(lambda: _export(tmp, policy, tok, sd, lora), tmp)
+                 if dist_env.main else None, tmp, dist_env)
+        if dist_env.main:
+            _swap_in(tmp, path)
+            print(_size_line(path))
+        barrier()
+        return path
 
     def export():
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed mid-write
@@ -798,8 +812,45 @@ def save_checkpoint(run_dir: str, step: int, policy, tok, optimizer, scheduler, 
         os.rename(tmp, path)
         shutil.rmtree(tmp + ".old", ignore_errors=True)
         prune_checkpoints(run_dir, args.keep_checkpoints)
+        if final:
+            print(_size_line(path))
     barrier()
     return path
+
+
+FINAL = "final"  # --save-final model: {run_dir}/final/model (and adapter/), no training state
+
+
+def _export(tmp: str, policy, tok, sd, lora: bool):
+    """--save-final model's folder: the export alone (rank 0)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    if lora:
+        save_lora(policy.lm, os.path.join(tmp, MODEL), tmp, sd)
+        tok.save_pretrained(os.path.join(tmp, MODEL))
+    else:
+        write_model(os.path.join(tmp, MODEL), policy.lm, sd, tok)
+
+
+def _swap_in(tmp: str, path: str):
+    if os.path.exists(path):  # written again: swap, then delete the old copy
+        os.rename(path, tmp + ".old")
+    os.rename(tmp, path)
+    shutil.rmtree(tmp + ".old", ignore_errors=True)
+
+
+def _size_line(path: str) -> str:
+    """'wrote runs/x/step_8: 1.81 GB (model/ 0.27 GB, the bf16 export; state/ 1.54 GB, ...)'."""
+    def size(folder: str) -> str:
+        n = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder)
+                for f in files)
+        return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+    parts = [f"{MODEL}/ {size(os.path.join(path, MODEL))}, the bf16 export"]
+    if os.path.isdir(os.path.join(path, STATE)):
+        parts.append(f"{STATE}/ {size(os.path.join(path, STATE))}, what --resume reads "
+                     "(--save-final model leaves it out)")
+    return f"wrote {path}: {size(path)} ({'; '.join(parts)})"
 
 
 def full_state_dict(lm, dist_env: Dist, dtype: torch.dtype) -> dict | None:
@@ -1028,7 +1079,7 @@ def _or_stop(err: str | None, tmp: str, dist_env: Dist):
 # once (code 128 + signal), if it comes a second or more after the first: within that second it is
 # the same event delivered twice (Ctrl-C or a scheduler signals every process of the job, and
 # torchrun forwards what it gets to its workers on top).
-_stop = {"signal": None, "at": 0.0, "handlers": {}}
+_stop = {"signal": None, "at": 0.0, "handlers": {}, "phase": "start-up"}
 
 
 def catch_startup_signals():
@@ -1044,8 +1095,24 @@ def catch_startup_signals():
 
 
 def _on_startup_signal(signum, frame):
-    fail(f"{signal.Signals(signum).name} during start-up, before the first step: stopped, nothing "
-         "was saved (start the run again)")
+    fail(f"{signal.Signals(signum).name} during {_stop['phase']}, before the first step: stopped, "
+         "nothing was saved (start the run again)")
+
+
+def starting_up() -> bool:
+    """True between catch_startup_signals and catch_stop_signals: before the first step."""
+    return (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is _on_startup_signal)
+
+
+@contextlib.contextmanager
+def startup_phase(name: str):
+    """What a start-up signal's line says the run was doing ('the step-0 evaluation')."""
+    before, _stop["phase"] = _stop["phase"], name
+    try:
+        yield
+    finally:
+        _stop["phase"] = before
 
 
 def catch_stop_signals():

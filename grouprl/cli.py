@@ -249,6 +249,9 @@ class CommonArgs:
     """--eval-dataset and --eval-only: evaluate the first N prompts only (0: all)"""
     eval_temperature: float | None = None
     """sampling temperature of the evaluation (default: --temperature)"""
+    eval_max_new_tokens: int | None = None
+    """completion length limit of the evaluation (default: --max-new-tokens); its cost is
+    --eval-size x --eval-n (or --eval-k) x this, at step 0, every --eval-every steps and the last"""
     eval_top_p: float | None = None
     """nucleus sampling of the evaluation (default: --top-p)"""
     eval_k: int = 8
@@ -261,7 +264,13 @@ class CommonArgs:
     (its test split if it has one; builtin: --eval-size prompts), print the table, write eval.json,
     stop"""
     save_every: int = 0
-    """write a checkpoint every N steps, and always at the end (0: only at the end)"""
+    """write a checkpoint every N steps, and always at the end (0: only at the end). A checkpoint,
+    step_N/, holds model/ (the bf16 export, 2 bytes a parameter) and state/ (fp32 master weights
+    and AdamW's two moments, 12 bytes a parameter: what --resume needs); docs/checkpoints.md"""
+    save_final: Literal["full", "model"] = "full"
+    """what the end of the run writes: full (step_N/, resumable, as every --save-every save) or
+    model (the bf16 export alone, {run}/final/model/, for a run that will not be resumed; a stop
+    signal's save stays full); either way the end's save prints the size it wrote"""
     keep_checkpoints: int = 2
     """keep the newest K checkpoints of the run and delete older ones (0: keep all)"""
     reward_weights: list[float] = field(default_factory=list)
@@ -295,6 +304,10 @@ class CommonArgs:
     """every N steps, the first 2 prompts of the step with their completions, rewards and
     advantages go to tensorboard (text, 'samples') and to samples.jsonl in the run folder
     (0: never)"""
+    log_eval_samples: int = 0
+    """at each evaluation, the first N held-out prompts (of rank 0's share) with their completions,
+    rewards and extracted answers go to tensorboard (text, 'eval_samples') and to
+    eval_samples.jsonl in the run folder, a row a completion with its step (0: none)"""
     energy_every: int = 0
     """Energy on frequent tokens (DFPO arXiv:2604.13088 eq. 24) logged at step 1, every N steps
     and the last (energy/*): each token's ||grad l_t|| of the step's loss, exact (one backward a
@@ -523,12 +536,16 @@ def fill_defaults(args):
     --max-new-tokens  2 for the built-in task (one digit, then EOS), 1024 otherwise (real tasks
                       reason)
     --truncated-reward-scale  0.5 for the built-in task, whose reward asks for the digit and a
-                      stop (a right digit cut at the limit scores half), 1.0 otherwise"""
+                      stop (a right digit cut at the limit scores half), 1.0 otherwise
+    --eval-max-new-tokens     --max-new-tokens"""
     builtin, tiny = args.dataset == "builtin", args.model in ("tiny", "tiny-moe")
+    max_new_tokens = (2 if builtin else 1024) if args.max_new_tokens is None else args.max_new_tokens
     return dataclasses.replace(
         args,
         learning_rate=(5e-4 if tiny else 1e-6) if args.learning_rate is None else args.learning_rate,
-        max_new_tokens=(2 if builtin else 1024) if args.max_new_tokens is None else args.max_new_tokens,
+        max_new_tokens=max_new_tokens,
+        eval_max_new_tokens=max_new_tokens if args.eval_max_new_tokens is None
+        else args.eval_max_new_tokens,
         truncated_reward_scale=(0.5 if builtin else 1.0) if args.truncated_reward_scale is None
         else args.truncated_reward_scale)
 
@@ -544,11 +561,16 @@ def generation_kwargs(args) -> dict:
 
 
 def eval_sampling(args) -> dict:
-    """The evaluation's temperature and top_p: --eval-temperature and --eval-top-p, by default the
-    training ones."""
+    """The evaluation's own keywords of common.evaluate, over generation_kwargs' training ones:
+    temperature, top_p and max_new_tokens (--eval-temperature, --eval-top-p,
+    --eval-max-new-tokens: by default the training ones), log_samples (--log-eval-samples) and
+    the name of an evaluation before the first step (the step-0 one, or --eval-only's)."""
     return {"temperature": args.temperature if args.eval_temperature is None
             else args.eval_temperature,
-            "top_p": args.top_p if args.eval_top_p is None else args.eval_top_p}
+            "top_p": args.top_p if args.eval_top_p is None else args.eval_top_p,
+            "max_new_tokens": args.eval_max_new_tokens, "log_samples": args.log_eval_samples,
+            "first_name": "the --eval-only evaluation" if args.eval_only
+            else "the step-0 evaluation"}
 
 
 # Upper bounds of the integer flags past which a run would load the model and then crash (a tensor,
@@ -594,6 +616,7 @@ def check_common_args(args):
     check_int("group-size", args.group_size, 2, MAX_COMPLETIONS,
               " (group-relative advantages need at least 2 completions a prompt)")
     check_int("max-new-tokens", args.max_new_tokens, 1, MAX_NEW_TOKENS)
+    check_int("eval-max-new-tokens", args.eval_max_new_tokens, 1, MAX_NEW_TOKENS)
     check_float("truncated-reward-scale", args.truncated_reward_scale, 0, 1)
     check_float("clip-low", args.clip_low, 0, low_open=True)
     check_float("clip-high", args.clip_high, 0, low_open=True)
@@ -626,6 +649,7 @@ def check_common_args(args):
     check_float("temperature", args.temperature, MIN_TEMPERATURE,
                 why=" (RL samples from the policy; below, logits / T overflow float32)")
     check_int("log-samples", args.log_samples, 0, why=" (0: never)")
+    check_int("log-eval-samples", args.log_eval_samples, 0, why=" (0: none)")
     check_int("energy-every", args.energy_every, 0, why=" (0: never)")
     check_int("energy-rows", args.energy_rows, 1)
     if args.energy_every and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -723,7 +747,37 @@ def check_common_args(args):
              "(WANDB_MODE=offline logs without a network), or drop --track")
     check_run_name(args.output_dir, args.exp_name)
     check_run_folder(args.output_dir, args.exp_name, args.seed)
+    if not torch.cuda.is_available() and args.model not in ("tiny", "tiny-moe") and main_process():
+        print(cpu_cost_line(args), flush=True)  # before the model loads
     catch_startup_signals()  # SIGINT, SIGTERM from here to the first step: one line
+
+
+def cpu_cost_line(args) -> str:
+    """What a run will generate at most, in one line (a real model on a CPU: said before it
+    loads): training's steps x prompts x G x --max-new-tokens, and the evaluations' held-out
+    prompts x samples x --eval-max-new-tokens, with their share; and where the CPU recipe is."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    n = args.eval_n or args.eval_k
+    whole = args.eval_dataset is not None or args.eval_only and args.dataset != "builtin"
+    held = (args.eval_limit or None) if whole else args.eval_size  # None: a whole set, unread yet
+    if args.eval_only:
+        evals, train = 1, 0
+    else:
+        evals = (1 + args.num_steps // args.eval_every + bool(args.num_steps % args.eval_every)
+                 if args.eval_every else 0)
+        train = args.num_steps * args.prompts_per_rank * world * args.group_size * args.max_new_tokens
+    prompts = "all the set's" if held is None else f"{held}"
+    said = (f"{evals} evaluations x {prompts} held-out prompts x {n} samples x "
+            f"{args.eval_max_new_tokens} tokens")
+    if held is not None:
+        tokens = evals * held * n * args.eval_max_new_tokens
+        share = f", {tokens / (tokens + train):.0%} of all" if tokens + train else ""
+        said += f" = {tokens:,}{share}"
+    if not args.eval_only:
+        said = (f"training {args.num_steps} steps x {args.prompts_per_rank * world} prompts x G "
+                f"{args.group_size} x {args.max_new_tokens} tokens = {train:,}; evaluation {said}")
+    return (f"on the CPU this run generates at most: {said} new tokens (a real model's CPU recipe: "
+            "README.md, 'A real model on a CPU')")
 
 
 def check_prompt_pool(args, n_train: int, world: int):
@@ -748,8 +802,9 @@ def check_rollout_args(args):
     if args.top_entropy_quantile < 1 and args.old_logp == "rollout":
         fail(f"--top-entropy-quantile {args.top_entropy_quantile} ranks tokens by pi_old's "
              "entropies, computed by the recompute pass: use --old-logp recompute (the default)")
-    check_int("min-new-tokens", args.min_new_tokens, 0, args.max_new_tokens,
-              f" (at most --max-new-tokens {args.max_new_tokens})")
+    check_int("min-new-tokens", args.min_new_tokens, 0,
+              min(args.max_new_tokens, args.eval_max_new_tokens),
+              " (at most --max-new-tokens and --eval-max-new-tokens)")
     if args.min_new_tokens and args.gen_mode in ("engine", "engine-tp"):
         fail(f"--min-new-tokens {args.min_new_tokens}: the engine does not mask EOS yet; use "
              "--gen-mode shared-prefill (HF generate)")

@@ -163,7 +163,7 @@ def test_grpo_kl_coef(value, shown, monkeypatch, tmp_path):
     ("grpo", ["--rollout-is-cap", "0"], "--rollout-is-cap 0.0: must be > 0 and finite"),
     ("gspo_token", ["--rollout-is-cap", "-2"], "--rollout-is-cap -2.0: must be > 0 and finite"),
     ("grpo", ["--rollout-is-cap", "nan"], "--rollout-is-cap nan: must be > 0 and finite"),
-    ("gspo", ["--min-new-tokens", "5", "--max-new-tokens", "4"], "--min-new-tokens 5: must lie in [0, 4]"),
+    ("gspo", ["--min-new-tokens", "5", "--max-new-tokens", "4"], "--min-new-tokens 5: must lie in [0, 4] (at most --max-new-tokens and"),
     ("grpo", ["--min-new-tokens", "2", "--gen-mode", "engine"], "--min-new-tokens 2: the engine does not mask EOS yet"),
     ("gspo", ["--top-entropy-quantile", "0"], "--top-entropy-quantile 0.0: must lie in (0, 1]"),
     ("grpo", ["--top-entropy-quantile", "1.5"], "--top-entropy-quantile 1.5: must lie in (0, 1]"),

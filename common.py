@@ -4,9 +4,9 @@ lives in each script, after its set-up (grouprl/modeling.py: the model, the toke
   the step's groups    sample_groups: rollout -> rewards, DAPO's dynamic sampling in rounds
   rewards              the built-in reward functions a --reward names (scoring: grouprl/rewards.py)
   group advantages     A_i and the mechanism metrics (Asym, shared-token coefficient)
-  old log-probs        pi_old recomputed or from the rollout (--old-logp), TIS weights, log w spread
+  old log-probs        pi_old recomputed or from the rollout (--old-logp), the token weights
   data order           prompts a step, minibatches of whole groups, micro-batches
-  the optimizer step   learning-rate schedule, finite checks, statistics over ranks
+  the optimizer step   learning-rate schedule, finite checks (statistics: grouprl/stats.py)
   evaluation, logging  held-out avg@k and pass@k, tensorboard and metrics.jsonl, samples
 The subsystems a reader of an algorithm need not read live in the grouprl package, one file
 each (grouprl/__init__.py lists them), imported by the scripts or by this file; none of them
@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from grouprl import energy, engine, moe
 from grouprl.checkpoint import startup_phase, starting_up, writing
@@ -35,6 +34,9 @@ from grouprl.distributed import Dist, Refused, all_gather_cat, all_reduce, fail,
 from grouprl.grader import Reward, extract_answer
 from grouprl.modeling import Policy
 from grouprl.rewards import score
+from grouprl.progress import ROLLOUT_BAR_DELAY, GenBar
+from grouprl.stats import (high_entropy_tokens, log_ratio_spread, nanstd, noise_stats, pass_at_k,
+                           reduce_stats)
 
 
 # -------------------- generation
@@ -447,15 +449,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     return adv.view(-1).float(), zero
 
 
-def nanstd(x: torch.Tensor, dim: int, unbiased: bool) -> torch.Tensor:
-    """The std over dim of the non-NaN entries (keepdim for dim > 0): TRL's nanstd when unbiased
-    (divided by n - 1), else by n."""
-    keep = dim > 0
-    n = (~x.isnan()).sum(dim, keepdim=keep)
-    var = ((x - x.nanmean(dim, keepdim=True)) ** 2).nanmean(dim, keepdim=keep)
-    return (var * n / (n - 1) if unbiased else var).sqrt()
-
-
 def reward_parts(reward, roll: Rollout, args) -> tuple[torch.Tensor, torch.Tensor] | None:
     """--multi-objective-aggregation normalize-then-sum: each --reward's values on this rank's
     rows [B, K] (NaN: it does not apply; a completion cut at --max-new-tokens: times
@@ -549,80 +542,6 @@ def old_log_probs(policy, roll: Rollout, minibatches: list[slice], source: str =
     stats["rollout_is/kl"] = (all_reduce(((rho - 1 - log_ratio) * mask).sum()) / tokens).item()
     stats["rollout_is/chi2"] = (all_reduce((rho * rho * mask).sum()) / tokens).item() - 1
     return old_logp, weight, keep, stats
-
-
-@torch.no_grad()
-def high_entropy_tokens(entropy, mask, quantile: float):
-    """The high-entropy minority (Wang et al. 2025, arXiv 2506.01939; TRL's top_entropy_quantile
-    rho): 1.0 on the completion tokens whose entropy is at least the (1 - rho) quantile of every
-    completion token's entropy on all ranks (linear interpolation, torch.quantile's, as TRL's
-    get_high_entropy_mask), 0 elsewhere; and the threshold. entropy, mask: [B, T]. The entropies
-    are pi_old's over the whole step, so the mask is one for every update and does not depend on
-    micro-batching or ranks; TRL's are the current forward's per micro-batch (the same tokens on
-    the first update when the micro-batch is the step's batch)."""
-    local = entropy[mask.bool()].float()
-    counts = all_gather_cat(torch.tensor([local.numel()]))
-    padded = torch.full((int(counts.max()),), -1.0, device=local.device)  # entropies >= 0: -1 pads
-    padded[:local.numel()] = local
-    gathered = all_gather_cat(padded)
-    values = gathered[gathered != -1.0].sort().values
-    if values.numel() == 0:
-        return torch.zeros_like(mask), 0.0
-    # torch.quantile's interpolation, without its 2^24-element limit: rank q (n - 1) in float32
-    rank = torch.tensor(1 - quantile, dtype=values.dtype) * (values.numel() - 1)
-    below, above = int(rank.floor()), int(rank.ceil())
-    threshold = torch.lerp(values[below], values[above], rank - below)
-    return ((entropy * mask >= threshold) & mask.bool()).to(mask.dtype), threshold.item()
-
-
-def log_ratio_spread(logp, old_logp, mask, first: bool) -> dict:
-    """The variance of the token log-ratios log w_it = log pi - log pi_old over a micro-batch's
-    completion tokens, as (sum, sum of squares, count) for reduce_stats, keyed by whether the
-    minibatch is the step's first (where pi = pi_old: 0 up to float error, unless an MoE's routing
-    or the rollout's numerics differ) or a later one (pi has taken optimizer steps)."""
-    with torch.no_grad():
-        x = torch.where(mask.bool(), logp - old_logp, 0.0).double()
-        moments = (x.sum(), (x * x).sum(), mask.sum().double())
-        zero = (torch.zeros((), dtype=torch.float64),) * 3
-    return {"losses/log_ratio_var_first": moments if first else zero,
-            "losses/log_ratio_var_later": zero if first else moments}
-
-
-@torch.no_grad()
-def noise_stats(updates, logp, old_logp, mask, update: int) -> dict:
-    """--noise-stats, one micro-batch (half a minibatch): after the first update (update > 0), the
-    moments over sequences of x_i = 1/|y_i| sum_t log w_it (log s_i, GSPO's ratio) and of |y_i| x_i
-    (log prod_t w_it, the product GRPO's token ratios make), as (sum, sum of squares, count); and at
-    the minibatch's second half, the cosine between the two halves' gradients, g_1 (kept at the
-    first) and g_2 = grad - g_1, over every parameter on all ranks (GSPO arXiv 2507.18071 sec. 3:
-    token-level weights add noise that grows with the length)."""
-    zero = (torch.zeros((), dtype=torch.float64),) * 3
-    later = update > 0 and mask.sum() > 0
-    rows = mask.sum(1) > 0
-    log_sum = torch.where(mask.bool(), logp - old_logp, 0.0).double().sum(1)[rows]
-    log_mean = log_sum / mask.sum(1)[rows]
-
-    def moments(x):
-        return (x.sum(), (x * x).sum(), torch.tensor(float(len(x)), dtype=torch.float64)) \
-            if later else zero
-    out = {"noise/seq_log_ratio_var": moments(log_mean), "noise/seq_log_ratio_sum_var": moments(log_sum)}
-    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-             for p in updates.policy.parameters() if p.grad is not None]
-    key = "noise/grad_cos_first" if update == 0 else "noise/grad_cos_later"
-    other = "noise/grad_cos_later" if update == 0 else "noise/grad_cos_first"
-    out[other] = (0.0, 0.0)
-    if len(updates.micro_stats) == 1:  # the minibatch's first half: keep its gradient
-        updates.half = [g.detach().clone() for g in grads]
-        out[key] = (0.0, 0.0)
-        return out
-    dots = torch.zeros(3, dtype=torch.float64, device=grads[0].device)
-    for g1, g in zip(updates.half, grads):
-        g2 = g - g1
-        dots += torch.stack([(g1 * g2).sum(), (g1 * g1).sum(), (g2 * g2).sum()]).double()
-    d = all_reduce(dots)
-    # a half with no gradient (its groups' rewards all equal) has no direction: not counted
-    out[key] = ((d[0] / (d[1] * d[2]).sqrt()).item(), 1.0) if d[1] * d[2] > 0 else (0.0, 0.0)
-    return out
 
 
 def policy_log_probs(policy, roll: Rollout, rows: slice, routes: moe.Routes | None) -> torch.Tensor:
@@ -807,35 +726,6 @@ def all_finite(*tensors: torch.Tensor) -> bool:
     return bool(all_reduce(ok, dist.ReduceOp.MIN).item())  # one host sync, not one a tensor
 
 
-def reduce_stats(stats: list[dict]) -> dict:
-    """One value a key over a step's micro-batches and all ranks: a mean given as (sum, count) is
-    the sum of the sums over the sum of the counts, whatever the rows' split; a variance given as
-    (sum, sum of squares, count) likewise (absent when nothing was counted); keys ending in
-    _min/_max take min/max; any other scalar (one a minibatch) the mean over entries, then ranks."""
-    out = {}
-    for k in stats[0]:
-        if isinstance(stats[0][k], tuple) and len(stats[0][k]) == 3:  # (sum, sum of squares, n)
-            total = all_reduce(torch.tensor([[float(x) for x in s[k]] for s in stats],
-                                            dtype=torch.float64).sum(0))
-            if total[2] > 0:  # the population variance; none counted (no such minibatch): absent
-                out[k] = (total[1] / total[2] - (total[0] / total[2]) ** 2).item()
-            continue
-        if isinstance(stats[0][k], tuple):
-            total = all_reduce(torch.tensor([[float(x) for x in s[k]] for s in stats],
-                                            dtype=torch.float64).sum(0))
-            out[k] = (total[0] / total[1]).item()
-            continue
-        v = torch.tensor([float(s[k]) for s in stats], dtype=torch.float64)
-        if k.endswith("_min"):
-            out[k] = all_reduce(v.min(), dist.ReduceOp.MIN).item()
-        elif k.endswith("_max"):
-            out[k] = all_reduce(v.max(), dist.ReduceOp.MAX).item()
-        else:
-            out[k] = (all_reduce(v.mean()) / (dist.get_world_size()
-                                              if dist.is_initialized() else 1)).item()
-    return out
-
-
 def jitter2(m: list[float]) -> float:
     """Second-order difference jitter of a curve, DFPO eq. 20: 1/(T-2) sum_t |m_t+2 - 2 m_t+1 + m_t|
     (nan if T < 3)."""
@@ -845,53 +735,6 @@ def jitter2(m: list[float]) -> float:
 
 
 # -------------------- held-out evaluation
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples of which c are correct (Chen et al., 2021): 1 - C(n - c, k) /
-    C(n, k), the probability that k samples drawn without replacement from the n include a correct
-    one."""
-    if not 1 <= k <= n or not 0 <= c <= n:
-        raise ValueError(f"pass@k needs 1 <= k <= n and 0 <= c <= n (n={n}, c={c}, k={k})")
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-class GenBar:
-    """A generation's progress bar (rank 0; tqdm, as the training bar): prompts done of this rank's
-    share, samples done (rows counted as they stop) and generated tokens a second, moved by each
-    decoding step as HF's streamer: put() is given a call's prompt rows once, then each decoding
-    step's next token of every row, the pad id for a row that has stopped. delay: shown only once
-    that many seconds have passed (a fast step's rollout shows none)."""
-
-    def __init__(self, name: str, prompts: int, n: int, pad_id: int, main: bool, leave: bool,
-                 delay: float = 0.0):
-        self.bar = tqdm(total=prompts, desc=name, unit="prompt", disable=not main, leave=leave,
-                        mininterval=1.0, delay=delay)
-        self.n, self.pad_id, self.tokens, self.start = n, pad_id, 0, time.time()
-        self.samples, self.stopped = 0, None  # samples of the prompts done; rows of this call
-
-    def put(self, value: torch.Tensor):
-        if value.dim() > 1:  # a generate call's prompt rows
-            self.stopped = torch.zeros(len(value), dtype=torch.bool)
-            return
-        self.tokens += int((value != self.pad_id).sum())
-        if self.stopped is not None and len(self.stopped) == len(value):
-            self.stopped |= value == self.pad_id
-        self.show()
-
-    def end(self):
-        pass
-
-    def show(self, prompts_done: int = 0, more: str = ""):
-        """prompts_done: prompts whose samples are now scored."""
-        if prompts_done:
-            self.samples, self.stopped = self.samples + prompts_done * self.n, None
-        live = 0 if self.stopped is None else int(self.stopped.sum())
-        rate = self.tokens / max(time.time() - self.start, 1e-9)
-        self.bar.set_postfix_str(f"{self.samples + live}/{self.bar.total * self.n} samples, "
-                                 f"{rate:.0f} tok/s{more}", refresh=False)
-        self.bar.update(prompts_done)  # refreshes at most once a second (mininterval)
-
-
-ROLLOUT_BAR_DELAY = 10.0  # seconds a step's generation runs before its bar shows (a slow step's)
 
 
 EVAL_ROWS = "eval/completions"  # evaluate's rows of --log-eval-samples (Logger.log writes them)

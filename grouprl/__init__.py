@@ -15,4 +15,7 @@ common.py import them, none of them imports a script or common.py.
     checkpoint    run folders, checkpoints, exact resume, graceful stop
     engine        the rollout engine of --gen-mode engine / engine-tp (engine.runs: for a model?)
     sampling      the engine's sampler on the device
+    stats         the loop's statistics: reduced over micro-batches and ranks, log-ratio spread and
+                  noise, the high-entropy mask, pass@k
+    progress      generation's progress bars (evaluation, a slow step's rollout)
 """

@@ -40,7 +40,8 @@ def test_noise_stats_through_the_loop(monkeypatch, tmp_path):
     """grpo.py, 2 minibatches of 2 groups of 4 in halves: the logged variances are those of the rows' log-ratios
     after the first update (positive once the policy moved), the cosines lie in [-1, 1]; a wrong micro-batch size
     is refused in one line."""
-    (tmp_path / "spread_reward51.py").write_text("def f(completion, answer):\n    return float(len(completion) % 3)\n")
+    (tmp_path / "spread_reward51.py").write_text(  # completions of 4 tokens whose rewards differ
+        "def f(completion, answer):\n    return float(sum(map(ord, completion)) % 3)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     argv = ["--num-steps", "1", "--prompts-per-rank", "4", "--group-size", "4", "--num-minibatches", "2",
             "--eval-every", "0", "--reward", "spread_reward51:f", "--learning-rate", "1e-2", "--noise-stats",

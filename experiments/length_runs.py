@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from learning_tax import ROOT, fmt, mean_std, run_jobs  # noqa: E402
+from learning_tax import ROOT, fmt, mean_std, run_jobs, sci  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -91,9 +91,10 @@ def summary(rows: list[dict], length: int) -> dict:
             "wall": rows[-1]["perf/wall_time"]}
 
 
-def cell(xs: list[float], digits: int = 3) -> str:
+def cell(xs: list[float], digits: int | None = 3) -> str:
+    """Mean ± sample std of the finite values (digits None: scientific), '-' when none."""
     xs = [x for x in xs if math.isfinite(x)]
-    return fmt(xs, digits) if xs else "-"
+    return "-" if not xs else sci(xs) if digits is None else fmt(xs, digits)
 
 
 def table(runs: str, scripts: list[str], lengths: list[int], rates: list[str], seeds: list[int]) -> str:
@@ -117,7 +118,7 @@ def table(runs: str, scripts: list[str], lengths: list[int], rates: list[str], s
                 col = {k: [v[k] for v in got.values()] for k in next(iter(got.values()))}
                 lines.append(f"| `{script}` | {length} | {lr} | {cell(col['first'])} | {cell(col['last'])} | "
                              f"{cell(col['peak'])} | {int(sum(col['collapsed']))}/{len(got)} | "
-                             f"{cell(col['seq_var'], 4)} | {cell(col['sum_var'], 3)} | {cell(col['cos'])} | "
+                             f"{cell(col['seq_var'], None)} | {cell(col['sum_var'], None)} | {cell(col['cos'])} | "
                              f"{cell(col['clip'])} | {cell(col['clip_seq'])} | {cell(col['per_1k_tokens'], 2)} | "
                              f"{cell(col['wall'], 0)} |")
     if not found:

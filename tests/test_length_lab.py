@@ -102,7 +102,7 @@ def test_length_table_from_fabricated_runs(tmp_path):
     out = length_runs.table(str(tmp_path), ["grpo.py"], [16, 64], ["5e-4"], [1, 2])
     row16, row64 = [line for line in out.split("\n") if line.startswith("| `grpo.py`")]
     assert row16.split(" | ")[1:8] == ["16", "5e-4", "0.000 ± 0.000", "0.500 ± 0.000", "0.500 ± 0.000", "0/2",
-                                       "0.0938 ± 0.0442"]
+                                       "9.4e-02 ± 4.4e-02"]
     assert row64.split(" | ")[6] == "1/2"
     assert row64.split(" | ")[5] == "0.650 ± 0.212"  # peaks 0.8 and 0.5
     per_1k = 1000 * sum(climb) / (10 * 16)

@@ -126,7 +126,7 @@ def table(runs: str, scripts: list[str], lengths: list[int], rates: list[str], s
     growth = []
     for script in scripts:
         for lr in rates:
-            have = [length for length in lengths if (script, length, lr) in found]
+            have = sorted(length for length in lengths if (script, length, lr) in found)
             if len(have) < 2:
                 continue
             short, long = found[script, have[0], lr], found[script, have[-1], lr]

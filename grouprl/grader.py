@@ -156,6 +156,8 @@ def _standalone(text: str, m: re.Match, spans: list, braces: int) -> bool:
         return False
     if before[-1:].isalpha():  # part of a word or a name: K2, x2
         return False
+    if _LETTERS_AFTER.match(text, e):  # a name or a product: room 4b, 3x (not a unit: 12cm)
+        return False
     return _AFTER_EXPR.match(text, e, min(len(text), e + 40)) is None
 
 
@@ -268,7 +270,8 @@ def _final_answer(text: str) -> list[tuple[int, int, int, int]]:
         said.append((marker.start(), found))
     hashes = text.rfind("####", after)
     if hashes >= 0:
-        m = (re.compile(r"\s*:?\s*(" + _NUM + ")").match(text, hashes + 4)
+        glued = "(?!" + _LETTERS_AFTER.pattern + ")"  # '#### 4b' states no number
+        m = (re.compile(r"\s*:?\s*(" + _NUM + ")" + glued).match(text, hashes + 4)
              or re.compile(r"\s*:?\s*(\S[^\n]*)").match(text, hashes + 4))
         said.append((hashes, [(hashes, m.end(1), m.start(1), m.end(1))] if m else []))
     if said:
@@ -338,6 +341,9 @@ _UNIT = re.compile(r"(?<=\S)\s*" + _TEXT_CMD
 _UNIT_WORD = (r"(?:[kcmnµμ]m|\\mu\s*m|[km]g|lbs?|oz|m[lL]|gal|qt|ms|sec|min|hrs?|ft|yd|mi|mph|kph"
               r"|[kMG]?Hz|k[NJW]|kWh|mA|k?Pa|atm|mol|eV|k?cal)")
 _UNIT_LETTER = r"(?:[mgshLNJWVK]|in)"
+# letters glued after a number, unless a unit: '4b' is a name, '3x' a product, '12cm' or '5m²' a unit
+_LETTERS_AFTER = re.compile(r"(?!(?:" + _UNIT_WORD + "|" + _UNIT_LETTER + r"(?=\s*[²³^]))"
+                            r"(?![A-Za-z]))[A-Za-z]")
 _POWER = r"(?:\^\s*\{?\s*[23]\s*\}?|[²³])?"
 _NUMBER_UNIT = re.compile(r"([-+]?[\d.,/]*\d)(?:\s*" + _UNIT_WORD + r"|\s+" + _UNIT_LETTER
                           + ")" + _POWER + r"(?:\s*/\s*(?:" + _UNIT_WORD + "|" + _UNIT_LETTER + ")"

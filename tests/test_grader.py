@@ -399,3 +399,20 @@ def test_user_reward_may_print(user_rewards, capfd):
     # the two workers print at once, so their lines may interleave; each print reaches stderr, none the replies
     assert err.count("debug:") == 2 and err.count("from a child process") == 2, err
     reward.stop()
+
+
+# Issue 54: a number glued to letters is a name or a product ('room 4b', 'x7', '3x'), not a number stated; a unit
+# glued to a number ('12cm', '5km') is still the number.
+@pytest.mark.parametrize("text, gold, paid", [
+    ("room 4b is free", "4", 0.0),
+    ("the answer is 4b", "4", 0.0),
+    ("#### 4b", "4", 0.0),
+    ("it is x7", "7", 0.0),
+    ("It is 3x", "3", 0.0),
+    ("room 4b is free, so 5 are left", "5", 1.0),  # the number stated is read, the name is skipped
+    ("It is 12cm long", "12", 1.0),
+    ("#### 12cm", "12", 1.0),
+    ("it took 5km", "5", 1.0),
+])
+def test_a_number_glued_to_letters_is_not_a_number_stated(text, gold, paid):
+    assert math_reward(text, gold) == paid

@@ -17,7 +17,7 @@ from typing import Annotated, ClassVar, Literal
 import torch
 import tyro
 
-from .checkpoint import STEP_DIR, catch_startup_signals
+from .checkpoint import STEP_DIR, catch_startup_signals, saved_flags
 from .data import check_dataset
 from .distributed import fail, launched, main_process
 from .lora import ALL_LINEAR, DEFAULT_ALPHA
@@ -452,7 +452,8 @@ def parse_args(cls, argv: list[str] | None = None):
             raise
         raise SystemExit(f"error: {tyro_error_line(box.getvalue())}" if main else 2) from None
     sys.stderr.write(box.getvalue())  # anything else tyro said (warnings) is not lost
-    return args
+    # a plain --resume step_N: the flags not restated are the run's saved ones, not the defaults
+    return dataclasses.replace(args, **saved_flags(args, sys.argv[1:] if argv is None else argv))
 
 
 def script_description(cls) -> str:

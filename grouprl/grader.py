@@ -559,7 +559,7 @@ class _Worker:
     def launch(self):
         import subprocess
 
-        path = json.dumps([os.getcwd(), *sys.path])
+        path = json.dumps(worker_path(self.spec))
         main = threading.current_thread() is threading.main_thread()  # lives as long as we do
         env = {**os.environ, IN_WORKER_ENV: "1"} if self.spec else None
         self.proc = subprocess.Popen([sys.executable, WORKER_FILE, path, self.spec or "",
@@ -836,6 +836,12 @@ def _load_one(spec: str | None, timeout_s: float) -> Reward:
              "function f(completion, answer) -> float in my_rewards.py")
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
+    root, other = module_root(module)
+    if other:  # the same name twice: which one the trainer and its workers both use, said
+        print(f"note: --reward {spec!r}: {module.split('.')[0]!r} is "
+              f"{sys.modules[module.split('.')[0]].__file__} (imported by the trainer, and so by "
+              f"its reward workers); your {other} is not used: rename it to use it",
+              file=sys.stderr)
     # imported in a worker, under a time bound: a module that exits, hangs or leaves a thread at
     # import stops that process, not this one (one imported here already runs nothing on import)
     found = probe(spec) if module in sys.modules else _probe_in_worker(spec, module)
@@ -867,13 +873,45 @@ def _load_one(spec: str | None, timeout_s: float) -> Reward:
     return reward
 
 
+def module_root(module: str) -> tuple[str | None, str | None]:
+    """Where a --reward module's top package is found, the one rule the trainer and its workers
+    share (worker_path puts this folder first): a name already imported here (the project's
+    common, the standard library) from where it was imported, else the working folder first, then
+    sys.path. Returns (that folder, another file of the name in the working folder that loses to
+    it, or None)."""
+    import importlib.machinery
+
+    top = module.split(".")[0]
+    imported = sys.modules.get(top)
+    origin = getattr(imported, "__file__", None) if imported else None
+    if imported is None:
+        found = importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *sys.path])
+        origin = found.origin if found and found.has_location else None
+    if not origin:
+        return None, None
+    root = os.path.dirname(origin)
+    if os.path.basename(origin) == "__init__.py":
+        root = os.path.dirname(root)
+    mine = [p for p in (os.path.join(os.getcwd(), top + ".py"), os.path.join(os.getcwd(), top))
+            if os.path.exists(p)]
+    other = mine[0] if mine and os.path.realpath(root) != os.path.realpath(os.getcwd()) else None
+    return root, other
+
+
+def worker_path(spec: str | None) -> list[str]:
+    """The import path of a reward worker: the trainer's module_root first, so that a worker
+    imports the very file the trainer checked (not a same-named one in the working folder)."""
+    root = module_root(spec.partition(":")[0])[0] if spec else None
+    return [p for p in (root, os.getcwd()) if p] + sys.path
+
+
 def _probe_in_worker(spec: str, module: str) -> dict:
     """reward_worker.probe(spec) in a worker process of its own, bounded by IMPORT_TIMEOUT_S; one
     line when the import ends that process or does not finish."""
     import subprocess
 
     main = threading.current_thread() is threading.main_thread()
-    proc = subprocess.Popen([sys.executable, WORKER_FILE, json.dumps([os.getcwd(), *sys.path]),
+    proc = subprocess.Popen([sys.executable, WORKER_FILE, json.dumps(worker_path(spec)),
                              spec, "probe", str(os.getpid()), "1" if main else "0"],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             env={**os.environ, IN_WORKER_ENV: "1"})

@@ -416,3 +416,29 @@ def test_user_reward_may_print(user_rewards, capfd):
 ])
 def test_a_number_glued_to_letters_is_not_a_number_stated(text, gold, paid):
     assert math_reward(text, gold) == paid
+
+
+def test_trainer_and_workers_resolve_a_reward_module_alike(tmp_path, monkeypatch, capsys):
+    """Issue 54: a common.py of the user's in the working folder and --reward common:length_penalty (a built-in):
+    the trainer checked the project's common, the workers imported the user's and scored 0.75, unsaid. Now both use
+    the module the trainer has imported (the project's: 0 for a short completion), and the clash is said in one
+    line; a name the project does not import (the user's rewards.py) is the working folder's, in both."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "common.py").write_text("def length_penalty(completion, answer):\n    return 0.75\n")
+    (tmp_path / "rewards.py").write_text("def my_fn(completion, answer):\n    return 0.25\n")
+    reward = grader.load_reward("common:length_penalty", 5.0)
+    try:
+        r, errors = score(["ab", "cd"], ["1"], 2, reward, watch=False)
+        assert r.tolist() == [0.0, 0.0] and errors == 0
+    finally:
+        reward.stop()
+    err = capsys.readouterr().err
+    assert (f"note: --reward 'common:length_penalty': 'common' is {common.__file__} (imported by the trainer, and so "
+            f"by its reward workers); your {tmp_path}/common.py is not used: rename it to use it") in err, err
+    reward = grader.load_reward("rewards:my_fn", 5.0)
+    try:
+        r, errors = score(["ab", "cd"], ["1"], 2, reward, watch=False)
+        assert r.tolist() == [0.25, 0.25] and errors == 0
+    finally:
+        reward.stop()
+    assert "note:" not in capsys.readouterr().err

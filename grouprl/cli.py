@@ -685,6 +685,9 @@ def check_common_args(args):
     if args.track and importlib.util.find_spec("wandb") is None:
         fail("--track logs to Weights & Biases, which is not installed: pip install wandb "
              "(WANDB_MODE=offline logs without a network), or drop --track")
+    from .modeling import check_sizes
+
+    check_sizes(args)  # --lora-rank and --group-size against the model and the host's memory
     check_run_name(args.output_dir, args.exp_name)
     check_run_folder(args.output_dir, args.exp_name, args.seed)
     catch_startup_signals()  # SIGINT, SIGTERM from here to the first step: one line

@@ -335,3 +335,64 @@ def test_a_save_never_writes_over_a_step_it_did_not_write(tmp_path, monkeypatch,
     (kept,) = glob.glob(f"{run}/kept_step_2_*")
     assert open(f"{kept}/x").read() == "theirs" and f"the earlier one is kept as {kept}" in capsys.readouterr().out
     assert checkpoint.is_checkpoint(f"{run}/step_2")
+
+
+# -------------------- issue 54: contaminated evaluation
+def jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_repeated_prompts_are_held_out_whole(tmp_path, capsys):
+    """3 distinct prompts x 20 rows: split by row, "54 train / 6 held-out" held out copies of training rows. Now a
+    tenth of the distinct prompts (here 1) is held out, one row, and none of its 20 copies is trained on; said in
+    the held-out line."""
+    from grouprl import data
+    from grouprl import modeling
+
+    path = jsonl(tmp_path / "dup.jsonl", [{"prompt": f"{i}%10=", "answer": str(i)} for i in range(3)] * 20)
+    train, held, _ = data.load_task(path, None, 8, 0, modeling.tiny_tokenizer(), None, 100)
+    assert (len(train), len(held)) == (40, 1) and not set(held["prompt"]) & set(train["prompt"])
+    assert ("held out: 1 of the distinct prompts of --dataset " f"{path} kept apart, one row each, none of their "
+            "copies trained on (its 60 rows repeat prompts;") in capsys.readouterr().out
+    one = jsonl(tmp_path / "one.jsonl", [{"prompt": "1%10=", "answer": "1"}] * 5)
+    with pytest.raises(SystemExit, match="its 5 rows hold 1 distinct prompt; it needs at least 2"):
+        data.load_task(one, None, 8, 0, modeling.tiny_tokenizer(), None, 100)
+
+
+def test_distinct_prompts_split_as_before(tmp_path):
+    """Without repeated prompts the split is the row split it was (the same rows, the same order)."""
+    from datasets import Dataset
+
+    from grouprl import data
+    from grouprl import modeling
+
+    rows = [{"prompt": f"q {i}%10=", "answer": str(i % 10)} for i in range(40)]
+    train, held, _ = data.load_task(jsonl(tmp_path / "d.jsonl", rows), None, 8, 3, modeling.tiny_tokenizer(), None,
+                                    100)
+    want = Dataset.from_list(rows).train_test_split(test_size=4, seed=3)
+    assert (train["prompt"], held["prompt"]) == (want["train"]["prompt"], want["test"]["prompt"])
+
+
+def test_held_out_prompts_are_never_trained_on(tmp_path, capsys, monkeypatch):
+    """--eval-dataset equal to --dataset gave "40 train / 40 held-out": one line, before any model. A test split
+    sharing 2 prompts with train: those training rows are left out, and said."""
+    from grouprl import data
+    from grouprl import modeling
+
+    from test_cli import fails_before_any_model
+
+    rows = [{"prompt": f"q {i}%10=", "answer": str(i % 10)} for i in range(40)]
+    path = jsonl(tmp_path / "forty.jsonl", rows)
+    fails_before_any_model("gspo", ["--dataset", path, "--eval-dataset", path], f"--dataset {path!r}: every training "
+                           "prompt is also a held-out prompt of --eval-dataset (the same data twice?)", monkeypatch,
+                           tmp_path)
+    folder = tmp_path / "tt"
+    folder.mkdir()
+    jsonl(folder / "train.jsonl", rows[:20])
+    jsonl(folder / "test.jsonl", rows[18:25])
+    capsys.readouterr()
+    train, held, _ = data.load_task(str(folder), None, 8, 0, modeling.tiny_tokenizer(), None, 100)
+    assert (len(train), len(held)) == (18, 7) and not set(held["prompt"]) & set(train["prompt"])
+    assert (f"--dataset {folder}: 2 of its 20 training rows have a prompt its split 'test' holds out: not trained "
+            "on, so that the evaluation is held out") in capsys.readouterr().out

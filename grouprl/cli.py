@@ -774,8 +774,14 @@ def check_run_name(output_dir: str, exp_name: str):
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         fail(f"--output-dir {output_dir}: is a file, not a folder")
     existing = os.path.abspath(output_dir)
-    while not os.path.exists(existing):  # the folder that makedirs would create the rest in
+    while not os.path.lexists(existing):  # the folder that makedirs would create the rest in
         existing = os.path.dirname(existing)
+    if not os.path.exists(existing):  # a link to nowhere: dangling, or a loop of links
+        try:
+            os.stat(existing)
+        except OSError as e:
+            fail(f"--output-dir {output_dir}: {existing} is a symbolic link that leads to no folder "
+                 f"({e.strerror}): point it at a folder, or give another --output-dir")
     if not os.path.isdir(existing):
         fail(f"--output-dir {output_dir}: {existing} is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):

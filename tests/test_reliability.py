@@ -612,3 +612,18 @@ def test_the_default_runs_and_a_large_group_that_fits_pass_the_plan(monkeypatch,
     fake_meminfo(monkeypatch, tmp_path, 16 * 2 ** 20)
     for argv in ([], ["--group-size", "1000"], ["--lora-rank", "128"], ["--model", "tiny-moe", "--lora-rank", "8"]):
         modeling.check_sizes(cli.fill_defaults(cli.parse_args(gspo.Args, argv)))  # no error
+
+
+@pytest.mark.parametrize("link, target, why", [("loop", "loop", "Too many levels of symbolic links"),
+                                               ("dangling", "no/such/folder", "No such file or directory")])
+@pytest.mark.parametrize("below", ["", "/runs"])
+def test_an_output_dir_that_is_a_link_to_nowhere_is_one_line(link, target, why, below, monkeypatch, tmp_path):
+    """Issue 54: --output-dir a symlink loop or a dangling link (or a folder under one) was a FileExistsError or
+    ELOOP traceback from makedirs."""
+    from test_cli import fails_before_any_model
+
+    os.symlink(target, tmp_path / link)
+    fails_before_any_model("gspo", ["--output-dir", f"{tmp_path}/{link}{below}"],
+                           f"--output-dir {tmp_path}/{link}{below}: {tmp_path}/{link} is a symbolic link that leads to "
+                           f"no folder ({why}): point it at a folder, or give another --output-dir", monkeypatch,
+                           tmp_path)

@@ -92,6 +92,14 @@ def weights_file_problem(path: str) -> str | None:
                 zipfile.ZipFile(path).close()  # reads the central directory
             except (zipfile.BadZipFile, OSError, ValueError) as e:
                 return f"its zip (torch.save's format) does not read ({e})"
+            try:  # the pickle's globals, read without running it (no tensor is read)
+                unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+            except Exception:  # noqa: BLE001 - torch.load says the rest, as before
+                unsafe = []
+            if unsafe:
+                return (f"its pickle calls {', '.join(unsafe[:3])}, which torch.load (weights_only) "
+                        "refuses: such a file can run code when loaded; take weights in "
+                        "safetensors from a source you trust")
     return None
 
 
@@ -109,7 +117,8 @@ def model_folder_problem(folder: str) -> str | None:
         problem = (weights_file_problem(os.path.join(folder, name))
                    if name.endswith((".safetensors", ".bin", ".pt", ".pth")) else None)
         if problem is not None:
-            return f"{name}: {problem}; copy or download it again"
+            fix = "" if "can run code" in problem else "; copy or download it again"
+            return f"{name}: {problem}{fix}"
     return None
 
 

@@ -536,10 +536,22 @@ def chat_prompts(tok, prompts: list, enable_thinking: bool | None = None,
         return list(prompts)
     kw = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     system = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
-    return [tok.apply_chat_template(system + [{"role": "user", "content": p}]
-                                    if isinstance(p, str) else p,
-                                    tokenize=False, add_generation_prompt=True, **kw)
-            for p in prompts]
+    from jinja2.exceptions import SecurityError, TemplateError
+
+    try:
+        return [tok.apply_chat_template(system + [{"role": "user", "content": p}]
+                                        if isinstance(p, str) else p,
+                                        tokenize=False, add_generation_prompt=True, **kw)
+                for p in prompts]
+    except SecurityError as e:  # the template reached for what the sandbox blocks (os.popen...)
+        fail(f"the model's chat template does what a template may not ({str(e).rstrip('.')}), "
+             "blocked: a template formats messages only; check the chat_template of the model's "
+             "tokenizer_config.json")
+    except TemplateError as e:  # raise_exception in the template, e.g. no system role (Gemma)
+        fix = ("this template takes no system message: put the text into the prompts, or drop "
+               "--system-prompt") if system_prompt is not None else (
+            "give prompts in the form it takes, or a model whose template does")
+        fail(f"the model's chat template refuses the prompt ({e}): {fix}")
 
 
 def check_dataset(name: str, data_files: str | None, flag: str = "--dataset"):

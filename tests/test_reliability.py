@@ -627,3 +627,44 @@ def test_an_output_dir_that_is_a_link_to_nowhere_is_one_line(link, target, why, 
                            f"--output-dir {tmp_path}/{link}{below}: {tmp_path}/{link} is a symbolic link that leads to "
                            f"no folder ({why}): point it at a folder, or give another --output-dir", monkeypatch,
                            tmp_path)
+
+
+class RunsCode:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("system", "the model's chat template refuses the prompt (System role not supported): this template takes no "
+               "system message: put the text into the prompts, or drop --system-prompt"),
+    ("popen", "the model's chat template does what a template may not (access to attribute '__init__' of 'type' "
+              "object is unsafe), blocked: a template formats messages only; check the chat_template of the model's "
+              "tokenizer_config.json"),
+    ("pickle", "pytorch_model.bin: its pickle calls posix.system, which torch.load (weights_only) refuses: such a "
+               "file can run code when loaded; take weights in safetensors from a source you trust"),
+])
+def test_a_hostile_template_or_pickle_is_one_line(case, needle, tiny_dir, tmp_path, monkeypatch):
+    """Issue 54: a chat template that raises for a system message (Gemma's) with --system-prompt, one that reaches for
+    os.popen (blocked by jinja's sandbox), and a pytorch_model.bin whose pickle calls os.system (refused by
+    torch.load's weights_only) were 33- and 47-line tracebacks; now one line each, before any model is built."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from test_cli import fails_before_any_model
+
+    model = model_copy(tiny_dir, tmp_path / "m")
+    argv = ["--model", model]
+    if case == "pickle":
+        os.remove(f"{model}/model.safetensors")
+        torch.save({"x": RunsCode()}, f"{model}/pytorch_model.bin")
+    else:
+        tok = AutoTokenizer.from_pretrained(model)
+        tok.chat_template = {
+            "system": "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not "
+                      "supported') }}{% endif %}{{ m['content'] }}{% endfor %}",
+            "popen": "{{ cycler.__init__.__globals__.os.popen('id').read() }}"}[case]
+        tok.save_pretrained(model)
+        argv += ["--system-prompt", "Be brief."] if case == "system" else []
+    fails_before_any_model("gspo", argv, needle, monkeypatch, tmp_path)
+    shutil.rmtree(model)

@@ -1057,12 +1057,37 @@ def _attempt(write, folder: str) -> str | None:
     except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others would wait
         if (gone := gone_or_replaced(os.path.dirname(folder), folder)) is not None:
             return gone  # the run folder deleted or replaced mid-run
-        if (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
-                or any(s in str(e) for s in _NO_SPACE)):
+        short = any(s in str(e) for s in _NO_SPACE)  # a short write, in torch's or Rust's words
+        if isinstance(e, OSError) and e.errno == errno.EFBIG or short and file_size_limit():
+            return file_size_line(folder)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) or short:
             return no_space_line(folder)
         if not isinstance(e, OSError):
             traceback.print_exc()
         return f"cannot write the checkpoint {folder} (removed): {type(e).__name__}: {e}"
+
+
+def file_size_limit() -> int | None:
+    """The largest file this process may write (ulimit -f, RLIMIT_FSIZE) in bytes; None: no limit."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def then_what(run_dir: str) -> str:
+    """How to go on once the cause is fixed: from the run's last checkpoint, when it has one."""
+    if any(is_checkpoint(p) for _, p in step_folders(run_dir)):
+        return "continue with --resume auto from the previous checkpoint"
+    return "start the run again (it has no checkpoint to continue from)"
+
+
+def file_size_line(folder: str, removed: bool = True) -> str:
+    """A write past the file size limit (ulimit -f): not a full disk."""
+    limit = file_size_limit()
+    said = f"the file size limit (ulimit -f: {limit:,} bytes)" if limit else "the file size limit"
+    return (f"writing {folder}{' (removed)' if removed else ''} went past {said}: raise it "
+            f"(ulimit -f unlimited), then {then_what(os.path.dirname(folder))}")
 
 
 def no_space_line(folder: str, removed: bool = True) -> str:
@@ -1075,8 +1100,8 @@ def no_space_line(folder: str, removed: bool = True) -> str:
     except OSError:
         free = "free space unknown"
     return (f"no space left on the disk mounted at {mount} ({free}) while writing {folder}"
-            f"{' (removed)' if removed else ''}: free space there, then continue with --resume "
-            "auto from the previous checkpoint")
+            f"{' (removed)' if removed else ''}: free space there, then "
+            f"{then_what(os.path.dirname(folder))}")
 
 
 def gone_line(run_dir: str, what: str) -> str:
@@ -1124,6 +1149,8 @@ def writing(run_dir: str, path: str):
     except OSError as e:
         if (gone := gone_or_replaced(run_dir, path)) is not None:
             fail(gone)
+        if e.errno == errno.EFBIG:
+            fail(file_size_line(path, removed=False))
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             fail(no_space_line(path, removed=False))
         fail(f"cannot write {path} ({e.strerror or e}): the run stops here; continue with "

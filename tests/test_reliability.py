@@ -403,7 +403,7 @@ def test_a_deleted_run_folder_or_a_full_disk_while_logging_is_the_saves_one_line
     with pytest.raises(SystemExit) as e:
         logger.log(1, {"charts/reward_mean": 0.5})
     assert str(e.value).startswith("error: no space left on the disk mounted at /dev (") and str(e.value).endswith(
-        "while writing /dev/full: free space there, then continue with --resume auto from the previous checkpoint")
+        "while writing /dev/full: free space there, then start the run again (it has no checkpoint to continue from)")
     # the save: its folder is not made again in a deleted run folder
     line = checkpoint._attempt(lambda: os.makedirs(tmp_path / "run" / ".tmp_step_2"), str(tmp_path / "run" / ".tmp_step_2"))
     assert line.startswith(f"the run folder {tmp_path}/run is gone")

@@ -375,7 +375,7 @@ def saved_flags(args, argv: list[str]) -> dict:
     now = vars(args)
     if not isinstance(then, dict):
         return {}
-    keep = restated(argv, set(now)) | {"resume"}
+    keep = restated(argv, set(now)) | {"resume", "output_dir"}  # the run folder is the checkpoint's
     return {k: tuple(v) if isinstance(now[k], tuple) and isinstance(v, list) else v
             for k, v in then.items() if k in now and k not in keep and v != now[k]}
 

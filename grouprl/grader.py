@@ -156,7 +156,11 @@ def _standalone(text: str, m: re.Match, spans: list, braces: int) -> bool:
         return False
     if before[-1:].isalpha():  # part of a word or a name: K2, x2
         return False
-    if _LETTERS_AFTER.match(text, e):  # a name or a product: room 4b, 3x (not a unit: 12cm)
+    # a name or a product: room 4b, 3x (not a unit: 12cm); but a completion that is nothing but
+    # a number and letters is read as the number cut off (the built-in task's '7a' at
+    # --max-new-tokens 2: the digit, then the first letter of whatever followed)
+    if _LETTERS_AFTER.match(text, e) and not (
+            not text[:s].strip() and re.fullmatch(r"[A-Za-z]+\s*", text[e:])):
         return False
     return _AFTER_EXPR.match(text, e, min(len(text), e + 40)) is None
 

@@ -413,6 +413,7 @@ def test_user_reward_may_print(user_rewards, capfd):
     ("It is 12cm long", "12", 1.0),
     ("#### 12cm", "12", 1.0),
     ("it took 5km", "5", 1.0),
+    ("7a", "7", 1.0),  # a completion of a number and letters alone: cut off (the built-in task at 2 new tokens)
 ])
 def test_a_number_glued_to_letters_is_not_a_number_stated(text, gold, paid):
     assert math_reward(text, gold) == paid

@@ -11,6 +11,7 @@ import fcntl
 import glob
 import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -91,6 +92,14 @@ def weights_file_problem(path: str) -> str | None:
                 zipfile.ZipFile(path).close()  # reads the central directory
             except (zipfile.BadZipFile, OSError, ValueError) as e:
                 return f"its zip (torch.save's format) does not read ({e})"
+            try:  # the pickle's globals, read without running it (no tensor is read)
+                unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+            except Exception:  # noqa: BLE001 - torch.load says the rest, as before
+                unsafe = []
+            if unsafe:
+                return (f"its pickle calls {', '.join(unsafe[:3])}, which torch.load (weights_only) "
+                        "refuses: such a file can run code when loaded; take weights in "
+                        "safetensors from a source you trust")
     return None
 
 
@@ -108,7 +117,8 @@ def model_folder_problem(folder: str) -> str | None:
         problem = (weights_file_problem(os.path.join(folder, name))
                    if name.endswith((".safetensors", ".bin", ".pt", ".pth")) else None)
         if problem is not None:
-            return f"{name}: {problem}; copy or download it again"
+            fix = "" if "can run code" in problem else "; copy or download it again"
+            return f"{name}: {problem}{fix}"
     return None
 
 
@@ -340,6 +350,36 @@ RESUME_FIXED = ("seed", "model", "dataset", "data_files", "prompt_column", "answ
                 "k_neg", "lambda_neg")
 
 
+def restated(argv: list[str], names: set[str]) -> set[str]:
+    """The flags the command line gives (--flag, --flag=x, --flag_name, --no-flag), by field name."""
+    said = set()
+    for word in argv:
+        name = word[2:].partition("=")[0].replace("-", "_") if word.startswith("--") else ""
+        said.add(name[3:] if name not in names and name.startswith("no_") else name)
+    return said & names
+
+
+def saved_flags(args, argv: list[str]) -> dict:
+    """A plain --resume step_N continues the run as it was: every flag the command line does not
+    restate takes the value the run saved (trainer_state.json's args), not its default, so that
+    --keep-checkpoints 0 stays 0 and no checkpoint the run was keeping is pruned. {} for a fresh
+    run, --resume auto (the same command line again) or a checkpoint that cannot be read (then
+    run_paths says why)."""
+    if getattr(args, "resume", None) in (None, "auto"):
+        return {}
+    try:
+        with open(os.path.join(state_dir(args.resume), "trainer_state.json")) as f:
+            then = json.load(f).get("args")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    now = vars(args)
+    if not isinstance(then, dict):
+        return {}
+    keep = restated(argv, set(now)) | {"resume", "output_dir"}  # the run folder is the checkpoint's
+    return {k: tuple(v) if isinstance(now[k], tuple) and isinstance(v, list) else v
+            for k, v in then.items() if k in now and k not in keep and v != now[k]}
+
+
 def as_flag(name: str, value) -> str:
     """The command-line words that set flag `name` to `value` (tyro's spelling of booleans)."""
     flag = name.replace("_", "-")
@@ -349,17 +389,53 @@ def as_flag(name: str, value) -> str:
 
 
 def read_trainer_state(ckpt: str) -> dict:
-    """A checkpoint's trainer_state.json, or one line saying why it cannot be read."""
+    """A checkpoint's trainer_state.json, or one line saying why it cannot be read: a field of the
+    wrong type or out of range (an edited file, its manifest re-hashed) is said, never resumed."""
     path = os.path.join(state_dir(ckpt), "trainer_state.json")
     try:
         with open(path) as f:
-            state = json.load(f)
+            state = json.load(f, parse_constant=lambda c: None)
         missing = [k for k in ("step", "world", "script") if k not in state]
     except (OSError, ValueError, TypeError) as e:
         fail(f"{path}: cannot read it ({type(e).__name__}: {e}); resume from another checkpoint")
     if missing:
         fail(f"{path} has no {missing}: resume from another checkpoint")
+    bad = state_problem(state, STEP_DIR.search(os.path.normpath(ckpt)))
+    if bad:
+        fail(f"{path}: {bad}: the file was edited or damaged; resume from another checkpoint")
     return state
+
+
+def _count(x, low: int) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def state_problem(state: dict, folder: re.Match | None) -> str | None:
+    """What is wrong with a trainer_state.json's fields (type, range, the step its step_N folder
+    names), in words; None when nothing is."""
+    step = state["step"]
+    checks = [
+        ("step", _count(step, 0), "a whole number >= 0"),
+        ("world", _count(state["world"], 1), "a whole number >= 1"),
+        ("script", isinstance(state["script"], str) and state["script"].endswith(".py"),
+         "a script's file name"),
+        ("args", isinstance(state.get("args", {}), dict), "the run's flags by name"),
+        ("reward_curve", isinstance(state.get("reward_curve", []), list)
+         and all(r is None or _number(r) for r in state.get("reward_curve", [])),
+         "a list of rewards"),
+        ("nonfinite_run", _count(state.get("nonfinite_run", 0), 0), "a whole number >= 0"),
+        ("wall_time", _number(state.get("wall_time", 0.0)) and state.get("wall_time", 0.0) >= 0,
+         "seconds >= 0")]
+    for name, ok, what in checks:
+        if not ok:
+            return f"{name} is {state.get(name)!r}, not {what}"
+    if folder and step != int(folder[1]):
+        return f"step is {step!r}, not {folder[1]} as its folder {folder[0]} says"
+    return None
 
 
 # One writer per run folder: rank 0 holds an exclusive flock on the run folder itself and on
@@ -371,6 +447,7 @@ def read_trainer_state(ckpt: str) -> dict:
 # kept for file systems that lock files but not folders (NFS turns flock into byte-range locks,
 # which a folder opened read-only cannot take).
 _run_lock = []  # rank 0's open run folder and writer.lock
+_held = {}  # the run folder's path -> its open descriptor: the folder as locked, by identity
 _fresh = []  # a fresh run folder this process made and has not logged into yet
 
 
@@ -436,6 +513,7 @@ def _claim_run_dir(run_dir: str, ckpt: str | None) -> str:
         print(f"warning: cannot lock {run_dir} or {path}: no one-writer guarantee on this file "
               "system", file=sys.stderr)
     _run_lock.extend([folder, fd])
+    _held[os.path.normpath(run_dir)] = folder
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
@@ -574,6 +652,7 @@ def set_aside_logs(run_dir: str, aside: str, step: int) -> str:
 def release_run_dir():
     """Let go of the run folder's locks (the end of a run; process exit does the same)."""
     _fresh.clear()
+    _held.clear()
     while _run_lock:
         os.close(_run_lock.pop())
 
@@ -596,8 +675,9 @@ def remove_unused_run_dir():
             "metrics.jsonl" in names and os.path.getsize(os.path.join(run_dir, "metrics.jsonl")))
     except OSError:
         return
+    replaced = gone_or_replaced(run_dir, run_dir) is not None  # another folder under its name now
     release_run_dir()
-    if not used:
+    if not used and not replaced:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
@@ -810,7 +890,10 @@ def save_checkpoint(run_dir: str, step: int, policy, tok, optimizer, scheduler, 
         if os.path.exists(path):  # the same step written again: swap, then delete the old copy
             os.rename(path, tmp + ".old")
         os.rename(tmp, path)
-        shutil.rmtree(tmp + ".old", ignore_errors=True)
+        if path in _saved:  # this run's own copy of the step; another's is kept (keep_aside)
+            shutil.rmtree(tmp + ".old", ignore_errors=True)
+        _saved.add(path)
+        keep_aside(tmp + ".old", path)
         prune_checkpoints(run_dir, args.keep_checkpoints)
         if final:
             print(_size_line(path))
@@ -851,6 +934,20 @@ def _size_line(path: str) -> str:
         parts.append(f"{STATE}/ {size(os.path.join(path, STATE))}, what --resume reads "
                      "(--save-final model leaves it out)")
     return f"wrote {path}: {size(path)} ({'; '.join(parts)})"
+
+
+_saved = set()  # the step_N folders this process wrote
+
+
+def keep_aside(old: str, path: str):
+    """A step_N that was there before this run wrote its own (never this run's: resume sets the
+    later ones aside, so an edited trainer_state or a copy put there is the only way) is never
+    written over: it is kept as kept_step_N_<time> beside it, and said so."""
+    if not os.path.exists(old):
+        return
+    kept = os.path.join(os.path.dirname(path), f"kept_{os.path.basename(path)}_{int(time.time())}")
+    os.rename(old, kept)
+    print(f"{path} was there before this run wrote its own: the earlier one is kept as {kept}")
 
 
 def full_state_dict(lm, dist_env: Dist, dtype: torch.dtype) -> dict | None:
@@ -1003,20 +1100,45 @@ def _attempt(write, folder: str) -> str | None:
     """write(), or the one line that says why it failed: a full disk (ENOSPC, EDQUOT, or a short
     write that torch or safetensors report in their own words) names the disk; a run folder
     deleted mid-run is said (and not made again by the save's makedirs)."""
-    if not os.path.isdir(os.path.dirname(folder)):
-        return gone_line(os.path.dirname(folder), folder)
+    if (gone := gone_or_replaced(os.path.dirname(folder), folder)) is not None:
+        return gone
     try:
         write()
         return None
     except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others would wait
-        if not os.path.isdir(os.path.dirname(folder)):  # the run folder deleted mid-run
-            return gone_line(os.path.dirname(folder), folder)
-        if (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
-                or any(s in str(e) for s in _NO_SPACE)):
+        if (gone := gone_or_replaced(os.path.dirname(folder), folder)) is not None:
+            return gone  # the run folder deleted or replaced mid-run
+        short = any(s in str(e) for s in _NO_SPACE)  # a short write, in torch's or Rust's words
+        if isinstance(e, OSError) and e.errno == errno.EFBIG or short and file_size_limit():
+            return file_size_line(folder)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) or short:
             return no_space_line(folder)
         if not isinstance(e, OSError):
             traceback.print_exc()
         return f"cannot write the checkpoint {folder} (removed): {type(e).__name__}: {e}"
+
+
+def file_size_limit() -> int | None:
+    """The largest file this process may write (ulimit -f, RLIMIT_FSIZE) in bytes; None: no limit."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def then_what(run_dir: str) -> str:
+    """How to go on once the cause is fixed: from the run's last checkpoint, when it has one."""
+    if any(is_checkpoint(p) for _, p in step_folders(run_dir)):
+        return "continue with --resume auto from the previous checkpoint"
+    return "start the run again (it has no checkpoint to continue from)"
+
+
+def file_size_line(folder: str, removed: bool = True) -> str:
+    """A write past the file size limit (ulimit -f): not a full disk."""
+    limit = file_size_limit()
+    said = f"the file size limit (ulimit -f: {limit:,} bytes)" if limit else "the file size limit"
+    return (f"writing {folder}{' (removed)' if removed else ''} went past {said}: raise it "
+            f"(ulimit -f unlimited), then {then_what(os.path.dirname(folder))}")
 
 
 def no_space_line(folder: str, removed: bool = True) -> str:
@@ -1029,8 +1151,8 @@ def no_space_line(folder: str, removed: bool = True) -> str:
     except OSError:
         free = "free space unknown"
     return (f"no space left on the disk mounted at {mount} ({free}) while writing {folder}"
-            f"{' (removed)' if removed else ''}: free space there, then continue with --resume "
-            "auto from the previous checkpoint")
+            f"{' (removed)' if removed else ''}: free space there, then "
+            f"{then_what(os.path.dirname(folder))}")
 
 
 def gone_line(run_dir: str, what: str) -> str:
@@ -1039,19 +1161,47 @@ def gone_line(run_dir: str, what: str) -> str:
             f"writing {what}: nothing more can be logged or saved there; start the run again")
 
 
+def gone_or_replaced(run_dir: str, what: str) -> str | None:
+    """None while run_dir is the folder this process locked (by identity: device and inode, not by
+    name); else the one line that stops the run: the folder is gone, or another was made under its
+    name (`mv R R.old; mkdir R`), whose writes would mix with this run's and whose lock no one holds.
+    """
+    try:
+        now = os.stat(run_dir)
+    except OSError:
+        return gone_line(run_dir, what)
+    held = _held.get(os.path.normpath(run_dir))
+    if held is None:
+        return None
+    then = os.fstat(held)
+    if (now.st_dev, now.st_ino) == (then.st_dev, then.st_ino):
+        return None
+    try:  # where the folder this run started in is now (Linux names it)
+        moved = os.readlink(f"/proc/self/fd/{held}")
+        moved = f" (it is now {moved})" if not moved.endswith(" (deleted)") else ""
+    except OSError:
+        moved = ""
+    return (f"the run folder {run_dir} was replaced while the run wrote it (moved away and another "
+            f"made under its name) while writing {what}: this run stops so that no two runs mix in "
+            f"one folder; its rows and checkpoints are in the folder it locked{moved}: move it "
+            "back and continue with --resume auto")
+
+
 @contextlib.contextmanager
 def writing(run_dir: str, path: str):
     """Around a write of the logs (metrics.jsonl, samples.jsonl) into run_dir: a run folder that is
     gone, or a write that fails (a full disk), stops the run with the save's one line, not a
     traceback (a deleted folder's open metrics.jsonl would take every later row without an
     error)."""
-    if not os.path.isdir(run_dir):
-        fail(gone_line(run_dir, path))
+    if (gone := gone_or_replaced(run_dir, path)) is not None:
+        fail(gone)
     try:
         yield
     except OSError as e:
-        if not os.path.isdir(run_dir):
-            fail(gone_line(run_dir, path))
+        if (gone := gone_or_replaced(run_dir, path)) is not None:
+            fail(gone)
+        if e.errno == errno.EFBIG:
+            fail(file_size_line(path, removed=False))
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             fail(no_space_line(path, removed=False))
         fail(f"cannot write {path} ({e.strerror or e}): the run stops here; continue with "

@@ -17,7 +17,7 @@ from typing import Annotated, ClassVar, Literal
 import torch
 import tyro
 
-from .checkpoint import STEP_DIR, catch_startup_signals
+from .checkpoint import STEP_DIR, catch_startup_signals, saved_flags
 from .data import check_dataset
 from .distributed import fail, launched, main_process
 from .lora import ALL_LINEAR, DEFAULT_ALPHA
@@ -493,7 +493,8 @@ def parse_args(cls, argv: list[str] | None = None):
             raise
         raise SystemExit(f"error: {tyro_error_line(box.getvalue())}" if main else 2) from None
     sys.stderr.write(box.getvalue())  # anything else tyro said (warnings) is not lost
-    return args
+    # a plain --resume step_N: the flags not restated are the run's saved ones, not the defaults
+    return dataclasses.replace(args, **saved_flags(args, sys.argv[1:] if argv is None else argv))
 
 
 def script_description(cls) -> str:
@@ -745,6 +746,9 @@ def check_common_args(args):
     if args.track and importlib.util.find_spec("wandb") is None:
         fail("--track logs to Weights & Biases, which is not installed: pip install wandb "
              "(WANDB_MODE=offline logs without a network), or drop --track")
+    from .modeling import check_sizes
+
+    check_sizes(args)  # --lora-rank and --group-size against the model and the host's memory
     check_run_name(args.output_dir, args.exp_name)
     check_run_folder(args.output_dir, args.exp_name, args.seed)
     if not torch.cuda.is_available() and args.model not in ("tiny", "tiny-moe") and main_process():
@@ -868,8 +872,14 @@ def check_run_name(output_dir: str, exp_name: str):
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         fail(f"--output-dir {output_dir}: is a file, not a folder")
     existing = os.path.abspath(output_dir)
-    while not os.path.exists(existing):  # the folder that makedirs would create the rest in
+    while not os.path.lexists(existing):  # the folder that makedirs would create the rest in
         existing = os.path.dirname(existing)
+    if not os.path.exists(existing):  # a link to nowhere: dangling, or a loop of links
+        try:
+            os.stat(existing)
+        except OSError as e:
+            fail(f"--output-dir {output_dir}: {existing} is a symbolic link that leads to no folder "
+                 f"({e.strerror}): point it at a folder, or give another --output-dir")
     if not os.path.isdir(existing):
         fail(f"--output-dir {output_dir}: {existing} is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):

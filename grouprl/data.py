@@ -105,6 +105,7 @@ def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok,
                 splits, train_split, _, pcol, acol, instr = read_source("--dataset", name,
                                                                         data_files, *cols)
                 train, n = task_rows("--dataset", name, splits[train_split], pcol, acol, instr)
+                train = not_held(train, held, name, "--eval-dataset")
             no_answer += n
         n = len(train) + len(held)
         train, held = templated(train), templated(held)
@@ -143,6 +144,13 @@ def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok,
         say(f"split '{test_split}' of --dataset {name} (at most --eval-size {eval_size} rows)")
         held, n = task_rows("--dataset", name, splits[test_split], pcol, acol, instr)
         dropped += n
+        train = not_held(train, held, name, f"its split '{test_split}'")
+    elif len(set(map(prompt_key, train["prompt"]))) < len(train):  # copies: held out whole
+        n = len(train)
+        train, held = apart_by_prompt(train, eval_size, seed, name)
+        say(f"{len(held)} of the distinct prompts of --dataset {name} kept apart, one row each, "
+            f"none of their copies trained on (its {n} rows repeat prompts; a tenth of the "
+            "distinct ones at most, at most --eval-size; it has no test or validation split)")
     elif len(train) < 2:
         fail(f"--dataset {name!r}: 1 usable row (dropped {dropped} without an answer); it needs at "
              "least 2, one to train on and one held out (or give --eval-dataset)")
@@ -152,6 +160,46 @@ def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok,
         say(f"{len(held)} rows of --dataset {name} kept apart (a tenth at most, at most "
             "--eval-size; it has no test or validation split)")
     return finish(train, held, dropped)
+
+
+def prompt_key(prompt) -> str:
+    """A prompt as one string (a list of messages as its JSON), to compare prompts by."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+
+
+def not_held(train, held, name: str, source: str):
+    """The training rows whose prompt is not a held-out one: a held-out prompt trained on makes the
+    evaluation measure recall, not generalisation. Said in one line; nothing left is an error."""
+    out = set(map(prompt_key, held["prompt"]))
+    keep = [i for i, p in enumerate(train["prompt"]) if prompt_key(p) not in out]
+    if len(keep) == len(train):
+        return train
+    if not keep:
+        fail(f"--dataset {name!r}: every training prompt is also a held-out prompt of {source} (the "
+             "same data twice?): give held-out prompts the training data does not hold, or drop "
+             "--eval-dataset (a tenth of --dataset is then held out)")
+    if main_process():
+        print(f"--dataset {name}: {len(train) - len(keep)} of its {len(train)} training rows have a "
+              f"prompt {source} holds out: not trained on, so that the evaluation is held out")
+    return train.select(keep)
+
+
+def apart_by_prompt(train, eval_size: int, seed: int, name: str):
+    """A tenth of the distinct prompts (at most eval_size) held out, one row each, and every copy
+    of them kept out of training: data with repeated prompts split by row would hold out copies of
+    training rows."""
+    keys = list(dict.fromkeys(map(prompt_key, train["prompt"])))
+    if len(keys) < 2:
+        fail(f"--dataset {name!r}: its {len(train)} rows hold 1 distinct prompt; it needs at least "
+             "2, one to train on and one held out (or give --eval-dataset)")
+    chosen = set(random.Random(seed).sample(keys, min(eval_size, len(keys) // 10 or 1)))
+    first, train_rows = {}, []
+    for i, p in enumerate(map(prompt_key, train["prompt"])):
+        if p in chosen:
+            first.setdefault(p, i)
+        else:
+            train_rows.append(i)
+    return train.select(train_rows), train.select(sorted(first.values()))
 
 
 # the splits held out from training, in the order taken: a folder's or glob's test.jsonl, else its
@@ -488,10 +536,22 @@ def chat_prompts(tok, prompts: list, enable_thinking: bool | None = None,
         return list(prompts)
     kw = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     system = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
-    return [tok.apply_chat_template(system + [{"role": "user", "content": p}]
-                                    if isinstance(p, str) else p,
-                                    tokenize=False, add_generation_prompt=True, **kw)
-            for p in prompts]
+    from jinja2.exceptions import SecurityError, TemplateError
+
+    try:
+        return [tok.apply_chat_template(system + [{"role": "user", "content": p}]
+                                        if isinstance(p, str) else p,
+                                        tokenize=False, add_generation_prompt=True, **kw)
+                for p in prompts]
+    except SecurityError as e:  # the template reached for what the sandbox blocks (os.popen...)
+        fail(f"the model's chat template does what a template may not ({str(e).rstrip('.')}), "
+             "blocked: a template formats messages only; check the chat_template of the model's "
+             "tokenizer_config.json")
+    except TemplateError as e:  # raise_exception in the template, e.g. no system role (Gemma)
+        fix = ("this template takes no system message: put the text into the prompts, or drop "
+               "--system-prompt") if system_prompt is not None else (
+            "give prompts in the form it takes, or a model whose template does")
+        fail(f"the model's chat template refuses the prompt ({e}): {fix}")
 
 
 def check_dataset(name: str, data_files: str | None, flag: str = "--dataset"):

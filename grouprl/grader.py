@@ -156,6 +156,12 @@ def _standalone(text: str, m: re.Match, spans: list, braces: int) -> bool:
         return False
     if before[-1:].isalpha():  # part of a word or a name: K2, x2
         return False
+    # a name or a product: room 4b, 3x (not a unit: 12cm); but a completion that is nothing but
+    # a number and letters is read as the number cut off (the built-in task's '7a' at
+    # --max-new-tokens 2: the digit, then the first letter of whatever followed)
+    if _LETTERS_AFTER.match(text, e) and not (
+            not text[:s].strip() and re.fullmatch(r"[A-Za-z]+\s*", text[e:])):
+        return False
     return _AFTER_EXPR.match(text, e, min(len(text), e + 40)) is None
 
 
@@ -268,7 +274,8 @@ def _final_answer(text: str) -> list[tuple[int, int, int, int]]:
         said.append((marker.start(), found))
     hashes = text.rfind("####", after)
     if hashes >= 0:
-        m = (re.compile(r"\s*:?\s*(" + _NUM + ")").match(text, hashes + 4)
+        glued = "(?!" + _LETTERS_AFTER.pattern + ")"  # '#### 4b' states no number
+        m = (re.compile(r"\s*:?\s*(" + _NUM + ")" + glued).match(text, hashes + 4)
              or re.compile(r"\s*:?\s*(\S[^\n]*)").match(text, hashes + 4))
         said.append((hashes, [(hashes, m.end(1), m.start(1), m.end(1))] if m else []))
     if said:
@@ -338,6 +345,9 @@ _UNIT = re.compile(r"(?<=\S)\s*" + _TEXT_CMD
 _UNIT_WORD = (r"(?:[kcmnµμ]m|\\mu\s*m|[km]g|lbs?|oz|m[lL]|gal|qt|ms|sec|min|hrs?|ft|yd|mi|mph|kph"
               r"|[kMG]?Hz|k[NJW]|kWh|mA|k?Pa|atm|mol|eV|k?cal)")
 _UNIT_LETTER = r"(?:[mgshLNJWVK]|in)"
+# letters glued after a number, unless a unit: '4b' is a name, '3x' a product, '12cm' or '5m²' a unit
+_LETTERS_AFTER = re.compile(r"(?!(?:" + _UNIT_WORD + "|" + _UNIT_LETTER + r"(?=\s*[²³^]))"
+                            r"(?![A-Za-z]))[A-Za-z]")
 _POWER = r"(?:\^\s*\{?\s*[23]\s*\}?|[²³])?"
 _NUMBER_UNIT = re.compile(r"([-+]?[\d.,/]*\d)(?:\s*" + _UNIT_WORD + r"|\s+" + _UNIT_LETTER
                           + ")" + _POWER + r"(?:\s*/\s*(?:" + _UNIT_WORD + "|" + _UNIT_LETTER + ")"
@@ -553,7 +563,7 @@ class _Worker:
     def launch(self):
         import subprocess
 
-        path = json.dumps([os.getcwd(), *sys.path])
+        path = json.dumps(worker_path(self.spec))
         main = threading.current_thread() is threading.main_thread()  # lives as long as we do
         env = {**os.environ, IN_WORKER_ENV: "1"} if self.spec else None
         self.proc = subprocess.Popen([sys.executable, WORKER_FILE, path, self.spec or "",
@@ -830,6 +840,12 @@ def _load_one(spec: str | None, timeout_s: float) -> Reward:
              "function f(completion, answer) -> float in my_rewards.py")
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
+    root, other = module_root(module)
+    if other:  # the same name twice: which one the trainer and its workers both use, said
+        print(f"note: --reward {spec!r}: {module.split('.')[0]!r} is "
+              f"{sys.modules[module.split('.')[0]].__file__} (imported by the trainer, and so by "
+              f"its reward workers); your {other} is not used: rename it to use it",
+              file=sys.stderr)
     # imported in a worker, under a time bound: a module that exits, hangs or leaves a thread at
     # import stops that process, not this one (one imported here already runs nothing on import)
     found = probe(spec) if module in sys.modules else _probe_in_worker(spec, module)
@@ -861,13 +877,45 @@ def _load_one(spec: str | None, timeout_s: float) -> Reward:
     return reward
 
 
+def module_root(module: str) -> tuple[str | None, str | None]:
+    """Where a --reward module's top package is found, the one rule the trainer and its workers
+    share (worker_path puts this folder first): a name already imported here (the project's
+    common, the standard library) from where it was imported, else the working folder first, then
+    sys.path. Returns (that folder, another file of the name in the working folder that loses to
+    it, or None)."""
+    import importlib.machinery
+
+    top = module.split(".")[0]
+    imported = sys.modules.get(top)
+    origin = getattr(imported, "__file__", None) if imported else None
+    if imported is None:
+        found = importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *sys.path])
+        origin = found.origin if found and found.has_location else None
+    if not origin:
+        return None, None
+    root = os.path.dirname(origin)
+    if os.path.basename(origin) == "__init__.py":
+        root = os.path.dirname(root)
+    mine = [p for p in (os.path.join(os.getcwd(), top + ".py"), os.path.join(os.getcwd(), top))
+            if os.path.exists(p)]
+    other = mine[0] if mine and os.path.realpath(root) != os.path.realpath(os.getcwd()) else None
+    return root, other
+
+
+def worker_path(spec: str | None) -> list[str]:
+    """The import path of a reward worker: the trainer's module_root first, so that a worker
+    imports the very file the trainer checked (not a same-named one in the working folder)."""
+    root = module_root(spec.partition(":")[0])[0] if spec else None
+    return [p for p in (root, os.getcwd()) if p] + sys.path
+
+
 def _probe_in_worker(spec: str, module: str) -> dict:
     """reward_worker.probe(spec) in a worker process of its own, bounded by IMPORT_TIMEOUT_S; one
     line when the import ends that process or does not finish."""
     import subprocess
 
     main = threading.current_thread() is threading.main_thread()
-    proc = subprocess.Popen([sys.executable, WORKER_FILE, json.dumps([os.getcwd(), *sys.path]),
+    proc = subprocess.Popen([sys.executable, WORKER_FILE, json.dumps(worker_path(spec)),
                              spec, "probe", str(os.getpid()), "1" if main else "0"],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             env={**os.environ, IN_WORKER_ENV: "1"})

@@ -76,6 +76,78 @@ def tiny_model(tok, moe: bool = False):
     return lm
 
 
+def model_config(name: str, trust_remote_code: bool):
+    """--model's config where it can be read at once (tiny, a local folder, the hub cache), else
+    None (check_model then says why it cannot)."""
+    if name in TINY_MODELS:
+        return tiny_config(tiny_tokenizer(), name == "tiny-moe")
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(os.path.expanduser(name), local_files_only=True,
+                                          trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001 - check_model reads it again, and says what is wrong
+        return None
+
+
+def check_sizes(args):
+    """--lora-rank and --group-size bounded by what the model and the host allow, before the model
+    loads: a rank past every target layer's min(in, out) adds parameters and no capacity (the
+    update of a d_in x d_out weight has rank <= min(d_in, d_out)); on a CPU run, the rollout's rows
+    are planned as the engine's KV cache is (distributed.host_memory_short), at the least each can
+    take: all of --max-new-tokens and one prompt token (the built-in task's own on a tiny model)."""
+    config = model_config(args.model, args.trust_remote_code)
+    if config is None or getattr(config, "hidden_size", None) is None:
+        return
+    if args.lora_rank > 0:
+        from transformers import AutoModelForCausalLM
+
+        from .lora import ALL_LINEAR
+
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        wanted = set(args.lora_target_modules)
+        dims = [min(m.in_features, m.out_features) for layer in skeleton.get_decoder().layers
+                for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)
+                and (ALL_LINEAR in wanted or n.split(".")[-1] in wanted)]
+        if dims and args.lora_rank > max(dims):
+            fail(f"--lora-rank {args.lora_rank}: above {max(dims)}, the largest rank an update of "
+                 f"--model {args.model}'s target layers can have (min(in, out) of a layer): it "
+                 f"adds parameters and no capacity; use at most {max(dims)}")
+    if torch.cuda.is_available():  # the rows then live on the GPU (the engine plans its KV there)
+        return
+    from .distributed import host_memory_short
+
+    rows = args.prompts_per_rank * args.group_size
+    prompt = 1  # tokens; the built-in task's prompts on a tiny model are known exactly
+    if args.dataset == "builtin" and args.model in TINY_MODELS:
+        from .data import builtin_task, chat_prompts
+
+        tok = tiny_tokenizer()
+        text = chat_prompts(tok, [builtin_task(1, 0)[0]["prompt"]], args.enable_thinking,
+                            args.system_prompt)[0]
+        prompt = len(tok(text, add_special_tokens=False).input_ids)
+    positions = prompt + args.max_new_tokens
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layers = config.num_hidden_layers
+    micro = args.micro_batch_size or rows // args.num_minibatches
+    # what autograd keeps a token a layer: ~2 x (4 hidden + 3 MLP widths), the attention weights
+    width = 2 * (4 * config.hidden_size + 3 * (getattr(config, "intermediate_size", None)
+                                               or config.hidden_size))
+    width += config.num_attention_heads * positions
+    parts = {  # fp32 on the CPU
+        f"the KV cache of one group ({args.group_size} rows)":
+            args.group_size * positions * layers * 2 * heads * head_dim * 4,
+        f"the training forward's activations ({micro} rows)": micro * positions * layers * width * 4,
+        f"the rollout's {rows} rows": rows * positions * (8 + 8 + 4 * 4),
+    }
+    if (short := host_memory_short(parts)) is not None:
+        fail(f"--group-size {args.group_size}: {short}, at {prompt} prompt token(s) a row; lower "
+             f"--group-size, --prompts-per-rank (now {args.prompts_per_rank}) or "
+             f"--max-new-tokens (now {args.max_new_tokens}), or set --micro-batch-size")
+
+
 def check_model(name: str, trust_remote_code: bool, gen_mode: str = "shared-prefill",
                 old_logp: str = "recompute", rollout_is_cap: float | None = None,
                 routing_replay: bool = False):

@@ -106,8 +106,8 @@ def answer(fn, kind: str, request: dict) -> dict:
     """The reply to one request, less its id: {'r': ...} or {'e': 'Type: message'}."""
     try:
         if kind == "trl":  # a batch: a list of one reward or None per completion
+            n = len(request["kw"]["completions"])  # counted before the call: a reward may alter it
             rs = fn(**request["kw"])
-            n = len(request["kw"]["completions"])
             if not isinstance(rs, (list, tuple)) or len(rs) != n:
                 raise ValueError(f"the reward returned {type(rs).__name__} "
                                  f"{str(rs)[:40]}, not a list of {n} rewards")

@@ -220,3 +220,34 @@ def test_every_objective_flag_is_fixed_on_resume():
     for script in SCRIPTS:
         own = {f.name for f in dataclasses.fields(importlib.import_module(script).Args)} - common_fields - {"exp_name"}
         assert own <= set(RESUME_FIXED), (script, own - set(RESUME_FIXED))
+
+
+def test_a_save_past_the_file_size_limit_is_not_a_full_disk(tmp_path, monkeypatch):
+    """Issue 54: under `ulimit -f` a save failed with torch's short-write words and was reported as "no space left ...
+    (62.7 GiB free) ... continue from the previous checkpoint", when the disk had room and there was no previous
+    checkpoint. Now the limit is named, and what to do next depends on whether the run has a checkpoint."""
+    import resource
+
+    run = tmp_path / "run"
+    run.mkdir()
+    short = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 2432 vs 2326")
+
+    def write():
+        raise short
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
+    try:
+        line = checkpoint._attempt(write, str(run / ".tmp_step_1"))
+        efbig = checkpoint._attempt(lambda: (_ for _ in ()).throw(OSError(errno.EFBIG, "File too large")),
+                                    str(run / ".tmp_step_1"))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert line == efbig == (f"writing {run}/.tmp_step_1 (removed) went past the file size limit (ulimit -f: 1,048,576 "
+                             "bytes): raise it (ulimit -f unlimited), then start the run again (it has no checkpoint "
+                             "to continue from)")
+    from test_resume import fake_checkpoint
+
+    fake_checkpoint(run / "step_1", step=1, world=1, script="gspo.py")
+    assert checkpoint._attempt(write, str(run / ".tmp_step_2")).endswith(  # no limit: the disk, as before
+        "free space there, then continue with --resume auto from the previous checkpoint")

@@ -330,9 +330,12 @@ def test_hub_columns_through_local_files(tmp_path):
                                                   for i in range(30)])
     train, held, _ = data.load_task("math500", math, 3, 0, tok, False, 2048)
     assert len(held) == 3 and "\\boxed{}" in train[0]["prompt"]
-    own = write_jsonl(tmp_path / "own.jsonl", [{"prompt": "2+2=", "answer": "4"}] * 20)
+    # two distinct prompts x 10: one held out whole, the other trained on (issue 54: one distinct prompt is an error)
+    own = write_jsonl(tmp_path / "own.jsonl", [{"prompt": "2+2=", "answer": "4"},
+                                               {"prompt": "3+3=", "answer": "6"}] * 10)
     train, held, _ = data.load_task(own, None, 2, 0, tok, False, 2048)
-    assert train[0]["prompt"] == "2+2=" and train[0]["answer"] == "4"
+    assert (train[0]["prompt"], train[0]["answer"]) in {("2+2=", "4"), ("3+3=", "6")}
+    assert len(train) == 10 and len(held) == 1 and held[0]["prompt"] != train[0]["prompt"]
 
 
 def test_builtin_task_is_deterministic_and_uniform():

@@ -116,7 +116,8 @@ def test_numbers_as_answers_and_chat_prompts_are_text(tmp_path):
     path = tmp_path / "mixed.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows * 4))
     train, held, dropped = data.load_task(str(path), None, 2, 0, modeling.tiny_tokenizer(), False, 2048)
-    assert dropped == {"no_answer": 4, "too_long": 0} and len(train) + len(held) == 16
+    # 4 distinct prompts x 4: one held out (one row), its 3 copies trained on by neither split (issue 54)
+    assert dropped == {"no_answer": 4, "too_long": 0} and (len(train), len(held)) == (12, 1)
     assert sorted(set(train["answer"]) | set(held["answer"])) == ["2", "3", "4", "5.0"]
     prompts = list(train["prompt"]) + list(held["prompt"])  # a column of text and message lists (datasets' Json)
     assert [{"role": "user", "content": "4%10="}] in prompts and "3%10=" in prompts  # each as given

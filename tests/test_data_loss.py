@@ -212,3 +212,187 @@ def test_a_checkpoint_half_deleted_by_a_kill_while_pruning_is_removed_later(tmp_
     out = capsys.readouterr().out
     assert sorted(p for p in os.listdir(run) if "step_" in p) == ["step_0", "step_5", "step_6"]
     assert "step_0 has no manifest.json" in out, out
+
+
+# -------------------- issue 54 (a): a run folder replaced under the run's feet
+def test_a_run_folder_replaced_mid_run_stops_the_run_in_one_line(tmp_path):
+    """`mv R R.old; mkdir R` while a run writes R: before, its rows went on into R.old (its open metrics.jsonl) and
+    its checkpoints into the new R, which no lock held, so a --resume auto started then became a second writer.
+    The lock is the folder's identity: the next row or save stops the run with one line naming where its folder is
+    now, and nothing is written into the new R; a second run can lock the new R."""
+    import torch
+
+    import common
+    from grouprl import distributed
+
+    run = tmp_path / "gspo__1__1700000000"
+    dist_env = distributed.Dist(0, 1, torch.device("cpu"))
+    checkpoint.claim_run_dir(str(run), None, dist_env)
+    import argparse
+
+    logger = common.Logger(str(run), dist_env, argparse.Namespace(seed=1))
+    try:
+        logger.log(1, {"charts/reward_mean": 0.5})
+        logger.writer.flush()  # tensorboard's thread has written step 1 (in a run: long before the next step)
+        os.rename(run, f"{run}.old")
+        os.mkdir(run)
+        line = checkpoint._attempt(lambda: os.makedirs(run / ".tmp_step_2"), str(run / ".tmp_step_2"))
+        assert line.startswith(f"the run folder {run} was replaced while the run wrote it")
+        with pytest.raises(SystemExit) as e:
+            logger.log(2, {"charts/reward_mean": 0.5})
+        assert str(e.value) == (
+            f"error: the run folder {run} was replaced while the run wrote it (moved away and another made under its "
+            f"name) while writing {run}/metrics.jsonl: this run stops so that no two runs mix in one folder; its rows "
+            f"and checkpoints are in the folder it locked (it is now {run}.old): move it back and continue with "
+            "--resume auto")
+        # nothing in the new folder, and it is not removed as the run's unused fresh folder
+        assert os.listdir(run) == [] and [r["step"] for r in rows_of(f"{run}.old/metrics.jsonl")] == [1]
+    finally:
+        logger.writer.close()
+        checkpoint.release_run_dir()
+    checkpoint.claim_run_dir(str(run), "x/step_0", dist_env)  # the new folder: free to lock
+    checkpoint.release_run_dir()
+
+
+# -------------------- issue 54 (b): a plain --resume continues the run as it was
+def test_a_plain_resume_takes_the_runs_flags_and_prunes_nothing(tmp_path, monkeypatch, capsys):
+    """A run of --keep-checkpoints 0 --save-every 1, resumed by a plain --resume step_3: before, the flags it did not
+    restate went back to their defaults (--keep-checkpoints 2) and the resumed run deleted step_1 and step_2. Now
+    every flag not restated is the run's own (--num-steps 4, --keep-checkpoints 0, ...); a restated one is this
+    run's, and said."""
+    from test_train import run_script
+
+    base = ["--prompts-per-rank", "4", "--save-every", "1", "--log-samples", "0", "--eval-every", "0",
+            "--keep-checkpoints", "0", "--num-steps", "4", "--learning-rate", "1e-3"]
+    _, run = run_script("gspo", base, monkeypatch, tmp_path)
+    capsys.readouterr()
+    rows, _ = run_script("gspo", ["--resume", f"{run}/step_3"], monkeypatch, tmp_path)
+    out = capsys.readouterr().out
+    assert "changed on resume" not in out and [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert sorted(p for p in os.listdir(run) if p.startswith("step_")) == ["step_1", "step_2", "step_3", "step_4"]
+    (aside,) = glob.glob(f"{run}/abandoned_*")  # the first step_4: set aside, as a branch's later checkpoints are
+    assert os.listdir(aside) == ["step_4"] or sorted(os.listdir(aside))[-1] == "step_4"
+    saved = checkpoint.read_trainer_state(f"{run}/step_4")["args"]
+    assert (saved["keep_checkpoints"], saved["prompts_per_rank"], saved["learning_rate"]) == (0, 4, 1e-3)
+    run_script("gspo", ["--resume", f"{run}/step_3", "--num-steps", "5", "--keep-checkpoints", "3"], monkeypatch,
+               tmp_path)
+    assert "changed on resume, in effect from step 4: --num-steps 4 -> 5, --keep-checkpoints 0 -> 3" in \
+        capsys.readouterr().out
+    assert sorted(p for p in os.listdir(run) if p.startswith("step_")) == ["step_3", "step_4", "step_5"]
+
+
+def test_restated_flags_are_read_in_every_spelling():
+    names = {"keep_checkpoints", "symmetric_clip", "learning_rate", "resume"}
+    argv = ["--keep-checkpoints=3", "--no-symmetric-clip", "--learning_rate", "1e-3", "--resume", "x/step_3", "5"]
+    assert checkpoint.restated(argv, names) == names
+
+
+# -------------------- issue 54 (c): an edited trainer_state.json
+@pytest.mark.parametrize("field, value, said", [
+    ("step", -1, "step is -1, not a whole number >= 0"),
+    ("step", 2, "step is 2, not 3 as its folder step_3 says"),
+    ("step", "3", "step is '3', not a whole number >= 0"),
+    ("step", True, "step is True, not a whole number >= 0"),
+    ("world", 0, "world is 0, not a whole number >= 1"),
+    ("world", [2], "world is [2], not a whole number >= 1"),
+    ("script", 7, "script is 7, not a script's file name"),
+    ("args", [], "args is [], not the run's flags by name"),
+    ("reward_curve", ["a"], "reward_curve is ['a'], not a list of rewards"),
+    ("nonfinite_run", -2, "nonfinite_run is -2, not a whole number >= 0"),
+    ("wall_time", "NaN", "wall_time is 'NaN', not seconds >= 0"),
+])
+def test_an_edited_trainer_state_is_one_line_before_any_model(field, value, said, tmp_path, monkeypatch):
+    """trainer_state.json edited (its manifest re-hashed): step -1 resumed "(step -1)" and wrote over step_1-3 in
+    place; wrong types were tracebacks. Every field's type and range, and the step its folder names, are checked."""
+    from test_resume import fake_checkpoint
+
+    ckpt = tmp_path / "gspo__1__1700000000" / "step_3"
+    state = dict(step=3, world=1, script="gspo.py", args={}, reward_curve=[0.5, 0.5, None], nonfinite_run=0,
+                 wall_time=1.5)
+    fake_checkpoint(ckpt, **{**state, field: value})
+    path = ckpt / "state" / "trainer_state.json"
+    assert gspo_main(monkeypatch, tmp_path, "--resume", str(ckpt)) == (
+        f"error: {path}: {said}: the file was edited or damaged; resume from another checkpoint")
+
+
+def test_a_save_never_writes_over_a_step_it_did_not_write(tmp_path, monkeypatch, capsys):
+    """A step_N already there when the run saves its own step N (a copy put there mid-run, a step_N without a manifest
+    that resume leaves alone, an edited trainer_state) is kept as kept_step_N_<time>, never deleted."""
+    from test_train import run_script
+
+    write = checkpoint.write_training_state
+
+    def copy_put_there(folder, *args):
+        theirs = os.path.join(os.path.dirname(os.path.dirname(folder)), "step_2")
+        if folder.endswith(".tmp_step_2/state") and not os.path.exists(theirs):
+            os.makedirs(theirs)
+            open(os.path.join(theirs, "x"), "w").write("theirs")
+        return write(folder, *args)
+
+    monkeypatch.setattr(checkpoint, "write_training_state", copy_put_there)
+    _, run = run_script("gspo", ["--prompts-per-rank", "4", "--save-every", "1", "--log-samples", "0",
+                                 "--eval-every", "0", "--num-steps", "2"], monkeypatch, tmp_path)
+    (kept,) = glob.glob(f"{run}/kept_step_2_*")
+    assert open(f"{kept}/x").read() == "theirs" and f"the earlier one is kept as {kept}" in capsys.readouterr().out
+    assert checkpoint.is_checkpoint(f"{run}/step_2")
+
+
+# -------------------- issue 54: contaminated evaluation
+def jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_repeated_prompts_are_held_out_whole(tmp_path, capsys):
+    """3 distinct prompts x 20 rows: split by row, "54 train / 6 held-out" held out copies of training rows. Now a
+    tenth of the distinct prompts (here 1) is held out, one row, and none of its 20 copies is trained on; said in
+    the held-out line."""
+    from grouprl import data
+    from grouprl import modeling
+
+    path = jsonl(tmp_path / "dup.jsonl", [{"prompt": f"{i}%10=", "answer": str(i)} for i in range(3)] * 20)
+    train, held, _ = data.load_task(path, None, 8, 0, modeling.tiny_tokenizer(), None, 100)
+    assert (len(train), len(held)) == (40, 1) and not set(held["prompt"]) & set(train["prompt"])
+    assert ("held out: 1 of the distinct prompts of --dataset " f"{path} kept apart, one row each, none of their "
+            "copies trained on (its 60 rows repeat prompts;") in capsys.readouterr().out
+    one = jsonl(tmp_path / "one.jsonl", [{"prompt": "1%10=", "answer": "1"}] * 5)
+    with pytest.raises(SystemExit, match="its 5 rows hold 1 distinct prompt; it needs at least 2"):
+        data.load_task(one, None, 8, 0, modeling.tiny_tokenizer(), None, 100)
+
+
+def test_distinct_prompts_split_as_before(tmp_path):
+    """Without repeated prompts the split is the row split it was (the same rows, the same order)."""
+    from datasets import Dataset
+
+    from grouprl import data
+    from grouprl import modeling
+
+    rows = [{"prompt": f"q {i}%10=", "answer": str(i % 10)} for i in range(40)]
+    train, held, _ = data.load_task(jsonl(tmp_path / "d.jsonl", rows), None, 8, 3, modeling.tiny_tokenizer(), None,
+                                    100)
+    want = Dataset.from_list(rows).train_test_split(test_size=4, seed=3)
+    assert (train["prompt"], held["prompt"]) == (want["train"]["prompt"], want["test"]["prompt"])
+
+
+def test_held_out_prompts_are_never_trained_on(tmp_path, capsys, monkeypatch):
+    """--eval-dataset equal to --dataset gave "40 train / 40 held-out": one line, before any model. A test split
+    sharing 2 prompts with train: those training rows are left out, and said."""
+    from grouprl import data
+    from grouprl import modeling
+
+    from test_cli import fails_before_any_model
+
+    rows = [{"prompt": f"q {i}%10=", "answer": str(i % 10)} for i in range(40)]
+    path = jsonl(tmp_path / "forty.jsonl", rows)
+    fails_before_any_model("gspo", ["--dataset", path, "--eval-dataset", path], f"--dataset {path!r}: every training "
+                           "prompt is also a held-out prompt of --eval-dataset (the same data twice?)", monkeypatch,
+                           tmp_path)
+    folder = tmp_path / "tt"
+    folder.mkdir()
+    jsonl(folder / "train.jsonl", rows[:20])
+    jsonl(folder / "test.jsonl", rows[18:25])
+    capsys.readouterr()
+    train, held, _ = data.load_task(str(folder), None, 8, 0, modeling.tiny_tokenizer(), None, 100)
+    assert (len(train), len(held)) == (18, 7) and not set(held["prompt"]) & set(train["prompt"])
+    assert (f"--dataset {folder}: 2 of its 20 training rows have a prompt its split 'test' holds out: not trained "
+            "on, so that the evaluation is held out") in capsys.readouterr().out

@@ -399,3 +399,47 @@ def test_user_reward_may_print(user_rewards, capfd):
     # the two workers print at once, so their lines may interleave; each print reaches stderr, none the replies
     assert err.count("debug:") == 2 and err.count("from a child process") == 2, err
     reward.stop()
+
+
+# Issue 54: a number glued to letters is a name or a product ('room 4b', 'x7', '3x'), not a number stated; a unit
+# glued to a number ('12cm', '5km') is still the number.
+@pytest.mark.parametrize("text, gold, paid", [
+    ("room 4b is free", "4", 0.0),
+    ("the answer is 4b", "4", 0.0),
+    ("#### 4b", "4", 0.0),
+    ("it is x7", "7", 0.0),
+    ("It is 3x", "3", 0.0),
+    ("room 4b is free, so 5 are left", "5", 1.0),  # the number stated is read, the name is skipped
+    ("It is 12cm long", "12", 1.0),
+    ("#### 12cm", "12", 1.0),
+    ("it took 5km", "5", 1.0),
+    ("7a", "7", 1.0),  # a completion of a number and letters alone: cut off (the built-in task at 2 new tokens)
+])
+def test_a_number_glued_to_letters_is_not_a_number_stated(text, gold, paid):
+    assert math_reward(text, gold) == paid
+
+
+def test_trainer_and_workers_resolve_a_reward_module_alike(tmp_path, monkeypatch, capsys):
+    """Issue 54: a common.py of the user's in the working folder and --reward common:length_penalty (a built-in):
+    the trainer checked the project's common, the workers imported the user's and scored 0.75, unsaid. Now both use
+    the module the trainer has imported (the project's: 0 for a short completion), and the clash is said in one
+    line; a name the project does not import (the user's rewards.py) is the working folder's, in both."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "common.py").write_text("def length_penalty(completion, answer):\n    return 0.75\n")
+    (tmp_path / "rewards.py").write_text("def my_fn(completion, answer):\n    return 0.25\n")
+    reward = grader.load_reward("common:length_penalty", 5.0)
+    try:
+        r, errors = score(["ab", "cd"], ["1"], 2, reward, watch=False)
+        assert r.tolist() == [0.0, 0.0] and errors == 0
+    finally:
+        reward.stop()
+    err = capsys.readouterr().err
+    assert (f"note: --reward 'common:length_penalty': 'common' is {common.__file__} (imported by the trainer, and so "
+            f"by its reward workers); your {tmp_path}/common.py is not used: rename it to use it") in err, err
+    reward = grader.load_reward("rewards:my_fn", 5.0)
+    try:
+        r, errors = score(["ab", "cd"], ["1"], 2, reward, watch=False)
+        assert r.tolist() == [0.25, 0.25] and errors == 0
+    finally:
+        reward.stop()
+    assert "note:" not in capsys.readouterr().err

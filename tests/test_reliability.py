@@ -403,7 +403,7 @@ def test_a_deleted_run_folder_or_a_full_disk_while_logging_is_the_saves_one_line
     with pytest.raises(SystemExit) as e:
         logger.log(1, {"charts/reward_mean": 0.5})
     assert str(e.value).startswith("error: no space left on the disk mounted at /dev (") and str(e.value).endswith(
-        "while writing /dev/full: free space there, then continue with --resume auto from the previous checkpoint")
+        "while writing /dev/full: free space there, then start the run again (it has no checkpoint to continue from)")
     # the save: its folder is not made again in a deleted run folder
     line = checkpoint._attempt(lambda: os.makedirs(tmp_path / "run" / ".tmp_step_2"), str(tmp_path / "run" / ".tmp_step_2"))
     assert line.startswith(f"the run folder {tmp_path}/run is gone")
@@ -559,6 +559,7 @@ def test_a_rollout_past_host_memory_and_a_huge_lora_rank_are_one_line_naming_the
     import gspo
 
     fake_meminfo(monkeypatch, tmp_path, 64)  # 64 kB: past the tiny model's KV cache, weights and adapters
+    monkeypatch.setattr(modeling, "check_sizes", lambda args: None)  # the set-up's plan (below): the engine's own
     monkeypatch.setattr(sys, "argv", ["gspo.py", "--output-dir", str(tmp_path / "runs"), "--gen-mode", "engine",
                                       "--prompts-per-rank", "4", "--num-minibatches", "1", "--eval-every", "0",
                                       "--num-steps", "1"])
@@ -576,3 +577,94 @@ def test_a_rollout_past_host_memory_and_a_huge_lora_rank_are_one_line_naming_the
     assert str(e.value) == (f"error: --lora-rank 8: the LoRA adapters of rank 8 ({n:,} fp32 parameters) "
                             f"({4 * n / 2 ** 20:.1f} MiB) and their gradients and AdamW moments ({12 * n / 2 ** 20:.1f} "
                             "MiB) exceed 90% of the 0.1 MiB of host memory available (MemAvailable); lower --lora-rank")
+
+
+@pytest.mark.parametrize("argv, line", [
+    # issue 54: ran 161 s, then the OOM killer took 19 GB and left an empty run folder
+    (["--group-size", "100000", "--prompts-per-rank", "1", "--num-minibatches", "1"],
+     "--group-size 100000: the KV cache of one group (100000 rows) (2.5 GiB) and the training forward's activations "
+     "(100000 rows) (66.5 GiB) and the rollout's 100000 rows (79.3 MiB) exceed 90% of the 16.0 GiB of host memory "
+     "available (MemAvailable), at 24 prompt token(s) a row; lower --group-size, --prompts-per-rank (now 1) or "
+     "--max-new-tokens (now 2), or set --micro-batch-size"),
+    # 486M adapter parameters on a model whose layers are at most 128 wide
+    (["--lora-rank", "100000"], "--lora-rank 100000: above 128, the largest rank an update of --model tiny's target "
+                                "layers can have (min(in, out) of a layer): it adds parameters and no capacity; use "
+                                "at most 128"),
+    (["--lora-rank", "65", "--lora-target-modules", "k_proj", "v_proj"], "--lora-rank 65: above 64,"),
+])
+def test_a_group_or_a_lora_rank_past_what_the_model_and_memory_allow_is_one_line_before_the_model(
+        argv, line, monkeypatch, tmp_path):
+    """--group-size and --lora-rank bounded before the model loads (16 GiB available, mocked): the rollout's rows
+    planned as the engine's KV cache is, at the least a row takes (the built-in prompt's 24 tokens and 2 new ones, 2
+    layers of a 128-wide model: per token and layer 2 x (4 x 128 + 3 x 384) + 4 heads x 26 = 3432 floats kept for
+    the backward: 100000 x 26 x 2 x 3432 x 4 bytes = 66.5 GiB); a rank above every target layer's min(in, out)."""
+    from test_cli import fails_before_any_model
+
+    fake_meminfo(monkeypatch, tmp_path, 16 * 2 ** 20)
+    assert 100000 * 26 * 2 * 3432 * 4 / 2 ** 30 == pytest.approx(66.5, abs=0.05)
+    fails_before_any_model("gspo", argv, line, monkeypatch, tmp_path)
+
+
+def test_the_default_runs_and_a_large_group_that_fits_pass_the_plan(monkeypatch, tmp_path):
+    import gspo
+    from grouprl import cli
+
+    fake_meminfo(monkeypatch, tmp_path, 16 * 2 ** 20)
+    for argv in ([], ["--group-size", "1000"], ["--lora-rank", "128"], ["--model", "tiny-moe", "--lora-rank", "8"]):
+        modeling.check_sizes(cli.fill_defaults(cli.parse_args(gspo.Args, argv)))  # no error
+
+
+@pytest.mark.parametrize("link, target, why", [("loop", "loop", "Too many levels of symbolic links"),
+                                               ("dangling", "no/such/folder", "No such file or directory")])
+@pytest.mark.parametrize("below", ["", "/runs"])
+def test_an_output_dir_that_is_a_link_to_nowhere_is_one_line(link, target, why, below, monkeypatch, tmp_path):
+    """Issue 54: --output-dir a symlink loop or a dangling link (or a folder under one) was a FileExistsError or
+    ELOOP traceback from makedirs."""
+    from test_cli import fails_before_any_model
+
+    os.symlink(target, tmp_path / link)
+    fails_before_any_model("gspo", ["--output-dir", f"{tmp_path}/{link}{below}"],
+                           f"--output-dir {tmp_path}/{link}{below}: {tmp_path}/{link} is a symbolic link that leads to "
+                           f"no folder ({why}): point it at a folder, or give another --output-dir", monkeypatch,
+                           tmp_path)
+
+
+class RunsCode:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("system", "the model's chat template refuses the prompt (System role not supported): this template takes no "
+               "system message: put the text into the prompts, or drop --system-prompt"),
+    ("popen", "the model's chat template does what a template may not (access to attribute '__init__' of 'type' "
+              "object is unsafe), blocked: a template formats messages only; check the chat_template of the model's "
+              "tokenizer_config.json"),
+    ("pickle", "pytorch_model.bin: its pickle calls posix.system, which torch.load (weights_only) refuses: such a "
+               "file can run code when loaded; take weights in safetensors from a source you trust"),
+])
+def test_a_hostile_template_or_pickle_is_one_line(case, needle, tiny_dir, tmp_path, monkeypatch):
+    """Issue 54: a chat template that raises for a system message (Gemma's) with --system-prompt, one that reaches for
+    os.popen (blocked by jinja's sandbox), and a pytorch_model.bin whose pickle calls os.system (refused by
+    torch.load's weights_only) were 33- and 47-line tracebacks; now one line each, before any model is built."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from test_cli import fails_before_any_model
+
+    model = model_copy(tiny_dir, tmp_path / "m")
+    argv = ["--model", model]
+    if case == "pickle":
+        os.remove(f"{model}/model.safetensors")
+        torch.save({"x": RunsCode()}, f"{model}/pytorch_model.bin")
+    else:
+        tok = AutoTokenizer.from_pretrained(model)
+        tok.chat_template = {
+            "system": "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not "
+                      "supported') }}{% endif %}{{ m['content'] }}{% endfor %}",
+            "popen": "{{ cycler.__init__.__globals__.os.popen('id').read() }}"}[case]
+        tok.save_pretrained(model)
+        argv += ["--system-prompt", "Be brief."] if case == "system" else []
+    fails_before_any_model("gspo", argv, needle, monkeypatch, tmp_path)
+    shutil.rmtree(model)

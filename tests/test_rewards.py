@@ -226,6 +226,11 @@ def wrong_length(completions, **kwargs):
     return [1.0]
 
 
+def empties(completions, **kwargs):  # empties the list it was given, then answers for none
+    completions.clear()
+    return []
+
+
 def length(completion, answer):  # the project's form
     return float(len(completion))
 
@@ -355,6 +360,19 @@ def test_a_trl_reward_of_the_wrong_length_is_an_error(trl_rewards, capsys):
     r, errors = score(["a", "b"], {"prompt": ["p"], "answer": ["1"], "text": ["p"]}, 2, reward, watch=False)
     assert r.tolist() == [0.0, 0.0] and errors == 2
     assert "ValueError: the reward returned list [1.0], not a list of 2 rewards" in capsys.readouterr().err
+    reward.stop()
+
+
+def test_a_trl_reward_that_empties_its_completions_is_counted_against_what_it_was_given(trl_rewards, capsys):
+    """Issue 54: a reward that empties its `completions` argument and returns [] was reported as "not a list of 0
+    rewards" (the count read after the call): the count is the completions it was given."""
+    from grouprl import grader
+    from grouprl.rewards import score
+
+    reward = grader.load_reward([f"{trl_rewards}:empties"], 5.0)
+    r, errors = score(["a", "b"], {"prompt": ["p"], "answer": ["1"], "text": ["p"]}, 2, reward, watch=False)
+    assert r.tolist() == [0.0, 0.0] and errors == 2
+    assert "ValueError: the reward returned list [], not a list of 2 rewards" in capsys.readouterr().err
     reward.stop()
 
 

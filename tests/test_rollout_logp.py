@@ -132,12 +132,49 @@ KEYS = ["charts/reward_mean", "losses/policy_loss", "losses/clipfrac", "losses/r
         "losses/grad_norm", "losses/asym"]
 
 
-@pytest.mark.parametrize("script, extra", [("gspo", ["--old-logp", "rollout"]), ("grpo", ["--old-logp", "rollout"]),
+class LoopSpy:
+    """What a script's own loop hands its loss, call by call (log pi_theta, log pi_old), and how many optimizer steps
+    it takes: --num-iterations 2 over 2 minibatches is 4 updates, the minibatches' order twice."""
+
+    def __init__(self, module, name, monkeypatch):
+        self.calls, self.steps, loss = [], 0, getattr(module, name)
+        step = torch.optim.AdamW.step
+
+        def spy_loss(logp, old_logp, *args, **kwargs):
+            self.calls.append((logp.detach().clone(), old_logp.detach().clone()))
+            return loss(logp, old_logp, *args, **kwargs)
+
+        def spy_step(optimizer, *args, **kwargs):
+            self.steps += 1
+            return step(optimizer, *args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy_loss)
+        monkeypatch.setattr(torch.optim.AdamW, "step", spy_step)
+
+    def check(self, minibatches=2, passes=2):
+        """pi_old is fixed across the passes (the same tensor, not recomputed); pi_theta of the first minibatch is
+        pi_old (up to float error); every update is applied: the second pass sees each minibatch at a moved policy,
+        and the optimizer stepped once an update."""
+        assert len(self.calls) == minibatches * passes and self.steps == minibatches * passes, (len(self.calls),
+                                                                                               self.steps)
+        first, *_ = self.calls
+        assert torch.allclose(first[0], first[1], atol=1e-5)
+        for k in range(minibatches):
+            (logp1, old1), (logp2, old2) = self.calls[k], self.calls[k + minibatches]
+            assert torch.equal(old1, old2), k
+            assert (logp2 - logp1).abs().max() > 1e-5, k
+
+
+SCRIPTS = ["grpo", "gspo", "gspo_token", "dfpo", "cispo", "sapo", "gmpo", "vespo"]
+
+
+@pytest.mark.parametrize("script, extra", [*[(s, ["--old-logp", "rollout"]) for s in SCRIPTS],
                                            ("grpo", ["--rollout-is-cap", "2"]),
                                            ("gmpo", ["--rollout-is-cap", "2", "--rollout-is-mode", "sequence-mask"])])
 def test_engine_logprobs_in_the_trainers_dtype_equal_the_recomputed_run(script, extra, monkeypatch, tmp_path):
     """The engine decodes in fp32 on the CPU, as the trainer computes: pi_rollout = pi_old up to float error, so
-    taking pi_old from the rollout, or weighting by min(pi_old / pi_rollout, 2) ~ 1, changes no number beyond it."""
+    taking pi_old from the rollout, or weighting by min(pi_old / pi_rollout, 2) ~ 1, changes no number beyond it;
+    end to end through every script's loop, with --num-iterations 2 (LoopSpy: pi_old fixed, every update applied)."""
     from transformers import AutoModelForCausalLM
 
     import importlib
@@ -146,9 +183,17 @@ def test_engine_logprobs_in_the_trainers_dtype_equal_the_recomputed_run(script, 
     monkeypatch.setattr(common, "score", lambda texts, *a, **kw: (  # common.sample_groups scores
         torch.tensor([float(sum(map(ord, t)) % 2) for t in texts]), 0))
     argv = ["--num-steps", "1", "--prompts-per-rank", "4", "--num-minibatches", "2", "--eval-every", "0",
-            "--gen-mode", "engine", "--learning-rate", "1e-2", "--max-new-tokens", "4", "--log-samples", "0"]
-    base, base_dir = run_script(script, argv, monkeypatch, tmp_path / "recompute")
-    rows, run_dir = run_script(script, argv + extra, monkeypatch, tmp_path / "option")
+            "--gen-mode", "engine", "--learning-rate", "1e-2", "--max-new-tokens", "4", "--log-samples", "0",
+            "--num-iterations", "2"]
+    if script in ("cispo", "sapo", "gmpo", "vespo"):  # ratios off 1 but inside these objectives' bands
+        argv += ["--clip-low", "0.01", "--clip-high", "0.01"] if script != "sapo" else []
+    spies = []
+    runs = []
+    for out, more in (("recompute", []), ("option", extra)):
+        spies.append(LoopSpy(importlib.import_module(script), f"{script}_loss", monkeypatch))
+        runs.append(run_script(script, argv + more, monkeypatch, tmp_path / out))
+        spies[-1].check()
+    (base, base_dir), (rows, run_dir) = runs
     assert all(r["losses/grad_norm"] > 0 and r["losses/approx_kl"] > 1e-7 for r in base)  # the ratios moved
     for a, b in zip(base, rows):
         for key in KEYS:
@@ -162,6 +207,8 @@ def test_engine_logprobs_in_the_trainers_dtype_equal_the_recomputed_run(script, 
         assert "gen/logp_drift" in base[0] and "gen/logp_drift" not in rows[0]  # pi_old is pi_rollout
         # perf/old_logp_s, the pass the option saves: a forward of the rollout against returning it
         assert all(r["perf/old_logp_s"] < a["perf/old_logp_s"] for a, r in zip(base, rows))
+        for (_, old_a), (_, old_b) in zip(spies[0].calls, spies[1].calls):  # the engine's pi_old, to float error
+            assert torch.allclose(old_a, old_b, atol=1e-5)
     (a,) = glob.glob(f"{base_dir}/step_1/model")
     (b,) = glob.glob(f"{run_dir}/step_1/model")
     pa = dict(AutoModelForCausalLM.from_pretrained(a).named_parameters())

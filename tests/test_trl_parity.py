@@ -295,3 +295,83 @@ def test_linear_lr_schedule_is_transformers_linear_after_warmup():
     hf = factors(0.0, lambda opt: get_linear_schedule_with_warmup(opt, 2, 10))
     assert factors(0.0)[2:] == pytest.approx(hf[2:], abs=1e-12)
     assert factors(0.2)[2:] == pytest.approx([0.2 + 0.8 * f for f in hf[2:]], abs=1e-12)
+
+
+def kl_losses():
+    from cispo import cispo_loss
+    from gmpo import gmpo_loss
+    from gspo_token import gspo_token_loss
+    from sapo import sapo_loss
+    from vespo import vespo_loss
+
+    return {  # (loss, its other arguments, TRL's importance level, the loss's aggregation)
+        "grpo": (grpo_loss, dict(clip_low=0.2, clip_high=0.28), "token", "grpo"),
+        "gspo": (gspo_loss, dict(clip_low=3e-4, clip_high=4e-4), "sequence", "grpo"),
+        "gspo_token": (gspo_token_loss, dict(clip_low=3e-4, clip_high=4e-4), "sequence_token", "grpo"),
+        "dfpo": (dfpo_loss, dict(group_size=G, clip_low=3e-4, clip_high=4e-4), "sequence", "grpo"),
+        "cispo": (cispo_loss, dict(clip_low=1.0, clip_high=4.0), "token", "dapo"),
+        "sapo": (sapo_loss, dict(tau_pos=1.0, tau_neg=1.05), "token", "grpo"),
+        # inside GMPO's log-space band (0.4, ratios within e^+-0.3 here) its s_i is TRL's sequence ratio
+        "gmpo": (gmpo_loss, dict(clip_low=0.4, clip_high=0.4), "sequence", "grpo"),
+        "vespo": (vespo_loss, dict(k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0), "token", "dapo"),
+    }
+
+
+@pytest.mark.parametrize("name", ["grpo", "gspo", "gspo_token", "dfpo", "cispo", "sapo", "gmpo", "vespo"])
+def test_bias_corrected_kl_equals_trls_in_every_loss(name):
+    """--kl-ratio-correction (TRL's use_bias_correction_kl) in every loss that takes it: what the KL adds to the loss,
+    loss(beta, kl_ratio) - loss(beta = 0), and its gradient equal TRL's beta agg(coef_1 k3) in float64, with
+    k3 = exp(ref - logp) - (ref - logp) - 1 and coef_1 TRL's importance weight: w_it (token), s_i =
+    exp(1/|y_i| sum_t log w_it) (sequence), or GSPO-token's s_it = sg[s_i] pi / sg[pi] (value s_i, gradient
+    s_i grad log pi). Without the correction the KL adds beta agg(k3), which differs on this batch."""
+    loss_fn, kw, level, agg = kl_losses()[name]
+    logp, old, ref, mask, rewards = batch(3)
+    old = logp + (0.3 if level == "token" else 0.2) * (old - logp)  # ratios off 1, GMPO's inside its band
+    adv = group_advantages(rewards, G, "group", "population", 1e-6)[0].double()
+    a = adv[:, None] * mask if name == "gspo_token" else adv
+
+    def added(x, kl_ratio):
+        return loss_fn(x, old, a, mask, **kw, ref_logp=ref, kl_coef=0.04, kl_ratio=kl_ratio)[0] - \
+            loss_fn(x, old, a, mask, **kw)[0]
+
+    def trl(x, bias_kl):
+        log_w = x - old
+        if level == "sequence":
+            log_w = ((log_w * mask).sum(-1) / mask.sum(-1)).unsqueeze(-1)
+        elif level == "sequence_token":
+            log_w = x - x.detach() + ((log_w * mask).sum(-1) / mask.sum(-1)).detach().unsqueeze(-1)
+        kl = torch.exp(ref - x) - (ref - x) - 1
+        if bias_kl:
+            kl = kl * torch.exp(log_w)
+        if agg == "grpo":
+            return 0.04 * ((kl * mask).sum(-1) / mask.sum(-1)).mean()
+        return 0.04 * (kl * mask).sum() / mask.sum()
+
+    for bias_kl in (True, False):
+        x = logp.clone().requires_grad_()
+        ours = added(x, bias_kl)
+        ours.backward()
+        y = logp.clone().requires_grad_()
+        theirs = trl(y, bias_kl)
+        theirs.backward()
+        assert ours.item() == pytest.approx(theirs.item(), rel=1e-9, abs=1e-12), (name, bias_kl)
+        torch.testing.assert_close(x.grad * mask, y.grad * mask, rtol=1e-9, atol=1e-12)
+    corrected, plain = trl(logp, True).item(), trl(logp, False).item()
+    assert abs(corrected - plain) > 1e-3 * abs(plain), (corrected, plain)  # the correction acts on this batch
+
+
+@pytest.mark.parametrize("script", ["grpo", "gspo", "gspo_token", "dfpo", "cispo", "sapo", "gmpo", "vespo"])
+def test_advantage_defaults(script):
+    """The command line's defaults, as each script parses them: the group's population std (DFPO eq. 43) and verl's
+    eps 1e-6 (TRL's Bessel std and 1e-4 are --adv-std bessel --adv-eps 1e-4). Rewards [1, 0, 0, 0]: A_1 =
+    (3/4) / (sqrt(3/16) + 1e-6) = 1.7320468, where Bessel would give 1.5 and eps 1e-4 1.7316."""
+    import importlib
+
+    from grouprl import cli
+
+    args = cli.parse_args(importlib.import_module(script).Args, [])
+    assert (args.scale_rewards, args.adv_std, args.adv_eps, args.baseline) == ("group", "population", 1e-6,
+                                                                               "group-mean")
+    adv, _ = group_advantages(torch.tensor([1.0, 0, 0, 0]), 4, args.scale_rewards, args.adv_std, args.adv_eps,
+                              args.baseline)
+    assert adv[0].item() == pytest.approx(0.75 / (math.sqrt(3 / 16) + 1e-6), rel=5e-7)

@@ -4,6 +4,7 @@ case by case on the tiny model, each case held or not. Prints every case and the
     nice -n 10 python tools/hostile.py            # ~10 min on 2 busy cores; docs/errors.md quotes its count
     nice -n 10 python tools/hostile.py --quick    # one case of each kind
     python tools/hostile.py --rewards-only        # the bad reward forms alone (in this process, ~1 min)
+    python tools/hostile.py --issue54-only        # issue 54's cases alone (~3 min)
 
 A case holds when:
 - kill -9 at a save phase (writing model/, state/, the manifest, after the rename, while pruning): the
@@ -16,6 +17,11 @@ A case holds when:
   the one before, and ends bitwise equal to the unbroken run.
 - a second writer (--resume auto of a run that is running): refused in one line, exit 1, the first
   run unharmed.
+- issue 54's cases: a run folder replaced mid-run stops in one line and nothing lands in the new
+  one; a plain --resume keeps the run's flags (no checkpoint pruned); an edited trainer_state.json,
+  sizes past memory or the model, --eval-dataset equal to --dataset, an --output-dir link to
+  nowhere, a hostile chat template or pickle, a file size limit: one line each; a user's common.py
+  beside --reward common:length_penalty is said and not used; repeated prompts held out whole.
 - a bad reward (every form: raises, NaN, inf, None, a string, past float32, sleeps past its bound,
   exits, forks, prints; a module that exits, hangs or starts a thread at import): each completion
   scores 0 and is counted, or the run stops in one line before any model is built; never a
@@ -207,6 +213,11 @@ def trl_not_a_list(prompts, completions, **kw):
 
 def trl_nan(prompts, completions, **kw):
     return [math.nan] * len(completions)
+
+
+def trl_empties(prompts, completions, **kw):
+    completions.clear()
+    return []
 '''
 
 IMPORT_BAD = {
@@ -236,7 +247,7 @@ def one_line_error(p) -> bool:
         "Traceback" not in p.err)
 
 
-def main(quick: bool, rewards_only: bool = False):
+def main(quick: bool, rewards_only: bool = False, only54: bool = False):
     cases = Cases()
     tmp = tempfile.mkdtemp(prefix="hostile_")
     os.environ["HOSTILE_PATH"] = tmp  # the reward modules below
@@ -245,8 +256,11 @@ def main(quick: bool, rewards_only: bool = False):
     reward = ["--reward", "hostile_reward:r", "--reward-timeout", "10"]
     t0 = time.time()
     if not rewards_only:
-        run_cases(cases, tmp, reward, quick)
-    reward_cases(cases, tmp, quick)
+        if not only54:
+            run_cases(cases, tmp, reward, quick)
+        issue54_cases(cases, tmp, quick)
+    if not only54:
+        reward_cases(cases, tmp, quick)
     print(f"\nhostile run: {cases.tried} cases tried, {cases.tried - len(cases.failed)} held "
           f"({time.time() - t0:.0f} s)")
     for f in cases.failed:
@@ -343,6 +357,170 @@ def run_cases(cases: Cases, tmp: str, reward: list[str], quick: bool):
 
 
 
+def bare(out, *argv, cwd=ROOT, limit=None):
+    """gspo.py with argv alone (no ARGS), from cwd; limit: the file size limit (ulimit -f), bytes."""
+    import resource
+
+    def ulimit():
+        if limit:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+
+    env = {**os.environ, "PYTHONPATH": os.environ.get("HOSTILE_PATH", "")}
+    env.pop("HOSTILE_KILL", None)
+    where = [] if "--output-dir" in argv else ["--output-dir", out]
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "gspo.py", *argv,
+                        *where], cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
+                       preexec_fn=ulimit)
+    p.out, p.err = p.stdout, p.stderr
+    return p
+
+
+def issue54_cases(cases: Cases, tmp: str, quick: bool):
+    """The cases of issue 54: a run folder replaced mid-run, a plain --resume, an edited
+    trainer_state.json, a reward module named like the project's, sizes past memory, contaminated
+    evaluation, hostile links, templates and pickles, a file size limit."""
+    from grouprl import checkpoint
+    from grouprl import modeling
+
+    short = ["--num-steps", "1", "--eval-every", "0", "--prompts-per-rank", "2",
+             "--num-minibatches", "1", "--max-new-tokens", "2"]
+
+    def files(folder):
+        return sorted(os.path.relpath(os.path.join(d, n), folder)
+                      for d, _, names in os.walk(folder) for n in names)
+
+    # (a) mv R R.old; mkdir R while the run writes R: it stops in one line, nothing lands in R
+    out = f"{tmp}/replaced"
+    flag = f"{tmp}/flag_replaced"
+    first = run(out, "--reward", "hostile_reward:r", "--reward-timeout", "10",
+                reward_env={"HOSTILE_FLAG": flag, "HOSTILE_SLEEP": "3"}, wait=False)
+    while not glob.glob(f"{out}/*/step_2") and first.poll() is None:
+        time.sleep(0.05)
+    open(flag, "w").close()
+    while not os.path.exists(flag + ".in_flight") and first.poll() is None:
+        time.sleep(0.05)
+    (rd,) = glob.glob(f"{out}/*/")
+    rd = rd.rstrip("/")
+    os.rename(rd, rd + ".old")
+    os.mkdir(rd)
+    first.out, first.err = first.communicate(timeout=600)
+    again = run(out, "--resume", "auto")  # R is empty: a fresh run, R.old untouched
+    cases.check("the run folder replaced mid-run (mv R R.old; mkdir R)",
+                one_line_error(first) and "was replaced while the run wrote it" in first.err
+                and os.path.isdir(f"{rd}.old/step_2") and not glob.glob(f"{rd}/step_*")
+                and again.returncode == 0 and not glob.glob(f"{rd}.old/abandoned_*"),
+                f"rc={first.returncode} {first.err[-300:]} again rc={again.returncode}")
+
+    # (b) a plain --resume of a run of --keep-checkpoints 0 --save-every 1: its flags, all kept
+    out = f"{tmp}/plain"
+    p = bare(out, *short[2:], "--num-steps", "4", "--keep-checkpoints", "0", "--save-every", "1")
+    (rd,) = glob.glob(f"{out}/*/")
+    p2 = bare(out, "--resume", f"{rd}step_3")
+    kept = sorted(n for n in os.listdir(rd) if n.startswith("step_"))
+    cases.check("a plain --resume step_3 of a --keep-checkpoints 0 run",
+                p.returncode == 0 and p2.returncode == 0
+                and kept == ["step_1", "step_2", "step_3", "step_4"],
+                f"rc={p.returncode},{p2.returncode} kept={kept} {p2.err[-300:]}")
+
+    # (c) trainer_state.json edited (step -1, a string step), the manifest re-hashed
+    for field, value in [("step", -1), ("step", "3"), ("world", [1])][:1 if quick else 3]:
+        edited = f"{tmp}/edited"
+        shutil.rmtree(edited, ignore_errors=True)
+        shutil.copytree(out, edited)
+        (rd,) = glob.glob(f"{edited}/*/")
+        path = f"{rd}step_3/state/trainer_state.json"
+        state = json.load(open(path))
+        json.dump({**state, field: value}, open(path, "w"))
+        checkpoint.write_manifest(f"{rd}step_3")
+        before = files(rd)
+        p = bare(edited, "--resume", f"{rd}step_3")
+        cases.check(f"trainer_state.json edited ({field} {value!r}), then --resume",
+                    one_line_error(p) and "the file was edited or damaged" in p.err
+                    and files(rd) == before, f"rc={p.returncode} {p.err[-300:]}")
+
+    # a common.py of the user's beside --reward common:length_penalty; a user's rewards.py
+    user = f"{tmp}/user"
+    os.makedirs(user, exist_ok=True)
+    with open(f"{user}/common.py", "w") as f:
+        f.write("def length_penalty(completion, answer):\n    return 0.75\n")
+    with open(f"{user}/rewards.py", "w") as f:
+        f.write("def my_fn(completion, answer):\n    return 0.25\n")
+    for spec, want in [("common:length_penalty", 0.0), ("rewards:my_fn", 0.25)]:
+        p = bare(f"{user}/runs", *short, "--reward", spec, "--truncated-reward-scale", "1",
+                 cwd=user)
+        rows = [json.loads(line) for m in glob.glob(f"{user}/runs/*/metrics.jsonl")
+                for line in open(m)]
+        got = rows[-1]["charts/reward_mean"] if rows else None
+        said = ("note: --reward 'common:length_penalty': 'common' is" in p.err) == (
+            spec.startswith("common"))
+        cases.check(f"--reward {spec} beside a user's common.py and rewards.py",
+                    p.returncode == 0 and got == want and said,
+                    f"rc={p.returncode} reward={got} {p.err[-300:]}")
+        shutil.rmtree(f"{user}/runs", ignore_errors=True)
+
+    # one line before any model: sizes past memory and the model, contaminated evaluation, links
+    data = f"{tmp}/data"
+    os.makedirs(data, exist_ok=True)
+    with open(f"{data}/forty.jsonl", "w") as f:
+        f.writelines(json.dumps({"prompt": f"q {i}%10=", "answer": str(i % 10)}) + "\n"
+                     for i in range(40))
+    with open(f"{data}/dup.jsonl", "w") as f:
+        f.writelines(json.dumps({"prompt": f"{i}%10=", "answer": str(i)}) + "\n"
+                     for i in list(range(3)) * 20)
+    for link, target in [("loop", "loop"), ("dangling", "no/such/folder")]:
+        if not os.path.lexists(f"{tmp}/{link}"):
+            os.symlink(target, f"{tmp}/{link}")
+    tok = modeling.tiny_tokenizer()
+    models = {}
+    for name, template in [("system", "{% for m in messages %}{% if m['role'] == 'system' %}"
+                                      "{{ raise_exception('System role not supported') }}{% endif %}"
+                                      "{{ m['content'] }}{% endfor %}"),
+                           ("popen", "{{ cycler.__init__.__globals__.os.popen('id').read() }}"),
+                           ("pickle", None)]:
+        folder = models[name] = f"{tmp}/model_{name}"
+        if not os.path.isdir(folder):
+            modeling.tiny_model(tok).save_pretrained(folder)
+            t = modeling.tiny_tokenizer()
+            t.chat_template = template or t.chat_template
+            t.save_pretrained(folder)
+            if template is None:  # a pickle that calls os.system when loaded
+                import torch
+
+                os.remove(f"{folder}/model.safetensors")
+                with open(f"{folder}/pytorch_model.bin", "wb") as f:
+                    torch.save({"x": RunsCode()}, f)
+    one_line = [
+        (["--group-size", "1000000", "--prompts-per-rank", "1", "--num-minibatches", "1"],
+         "exceed 90% of the"),
+        (["--lora-rank", "100000"], "use at most 128"),
+        (["--dataset", f"{data}/forty.jsonl", "--eval-dataset", f"{data}/forty.jsonl"],
+         "every training prompt is also a held-out prompt"),
+        (["--output-dir", f"{tmp}/loop"], "is a symbolic link that leads to no folder"),
+        (["--output-dir", f"{tmp}/dangling/runs"], "is a symbolic link that leads to no folder"),
+        (["--model", models["system"], "--system-prompt", "Be brief."], "takes no system message"),
+        (["--model", models["popen"]], "does what a template may not"),
+        (["--model", models["pickle"]], "such a file can run code when loaded"),
+    ]
+    for argv, needle in one_line[:3] if quick else one_line:
+        p = bare(f"{tmp}/one_line", *short, *argv)
+        cases.check(f"{' '.join(os.path.basename(a) for a in argv)}: one line",
+                    one_line_error(p) and needle in p.err and p.err.count("\n") < 3,
+                    f"rc={p.returncode} {p.err[-300:]}")
+    p = bare(f"{tmp}/dup", *short, "--dataset", f"{data}/dup.jsonl")
+    cases.check("3 distinct prompts x 20 rows: held out by distinct prompt",
+                p.returncode == 0 and "40 train / 1 held-out" in p.out,
+                f"rc={p.returncode} {p.out[-300:]} {p.err[-300:]}")
+    p = bare(f"{tmp}/ulimit", *short, limit=2 << 20)
+    cases.check("ulimit -f 2 MiB: the save's line names the limit",
+                one_line_error(p) and "file size limit" in p.err and "no space" not in p.err
+                and "it has no checkpoint" in p.err, f"rc={p.returncode} {p.err[-300:]}")
+
+
+class RunsCode:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
 def reward_cases(cases: Cases, tmp: str, quick: bool):
     """Every bad reward form, through the trainer's own path (grader.load_reward, rewards.score)."""
     from grouprl import grader
@@ -390,4 +568,5 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
         child(sys.argv[2:])
     else:
-        sys.exit(main("--quick" in sys.argv[1:], "--rewards-only" in sys.argv[1:]))
+        sys.exit(main("--quick" in sys.argv[1:], "--rewards-only" in sys.argv[1:],
+                      "--issue54-only" in sys.argv[1:]))

@@ -95,13 +95,8 @@ def test_a_slow_steps_rollout_is_in_view(monkeypatch, tmp_path, capsys):
 
 def test_a_stop_signal_during_the_step0_evaluation_is_named(tmp_path):
     """SIGTERM while the step-0 evaluation generates: one line naming it, nothing saved."""
-    code = ("import sys, time; sys.path.insert(0, %r); import common, gspo\n"
-            "def stall(*a, **k):\n    print('waiting', flush=True); time.sleep(60)\n"
-            "common.generate = stall\n"
-            "sys.argv = ['gspo.py', '--output-dir', %r, '--num-steps', '1', '--eval-every', '1']\n"
-            "gspo.main()\n") % (ROOT, str(tmp_path / "runs"))
-    p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+    p = subprocess.Popen([sys.executable, "tests/stall.py", "common.generate", str(tmp_path / "runs"), "--eval-every",
+                          "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in p.stdout:
         if line == "waiting\n":
             break

@@ -35,8 +35,8 @@ from grouprl.grader import Reward, extract_answer
 from grouprl.modeling import Policy
 from grouprl.rewards import score
 from grouprl.progress import ROLLOUT_BAR_DELAY, GenBar
-from grouprl.stats import (high_entropy_tokens, log_ratio_spread, nanstd, noise_stats, pass_at_k,
-                           reduce_stats)
+from grouprl.stats import (high_entropy_tokens, local_grads, log_ratio_spread, nanstd, noise_stats,
+                           pass_at_k, reduce_stats)
 
 
 # -------------------- generation
@@ -680,7 +680,11 @@ class Updates:
         self.micro_stats.append({**loss_stats, **log_ratio_spread(
             logp, old_logp, self.mask[micro], first=update == 0)})
         if self.args.noise_stats:  # --noise-stats: the weights' spread, the halves' gradients
-            self.micro_stats[-1].update(noise_stats(self, logp, old_logp, self.mask[micro], update))
+            grads, second = local_grads(self.policy), len(self.micro_stats) == 2
+            self.micro_stats[-1].update(noise_stats(logp, old_logp, self.mask[micro], update, grads,
+                                                    self.half if second else None))
+            if not second:  # the minibatch's first half: its gradient kept for the second
+                self.half = [g.detach().clone() for g in grads]
         if dropped is not None:
             self.micro_stats[-1]["losses/opsm_frac"] = dropped
 

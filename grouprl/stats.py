@@ -46,53 +46,58 @@ def high_entropy_tokens(entropy, mask, quantile: float):
     return ((entropy * mask >= threshold) & mask.bool()).to(mask.dtype), threshold.item()
 
 
+def moments(x: torch.Tensor, n) -> tuple:
+    """(sum, sum of squares, count) in float64: a variance as reduce_stats adds it up."""
+    x = x.double()
+    return (x.sum(), (x * x).sum(), torch.as_tensor(n, dtype=torch.float64))
+
+
+NO_MOMENTS = (torch.zeros((), dtype=torch.float64),) * 3  # nothing counted
+
+
 def log_ratio_spread(logp, old_logp, mask, first: bool) -> dict:
     """The variance of the token log-ratios log w_it = log pi - log pi_old over a micro-batch's
     completion tokens, as (sum, sum of squares, count) for reduce_stats, keyed by whether the
     minibatch is the step's first (where pi = pi_old: 0 up to float error, unless an MoE's routing
     or the rollout's numerics differ) or a later one (pi has taken optimizer steps)."""
     with torch.no_grad():
-        x = torch.where(mask.bool(), logp - old_logp, 0.0).double()
-        moments = (x.sum(), (x * x).sum(), mask.sum().double())
-        zero = (torch.zeros((), dtype=torch.float64),) * 3
-    return {"losses/log_ratio_var_first": moments if first else zero,
-            "losses/log_ratio_var_later": zero if first else moments}
+        spread = moments(torch.where(mask.bool(), logp - old_logp, 0.0), mask.sum())
+    return {"losses/log_ratio_var_first": spread if first else NO_MOMENTS,
+            "losses/log_ratio_var_later": NO_MOMENTS if first else spread}
+
+
+def local_grads(policy) -> list[torch.Tensor]:
+    """This rank's parameter gradients (an FSDP2 shard's local part)."""
+    return [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            for p in policy.parameters() if p.grad is not None]
 
 
 @torch.no_grad()
-def noise_stats(updates, logp, old_logp, mask, update: int) -> dict:
+def noise_stats(logp, old_logp, mask, update: int, grads: list, half: list | None) -> dict:
     """--noise-stats, one micro-batch (half a minibatch): after the first update (update > 0), the
     moments over sequences of x_i = 1/|y_i| sum_t log w_it (log s_i, GSPO's ratio) and of |y_i| x_i
-    (log prod_t w_it, the product GRPO's token ratios make), as (sum, sum of squares, count); and at
-    the minibatch's second half, the cosine between the two halves' gradients, g_1 (kept at the
-    first) and g_2 = grad - g_1, over every parameter on all ranks (GSPO arXiv 2507.18071 sec. 3:
-    token-level weights add noise that grows with the length)."""
-    zero = (torch.zeros((), dtype=torch.float64),) * 3
-    later = update > 0 and mask.sum() > 0
+    (log prod_t w_it, the product GRPO's token ratios make); and at the minibatch's second half
+    (half: the gradients g_1 after its first; None: this is the first), the cosine between the two
+    halves' gradients, g_1 and g_2 = grads - g_1, over every parameter on all ranks (GSPO arXiv
+    2507.18071 sec. 3: token-level weights add noise that grows with the length)."""
     rows = mask.sum(1) > 0
     log_sum = torch.where(mask.bool(), logp - old_logp, 0.0).double().sum(1)[rows]
-    log_mean = log_sum / mask.sum(1)[rows]
-
-    def moments(x):
-        return (x.sum(), (x * x).sum(), torch.tensor(float(len(x)), dtype=torch.float64)) \
-            if later else zero
-    out = {"noise/seq_log_ratio_var": moments(log_mean), "noise/seq_log_ratio_sum_var": moments(log_sum)}
-    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-             for p in updates.policy.parameters() if p.grad is not None]
-    key = "noise/grad_cos_first" if update == 0 else "noise/grad_cos_later"
-    other = "noise/grad_cos_later" if update == 0 else "noise/grad_cos_first"
-    out[other] = (0.0, 0.0)
-    if len(updates.micro_stats) == 1:  # the minibatch's first half: keep its gradient
-        updates.half = [g.detach().clone() for g in grads]
-        out[key] = (0.0, 0.0)
+    later = update > 0 and bool(rows.any())
+    out = {"noise/seq_log_ratio_var": moments(log_sum / mask.sum(1)[rows], len(log_sum))
+           if later else NO_MOMENTS,
+           "noise/seq_log_ratio_sum_var": moments(log_sum, len(log_sum)) if later else NO_MOMENTS,
+           "noise/grad_cos_first": (0.0, 0.0), "noise/grad_cos_later": (0.0, 0.0)}
+    if half is None:
         return out
     dots = torch.zeros(3, dtype=torch.float64, device=grads[0].device)
-    for g1, g in zip(updates.half, grads):
+    for g1, g in zip(half, grads):
         g2 = g - g1
         dots += torch.stack([(g1 * g2).sum(), (g1 * g1).sum(), (g2 * g2).sum()]).double()
     d = all_reduce(dots)
     # a half with no gradient (its groups' rewards all equal) has no direction: not counted
-    out[key] = ((d[0] / (d[1] * d[2]).sqrt()).item(), 1.0) if d[1] * d[2] > 0 else (0.0, 0.0)
+    if d[1] * d[2] > 0:
+        key = "noise/grad_cos_first" if update == 0 else "noise/grad_cos_later"
+        out[key] = ((d[0] / (d[1] * d[2]).sqrt()).item(), 1.0)
     return out
 
 

@@ -113,15 +113,16 @@ def write_task(folder: str) -> tuple[str, str]:
     return paths[0], paths[1]
 
 
-def run_all(args, wanted: list[str], seeds: list[int], commands: dict = COMMANDS, budget: list[str] = BUDGET):
+def run_all(args, wanted: list[str], seeds: list[int], commands: dict = COMMANDS, budget: list[str] = BUDGET,
+            task=write_task):
     """Seed-major, so that an interrupted experiment still has every command on the first seeds; each run's logs
     are copied to {out}/logs/{name}__{seed}/ and its run folder (checkpoint included) deleted. commands, budget:
-    another experiment's on the same task (precision_runs.py, energy_runs.py); a command's flags follow the
-    budget's."""
+    another experiment's (precision_runs.py, energy_runs.py, mixed_task_runs.py); a command's flags follow the
+    budget's. task(folder) -> (train.jsonl, test.jsonl): the task's files, written there."""
     if not os.path.isdir(args.model):
         raise SystemExit(f"--model {args.model}: no such folder; write it with python tools/real_model.py")
     runs, logs = os.path.join(args.out, "runs"), os.path.join(args.out, "logs")
-    train, test = write_task(os.path.join(runs, "data"))
+    train, test = task(os.path.join(runs, "data"))
     jobs, names = [], {}
     for seed in seeds:
         for name in wanted:
@@ -140,13 +141,13 @@ def run_all(args, wanted: list[str], seeds: list[int], commands: dict = COMMANDS
     run_jobs(jobs, args.workers, after=lambda label: keep_logs(runs, logs, *names[label]))
 
 
-def run_and_report(args, script: str, commands: dict, budget: list[str], what: str, table) -> str:
+def run_and_report(args, script: str, commands: dict, budget: list[str], what: str, table, task=write_task) -> str:
     """Another experiment on this task (precision_runs.py, energy_runs.py): its runs (run_all, unless
     --table-only), then {out}/table.md: the command line, the seeds, `what` (the budget and statistics), and
     table(logs, seeds) from the logs under {out}/logs; printed and returned."""
     seeds = list(range(1, args.seeds + 1))
     if not args.table_only:
-        run_all(args, only_commands(args.only, commands), seeds, commands, budget)
+        run_all(args, only_commands(args.only, commands), seeds, commands, budget, task)
     report = (f"`python experiments/{script} {' '.join(sys.argv[1:])}`: seeds {seeds}, {what}\n\n"
               f"{table(os.path.join(args.out, 'logs'), seeds)}\n")
     os.makedirs(args.out, exist_ok=True)
@@ -157,12 +158,12 @@ def run_and_report(args, script: str, commands: dict, budget: list[str], what: s
 
 
 def keep_logs(runs: str, logs: str, name_s: str, seed) -> None:
-    """A finished run's metrics.jsonl, samples.jsonl and args.json to {logs}/{name_s}__{seed}/, and its run folder
+    """A finished run's metrics.jsonl, samples.jsonl, eval_samples.jsonl and args.json to {logs}/{name_s}__{seed}/, and its run folder
     under runs (the 1.8 GB checkpoint) removed."""
     (run,) = glob.glob(os.path.join(runs, f"{name_s}__{seed}__*"))
     dest = os.path.join(logs, f"{name_s}__{seed}")
     os.makedirs(dest, exist_ok=True)
-    for f in ("metrics.jsonl", "samples.jsonl", "args.json"):
+    for f in ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl", "args.json"):
         if os.path.exists(os.path.join(run, f)):
             shutil.copy(os.path.join(run, f), dest)
     shutil.rmtree(run)

@@ -13,11 +13,19 @@ the fraction of tokens clipped, and the time a step takes with and without the r
     python experiments/precision_runs.py              # 6 configurations x 3 seeds, one step each
     python experiments/precision_runs.py --table-only
     python experiments/precision_runs.py --curves     # 5 configurations x 3 seeds, 8 steps each: reward curves
+    python experiments/precision_runs.py --corrections   # the rollout corrections, 5 configurations x 3 seeds
 
 --curves: the learning runs' budget (real_model_runs.py: 8 steps, 2 minibatches a step, so later minibatches are
 off-policy) without its evaluation, the bf16 engine throughout, into {out}/curves: the reward curve, its Jitter2
 (DFPO eq. 20), the clip fraction over steps, and perf/old_logp_s, the seconds of the recomputation pass that
 `--old-logp rollout` skips (the time a step saves).
+
+--corrections (issue 51 item 3): GSPO with pi_old recomputed and each of TRL's rollout-correction modes at its
+default C_max = 3 (token or sequence ratio pi_old / pi_rollout, truncated or masked), and GSPO with the rollout's
+likelihoods as pi_old and OPSM (DeepSeek-V3.2 arXiv 2512.02556 eq. 9, TRL's suggested delta 0.5), the one-step
+budget above, into {out}/corrections: the fraction of tokens each truncates or masks, the mismatch it sees (KL and
+chi2 of pi_old against pi_rollout, token means), the sequences OPSM drops, the ratio range and clip fraction, beside
+the two GSPO rows of the main table (read from {out}/logs).
 
 Each run's metrics.jsonl and args.json are kept under {out}/logs/ (its checkpoint is deleted).
 """
@@ -51,6 +59,22 @@ COMMANDS = {
 CURVE_BUDGET = [*real_model_runs.BUDGET[:real_model_runs.BUDGET.index("--eval-every")], "--eval-every", "0",
                 "--log-samples", "0", "--gen-mode", "engine"]
 CURVE_COMMANDS = {name.replace(",", ""): flags for name, flags in COMMANDS.items() if "fp32" not in name}  # --only
+# --corrections: TRL's four modes at its default C_max (GRPOConfig.vllm_importance_sampling_cap = 3), and OPSM
+CORRECTIONS = {f"gspo, recomputed, {mode} 3": ["gspo.py", *BF16, "--rollout-is-mode", mode, "--rollout-is-cap", "3"]
+               for mode in ("token-truncate", "token-mask", "sequence-truncate", "sequence-mask")}
+CORRECTIONS["gspo, rollout, OPSM 0.5"] = ["gspo.py", *BF16, "--old-logp", "rollout", "--off-policy-mask", "0.5"]
+BASELINES = ["gspo, recomputed", "gspo, rollout"]  # the main table's rows, from its logs
+CORRECTION_COLUMNS = {
+    "rollout_is/capped_frac": "tokens truncated",
+    "rollout_is/masked_frac": "tokens masked",
+    "losses/opsm_frac": "sequences dropped (OPSM)",
+    "rollout_is/weight_mean": "weight mean",
+    "rollout_is/kl": "KL(pi_old, pi_rollout) a token",
+    "rollout_is/chi2": "chi2 a token",
+    "losses/ratio_min": "ratio min (s_i)",
+    "losses/ratio_max": "ratio max (s_i)",
+    "losses/clipfrac": "clip fraction (tokens)",
+}
 COLUMNS = {  # metrics.jsonl key -> column
     "losses/log_ratio_var_first": "Var log w_it",
     "losses/ratio_min": "ratio min (w_it or s_i)",
@@ -69,23 +93,38 @@ class Args(real_model_runs.Args):  # the same flags, another folder
     """where the data, runs, logs/ and table.md go ({out}/curves with --curves)"""
     curves: bool = False
     """the reward curves: CURVE_COMMANDS for 8 steps (CURVE_BUDGET) instead of one step"""
+    corrections: bool = False
+    """the rollout corrections: CORRECTIONS for one step (BUDGET), into {out}/corrections"""
 
 
-def table(logs: str, seeds: list[int]) -> str:
-    """One row a configuration: each column's mean ± sample std over the seeds whose logs are there."""
-    lines = ["| configuration | seeds | " + " | ".join(COLUMNS.values()) + " |", "|---|---" + "|---" * len(COLUMNS) + "|"]
-    for name in COMMANDS:
+def table(logs: str, seeds: list[int], commands=COMMANDS, columns=COLUMNS, logs_of=None) -> str:
+    """One row a configuration: each column's mean ± sample std over the seeds whose logs are there (a row's
+    logs under logs_of(name) where given, else under logs)."""
+    lines = ["| configuration | seeds | " + " | ".join(columns.values()) + " |", "|---|---" + "|---" * len(columns) + "|"]
+    for name in commands:
+        where = logs_of(name) if logs_of else logs
         rows = [json.loads(open(p).readlines()[-1]) for s in seeds
-                if os.path.exists(p := os.path.join(logs, f"{exp_name(name)}__{s}", "metrics.jsonl"))]
+                if os.path.exists(p := os.path.join(where, f"{exp_name(name)}__{s}", "metrics.jsonl"))]
         if not rows:
             continue
         cells = []
-        for key in COLUMNS:
+        for key in columns:
             xs = [r[key] for r in rows if r.get(key) is not None]
             digits = 0 if key == "perf/wall_time" else 4
-            cells.append("" if not xs else sci(xs) if key == "losses/log_ratio_var_first" else fmt(xs, digits))
+            cells.append("" if not xs else sci(xs) if key in SCI else fmt(xs, digits))
         lines.append(f"| {name} | {len(rows)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+SCI = ("losses/log_ratio_var_first", "rollout_is/kl", "rollout_is/chi2")  # columns spanning decades
+
+
+def correction_table(logs: str, seeds: list[int]) -> str:
+    """The main table's two GSPO rows (from {out}/logs, beside {out}/corrections) and CORRECTIONS, with
+    CORRECTION_COLUMNS; a column a configuration does not log stays empty."""
+    main_logs = os.path.join(os.path.dirname(os.path.dirname(logs)), "logs")
+    return table(logs, seeds, [*BASELINES, *CORRECTIONS], CORRECTION_COLUMNS,
+                 lambda name: main_logs if name in BASELINES else logs)
 
 
 def curve_table(logs: str, seeds: list[int]) -> str:
@@ -125,6 +164,15 @@ def curve_table(logs: str, seeds: list[int]) -> str:
 
 def main():
     args = tyro.cli(Args)
+    if args.corrections and args.curves:
+        raise SystemExit("--corrections and --curves are two experiments: give one")
+    if args.corrections:
+        args.out = os.path.join(args.out, "corrections")
+        run_and_report(args, "precision_runs.py", CORRECTIONS, BUDGET,
+                       f"one step of `{' '.join(BUDGET)}` on {os.path.basename(args.model)}, the bf16 engine; the "
+                       "first two rows are the main table's runs; mean ± sample std (ddof 1) over seeds.",
+                       correction_table)
+        return
     if args.curves:
         args.out = os.path.join(args.out, "curves")
         run_and_report(args, "precision_runs.py", CURVE_COMMANDS, CURVE_BUDGET,

@@ -235,3 +235,26 @@ def test_new_objectives_rows_pair_with_gspo_and_say_n_a_for_what_a_script_does_n
     assert len(rm.COMMANDS) == 13 and len(styles) == 13
     if rm.plot(result, str(tmp_path / "p.png")):  # a missing curve leaves its line out (False: no matplotlib)
         assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_committed_tables_rebuild_from_committed_logs():
+    """Issue 51 item 4: each committed real-model table is what --table-only computes from the committed logs beside
+    it (real_model_runs, precision_runs and its --curves, energy_runs and its --minibatch last; mixed_task_runs once
+    its logs are committed): a table edited by hand, or logs committed without their table, fail here."""
+    import energy_runs
+    import mixed_task_runs
+    import precision_runs
+    import real_model_runs as rm
+
+    results = os.path.join(ROOT, "experiments", "results")
+    read = lambda out: open(os.path.join(results, out, "table.md")).read()  # noqa: E731
+    found = rm.summarize(os.path.join(results, "real_model", "logs"), [1, 2, 3, 4, 5])
+    assert len(found) >= 7
+    for part in (rm.table(found), rm.paired(found), rm.mechanism_table(found)):
+        assert part in read("real_model")
+    tables = [(precision_runs.table, "precision"), (precision_runs.curve_table, "precision/curves"),
+              (energy_runs.table, "real_model_energy"), (energy_runs.table, "real_model_energy/last")]
+    if os.path.isdir(os.path.join(results, "mixed_task", "logs")):
+        tables.append((mixed_task_runs.table, "mixed_task"))
+    for table, out in tables:
+        assert table(os.path.join(results, out, "logs"), [1, 2, 3]) in read(out), out

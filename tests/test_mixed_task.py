@@ -82,8 +82,8 @@ def test_mixed_task_table_from_fabricated_logs(tmp_path):
     # 0.35); sub 0 -> (4/16, 4/16) 0.25 ± 0.00; word add 0 -> (0, 8/16) 0.25 ± 0.35; word sub 0 -> (12/16, 4/16)
     # 0.50 ± 0.35; grpo logged no eval_samples.jsonl: empty cells
     by_form = lines[lines.index("| objective | add | sub | word add | word sub |") + 2:][:2]
-    assert by_form == ["| gspo | 0.25 ± 0.35 → 0.75 ± 0.35 | 0.00 ± 0.00 → 0.25 ± 0.00 | 0.00 ± 0.00 → 0.25 ± 0.35 "
-                       "| 0.00 ± 0.00 → 0.50 ± 0.35 |", "| grpo |  |  |  |  |"]
+    assert by_form == ["| gspo | 0.25 ± 0.35 → 0.75 ± 0.35 | 0.00 ± 0.00 → 0.25 ± 0.00 "
+                       "| 0.00 ± 0.00 → 0.25 ± 0.35 | 0.00 ± 0.00 → 0.50 ± 0.35 |", "| grpo |  |  |  |  |"]
     assert lines[-3:] == [
         "- gspo, held-out change (last - step 0) by seed: seed 1: +0.400, seed 2: +0.200 (mean 0.300 ± 0.141)",
         "- grpo, held-out change (last - step 0) by seed: seed 1: +0.500, seed 2: +0.100, seed 3: +0.000 "

@@ -23,6 +23,7 @@ import glob
 import json
 import os
 import random
+import shlex
 import shutil
 import sys
 import time
@@ -169,7 +170,7 @@ def run_and_report(args, script: str, commands: dict, budget: list[str], what: s
     seeds = list(range(1, args.seeds + 1))
     if not args.table_only:
         run_all(args, only_commands(args.only, commands), seeds, commands, budget, task)
-    report = (f"`python experiments/{script} {' '.join(sys.argv[1:])}`: seeds {seeds}, {what}\n\n"
+    report = (f"`python experiments/{script} {shlex.join(sys.argv[1:])}`: seeds {seeds}, {what}\n\n"
               f"{table(os.path.join(args.out, 'logs'), seeds)}\n")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "table.md"), "w") as f:
@@ -336,7 +337,7 @@ def main():
     what = ("rebuilt from the logs under logs/" if args.table_only
             else f"{time.time() - t0:.0f} s, {args.workers} runs at a time")
     report = (f"# Learning on a real model: SmolLM2-135M-Instruct, 2-digit addition\n\n"
-              f"`python experiments/real_model_runs.py {' '.join(sys.argv[1:])}`: {what}. Mean ± sample std "
+              f"`python experiments/real_model_runs.py {shlex.join(sys.argv[1:])}`: {what}. Mean ± sample std "
               f"(ddof 1) over seeds. Held-out: {HELD_OUT} sums never trained on (both orders), the first 64 "
               f"evaluated.\n\n{BUDGET_WHY}\n\nEvery command: `{' '.join(BUDGET)}`\n\n{table(result)}\n\n"
               f"{paired(result)}\n\n"

@@ -63,9 +63,13 @@ def test_table_only_on_fabricated_logs(tmp_path):
     fake_run(logs / "gspo__2", [0.1, 0.1, 0.3, 0.3], (0.20, 0.30))
     fake_run(logs / "dfpo__1", [0.2, 0.1, 0.2, 0.3], (0.25, 0.25), clip=0.3)
     p = subprocess.run([sys.executable, "experiments/real_model_runs.py", "--table-only", "--seeds", "2",
-                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                        "--out", str(tmp_path), "--only", "gspo,gspo --lora-rank 16"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     table = (tmp_path / "table.md").read_text()
+    # the command line as a shell takes it back: a name with spaces quoted
+    assert (f"`python experiments/real_model_runs.py --table-only --seeds 2 --out {tmp_path} "
+            "--only 'gspo,gspo --lora-rank 16'`: rebuilt") in table
     rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in table.split("Mechanism")[0].splitlines()
             if line.startswith("| g")
             or line.startswith("| d")}

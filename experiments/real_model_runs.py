@@ -1,7 +1,8 @@
 """Learning on a real model (issue 35 item 4): SmolLM2-135M-Instruct (tools/real_model.py) on 2-digit addition,
-gspo.py, grpo.py, gspo_token.py and dfpo.py from the same start, several seeds each, as a markdown table and a PNG:
-held-out accuracy before and after, the reward curve, entropy, response length and clip fraction, mean ± sample std
-over seeds.
+gspo.py, grpo.py, gspo_token.py and dfpo.py from the same start, several seeds each, and (issue 51 item 2) cispo.py,
+sapo.py, gmpo.py, vespo.py, LUSPO and GRPO with TRL's default rollout correction, as a markdown table and a PNG:
+held-out accuracy before and after, the reward curve, entropy, response length and clip fraction, the mechanism
+metrics, mean ± sample std over seeds, and each command minus gspo paired by seed.
 
 The task: "What is a + b? Put the final answer in \\boxed{}." for a, b in 10..99, the answer a + b, through the
 model's own ChatML template. HELD_OUT unordered pairs {a, b} are kept out of training in both orders, so the
@@ -9,8 +10,10 @@ held-out accuracy measures arithmetic on sums the policy never trained on. The b
 completion 1 only when the number it states equals the sum ('62 + 43' for 105 scores 0: issue 38 item 0).
 
     python tools/real_model.py                           # the model folder, once
-    python experiments/real_model_runs.py                # 7 commands x 3 seeds, two at a time: ~1.5 h on 2 idle cores
-    python experiments/real_model_runs.py --table-only   # table.md, summary.json and the plot from logs/ again
+    python experiments/real_model_runs.py                # 13 commands x 3 seeds, two at a time: ~5 min a run
+    TRL="grpo --gen-mode engine --rollout-is-mode sequence-mask --rollout-is-cap 3"   # issue 51's 6 rows
+    python experiments/real_model_runs.py --seeds 5 --skip-done --only "cispo,sapo,gmpo,vespo,gspo --luspo,$TRL"
+    python experiments/real_model_runs.py --table-only --seeds 5   # table.md, summary.json and the plot again
     python experiments/real_model_runs.py --task-only data   # data/train.jsonl and data/test.jsonl alone
 
 Each run's metrics.jsonl and samples.jsonl are kept under {out}/logs/ (small, committed); its checkpoint (1.8 GB
@@ -20,6 +23,7 @@ import glob
 import json
 import os
 import random
+import shlex
 import shutil
 import sys
 import time
@@ -62,7 +66,25 @@ COMMANDS = {  # script, then its own flags (after BUDGET: they override it)
     # LoRA beside full fine-tuning (issue 35 item 4): every linear layer of the decoder, rank 16 of the model's 576,
     # 10x full fine-tuning's learning rate (the usual LoRA ratio; on the tiny model 4x was best, docs/scaling.md)
     "gspo --lora-rank 16": ["gspo.py", "--lora-rank", "16", "--lora-alpha", "32", "--learning-rate", "2e-4"],
+    # the objectives the field compares (issue 51 item 2), each with its script's defaults, its paper's (or TRL's):
+    "cispo": ["cispo.py"],  # arXiv 2506.13585: the clipped weight, capped at 5 (TRL's epsilon_high for cispo)
+    "sapo": ["sapo.py"],  # arXiv 2511.20347: the soft gate, tau_pos 1.0, tau_neg 1.05
+    "gmpo": ["gmpo.py"],  # arXiv 2507.20673: the geometric mean, each log-ratio clipped to (-0.4, 0.4)
+    "vespo": ["vespo.py"],  # arXiv 2602.10693: phi(W), (k, lambda) (2, 3) for A >= 0 and (3, 2) for A < 0
+    "gspo --luspo": ["gspo.py", "--luspo"],  # arXiv 2602.05261 eq. 7: GSPO's term times |y_i|
+    # GRPO as TRL runs it by default with vLLM: GRPOConfig's rollout correction, vllm_importance_sampling_mode
+    # "sequence_mask", clip_max 3.0, no clip_min: a sequence whose ratio pi_old / pi_rollout (the product over its
+    # tokens) exceeds 3 leaves the loss. The ratio needs the log-probs the sampler computed, so the rollout comes
+    # from the engine (--gen-mode engine), not HF generate. Here the engine runs in fp32 on the CPU, as the
+    # trainer does: the ratio is 1 up to float error and no sequence is masked (rollout_is/masked_frac 0), so the
+    # row is GRPO as TRL runs it by default, the correction on with nothing to correct (it acts on a bf16 or vLLM
+    # sampler: precision_runs.py). Paired by seed, it has gspo's prompts but not its samples (the engine's sampler
+    # draws other completions from the same seed), so beside grpo it shows what a different draw moves.
+    "grpo --gen-mode engine --rollout-is-mode sequence-mask --rollout-is-cap 3": [
+        "grpo.py", "--gen-mode", "engine", "--rollout-is-mode", "sequence-mask", "--rollout-is-cap", "3"],
 }
+NEW = ["cispo", "sapo", "gmpo", "vespo", "gspo --luspo",
+       "grpo --gen-mode engine --rollout-is-mode sequence-mask --rollout-is-cap 3"]  # issue 51's rows
 CURVES = {"charts/reward_mean": "reward (training, T 0.7)", "losses/entropy": "entropy (nats/token)",
           "charts/response_length_mean": "response length (tokens)", "losses/clipfrac": "clip fraction (tokens)"}
 MECHANISM = ["losses/asym", "losses/shared_coef"]  # the DFPO paper's mechanism metrics each step logs
@@ -148,7 +170,7 @@ def run_and_report(args, script: str, commands: dict, budget: list[str], what: s
     seeds = list(range(1, args.seeds + 1))
     if not args.table_only:
         run_all(args, only_commands(args.only, commands), seeds, commands, budget, task)
-    report = (f"`python experiments/{script} {' '.join(sys.argv[1:])}`: seeds {seeds}, {what}\n\n"
+    report = (f"`python experiments/{script} {shlex.join(sys.argv[1:])}`: seeds {seeds}, {what}\n\n"
               f"{table(os.path.join(args.out, 'logs'), seeds)}\n")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "table.md"), "w") as f:
@@ -181,7 +203,7 @@ def summarize(logs: str, seeds: list[int]) -> dict:
             rows = [json.loads(line) for line in open(path)]
             steps = [r for r in rows if "charts/reward_mean" in r]
             evals = [(r["step"], r[k]) for r in rows for k in r if k.startswith("eval/avg@")]
-            per_seed.append({"seed": s, "curves": {k: [r[k] for r in steps] for k in [*CURVES, *MECHANISM]},
+            per_seed.append({"seed": s, "curves": {k: curve(steps, k) for k in [*CURVES, *MECHANISM]},
                              "eval_steps": [e[0] for e in evals], "eval": [e[1] for e in evals],
                              "jitter2": next((r["charts/reward_jitter2"] for r in rows
                                               if r.get("charts/reward_jitter2") is not None), None)})
@@ -190,21 +212,38 @@ def summarize(logs: str, seeds: list[int]) -> dict:
     return result
 
 
+def curve(steps: list[dict], key: str) -> list[float] | None:
+    """The key's value at each step; None when a step lacks it (a script that does not log it: the table says
+    n/a)."""
+    values = [r.get(key) for r in steps]
+    return values if values and None not in values else None
+
+
+def over_seeds(runs: list[dict], key: str, f, show=fmt) -> str:
+    """show(f(curve) for each seed's curve of key), or n/a when a seed's run does not log the key."""
+    curves = [r["curves"].get(key) for r in runs]
+    return "n/a" if None in curves else show([f(c) for c in curves])
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
 def table(result: dict) -> str:
     lines = ["| objective | seeds | held-out accuracy (greedy), step 0 | held-out accuracy, last step | change (per seed: after "
              "- before) | reward, first 2 steps | reward, last 2 steps | entropy, first → last step "
              "| response length, first → last step | clip fraction, mean over steps |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, runs in result.items():
-        first = lambda k, n=1: [sum(r["curves"][k][:n]) / n for r in runs]  # noqa: E731
-        last = lambda k, n=1: [sum(r["curves"][k][-n:]) / n for r in runs]  # noqa: E731
+        first = lambda k, n=1, d=3: over_seeds(runs, k, lambda c: mean(c[:n]), lambda x: fmt(x, d))  # noqa: E731
+        last = lambda k, n=1, d=3: over_seeds(runs, k, lambda c: mean(c[-n:]), lambda x: fmt(x, d))  # noqa: E731
         before, after = [r["eval"][0] for r in runs], [r["eval"][-1] for r in runs]
         delta = [a - b for a, b in zip(after, before)]
-        clip = [sum(r["curves"]["losses/clipfrac"]) / len(r["curves"]["losses/clipfrac"]) for r in runs]
-        e, n = "losses/entropy", "charts/response_length_mean"
+        ent, length = "losses/entropy", "charts/response_length_mean"
         lines.append(f"| {name} | {len(runs)} | {fmt(before)} | {fmt(after)} | {fmt(delta)} "
-                     f"| {fmt(first('charts/reward_mean', 2))} | {fmt(last('charts/reward_mean', 2))} "
-                     f"| {fmt(first(e))} → {fmt(last(e))} | {fmt(first(n), 1)} → {fmt(last(n), 1)} | {fmt(clip)} |")
+                     f"| {first('charts/reward_mean', 2)} | {last('charts/reward_mean', 2)} "
+                     f"| {first(ent)} → {last(ent)} | {first(length, d=1)} → {last(length, d=1)} "
+                     f"| {over_seeds(runs, 'losses/clipfrac', mean)} |")
     return "\n".join(lines)
 
 
@@ -240,10 +279,16 @@ def mechanism_table(result: dict) -> str:
         hit = [x for x in reach if x is not None]
         reach_s = f"{fmt(hit, 1)} ({len(hit)}/{len(runs)} seeds)" if hit else f"not reached (0/{len(runs)})"
         jit = [r["jitter2"] for r in runs if r["jitter2"] is not None]
-        avg = lambda k: [sum(r["curves"][k]) / len(r["curves"][k]) for r in runs]  # noqa: E731
-        lines.append(f"| {name} | {reach_s} | {fmt(jit) if jit else 'n/a'} | {fmt(avg('losses/asym'), 4)} "
-                     f"| {sci(avg('losses/shared_coef'))} |")
+        lines.append(f"| {name} | {reach_s} | {fmt(jit) if jit else 'n/a'} "
+                     f"| {over_seeds(runs, 'losses/asym', mean, lambda x: fmt(x, 4))} "
+                     f"| {over_seeds(runs, 'losses/shared_coef', mean, sci)} |")
     return "\n".join(lines)
+
+
+def style(k: int) -> dict:
+    """The k-th command's line: colours in turn (matplotlib's 10) and line styles in turn (3), so that the
+    first 30 commands each get their own pair and equal curves (gspo and gspo_token) both show."""
+    return {"color": f"C{k % 10}", "linestyle": ("-", "--", ":")[k % 3]}
 
 
 def plot(result: dict, path: str) -> bool:
@@ -253,22 +298,24 @@ def plot(result: dict, path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, len(CURVES), figsize=(4.5 * len(CURVES), 3.5))
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(4.5 * len(CURVES), 4.5))
     for ax, (key, label) in zip(axes, CURVES.items()):
-        for k, (name, runs) in enumerate(result.items()):  # line styles in turn: equal curves both show
-            curves = [r["curves"][key] for r in runs]
+        for k, (name, runs) in enumerate(result.items()):
+            curves = [r["curves"].get(key) for r in runs]
+            if None in curves:  # a script that does not log it: no line
+                continue
             n = min(len(c) for c in curves)
-            mean = [sum(c[t] for c in curves) / len(curves) for t in range(n)]
+            avg = [sum(c[t] for c in curves) / len(curves) for t in range(n)]
             lo = [min(c[t] for c in curves) for t in range(n)]
             hi = [max(c[t] for c in curves) for t in range(n)]
             steps = list(range(1, n + 1))
-            ax.plot(steps, mean, label=name, linestyle=("-", "--", ":")[k % 3])
-            ax.fill_between(steps, lo, hi, alpha=0.2)
+            ax.plot(steps, avg, label=name, **style(k))
+            ax.fill_between(steps, lo, hi, alpha=0.2, color=style(k)["color"])
         ax.set_xlabel("step")
         ax.set_title(label, fontsize=9)
-    axes[0].legend(fontsize=8)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8)  # below the panels
     fig.suptitle("SmolLM2-135M-Instruct, 2-digit addition: mean over seeds, band min-max", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.05 * ((len(result) + 2) // 3), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
@@ -290,7 +337,7 @@ def main():
     what = ("rebuilt from the logs under logs/" if args.table_only
             else f"{time.time() - t0:.0f} s, {args.workers} runs at a time")
     report = (f"# Learning on a real model: SmolLM2-135M-Instruct, 2-digit addition\n\n"
-              f"`python experiments/real_model_runs.py {' '.join(sys.argv[1:])}`: {what}. Mean ± sample std "
+              f"`python experiments/real_model_runs.py {shlex.join(sys.argv[1:])}`: {what}. Mean ± sample std "
               f"(ddof 1) over seeds. Held-out: {HELD_OUT} sums never trained on (both orders), the first 64 "
               f"evaluated.\n\n{BUDGET_WHY}\n\nEvery command: `{' '.join(BUDGET)}`\n\n{table(result)}\n\n"
               f"{paired(result)}\n\n"

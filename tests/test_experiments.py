@@ -117,3 +117,71 @@ def test_default_runs_pairs_each_command_with_the_base_by_seed(tmp_path):
     assert line == ("- `cispo.py` minus `grpo.py`: reward, last 10%: seed 1: +0.100, seed 2: -0.200 (mean -0.050 ± "
                     "0.212); held-out avg@8, last step: seed 1: +0.050, seed 2: -0.150 (mean -0.050 ± 0.141)")
     assert default_runs.paired_lines(str(tmp_path), ["cispo.py"], [1, 2], "grpo.py") == []
+
+
+def test_default_runs_table_from_fabricated_runs(tmp_path):
+    """experiments/default_runs.py --table-only's table from hand-made metrics: 2 seeds, 10 steps (the first and
+    last 10% are steps 1 and 10), held-out avg@8 at steps 0 and 10, every cell by hand (below); no row for a command
+    without runs; the paired line under it against grpo.py."""
+    def write(name, seed, first, last, held, cut, jitter, shared, clip, wall):
+        run = tmp_path / "runs" / f"{name}__{seed}__1"
+        run.mkdir(parents=True)
+        rows = [{"step": 0, "eval/avg@8": 0.1}]
+        rows += [{"step": t, "charts/reward_mean": first if t == 1 else last if t == 10 else 0.0,
+                  "charts/truncated_frac": cut if t == 10 else 1.0, "losses/shared_coef": shared if t == 10 else 0.0,
+                  "losses/clipfrac": clip, "perf/wall_time": wall * t / 10} for t in range(1, 11)]
+        rows[-1].update({"eval/avg@8": held, "charts/reward_jitter2": jitter})
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    write("gspo.py", 1, 0.1, 0.5, 0.3, 0.2, 0.05, 1e-2, 0.1, 100.0)
+    write("gspo.py", 2, 0.3, 0.7, 0.5, 0.0, 0.15, 3e-2, 0.3, 140.0)
+    for seed in (1, 2):
+        write("grpo.py", seed, 0.1, 0.4, 0.2, 0.0, 0.1, 0.0, 0.0, 50.0)
+    p = subprocess.run([sys.executable, "experiments/default_runs.py", "--table-only", "--seeds", "2",
+                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    lines = (tmp_path / "table.md").read_text().splitlines()
+    rows = [line for line in lines if line.startswith("| `")]
+    # gspo.py: first (0.1, 0.3) 0.200 ± 0.141; last (0.5, 0.7) 0.600 ± 0.141; avg@8 step 0 0.1 both; last (0.3, 0.5)
+    # 0.400 ± 0.141; truncated over the last step (0.2, 0.0) 0.100 ± 0.141; Jitter2 (0.05, 0.15) 0.100 ± 0.071;
+    # shared-token coef. over 10 steps (1e-3, 3e-3) 2.0e-03 ± 1.4e-03; clip (0.1, 0.3); wall (100, 140) 120 ± 28
+    assert rows == ["| `gspo.py` | 0.200 ± 0.141 | 0.600 ± 0.141 | 0.100 ± 0.000 | 0.400 ± 0.141 | 0.100 ± 0.141 "
+                    "| 0.100 ± 0.071 | 2.0e-03 ± 1.4e-03 | 0.200 ± 0.141 | 120 ± 28 |",
+                    "| `grpo.py` | 0.100 ± 0.000 | 0.400 ± 0.000 | 0.100 ± 0.000 | 0.200 ± 0.000 | 0.000 ± 0.000 "
+                    "| 0.100 ± 0.000 | 0.0e+00 ± 0.0e+00 | 0.000 ± 0.000 | 50 ± 0 |"]
+    # paired with grpo.py: reward (0.5 - 0.4, 0.7 - 0.4), held-out (0.3 - 0.2, 0.5 - 0.2): 0.200 ± 0.141 each
+    assert lines[-1] == ("- `gspo.py` minus `grpo.py`: reward, last 10%: seed 1: +0.100, seed 2: +0.300 (mean 0.200 ± "
+                         "0.141); held-out avg@8, last step: seed 1: +0.100, seed 2: +0.300 (mean 0.200 ± 0.141)")
+
+
+def test_builtin_and_two_form_tables_by_hand(tmp_path):
+    """learning_tax.py's two main tables, by hand: table1 from hand-made runs read as --table-only reads them (10
+    steps, threshold 0.2, window 5), table2 from a hand-made part-2 result (its inputs come from checkpoints)."""
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import learning_tax as lab
+
+    root = tmp_path / "runs" / "builtin"
+    # seed 1 reaches a 5-step average of 0.2 at step 10 ((0.2 x 4 + 0.4) / 5 = 0.24; 0.16 at step 9); seed 2 never
+    runs = {1: dict(reward=[0.0] * 5 + [0.2] * 4 + [0.4], asym=0.2, shared=1e-3, clip=[0.1] * 10, ent=0.5, j=0.1),
+            2: dict(reward=[0.0] * 9 + [0.2], asym=0.4, shared=3e-3, clip=[0.0] * 5 + [0.2] * 5, ent=0.7, j=0.3)}
+    for seed, m in runs.items():
+        write_run(root, "gspo", seed, [{"charts/reward_mean": r, "losses/asym": m["asym"], "losses/clipfrac": c,
+                                        "losses/shared_coef": m["shared"],
+                                        "losses/entropy": m["ent"] if t == 9 else 1.0}  # the last step's: ent
+                                       for t, (r, c) in enumerate(zip(m["reward"], m["clip"]))], m["j"])
+    args = lab.Args(out=str(tmp_path), table_only=True)
+    result = lab.part1(args, {"gspo": lab.BUILTIN["gspo"]}, [1, 2])
+    # last 10% (0.4, 0.2); steps to 0.2: 10 on 1 of 2 seeds; Jitter2 (0.1, 0.3); Asym (0.2, 0.4); shared (1e-3,
+    # 3e-3); clip fraction (0.1, 0.1); entropy at the last step (0.5, 0.7)
+    assert lab.table1(result, args).splitlines()[2] == (
+        "| gspo | 0.300 ± 0.141 | 10.0 (1/2 seeds) | 0.200 ± 0.141 | 0.3000 ± 0.1414 | 2.0e-03 ± 1.4e-03 "
+        "| 0.100 ± 0.000 | 0.600 ± 0.141 |")
+    two = {"gspo": [{"h": [0.9, 0.5], "log_odds_drift": [0.0, 1.0], "prefix_drift": [0.0, -0.01],
+                     "shared_coef": [1e-3, 3e-3], "reward": [0.1] + [0.0] * 8 + [0.5]},
+                    {"h": [0.9, 0.7], "log_odds_drift": [0.0, 2.0], "prefix_drift": [0.0, -0.03],
+                     "shared_coef": [0.0, 0.0], "reward": [0.3] + [0.0] * 8 + [0.7]}]}
+    # h: seed 1's start, then the ends (0.5, 0.7); drifts at the last point (1, 2) and (-0.01, -0.03); shared-token
+    # coef. over steps (2e-3, 0): 1e-3 ± 1.4e-3; reward, first and last 10% (1 step): (0.1, 0.3) -> (0.5, 0.7)
+    assert lab.table2(two).splitlines()[2] == (
+        "| gspo | 0.900 → 0.600 ± 0.141 | 1.50 ± 0.71 | -0.0200 ± 0.0141 | 1.0e-03 ± 1.4e-03 "
+        "| 0.20 ± 0.14 → 0.60 ± 0.14 |")

@@ -63,9 +63,13 @@ def test_table_only_on_fabricated_logs(tmp_path):
     fake_run(logs / "gspo__2", [0.1, 0.1, 0.3, 0.3], (0.20, 0.30))
     fake_run(logs / "dfpo__1", [0.2, 0.1, 0.2, 0.3], (0.25, 0.25), clip=0.3)
     p = subprocess.run([sys.executable, "experiments/real_model_runs.py", "--table-only", "--seeds", "2",
-                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                        "--out", str(tmp_path), "--only", "gspo,gspo --lora-rank 16"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     table = (tmp_path / "table.md").read_text()
+    # the command line as a shell takes it back: a name with spaces quoted
+    assert (f"`python experiments/real_model_runs.py --table-only --seeds 2 --out {tmp_path} "
+            "--only 'gspo,gspo --lora-rank 16'`: rebuilt") in table
     rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in table.split("Mechanism")[0].splitlines()
             if line.startswith("| g")
             or line.startswith("| d")}
@@ -178,3 +182,83 @@ def test_precision_curve_table_from_fabricated_logs(tmp_path):
     # seed 2's last 2 steps: 0.8 against 0.4
     assert lines[5] == ("gspo rollout minus gspo recomputed, reward over the last 2 steps, paired by seed: seed 2: "
                         "+0.400 (mean 0.400)")
+
+
+def test_new_objectives_rows_pair_with_gspo_and_say_n_a_for_what_a_script_does_not_log(tmp_path):
+    """Issue 51 item 2's rows beside gspo's from fabricated logs, every cell by hand: cispo on seeds 1-3 (gspo has
+    1-2, so seed 3 has no pair), and TRL's GRPO on seed 1 logging neither losses/entropy nor losses/shared_coef (n/a
+    in their cells, no crash); the 13 commands' plot lines all differ."""
+    import real_model_runs as rm
+
+    trl = "grpo --gen-mode engine --rollout-is-mode sequence-mask --rollout-is-cap 3"
+    assert set(rm.NEW) <= set(rm.COMMANDS) and rm.COMMANDS[trl] == [
+        "grpo.py", "--gen-mode", "engine", "--rollout-is-mode", "sequence-mask", "--rollout-is-cap", "3"]
+    assert rm.COMMANDS["gspo --luspo"] == ["gspo.py", "--luspo"] and rm.COMMANDS["vespo"] == ["vespo.py"]
+    assert rm.only_commands(f"cispo,sapo,gmpo,vespo,gspo --luspo,{trl}", rm.COMMANDS) == rm.NEW  # the doc's --only
+    logs = tmp_path / "logs"
+    fake_run(logs / "gspo__1", [0.1, 0.2, 0.3, 0.5], (0.10, 0.30))
+    fake_run(logs / "gspo__2", [0.1, 0.1, 0.3, 0.3], (0.20, 0.30))
+    fake_run(logs / "cispo__1", [0.2, 0.4, 0.4, 0.6], (0.10, 0.50), clip=0.1)
+    fake_run(logs / "cispo__2", [0.0, 0.2, 0.2, 0.4], (0.20, 0.20), clip=0.2)
+    fake_run(logs / "cispo__3", [0.0, 0.0, 0.0, 0.0], (0.10, 0.40), clip=0.3)
+    fake_run(logs / rm.exp_name(f"{trl}__1"), [0.5, 0.5, 0.5, 0.5], (0.25, 0.50), clip=0.0)
+    path = logs / rm.exp_name(f"{trl}__1") / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in rows:
+        r.pop("losses/entropy", None)
+        r.pop("losses/shared_coef", None)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = rm.summarize(str(logs), [1, 2, 3])
+    assert list(result) == ["gspo", "cispo", trl]  # COMMANDS' order, the rows with logs
+    cells = {line.split(" | ")[0][2:]: line.split(" | ") for line in rm.table(result).splitlines()[2:]}
+    c = cells["cispo"]
+    # before (0.1, 0.2, 0.1): 0.1333 ± sqrt((0.0333^2 + 0.0667^2 + 0.0333^2) / 2) = 0.0577; after (0.5, 0.2, 0.4):
+    # 0.3667 ± 0.1528; change (0.4, 0.0, 0.3): 0.2333 ± 0.2082; reward, first 2 (0.3, 0.1, 0.0): 0.1333 ± 0.1528;
+    # last 2 (0.5, 0.3, 0.0): 0.2667 ± 0.2517; clip fraction (0.1, 0.2, 0.3): 0.200 ± 0.100
+    assert c[1:7] == ["3", "0.133 ± 0.058", "0.367 ± 0.153", "0.233 ± 0.208", "0.133 ± 0.153", "0.267 ± 0.252"]
+    assert c[9].startswith("0.200 ± 0.100")
+    t = cells[trl]
+    assert t[1:5] == ["1", "0.250", "0.500", "0.250"] and t[7] == "n/a → n/a" and t[8] == "29.0 → 26.0"
+    assert t[9].startswith("0.000 |")
+    # paired with gspo by seed, seeds 1 and 2: held-out change (0.4 - 0.2, 0.0 - 0.1) = (+0.2, -0.1): 0.05 ± 0.212;
+    # reward over the last 2 steps (0.5 - 0.4, 0.3 - 0.3) = (+0.1, 0.0): 0.05 ± 0.071; TRL's GRPO seed 1: held-out
+    # 0.25 - 0.20 = +0.05, reward 0.5 - 0.4 = +0.1
+    assert rm.paired(result).splitlines() == [
+        "- cispo minus gspo, held-out change, paired by seed: seed 1: +0.200, seed 2: -0.100 (mean 0.050 ± 0.212)",
+        "- cispo minus gspo, reward over the last 2 steps, paired by seed: seed 1: +0.100, seed 2: +0.000 "
+        "(mean 0.050 ± 0.071)",
+        f"- {trl} minus gspo, held-out change, paired by seed: seed 1: +0.050 (mean 0.050)",
+        f"- {trl} minus gspo, reward over the last 2 steps, paired by seed: seed 1: +0.100 (mean 0.100)"]
+    mech = {line.split(" | ")[0][2:]: line.split(" | ") for line in rm.mechanism_table(result).splitlines()[2:]}
+    # cispo's 3-step average reaches 0.3 at step 3 on seed 1 ((0.2 + 0.4 + 0.4) / 3 = 0.333), never on 2 or 3
+    assert mech["cispo"][1:4] == ["3.0 (1/3 seeds)", "0.050 ± 0.000", "0.2000 ± 0.0000"]
+    assert mech["cispo"][4] == "1.0e-03 ± 0.0e+00 |"
+    assert mech[trl][1:] == ["3.0 (1/1 seeds)", "0.050", "0.2000", "n/a |"]
+    # the plot: each of the 13 commands its own (colour, line style)
+    styles = {tuple(rm.style(k).values()) for k in range(len(rm.COMMANDS))}
+    assert len(rm.COMMANDS) == 13 and len(styles) == 13
+    if rm.plot(result, str(tmp_path / "p.png")):  # a missing curve leaves its line out (False: no matplotlib)
+        assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_committed_tables_rebuild_from_committed_logs():
+    """Issue 51 item 4: each committed real-model table is what --table-only computes from the committed logs beside
+    it (real_model_runs, precision_runs and its --curves, energy_runs and its --minibatch last; mixed_task_runs once
+    its logs are committed): a table edited by hand, or logs committed without their table, fail here."""
+    import energy_runs
+    import mixed_task_runs
+    import precision_runs
+    import real_model_runs as rm
+
+    results = os.path.join(ROOT, "experiments", "results")
+    read = lambda out: open(os.path.join(results, out, "table.md")).read()  # noqa: E731
+    found = rm.summarize(os.path.join(results, "real_model", "logs"), [1, 2, 3, 4, 5])
+    assert len(found) >= 7
+    for part in (rm.table(found), rm.paired(found), rm.mechanism_table(found)):
+        assert part in read("real_model")
+    tables = [(precision_runs.table, "precision"), (precision_runs.curve_table, "precision/curves"),
+              (energy_runs.table, "real_model_energy"), (energy_runs.table, "real_model_energy/last")]
+    if os.path.isdir(os.path.join(results, "mixed_task", "logs")):
+        tables.append((mixed_task_runs.table, "mixed_task"))
+    for table, out in tables:
+        assert table(os.path.join(results, out, "logs"), [1, 2, 3]) in read(out), out

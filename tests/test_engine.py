@@ -18,6 +18,10 @@ PROMPTS = ["1%10=", "a longer prompt, 23%10=", "7%10=", "xy", "a much longer pro
 
 @pytest.fixture(scope="module")
 def setup():
+    return setup_model()
+
+
+def setup_model():
     tok = modeling.tiny_tokenizer()
     seed_everything(0)
     lm = modeling.tiny_model(tok).eval()

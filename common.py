@@ -57,7 +57,7 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], di
     samples as HF's generate does (repetition_penalty, temperature, top_k, top_p, min_p); mode:
     repeat, shared-prefill (each prompt prefilled once, its KV cache repeated to its n rows),
     static, engine, engine-tp (grouprl/engine.py); min_new_tokens (HF's: EOS masked until then)
-    in the HF modes only. Greedy decoding (top_k=1) gives the same tokens
+    in every mode. Greedy decoding (top_k=1) gives the same tokens
     in every mode. The modes, cuda_graphs, flex, compile_step and engine_dtype: docs/engine.md.
     streamer: HF's, given each decoding step's tokens (a progress bar; HF modes only)."""
     if mode not in GEN_MODES:
@@ -65,8 +65,6 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], di
     enc = tok(list(prompts), padding=True, return_tensors="pt", add_special_tokens=False)
     ids, am = enc.input_ids.to(dist_env.device), enc.attention_mask.to(dist_env.device)
     tp = dist_env.world if mode == "engine-tp" else 1  # the engine's layers split over tp ranks
-    if mode in ("engine", "engine-tp") and min_new_tokens:
-        raise ValueError("the engine does not mask EOS for min_new_tokens: use an HF mode")
     if mode in ("engine", "engine-tp") and engine.runs(policy.lm.config, tp, dist_env.main):
         mine = [row[m.bool()].tolist() for row, m in zip(ids, am)]  # this rank's prompts, unpadded
         everyone, generator = [mine], None
@@ -79,7 +77,7 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], di
             completions, logps = engine.generate(
                 policy.lm, sum(everyone, []), n, eos, max_new_tokens=max_new_tokens,
                 temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                repetition_penalty=repetition_penalty,
+                repetition_penalty=repetition_penalty, min_new_tokens=min_new_tokens,
                 slots=tp * max(n, gen_batch_size // n * n), device=dist_env.device,
                 dtype={"bf16": torch.bfloat16, "fp32": torch.float32}.get(engine_dtype) or getattr(
                     policy, "compute_dtype", None) or (

@@ -188,8 +188,8 @@ class CommonArgs:
     fit one GPU beside the training state (same tokens; benchmarks/README.md)"""
     min_new_tokens: int = 0
     """no completion ends before N new tokens: EOS's logit is masked until then (HF's
-    min_new_tokens), in training and evaluation; the length lab's control (docs/lab.md). The HF
-    generation modes (the engine does not mask yet)"""
+    min_new_tokens), in training and evaluation, in every --gen-mode; the length lab's control
+    (docs/lab.md)"""
     gen_dtype: Literal["auto", "bf16", "fp32"] = "auto"
     """--gen-mode engine / engine-tp: the engine's weights and KV cache in this dtype (auto: the
     trainer's compute dtype); bf16 beside an fp32 trainer measures GSPO's precision claim"""
@@ -809,9 +809,10 @@ def check_rollout_args(args):
     check_int("min-new-tokens", args.min_new_tokens, 0,
               min(args.max_new_tokens, args.eval_max_new_tokens),
               " (at most --max-new-tokens and --eval-max-new-tokens)")
-    if args.min_new_tokens and args.gen_mode in ("engine", "engine-tp"):
-        fail(f"--min-new-tokens {args.min_new_tokens}: the engine does not mask EOS yet; use "
-             "--gen-mode shared-prefill (HF generate)")
+    if args.old_logp == "rollout" and args.min_new_tokens:
+        fail(f"--old-logp rollout with --min-new-tokens {args.min_new_tokens}: the engine's "
+             "log-probs of a completion's first tokens are then the EOS-masked sampler's, not the "
+             "policy's, so pi_old would be wrong; use --old-logp recompute (the default)")
     if args.old_logp == "rollout" and args.repetition_penalty != 1:
         fail(f"--old-logp rollout with --repetition-penalty {args.repetition_penalty}: the "
              "engine's log-probs are then the penalised sampler's, not the policy's, so pi_old would "

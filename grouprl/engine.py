@@ -455,13 +455,16 @@ class Engine:
                 # would unwrap it and run flex eagerly)
                 apart = torch.compile(plain, dynamic=False)
                 self.flex = torch.compiler.disable(lambda *a, **k: apart(*a, **k))
-        # tokens, positions, and whether each slot decodes a live row (1) or not (0: free, finished)
-        self.static = torch.zeros(3, slots, dtype=torch.long, device=device)
+        # tokens, positions, whether each slot decodes a live row (1) or not (0: free, finished),
+        # and (min_new_tokens) whether its row's EOS is held back this step (1: fewer tokens made)
+        self.static = torch.zeros(4, slots, dtype=torch.long, device=device)
         self.static_positions = self.static[1]
         # --repetition-penalty: [slots, vocab] bool, the ids each slot's row has read (its prompt,
         # set at its prefill; each token it reads, set in the step), made by the first call that
         # asks for a penalty (see_ids), at a fixed address for the graphs
         self.seen = None
+        # min_new_tokens: [vocab] bool, the EOS ids (hold_eos), at a fixed address for the graphs
+        self.eos_ids = None
         # live_blocks' mask_mod over the step's positions: one function object, so that a compiled
         # step sees the same one
         self.static_mask_mod = self.mask_mod(self.static_positions)
@@ -490,6 +493,14 @@ class Engine:
         if self.seen is None:
             self.seen = torch.zeros(self.slots, self.w.head.shape[0], dtype=torch.bool,
                                     device=self.static.device)
+
+    def hold_eos(self, eos: list[int]):
+        """min_new_tokens: this rollout's EOS ids into the [vocab] buffer the step masks with (made
+        once; a kept Engine's graphs read it at the same address)."""
+        if self.eos_ids is None:
+            self.eos_ids = torch.zeros(self.w.head.shape[0], dtype=torch.bool,
+                                       device=self.static.device)
+        self.eos_ids.zero_()[torch.tensor(eos, device=self.eos_ids.device)] = True
 
     def blocks_for(self, positions: int) -> int:
         return -(-positions // self.block)
@@ -642,34 +653,43 @@ class Engine:
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, reach: int,
-             alive: torch.Tensor | None, how: tuple,
-             generator=None) -> tuple[torch.Tensor, torch.Tensor]:
+             alive: torch.Tensor | None, how: tuple, generator=None,
+             held: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoding step as the rollout runs it, sampled: -> (tokens [slots], their log-probs
         [slots]) drawn by sampling.sample with how = (temperature, top_k, top_p, min_p,
         repetition_penalty) from `generator`
-        (None: torch's global stream). Eager, or (graphs) the captured step of `reach` rounded up
+        (None: torch's global stream); held [slots] bool (min_new_tokens, None: off): the rows whose
+        EOS ids are masked (draw). Eager, or (graphs) the captured step of `reach` rounded up
         to GRAPH_REACH, run on copies of tokens and positions at fixed addresses: the layers, the
         LM head and the sampler (its noise drawn inside, from the same stream) in one replay, no
         host sync."""
         if self.graphs is None:
             return self.draw(self.logits(self.hidden(tokens, positions, reach, alive)), how,
-                             generator, tokens)
+                             generator, tokens, held)
         reach = min(-(-reach // GRAPH_REACH) * GRAPH_REACH, self.max_len)
         if self.flex is not None:  # the block mask reads each row's own blocks whatever the read
             reach = self.max_len  # length: one graph, one compilation
         self.static[0].copy_(tokens)
         self.static[1].copy_(positions)
         self.static[2].fill_(1) if alive is None else self.static[2].copy_(alive)
-        key = (reach, how, generator)  # a graph replays one sampler and one random stream
+        if held is not None:
+            self.static[3].copy_(held)
+        # a graph replays one sampler and one random stream, with the EOS mask or without
+        key = (reach, how, generator, held is not None)
         if key not in self.graphs:
-            self.graphs[key] = self.capture(reach, how, generator)
+            self.graphs[key] = self.capture(reach, how, generator, held is not None)
         return self.graphs[key]()
 
-    def draw(self, logits: torch.Tensor, how: tuple, generator=None, read=None):
+    def draw(self, logits: torch.Tensor, how: tuple, generator=None, read=None, held=None):
         """sampling.sample over the slots' logits [slots, V] (bf16 on a GPU: the sampler reads them
         once, in float32 inside its kernels); compiled with the layers on a GPU, where its passes
         over [N, V] fuse (its Exp(1) noise drawn eagerly from `generator`, graph-safe). read
-        [slots]: the tokens the step fed, marked seen first when how has a repetition penalty."""
+        [slots]: the tokens the step fed, marked seen first when how has a repetition penalty.
+        held [slots] (min_new_tokens): HF's MinNewTokensLengthLogitsProcessor, which runs after the
+        penalty and before the temperature: the EOS ids' logits -inf in those rows, so that the
+        token and its log-prob are the masked distribution's (the penalty leaves -inf as it is)."""
+        if held is not None:
+            logits = logits.masked_fill(held[:, None].bool() & self.eos_ids, float("-inf"))
         seen = None
         if how[4] != 1:  # HF penalises the ids in input_ids: the prompt and every token read
             seen = self.seen.scatter_(1, read[:, None], True)
@@ -680,7 +700,7 @@ class Engine:
         noise = torch.empty(logits.shape, device=logits.device).exponential_(generator=generator)
         return self.sampler(logits, *how, seen=seen, noise=noise)
 
-    def capture(self, reach: int, how: tuple, generator=None):
+    def capture(self, reach: int, how: tuple, generator=None, hold: bool = False):
         """The decoding step at read length `reach` over self.static, sampled -> a function that
         runs it and returns (tokens [slots], log-probs [slots]). On a GPU a CUDA graph: a step's
         kernels (~9 a layer compiled, ~55 eager, the LM head and the sampler) launched as one
@@ -691,11 +711,12 @@ class Engine:
         runs at a time, and only their outputs outlive a run). A generator other than the global
         one is registered with the graph, so each replay draws fresh noise from it. Elsewhere
         (the CPU) the step itself, eager: the same inputs, rounding and outputs, so that tests
-        cover everything but the capture."""
+        cover everything but the capture. hold: the EOS mask of static[3] (min_new_tokens)."""
         def run():
             h = self.hidden(self.static[0], self.static_positions, reach, self.static[2])
             logits = F.linear(rms_norm(h, self.w.norm, self.eps), self.w.head)
-            return self.draw(logits, how, generator, self.static[0])
+            return self.draw(logits, how, generator, self.static[0],
+                             self.static[3] if hold else None)
 
         if self.pool is None:
             return run
@@ -828,13 +849,16 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
              stats: dict | None = None, rank: int = 0, world: int = 1,
              generator=None, pool_tokens: int | None = None, graphs: bool | None = None,
              flex: bool | None = None, compile: bool | None = None,
-             keep: bool = False) -> tuple[list[list[int]], list[list[float]]]:
+             keep: bool = False,
+             min_new_tokens: int = 0) -> tuple[list[list[int]], list[list[float]]]:
     """n completions of each prompt (token ids, no padding): rows prompt * n + j, a group's rows
-    adjacent. A completion ends at its first EOS (kept) or after max_new_tokens. `slots` rows decode
-    at once; a prompt is admitted (prefilled once, its KV copied to n free slots) whenever n slots
-    are free, and the host looks at which rows have finished every `sync_every` steps. Returns the
-    completions' token ids and the log-prob of each under the temperature-scaled softmax (of the
-    logits repetition_penalty changed, if it is not 1: sampling.sample). `stats`,
+    adjacent. A completion ends at its first EOS (kept) or after max_new_tokens; min_new_tokens
+    (HF's): the EOS ids' logits are -inf for a row's tokens 0 .. min_new_tokens - 1, so none ends
+    before (max_new_tokens still caps), and its log-probs are the masked softmax's. `slots` rows
+    decode at once; a prompt is admitted (prefilled once, its KV copied to n free slots) whenever n
+    slots are free, and the host looks at which rows have finished every `sync_every` steps.
+    Returns the completions' token ids and the log-prob of each under the temperature-scaled
+    softmax (of the logits repetition_penalty changed, if it is not 1: sampling.sample). `stats`,
     if given, gets the counts of decoding steps, prefills, prefills made while other rows were
     decoding (continuous batching at work), groups preempted, KV blocks still taken at the end,
     graphs captured, a block's bytes (k and v, every layer) and, paged, Scheduler.tally's peaks.
@@ -907,7 +931,9 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
     how = (temperature, top_k, top_p, min_p, repetition_penalty)
     if repetition_penalty != 1:
         engine.see_ids()
-    rows = Rows(slots, max_new_tokens, eos, device)
+    if min_new_tokens:
+        engine.hold_eos(eos)
+    rows = Rows(slots, max_new_tokens, eos, device, min_new_tokens)
     plan = Scheduler(prompts, n, slots, sync_every, max_len, engine)
     while plan.busy() or plan.waiting:
         admit(plan, rows, engine, how, generator)
@@ -920,7 +946,7 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
                 plan.tally()
         for _ in range(sync_every if plan.busy() else 0):  # the model's steps, no host sync
             rows.advance(*engine.step(rows.tokens, rows.positions, plan.reach, rows.live, how,
-                                      generator))
+                                      generator, rows.held()))
             plan.reach = min(plan.reach + 1, max_len)
             plan.counts["decode_steps"] += 1
         retire(plan, rows, engine)
@@ -943,6 +969,8 @@ def admit(plan, rows, engine, how, generator):
     batch, at = plan.admit(k)
     sel = torch.tensor(at, device=rows.tokens.device)
     logits = engine.prefill([plan.prompts[p] for p in batch], sel, plan.n)
+    if rows.min_new_tokens:  # a row's first token: 0 made < min_new_tokens, EOS masked (draw)
+        logits = logits.masked_fill(engine.eos_ids, float("-inf"))
     seen = None if engine.seen is None else engine.seen[sel]  # the prompts' ids (prefill)
     new, new_logp = sample(logits.repeat_interleave(plan.n, 0), *how, seen=seen,
                            generator=generator)
@@ -968,8 +996,10 @@ class Rows:
     """The slots' state on the device: each slot's last token, its position, the tokens it made
     (count), whether it decodes a live row, and its completion so far (out, out_logp)."""
 
-    def __init__(self, slots: int, max_new_tokens: int, eos: list[int], device):
+    def __init__(self, slots: int, max_new_tokens: int, eos: list[int], device,
+                 min_new_tokens: int = 0):
         self.max_new_tokens, self.eos = max_new_tokens, torch.tensor(eos, device=device)
+        self.min_new_tokens = min_new_tokens
         self.tokens = torch.zeros(slots, dtype=torch.long, device=device)
         self.positions = torch.zeros(slots, dtype=torch.long, device=device)
         self.count = torch.zeros(slots, dtype=torch.long, device=device)
@@ -995,6 +1025,13 @@ class Rows:
         self.tokens = torch.where(live, new, self.tokens)
         self.positions += live.long()
         self.live &= ~self.is_eos(new) & (self.count < self.max_new_tokens)
+
+    def held(self) -> torch.Tensor | None:
+        """min_new_tokens: the slots whose next token is one of their first min_new_tokens (count,
+        the tokens made, restarts with the row: a preempted group's rows begin again at start),
+        whose EOS the step masks, so that no row stops on EOS before; None when off (no mask, no
+        cost)."""
+        return self.count < self.min_new_tokens if self.min_new_tokens else None
 
     def is_eos(self, new):
         """Whether each token is an EOS id: every pair compared ([slots, EOS ids], a few kernels).

@@ -56,3 +56,18 @@ torch.testing.assert_close(tp["logp"], ref["logp"], atol=1e-5, rtol=0)
 assert len(set(tp["input_ids"][0, tp["n_prompt"]:].tolist())) > 1  # not one token repeated
 print(f"rank {d.rank}: engine-tp OK")
 distributed.barrier()
+
+# --min-new-tokens under engine-tp: every rank masks EOS alike (the same counts, the whole LM head on each), so that
+# with an EOS that rank 0's first row writes as its second token (masked: it runs on), each rank gets one process's
+# masked tokens and log-probs
+early = eos + [int(distributed.all_reduce(ref["input_ids"][0, ref["n_prompt"] + 1] * (d.rank == 0)))]
+held = dict(greedy, min_new_tokens=4)
+tp = common.generate(policy, tok, prompts, 2, early, d, **dict(held, mode="engine-tp"))
+ref = common.generate(single, tok, prompts, 2, early, one, **dict(held, mode="engine"))
+assert torch.equal(tp["input_ids"], ref["input_ids"]), (tp["input_ids"], ref["input_ids"])
+torch.testing.assert_close(tp["logp"], ref["logp"], atol=1e-5, rtol=0)
+assert (tp["mask"].sum(1) >= 5).all(), tp["mask"].sum(1)
+free = common.generate(single, tok, prompts, 2, early, one, **dict(greedy, mode="engine"))
+assert d.rank or free["mask"][0].sum() <= 2  # unmasked, rank 0's first row ends by its second token
+print(f"rank {d.rank}: engine-tp min_new_tokens OK")
+distributed.barrier()

@@ -18,6 +18,10 @@ PROMPTS = ["1%10=", "a longer prompt, 23%10=", "7%10=", "xy", "a much longer pro
 
 @pytest.fixture(scope="module")
 def setup():
+    return setup_model()
+
+
+def setup_model():
     tok = modeling.tiny_tokenizer()
     seed_everything(0)
     lm = modeling.tiny_model(tok).eval()
@@ -427,12 +431,14 @@ def test_every_request_once_groups_adjacent(setup, monkeypatch):
 def test_engine_under_fsdp2_torchrun():
     """World size 2, FSDP2: the gathered weights sample the plain model's tokens and log-probs with the same seed;
     ranks that stop at different lengths meet at the next collective; the sharded policy trains on after; and
-    --gen-mode engine-tp (the layers split over the ranks) gives one process's greedy tokens."""
+    --gen-mode engine-tp (the layers split over the ranks) gives one process's greedy tokens, with --min-new-tokens
+    too (EOS masked alike on every rank)."""
     from test_train import torchrun
 
     p = torchrun("tests/engine_fsdp.py")
     assert p.returncode == 0 and p.stdout.count("engine FSDP2 OK") == 2, p.stdout[-2000:] + p.stderr[-4000:]
     assert p.stdout.count("engine-tp OK") == 2, p.stdout[-2000:]  # tensor parallel: one process's greedy tokens
+    assert p.stdout.count("engine-tp min_new_tokens OK") == 2, p.stdout[-2000:]  # masked alike on every rank
 
 
 @pytest.mark.parametrize("script", ["gspo", "grpo", "gspo_token", "dfpo"])

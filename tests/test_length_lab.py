@@ -68,8 +68,99 @@ def test_min_new_tokens_masks_eos_until_then():
     assert (lengths >= 4).all() and (lengths < 8).any()
     first4 = held["input_ids"][:, held["n_prompt"]:held["n_prompt"] + 4]
     assert not torch.isin(first4, torch.tensor(eos)).any()
-    with pytest.raises(ValueError, match="the engine does not mask EOS"):
-        common.generate(policy, tok, ["1+2="], 2, eos, d, min_new_tokens=4, mode="engine", **kw)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_engine_masks_eos_until_min_new_tokens(graphs):
+    """--gen-mode engine, the same half-of-the-vocabulary EOS set: with min_new_tokens 4 no completion is shorter than
+    5 tokens (EOS at index 4 the earliest, as HF's), some are exactly 5 (the mask lifts at 4, not later), none has an
+    EOS among its first 4; max_new_tokens 3 < 4 still caps (3 tokens, none an EOS); eager and the graphs' step."""
+    from grouprl import distributed, modeling
+
+    tok = modeling.tiny_tokenizer()
+    d = distributed.Dist(0, 1, torch.device("cpu"))
+    policy = modeling.Policy(modeling.load_model("tiny", tok, d, seed=0)[0], 1.0, 16)
+    eos = list(range(0, len(tok), 2))
+    kw = dict(temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=16, mode="engine", cuda_graphs=graphs)
+    torch.manual_seed(0)
+    free = common.generate(policy, tok, ["1+2=", "3+4="], 8, eos, d, max_new_tokens=8, **kw)
+    held = common.generate(policy, tok, ["1+2=", "3+4="], 8, eos, d, max_new_tokens=8, min_new_tokens=4, **kw)
+    assert (free["mask"].sum(1) < 4).float().mean() > 0.5
+    lengths = held["mask"].sum(1)
+    assert (lengths >= 5).all() and (lengths == 5).any() and (lengths < 8).any()
+    P = held["n_prompt"]
+    assert not torch.isin(held["input_ids"][:, P:P + 4], torch.tensor(eos)).any()
+    short = common.generate(policy, tok, ["1+2="], 8, eos, d, max_new_tokens=3, min_new_tokens=4, **kw)
+    assert (short["mask"].sum(1) == 3).all() and short["truncated"].all()
+
+
+def hf_greedy_logps(lm, ids, eos, max_new_tokens, min_new_tokens):
+    """HF generate, greedy, each prompt alone: its completion up to the first EOS and each token's log-prob under the
+    softmax of the scores HF's processors leave (output_scores: EOS's logit -inf until min_new_tokens)."""
+    out = []
+    for p in ids:
+        g = lm.generate(torch.tensor([p]), do_sample=False, max_new_tokens=max_new_tokens,
+                        min_new_tokens=min_new_tokens, eos_token_id=eos, pad_token_id=0, output_scores=True,
+                        return_dict_in_generate=True)
+        tokens = g.sequences[0, len(p):].tolist()
+        end = next((t + 1 for t, x in enumerate(tokens) if x in eos), len(tokens))
+        out.append((tokens[:end], [torch.log_softmax(g.scores[t][0].float(), -1)[tokens[t]].item()
+                                   for t in range(end)]))
+    return out
+
+
+# eos: tokens the unmasked greedy rows of 2 prompts write among their first 4 (ends at 3 and 4 tokens), met by none
+# after: masked, those rows run on; pool: a paged KV pool (blocks of 16) that the masked rows outgrow (preemption)
+@pytest.mark.parametrize("n, slots, graphs, pool", [(1, 2, False, None), (3, 4, True, None), (1, 5, False, 96),
+                                                    (3, 9, True, 320)])
+def test_engine_min_new_tokens_equals_hf(n, slots, graphs, pool):
+    """min_new_tokens 4 under greedy decoding (top_k 1): the engine's completions equal HF shared-prefill's (and
+    differ from those without the mask: two rows would end at 3 and 4 tokens), each token's log-prob equals the
+    log-softmax of HF's processed scores (the masked distribution) to 1e-5; eager and through the graphs' step (its
+    mask read from the Engine's fixed buffers), whole and paged, where groups are preempted and made anew (their
+    count of tokens, and so the mask, starting again)."""
+    from test_engine import hf_greedy, run, setup_model
+
+    tok, lm, ids = setup_model()
+    eos = [0, 32, 93]
+    ref, truncated = hf_greedy(lm, tok, ids, n, eos, 24, "shared-prefill", min_new_tokens=4)
+    free, _ = hf_greedy(lm, tok, ids, n, eos, 24, "shared-prefill")
+    assert sorted({len(c) for c in free})[:2] == [3, 4] and min(map(len, ref)) > 4
+    stats = {}
+    comps, logps = run(lm, ids, n, eos, 24, slots, sync_every=3, graphs=graphs, pool_tokens=pool, stats=stats,
+                       min_new_tokens=4)
+    assert comps == ref and [c[-1] not in eos for c in comps] == truncated
+    assert (stats["preempted"] > 0) == (pool is not None), stats
+    want = hf_greedy_logps(lm, ids, eos, 24, 4)
+    for b, (c, lp) in enumerate(zip(comps, logps)):
+        assert c == want[b // n][0]
+        torch.testing.assert_close(torch.tensor(lp), torch.tensor(want[b // n][1]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("pool", [None, 320])
+def test_engine_min_new_tokens_sampled_logps(pool):
+    """Sampled with one seed (temperature 0.7) and min_new_tokens 4, EOS half the vocabulary, whole and paged: no EOS
+    among a completion's first 4 tokens; the graphs' step draws the eager step's tokens (log-probs to 1e-5); each
+    log-prob is the masked distribution's, log_softmax(logits / 0.7) of HF's forward with EOS's logits -inf at indices
+    0..3 (to 1e-5 and 1e-5 relative: the enlarged weights' log-probs reach ~-5)."""
+    from test_engine import run, setup_model
+
+    tok, lm, ids = setup_model()
+    eos = list(range(0, len(tok), 2))
+    kw = dict(sync_every=3, pool_tokens=pool, temperature=0.7, top_k=0, min_new_tokens=4)
+    out = {g: run(lm, ids, 3, eos, 12, 9, graphs=g, generator=torch.Generator().manual_seed(5), **kw)
+           for g in (False, True)}
+    comps, logps = out[True]
+    assert comps == out[False][0]
+    for a, b in zip(logps, out[False][1]):  # the graphs' read length rounded up: float error apart
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    assert min(map(len, comps)) == 5 and not any(t in eos for c in comps for t in c[:4])
+    for b, (c, lp) in enumerate(zip(comps, logps)):
+        p = ids[b // 3]
+        logits = lm(torch.tensor([p + c])).logits[0, len(p) - 1:-1].detach()
+        logits[:4, eos] = float("-inf")
+        want = torch.log_softmax(logits / 0.7, -1).gather(1, torch.tensor(c)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(lp), want, atol=1e-5, rtol=1e-5)
 
 
 def test_length_table_from_fabricated_runs(tmp_path):

@@ -163,17 +163,24 @@ def test_engine_min_new_tokens_sampled_logps(pool):
         torch.testing.assert_close(torch.tensor(lp), want, atol=1e-5, rtol=1e-5)
 
 
-def test_length_table_from_fabricated_runs(tmp_path):
-    """experiments/length_runs.py's table from made-up metrics.jsonl: grpo.py at L = 16 and 64, two seeds, 10 steps.
-    Seed 1 at L = 64 rises to 0.8 and falls to 0.2: a window of 1 step, peak 0.8, last 0.2 < 0.4 and < 0.7:
-    collapsed; its other runs climb to 0.5 and stay. Var log prod_t w_it 1 and 4 (seed 1), 2 and 2 (seed 2): growth
-    4.00 and 1.00, mean 2.50 ± 2.12; reward per 1k tokens: the mean reward over steps / L x 1000."""
-    sys_path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments")
-    sys.path.insert(0, sys_path)
+def length_runs():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments"))
     import length_runs
+    return length_runs
 
-    def write(length, seed, rewards, sum_var):
-        d = tmp_path / f"grpo__L{length}__lr5e-4__{seed}__1"
+
+def test_length_table_from_fabricated_logs(tmp_path):
+    """experiments/length_runs.py's table from made-up logs ({name}__n{steps}__{seed}/metrics.jsonl): grpo.py at
+    L = 16 and 64, two seeds, 10 steps. Seed 1 at L = 64 rises to 0.8 and falls to 0.2: a window of 1 step, peak
+    0.8, last 0.2 < 0.4 and < 0.7: collapsed; its other runs climb to 0.5 and stay. Var log prod_t w_it 1 and 4
+    (seed 1), 2 and 2 (seed 2): growth 4.00 and 1.00, mean 2.50 ± 2.12; reward per 1k tokens: the mean reward over
+    steps / L x 1000. A 20-step run of seed 1 at L = 16 (reward 0.3 throughout) is a row of its own, after the
+    10-step one, with no growth line (one length); seed 3 (not asked for) and a folder without metrics.jsonl are
+    not read."""
+    lr = length_runs()
+
+    def write(length, seed, rewards, sum_var, steps=10):
+        d = tmp_path / f"grpo__L{length}__lr5e-4__n{steps}__{seed}"
         d.mkdir()
         rows = [{"charts/reward_mean": r, "noise/seq_log_ratio_var": sum_var / length,
                  "noise/seq_log_ratio_sum_var": sum_var, "noise/grad_cos_later": 0.5, "losses/clipfrac": 0.1,
@@ -185,16 +192,51 @@ def test_length_table_from_fabricated_runs(tmp_path):
     write(16, 2, climb, 2.0)
     write(64, 1, [0.0, 0.2, 0.4, 0.6, 0.8, 0.6, 0.4, 0.3, 0.2, 0.2], 4.0)
     write(64, 2, climb, 2.0)
-    out = length_runs.table(str(tmp_path), ["grpo.py"], [16, 64], ["5e-4"], [1, 2])
-    row16, row64 = [line for line in out.split("\n") if line.startswith("| `grpo.py`")]
-    assert row16.split(" | ")[1:8] == ["16", "5e-4", "0.000 ± 0.000", "0.500 ± 0.000", "0.500 ± 0.000", "0/2",
-                                       "9.4e-02 ± 4.4e-02"]
-    assert row64.split(" | ")[6] == "1/2"
-    assert row64.split(" | ")[5] == "0.650 ± 0.212"  # peaks 0.8 and 0.5
+    write(16, 1, [0.3] * 20, 8.0, steps=20)
+    write(16, 3, [9.0] * 10, 1.0)  # seed 3: not asked for
+    (tmp_path / "grpo__L64__lr5e-4__n20__1").mkdir()  # no metrics.jsonl: not read
+    out = lr.table(str(tmp_path), ["grpo.py"], [16, 64], ["5e-4"], [1, 2])
+    row16, row16_20, row64 = [line for line in out.split("\n") if line.startswith("| `grpo.py`")]
+    assert row16.split(" | ")[1:9] == ["16", "5e-4", "10", "0.000 ± 0.000", "0.500 ± 0.000", "0.500 ± 0.000",
+                                       "0/2", "9.4e-02 ± 4.4e-02"]
+    assert row16_20.split(" | ")[1:11] == ["16", "5e-4", "20", "0.300", "0.300", "0.300", "0/1", "5.0e-01",
+                                           "8.0e+00", "0.500"]
+    assert row64.split(" | ")[1:4] == ["64", "5e-4", "10"]
+    assert row64.split(" | ")[7] == "1/2"
+    assert row64.split(" | ")[6] == "0.650 ± 0.212"  # peaks 0.8 and 0.5
     per_1k = 1000 * sum(climb) / (10 * 16)
-    assert row16.split(" | ")[12] == f"{per_1k:.2f} ± 0.00"
-    assert "4.00, 1.00 (mean 2.50 ± 2.12)" in out
-    assert length_runs.summary([{"charts/reward_mean": 1.0, "noise/grad_cos_later": None, "losses/clipfrac": 0.0,
-                                 "losses/clipfrac_seq": 0.0, "perf/wall_time": 1.0}], 4)["cos"] != \
-        length_runs.summary([{"charts/reward_mean": 1.0, "noise/grad_cos_later": None, "losses/clipfrac": 0.0,
-                              "losses/clipfrac_seq": 0.0, "perf/wall_time": 1.0}], 4)["cos"]  # nan: none counted
+    assert row16.split(" | ")[13] == f"{per_1k:.2f} ± 0.00"
+    assert row16_20.split(" | ")[13:] == [f"{1000 * 0.3 / 16:.2f}", "200 |"]
+    growth = [line for line in out.split("\n") if line.startswith("- ")]
+    assert growth == ["- `grpo.py` lr 5e-4, 10 steps: Var log prod_t w_it at L = 64 over L = 16, by seed: 4.00, "
+                      "1.00 (mean 2.50 ± 2.12)",
+                      "- `grpo.py` lr 5e-4, 10 steps: Var log s_i at L = 64 over L = 16, by seed: 1.00, 0.25 (mean "
+                      "0.62 ± 0.53)"]
+    bare = {"charts/reward_mean": 1.0, "noise/grad_cos_later": None, "losses/clipfrac": 0.0,
+            "losses/clipfrac_seq": 0.0, "perf/wall_time": 1.0}
+    assert math.isnan(lr.summary([bare], 4)["cos"])  # none counted
+    with pytest.raises(SystemExit, match="no logs under"):
+        lr.table(str(tmp_path), ["gspo.py"], [16], ["5e-4"], [1])
+
+
+def test_length_skip_done_lists_only_missing_runs(tmp_path):
+    """--skip-done: of grpo.py and gspo.py at L = 16, 64, lr 2e-3, seeds 1-2, 100 steps (8 runs, seed-major), the
+    run whose logs hold metrics.jsonl and args.json is left out; one with metrics.jsonl alone (its copy cut short)
+    and one of another budget (n200) are not done. Without the flag, all 8; nothing is run."""
+    lr = length_runs()
+    for name, files in (("grpo__L16__lr2e-3__n100__1", ("metrics.jsonl", "args.json")),
+                        ("gspo__L64__lr2e-3__n100__2", ("metrics.jsonl",)),
+                        ("grpo__L64__lr2e-3__n200__1", ("metrics.jsonl", "args.json"))):
+        (tmp_path / name).mkdir()
+        for f in files:
+            (tmp_path / name / f).write_text("{}\n")
+    args = lr.Args(scripts="grpo.py,gspo.py", lengths="16,64", learning_rates="2e-3", seeds=2, steps=100)
+    every = [(script, length, "2e-3", s) for s in (1, 2) for script in ("grpo.py", "gspo.py") for length in (16, 64)]
+    assert lr.pending(args, str(tmp_path)) == every
+    args.skip_done = True
+    assert lr.pending(args, str(tmp_path)) == every[1:]
+    assert lr.run_name("gspo_token.py", 256, "2e-3", 400) == "gspo_token__L256__lr2e-3__n400"
+    with pytest.raises(SystemExit, match="--lengths 16,x: comma-separated whole numbers"):
+        lr.pending(lr.Args(lengths="16,x"), str(tmp_path))
+    with pytest.raises(SystemExit, match="--scripts nope.py: no such script"):
+        lr.pending(lr.Args(scripts="grpo.py,nope.py"), str(tmp_path))

@@ -215,6 +215,9 @@ def test_length_table_from_fabricated_logs(tmp_path):
     bare = {"charts/reward_mean": 1.0, "noise/grad_cos_later": None, "losses/clipfrac": 0.0,
             "losses/clipfrac_seq": 0.0, "perf/wall_time": 1.0}
     assert math.isnan(lr.summary([bare], 4)["cos"])  # none counted
+    pytest.importorskip("matplotlib")
+    assert lr.plot(lr.load(str(tmp_path), ["grpo.py"], [16, 64], ["5e-4"], [1, 2]), str(tmp_path / "length.png"))
+    assert (tmp_path / "length.png").stat().st_size > 0
     with pytest.raises(SystemExit, match="no logs under"):
         lr.table(str(tmp_path), ["gspo.py"], [16], ["5e-4"], [1])
 

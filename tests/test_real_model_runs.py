@@ -244,11 +244,16 @@ def test_new_objectives_rows_pair_with_gspo_and_say_n_a_for_what_a_script_does_n
 def test_committed_tables_rebuild_from_committed_logs():
     """Issue 51 item 4: each committed real-model table is what --table-only computes from the committed logs beside
     it (real_model_runs, precision_runs and its --curves, energy_runs and its --minibatch last; mixed_task_runs once
-    its logs are committed): a table edited by hand, or logs committed without their table, fail here."""
+    its logs are committed; length_runs with its table.md's command line): a table edited by hand, or logs
+    committed without their table, fail here."""
+    import shlex
+
     import energy_runs
+    import length_runs
     import mixed_task_runs
     import precision_runs
     import real_model_runs as rm
+    import tyro
 
     results = os.path.join(ROOT, "experiments", "results")
     read = lambda out: open(os.path.join(results, out, "table.md")).read()  # noqa: E731
@@ -262,3 +267,8 @@ def test_committed_tables_rebuild_from_committed_logs():
         tables.append((mixed_task_runs.table, "mixed_task"))
     for table, out in tables:
         assert table(os.path.join(results, out, "logs"), [1, 2, 3]) in read(out), out
+    # the length lab: its table from the logs, with the scripts, lengths and rates of table.md's command line
+    argv = shlex.split(read("length").split("`")[1])[2:]
+    found = length_runs.table(os.path.join(results, "length", "logs"),
+                              *length_runs.grid(tyro.cli(length_runs.Args, args=argv)))
+    assert found.count("\n| `") >= 6 and found in read("length")

@@ -95,7 +95,8 @@ def write_task(folder: str) -> tuple[str, str]:
 
 def load(logs: str, name: str, seed: int) -> dict | None:
     """One run's evaluations {step: accuracy}, its accuracy by form {step: {form: accuracy}} (eval_samples.jsonl's
-    rows, each matched to its form by prompt), its training rewards and truncated fractions a step."""
+    rows, each matched to its form by prompt), its training reward a step and the fraction of its groups with no
+    reward spread (zero advantage: no gradient) a step."""
     folder = os.path.join(logs, f"{exp_name(name)}__{seed}")
     if not os.path.exists(os.path.join(folder, "metrics.jsonl")):
         return None
@@ -110,27 +111,31 @@ def load(logs: str, name: str, seed: int) -> dict | None:
     steps = [r for r in rows if "charts/reward_mean" in r]
     return {"evals": evals, "by_form": {s: {f: sum(h) / len(h) for f, h in d.items()} for s, d in by_form.items()},
             "reward": [r["charts/reward_mean"] for r in steps],
-            "truncated": [r.get("charts/truncated_frac") for r in steps]}
+            "no_spread": [r["charts/zero_adv_group_frac"] for r in steps if "charts/zero_adv_group_frac" in r]}
 
 
 def table(logs: str, seeds: list[int]) -> str:
     """Held-out accuracy at each evaluation, mean ± sample std over seeds; the change from step 0 paired by seed;
-    the accuracy by form at step 0 and the last evaluation; the training reward over the first and last 5 steps."""
+    the accuracy by form at step 0 and the last evaluation; the training reward over the first and last quarter of
+    the steps (4 prompts a step: one step's reward swings with its prompts' forms), and the groups with no reward
+    spread, mean over steps."""
     runs = {name: {s: r for s in seeds if (r := load(logs, name, s))} for name in COMMANDS}
     runs = {name: rs for name, rs in runs.items() if rs}
     if not runs:
         return "no logs"
     eval_steps = sorted(set.intersection(*(set(r["evals"]) for rs in runs.values() for r in rs.values())))
     lines = ["| objective | seeds | " + " | ".join(f"held-out, step {s}" for s in eval_steps)
-             + " | change, last - step 0 | reward, first 5 steps | reward, last 5 steps |",
-             "|---|---" + "|---" * len(eval_steps) + "|---|---|---|"]
+             + " | change, last - step 0 | reward, first quarter of steps | reward, last quarter | groups with "
+             "no reward spread |", "|---|---" + "|---" * len(eval_steps) + "|---|---|---|---|"]
+    quarter = lambda xs: max(1, len(xs) // 4)  # noqa: E731
     for name, rs in runs.items():
         cells = [fmt([r["evals"][s] for r in rs.values()]) for s in eval_steps]
         change = [r["evals"][eval_steps[-1]] - r["evals"][eval_steps[0]] for r in rs.values()]
-        first = [sum(r["reward"][:5]) / len(r["reward"][:5]) for r in rs.values()]
-        last = [sum(r["reward"][-5:]) / len(r["reward"][-5:]) for r in rs.values()]
+        first = [sum(r["reward"][:quarter(r["reward"])]) / quarter(r["reward"]) for r in rs.values()]
+        last = [sum(r["reward"][-quarter(r["reward"]):]) / quarter(r["reward"]) for r in rs.values()]
+        flat = [sum(r["no_spread"]) / len(r["no_spread"]) for r in rs.values() if r["no_spread"]]
         lines.append(f"| {name} | {len(rs)} | " + " | ".join(cells)
-                     + f" | {fmt(change)} | {fmt(first)} | {fmt(last)} |")
+                     + f" | {fmt(change)} | {fmt(first)} | {fmt(last)} | {fmt(flat) if flat else 'n/a'} |")
     lines += ["", "Held-out accuracy by form (16 rows each), step 0 → last evaluation, mean ± std over seeds:", "",
               "| objective | " + " | ".join(FORMS) + " |", "|---" + "|---" * len(FORMS) + "|"]
     for name, rs in runs.items():

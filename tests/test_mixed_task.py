@@ -38,13 +38,14 @@ def test_mixed_task_rows_and_held_out_split():
     assert mt.mixed_task() == (train, test)  # seeded: every run sees the same split
 
 
-def write(logs, name, seed, evals, rewards, samples=None):
+def write(logs, name, seed, evals, rewards, samples=None, no_spread=0.5):
     """logs/{name}__{seed}/: metrics.jsonl (an eval row at each evaluation step, a reward row a step) and, where
     given, eval_samples.jsonl: {step: {form: k}}, the first k held-out rows of the form scored 1, the others 0."""
     folder = logs / f"{name}__{seed}"
     folder.mkdir(parents=True)
     rows = [{"step": s, "eval/avg@1": a, "eval/pass@1": a} for s, a in evals.items()]
-    rows += [{"step": t, "charts/reward_mean": r, "charts/truncated_frac": 0.0} for t, r in enumerate(rewards, 1)]
+    rows += [{"step": t, "charts/reward_mean": r, "charts/zero_adv_group_frac": no_spread}
+             for t, r in enumerate(rewards, 1)]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sorted(rows, key=lambda r: r["step"])))
     if samples is not None:
         test, out = mt.mixed_task()[1], []
@@ -59,8 +60,8 @@ def write(logs, name, seed, evals, rewards, samples=None):
 def test_mixed_task_table_from_fabricated_logs(tmp_path):
     logs = tmp_path / "logs"
     steps = [0, 10, 20, 30, 40]
-    write(logs, "gspo", 1, dict(zip(steps, [0.1, 0.2, 0.3, 0.3, 0.5])), [0.0] * 5 + [0.5] * 5,
-          {0: {"add": 8}, 40: {"add": 16, "sub": 4, "word sub": 12}})
+    write(logs, "gspo", 1, dict(zip(steps, [0.1, 0.2, 0.3, 0.3, 0.5])), [0.0] * 2 + [0.3] * 3 + [0.5] * 5,
+          {0: {"add": 8}, 40: {"add": 16, "sub": 4, "word sub": 12}}, no_spread=0.25)
     write(logs, "gspo", 2, dict(zip(steps, [0.1, 0.1, 0.2, 0.4, 0.3])), [0.2] * 5 + [0.3] * 5,
           {0: {}, 40: {"add": 8, "sub": 4, "word add": 8, "word sub": 4}})
     write(logs, "grpo", 1, dict(zip(steps, [0.1, 0.2, 0.2, 0.4, 0.6])), [0.1] * 10)
@@ -68,16 +69,17 @@ def test_mixed_task_table_from_fabricated_logs(tmp_path):
     write(logs, "grpo", 3, dict(zip(steps, [0.1, 0.1, 0.1, 0.1, 0.1])), [0.1] * 10)  # no gspo seed 3: no pair
     lines = mt.table(str(logs), [1, 2, 3]).splitlines()
     assert lines[0] == ("| objective | seeds | held-out, step 0 | held-out, step 10 | held-out, step 20 "
-                        "| held-out, step 30 | held-out, step 40 | change, last - step 0 | reward, first 5 steps "
-                        "| reward, last 5 steps |")
+                        "| held-out, step 30 | held-out, step 40 | change, last - step 0 | reward, first quarter of "
+                        "steps | reward, last quarter | groups with no reward spread |")
     # gspo: step 20 (0.3, 0.2) 0.250 ± 0.071; step 40 (0.5, 0.3) 0.400 ± 0.141; change (0.4, 0.2) 0.300 ± 0.141;
-    # reward, first 5 steps (0.0, 0.2) 0.100 ± 0.141, last 5 (0.5, 0.3) 0.400 ± 0.141
+    # reward, first quarter of 10 steps (steps 1-2: 0.0, 0.2) 0.100 ± 0.141, last (0.5, 0.3) 0.400 ± 0.141;
+    # no spread (0.25, 0.5) 0.375 ± 0.177
     assert lines[2] == ("| gspo | 2 | 0.100 ± 0.000 | 0.150 ± 0.071 | 0.250 ± 0.071 | 0.350 ± 0.071 "
-                        "| 0.400 ± 0.141 | 0.300 ± 0.141 | 0.100 ± 0.141 | 0.400 ± 0.141 |")
+                        "| 0.400 ± 0.141 | 0.300 ± 0.141 | 0.100 ± 0.141 | 0.400 ± 0.141 | 0.375 ± 0.177 |")
     # grpo, 3 seeds: step 40 (0.6, 0.2, 0.1) 0.300 ± sqrt((0.09 + 0.01 + 0.04) / 2) = 0.265; change (0.5, 0.1, 0.0)
     # 0.200 ± 0.265; step 30 (0.4, 0.1, 0.1) 0.200 ± 0.173
     assert lines[3] == ("| grpo | 3 | 0.100 ± 0.000 | 0.133 ± 0.058 | 0.133 ± 0.058 | 0.200 ± 0.173 "
-                        "| 0.300 ± 0.265 | 0.200 ± 0.265 | 0.100 ± 0.000 | 0.100 ± 0.000 |")
+                        "| 0.300 ± 0.265 | 0.200 ± 0.265 | 0.100 ± 0.000 | 0.100 ± 0.000 | 0.500 ± 0.000 |")
     # by form, 16 rows each: gspo add 8/16 and 0/16 at step 0 (0.25 ± 0.35), 16/16 and 8/16 at step 40 (0.75 ±
     # 0.35); sub 0 -> (4/16, 4/16) 0.25 ± 0.00; word add 0 -> (0, 8/16) 0.25 ± 0.35; word sub 0 -> (12/16, 4/16)
     # 0.50 ± 0.35; grpo logged no eval_samples.jsonl: empty cells

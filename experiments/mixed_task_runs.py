@@ -11,7 +11,7 @@ scores 1 when the number a completion states equals the answer.
 
     python tools/real_model.py                          # the model folder, once
     python experiments/mixed_task_runs.py               # 2 commands x 3 seeds, two at a time
-    python experiments/mixed_task_runs.py --table-only  # table.md from the logs under logs/
+    python experiments/mixed_task_runs.py --table-only  # table.md and mixed.png from the logs under logs/
     python experiments/mixed_task_runs.py --task-only data   # data/train.jsonl and data/test.jsonl alone
 
 Each run's metrics.jsonl, samples.jsonl and eval_samples.jsonl (every held-out completion at each evaluation) are
@@ -156,6 +156,36 @@ def table(logs: str, seeds: list[int]) -> str:
     return "\n".join(lines)
 
 
+def plot(logs: str, seeds: list[int], path: str) -> bool:
+    """The learning curves: held-out accuracy at each evaluation, overall and by form, mean over seeds with a
+    min-max band, an objective a colour; False (no file) without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    runs = {name: [r for s in seeds if (r := load(logs, name, s))] for name in COMMANDS}
+    fig, axes = plt.subplots(1, 1 + len(FORMS), figsize=(4 * (1 + len(FORMS)), 3.4), sharey=True)
+    for ax, form in zip(axes, (None, *FORMS)):
+        for name, rs in runs.items():
+            if not rs:
+                continue
+            steps = sorted(set.intersection(*(set(r["evals"] if form is None else r["by_form"]) for r in rs)))
+            ys = [[r["evals"][t] if form is None else r["by_form"][t][form] for r in rs] for t in steps]
+            ax.plot(steps, [sum(y) / len(y) for y in ys], marker="o", label=f"{name} ({len(rs)} seeds)")
+            ax.fill_between(steps, [min(y) for y in ys], [max(y) for y in ys], alpha=0.2)
+        ax.set_title("held-out accuracy, all 64" if form is None else f"{form} (16 rows)", fontsize=9)
+        ax.set_xlabel("step")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("SmolLM2-135M-Instruct, mixed arithmetic: greedy held-out accuracy, mean over seeds, band min-max",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main():
     args = tyro.cli(Args)
     if args.task_only:
@@ -165,6 +195,8 @@ def main():
             f"never trained on in any form). {BUDGET_WHY} Every command: `{' '.join(BUDGET)}`. Mean ± sample std "
             "(ddof 1) over seeds.")
     run_and_report(args, "mixed_task_runs.py", COMMANDS, BUDGET, what, table, task=write_task)
+    if not plot(os.path.join(args.out, "logs"), list(range(1, args.seeds + 1)), os.path.join(args.out, "mixed.png")):
+        print("matplotlib is not installed: table only, no plot")
 
 
 if __name__ == "__main__":

@@ -93,3 +93,5 @@ def test_mixed_task_table_from_fabricated_logs(tmp_path):
         # paired at step 40 over the seeds both have: (0.6 - 0.5, 0.2 - 0.3) = (+0.1, -0.1): 0.000 ± 0.141
         "- grpo minus gspo, held-out at step 40, paired by seed: seed 1: +0.100, seed 2: -0.100 (mean 0.000 ± 0.141)"]
     assert mt.table(str(tmp_path / "none"), [1]) == "no logs"
+    if mt.plot(str(logs), [1, 2, 3], str(tmp_path / "mixed.png")):  # matplotlib there: the curves drawn
+        assert (tmp_path / "mixed.png").stat().st_size > 10_000

@@ -14,6 +14,7 @@ the fraction of tokens clipped, and the time a step takes with and without the r
     python experiments/precision_runs.py --table-only
     python experiments/precision_runs.py --curves     # 5 configurations x 3 seeds, 8 steps each: reward curves
     python experiments/precision_runs.py --corrections   # the rollout corrections, 5 configurations x 3 seeds
+    python experiments/precision_runs.py --corrections --curves   # the same, 8 steps each: reward and clip fraction
 
 --curves: the learning runs' budget (real_model_runs.py: 8 steps, 2 minibatches a step, so later minibatches are
 off-policy) without its evaluation, the bf16 engine throughout, into {out}/curves: the reward curve, its Jitter2
@@ -94,7 +95,8 @@ class Args(real_model_runs.Args):  # the same flags, another folder
     curves: bool = False
     """the reward curves: CURVE_COMMANDS for 8 steps (CURVE_BUDGET) instead of one step"""
     corrections: bool = False
-    """the rollout corrections: CORRECTIONS for one step (BUDGET), into {out}/corrections"""
+    """the rollout corrections: CORRECTIONS for one step (BUDGET), into {out}/corrections (with --curves: 8 steps,
+    CURVE_BUDGET, into {out}/corrections/curves)"""
 
 
 def table(logs: str, seeds: list[int], commands=COMMANDS, columns=COLUMNS, logs_of=None) -> str:
@@ -127,18 +129,23 @@ def correction_table(logs: str, seeds: list[int]) -> str:
                  lambda name: main_logs if name in BASELINES else logs)
 
 
-def curve_table(logs: str, seeds: list[int]) -> str:
+def curve_table(logs: str, seeds: list[int], commands=None, logs_of=None, extra=None) -> str:
     """One row a configuration, mean ± sample std over seeds: the reward curve (each step's mean over seeds), its
     first and last 2 steps, Jitter2, the clip fraction and Var log w_it on first minibatches averaged over steps,
     and the seconds a step took (steps 2 on: step 1's wall time holds the model's load) and spent recomputing
     pi_old. Then, paired by seed (the same data order and step-1 samples), each configuration's reward over the last
-    2 steps minus its objective's recomputed run's."""
+    2 steps minus its objective's recomputed run's. commands: CURVE_COMMANDS unless given, each one's logs under
+    logs_of(name) where given; extra {key: column}: more columns, means over steps (empty where a run does not log
+    the key), and the clip fraction paired by seed too."""
+    extra = extra or {}
     lines = ["| configuration | seeds | reward each step (mean over seeds) | reward, first 2 steps | reward, last 2 "
              "steps | Jitter2 (eq. 20) | clip fraction, mean over steps | Var log w_it, first minibatches | "
-             "step s | pi_old pass s (saved by rollout) |", "|---|---|---|---|---|---|---|---|---|---|"]
-    last2 = {}  # (configuration, seed) -> reward over the last 2 steps
-    path = lambda name, s: os.path.join(logs, f"{exp_name(name)}__{s}", "metrics.jsonl")  # noqa: E731
-    for name in CURVE_COMMANDS:
+             "step s | pi_old pass s (saved by rollout) |" + "".join(f" {c} |" for c in extra.values()),
+             "|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(extra)]
+    last2, clip = {}, {}  # (configuration, seed) -> reward over the last 2 steps, clip fraction over steps
+    path = lambda name, s: os.path.join(logs_of(name) if logs_of else logs,  # noqa: E731
+                                        f"{exp_name(name)}__{s}", "metrics.jsonl")
+    for name in commands or CURVE_COMMANDS:
         found = [s for s in seeds if os.path.exists(path(name, s))]
         runs = [[r for r in map(json.loads, open(path(name, s))) if "charts/reward_mean" in r] for s in found]
         if not runs:
@@ -151,21 +158,44 @@ def curve_table(logs: str, seeds: list[int]) -> str:
         wall = [(rows[-1]["perf/wall_time"] - rows[0]["perf/wall_time"]) / (len(rows) - 1) for rows in runs]
         jitter2 = [rows[-1]["charts/reward_jitter2"] for rows in runs]
         last2.update({(name, s): sum(c[-2:]) / 2 for s, c in zip(found, reward)})
+        clip.update(zip([(name, s) for s in found], avg("losses/clipfrac")))
+        more = "".join(f" {fmt(avg(k), 4) if all(k in r for rows in runs for r in rows) else ''} |" for k in extra)
         lines.append(f"| {name} | {len(runs)} | {each} | {fmt([sum(c[:2]) / 2 for c in reward])} | "
                      f"{fmt([sum(c[-2:]) / 2 for c in reward])} | {fmt(jitter2)} | {fmt(avg('losses/clipfrac'), 4)} | "
-                     f"{sci(avg('losses/log_ratio_var_first'))} | {fmt(wall, 0)} | {fmt(avg('perf/old_logp_s'), 1)} |")
-    for name in CURVE_COMMANDS:
+                     f"{sci(avg('losses/log_ratio_var_first'))} | {fmt(wall, 0)} | {fmt(avg('perf/old_logp_s'), 1)} |"
+                     + more)
+    for name in commands or CURVE_COMMANDS:
         base = name.split()[0] + " recomputed"
         pairs = [(s, last2[name, s] - last2[base, s]) for s in seeds if (name, s) in last2 and (base, s) in last2]
         if name != base and pairs:
             lines.append(f"\n{name} minus {base}, reward over the last 2 steps, paired by seed: {by_seed(pairs)}")
+            if extra:
+                lines.append(f"\n{name} minus {base}, clip fraction over steps, paired by seed: "
+                             + by_seed([(s, clip[name, s] - clip[base, s]) for s, _ in pairs]))
     return "\n".join(lines)
+
+
+CORRECTION_CURVES = {name.replace(",", ""): flags for name, flags in CORRECTIONS.items()}
+CURVE_EXTRA = {"rollout_is/capped_frac": "tokens truncated", "rollout_is/masked_frac": "tokens masked",
+               "losses/opsm_frac": "sequences dropped (OPSM)"}
+
+
+def correction_curve_table(logs: str, seeds: list[int]) -> str:
+    """--corrections --curves: the --curves table's two GSPO rows (from {out}/curves/logs) and CORRECTION_CURVES,
+    with the fractions each correction truncates, masks or drops, means over steps, and the clip fraction paired."""
+    curve_logs = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(logs))), "curves", "logs")
+    return curve_table(logs, seeds, ["gspo recomputed", "gspo rollout", *CORRECTION_CURVES],
+                       lambda name: curve_logs if name in ("gspo recomputed", "gspo rollout") else logs, CURVE_EXTRA)
 
 
 def main():
     args = tyro.cli(Args)
-    if args.corrections and args.curves:
-        raise SystemExit("--corrections and --curves are two experiments: give one")
+    if args.corrections and args.curves:  # {out}/corrections/curves, beside the --curves runs' two GSPO rows
+        args.out = os.path.join(args.out, "corrections", "curves")
+        run_and_report(args, "precision_runs.py", CORRECTION_CURVES, CURVE_BUDGET,
+                       f"`{' '.join(CURVE_BUDGET)}` on {os.path.basename(args.model)}, the bf16 engine; the first two "
+                       "rows are the --curves runs'; mean ± sample std (ddof 1) over seeds.", correction_curve_table)
+        return
     if args.corrections:
         args.out = os.path.join(args.out, "corrections")
         run_and_report(args, "precision_runs.py", CORRECTIONS, BUDGET,

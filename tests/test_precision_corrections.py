@@ -46,3 +46,35 @@ def test_correction_table_from_fabricated_logs(tmp_path):
     assert lines[3] == ("| gspo, recomputed, token-truncate 3 | 2 | 0.0200 ± 0.0141 |  |  | 1.0000 ± 0.0000 "
                         "| 2.0e-03 ± 1.4e-03 | 4.0e-03 ± 2.8e-03 | 1.0000 ± 0.0000 | 1.0000 ± 0.0000 | 0.0000 ± 0.0000 |")
     assert lines[4] == "| gspo, rollout, OPSM 0.5 | 1 |  |  | 0.2500 |  |  |  |  |  | 0.1000 |"
+
+
+def write_curve(folder, rewards, clips, extra=None):
+    """Two steps of a --curves run's metrics.jsonl: wall times 10 and 30 (a step 20 s), Jitter2 0.5."""
+    os.makedirs(folder)
+    rows = [{"step": t + 1, "charts/reward_mean": r, "losses/clipfrac": c, "losses/log_ratio_var_first": 0.0,
+             "perf/wall_time": 10.0 + 20 * t, "perf/old_logp_s": 2.0, "charts/reward_jitter2": 0.5,
+             **{k: v[t] for k, v in (extra or {}).items()}} for t, (r, c) in enumerate(zip(rewards, clips))]
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def test_correction_curve_table_from_fabricated_logs(tmp_path):
+    """--corrections --curves, by hand: token-mask's rewards (0.1, 0.5) and (0.2, 0.2) -> each step's mean over seeds
+    0.15 0.35, its last 2 steps (0.3, 0.2) 0.250 ± 0.071; clip (0.3, 0.1) 0.2000 ± 0.1414; tokens masked 0.02 and
+    0.02 -> 0.0200 ± 0.0000, the other correction columns empty; paired with GSPO recomputed (read from the --curves
+    runs' logs: last 2 steps 0.2, 0.3; clip 0.1, 0.2): reward +0.100, -0.100 (0.000 ± 0.141), clip +0.200, -0.100
+    (0.050 ± 0.212)."""
+    curves, logs = tmp_path / "curves" / "logs", tmp_path / "corrections" / "curves" / "logs"
+    write_curve(curves / "gspo_recomputed__1", [0.1, 0.3], [0.1, 0.1])
+    write_curve(curves / "gspo_recomputed__2", [0.2, 0.4], [0.2, 0.2])
+    write_curve(logs / "gspo_recomputed_token-mask_3__1", [0.1, 0.5], [0.3, 0.3], {"rollout_is/masked_frac": [0.01, 0.03]})
+    write_curve(logs / "gspo_recomputed_token-mask_3__2", [0.2, 0.2], [0.1, 0.1], {"rollout_is/masked_frac": [0.02, 0.02]})
+    lines = precision_runs.correction_curve_table(str(logs), [1, 2, 3]).splitlines()
+    assert lines[0].endswith("| tokens truncated | tokens masked | sequences dropped (OPSM) |")
+    assert lines[2].startswith("| gspo recomputed | 2 | 0.15 0.35 | 0.250 ± 0.071 | 0.250 ± 0.071 |")
+    assert lines[3] == ("| gspo recomputed token-mask 3 | 2 | 0.15 0.35 | 0.250 ± 0.071 | 0.250 ± 0.071 | 0.500 ± 0.000 "
+                        "| 0.2000 ± 0.1414 | 0.0e+00 ± 0.0e+00 | 20 ± 0 | 2.0 ± 0.0 |  | 0.0200 ± 0.0000 |  |")
+    assert ("gspo recomputed token-mask 3 minus gspo recomputed, reward over the last 2 steps, paired by seed: seed 1: "
+            "+0.100, seed 2: -0.100 (mean 0.000 ± 0.141)") in lines
+    assert ("gspo recomputed token-mask 3 minus gspo recomputed, clip fraction over steps, paired by seed: seed 1: "
+            "+0.200, seed 2: -0.100 (mean 0.050 ± 0.212)") in lines

@@ -59,22 +59,22 @@ def write_curve(folder, rewards, clips, extra=None):
 
 
 def test_correction_curve_table_from_fabricated_logs(tmp_path):
-    """--corrections --curves, by hand: token-mask's rewards (0.1, 0.5) and (0.2, 0.2) -> each step's mean over seeds
-    0.15 0.35, its last 2 steps (0.3, 0.2) 0.250 ± 0.071; clip (0.3, 0.1) 0.2000 ± 0.1414; tokens masked 0.02 and
+    """--corrections --curves, by hand: token-mask's rewards (0.1, 0.5) and (0.2, 0.3) -> each step's mean over seeds
+    0.15 0.40, its last 2 steps (0.3, 0.25) 0.275 ± 0.035; clip (0.3, 0.1) 0.2000 ± 0.1414; tokens masked 0.02 and
     0.02 -> 0.0200 ± 0.0000, the other correction columns empty; paired with GSPO recomputed (read from the --curves
-    runs' logs: last 2 steps 0.2, 0.3; clip 0.1, 0.2): reward +0.100, -0.100 (0.000 ± 0.141), clip +0.200, -0.100
+    runs' logs: last 2 steps 0.2, 0.3; clip 0.1, 0.2): reward +0.100, -0.050 (0.025 ± 0.106), clip +0.200, -0.100
     (0.050 ± 0.212)."""
     curves, logs = tmp_path / "curves" / "logs", tmp_path / "corrections" / "curves" / "logs"
     write_curve(curves / "gspo_recomputed__1", [0.1, 0.3], [0.1, 0.1])
     write_curve(curves / "gspo_recomputed__2", [0.2, 0.4], [0.2, 0.2])
     write_curve(logs / "gspo_recomputed_token-mask_3__1", [0.1, 0.5], [0.3, 0.3], {"rollout_is/masked_frac": [0.01, 0.03]})
-    write_curve(logs / "gspo_recomputed_token-mask_3__2", [0.2, 0.2], [0.1, 0.1], {"rollout_is/masked_frac": [0.02, 0.02]})
+    write_curve(logs / "gspo_recomputed_token-mask_3__2", [0.2, 0.3], [0.1, 0.1], {"rollout_is/masked_frac": [0.02, 0.02]})
     lines = precision_runs.correction_curve_table(str(logs), [1, 2, 3]).splitlines()
     assert lines[0].endswith("| tokens truncated | tokens masked | sequences dropped (OPSM) |")
     assert lines[2].startswith("| gspo recomputed | 2 | 0.15 0.35 | 0.250 ± 0.071 | 0.250 ± 0.071 |")
-    assert lines[3] == ("| gspo recomputed token-mask 3 | 2 | 0.15 0.35 | 0.250 ± 0.071 | 0.250 ± 0.071 | 0.500 ± 0.000 "
+    assert lines[3] == ("| gspo recomputed token-mask 3 | 2 | 0.15 0.40 | 0.275 ± 0.035 | 0.275 ± 0.035 | 0.500 ± 0.000 "
                         "| 0.2000 ± 0.1414 | 0.0e+00 ± 0.0e+00 | 20 ± 0 | 2.0 ± 0.0 |  | 0.0200 ± 0.0000 |  |")
     assert ("gspo recomputed token-mask 3 minus gspo recomputed, reward over the last 2 steps, paired by seed: seed 1: "
-            "+0.100, seed 2: -0.100 (mean 0.000 ± 0.141)") in lines
+            "+0.100, seed 2: -0.050 (mean 0.025 ± 0.106)") in lines
     assert ("gspo recomputed token-mask 3 minus gspo recomputed, clip fraction over steps, paired by seed: seed 1: "
             "+0.200, seed 2: -0.100 (mean 0.050 ± 0.212)") in lines

@@ -243,8 +243,8 @@ def test_new_objectives_rows_pair_with_gspo_and_say_n_a_for_what_a_script_does_n
 
 def test_committed_tables_rebuild_from_committed_logs():
     """Issue 51 item 4: each committed real-model table is what --table-only computes from the committed logs beside
-    it (real_model_runs, precision_runs and its --curves, energy_runs and its --minibatch last; mixed_task_runs once
-    its logs are committed; length_runs with its table.md's command line): a table edited by hand, or logs
+    it (real_model_runs, precision_runs and its --curves, energy_runs and its --minibatch last; mixed_task_runs and
+    precision_runs --corrections [--curves] once their logs are committed; length_runs with its table.md's command line): a table edited by hand, or logs
     committed without their table, fail here."""
     import shlex
 
@@ -263,8 +263,10 @@ def test_committed_tables_rebuild_from_committed_logs():
         assert part in read("real_model")
     tables = [(precision_runs.table, "precision"), (precision_runs.curve_table, "precision/curves"),
               (energy_runs.table, "real_model_energy"), (energy_runs.table, "real_model_energy/last")]
-    if os.path.isdir(os.path.join(results, "mixed_task", "logs")):
-        tables.append((mixed_task_runs.table, "mixed_task"))
+    for table, out in ((mixed_task_runs.table, "mixed_task"), (precision_runs.correction_table, "precision/corrections"),
+                       (precision_runs.correction_curve_table, "precision/corrections/curves")):
+        if os.path.isdir(os.path.join(results, out, "logs")):  # once its logs are committed
+            tables.append((table, out))
     for table, out in tables:
         assert table(os.path.join(results, out, "logs"), [1, 2, 3]) in read(out), out
     # the length lab: its table from the logs, with the scripts, lengths and rates of table.md's command line

@@ -180,8 +180,8 @@ def run_and_report(args, script: str, commands: dict, budget: list[str], what: s
 
 
 def keep_logs(runs: str, logs: str, name_s: str, seed) -> None:
-    """A finished run's metrics.jsonl, samples.jsonl, eval_samples.jsonl and args.json to {logs}/{name_s}__{seed}/, and its run folder
-    under runs (the 1.8 GB checkpoint) removed."""
+    """A finished run's metrics.jsonl, samples.jsonl, eval_samples.jsonl and args.json to {logs}/{name_s}__{seed}/,
+    and its run folder under runs (the 1.8 GB checkpoint) removed."""
     (run,) = glob.glob(os.path.join(runs, f"{name_s}__{seed}__*"))
     dest = os.path.join(logs, f"{name_s}__{seed}")
     os.makedirs(dest, exist_ok=True)

@@ -175,26 +175,27 @@ def curve_table(logs: str, seeds: list[int], commands=None, logs_of=None, extra=
     return "\n".join(lines)
 
 
-CORRECTION_CURVES = {name.replace(",", ""): flags for name, flags in CORRECTIONS.items()}
+# --corrections --curves: GSPO without a correction, recomputed and on the rollout's likelihoods, run beside the
+# corrections with the same code (so that each seed's step-1 samples are the same draw), then the corrections
+CORRECTION_CURVES = {"gspo recomputed": ["gspo.py", *BF16], "gspo rollout": ["gspo.py", *BF16, "--old-logp", "rollout"],
+                     **{name.replace(",", ""): flags for name, flags in CORRECTIONS.items()}}
 CURVE_EXTRA = {"rollout_is/capped_frac": "tokens truncated", "rollout_is/masked_frac": "tokens masked",
                "losses/opsm_frac": "sequences dropped (OPSM)"}
 
 
 def correction_curve_table(logs: str, seeds: list[int]) -> str:
-    """--corrections --curves: the --curves table's two GSPO rows (from {out}/curves/logs) and CORRECTION_CURVES,
-    with the fractions each correction truncates, masks or drops, means over steps, and the clip fraction paired."""
-    curve_logs = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(logs))), "curves", "logs")
-    return curve_table(logs, seeds, ["gspo recomputed", "gspo rollout", *CORRECTION_CURVES],
-                       lambda name: curve_logs if name in ("gspo recomputed", "gspo rollout") else logs, CURVE_EXTRA)
+    """--corrections --curves: CORRECTION_CURVES, with the fractions each correction truncates, masks or drops,
+    means over steps, and the reward and clip fraction paired with GSPO recomputed by seed."""
+    return curve_table(logs, seeds, list(CORRECTION_CURVES), None, CURVE_EXTRA)
 
 
 def main():
     args = tyro.cli(Args)
-    if args.corrections and args.curves:  # {out}/corrections/curves, beside the --curves runs' two GSPO rows
+    if args.corrections and args.curves:  # {out}/corrections/curves
         args.out = os.path.join(args.out, "corrections", "curves")
         run_and_report(args, "precision_runs.py", CORRECTION_CURVES, CURVE_BUDGET,
-                       f"`{' '.join(CURVE_BUDGET)}` on {os.path.basename(args.model)}, the bf16 engine; the first two "
-                       "rows are the --curves runs'; mean ± sample std (ddof 1) over seeds.", correction_curve_table)
+                       f"`{' '.join(CURVE_BUDGET)}` on {os.path.basename(args.model)}, the bf16 engine; mean ± sample "
+                       "std (ddof 1) over seeds.", correction_curve_table)
         return
     if args.corrections:
         args.out = os.path.join(args.out, "corrections")

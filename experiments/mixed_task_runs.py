@@ -28,7 +28,7 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from learning_tax import ROOT, by_seed, exp_name, fmt  # noqa: E402
 import real_model_runs  # noqa: E402
-from real_model_runs import run_and_report  # noqa: E402
+from real_model_runs import run_and_report, write_task  # noqa: E402
 
 HELD_OUT = 64  # pairs kept out of training in all four forms; the held-out set is one row each
 ASK = " Put the final answer in \\boxed{}."
@@ -81,16 +81,6 @@ def mixed_task(held_out: int = HELD_OUT, seed: int = 0) -> tuple[list[dict], lis
     train = [row(form, a, b, rng) for a, b in pairs if (a, b) not in kept for form in FORMS]
     rng.shuffle(train)
     return train, test
-
-
-def write_task(folder: str) -> tuple[str, str]:
-    os.makedirs(folder, exist_ok=True)
-    paths = []
-    for name, rows in zip(("train", "test"), mixed_task()):
-        paths.append(os.path.join(folder, f"{name}.jsonl"))
-        with open(paths[-1], "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-    return paths[0], paths[1]
 
 
 def load(logs: str, name: str, seed: int) -> dict | None:
@@ -189,12 +179,12 @@ def plot(logs: str, seeds: list[int], path: str) -> bool:
 def main():
     args = tyro.cli(Args)
     if args.task_only:
-        print(*write_task(args.task_only))
+        print(*write_task(args.task_only, mixed_task))
         return
     what = (f"SmolLM2-135M-Instruct ({os.path.basename(args.model)}) on the mixed task ({HELD_OUT} held-out pairs, "
             f"never trained on in any form). {BUDGET_WHY} Every command: `{' '.join(BUDGET)}`. Mean ± sample std "
             "(ddof 1) over seeds.")
-    run_and_report(args, "mixed_task_runs.py", COMMANDS, BUDGET, what, table, task=write_task)
+    run_and_report(args, "mixed_task_runs.py", COMMANDS, BUDGET, what, table, task=mixed_task)
     if not plot(os.path.join(args.out, "logs"), list(range(1, args.seeds + 1)), os.path.join(args.out, "mixed.png")):
         print("matplotlib is not installed: table only, no plot")
 

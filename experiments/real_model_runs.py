@@ -125,10 +125,11 @@ def arithmetic_task(held_out: int = HELD_OUT, seed: int = 0) -> tuple[list[dict]
     return train, test
 
 
-def write_task(folder: str) -> tuple[str, str]:
+def write_task(folder: str, task=arithmetic_task) -> tuple[str, str]:
+    """task() -> (train rows, held-out rows), written to {folder}/train.jsonl and test.jsonl; -> their paths."""
     os.makedirs(folder, exist_ok=True)
     paths = []
-    for name, rows in zip(("train", "test"), arithmetic_task()):
+    for name, rows in zip(("train", "test"), task()):
         paths.append(os.path.join(folder, f"{name}.jsonl"))
         with open(paths[-1], "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -136,15 +137,15 @@ def write_task(folder: str) -> tuple[str, str]:
 
 
 def run_all(args, wanted: list[str], seeds: list[int], commands: dict = COMMANDS, budget: list[str] = BUDGET,
-            task=write_task):
+            task=arithmetic_task):
     """Seed-major, so that an interrupted experiment still has every command on the first seeds; each run's logs
     are copied to {out}/logs/{name}__{seed}/ and its run folder (checkpoint included) deleted. commands, budget:
     another experiment's (precision_runs.py, energy_runs.py, mixed_task_runs.py); a command's flags follow the
-    budget's. task(folder) -> (train.jsonl, test.jsonl): the task's files, written there."""
+    budget's. task() -> (train rows, held-out rows): the task, written under {out}/runs/data (write_task)."""
     if not os.path.isdir(args.model):
         raise SystemExit(f"--model {args.model}: no such folder; write it with python tools/real_model.py")
     runs, logs = os.path.join(args.out, "runs"), os.path.join(args.out, "logs")
-    train, test = task(os.path.join(runs, "data"))
+    train, test = write_task(os.path.join(runs, "data"), task)
     jobs, names = [], {}
     for seed in seeds:
         for name in wanted:
@@ -163,7 +164,8 @@ def run_all(args, wanted: list[str], seeds: list[int], commands: dict = COMMANDS
     run_jobs(jobs, args.workers, after=lambda label: keep_logs(runs, logs, *names[label]))
 
 
-def run_and_report(args, script: str, commands: dict, budget: list[str], what: str, table, task=write_task) -> str:
+def run_and_report(args, script: str, commands: dict, budget: list[str], what: str, table,
+                   task=arithmetic_task) -> str:
     """Another experiment on this task (precision_runs.py, energy_runs.py): its runs (run_all, unless
     --table-only), then {out}/table.md: the command line, the seeds, `what` (the budget and statistics), and
     table(logs, seeds) from the logs under {out}/logs; printed and returned."""

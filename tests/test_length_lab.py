@@ -171,16 +171,17 @@ def length_runs():
 
 def test_length_table_from_fabricated_logs(tmp_path):
     """experiments/length_runs.py's table from made-up logs ({name}__n{steps}__{seed}/metrics.jsonl): grpo.py at
-    L = 16 and 64, two seeds, 10 steps. Seed 1 at L = 64 rises to 0.8 and falls to 0.2: a window of 1 step, peak
-    0.8, last 0.2 < 0.4 and < 0.7: collapsed; its other runs climb to 0.5 and stay. Var log prod_t w_it 1 and 4
+    L = 16 and 64, two seeds, 10 steps. Seed 1 at L = 64 rises to 0.8 and falls to 0.0: a window of 1 step, peak
+    0.8 >= first 0.0 + 0.05 (it learned) and last 0.0 <= first (lost it all): collapsed; its other runs climb to 0.5
+    and stay. Var log prod_t w_it 1 and 4
     (seed 1), 2 and 2 (seed 2): growth 4.00 and 1.00, mean 2.50 ± 2.12; reward per 1k tokens: the mean reward over
     steps / L x 1000. A 20-step run of seed 1 at L = 16 (reward 0.3 throughout) is a row of its own, after the
     10-step one, with no growth line (one length); seed 3 (not asked for) and a folder without metrics.jsonl are
     not read."""
     lr = length_runs()
 
-    def write(length, seed, rewards, sum_var, steps=10):
-        d = tmp_path / f"grpo__L{length}__lr5e-4__n{steps}__{seed}"
+    def write(length, seed, rewards, sum_var, steps=10, script="grpo"):
+        d = tmp_path / f"{script}__L{length}__lr5e-4__n{steps}__{seed}"
         d.mkdir()
         rows = [{"charts/reward_mean": r, "noise/seq_log_ratio_var": sum_var / length,
                  "noise/seq_log_ratio_sum_var": sum_var, "noise/grad_cos_later": 0.5, "losses/clipfrac": 0.1,
@@ -190,12 +191,14 @@ def test_length_table_from_fabricated_logs(tmp_path):
     climb = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.5, 0.5, 0.5, 0.5]
     write(16, 1, climb, 1.0)
     write(16, 2, climb, 2.0)
-    write(64, 1, [0.0, 0.2, 0.4, 0.6, 0.8, 0.6, 0.4, 0.3, 0.2, 0.2], 4.0)
+    write(64, 1, [0.0, 0.2, 0.4, 0.6, 0.8, 0.6, 0.4, 0.3, 0.2, 0.0], 4.0)
     write(64, 2, climb, 2.0)
     write(16, 1, [0.3] * 20, 8.0, steps=20)
     write(16, 3, [9.0] * 10, 1.0)  # seed 3: not asked for
     (tmp_path / "grpo__L64__lr5e-4__n20__1").mkdir()  # no metrics.jsonl: not read
-    out = lr.table(str(tmp_path), ["grpo.py"], [16, 64], ["5e-4"], [1, 2])
+    write(16, 1, [0.7] * 10, 1.0, script="gspo")  # paired with grpo.py's seed 1: last 0.7 - 0.5
+    write(16, 2, [0.4] * 10, 1.0, script="gspo")
+    out = lr.table(str(tmp_path), ["grpo.py", "gspo.py"], [16, 64], ["5e-4"], [1, 2])
     row16, row16_20, row64 = [line for line in out.split("\n") if line.startswith("| `grpo.py`")]
     assert row16.split(" | ")[1:9] == ["16", "5e-4", "10", "0.000 ± 0.000", "0.500 ± 0.000", "0.500 ± 0.000",
                                        "0/2", "9.4e-02 ± 4.4e-02"]
@@ -207,19 +210,27 @@ def test_length_table_from_fabricated_logs(tmp_path):
     per_1k = 1000 * sum(climb) / (10 * 16)
     assert row16.split(" | ")[13] == f"{per_1k:.2f} ± 0.00"
     assert row16_20.split(" | ")[13:] == [f"{1000 * 0.3 / 16:.2f}", "200 |"]
-    growth = [line for line in out.split("\n") if line.startswith("- ")]
+    growth = [line for line in out.split("\n") if line.startswith("- `grpo.py`")]
     assert growth == ["- `grpo.py` lr 5e-4, 10 steps: Var log prod_t w_it at L = 64 over L = 16, by seed: 4.00, "
                       "1.00 (mean 2.50 ± 2.12)",
                       "- `grpo.py` lr 5e-4, 10 steps: Var log s_i at L = 64 over L = 16, by seed: 1.00, 0.25 (mean "
                       "0.62 ± 0.53)"]
+    paired = [line for line in out.split("\n") if line.startswith("- `gspo.py`")]
+    assert paired == ["- `gspo.py` minus `grpo.py`, L = 16, lr 5e-4, 10 steps: reward over the last 10%, by seed: "
+                      "+0.200, -0.100 (0.050 ± 0.212)"]
     bare = {"charts/reward_mean": 1.0, "noise/grad_cos_later": None, "losses/clipfrac": 0.0,
             "losses/clipfrac_seq": 0.0, "perf/wall_time": 1.0}
     assert math.isnan(lr.summary([bare], 4)["cos"])  # none counted
+    rewards = lambda rs: [dict(bare, **{"charts/reward_mean": r}) for r in rs]  # noqa: E731
+    # collapsed: it learned (peak >= first + 0.05) and lost it all (last <= first)
+    assert lr.summary(rewards([0.02, 0.08, 0.02]), 4)["collapsed"] == 1.0
+    assert lr.summary(rewards([0.02, 0.06, 0.0]), 4)["collapsed"] == 0.0  # a gain of 0.04: noise, not learning
+    assert lr.summary(rewards([0.02, 0.08, 0.03]), 4)["collapsed"] == 0.0  # kept some of it
     pytest.importorskip("matplotlib")
     assert lr.plot(lr.load(str(tmp_path), ["grpo.py"], [16, 64], ["5e-4"], [1, 2]), str(tmp_path / "length.png"))
     assert (tmp_path / "length.png").stat().st_size > 0
     with pytest.raises(SystemExit, match="no logs under"):
-        lr.table(str(tmp_path), ["gspo.py"], [16], ["5e-4"], [1])
+        lr.table(str(tmp_path), ["dfpo.py"], [16], ["5e-4"], [1])
 
 
 def test_length_skip_done_lists_only_missing_runs(tmp_path):

@@ -11,8 +11,9 @@ update of each step: the variance over sequences of log s_i (GSPO's ratio, the m
 prod_t w_it (the product GRPO's token weights make), the cosine between the gradients of each minibatch's two halves
 (1: no noise between halves), and the clip fractions. Per script, length and learning rate, over the seeds: reward
 over the first and last 10% of steps, its peak (a 10% window), whether it collapsed (it learned, its peak 0.05
-above its first 10%, and lost it all: its last 10% at or below its first), those noise measures, and reward per 1,000 tokens generated; length.png plots the reward
-curves and the noise measures against L.
+above its first 10%, and lost it all: its last 10% at or below its first), those noise measures, and reward per
+1,000 tokens generated; each script paired by seed with the first; length.png plots the reward curves and the noise
+measures against L.
 
     python experiments/length_runs.py                          # every script, length, rate and seed (long: see --help)
     python experiments/length_runs.py --scripts grpo.py,gspo.py --lengths 16,64,256 --steps 400 --skip-done
@@ -129,7 +130,7 @@ def mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else math.nan
 
 
-LEARNED = 0.05  # a gain of the 10% window that is learning, not sampling noise (sqrt(p(1-p)/640) = 0.006 at p = 0.02)
+LEARNED = 0.05  # a 10% window's gain that is learning, not sampling noise: sqrt(p(1-p)/n) = 0.006 at p = 0.02, n = 640
 
 
 def window(r: list[float]) -> tuple[int, list[float]]:

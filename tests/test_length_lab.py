@@ -173,11 +173,11 @@ def test_length_table_from_fabricated_logs(tmp_path):
     """experiments/length_runs.py's table from made-up logs ({name}__n{steps}__{seed}/metrics.jsonl): grpo.py at
     L = 16 and 64, two seeds, 10 steps. Seed 1 at L = 64 rises to 0.8 and falls to 0.0: a window of 1 step, peak
     0.8 >= first 0.0 + 0.05 (it learned) and last 0.0 <= first (lost it all): collapsed; its other runs climb to 0.5
-    and stay. Var log prod_t w_it 1 and 4
-    (seed 1), 2 and 2 (seed 2): growth 4.00 and 1.00, mean 2.50 ± 2.12; reward per 1k tokens: the mean reward over
-    steps / L x 1000. A 20-step run of seed 1 at L = 16 (reward 0.3 throughout) is a row of its own, after the
-    10-step one, with no growth line (one length); seed 3 (not asked for) and a folder without metrics.jsonl are
-    not read."""
+    and stay. Var log prod_t w_it 1 and 4 (seed 1), 2 and 2 (seed 2): growth 4.00 and 1.00, mean 2.50 ± 2.12;
+    reward per 1k tokens: the mean reward over steps / L x 1000; gspo.py at L = 16 ends at 0.7 and 0.4 (seeds 1, 2),
+    paired with grpo.py's 0.5: +0.200, -0.100. A 20-step run of seed 1 at L = 16 (reward 0.3 throughout) is a row
+    of its own, after the 10-step one, with no growth line (one length); seed 3 (not asked for) and a folder without
+    metrics.jsonl are not read."""
     lr = length_runs()
 
     def write(length, seed, rewards, sum_var, steps=10, script="grpo"):

@@ -166,8 +166,8 @@ def run_all(args, wanted: list[str], seeds: list[int], commands: dict = COMMANDS
 
 def run_and_report(args, script: str, commands: dict, budget: list[str], what: str, table,
                    task=arithmetic_task) -> str:
-    """Another experiment on this task (precision_runs.py, energy_runs.py): its runs (run_all, unless
-    --table-only), then {out}/table.md: the command line, the seeds, `what` (the budget and statistics), and
+    """Another experiment on a task (precision_runs.py, energy_runs.py, mixed_task_runs.py): its runs (run_all,
+    unless --table-only), then {out}/table.md: the command line, the seeds, `what` (the budget and statistics), and
     table(logs, seeds) from the logs under {out}/logs; printed and returned."""
     seeds = list(range(1, args.seeds + 1))
     if not args.table_only:

@@ -62,8 +62,8 @@ def test_correction_curve_table_from_fabricated_logs(tmp_path):
     """--corrections --curves, by hand: token-mask's rewards (0.1, 0.5) and (0.2, 0.3) -> each step's mean over seeds
     0.15 0.40, its last 2 steps (0.3, 0.25) 0.275 ± 0.035; clip (0.3, 0.1) 0.2000 ± 0.1414; tokens masked 0.02 and
     0.02 -> 0.0200 ± 0.0000, the other correction columns empty; paired with GSPO recomputed (last 2 steps 0.2,
-    0.3; clip 0.1, 0.2); GSPO on the rollout's likelihoods has no logs: no row: reward +0.100, -0.050 (0.025 ± 0.106), clip +0.200, -0.100
-    (0.050 ± 0.212)."""
+    0.3; clip 0.1, 0.2): reward +0.100, -0.050 (0.025 ± 0.106), clip +0.200, -0.100 (0.050 ± 0.212). GSPO on the
+    rollout's likelihoods has no logs here: no row."""
     logs = tmp_path / "logs"
     write_curve(logs / "gspo_recomputed__1", [0.1, 0.3], [0.1, 0.1])
     write_curve(logs / "gspo_recomputed__2", [0.2, 0.4], [0.2, 0.2])

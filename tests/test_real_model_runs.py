@@ -243,9 +243,9 @@ def test_new_objectives_rows_pair_with_gspo_and_say_n_a_for_what_a_script_does_n
 
 def test_committed_tables_rebuild_from_committed_logs():
     """Issue 51 item 4: each committed real-model table is what --table-only computes from the committed logs beside
-    it (real_model_runs, precision_runs and its --curves, energy_runs and its --minibatch last; mixed_task_runs and
-    precision_runs --corrections [--curves] once their logs are committed; length_runs with its table.md's command line): a table edited by hand, or logs
-    committed without their table, fail here."""
+    it (real_model_runs, precision_runs and its --curves, --corrections and --corrections --curves, energy_runs and
+    its --minibatch last, mixed_task_runs; length_runs with its table.md's command line): a table edited by hand, or
+    logs committed without their table, fail here."""
     import shlex
 
     import energy_runs
@@ -262,12 +262,12 @@ def test_committed_tables_rebuild_from_committed_logs():
     for part in (rm.table(found), rm.paired(found), rm.mechanism_table(found)):
         assert part in read("real_model")
     tables = [(precision_runs.table, "precision"), (precision_runs.curve_table, "precision/curves"),
-              (energy_runs.table, "real_model_energy"), (energy_runs.table, "real_model_energy/last")]
-    for table, out in ((mixed_task_runs.table, "mixed_task"), (precision_runs.correction_table, "precision/corrections"),
-                       (precision_runs.correction_curve_table, "precision/corrections/curves")):
-        if os.path.isdir(os.path.join(results, out, "logs")):  # once its logs are committed
-            tables.append((table, out))
-    for table, out in tables:
+              (precision_runs.correction_table, "precision/corrections"),
+              (precision_runs.correction_curve_table, "precision/corrections/curves"),
+              (energy_runs.table, "real_model_energy"), (energy_runs.table, "real_model_energy/last"),
+              (mixed_task_runs.table, "mixed_task")]
+    for table, out in tables:  # a table without its logs would rebuild as its bare header
+        assert os.path.isdir(os.path.join(results, out, "logs")), f"{out}: its logs are not committed"
         assert table(os.path.join(results, out, "logs"), [1, 2, 3]) in read(out), out
     # the length lab: its table from the logs, with the scripts, lengths and rates of table.md's command line
     argv = shlex.split(read("length").split("`")[1])[2:]

@@ -5,7 +5,7 @@
 
 repeat          each prompt repeated G times, so HF `generate` prefills it G times
 shared-prefill  each prompt prefilled once, its KV cache repeated to the G rows of its group (the default)
-engine          engine.py: plain-PyTorch decoding over a KV cache allocated once, each prompt prefilled once
+engine          engine/: plain-PyTorch decoding over a KV cache allocated once, each prompt prefilled once
 engine-paged    the same with a paged KV pool of --pool-tokens positions (SDPA: blocks of engine.PAGE, gathered per
                 step; --flex: blocks of engine.FLEX_BLOCK, read in place through the block mask)
 

@@ -162,17 +162,17 @@ def error_row(e: BaseException) -> dict:
 
 def rollout(policy, tok, texts, eos, a, d, mode: str) -> dict:
     """One GSPO rollout through common.generate in a row of --gen-modes, or of --flex-options
-    ('engine{...}': the engine with exactly those FlexAttention decoding kernel options, engine.FLEX_OPTIONS;
+    ('engine{...}': the engine with exactly those FlexAttention decoding kernel options, engine.settings.FLEX_OPTIONS;
     'engine{}': inductor's defaults)."""
     import common
 
     engine_mode = mode.startswith("engine-") and mode != "engine-tp"
     options = json.loads(mode[len("engine"):]) if mode.startswith("engine{") else None
-    from grouprl import engine
+    from grouprl.engine import settings
 
     if options is not None:
-        engine.FLEX_OPTIONS = options
-    engine.FLEX_APART = True if mode == "engine-flexapart" else None
+        settings.FLEX_OPTIONS = options
+    settings.FLEX_APART = True if mode == "engine-flexapart" else None
     try:
         return common.generate(policy, tok, texts, a.group_size, eos, d, max_new_tokens=a.new_tokens,
                                temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=a.prompts * a.group_size,
@@ -180,7 +180,7 @@ def rollout(policy, tok, texts, eos, a, d, mode: str) -> dict:
                                cuda_graphs=mode != "engine-eager", flex=False if mode == "engine-sdpa" else None,
                                compile_step=False if mode == "engine-nocompile" else None)
     finally:
-        engine.FLEX_OPTIONS, engine.FLEX_APART = None, None
+        settings.FLEX_OPTIONS, settings.FLEX_APART = None, None
 
 
 def profile(policy, tok, texts, eos, a, d, name: str) -> dict:
@@ -255,6 +255,7 @@ def shared_check(lm, shape, a, d) -> dict:
     import torch
 
     from grouprl import engine
+    from grouprl.engine import settings
 
     engine.HELD.clear()
     P, new, n = (40, 4, a.group_size) if a.smoke else (2000, 128, a.group_size)
@@ -266,7 +267,7 @@ def shared_check(lm, shape, a, d) -> dict:
     out = {}
     try:
         for share in (True, False):
-            engine.SHARE_PROMPTS = share
+            settings.SHARE_PROMPTS = share
             engine.generate(lm, prompts, n, [-1], **kw)  # untimed: compiles
             stats, seed = {}, torch.Generator(d.device).manual_seed(3)
             sync(d.device)
@@ -276,7 +277,7 @@ def shared_check(lm, shape, a, d) -> dict:
             out[share] = dict(s=time.perf_counter() - t, rows=rows, logps=logps, **{
                 k: stats[k] for k in ("kv_blocks_peak", "kv_read_peak", "kv_read_physical_peak", "block_bytes")})
     finally:
-        engine.SHARE_PROMPTS = True
+        settings.SHARE_PROMPTS = True
     diff = max(abs(x - y) for la, lb in zip(out[True]["logps"], out[False]["logps"]) for x, y in zip(la, lb))
     equal = sum(x == y for x, y in zip(out[True].pop("rows"), out[False].pop("rows")))
     for side in out.values():

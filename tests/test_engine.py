@@ -236,6 +236,25 @@ def test_graphed_step_equals_the_eager_one(setup, monkeypatch, n, slots, pool):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
 
 
+def test_a_kept_engine_holds_eos_after_a_rollout_without(setup):
+    """A kept Engine (keep=True, one per run) whose graphs' step was made without the EOS hold (min_new_tokens 0),
+    then asked for min_new_tokens 4: the hold is part of the graphs' key, so the step runs a graph that masks EOS and
+    no row ends before 4 tokens, as a fresh Engine's rows (issue 61: a key without it replayed the unmasked graph,
+    and rows ended at their first EOS). EOS: the greedy tokens of steps 1 and 2, so that unmasked, rows end early."""
+    tok, lm, ids = setup
+    free, _ = run(lm, ids, 2, [tok.eos_token_id], 8, 6)
+    eos = sorted({t for c in free for t in c[1:3]})
+    kw = dict(sync_every=3, graphs=True)
+    try:
+        short, _ = run(lm, ids, 2, eos, 8, 6, keep=True, **kw)  # its graph made without the hold
+        assert min(map(len, short)) < 4, short
+        got = run(lm, ids, 2, eos, 8, 6, keep=True, min_new_tokens=4, **kw)
+    finally:
+        engine.HELD.pop(lm, None)
+    assert min(map(len, got[0])) >= 4, got[0]
+    assert got == run(lm, ids, 2, eos, 8, 6, min_new_tokens=4, **kw)
+
+
 def test_paged_pool_too_small_for_one_group(setup, monkeypatch):
     """A pool smaller than one group at full length fails in one line: 62 + 40 positions, 7 blocks of 16 a row; the
     shortest prompt (21 tokens) has 1 full block its 2 rows share: 1 + 2 x 6 = 13 blocks (208 positions), which run

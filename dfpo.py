@@ -28,9 +28,8 @@ from typing import ClassVar, Literal
 import torch
 from tqdm import tqdm
 
-from common import (Logger, Updates, clip_grad_norm, eval_report, eval_summary, evaluate,
-                    group_advantages, jitter2, log_samples, logp_drift, lr_scheduler, micro_batches,
-                    minibatches, old_log_probs, policy_log_probs, ref_log_probs, rollout_log,
+from common import (Updates, clip_grad_norm, group_advantages, logp_drift, lr_scheduler,
+                    micro_batches, minibatches, old_log_probs, policy_log_probs, ref_log_probs,
                     reward_parts, sample_groups)
 from grouprl import moe
 from grouprl.checkpoint import (catch_stop_signals, claim_run_dir, cleanup, resume_state,
@@ -39,10 +38,12 @@ from grouprl.cli import (CommonArgs, check_common_args, check_float, check_promp
                          fill_defaults, generation_kwargs, parse_args)
 from grouprl.data import load_task
 from grouprl.distributed import fail, seed_rank, setup_distributed
+from grouprl.evaluation import eval_report, eval_summary, evaluate
 from grouprl.grader import load_reward
 from grouprl.lora import lora_spec
 from grouprl.modeling import (check_model, eos_ids, load_model, load_tokenizer, reference_policy,
                               wrap_policy)
+from grouprl.runlog import Logger, jitter2, log_samples, rollout_log
 
 
 @dataclass

@@ -18,16 +18,18 @@ from __future__ import annotations
 import math
 import sys
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from grouprl import energy, moe
 from grouprl.distributed import Dist, all_gather_cat, all_reduce, fail
-from grouprl.generation import Rollout, generate, merge_rollouts
+from grouprl.generation import Rollout, generate
 from grouprl.modeling import Policy
 from grouprl.progress import ROLLOUT_BAR_DELAY, GenBar
 from grouprl.rewards import length_penalty, math_reward, score, think_format  # noqa: F401
+from grouprl.sampling import Sampling
 from grouprl.stats import (high_entropy_tokens, local_grads, log_ratio_spread, nanstd, noise_stats,
                            reduce_stats)
 
@@ -40,11 +42,11 @@ _FILLED_SAID = []  # the line saying that --max-gen-rounds was reached, said onc
 
 
 def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_env: Dist, reward,
-                  gen_kw: dict, *, per_rank: int, group_size: int, seed: int,
-                  dynamic: bool = False, max_rounds: int = 1, truncated_scale: float = 1.0):
-    """This rank's groups of `step`: its per_rank prompts (prompt_indices), group_size completions
-    each (generate) and their rewards (score; a completion cut at the token limit scores
-    truncated_scale times its reward, --truncated-reward-scale), as a Rollout.
+                  sampling: Sampling, args) -> Rollout:
+    """This rank's groups of `step`: its per_rank (--prompts-per-rank) prompts (prompt_indices),
+    group_size (--group-size) completions each (generate, drawn as `sampling` says) and their
+    rewards (score; a completion cut at the token limit scores truncated_scale times its reward,
+    --truncated-reward-scale), as a Rollout.
     dynamic (--dynamic-sampling): DAPO's dynamic sampling (arXiv 2503.14476, Sec. 3.2: the
     constraint 0 < |{o_i correct}| < G on its objective's groups), on the reward the advantages
     use: a group whose rewards are all equal has A_i = 0 for each of its completions (DFPO eq. 43)
@@ -63,6 +65,8 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
     (groups with a spread past per_rank on their rank, unused); charts/filled_groups (flat groups
     kept at the bound). Generated groups = gen_rounds x per_rank x world = the batch + dropped +
     surplus."""
+    per_rank, group_size, seed = args.prompts_per_rank, args.group_size, args.seed
+    dynamic, max_rounds = args.dynamic_sampling, args.max_gen_rounds
     rounds = []  # per round: (indices, roll, rewards, each reward's values)
     gen_time, gen_tokens, reward_errors, spread = 0.0, 0.0, 0, 0
     bar = GenBar(f"step {step} rollout", per_rank, group_size, tok.pad_token_id, dist_env.main,
@@ -74,13 +78,13 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
         rows = train.select(indices)
         bar.bar.total += len(indices) if r else 0  # --dynamic-sampling's further rounds
         t = time.time()
-        roll = generate(policy, tok, rows["text"], group_size, eos, dist_env, **gen_kw,
+        roll = generate(policy, tok, rows["text"], group_size, eos, dist_env, sampling,
                         streamer=bar)
         gen_time += time.time() - t
         bar.show(len(indices))
-        gen_tokens += roll["mask"].sum().item()
-        rewards, errors = score(roll["texts"], rows, group_size, reward, truncated=roll["truncated"],
-                                truncated_scale=truncated_scale)
+        gen_tokens += roll.mask.sum().item()
+        rewards, errors = score(roll.texts, rows, group_size, reward, truncated=roll.truncated,
+                                truncated_scale=args.truncated_reward_scale)
         reward_errors += errors
         rounds.append((indices, roll, rewards, dict(getattr(reward, "values", {}))))
         if not dynamic or r + 1 == max_rounds:
@@ -93,7 +97,7 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
     tokens = all_reduce(torch.tensor(gen_tokens, dtype=torch.float64, device=dist_env.device))
     logs = {"perf/gen_tokens_per_s": tokens.item() / gen_time}
     if not dynamic:
-        return Rollout.of(roll, rows, rewards, reward_errors, logs)
+        return replace(roll, rows=rows, rewards=rewards, reward_errors=reward_errors, stats=logs)
     # the batch: the first per_rank groups with a spread, then (at the bound) the earliest flat ones
     flat = torch.cat([flat_groups(rewards, group_size) for _, _, rewards, _ in rounds])
     order = torch.cat([(~flat).nonzero().flatten(), flat.nonzero().flatten()])  # stable
@@ -111,7 +115,7 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
     # group k of the concatenated rounds: round k // per_rank, its group k % per_rank
     parts = [(rollout_r, rows_of(kept[kept // per_rank == r] % per_rank, group_size))
              for r, (_, rollout_r, _, _) in enumerate(rounds)]
-    roll = merge_rollouts(parts, tok.pad_token_id)
+    roll = Rollout.merge(parts, tok.pad_token_id)
     everything = sum((indices for indices, _, _, _ in rounds), [])
     rows = train.select([everything[k] for k in kept.tolist()])
     sequences = rows_of(kept, group_size)
@@ -119,7 +123,7 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
     if rounds[0][3]:  # the reward's logs (reward.metrics) over the kept groups
         reward.values = {name: torch.cat([values[name] for _, _, _, values in rounds])[sequences]
                          for name in rounds[0][3]}
-    return Rollout.of(roll, rows, rewards, reward_errors, logs)
+    return replace(roll, rows=rows, rewards=rewards, reward_errors=reward_errors, stats=logs)
 
 
 def flat_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -16,19 +17,26 @@ from .generation import generate
 from .grader import Reward, extract_answer
 from .progress import GenBar
 from .rewards import score
+from .sampling import Sampling
 from .stats import pass_at_k
 
 EVAL_ROWS = "eval/completions"  # evaluate's rows of --log-eval-samples (Logger.log writes them)
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """One held-out evaluation's settings, made from the flags by cli.evaluation."""
+    sampling: Sampling  # the rollout's, with --eval-temperature, --eval-top-p, --eval-max-new-tokens
+    k: int  # --eval-k
+    n: int | None = None  # --eval-n: samples a prompt (None: k)
+    reward: Reward | None = None  # the task's reward (None: the math grader)
+    log_samples: int = 0  # --log-eval-samples: prompts whose completions are logged
+    first_name: str = "the step-0 evaluation"  # its name before the first step (or --eval-only)
+
+
 @torch.no_grad()
-def evaluate(policy, tok, held, eos, dist_env: Dist, *, k: int, n: int | None = None,
-             reward: Reward | None = None, max_new_tokens: int, temperature: float, top_p: float,
-             top_k: int, gen_batch_size: int, min_p: float = 0.0, repetition_penalty: float = 1.0,
-             unshard: bool = False, mode: str = "shared-prefill", cuda_graphs: bool = True,
-             engine_dtype: str = "auto", min_new_tokens: int = 0, log_samples: int = 0,
-             first_name: str = "the step-0 evaluation") -> dict:
-    """Over the held-out prompts (each rank an equal share), from n >= k samples a prompt (n
+def evaluate(policy, tok, held, eos, dist_env: Dist, plan: Evaluation) -> dict:
+    """Over the held-out prompts (each rank an equal share), from n >= k samples a prompt (plan.n,
     defaults to k): avg@k, the mean accuracy of the n samples (an unbiased estimate of the mean
     accuracy of k samples, the DFPO paper's metric), and pass@k, the mean over prompts of the
     unbiased 1 - C(n - c, k) / C(n, k) (pass_at_k); the reward is the task's own, whole whether
@@ -36,7 +44,7 @@ def evaluate(policy, tok, held, eos, dist_env: Dist, *, k: int, n: int | None = 
     A progress bar (GenBar) shows it; before the first step it is named first_name, in the bar
     and in a stop signal's line. log_samples (--log-eval-samples): the first N prompts of rank 0's
     share, each completion with its reward and extracted answer, as rows under EVAL_ROWS."""
-    n = n or k
+    k, n, log_samples = plan.k, plan.n or plan.k, plan.log_samples
     world = dist_env.world
     m = len(held) // world * world  # equal shares, or the FSDP all-gathers would hang
     if m == 0:
@@ -45,29 +53,25 @@ def evaluate(policy, tok, held, eos, dist_env: Dist, *, k: int, n: int | None = 
              "--eval-size) or --eval-every 0")
     rows = held.select(range(dist_env.rank, m, dist_env.world))
     first = starting_up()  # before the first step: the step-0 evaluation (or --eval-only)
-    name = first_name if first else "held-out evaluation"
+    name = plan.first_name if first else "held-out evaluation"
     bar = GenBar(name.removeprefix("the "), len(rows), n, tok.pad_token_id, dist_env.main,
                  leave=first)
     r, errors, cut, logged = torch.zeros(0), 0, 0, []
-    per_call = max(1, gen_batch_size // n)  # prompts per generate call
+    per_call = max(1, plan.sampling.gen_batch_size // n)  # prompts per generate call
     with startup_phase(name) if first else contextlib.nullcontext():
         for i in range(0, len(rows), per_call):
             part = rows.select(range(i, min(i + per_call, len(rows))))
-            out = generate(policy, tok, part["text"], n, eos, dist_env,
-                           max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                           top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
-                           min_new_tokens=min_new_tokens, gen_batch_size=gen_batch_size,
-                           unshard=unshard, mode=mode, cuda_graphs=cuda_graphs,
-                           engine_dtype=engine_dtype, streamer=bar)
-            part_r, part_errors = score(out["texts"], part, n, reward, watch=False)
+            out = generate(policy, tok, part["text"], n, eos, dist_env, plan.sampling,
+                           streamer=bar)
+            part_r, part_errors = score(out.texts, part, n, plan.reward, watch=False)
             for g in range(max(0, min(len(part), log_samples - i))):  # --log-eval-samples
                 logged += [{"prompt": part[g]["prompt"], "answer": part[g]["answer"],
-                            "completion": out["texts"][j], "reward": part_r[j].item(),
-                            "extracted": extract_answer(out["texts"][j]),
-                            "truncated": bool(out["truncated"][j])}
+                            "completion": out.texts[j], "reward": part_r[j].item(),
+                            "extracted": extract_answer(out.texts[j]),
+                            "truncated": bool(out.truncated[j])}
                            for j in range(g * n, (g + 1) * n)]
             r, errors = torch.cat([r, part_r]), errors + part_errors
-            cut += int(out["truncated"].sum())
+            cut += int(out.truncated.sum())
             bar.show(len(part))
     r = r.view(-1, n)
     passk = sum(pass_at_k(n, int(c), k) for c in (r > 0).sum(1))

@@ -16,27 +16,73 @@ import torch.nn.functional as F
 from . import engine
 from .distributed import Dist, all_reduce, fail
 from .modeling import Policy
+from .sampling import Sampling
+
+@dataclass
+class Rollout:
+    """Completions as generate makes them, and as sample_groups hands them to the loop with their
+    prompts and rewards: B = prompts x G rows, the rows of a group adjacent; P prompt positions
+    (left-padded), T completion positions (right-padded)."""
+    input_ids: torch.Tensor  # [B, P + T] the prompt's ids, then the completion's
+    attention_mask: torch.Tensor  # [B, P + T]
+    n_prompt: int  # P: input_ids[:, n_prompt:] are the completions
+    mask: torch.Tensor  # [B, T] float: completion tokens up to and including the first EOS
+    truncated: torch.Tensor  # [B] bool: no EOS, cut at --max-new-tokens
+    texts: list[str]  # [B] the completions, decoded without their EOS
+    logp: torch.Tensor | None = None  # [B, T] each token's log-prob as the engine sampled it
+    rows: object = None  # the step's prompts, one a group (datasets rows: prompt, answer, text)
+    rewards: torch.Tensor | None = None  # [B] each completion's reward (sample_groups)
+    reward_errors: int = 0  # reward calls that failed, every generation round
+    stats: dict = field(default_factory=dict)  # perf/gen_tokens_per_s; charts/gen_rounds ...
+
+    @classmethod
+    def merge(cls, parts: list[tuple[Rollout, torch.Tensor]], pad_id: int) -> Rollout:
+        """Generated rollouts, rows `keep` of each (in order), as one: the prompts left-padded (pad
+        id, attention 0) and the completions right-padded (pad id, attention and mask 0; log-prob
+        0) to the longest. One rollout kept whole is returned as it is."""
+        parts = [(roll, keep) for roll, keep in parts if len(keep)]
+        if len(parts) == 1 and torch.equal(parts[0][1], torch.arange(len(parts[0][0].texts))):
+            return parts[0][0]
+        P = max(roll.n_prompt for roll, _ in parts)
+        T = max(roll.mask.shape[1] for roll, _ in parts)
+
+        def cat(name: str, left, value=0):  # field `name` of every part, its rows `keep`, padded
+            if getattr(parts[0][0], name) is None:
+                return None
+            pieces = []
+            for roll, keep in parts:
+                x = getattr(roll, name)[keep.to(roll.mask.device)]
+                pad = (left(roll), T - roll.mask.shape[1]) if x.dim() == 2 else ()
+                pieces.append(F.pad(x, pad, value=value) if pad else x)
+            return torch.cat(pieces)
+
+        prompt_pad = lambda roll: P - roll.n_prompt  # noqa: E731
+        no_pad = lambda roll: 0  # noqa: E731
+        return cls(input_ids=cat("input_ids", prompt_pad, pad_id),
+                   attention_mask=cat("attention_mask", prompt_pad), n_prompt=P,
+                   mask=cat("mask", no_pad), truncated=cat("truncated", no_pad),
+                   texts=[roll.texts[i] for roll, keep in parts for i in keep.tolist()],
+                   logp=cat("logp", no_pad))
+
 
 GEN_MODES = ("repeat", "shared-prefill", "static", "engine", "engine-tp")
 
 
 @torch.no_grad()
-def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], dist_env: Dist, *,
-             max_new_tokens: int, temperature: float, top_p: float, top_k: int, gen_batch_size: int,
-             min_p: float = 0.0, repetition_penalty: float = 1.0, min_new_tokens: int = 0,
-             unshard: bool = False, mode: str = "shared-prefill", cuda_graphs: bool = True,
-             flex: bool | None = None, compile_step: bool | None = None,
-             engine_dtype: str = "auto", streamer=None) -> dict:
+def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], dist_env: Dist,
+             sampling: Sampling, streamer=None) -> Rollout:
     """n completions per prompt, rows of one prompt adjacent (a group); B = len(prompts) x n.
-    Returns a dict: input_ids and attention_mask [B, P + T] (prompts left-padded), n_prompt P,
-    mask [B, T] (completion tokens up to and including the first EOS), truncated [B] (no EOS),
-    texts [B], and with the engine logp [B, T], each token's log-prob as sampled. Every mode
-    samples as HF's generate does (repetition_penalty, temperature, top_k, top_p, min_p); mode:
-    repeat, shared-prefill (each prompt prefilled once, its KV cache repeated to its n rows),
-    static, engine, engine-tp (grouprl/engine.py); min_new_tokens (HF's: EOS masked until then)
-    in every mode. Greedy decoding (top_k=1) gives the same tokens
-    in every mode. The modes, cuda_graphs, flex, compile_step and engine_dtype: docs/engine.md.
+    Returns a Rollout without rewards: input_ids and attention_mask [B, P + T] (prompts
+    left-padded), n_prompt P, mask [B, T] (completion tokens up to and including the first EOS),
+    truncated [B] (no EOS), texts [B], and with the engine logp [B, T], each token's log-prob as
+    sampled. Every mode samples as HF's generate does (sampling: repetition_penalty, temperature,
+    top_k, top_p, min_p, min_new_tokens: EOS masked until then); sampling.mode: repeat,
+    shared-prefill (each prompt prefilled once, its KV cache repeated to its n rows), static,
+    engine, engine-tp (grouprl/engine.py). Greedy decoding (top_k=1) gives the same tokens in
+    every mode. The modes, cuda_graphs, flex, compile_step and engine_dtype: docs/engine.md.
     streamer: HF's, given each decoding step's tokens (a progress bar; HF modes only)."""
+    mode, gen_batch_size, max_new_tokens = (sampling.mode, sampling.gen_batch_size,
+                                            sampling.max_new_tokens)
     if mode not in GEN_MODES:
         raise ValueError(f"unknown generation mode {mode!r} ({', '.join(GEN_MODES)})")
     enc = tok(list(prompts), padding=True, return_tensors="pt", add_special_tokens=False)
@@ -50,17 +96,20 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], di
             dist.all_gather_object(everyone, mine)
             seed = all_reduce(torch.randint(2 ** 62, (1,)) * dist_env.main)  # rank 0's draw
             generator = torch.Generator(dist_env.device).manual_seed(int(seed))
+        dtype = ({"bf16": torch.bfloat16, "fp32": torch.float32}.get(sampling.engine_dtype)
+                 or getattr(policy, "compute_dtype", None)
+                 or (torch.bfloat16 if dist_env.device.type == "cuda" else torch.float32))
         try:
             completions, logps = engine.generate(
                 policy.lm, sum(everyone, []), n, eos, max_new_tokens=max_new_tokens,
-                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                repetition_penalty=repetition_penalty, min_new_tokens=min_new_tokens,
+                temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                min_p=sampling.min_p, repetition_penalty=sampling.repetition_penalty,
+                min_new_tokens=sampling.min_new_tokens,
                 slots=tp * max(n, gen_batch_size // n * n), device=dist_env.device,
-                dtype={"bf16": torch.bfloat16, "fp32": torch.float32}.get(engine_dtype) or getattr(
-                    policy, "compute_dtype", None) or (
-                    torch.bfloat16 if dist_env.device.type == "cuda" else torch.float32),
+                dtype=dtype,
                 rank=dist_env.rank if tp > 1 else 0, world=tp, generator=generator,
-                graphs=None if cuda_graphs else False, flex=flex, compile=compile_step,
+                graphs=None if sampling.cuda_graphs else False, flex=sampling.flex,
+                compile=sampling.compile_step,
                 keep=True)  # one Engine per run: cache and graphs made once, weights refreshed
         except MemoryError as e:  # said before anything is allocated (engine.kv_plan)
             fail(f"--gen-mode {mode}: {e}; lower --gen-batch-size (now {gen_batch_size}) or "
@@ -81,7 +130,7 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], di
         comp = torch.tensor([c + [tok.pad_token_id] * (T - len(c)) for c in completions],
                             device=dist_env.device)
         roll = rollout(ids.repeat_interleave(n, 0), am.repeat_interleave(n, 0), comp, tok, eos)
-        roll["logp"] = torch.tensor([lp + [0.0] * (T - len(lp)) for lp in logps],
+        roll.logp = torch.tensor([lp + [0.0] * (T - len(lp)) for lp in logps],
                                     device=dist_env.device)
         return roll
     # engine, engine-tp: HF shared-prefill for a model the engine does not cover
@@ -98,13 +147,14 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], di
     if streamer is not None:
         extra["streamer"] = streamer
     outs = []
-    with gathered(policy, unshard):
+    with gathered(policy, sampling.unshard):
         for i in range(0, ids.shape[0], rows):
             outs.append(policy.generate(
                 input_ids=ids[i:i + rows], attention_mask=am[i:i + rows], n=n if shared else 1,
-                do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k,
-                min_p=min_p or None, repetition_penalty=repetition_penalty,
-                max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens or None,
+                do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
+                top_k=sampling.top_k, min_p=sampling.min_p or None,
+                repetition_penalty=sampling.repetition_penalty, max_new_tokens=max_new_tokens,
+                min_new_tokens=sampling.min_new_tokens or None,
                 eos_token_id=eos,
                 # FSDP: every rank steps until all are done
                 pad_token_id=tok.pad_token_id, synced_gpus=dist_env.sharded,
@@ -117,77 +167,18 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], di
     return rollout(ids, am, comp, tok, eos)
 
 
-def rollout(ids, am, comp, tok, eos: list[int]) -> dict:
-    """Prompts ids, am [B, P] (left-padded) and completions comp [B, T] -> generate()'s dict: each
-    completion kept up to and including its first EOS, truncated where it has none."""
+def rollout(ids, am, comp, tok, eos: list[int]) -> Rollout:
+    """Prompts ids, am [B, P] (left-padded) and completions comp [B, T] -> generate()'s Rollout:
+    each completion kept up to and including its first EOS, truncated where it has none."""
     is_eos = torch.isin(comp, torch.tensor(eos, device=comp.device))
     # positions up to and including the first EOS
     before_eos = (is_eos.long().cumsum(1) - is_eos.long()) == 0
     comp = comp.masked_fill(~before_eos, tok.pad_token_id)
-    return {"input_ids": torch.cat([ids, comp], 1),
-            "attention_mask": torch.cat([am, before_eos.long()], 1),
-            # no EOS: cut at the limit
-            "n_prompt": ids.shape[1], "mask": before_eos.float(), "truncated": ~is_eos.any(1),
-            "texts": tok.batch_decode(comp.masked_fill(is_eos, tok.pad_token_id),
-                                      skip_special_tokens=True)}
-
-
-
-@dataclass
-class Rollout:
-    """This rank's groups of one step, as sample_groups hands them to the loop: B = prompts x G
-    rows, the rows of a group adjacent; P prompt positions (left-padded), T completion positions
-    (right-padded)."""
-    rows: object  # the step's prompts, one a group (datasets rows: prompt, answer, text)
-    input_ids: torch.Tensor  # [B, P + T] the prompt's ids, then the completion's
-    attention_mask: torch.Tensor  # [B, P + T]
-    n_prompt: int  # P: input_ids[:, n_prompt:] are the completions
-    mask: torch.Tensor  # [B, T] float: completion tokens up to and including the first EOS
-    truncated: torch.Tensor  # [B] bool: no EOS, cut at --max-new-tokens
-    texts: list[str]  # [B] the completions, decoded without their EOS
-    logp: torch.Tensor | None  # [B, T] each token's log-prob as the engine sampled it (HF: None)
-    rewards: torch.Tensor  # [B] each completion's reward
-    reward_errors: int = 0  # reward calls that failed, every generation round
-    stats: dict = field(default_factory=dict)  # perf/gen_tokens_per_s; charts/gen_rounds ...
-
-    @classmethod
-    def of(cls, roll: dict, rows=None, rewards=None, reward_errors: int = 0,
-           stats: dict | None = None) -> Rollout:
-        """generate()'s dict, with its prompts and rewards."""
-        return cls(rows, roll["input_ids"], roll["attention_mask"], roll["n_prompt"], roll["mask"],
-                   roll["truncated"], roll["texts"], roll.get("logp"), rewards, reward_errors,
-                   stats or {})
-
-
-# roll's per-sequence entries by shape: [B] and [B, T] (completion positions, right-padded)
-ROLL_ROW_KEYS = ("truncated",)
-ROLL_COMPLETION_KEYS = ("mask", "logp")
-
-
-def merge_rollouts(parts: list[tuple[dict, torch.Tensor]], pad_id: int) -> dict:
-    """generate()'s dicts, rows `keep` of each (in order), as one: the prompts left-padded (pad id,
-    attention 0) and the completions right-padded (pad id, attention and mask 0; log-prob 0) to the
-    longest. One dict kept whole is returned as it is."""
-    parts = [(roll, keep) for roll, keep in parts if len(keep)]
-    if len(parts) == 1 and torch.equal(parts[0][1], torch.arange(len(parts[0][0]["texts"]))):
-        return parts[0][0]
-    P = max(roll["n_prompt"] for roll, _ in parts)
-    T = max(roll["mask"].shape[1] for roll, _ in parts)
-    out = {"n_prompt": P, "texts": [roll["texts"][i] for roll, keep in parts
-                                    for i in keep.tolist()]}
-    for key, value in (("input_ids", pad_id), ("attention_mask", 0)):
-        out[key] = torch.cat([F.pad(roll[key][keep.to(roll[key].device)], (
-            P - roll["n_prompt"], T - roll["mask"].shape[1]), value=value)
-            for roll, keep in parts])
-    for key in ROLL_ROW_KEYS + ROLL_COMPLETION_KEYS:
-        if key in parts[0][0]:
-            out[key] = torch.cat([
-                roll[key][keep.to(roll[key].device)] if key in ROLL_ROW_KEYS
-                else F.pad(roll[key][keep.to(roll[key].device)], (0, T - roll[key].shape[1]))
-                for roll, keep in parts])
-    assert set(out) == set(parts[0][0]), set(parts[0][0]) ^ set(out)  # no entry left behind
-    return out
-
+    return Rollout(input_ids=torch.cat([ids, comp], 1),
+                   attention_mask=torch.cat([am, before_eos.long()], 1), n_prompt=ids.shape[1],
+                   mask=before_eos.float(), truncated=~is_eos.any(1),  # no EOS: cut at the limit
+                   texts=tok.batch_decode(comp.masked_fill(is_eos, tok.pad_token_id),
+                                          skip_special_tokens=True))
 
 
 

@@ -141,24 +141,25 @@ def rollout_log(roll: Rollout, zero_groups: int, reward: Reward, args, dist_env:
 SAMPLE_PROMPTS = 2  # prompts a --log-samples step shows, each with all its completions
 
 
-def log_samples(logger: Logger, run_dir: str, step: int, every: int, prompts, answers,
-                texts: list[str], rewards: torch.Tensor, advantages: torch.Tensor, n: int,
-                prompt_texts: list[str] | None = None):
-    """Every `every` steps (0: never; main rank only): the first SAMPLE_PROMPTS prompts of this
-    rank's step with their n completions, rewards and advantages, as a text table in tensorboard
-    ('samples') and as one JSON object a completion in {run_dir}/samples.jsonl (a resumed run's
-    Logger has dropped the rows of the steps it redoes). prompt_texts: the prompts as the model saw
-    them (through the chat template), logged in samples.jsonl as "prompt_text"."""
+def log_samples(logger: Logger, roll: Rollout, advantages: torch.Tensor, step: int, every: int):
+    """Every `every` steps (--log-samples; 0: never; main rank only): the first SAMPLE_PROMPTS
+    prompts of this rank's step (roll.rows: prompt, answer, and text, the prompt as the model saw
+    it through the chat template, logged as "prompt_text") with their completions, rewards and
+    advantages, as a text table in tensorboard ('samples') and as one JSON object a completion in
+    {run_dir}/samples.jsonl (a resumed run's Logger has dropped the rows of the steps it redoes)."""
     if not every or step % every or not logger.dist_env.main:
         return
+    run_dir, texts, rewards = logger.run_dir, roll.texts, roll.rewards
+    prompts, answers, prompt_texts = roll.rows["prompt"], roll.rows["answer"], roll.rows["text"]
+    n = len(texts) // len(prompts)  # completions a prompt: the group size
     path = os.path.join(run_dir, "samples.jsonl")
     rows, md = [], []
     for g in range(min(SAMPLE_PROMPTS, len(prompts))):
-        seen = {} if prompt_texts is None else {"prompt_text": prompt_texts[g]}
         md.append(f"**prompt:** {prompts[g]}  \n**answer:** {answers[g]}\n\n"
                   "| reward | advantage | completion |\n|---|---|---|")
         for i in range(g * n, (g + 1) * n):
-            rows.append({"step": step, "prompt": prompts[g], **seen, "answer": answers[g],
+            rows.append({"step": step, "prompt": prompts[g], "prompt_text": prompt_texts[g],
+                         "answer": answers[g],
                          "completion": texts[i], "reward": rewards[i].item(),
                          "advantage": advantages[i].item()})
             cell = texts[i].replace("|", "\\|").replace("\n", "<br>")

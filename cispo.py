@@ -30,7 +30,7 @@ from grouprl.checkpoint import (catch_stop_signals, claim_run_dir, cleanup, resu
                                 run_paths, save_checkpoint, stop_requested)
 from grouprl.cli import (CommonArgs, check_common_args, check_prompt_pool, eval_plan,
                          fill_defaults, parse_args, rollout_sampling)
-from grouprl.data import load_task
+from grouprl.data import Task, load_task
 from grouprl.distributed import all_reduce, seed_rank, setup_distributed
 from grouprl.evaluation import eval_report, eval_summary, evaluate
 from grouprl.grader import load_reward
@@ -151,11 +151,7 @@ def main():
     script = os.path.basename(__file__)
     run_dir, ckpt = run_paths(args, dist_env, script)  # a fresh run, or the checkpoint to resume
     tok = load_tokenizer(args.model, args.trust_remote_code)
-    train, held, dropped = load_task(
-        args.dataset, args.data_files, args.eval_size, args.seed, tok, args.enable_thinking,
-        args.max_prompt_tokens, prompt_column=args.prompt_column, answer_column=args.answer_column,
-        system_prompt=args.system_prompt, eval_dataset=args.eval_dataset,
-        eval_limit=args.eval_limit, eval_only=args.eval_only)
+    train, held, dropped = load_task(Task.of(args), tok)  # --dataset and its flags
     check_prompt_pool(args, len(train), dist_env.world)  # --dynamic-sampling's extra prompts
     run_dir = claim_run_dir(run_dir, ckpt, dist_env)  # one writer per run folder (writer.lock)
     lm, rank0_weights = load_model(ckpt or args.model, tok, dist_env, args.seed,

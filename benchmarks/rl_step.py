@@ -133,11 +133,12 @@ def run_trl(a, folder: str, out_dir: str) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from common import math_reward
-    from grouprl.data import load_task
+    from grouprl.data import Task, load_task
 
     tok = AutoTokenizer.from_pretrained(folder)
     tok.padding_side = "left"  # as modeling.load_tokenizer: left-padded prompts for generation
-    train, _, _ = load_task("builtin", None, 64, a.seed, tok, False, 2048)  # the same prompts ("text") as gspo.py
+    train, _, _ = load_task(Task("builtin", None, 64, a.seed, enable_thinking=False),
+                            tok)  # the same prompts ("text") as gspo.py
     train = train.remove_columns("prompt").rename_column("text", "prompt")  # a plain string prompt is used as-is
 
     seen = {"calls": 0, "completions": [], "prompts": [], "lengths": []}

@@ -11,6 +11,7 @@ import os
 import random
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass, fields
 
 from .distributed import fail, main_process
 
@@ -45,11 +46,30 @@ def builtin_task(n: int, seed: int) -> list[dict]:
     return [{"prompt": f"{x}%10=", "answer": str(x)} for x in (rng.randint(0, 9) for _ in range(n))]
 
 
-def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok,
-              enable_thinking: bool | None, max_prompt_tokens: int, *,
-              prompt_column: str = "prompt", answer_column: str = "answer",
-              system_prompt: str | None = None, eval_dataset: str | None = None,
-              eval_limit: int = 0, eval_only: bool = False):
+@dataclass(frozen=True)
+class Task:
+    """The data a run trains and evaluates on, and how its prompts are made (the data flags)."""
+    name: str  # --dataset: 'builtin', a known hub set (DATASETS), a local file or a hub id
+    data_files: str | None = None  # --data-files: local files in a known hub set's columns
+    eval_size: int = 64  # --eval-size: held-out rows at most (a tenth of the data kept apart)
+    seed: int = 1  # --seed: the built-in task's rows and the held-out split's draw
+    enable_thinking: bool | None = None  # --enable-thinking: Qwen3's chat template's switch
+    max_prompt_tokens: int = 2048  # --max-prompt-tokens: longer prompts dropped and counted
+    prompt_column: str = "prompt"  # --prompt-column
+    answer_column: str = "answer"  # --answer-column
+    system_prompt: str | None = None  # --system-prompt
+    eval_dataset: str | None = None  # --eval-dataset: held out whole
+    eval_limit: int = 0  # --eval-limit: the first N held-out rows (0: all)
+    eval_only: bool = False  # --eval-only: every row held out
+
+    @classmethod
+    def of(cls, args) -> Task:
+        """The run's flags (--dataset is `name`)."""
+        return cls(**{f.name: getattr(args, "dataset" if f.name == "name" else f.name)
+                      for f in fields(cls)})
+
+
+def load_task(task: Task, tok):
     """-> (train, held-out, dropped): `datasets.Dataset`s with columns prompt (text, or a list of
     {role, content} messages, as given), answer (text), text (the prompt through the chat template)
     and every other column of the data under its own name, and the counts of rows dropped from
@@ -63,11 +83,14 @@ def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok,
     dropped and counted; nothing usable left is an error."""
     from datasets import Dataset, disable_progress_bars
 
+    name, data_files, eval_size, seed = task.name, task.data_files, task.eval_size, task.seed
+    eval_dataset, eval_limit, eval_only = task.eval_dataset, task.eval_limit, task.eval_only
+
     # the same one-line errors as check_common_args, for callers that skip it
     check_dataset(name, data_files)
     if eval_dataset is not None:
         check_dataset(eval_dataset, None, "--eval-dataset")
-    cols = (prompt_column, answer_column)
+    cols = (task.prompt_column, task.answer_column)
 
     def templated(d):
         # for map/filter, after any download: the counts of what is dropped are printed
@@ -75,8 +98,9 @@ def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok,
         if "text" in d.column_names:  # the templated prompt goes there; the data's 'text' is lost
             print("the data's column 'text' is replaced by the templated prompt")
             d = d.remove_columns("text")
-        d = d.add_column("text", chat_prompts(tok, d["prompt"], enable_thinking, system_prompt))
-        return d.filter(lambda b: [len(ids) <= max_prompt_tokens for ids in
+        d = d.add_column("text", chat_prompts(tok, d["prompt"], task.enable_thinking,
+                                              task.system_prompt))
+        return d.filter(lambda b: [len(ids) <= task.max_prompt_tokens for ids in
                                    tok(b["text"], add_special_tokens=False).input_ids],
                         batched=True)
 
@@ -113,7 +137,7 @@ def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok,
         if eval_limit > 0 and len(held) > eval_limit:  # kept out by choice, not dropped
             held = held.select(range(eval_limit))
         why = (f"no usable rows (dropped {no_answer} without an answer, {dropped['too_long']} over "
-               f"--max-prompt-tokens {max_prompt_tokens})")
+               f"--max-prompt-tokens {task.max_prompt_tokens})")
         if len(held) == 0:
             fail(f"--eval-dataset {eval_dataset!r}: {why}" if eval_dataset is not None
                  else f"--dataset {name!r}: {why}")
@@ -128,7 +152,7 @@ def load_task(name: str, data_files: str | None, eval_size: int, seed: int, tok,
         held = held.select(range(min(eval_size, len(held))))
         if len(train) == 0:
             fail(f"--dataset {name!r}: no usable rows (dropped {no_answer} without an answer, "
-                 f"{dropped['too_long']} over --max-prompt-tokens {max_prompt_tokens})")
+                 f"{dropped['too_long']} over --max-prompt-tokens {task.max_prompt_tokens})")
         return train, held, dropped
 
     if name == "builtin":

@@ -16,6 +16,7 @@ from grouprl import checkpoint  # noqa: E402
 import common  # noqa: E402
 from grouprl import distributed  # noqa: E402
 from grouprl import modeling  # noqa: E402
+from grouprl.sampling import Sampling  # noqa: E402
 
 d = distributed.setup_distributed(0)
 assert d.world == 2 and d.sharded, "run me with torchrun --nproc-per-node 2"
@@ -24,7 +25,7 @@ lm, rank0_weights = modeling.load_model("tiny", tok, d, seed=0)
 policy = modeling.wrap_policy(lm, d, 1.0, 16, False, "fp32", rank0_weights=rank0_weights)
 policy.eval()
 train = Dataset.from_list([{"prompt": f"{i}%10=", "answer": str(i % 10), "text": f"{i}%10="} for i in range(40)])
-gen_kw = dict(max_new_tokens=3, temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=256)
+sampling = Sampling(max_new_tokens=3, gen_batch_size=256)
 calls = []
 real_generate = common.generate
 
@@ -42,9 +43,10 @@ def score(texts, rows, n, reward):
 common.generate, common.score = generate, score
 for max_rounds, want in [(10, (3, 4.0, 4.0, 0.0)), (2, (2, 2.0, 2.0, 2.0))]:
     calls.clear()
-    roll = common.sample_groups(
-        policy, tok, train, 1, modeling.eos_ids(lm, tok), d, SimpleNamespace(values={}), gen_kw, per_rank=2,
-        group_size=2, seed=0, dynamic=True, max_rounds=max_rounds)
+    args = SimpleNamespace(prompts_per_rank=2, group_size=2, seed=0, dynamic_sampling=True,
+                           max_gen_rounds=max_rounds, truncated_reward_scale=1.0)
+    roll = common.sample_groups(policy, tok, train, 1, modeling.eos_ids(lm, tok), d, SimpleNamespace(values={}),
+                                sampling, args)
     rows, rewards, logs = roll.rows, roll.rewards, roll.stats
     got = (logs["charts/gen_rounds"], logs["charts/dropped_groups"], logs["charts/surplus_groups"],
            logs["charts/filled_groups"])

@@ -320,7 +320,7 @@ def test_hub_columns_through_local_files(tmp_path):
     gsm = write_jsonl(tmp_path / "gsm8k.jsonl", [
         {"question": f"What is {i}+1?", "answer": f"{i}+1 = {i + 1}\n#### {i + 1:,}"} for i in range(998, 1018)
     ] + [{"question": "no answer here", "answer": None}])
-    train, held, dropped = data.load_task("gsm8k", gsm, 4, 0, tok, False, 2048)
+    train, held, dropped = data.load_task(data.Task("gsm8k", gsm, 4, 0, enable_thinking=False), tok)
     assert dropped == {"no_answer": 1, "too_long": 0} and len(train) + len(held) == 20 and len(held) == 2
     row = train[0]
     assert set(train.column_names) == {"question", "prompt", "answer", "text"}  # the set's own columns kept
@@ -329,12 +329,12 @@ def test_hub_columns_through_local_files(tmp_path):
     assert row["text"].startswith("<|im_start|>user\n") and row["text"].endswith("<|im_start|>assistant\n")
     math = write_jsonl(tmp_path / "math.jsonl", [{"problem": f"Compute {i}/2.", "answer": f"\\frac{{{i}}}{{2}}"}
                                                   for i in range(30)])
-    train, held, _ = data.load_task("math500", math, 3, 0, tok, False, 2048)
+    train, held, _ = data.load_task(data.Task("math500", math, 3, 0, enable_thinking=False), tok)
     assert len(held) == 3 and "\\boxed{}" in train[0]["prompt"]
     # two distinct prompts x 10: one held out whole, the other trained on (issue 54: one distinct prompt is an error)
     own = write_jsonl(tmp_path / "own.jsonl", [{"prompt": "2+2=", "answer": "4"},
                                                {"prompt": "3+3=", "answer": "6"}] * 10)
-    train, held, _ = data.load_task(own, None, 2, 0, tok, False, 2048)
+    train, held, _ = data.load_task(data.Task(own, None, 2, 0, enable_thinking=False), tok)
     assert (train[0]["prompt"], train[0]["answer"]) in {("2+2=", "4"), ("3+3=", "6")}
     assert len(train) == 10 and len(held) == 1 and held[0]["prompt"] != train[0]["prompt"]
 

@@ -13,6 +13,7 @@ import common
 from grouprl import data
 from grouprl import distributed
 from grouprl import evaluation
+from grouprl.sampling import Sampling
 from grouprl import grader
 from grouprl import modeling
 from grouprl import rewards
@@ -116,7 +117,8 @@ def test_numbers_as_answers_and_chat_prompts_are_text(tmp_path):
             {"prompt": [{"role": "user", "content": "4%10="}], "answer": 4}, {"prompt": "none", "answer": None}]
     path = tmp_path / "mixed.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows * 4))
-    train, held, dropped = data.load_task(str(path), None, 2, 0, modeling.tiny_tokenizer(), False, 2048)
+    train, held, dropped = data.load_task(data.Task(str(path), None, 2, 0, enable_thinking=False),
+                                          modeling.tiny_tokenizer())
     # 4 distinct prompts x 4: one held out (one row), its 3 copies trained on by neither split (issue 54)
     assert dropped == {"no_answer": 4, "too_long": 0} and (len(train), len(held)) == (12, 1)
     assert sorted(set(train["answer"]) | set(held["answer"])) == ["2", "3", "4", "5.0"]
@@ -148,6 +150,6 @@ def test_fewer_held_out_prompts_than_ranks_fail_before_any_generation():
 
     held = Dataset.from_list([{"prompt": "1+1", "answer": "2", "text": "1+1"}])
     with pytest.raises(SystemExit) as e:  # no model: it stops before any generation
-        evaluation.evaluate(None, None, held, None, distributed.Dist(0, 2, torch.device("cpu")), k=2, max_new_tokens=4,
-                        temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=8)
+        plan = evaluation.Evaluation(Sampling(max_new_tokens=4, gen_batch_size=8), k=2)
+        evaluation.evaluate(None, None, held, None, distributed.Dist(0, 2, torch.device("cpu")), plan)
     assert str(e.value.code).startswith("error: the held-out split has 1 prompt(s), fewer than the 2 ranks")

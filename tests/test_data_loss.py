@@ -102,7 +102,8 @@ def test_a_folder_of_one_format_reads_every_file(tmp_path):
     write_rows(one / "a.jsonl", 20, "json")
     (one / "b.json").write_text(json.dumps([{"prompt": f"b {i}%10=", "answer": str(i)} for i in range(7)]))
     (one / "README.md").write_text("notes on the data")  # a dataset card, not data
-    train, held, dropped = data.load_task(str(one), None, 3, 0, modeling.tiny_tokenizer(), None, 100)
+    train, held, dropped = data.load_task(data.Task(str(one), None, 3, 0, max_prompt_tokens=100),
+                                          modeling.tiny_tokenizer())
     assert len(train) + len(held) == 27 and dropped == {"no_answer": 0, "too_long": 0}
 
 
@@ -118,7 +119,8 @@ def test_a_folders_test_file_is_its_held_out_split(tmp_path):
     os.rename(tt / "train", tt / "train.jsonl")
     (tt / "test.jsonl").write_text("".join(json.dumps({"prompt": f"t {i}%10=", "answer": str(i)}) + "\n"
                                            for i in range(5)))
-    train, held, dropped = data.load_task(str(tt), None, 8, 0, modeling.tiny_tokenizer(), None, 100)
+    train, held, dropped = data.load_task(data.Task(str(tt), None, 8, 0, max_prompt_tokens=100),
+                                          modeling.tiny_tokenizer())
     assert (len(train), len(held)) == (20, 5) and all(p.startswith("t ") for p in held["prompt"])
 
 
@@ -351,13 +353,13 @@ def test_repeated_prompts_are_held_out_whole(tmp_path, capsys):
     from grouprl import modeling
 
     path = jsonl(tmp_path / "dup.jsonl", [{"prompt": f"{i}%10=", "answer": str(i)} for i in range(3)] * 20)
-    train, held, _ = data.load_task(path, None, 8, 0, modeling.tiny_tokenizer(), None, 100)
+    train, held, _ = data.load_task(data.Task(path, None, 8, 0, max_prompt_tokens=100), modeling.tiny_tokenizer())
     assert (len(train), len(held)) == (40, 1) and not set(held["prompt"]) & set(train["prompt"])
     assert ("held out: 1 of the distinct prompts of --dataset " f"{path} kept apart, one row each, none of their "
             "copies trained on (its 60 rows repeat prompts;") in capsys.readouterr().out
     one = jsonl(tmp_path / "one.jsonl", [{"prompt": "1%10=", "answer": "1"}] * 5)
     with pytest.raises(SystemExit, match="its 5 rows hold 1 distinct prompt; it needs at least 2"):
-        data.load_task(one, None, 8, 0, modeling.tiny_tokenizer(), None, 100)
+        data.load_task(data.Task(one, None, 8, 0, max_prompt_tokens=100), modeling.tiny_tokenizer())
 
 
 def test_distinct_prompts_split_as_before(tmp_path):
@@ -368,8 +370,8 @@ def test_distinct_prompts_split_as_before(tmp_path):
     from grouprl import modeling
 
     rows = [{"prompt": f"q {i}%10=", "answer": str(i % 10)} for i in range(40)]
-    train, held, _ = data.load_task(jsonl(tmp_path / "d.jsonl", rows), None, 8, 3, modeling.tiny_tokenizer(), None,
-                                    100)
+    train, held, _ = data.load_task(data.Task(jsonl(tmp_path / "d.jsonl", rows), None, 8, 3, max_prompt_tokens=100),
+                                    modeling.tiny_tokenizer())
     want = Dataset.from_list(rows).train_test_split(test_size=4, seed=3)
     assert (train["prompt"], held["prompt"]) == (want["train"]["prompt"], want["test"]["prompt"])
 
@@ -392,7 +394,8 @@ def test_held_out_prompts_are_never_trained_on(tmp_path, capsys, monkeypatch):
     jsonl(folder / "train.jsonl", rows[:20])
     jsonl(folder / "test.jsonl", rows[18:25])
     capsys.readouterr()
-    train, held, _ = data.load_task(str(folder), None, 8, 0, modeling.tiny_tokenizer(), None, 100)
+    train, held, _ = data.load_task(data.Task(str(folder), None, 8, 0, max_prompt_tokens=100),
+                                    modeling.tiny_tokenizer())
     assert (len(train), len(held)) == (18, 7) and not set(held["prompt"]) & set(train["prompt"])
     assert (f"--dataset {folder}: 2 of its 20 training rows have a prompt its split 'test' holds out: not trained "
             "on, so that the evaluation is held out") in capsys.readouterr().out

@@ -20,7 +20,7 @@ SYSTEM = [{"role": "system", "content": "Answer with one digit."}]
 
 
 def load(path, eval_size=3, **kw):
-    return data.load_task(str(path), None, eval_size, 0, TOK, None, 2048, **kw)
+    return data.load_task(data.Task(str(path), None, eval_size, 0, **kw), TOK)
 
 
 def test_parquet_in_verl_layout_conversational_with_system_message(tmp_path):
@@ -84,7 +84,7 @@ def test_eval_dataset_in_full_and_eval_only_on_the_whole_file(tmp_path):
         eval_file)
     with pytest.raises(SystemExit, match=r"--eval-dataset '.*aime.parquet' has no column\(s\) \['prompt'\]"):
         load(train_file, eval_size=4, eval_dataset=str(eval_file))  # the same --prompt-column for both sets
-    train, held, _ = data.load_task(str(train_file), None, 4, 0, TOK, None, 2048, eval_dataset="builtin")
+    train, held, _ = data.load_task(data.Task(str(train_file), None, 4, 0, eval_dataset="builtin"), TOK)
     assert len(train) == 30 and len(held) == 4  # builtin as the eval set: --eval-size prompts
     eval_rows = tmp_path / "eval.jsonl"
     eval_rows.write_text("".join(json.dumps({"prompt": f"{i}*1=", "answer": str(i)}) + "\n" for i in range(25)))
@@ -132,7 +132,7 @@ def test_hub_id_through_load_dataset(monkeypatch):
 
     monkeypatch.setattr(datasets, "load_dataset", fake)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    train, held, _ = data.load_task("trl-lib/DeepMath-103K", None, 64, 0, TOK, None, 2048, prompt_column="problem")
+    train, held, _ = data.load_task(data.Task("trl-lib/DeepMath-103K", None, 64, 0, prompt_column="problem"), TOK)
     assert calls == [("trl-lib/DeepMath-103K", None)] and len(train) == 12 and len(held) == 5
     assert held[0]["answer"] == "-1" and train[0]["prompt"] == train[0]["problem"]
 
@@ -215,8 +215,8 @@ def test_evaluation_samples_at_its_own_temperature_and_top_p(argv, expected, mon
 
     seen = []
 
-    def fake_evaluate(policy, tok, held, eos, d, **kw):
-        seen.append({k: kw[k] for k in expected})
+    def fake_evaluate(policy, tok, held, eos, d, plan):
+        seen.append({k: getattr(plan.sampling, k) for k in expected})
         return {"eval/avg@2": 0.0, "eval/pass@2": 0.0, "eval/prompts": len(held), "eval/samples": 2,
                 "eval/reward_errors": 0.0}
 

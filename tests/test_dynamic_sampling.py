@@ -19,6 +19,8 @@ from datasets import Dataset
 import common
 from conftest import ROOT
 from grouprl.distributed import Dist
+from grouprl.generation import Rollout
+from grouprl.sampling import Sampling
 from test_cli import fails_before_any_model
 from test_train import run_script
 
@@ -34,15 +36,15 @@ def scripted(monkeypatch, flags, group_size=2):
     generate call got, and the reward object whose values score sets (twice the rewards, for reward.metrics)."""
     calls = []
 
-    def generate(policy, tok, prompts, n, eos, d, **kw):
+    def generate(policy, tok, prompts, n, eos, d, *a, **kw):
         r = len(calls)
         calls.append(list(prompts))
         B, P, T = len(prompts) * n, 2 + r, 4 - r
         ids = 1000 * (r + 1) + 10 * torch.arange(B)[:, None] + torch.arange(P + T)[None]
-        return {"input_ids": ids, "attention_mask": torch.ones(B, P + T, dtype=torch.long), "n_prompt": P,
-                "mask": torch.ones(B, T), "truncated": torch.arange(B) % 2 == 0,
-                "texts": [f"round {r} row {i}" for i in range(B)],
-                "logp": -(r + 1) - torch.arange(B)[:, None] / 100 - torch.arange(T)[None] / 1000}
+        return Rollout(input_ids=ids, attention_mask=torch.ones(B, P + T, dtype=torch.long), n_prompt=P,
+                       mask=torch.ones(B, T), truncated=torch.arange(B) % 2 == 0,
+                       texts=[f"round {r} row {i}" for i in range(B)],
+                       logp=-(r + 1) - torch.arange(B)[:, None] / 100 - torch.arange(T)[None] / 1000)
 
     reward = SimpleNamespace(values={})
 
@@ -67,9 +69,10 @@ def train_rows(n=40):
 
 def sample(reward, dynamic=True, max_rounds=10, per_rank=4, group_size=2, step=3):
     """common.sample_groups' Rollout as (rows, generate()'s entries, rewards, reward errors, stats)."""
+    args = SimpleNamespace(prompts_per_rank=per_rank, group_size=group_size, seed=5, dynamic_sampling=dynamic,
+                           max_gen_rounds=max_rounds, truncated_reward_scale=1.0)
     r = common.sample_groups(None, SimpleNamespace(pad_token_id=PAD), train_rows(), step, [1], Dist(0, 1, CPU),
-                             reward, {}, per_rank=per_rank, group_size=group_size, seed=5, dynamic=dynamic,
-                             max_rounds=max_rounds)
+                             reward, Sampling(max_new_tokens=4), args)
     roll = {"input_ids": r.input_ids, "attention_mask": r.attention_mask, "n_prompt": r.n_prompt, "mask": r.mask,
             "truncated": r.truncated, "texts": r.texts, "logp": r.logp}
     return r.rows, roll, r.rewards, r.reward_errors, r.stats
@@ -227,7 +230,7 @@ def test_the_script_logs_the_hand_counts_and_trains_on_the_kept_groups(monkeypat
 
     def generate(policy, tok, prompts, n, *a, **k):
         roll = real(policy, tok, prompts, n, *a, **k)
-        calls.append(([int(re.search(r"(\d)%10=", p)[1]) for p in prompts], roll["texts"]))
+        calls.append(([int(re.search(r"(\d)%10=", p)[1]) for p in prompts], roll.texts))
         return roll
 
     real = common.generate

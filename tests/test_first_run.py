@@ -17,6 +17,7 @@ import common
 from conftest import ROOT
 from grouprl import checkpoint, data, distributed, evaluation, grader, modeling, runlog
 from test_train import run_script
+from grouprl.sampling import Sampling
 
 
 def test_eval_samples_bar_and_length_through_the_loop(monkeypatch, tmp_path, capsys):
@@ -71,12 +72,12 @@ def test_the_bar_moves_inside_one_generate_call():
     bar = common.GenBar("eval", 3, 4, tok.pad_token_id, main=True, leave=False)
     real_put = bar.put
     bar.put = lambda value: seen.append(value.shape) or real_put(value)
-    out = common.generate(policy, tok, prompts, 4, modeling.eos_ids(lm, tok), d, max_new_tokens=6,
-                          temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=64, streamer=bar)
+    out = common.generate(policy, tok, prompts, 4, modeling.eos_ids(lm, tok), d,
+                          Sampling(max_new_tokens=6, gen_batch_size=64), streamer=bar)
     assert len(seen) >= 2 and all(len(s) == 1 and s[0] == 12 for s in seen[1:])  # [B x n] a decoding step
-    assert bar.tokens == int(out["mask"].sum()) > 0 and bar.bar.n == 0  # prompts move once a call is scored
+    assert bar.tokens == int(out.mask.sum()) > 0 and bar.bar.n == 0  # prompts move once a call is scored
     # a row counts as a sample done once it stops (the pad after its EOS: a row stopping at the last step does not)
-    stopped = ~out["truncated"] & (out["mask"].sum(1) < out["mask"].shape[1])
+    stopped = ~out.truncated & (out.mask.sum(1) < out.mask.shape[1])
     assert torch.equal(bar.stopped, stopped) and stopped.any()
     bar.show(3)
     assert (bar.samples, bar.stopped, bar.bar.n) == (12, None, 3)

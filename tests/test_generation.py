@@ -7,6 +7,7 @@ import common
 from grouprl import data
 from grouprl import distributed
 from grouprl import modeling
+from grouprl.sampling import Sampling
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +23,8 @@ def setup():
 def rollout(setup, mode, gen_batch_size, top_k, prompts=None, seed=0):
     d, tok, policy, default_prompts, eos = setup
     torch.manual_seed(seed)
-    return common.generate(policy, tok, prompts or default_prompts, 4, eos, d, max_new_tokens=12, temperature=1.0,
-                           top_p=1.0, top_k=top_k, gen_batch_size=gen_batch_size, mode=mode)
+    return common.generate(policy, tok, prompts or default_prompts, 4, eos, d,
+                           Sampling(max_new_tokens=12, top_k=top_k, gen_batch_size=gen_batch_size, mode=mode))
 
 
 @pytest.fixture(scope="module")
@@ -39,16 +40,16 @@ def test_shared_prefill_gives_the_same_tokens(setup, reference, gen_batch_size):
     for top_k in (1, 0) if gen_batch_size == 64 else (1,):
         ref, out = reference[top_k], rollout(setup, "shared-prefill", gen_batch_size, top_k)
         for key in ("input_ids", "attention_mask", "mask", "truncated"):
-            assert torch.equal(ref[key], out[key]), (top_k, key)
-        assert ref["texts"] == out["texts"] and ref["n_prompt"] == out["n_prompt"]
-        assert top_k == 1 or len(set(out["texts"])) > 3  # sampled completions differ inside a group
+            assert torch.equal(getattr(ref, key), getattr(out, key)), (top_k, key)
+        assert ref.texts == out.texts and ref.n_prompt == out.n_prompt
+        assert top_k == 1 or len(set(out.texts)) > 3  # sampled completions differ inside a group
 
 
 def test_one_token_prompts(setup):
     """Prompts of one token (no chat template) leave no prefix to prefill: shared-prefill pads one column."""
     ref, out = (rollout(setup, mode, 64, 1, prompts=["7", "3"]) for mode in ("repeat", "shared-prefill"))
-    assert ref["n_prompt"] == 1 and out["n_prompt"] == 2
-    assert torch.equal(ref["input_ids"][:, 1:], out["input_ids"][:, 2:]) and torch.equal(ref["mask"], out["mask"])
+    assert ref.n_prompt == 1 and out.n_prompt == 2
+    assert torch.equal(ref.input_ids[:, 1:], out.input_ids[:, 2:]) and torch.equal(ref.mask, out.mask)
 
 
 def test_generation_logprobs_equal_the_training_forward(setup):
@@ -93,7 +94,7 @@ def test_static_cache_gives_the_same_tokens_and_logprobs(setup, reference, monke
         out = rollout(setup, "static", gen_batch_size, 1)
         assert len(made) == (1 if gen_batch_size == 64 else 4)  # one cache a generate call: the mode is in effect
         for key in ("input_ids", "attention_mask", "mask", "truncated"):
-            assert torch.equal(reference[1][key], out[key]), (gen_batch_size, key)
+            assert torch.equal(getattr(reference[1], key), getattr(out, key)), (gen_batch_size, key)
     enc = tok(prompts, padding=True, return_tensors="pt", add_special_tokens=False)
     ids, am = enc.input_ids.repeat_interleave(2, 0), enc.attention_mask.repeat_interleave(2, 0)
     with torch.no_grad():

@@ -25,8 +25,9 @@ def readme_copy_list() -> list[str]:
 
 
 def project_modules() -> dict[str, str]:
-    """module name as imported ('gspo', 'common', 'grouprl.cli') -> its file."""
-    files = glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, PACKAGE, "*.py"))
+    """module name as imported ('gspo', 'common', 'grouprl.cli', 'grouprl.engine.blocks') -> its file."""
+    files = glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, PACKAGE, "**", "*.py"),
+                                                              recursive=True)
     mods = {}
     for f in files:
         rel = os.path.relpath(f, ROOT)[: -len(".py")].replace(os.sep, ".")
@@ -36,23 +37,53 @@ def project_modules() -> dict[str, str]:
 
 def project_imports() -> dict[str, set[str]]:
     """module -> the project's modules it imports (at the top or inside a function): `from grouprl import x`
-    and `from . import x` name grouprl.x, `from .x import f` names grouprl.x."""
+    and `from . import x` name grouprl.x, `from .x import f` names grouprl.x, `from ..x import f` one package up."""
     mods = project_modules()
     graph = {}
     for m, f in mods.items():
-        package = m.rpartition(".")[0] if "." in m else (m if m == PACKAGE else "")
+        here = m if f.endswith("__init__.py") else m.rpartition(".")[0]  # the package a relative import starts at
         names = set()
         for node in ast.walk(ast.parse(open(f).read())):
             if isinstance(node, ast.Import):
                 names |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom):
-                base = package if node.level else (node.module or "")
-                if node.level and node.module:
-                    base = f"{package}.{node.module}"
-                names.add(base)
+                base = ".".join(here.split(".")[: len(here.split(".")) - node.level + 1]) if node.level else ""
+                base = ".".join(p for p in (base, node.module) if p)
+                if node.module or not node.level:  # `from . import x` imports x, not the package
+                    names.add(base)
                 names |= {f"{base}.{a.name}" for a in node.names}
         graph[m] = (names & set(mods)) - {m}
     return graph
+
+
+def library_files() -> list[str]:
+    """Every file of the package, its folders' included."""
+    return sorted(glob.glob(os.path.join(ROOT, PACKAGE, "**", "*.py"), recursive=True))
+
+
+def test_common_is_the_step_and_no_file_is_too_big_to_hold():
+    """common.py holds the step only (~550 lines at most); no file of the package a reader must hold whole is over
+    ~600 lines, and the parts of a subsystem split into a folder (checkpoint/, engine/, ...) ~400 (450 at most)."""
+    assert len(open(os.path.join(ROOT, "common.py")).read().split("\n")) <= 550
+    for path in library_files():
+        n = len(open(path).read().split("\n"))
+        folder = os.path.dirname(path) != os.path.join(ROOT, PACKAGE)
+        assert n <= (450 if folder else 600), (os.path.relpath(path, ROOT), n)
+
+
+def test_no_dict_read_of_a_rollout_and_no_long_parameter_list():
+    """The Rollout is a dataclass everywhere (no roll["..."] in the library), and no library function takes more
+    than ~8 parameters (9 at most): keywords that travel together go as one object (Sampling, Evaluation, the
+    engine's Setup). The loss functions, whose explicit tensors are the point, live in the scripts."""
+    for path in [os.path.join(ROOT, "common.py")] + library_files():
+        src = open(path).read()
+        assert not re.search(r"\broll\[\"", src), path
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls", "ctx")]
+                n = len(names) + (a.vararg is not None) + (a.kwarg is not None)
+                assert n <= 9, (os.path.relpath(path, ROOT), node.name, n)
 
 
 def test_the_root_holds_the_scripts_and_common_only():
@@ -210,7 +241,7 @@ def test_the_readme_is_a_front_door_and_the_library_holds_no_dated_measurement()
     """The README in at most 200 lines (the measurements' narrative is docs/results.md); common.py and the package
     carry no dated measurement in a comment or docstring (those go to benchmarks/ and docs/)."""
     assert len(open(os.path.join(ROOT, "README.md")).read().split("\n")) <= 200
-    for path in [os.path.join(ROOT, "common.py")] + glob.glob(os.path.join(ROOT, PACKAGE, "*.py")):
+    for path in [os.path.join(ROOT, "common.py")] + library_files():
         dated = re.findall(r".*\b20\d\d-\d\d-\d\d.*", open(path).read())
         assert not dated, (path, dated)
 

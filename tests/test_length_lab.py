@@ -11,6 +11,7 @@ import torch
 
 import common
 from test_train import run_script
+from grouprl.sampling import Sampling
 
 
 def test_noise_stats_by_hand():
@@ -61,12 +62,12 @@ def test_min_new_tokens_masks_eos_until_then():
     eos = list(range(0, len(tok), 2))
     kw = dict(max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=64)
     torch.manual_seed(0)
-    free = common.generate(policy, tok, ["1+2=", "3+4="], 8, eos, d, **kw)
-    held = common.generate(policy, tok, ["1+2=", "3+4="], 8, eos, d, min_new_tokens=4, **kw)
-    assert (free["mask"].sum(1) < 4).float().mean() > 0.5
-    lengths = held["mask"].sum(1)
+    free = common.generate(policy, tok, ["1+2=", "3+4="], 8, eos, d, Sampling(**kw))
+    held = common.generate(policy, tok, ["1+2=", "3+4="], 8, eos, d, Sampling(min_new_tokens=4, **kw))
+    assert (free.mask.sum(1) < 4).float().mean() > 0.5
+    lengths = held.mask.sum(1)
     assert (lengths >= 4).all() and (lengths < 8).any()
-    first4 = held["input_ids"][:, held["n_prompt"]:held["n_prompt"] + 4]
+    first4 = held.input_ids[:, held.n_prompt:held.n_prompt + 4]
     assert not torch.isin(first4, torch.tensor(eos)).any()
 
 
@@ -83,15 +84,15 @@ def test_engine_masks_eos_until_min_new_tokens(graphs):
     eos = list(range(0, len(tok), 2))
     kw = dict(temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=16, mode="engine", cuda_graphs=graphs)
     torch.manual_seed(0)
-    free = common.generate(policy, tok, ["1+2=", "3+4="], 8, eos, d, max_new_tokens=8, **kw)
-    held = common.generate(policy, tok, ["1+2=", "3+4="], 8, eos, d, max_new_tokens=8, min_new_tokens=4, **kw)
-    assert (free["mask"].sum(1) < 4).float().mean() > 0.5
-    lengths = held["mask"].sum(1)
+    free = common.generate(policy, tok, ["1+2=", "3+4="], 8, eos, d, Sampling(max_new_tokens=8, **kw))
+    held = common.generate(policy, tok, ["1+2=", "3+4="], 8, eos, d, Sampling(max_new_tokens=8, min_new_tokens=4, **kw))
+    assert (free.mask.sum(1) < 4).float().mean() > 0.5
+    lengths = held.mask.sum(1)
     assert (lengths >= 5).all() and (lengths == 5).any() and (lengths < 8).any()
-    P = held["n_prompt"]
-    assert not torch.isin(held["input_ids"][:, P:P + 4], torch.tensor(eos)).any()
-    short = common.generate(policy, tok, ["1+2="], 8, eos, d, max_new_tokens=3, min_new_tokens=4, **kw)
-    assert (short["mask"].sum(1) == 3).all() and short["truncated"].all()
+    P = held.n_prompt
+    assert not torch.isin(held.input_ids[:, P:P + 4], torch.tensor(eos)).any()
+    short = common.generate(policy, tok, ["1+2="], 8, eos, d, Sampling(max_new_tokens=3, min_new_tokens=4, **kw))
+    assert (short.mask.sum(1) == 3).all() and short.truncated.all()
 
 
 def hf_greedy_logps(lm, ids, eos, max_new_tokens, min_new_tokens):

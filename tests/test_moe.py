@@ -15,6 +15,7 @@ from grouprl import distributed
 from grouprl import modeling
 from grouprl import moe
 from test_train import run_script, torchrun, read_rows
+from grouprl.sampling import Sampling
 
 
 @pytest.mark.parametrize("script", ["gspo", "grpo", "gspo_token", "dfpo"])
@@ -106,8 +107,8 @@ def tiny_moe_rollout():
     lm, _ = modeling.load_model("tiny-moe", tok, d, seed=0)
     policy = modeling.wrap_policy(lm, d, 1.0, 64, False)
     prompts = data.chat_prompts(tok, [r["prompt"] for r in data.builtin_task(8, 0)], False)
-    roll = common.generate(policy.eval(), tok, prompts, 4, modeling.eos_ids(lm, tok), d, max_new_tokens=8,
-                           temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=64)
+    roll = common.generate(policy.eval(), tok, prompts, 4, modeling.eos_ids(lm, tok), d,
+                           Sampling(max_new_tokens=8, gen_batch_size=64))
     return lm, policy, roll
 
 
@@ -122,9 +123,9 @@ def test_routing_replay_on_tiny_moe(replay):
     captured = []
     for gate in routes.gates:  # after moe's hook: what the experts receive
         gate.register_forward_hook(lambda m, i, out: captured.append(out) if routes.mode == "train" else None)
-    ids, am, P, mask = roll["input_ids"], roll["attention_mask"], roll["n_prompt"], roll["mask"]
+    ids, am, P, mask = roll.input_ids, roll.attention_mask, roll.n_prompt, roll.mask
     slices = common.minibatches(8, 4, 2)
-    old_logp, _, _, _ = common.old_log_probs(policy, common.Rollout.of(roll), slices, "recompute", None, routes)
+    old_logp, _, _, _ = common.old_log_probs(policy, roll, slices, "recompute", None, routes)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     policy.train()
     with moe.replaying(routes, slices[0]):

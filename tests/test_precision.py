@@ -9,6 +9,7 @@ import common
 from grouprl import distributed
 from grouprl import modeling
 from test_train import run_script
+from grouprl.sampling import Sampling
 
 CPU = distributed.Dist(0, 1, torch.device("cpu"))
 B, P, T = 16, 6, 5
@@ -96,9 +97,9 @@ def test_bf16_compute_in_forward_and_generate():
     masters = [(p.data_ptr(), p.detach().clone()) for p in policy.parameters()]
     for mode in ("shared-prefill", "repeat", "static"):
         seen.clear()
-        roll = common.generate(policy.eval(), tok, ["1%10=", "7%10="], 2, [tok.eos_token_id], CPU, max_new_tokens=3,
-                               temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=4, mode=mode)
-        assert roll["input_ids"].shape[0] == 4 and seen and set(seen) == {torch.bfloat16}, (mode, seen)
+        roll = common.generate(policy.eval(), tok, ["1%10=", "7%10="], 2, [tok.eos_token_id], CPU,
+                               Sampling(max_new_tokens=3, gen_batch_size=4, mode=mode))
+        assert roll.input_ids.shape[0] == 4 and seen and set(seen) == {torch.bfloat16}, (mode, seen)
         for p, (ptr, value) in zip(policy.parameters(), masters):
             assert p.dtype == torch.float32 and p.data_ptr() == ptr and torch.equal(p, value)
 

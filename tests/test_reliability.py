@@ -113,7 +113,8 @@ def test_rows_without_answer_and_long_prompts_are_dropped_and_counted(tmp_path):
             + [{"prompt": "no answer", "answer": None}, {"prompt": "empty answer", "answer": "  "}])
     path = tmp_path / "data.jsonl"
     path.write_text("".join(__import__("json").dumps(r) + "\n" for r in rows))
-    train, held, dropped = data.load_task(str(path), None, 3, 0, tok, False, max_prompt_tokens=100)
+    train, held, dropped = data.load_task(data.Task(str(path), None, 3, 0, False, 100),
+                                          tok)
     assert dropped == {"no_answer": 2, "too_long": 5} and len(train) + len(held) == 30
     assert all(len(tok(t).input_ids) <= 100 for t in list(train["text"]) + list(held["text"]))
 
@@ -385,6 +386,7 @@ def logger_at(run_dir):
 
 
 def test_a_deleted_run_folder_or_a_full_disk_while_logging_is_the_saves_one_line(tmp_path):
+    import argparse
     import shutil
 
     logger = logger_at(tmp_path / "run")
@@ -397,7 +399,9 @@ def test_a_deleted_run_folder_or_a_full_disk_while_logging_is_the_saves_one_line
                             f"while writing {tmp_path}/run/metrics.jsonl: nothing more can be logged or saved there; "
                             "start the run again")
     with pytest.raises(SystemExit) as e:
-        runlog.log_samples(logger, str(tmp_path / "run"), 2, 1, ["p"], ["a"], ["c"], torch.ones(1), torch.ones(1), 1)
+        rows = {"prompt": ["p"], "answer": ["a"], "text": ["p"]}
+        roll = argparse.Namespace(rows=rows, texts=["c"], rewards=torch.ones(1))
+        runlog.log_samples(logger, roll, torch.ones(1), 2, 1)
     assert "is gone (deleted or moved while the run wrote it) while writing" in str(e.value)
     logger = logger_at(tmp_path / "run2")
     logger.metrics = open("/dev/full", "w")  # every write: ENOSPC

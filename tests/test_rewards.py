@@ -147,7 +147,7 @@ def test_the_loop_scores_the_rollouts_truncation(script, monkeypatch, tmp_path):
     monkeypatch.setattr(common, "score", spy)
     run_script(script, ["--num-steps", "1", "--prompts-per-rank", "2", "--num-minibatches", "1", "--group-size", "4",
                         "--eval-every", "0"], monkeypatch, tmp_path)
-    assert seen["truncated_scale"] == 0.5 and torch.equal(seen["truncated"], seen["roll"]["truncated"])
+    assert seen["truncated_scale"] == 0.5 and torch.equal(seen["truncated"], seen["roll"].truncated)
 
 
 @pytest.mark.parametrize("n, c, k, expected", [  # 1 - C(n-c, k) / C(n, k), n = 4, written out
@@ -584,7 +584,7 @@ def test_verl_compute_score_on_verl_parquet(verl_rewards, tmp_path):
              "reward_model": {"style": "rule", "ground_truth": str(i)}, "extra_info": {"split": "train", "index": i}}
             for i in range(20)]
     pd.DataFrame(rows).to_parquet(tmp_path / "train.parquet")
-    train, _, _ = data.load_task(str(tmp_path / "train.parquet"), None, 2, 0, modeling.tiny_tokenizer(), None, 2048)
+    train, _, _ = data.load_task(data.Task(str(tmp_path / "train.parquet"), None, 2, 0), modeling.tiny_tokenizer())
     batch = train.select([0, 1])
     i0, i1 = (r["extra_info"]["index"] for r in batch)
     reward = grader.load_reward([f"{verl_rewards}:compute_score"], 5.0)

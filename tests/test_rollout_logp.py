@@ -32,7 +32,7 @@ class StubPolicy:
 
 def rollout():
     ids = torch.arange(2)[:, None].repeat(1, 5)  # 2 prompt + 3 completion positions
-    return common.Rollout(None, ids, torch.ones(2, 5, dtype=torch.long), 2, torch.tensor(MASK, dtype=torch.float32),
+    return common.Rollout(ids, torch.ones(2, 5, dtype=torch.long), 2, torch.tensor(MASK, dtype=torch.float32),
                           torch.zeros(2, dtype=torch.bool), ["", ""], torch.tensor(ROLL), None)
 
 
@@ -77,7 +77,7 @@ def test_rollout_correction_modes_equal_trls(mode, clip_min):
     old = -torch.rand(4, 6, generator=g, dtype=torch.float64) * 2
     sampling = old + 0.6 * torch.randn(4, 6, generator=g, dtype=torch.float64)
     mask = (torch.arange(6)[None] < torch.tensor([6, 4, 2, 5])[:, None]).double()
-    roll = common.Rollout(None, torch.arange(4)[:, None].repeat(1, 8), torch.ones(4, 8, dtype=torch.long), 2, mask,
+    roll = common.Rollout(torch.arange(4)[:, None].repeat(1, 8), torch.ones(4, 8, dtype=torch.long), 2, mask,
                           torch.zeros(4, dtype=torch.bool), [""] * 4, sampling, None)
     _, weight, _, stats = common.old_log_probs(StubPolicy(old, torch.zeros(4, 6)), roll, [slice(0, 4)], "recompute", 3.0,
                                             None, mode, clip_min)

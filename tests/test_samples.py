@@ -46,14 +46,15 @@ def test_samples_every_k_steps(tmp_path):
     """Rows of steps k, 2k, ...; a resumed run's rows: test_resume.py's branch test."""
     logged = []
     writer = types.SimpleNamespace(add_text=lambda tag, text, step: logged.append((tag, step)))
-    logger = types.SimpleNamespace(dist_env=types.SimpleNamespace(main=True), writer=writer)
+    logger = types.SimpleNamespace(dist_env=types.SimpleNamespace(main=True), writer=writer, run_dir=str(tmp_path))
     r, adv = torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([1.5, -0.5, -0.5, -0.5])
-    args = (["a", "b", "c"], ["1", "2", "3"], ["x", "y", "z", "w"], r, adv, 2)
+    rows = {"prompt": ["a", "b"], "answer": ["1", "2"], "text": ["<a>", "<b>"]}  # 2 prompts, 2 completions each
+    roll = types.SimpleNamespace(rows=rows, texts=["x", "y", "z", "w"], rewards=r)
     for step in (1, 2, 3, 4):
-        runlog.log_samples(logger, str(tmp_path), step, 2, *args)  # every 2 steps: 2 and 4
+        runlog.log_samples(logger, roll, adv, step, 2)  # every 2 steps: 2 and 4
     steps = [json.loads(line)["step"] for line in open(tmp_path / "samples.jsonl")]
     assert steps == [2, 2, 2, 2, 4, 4, 4, 4] and logged == [("samples", 2), ("samples", 4)]
-    runlog.log_samples(logger, str(tmp_path), 6, 0, *args)  # 0: never
+    runlog.log_samples(logger, roll, adv, 6, 0)  # 0: never
     assert len(logged) == 2
 
 

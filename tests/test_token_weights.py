@@ -66,7 +66,7 @@ def test_high_entropy_tokens_by_hand():
 def test_old_log_probs_gives_the_mask_and_its_logs():
     """The old pass's entropies (the stub's), over the whole step: the kept fraction and the threshold logged."""
     entropy = torch.tensor([[1.0, 5.0, 3.0], [4.0, 2.0, 9.0]])
-    roll = common.Rollout(None, torch.arange(2)[:, None].repeat(1, 5), torch.ones(2, 5, dtype=torch.long), 2,
+    roll = common.Rollout(torch.arange(2)[:, None].repeat(1, 5), torch.ones(2, 5, dtype=torch.long), 2,
                           torch.tensor([[1.0, 1, 1], [1, 1, 0]]), torch.zeros(2, dtype=torch.bool), ["", ""],
                           None, None)
     policy = StubPolicy(torch.zeros(2, 3), entropy)

@@ -17,6 +17,7 @@ from grouprl import distributed
 from grouprl import modeling
 from conftest import ROOT
 from test_losses import mean
+from grouprl.sampling import Sampling
 
 
 def run_script(script, argv, monkeypatch, out, jitter_row=True):
@@ -139,14 +140,14 @@ def test_first_minibatch_ratio_is_one():
     lm, _ = modeling.load_model("tiny", tok, d, seed=0)
     policy = modeling.wrap_policy(lm, d, 1.0, 64, False)
     prompts = data.chat_prompts(tok, [r["prompt"] for r in data.builtin_task(8, 0)], False)
-    roll = common.generate(policy.eval(), tok, prompts, 4, modeling.eos_ids(lm, tok), d, max_new_tokens=12,
-                           temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=64)
-    ids, am, mask, P = roll["input_ids"], roll["attention_mask"], roll["mask"], roll["n_prompt"]
+    roll = common.generate(policy.eval(), tok, prompts, 4, modeling.eos_ids(lm, tok), d,
+                           Sampling(max_new_tokens=12, gen_batch_size=64))
+    ids, am, mask, P = roll.input_ids, roll.attention_mask, roll.mask, roll.n_prompt
     lengths = mask.sum(1).long()
     last = ids[torch.arange(len(ids)), P + lengths - 1]  # the last completion token kept by the mask
     eos = torch.tensor(modeling.eos_ids(lm, tok))
-    assert torch.equal(torch.isin(last, eos), ~roll["truncated"])  # kept up to and including the first EOS
-    assert torch.all(lengths[roll["truncated"]] == 12) and (~roll["truncated"]).any()
+    assert torch.equal(torch.isin(last, eos), ~roll.truncated)  # kept up to and including the first EOS
+    assert torch.all(lengths[roll.truncated] == 12) and (~roll.truncated).any()
     with torch.no_grad():
         old = policy(ids, am, P)  # the whole rollout at once
     mb = slice(0, 8)  # two groups

@@ -60,10 +60,10 @@ def test_big_files_are_checked_by_size_only(saved, tmp_path, monkeypatch):
 
     ckpt = tmp_path / "step_1"
     shutil.copytree(saved, ckpt)
-    monkeypatch.setattr(checkpoint, "HASH_BELOW", 100_000)  # the tiny model's weights count as big here
+    monkeypatch.setattr(checkpoint.manifest, "HASH_BELOW", 100_000)  # the tiny model's weights count as big here
     read = []
     real = checkpoint._sha256
-    monkeypatch.setattr(checkpoint, "_sha256", lambda p: read.append(os.path.relpath(p, ckpt)) or real(p))
+    monkeypatch.setattr(checkpoint.manifest, "_sha256", lambda p: read.append(os.path.relpath(p, ckpt)) or real(p))
     checkpoint.write_manifest(str(ckpt))
     files = json.load(open(ckpt / "manifest.json"))["files"]
     big = sorted(n for n, (size, _) in files.items() if size >= 100_000)

@@ -329,7 +329,7 @@ def test_a_save_never_writes_over_a_step_it_did_not_write(tmp_path, monkeypatch,
             open(os.path.join(theirs, "x"), "w").write("theirs")
         return write(folder, *args)
 
-    monkeypatch.setattr(checkpoint, "write_training_state", copy_put_there)
+    monkeypatch.setattr(checkpoint.save, "write_training_state", copy_put_there)
     _, run = run_script("gspo", ["--prompts-per-rank", "4", "--save-every", "1", "--log-samples", "0",
                                  "--eval-every", "0", "--num-steps", "2"], monkeypatch, tmp_path)
     (kept,) = glob.glob(f"{run}/kept_step_2_*")

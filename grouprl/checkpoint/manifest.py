@@ -26,6 +26,7 @@ from ..distributed import Dist, barrier
 STEP_DIR = re.compile(r"step_(\d+)$")
 MANIFEST = "manifest.json"
 MODEL, STATE = "model", "state"
+FINAL = "final"  # --save-final model: {run_dir}/final/model (and adapter/), no training state
 # a folder from_pretrained can read a tokenizer from holds one of these (model_folder_problem)
 TOKENIZER_FILES = {"tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json",
                    "spiece.model", "vocab.txt"}

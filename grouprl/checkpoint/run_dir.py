@@ -17,7 +17,7 @@ import sys
 import time
 
 from ..distributed import ON_FAIL, Dist, Refused, on_rank0
-from .manifest import MANIFEST, STEP_DIR, is_checkpoint, step_folders
+from .manifest import FINAL, MANIFEST, STEP_DIR, is_checkpoint, step_folders
 
 
 # One writer per run folder: rank 0 holds an exclusive flock on the run folder itself and on
@@ -161,12 +161,16 @@ def remove_pruned(run_dir: str, ignore_errors: bool = False) -> list[str]:
 def set_aside_later_checkpoints(run_dir: str, step: int):
     """A run resumed from step_k (an earlier one than the newest, say, or the one before a damaged
     newest that --resume auto skips) goes on from there: the checkpoints after step k belong to the
-    run it branches from. They are moved into one new abandoned_<time> folder, so that pruning
-    (--keep-checkpoints) and --resume auto never take them for this run's, and with them what that
-    run logged after step k (set_aside_logs), which this run's Logger then cuts from the run folder;
-    said so, nothing deleted. The logs go first: a kill in between leaves the checkpoints in place,
-    to be set aside again on the next resume (the logs twice, never lost)."""
+    run it branches from, and so does its final/ (--save-final model's export of its last step,
+    which no step_N follows). They are moved into one new abandoned_<time> folder, so that pruning
+    (--keep-checkpoints) and --resume auto never take them for this run's, nor this run's final/
+    replaces that one, and with them what that run logged after step k (set_aside_logs), which
+    this run's Logger then cuts from the run folder; said so, nothing deleted. The logs go first: a
+    kill in between leaves the checkpoints in place, to be set aside again on the next resume (the
+    logs twice, never lost)."""
     later = [(n, p) for n, p in step_folders(run_dir) if n > step]
+    if os.path.isdir(os.path.join(run_dir, FINAL)):  # written at the last step: later than step_k
+        later.append((None, os.path.join(run_dir, FINAL)))
     if not later:
         return
     stamp = os.path.join(run_dir, f"abandoned_{time.strftime('%Y%m%d_%H%M%S')}")

@@ -14,7 +14,7 @@ import torch
 from ..distributed import Dist, barrier
 from ..lora import is_lora, save_lora
 from .guards import _attempt, _or_stop
-from .manifest import MODEL, STATE, _manifest_files, _write_manifest_file
+from .manifest import FINAL, MODEL, STATE, _manifest_files, _write_manifest_file
 from .restore import _rng_state
 from .run_dir import prune_checkpoints
 from .signals import _stop
@@ -106,9 +106,6 @@ def save_checkpoint(run_dir: str, step: int, policy, tok, optimizer, scheduler, 
     return path
 
 
-FINAL = "final"  # --save-final model: {run_dir}/final/model (and adapter/), no training state
-
-
 def _export(tmp: str, policy, tok, sd, lora: bool):
     """--save-final model's folder: the export alone (rank 0)."""
     shutil.rmtree(tmp, ignore_errors=True)
@@ -121,10 +118,12 @@ def _export(tmp: str, policy, tok, sd, lora: bool):
 
 
 def _swap_in(tmp: str, path: str):
-    if os.path.exists(path):  # written again: swap, then delete the old copy
+    """final/ in place of .tmp_final; a final/ already there (never this run's: it writes one, and a
+    branch sets the run's earlier one aside) is kept beside it (keep_aside), never deleted."""
+    if os.path.exists(path):
         os.rename(path, tmp + ".old")
     os.rename(tmp, path)
-    shutil.rmtree(tmp + ".old", ignore_errors=True)
+    keep_aside(tmp + ".old", path)
 
 
 def _size_line(path: str) -> str:

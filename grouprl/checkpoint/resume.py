@@ -5,6 +5,7 @@ the flags a resume may not change (RESUME_FIXED), the ones a plain --resume take
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -59,13 +60,16 @@ def run_paths(args, dist_env: Dist, script: str) -> tuple[str, str | None]:
         step = state["step"]
         then, now = state.get("args", {}), vars(args)
         for name in RESUME_FIXED:
+            if name in PATHS and same_path(then.get(name), now[name], ckpt, then.get("output_dir")):
+                continue
             if name in then and then[name] != now[name]:
                 fail(f"--{name.replace('_', '-')} {now[name]} differs from {then[name]} in {ckpt}: "
                      "it cannot change on resume (the data order, the objective, the optimizer "
                      f"state or the weights depend on it); pass {as_flag(name, then[name])} to "
                      "resume, or start a new run without --resume")
         changed = [f"--{k.replace('_', '-')} {then[k]} -> {v}" for k, v in now.items()
-                   if k in then and then[k] != v and k != "resume"]
+                   if k in then and then[k] != v and k != "resume" and not (
+                       k in PATHS and same_path(then[k], v, ckpt, then.get("output_dir")))]
         if dist_env.main:
             print(f"resuming {ckpt} (step {step})")
             if changed:
@@ -119,12 +123,24 @@ def restated(argv: list[str], names: set[str]) -> set[str]:
     return said & names
 
 
+# fill_defaults derives these from another flag: a saved value equal to that flag's was derived, and
+# is derived again from this run's (a plain --resume --max-new-tokens 6 evaluates at 6 too)
+DERIVED = {"eval_max_new_tokens": "max_new_tokens"}
+# flags that hold one entry per entry of another: taken only with the list they were given for
+PER_ENTRY = {"reward_weights": "reward"}
+# flags that name local paths, relative to the folder the run was started in
+PATHS = ("dataset", "eval_dataset", "data_files")
+
+
 def saved_flags(args, argv: list[str]) -> dict:
     """A plain --resume step_N continues the run as it was: every flag the command line does not
     restate takes the value the run saved (trainer_state.json's args), not its default, so that
-    --keep-checkpoints 0 stays 0 and no checkpoint the run was keeping is pruned. {} for a fresh
-    run, --resume auto (the same command line again) or a checkpoint that cannot be read (then
-    run_paths says why)."""
+    --keep-checkpoints 0 stays 0 and no checkpoint the run was keeping is pruned. Except: a derived
+    default (DERIVED) is derived again; --reward-weights goes with the --reward list it weighed;
+    --output-dir is the folder holding the checkpoint's run (where this run writes); a relative
+    data path is found from the folder the run started in, or said to come from the checkpoint.
+    {} for a fresh run, --resume auto (the same command line again) or a checkpoint that cannot be
+    read (then run_paths says why)."""
     if getattr(args, "resume", None) in (None, "auto"):
         return {}
     try:
@@ -135,9 +151,74 @@ def saved_flags(args, argv: list[str]) -> dict:
     now = vars(args)
     if not isinstance(then, dict):
         return {}
-    keep = restated(argv, set(now)) | {"resume", "output_dir"}  # the run folder is the checkpoint's
-    return {k: tuple(v) if isinstance(now[k], tuple) and isinstance(v, list) else v
-            for k, v in then.items() if k in now and k not in keep and v != now[k]}
+    said = restated(argv, set(now))
+    keep = said | {"resume", "output_dir"}
+    keep |= {k for k, src in DERIVED.items() if k in then and then[k] == then.get(src)}
+    keep |= {k for k, src in PER_ENTRY.items() if src in said and now[src] != then.get(src)}
+    taken = {k: tuple(v) if isinstance(now[k], tuple) and isinstance(v, list) else v
+             for k, v in then.items() if k in now and k not in keep and v != now[k]}
+    if "output_dir" not in said:  # the run folder is the checkpoint's: said as it was, if it is
+        parent = os.path.dirname(os.path.dirname(os.path.abspath(args.resume)))
+        same = isinstance(then.get("output_dir"), str) and _same_folder(then["output_dir"], parent)
+        taken["output_dir"] = then["output_dir"] if same else parent
+    for k in PATHS:
+        if k in taken:
+            taken[k] = _found(k, taken[k], args.resume, then.get("output_dir"))
+    return taken
+
+
+def _same_folder(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def started_in(ckpt: str, output_dir) -> str | None:
+    """The folder the run of ckpt was started in, where its --output-dir was relative (the run
+    folder is {output_dir}/{run}/step_N); None where it cannot be told (an absolute one)."""
+    if not isinstance(output_dir, str) or os.path.isabs(output_dir):
+        return None
+    parent = os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
+    parts = [p for p in os.path.normpath(output_dir).split(os.sep) if p != "."]
+    if ".." in parts:
+        return None
+    start = parent
+    for _ in parts:
+        start = os.path.dirname(start)
+    return start if os.path.normpath(os.path.join(start, *parts)) == parent else None
+
+
+def same_path(then, now, ckpt: str, output_dir) -> bool:
+    """A saved relative path and this run's name the same file: from the folder the run started
+    in (started_in), or, where that cannot be told, now ends with it."""
+    if then == now:
+        return True
+    if not (isinstance(then, str) and isinstance(now, str)) or os.path.isabs(then):
+        return False
+    start = started_in(ckpt, output_dir)
+    if start is not None:
+        return os.path.abspath(now) == os.path.normpath(os.path.join(start, then))
+    return os.path.abspath(now).endswith(os.sep + os.path.normpath(then))
+
+
+def _found(flag: str, value, ckpt: str, output_dir) -> object:
+    """A relative path taken from the checkpoint's flags, as this run reads it: as it is where it is
+    found from here, else from the folder the run started in (started_in); else one line saying
+    where it came from."""
+    if not isinstance(value, str) or os.path.isabs(value) or glob.glob(value):
+        return value
+    from ..data import FORMATS
+
+    if not (value.endswith(tuple(FORMATS)) or glob.has_magic(value) or value.startswith(".")):
+        return value  # a hub id or a known set's name, not a path
+    start = started_in(ckpt, output_dir)
+    if start is not None and glob.glob(os.path.join(glob.escape(start), value)):
+        return os.path.join(start, value)
+    name = flag.replace("_", "-")
+    fail(f"--{name} {value!r} comes from {ckpt}'s saved flags, a path relative to the folder the "
+         f"run was started in, and is not found from {os.getcwd()}: resume from that folder, or "
+         f"give --{name} with its path from here")
 
 
 def as_flag(name: str, value) -> str:

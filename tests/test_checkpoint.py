@@ -60,10 +60,10 @@ def test_big_files_are_checked_by_size_only(saved, tmp_path, monkeypatch):
 
     ckpt = tmp_path / "step_1"
     shutil.copytree(saved, ckpt)
-    monkeypatch.setattr(checkpoint, "HASH_BELOW", 100_000)  # the tiny model's weights count as big here
+    monkeypatch.setattr(checkpoint.manifest, "HASH_BELOW", 100_000)  # the tiny model's weights count as big here
     read = []
     real = checkpoint._sha256
-    monkeypatch.setattr(checkpoint, "_sha256", lambda p: read.append(os.path.relpath(p, ckpt)) or real(p))
+    monkeypatch.setattr(checkpoint.manifest, "_sha256", lambda p: read.append(os.path.relpath(p, ckpt)) or real(p))
     checkpoint.write_manifest(str(ckpt))
     files = json.load(open(ckpt / "manifest.json"))["files"]
     big = sorted(n for n, (size, _) in files.items() if size >= 100_000)
@@ -251,3 +251,57 @@ def test_a_save_past_the_file_size_limit_is_not_a_full_disk(tmp_path, monkeypatc
     fake_checkpoint(run / "step_1", step=1, world=1, script="gspo.py")
     assert checkpoint._attempt(write, str(run / ".tmp_step_2")).endswith(  # no limit: the disk, as before
         "free space there, then continue with --resume auto from the previous checkpoint")
+
+
+# -------------------- issue 61 item 2: slips a test must catch
+def test_save_final_model_under_lora_writes_the_merged_model_and_its_adapter(tmp_path, monkeypatch):
+    """--lora-rank 4 --save-final model: final/model is the merged model from_pretrained loads (no LoRA tensors) and
+    final/adapter the adapters (the export's LoRA flag lost: it fails to write)."""
+    from transformers import AutoModelForCausalLM
+
+    from test_train import run_script
+
+    _, run = run_script("gspo", [*SHORT, "--num-steps", "1", "--lora-rank", "4", "--save-final", "model"],
+                        monkeypatch, tmp_path)
+    assert sorted(os.listdir(f"{run}/final")) == ["adapter", "model"]
+    merged = AutoModelForCausalLM.from_pretrained(f"{run}/final/model")
+    assert not any("lora" in k for k in merged.state_dict())
+
+
+def test_the_run_lock_is_held_under_the_normalised_path(tmp_path, monkeypatch):
+    """--output-dir ./runs: the run folder is ./runs/<run>; a folder put in its place (mv R R.old; mkdir R) is seen
+    however the path is spelled (the lock kept under the path as given: never found, the replacement unnoticed)."""
+    from grouprl.checkpoint import run_dir
+
+    monkeypatch.chdir(tmp_path)
+    os.mkdir("runs")
+    path = checkpoint.claim_run_dir("./runs/x__1__5", None, D)
+    assert run_dir.gone_or_replaced(path, "metrics.jsonl") is None
+    os.rename("runs/x__1__5", "runs/old")
+    os.mkdir("runs/x__1__5")
+    for spelled in (path, "runs/x__1__5", os.path.abspath("runs/x__1__5")[len(os.getcwd()) + 1:]):
+        assert "was replaced while the run wrote it" in run_dir.gone_or_replaced(spelled, "metrics.jsonl")
+    checkpoint.release_run_dir()
+
+
+@pytest.mark.parametrize("flag, then, now", [("baseline", "group-mean", "leave-one-out"),
+                                              ("scale_rewards", "group", "batch"),
+                                              ("top_entropy_quantile", 1.0, "0.5"),
+                                              ("multi_objective_aggregation", "sum-then-normalize",
+                                               "normalize-then-sum"),
+                                              ("min_new_tokens", 0, "1")])
+def test_every_common_objective_flag_is_fixed_on_resume(flag, then, now, tmp_path):
+    """The objective flags every script shares (CommonArgs) cannot change on resume either: --resume with another
+    value stops in one line (one left out of RESUME_FIXED: the run goes on under another objective)."""
+    import dataclasses
+
+    import gspo
+    from grouprl.cli import fill_defaults, parse_args
+    from test_resume import fake_checkpoint
+
+    ckpt = tmp_path / "gspo__1__5" / "step_1"
+    fake_checkpoint(ckpt, step=1, world=1, script="gspo.py", args={flag: then})
+    args = fill_defaults(parse_args(gspo.Args, ["--resume", str(ckpt), f"--{flag.replace('_', '-')}", now]))
+    with pytest.raises(SystemExit) as e:
+        checkpoint.run_paths(dataclasses.replace(args, num_steps=3), D, "gspo.py")
+    assert f"differs from {then} in {ckpt}: it cannot change on resume" in str(e.value.code)

@@ -172,6 +172,47 @@ def test_branching_and_skipping_set_the_later_rows_aside(tmp_path, monkeypatch, 
     assert [r["step"] for r in rows_of(f"{run}/samples.jsonl")] == [1] * 16 + [2] * 16 + [3] * 16
 
 
+def test_a_branch_before_a_finished_runs_end_keeps_its_final_and_rows(tmp_path, monkeypatch, capsys):
+    """Issue 61 1(a): a run finished with --save-final model (step_2, and final/ at step 4), then the same command at
+    --num-steps 6 and another --learning-rate with --resume auto: the branch from step_2 moves the finished run's
+    final/ and its rows of steps 3-4 to abandoned_<time>/ and says so (they were replaced and overwritten in place,
+    no copy kept); the branch's own final/ is its step 6."""
+    from test_train import run_script
+
+    s = ["--prompts-per-rank", "4", "--group-size", "4", "--num-minibatches", "1", "--eval-every", "0",
+         "--save-every", "2", "--save-final", "model"]
+    _, run = run_script("gspo", [*s, "--num-steps", "4"], monkeypatch, tmp_path)
+    first = rows_of(f"{run}/metrics.jsonl")
+    weights = f"{run}/final/model/model.safetensors"
+    old = open(weights, "rb").read()
+    capsys.readouterr()
+    rows, _ = run_script("gspo", [*s, "--num-steps", "6", "--learning-rate", "1e-3", "--resume", "auto"], monkeypatch,
+                         tmp_path)
+    out = capsys.readouterr().out
+    (aside,) = glob.glob(f"{run}/abandoned_*")
+    assert open(f"{aside}/final/model/model.safetensors", "rb").read() == old
+    assert rows_of(f"{aside}/metrics.jsonl") == first[2:]
+    assert (f"the later checkpoints of the run that went on from it (final), with the metrics.jsonl rows after step 2 "
+            f"and the tensorboard event files, are moved to {aside}") in out
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and rows[:2] == first[:2]
+    assert open(weights, "rb").read() != old  # this branch's step 6
+
+
+def test_a_final_folder_found_in_the_way_is_kept(tmp_path, capsys):
+    """A final/ already in the run folder when --save-final model writes its own (not the run's: a branch sets that
+    aside) is kept as kept_final_<time>, never deleted."""
+    from grouprl.checkpoint import save
+
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "final" / "x").write_text("theirs")
+    (run / ".tmp_final").mkdir()
+    save._swap_in(str(run / ".tmp_final"), str(run / "final"))
+    (kept,) = glob.glob(f"{run}/kept_final_*")
+    assert open(f"{kept}/x").read() == "theirs" and f"the earlier one is kept as {kept}" in capsys.readouterr().out
+    assert os.listdir(run / "final") == []
+
+
 # -------------------- 4. a kill while pruning
 class Killed(BaseException):
     """A kill -9 of the process at this point, in this process: nothing after it runs."""
@@ -331,7 +372,7 @@ def test_a_save_never_writes_over_a_step_it_did_not_write(tmp_path, monkeypatch,
             open(os.path.join(theirs, "x"), "w").write("theirs")
         return write(folder, *args)
 
-    monkeypatch.setattr(checkpoint, "write_training_state", copy_put_there)
+    monkeypatch.setattr(checkpoint.save, "write_training_state", copy_put_there)
     _, run = run_script("gspo", ["--prompts-per-rank", "4", "--save-every", "1", "--log-samples", "0",
                                  "--eval-every", "0", "--num-steps", "2"], monkeypatch, tmp_path)
     (kept,) = glob.glob(f"{run}/kept_step_2_*")

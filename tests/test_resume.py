@@ -1,6 +1,7 @@
 """Exact resume and crash-safe checkpoints: a run stopped after step 3 and resumed, a run SIGKILLed while it writes a
 checkpoint, and a torchrun job whose rank 1 is SIGKILLed under --max-restarts all end with weights bitwise equal to
 an unbroken run's, and log the same numbers at every step (fp32, tiny model, world size 1 and 2)."""
+import dataclasses
 import glob
 import json
 import math
@@ -418,3 +419,85 @@ def test_resume_on_another_world_size_under_torchrun(tmp_path):
                           lora=lora.LoraSpec(4, 8.0, 0.0, (lora.ALL_LINEAR,)))
     assert "resharded resume OK on 1 rank(s)" in run(1, "load", f"{tmp_path}/run/step_2", "3")
     assert "resharded resume OK on 2 rank(s)" in run(2, "load", f"{tmp_path}/run/step_3", "4")
+
+
+# -------------------- issue 61: what a plain --resume takes from the checkpoint
+def resumed(ckpt, *argv):
+    """gspo's flags for `gspo.py --resume ckpt argv`, the defaults filled in, as its main() sees them."""
+    import gspo
+    from grouprl.cli import fill_defaults, parse_args
+
+    return fill_defaults(parse_args(gspo.Args, ["--resume", str(ckpt), *argv]))
+
+
+def test_a_plain_resume_derives_a_derived_default_again(tmp_path):
+    """Issue 61 1(e): --eval-max-new-tokens left out was filled in from --max-new-tokens (2) and saved; a plain
+    --resume --max-new-tokens 6 evaluated at 2 (as --resume auto does not). Derived again, unless the run gave it."""
+    ckpt = tmp_path / "gspo__1__5" / "step_1"
+    fake_checkpoint(ckpt, step=1, world=1, script="gspo.py", args={"max_new_tokens": 2, "eval_max_new_tokens": 2})
+    assert resumed(ckpt, "--max-new-tokens", "6").eval_max_new_tokens == 6
+    assert resumed(ckpt).eval_max_new_tokens == 2 and resumed(ckpt).max_new_tokens == 2
+    fake_checkpoint(ckpt, step=1, world=1, script="gspo.py", args={"max_new_tokens": 2, "eval_max_new_tokens": 3})
+    assert resumed(ckpt, "--max-new-tokens", "6").eval_max_new_tokens == 3  # given: kept
+
+
+def test_a_plain_resume_restating_one_reward_drops_the_others_weights(tmp_path):
+    """Issue 61 1(o): a run of two --reward with --reward-weights 1 0.5, resumed restating one --reward, failed with
+    "2 weight(s) for 1 reward(s)" (the saved weights taken for the new list). Weights go with their list."""
+    ckpt = tmp_path / "gspo__1__5" / "step_1"
+    fake_checkpoint(ckpt, step=1, world=1, script="gspo.py",
+                    args={"reward": ["rw:a", "rw:b"], "reward_weights": [1.0, 0.5]})
+    one = resumed(ckpt, "--reward", "rw:a")
+    assert list(one.reward) == ["rw:a"] and list(one.reward_weights) == []
+    assert list(resumed(ckpt).reward_weights) == [1.0, 0.5]
+    assert list(resumed(ckpt, "--reward", "rw:a", "--reward", "rw:b").reward_weights) == [1.0, 0.5]
+
+
+def test_a_plain_resume_writes_where_it_says(tmp_path, monkeypatch, capsys):
+    """Issue 61 1(n): a plain --resume without --output-dir reported `--output-dir <original> -> runs` as a change,
+    printed `tensorboard --logdir runs` and saved `runs` while it wrote to the checkpoint's folder. --output-dir is
+    the folder that holds the checkpoint's run: as the run said it when that is the same folder."""
+    import gspo
+
+    runs = tmp_path / "runs"
+    ckpt = runs / "gspo__1__5" / "step_1"
+    fake_checkpoint(ckpt, step=1, world=1, script="gspo.py", args={"output_dir": str(runs)})
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert resumed(ckpt).output_dir == str(runs)
+    monkeypatch.setattr(gspo, "load_model", lambda *a, **k: sys.exit("stopped at the model"))
+    monkeypatch.setattr(sys, "argv", ["gspo.py", "--resume", str(ckpt), "--num-steps", "3"])
+    with pytest.raises(SystemExit, match="stopped at the model"):
+        gspo.main()
+    checkpoint.release_run_dir()
+    assert "--output-dir" not in capsys.readouterr().out
+    monkeypatch.chdir(tmp_path)  # relative, from the folder the run started in: as it was
+    fake_checkpoint(ckpt, step=1, world=1, script="gspo.py", args={"output_dir": "runs"})
+    assert resumed("runs/gspo__1__5/step_1").output_dir == "runs"
+    os.rename(runs, tmp_path / "moved")  # the run moved: where it is now
+    assert resumed(tmp_path / "moved" / "gspo__1__5" / "step_1").output_dir == str(tmp_path / "moved")
+
+
+def test_a_relative_dataset_resumed_from_another_folder(tmp_path, monkeypatch):
+    """Issue 61 1(m): a run started with a relative --dataset could not be resumed from another folder, and the
+    message did not say the path came from the checkpoint; given as an absolute path, it "differed". The path is found
+    from the folder the run started in; where it cannot be, the line says it came from the checkpoint."""
+    (tmp_path / "data.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    ckpt = tmp_path / "runs" / "gspo__1__5" / "step_1"
+    fake_checkpoint(ckpt, step=1, world=1, script="gspo.py", args={"dataset": "data.jsonl", "output_dir": "runs"})
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert resumed(ckpt).dataset == str(tmp_path / "data.jsonl")
+    d = distributed.Dist(0, 1, torch.device("cpu"))
+    for given in (resumed(ckpt), resumed(ckpt, "--dataset", str(tmp_path / "data.jsonl"))):
+        run_dir, _ = checkpoint.run_paths(dataclasses.replace(given, num_steps=3), d, "gspo.py")
+        assert run_dir == str(ckpt.parent)
+    with pytest.raises(SystemExit, match="differs from data.jsonl"):
+        checkpoint.run_paths(resumed(ckpt, "--dataset", str(tmp_path / "elsewhere" / "x.jsonl"), "--num-steps", "3"),
+                             d, "gspo.py")
+    fake_checkpoint(ckpt, step=1, world=1, script="gspo.py", args={"dataset": "data.jsonl", "output_dir": "/abs"})
+    with pytest.raises(SystemExit) as e:
+        resumed(ckpt)
+    assert e.value.code == (f"error: --dataset 'data.jsonl' comes from {ckpt}'s saved flags, a path relative to the "
+                            f"folder the run was started in, and is not found from {tmp_path / 'elsewhere'}: resume "
+                            "from that folder, or give --dataset with its path from here")

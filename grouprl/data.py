@@ -1,6 +1,6 @@
 """Tasks: prompts and reference answers as `datasets.Dataset`s through the chat template: the
 built-in task, three hub sets by short name, and any hub id or local file (json, jsonl, parquet,
-csv, arrow) that `datasets.load_dataset` reads. Called by the scripts (load_task) and cli.py.
+csv, arrow) that `datasets.load_dataset` reads. Called by the scripts (load_task) and cli (its checks).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ def fail(msg: str):
     line is printed once and no rank is left waiting. Once the process group exists the process
     leaves with os._exit, as cleanup() does, for the same reason."""
     main = main_process()
-    for hook in ON_FAIL:  # checkpoint.py's: a fresh run folder that holds nothing yet is removed
+    for hook in ON_FAIL:  # checkpoint's: a fresh run folder that holds nothing yet is removed
         hook()
     # a progress bar on stderr's last line is ended first, so that the error starts a line of its own
     for bar in list(getattr(getattr(sys.modules.get("tqdm"), "tqdm", None), "_instances", ())):

@@ -1,5 +1,5 @@
 """Generation: n completions a prompt as a Rollout, through HF `generate` (repeat, shared-prefill,
-static) or the engine (grouprl/engine.py; docs/engine.md), and the Rollout itself, what one step's
+static) or the engine (grouprl/engine/; docs/engine.md), and the Rollout itself, what one step's
 groups are from generation to the loss (common.sample_groups adds the prompts and rewards).
 """
 
@@ -78,7 +78,7 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], di
     sampled. Every mode samples as HF's generate does (sampling: repetition_penalty, temperature,
     top_k, top_p, min_p, min_new_tokens: EOS masked until then); sampling.mode: repeat,
     shared-prefill (each prompt prefilled once, its KV cache repeated to its n rows), static,
-    engine, engine-tp (grouprl/engine.py). Greedy decoding (top_k=1) gives the same tokens in
+    engine, engine-tp (grouprl/engine/). Greedy decoding (top_k=1) gives the same tokens in
     every mode. The modes, cuda_graphs, flex, compile_step and engine_dtype: docs/engine.md.
     streamer: HF's, given each decoding step's tokens (a progress bar; HF modes only)."""
     mode, gen_batch_size, max_new_tokens = (sampling.mode, sampling.gen_batch_size,

@@ -1,8 +1,8 @@
 """LoRA (Hu et al., 2021, arXiv:2106.09685) through `peft`: each targeted linear layer of the
 decoder computes W x + (alpha / r) B A x, with W frozen and only A [r, in], B [out, r] trained (B
-starts at zero, so the first step's model is the base). Its flags are checked by cli.py
+starts at zero, so the first step's model is the base). Its flags are checked by cli
 (check_lora_args); called by common.py (load_model applies the adapters, wrap_policy shards them
-with their layer), checkpoint.py (a checkpoint's adapter folder and merged model) and the KL
+with their layer), checkpoint/ (a checkpoint's adapter folder and merged model) and the KL
 reference (the policy with its adapters off). The loss and the loop do not know LoRA is on.
 
 Precision: the frozen base is held in the compute dtype (bf16 on a GPU, fp32 on CPU unless --dtype

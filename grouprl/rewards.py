@@ -1,7 +1,7 @@
 """Rewards per completion: score, what every script's loop calls between the rollout and the group
 advantages, and the watch it keeps over a run's training steps (a reward that keeps failing stops
 the run; groups that are all flat from the first step on are said once). The grading itself, the
-math grader and users' --reward functions in worker processes under a time bound, is grader.py's
+math grader and users' --reward functions in worker processes under a time bound, is grader's
 (reward_worker.py is the worker's program). At the end, the built-in reward functions a --reward
 names (math_reward, think_format, length_penalty: common.py imports them, so --reward
 common:math_reward finds them).

@@ -457,7 +457,7 @@ def test_a_damaged_header_of_a_big_file_makes_resume_auto_take_the_previous_chec
     state = run / "step_2" / "state" / "trainer_state.json"
     state.write_text(state.read_text().replace('"step": 1', '"step": 2'))
     checkpoint.write_manifest(str(run / "step_2"))
-    monkeypatch.setattr(checkpoint, "HASH_BELOW", 1000)  # the tiny model's weights count as big here
+    monkeypatch.setattr(checkpoint.manifest, "HASH_BELOW", 1000)  # the tiny model's weights count as big here
     checkpoint.write_manifest(str(run / "step_2"))
     damaged(run / "step_2" / name, where)
     assert checkpoint.verify_checkpoint(str(run / "step_2"), D).startswith(reason)

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from grouprl import checkpoint
 from grouprl import distributed
-from conftest import ROOT
+from conftest import ROOT, SCRIPTS
 from test_train import run_script
 
 D = distributed.Dist(0, 1, torch.device("cpu"))
@@ -214,7 +214,6 @@ def test_every_objective_flag_is_fixed_on_resume():
 
     from grouprl.checkpoint import RESUME_FIXED
     from grouprl.cli import CommonArgs
-    from test_layout import SCRIPTS
 
     common_fields = {f.name for f in dataclasses.fields(CommonArgs)}
     for script in SCRIPTS:

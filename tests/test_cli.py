@@ -17,9 +17,8 @@ from grouprl import checkpoint
 import common
 from grouprl import data
 from grouprl import modeling
-from conftest import ROOT
+from conftest import ROOT, SCRIPTS
 
-SCRIPTS = ["gspo", "grpo", "gspo_token", "dfpo", "cispo", "sapo", "gmpo", "vespo"]
 
 
 def write_jsonl(path, rows):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import common
+from conftest import SCRIPTS
 from test_train import run_script
 
 # two completions of 3 tokens, the second with 2 (its third position is padding)
@@ -163,9 +164,6 @@ class LoopSpy:
             (logp1, old1), (logp2, old2) = self.calls[k], self.calls[k + minibatches]
             assert torch.equal(old1, old2), k
             assert (logp2 - logp1).abs().max() > 1e-5, k
-
-
-SCRIPTS = ["grpo", "gspo", "gspo_token", "dfpo", "cispo", "sapo", "gmpo", "vespo"]
 
 
 @pytest.mark.parametrize("script, extra", [*[(s, ["--old-logp", "rollout"]) for s in SCRIPTS],

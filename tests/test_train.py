@@ -15,7 +15,7 @@ import common
 from grouprl import data
 from grouprl import distributed
 from grouprl import modeling
-from conftest import ROOT
+from conftest import ROOT, SCRIPTS
 from test_losses import mean
 
 
@@ -156,7 +156,7 @@ def test_first_minibatch_ratio_is_one():
     assert mean(stats["losses/clipfrac"]) == 0
 
 
-@pytest.mark.parametrize("script", ["gspo", "grpo", "gspo_token", "dfpo", "cispo", "sapo", "gmpo", "vespo"])
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_later_minibatches_use_the_rollout_logprobs(script, monkeypatch, tmp_path):
     """Minibatches 2..N take their ratios against pi_old, the policy that generated the rollout: after the first
     optimizer step with a signal (16 minibatches of one group each here) the policy has moved, so their k3 KL is
@@ -168,7 +168,7 @@ def test_later_minibatches_use_the_rollout_logprobs(script, monkeypatch, tmp_pat
     assert rows[0]["losses/ratio_max"] - rows[0]["losses/ratio_min"] > 1e-4
 
 
-@pytest.mark.parametrize("script", ["gspo", "grpo", "gspo_token", "dfpo", "cispo", "sapo", "gmpo", "vespo"])
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_gradients_are_freed_before_generation_and_save(script, monkeypatch, tmp_path):
     """Each minibatch frees its gradients after the optimizer step, so the next step's generation and the
     checkpoint save run without their 4 P / n bytes. A loop that frees them only before its next backward reaches
@@ -254,8 +254,7 @@ def torchrun(*args):
 
 
 FULL = ["gspo:1:fp32:0", "grpo:1:fp32:0", "dfpo:1:fp32:0", "gspo:1:bf16:0", "grpo:0:bf16:0", "dfpo:1:bf16:0"]
-MICRO = [f"{loss}:0:fp32:3" for loss in ["gspo", "grpo", "gspo_token", "dfpo", "grpo_token_mean", "cispo", "sapo",
-                                          "gmpo", "vespo"]]
+MICRO = [f"{loss}:0:fp32:3" for loss in [*SCRIPTS, "grpo_token_mean"]]
 BUG = "gspo:0:fp32:4:per-rank-mean"
 
 

@@ -19,6 +19,7 @@ from common import group_advantages
 from dfpo import dfpo_loss
 from grpo import grpo_loss
 from gspo import gspo_loss
+from conftest import SCRIPTS
 
 G, B, T = 4, 8, 5
 
@@ -317,7 +318,7 @@ def kl_losses():
     }
 
 
-@pytest.mark.parametrize("name", ["grpo", "gspo", "gspo_token", "dfpo", "cispo", "sapo", "gmpo", "vespo"])
+@pytest.mark.parametrize("name", SCRIPTS)
 def test_bias_corrected_kl_equals_trls_in_every_loss(name):
     """--kl-ratio-correction (TRL's use_bias_correction_kl) in every loss that takes it: what the KL adds to the loss,
     loss(beta, kl_ratio) - loss(beta = 0), and its gradient equal TRL's beta agg(coef_1 k3) in float64, with
@@ -360,7 +361,7 @@ def test_bias_corrected_kl_equals_trls_in_every_loss(name):
     assert abs(corrected - plain) > 1e-3 * abs(plain), (corrected, plain)  # the correction acts on this batch
 
 
-@pytest.mark.parametrize("script", ["grpo", "gspo", "gspo_token", "dfpo", "cispo", "sapo", "gmpo", "vespo"])
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_advantage_defaults(script):
     """The command line's defaults, as each script parses them: the group's population std (DFPO eq. 43) and verl's
     eps 1e-6 (TRL's Bessel std and 1e-4 are --adv-std bessel --adv-eps 1e-4). Rewards [1, 0, 0, 0]: A_1 =

@@ -11,6 +11,7 @@ from grouprl import engine
 from grouprl import modeling
 from grouprl.data import chat_prompts
 from grouprl.distributed import Dist, seed_everything
+from conftest import SCRIPTS
 
 CPU = torch.device("cpu")
 PROMPTS = ["1%10=", "a longer prompt, 23%10=", "7%10=", "xy", "a much longer prompt than the others, 5%10="]
@@ -441,7 +442,7 @@ def test_engine_under_fsdp2_torchrun():
     assert p.stdout.count("engine-tp min_new_tokens OK") == 2, p.stdout[-2000:]  # masked alike on every rank
 
 
-@pytest.mark.parametrize("script", ["gspo", "grpo", "gspo_token", "dfpo"])
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_scripts_train_with_the_engine(script, monkeypatch, tmp_path):
     """Every script runs its loop on the engine's rollouts and logs gen/logp_drift, the sampled log-probs against
     the training forward's (fp32: float rounding only)."""

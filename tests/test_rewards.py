@@ -8,6 +8,7 @@ import torch
 from common import group_advantages, math_reward
 from grouprl.grader import extract_answer, parse_number
 from grouprl.rewards import score
+from conftest import SCRIPTS
 from test_train import run_script
 
 
@@ -125,7 +126,7 @@ def test_a_truncated_completion_scores_its_fraction_of_the_reward():
     assert score(texts, ["7"], 4, watch=False)[0].tolist() == [1.0, 1.0, 0.0, 1.0]
 
 
-@pytest.mark.parametrize("script", ["gspo", "grpo", "gspo_token", "dfpo"])
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_the_loop_scores_the_rollouts_truncation(script, monkeypatch, tmp_path):
     """Each script passes --truncated-reward-scale (filled in: 0.5 on the built-in task) to sample_groups, which
     scores its rollout with the rollout's truncation flags (what score does with them: the test above)."""

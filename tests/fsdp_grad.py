@@ -26,7 +26,7 @@ from vespo import vespo_loss  # noqa: E402
 from grpo import grpo_loss  # noqa: E402
 from gspo import gspo_loss  # noqa: E402
 from gspo_token import gspo_token_loss  # noqa: E402
-from test_losses import mean  # noqa: E402
+from helpers import mean  # noqa: E402
 
 d = distributed.setup_distributed(0)
 assert d.world == 2, "run me with torchrun --nproc-per-node 2"

@@ -15,10 +15,9 @@ from safetensors.torch import load_file
 from grouprl import checkpoint
 from grouprl import distributed
 from conftest import ROOT, SCRIPTS
-from test_train import run_script
+from helpers import run_script, SHORT
 
 D = distributed.Dist(0, 1, torch.device("cpu"))
-SHORT = ["--prompts-per-rank", "4", "--eval-every", "0", "--log-samples", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -245,7 +244,7 @@ def test_a_save_past_the_file_size_limit_is_not_a_full_disk(tmp_path, monkeypatc
     assert line == efbig == (f"writing {run}/.tmp_step_1 (removed) went past the file size limit (ulimit -f: 1,048,576 "
                              "bytes): raise it (ulimit -f unlimited), then start the run again (it has no checkpoint "
                              "to continue from)")
-    from test_resume import fake_checkpoint
+    from helpers import fake_checkpoint
 
     fake_checkpoint(run / "step_1", step=1, world=1, script="gspo.py")
     assert checkpoint._attempt(write, str(run / ".tmp_step_2")).endswith(  # no limit: the disk, as before

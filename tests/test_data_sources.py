@@ -14,7 +14,7 @@ from grouprl import data
 from grouprl import modeling
 from grouprl import rewards
 from conftest import SCRIPTS
-from test_cli import fails_before_any_model
+from helpers import fails_before_any_model
 
 TOK = modeling.tiny_tokenizer()
 SYSTEM = [{"role": "system", "content": "Answer with one digit."}]

@@ -19,8 +19,7 @@ from datasets import Dataset
 import common
 from conftest import ROOT
 from grouprl.distributed import Dist
-from test_cli import fails_before_any_model
-from test_train import run_script
+from helpers import fails_before_any_model, run_script
 
 CPU = torch.device("cpu")
 PAD = 0

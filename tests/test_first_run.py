@@ -16,7 +16,7 @@ import torch
 import common
 from conftest import ROOT
 from grouprl import checkpoint, data, distributed, grader, modeling
-from test_train import run_script
+from helpers import run_script
 
 
 def test_eval_samples_bar_and_length_through_the_loop(monkeypatch, tmp_path, capsys):

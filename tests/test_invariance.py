@@ -16,7 +16,7 @@ from vespo import vespo_loss
 from grpo import grpo_loss
 from gspo import gspo_loss
 from gspo_token import gspo_token_loss
-from test_train import run_script
+from helpers import run_script
 
 G, B, P, T = 4, 16, 6, 7
 LOSSES = {

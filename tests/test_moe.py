@@ -15,7 +15,7 @@ from grouprl import distributed
 from grouprl import modeling
 from grouprl import moe
 from conftest import SCRIPTS
-from test_train import run_script, torchrun, read_rows
+from helpers import read_rows, run_script, torchrun
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

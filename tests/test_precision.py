@@ -8,7 +8,7 @@ import torch
 import common
 from grouprl import distributed
 from grouprl import modeling
-from test_train import run_script
+from helpers import run_script
 
 CPU = distributed.Dist(0, 1, torch.device("cpu"))
 B, P, T = 16, 6, 5

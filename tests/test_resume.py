@@ -18,7 +18,7 @@ import common
 from grouprl import distributed
 from grouprl import modeling
 from conftest import ROOT
-from test_train import read_rows
+from helpers import fake_checkpoint, read_rows
 
 # 6 steps, eval at 0/3/6 (it draws samples too), warm-up then cosine: every piece of state a resume must restore
 ARGS = ["--num-steps", "6", "--prompts-per-rank", "8", "--eval-every", "3", "--eval-size", "8", "--eval-k", "2",
@@ -234,13 +234,6 @@ def test_one_writer_per_run_folder(tmp_path, monkeypatch):
     checkpoint.release_run_dir()
 
 
-def fake_checkpoint(ckpt, **state):
-    """A checkpoint folder holding only state/trainer_state.json and its manifest."""
-    (ckpt / "state").mkdir(parents=True, exist_ok=True)
-    (ckpt / "state" / "trainer_state.json").write_text(json.dumps(state))
-    checkpoint.write_manifest(str(ckpt))
-
-
 def test_resume_errors_before_any_heavy_work(tmp_path, monkeypatch, capsys):
     import gspo
 
@@ -287,7 +280,7 @@ def test_resume_from_an_earlier_checkpoint_branches_the_run(tmp_path, monkeypatc
     Steps 3 and 4 of the old branch are set aside (not pruned in place of the new ones, never resumed by --resume auto),
     its rows after step 2 are moved from metrics.jsonl and samples.jsonl to the same folder (test_data_loss), a torn
     last samples line dropped."""
-    from test_train import run_script
+    from helpers import run_script
 
     base = ["--prompts-per-rank", "4", "--save-every", "1", "--log-samples", "1", "--eval-every", "0"]
     _, run = run_script("gspo", [*base, "--num-steps", "4", "--keep-checkpoints", "0"], monkeypatch, tmp_path)

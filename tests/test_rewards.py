@@ -9,7 +9,7 @@ from common import group_advantages, math_reward
 from grouprl.grader import extract_answer, parse_number
 from grouprl.rewards import score
 from conftest import SCRIPTS
-from test_train import run_script
+from helpers import run_script
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -452,7 +452,7 @@ def test_builtin_rewards():
     (["--reward-fail-steps", "-1"], "--reward-fail-steps -1: must be an integer >= 0"),
 ])
 def test_bad_rewards_fail_before_any_model(argv, needle, trl_rewards, monkeypatch, tmp_path):
-    from test_cli import fails_before_any_model
+    from helpers import fails_before_any_model
 
     fails_before_any_model("gspo", argv, needle, monkeypatch, tmp_path)
 

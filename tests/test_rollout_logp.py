@@ -9,7 +9,7 @@ import torch
 
 import common
 from conftest import SCRIPTS
-from test_train import run_script
+from helpers import run_script
 
 # two completions of 3 tokens, the second with 2 (its third position is padding)
 OLD = [[-1.0, -2.0, -0.5], [-0.3, -0.7, 0.0]]  # pi_old as the training forward computes it

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import common
-from test_train import run_script
+from helpers import run_script
 
 
 def test_samples_and_final_eval_line(monkeypatch, tmp_path, capsys):

@@ -20,7 +20,7 @@ from test_cispo import trl_cispo
 from test_gmpo import verl_geo_mean
 from test_rollout_logp import StubPolicy, trl_is_ratio
 from test_sapo import trl_sapo
-from test_train import run_script
+from helpers import run_script
 from test_trl_parity import G, batch, trl_advantages, trl_loss
 from test_vespo import trl_vespo
 from vespo import vespo_loss

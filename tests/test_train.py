@@ -15,32 +15,8 @@ import common
 from grouprl import data
 from grouprl import distributed
 from grouprl import modeling
-from conftest import ROOT, SCRIPTS
-from test_losses import mean
-
-
-def run_script(script, argv, monkeypatch, out, jitter_row=True):
-    mod = importlib.import_module(script)
-    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv, "--output-dir", str(out)])
-    mod.main()
-    (run,) = glob.glob(f"{out}/*/metrics.jsonl")
-    rows = read_rows(run, jitter_row)
-    return rows, os.path.dirname(run)
-
-
-def not_json(constant):
-    raise ValueError(f"{constant} is not JSON")
-
-
-def read_rows(path, jitter_row=True):
-    """metrics.jsonl, read as strict JSON (NaN or Infinity fail), one row a step; the last (training) step's row also
-    holds the run's Jitter2 (checked here)."""
-    rows = [json.loads(line, parse_constant=not_json) for line in open(path)]
-    steps = [r["step"] for r in rows]
-    assert steps == sorted(set(steps)), steps
-    with_jitter = [i for i, r in enumerate(rows) if "charts/reward_jitter2" in r]
-    assert with_jitter == ([len(rows) - 1] if jitter_row else [])
-    return rows
+from conftest import SCRIPTS
+from helpers import mean, read_rows, run_script, torchrun
 
 
 # grpo, gspo_token, dfpo slow (CI time): gspo's run is the one the fast suite keeps; the losses are pinned by hand
@@ -246,11 +222,6 @@ def test_dfpo_gradient_forms_end_to_end(monkeypatch, tmp_path):
         assert any(r["losses/clipfrac"] > 0 for r in rows)
         means[form] = sum(r["losses/shared_coef"] for r in rows) / len(rows)
     assert means["--length-aware"] < 1e-7 < 1e-4 < min(means["--no-length-aware"], means["--clip-gated"]), means
-
-
-def torchrun(*args):
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
 FULL = ["gspo:1:fp32:0", "grpo:1:fp32:0", "dfpo:1:fp32:0", "gspo:1:bf16:0", "grpo:0:bf16:0", "dfpo:1:bf16:0"]

@@ -1,0 +1,203 @@
+"""What more than one test file uses, in one place: running a script in-process or under torchrun and reading its
+metrics, the bad-input check, the loss tensors and value-and-gradient, the engine's test model and its HF reference,
+transformers' sampling written out. Test files import from here and from conftest, never from each other; the
+programs in tests/programs/ may import from here too."""
+import glob
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers.generation import logits_process as lp
+
+import common
+from grouprl import checkpoint
+from grouprl import engine
+from grouprl import modeling
+from grouprl.data import chat_prompts
+from grouprl.distributed import Dist, seed_everything
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # conftest's; here too for the programs
+
+
+# ---- a script's run: in this process (run_script) or under torchrun, its metrics.jsonl, bad input
+
+
+def run_script(script, argv, monkeypatch, out, jitter_row=True):
+    """`python {script}.py {argv} --output-dir {out}` in this process: (its metrics rows, the run folder)."""
+    mod = importlib.import_module(script)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv, "--output-dir", str(out)])
+    mod.main()
+    (run,) = glob.glob(f"{out}/*/metrics.jsonl")
+    rows = read_rows(run, jitter_row)
+    return rows, os.path.dirname(run)
+
+
+def not_json(constant):
+    raise ValueError(f"{constant} is not JSON")
+
+
+def read_rows(path, jitter_row=True):
+    """metrics.jsonl, read as strict JSON (NaN or Infinity fail), one row a step; the last (training) step's row also
+    holds the run's Jitter2 (checked here)."""
+    rows = [json.loads(line, parse_constant=not_json) for line in open(path)]
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(set(steps)), steps
+    with_jitter = [i for i, r in enumerate(rows) if "charts/reward_jitter2" in r]
+    assert with_jitter == ([len(rows) - 1] if jitter_row else [])
+    return rows
+
+
+def torchrun(*args):
+    """`torchrun --standalone --nproc-per-node 2 {args}` from the repository root, its output captured."""
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+# a short run: 4 prompts a rank, no evaluation, no sample tables (test_checkpoint, test_reliability)
+SHORT = ["--prompts-per-rank", "4", "--eval-every", "0", "--log-samples", "0"]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def bad_dataset(tmp_path):
+    return write_jsonl(tmp_path / "bad.jsonl", [{"question": "1+1?", "solution": "2"}])
+
+
+def fails_before_any_model(script, argv, needle, monkeypatch, tmp_path):
+    """`script` with argv (BAD: a dataset without the answer column) exits with one line holding needle (None:
+    argparse's exit 2) before any model is built, and writes nothing."""
+    mod = importlib.import_module(script)
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was built before the bad input was caught")
+
+    monkeypatch.setattr(mod, "load_model", no_model)
+    argv = [bad_dataset(tmp_path) if a == "BAD" else a for a in argv]
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--output-dir", str(tmp_path / "runs"), *argv])
+    with pytest.raises(SystemExit) as e:
+        mod.main()
+    if needle is None:
+        assert e.value.code == 2
+        return
+    msg = str(e.value.code)
+    assert msg.startswith("error: ") and "\n" not in msg and needle in msg, msg
+    assert not (tmp_path / "runs").exists()  # nothing written either
+
+
+def fake_checkpoint(ckpt, **state):
+    """A checkpoint folder holding only state/trainer_state.json and its manifest."""
+    (ckpt / "state").mkdir(parents=True, exist_ok=True)
+    (ckpt / "state" / "trainer_state.json").write_text(json.dumps(state))
+    checkpoint.write_manifest(str(ckpt))
+
+
+# ---- losses' stats and tensors
+
+
+def mean(stat) -> float:
+    """A logged mean from a loss's stats, given as (sum, count)."""
+    total, count = stat
+    return float(total / count)
+
+
+def ragged_batch(B=6, T=7, seed=0, spread=0.3):
+    """Random log-probs, old log-probs a little apart, ragged completion masks (padding), +/- advantages."""
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(B, T, generator=g) * 3
+    logp = (old + spread * torch.randn(B, T, generator=g)).requires_grad_()
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    lengths[0] = T
+    mask = (torch.arange(T)[None] < lengths[:, None]).double()
+    logp.data[mask == 0] = float("nan")  # padding must never leak into the loss
+    adv = torch.randn(B, generator=g)
+    return logp, old, adv, mask
+
+
+# ---- the engine's test model and HF generate as its reference (test_engine and the files beside it)
+
+
+CPU = torch.device("cpu")
+PROMPTS = ["1%10=", "a longer prompt, 23%10=", "7%10=", "xy", "a much longer prompt than the others, 5%10="]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return setup_model()
+
+
+def setup_model():
+    tok = modeling.tiny_tokenizer()
+    seed_everything(0)
+    lm = modeling.tiny_model(tok).eval()
+    g = torch.Generator().manual_seed(0)
+    for p in lm.parameters():  # larger weights than the init's: greedy rows that differ token by token
+        if p.dim() == 2:
+            p.data.normal_(0, 0.3, generator=g)
+    ids = [tok(p, add_special_tokens=False).input_ids for p in chat_prompts(tok, PROMPTS, False)]
+    return tok, lm, ids
+
+
+def hf_greedy(lm, tok, ids, n, eos, max_new_tokens, mode="repeat", **kw):
+    """HF generate, each prompt repeated n times (--gen-mode repeat), greedy: completions up to the first EOS."""
+    d = Dist(0, 1, CPU)
+    texts = [tok.decode(p) for p in ids]
+    kw = {"temperature": 1.0, "top_p": 1.0, "top_k": 1, **kw}
+    roll = common.generate(modeling.Policy(lm), tok, texts, n, eos, d, max_new_tokens=max_new_tokens,
+                           gen_batch_size=64, mode=mode, **kw)
+    P = roll["n_prompt"]
+    comps = [row[P:][m.bool()].tolist() for row, m in zip(roll["input_ids"], roll["mask"])]
+    return comps, roll["truncated"].tolist()
+
+
+def run(lm, ids, n, eos, max_new_tokens, slots, **kw):
+    kw = {"temperature": 1.0, "top_k": 1, "top_p": 1.0, **kw}
+    return engine.generate(lm, ids, n, eos, max_new_tokens=max_new_tokens, slots=slots, device=CPU,
+                           dtype=torch.float32, **kw)
+
+
+# ---- transformers' sampling, written from its processors (test_sampling; test_engine's reference)
+
+
+def hf_warped(scores, temperature, top_k, top_p, min_p=0.0):
+    scores = lp.TemperatureLogitsWarper(float(temperature))(None, scores)
+    if top_k:
+        scores = lp.TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1:
+        scores = lp.TopPLogitsWarper(top_p)(None, scores)
+    if min_p > 0:
+        scores = lp.MinPLogitsWarper(min_p)(None, scores)
+    return scores
+
+
+def ids_of(seen):
+    """seen [R, V] bool -> input_ids [R, max count] as HF's RepetitionPenaltyLogitsProcessor reads them, padded
+    with V (an id past the logits, which it drops)."""
+    rows = [row.nonzero()[:, 0].tolist() for row in seen]
+    width = max(1, max(map(len, rows)))
+    return torch.tensor([r + [seen.shape[1]] * (width - len(r)) for r in rows])
+
+
+def hf_penalised(x, penalty, seen):
+    """RepetitionPenaltyLogitsProcessor on float32 logits (generate's first processor here)."""
+    if penalty == 1.0:
+        return x.float()
+    return lp.RepetitionPenaltyLogitsProcessor(float(penalty))(ids_of(seen), x.float())
+
+
+def multinomial_sample(logits, temperature, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, *,
+                       seen=None, generator=None):
+    """HF's sampling as transformers writes it (the engine's sampler before sampling.py): its processors in
+    float32 in generate's order (repetition penalty, temperature, top-k, top-p, min-p), then torch.multinomial;
+    the log-prob under the tempered softmax of the penalised logits."""
+    scores = hf_penalised(logits, repetition_penalty, seen)
+    logp = torch.log_softmax(scores / temperature, -1)
+    scores = hf_warped(scores, temperature, top_k, top_p, min_p)
+    tokens = torch.multinomial(torch.softmax(scores, -1), 1, generator=generator)
+    return tokens[:, 0], logp.gather(1, tokens)[:, 0]

@@ -120,6 +120,26 @@ def ragged_batch(B=6, T=7, seed=0, spread=0.3):
     return logp, old, adv, mask
 
 
+def batch(spread, seed=0, dtype=torch.float64):
+    """Six completions of 5, 3, 1, 4, 5, 2 tokens (of 5), drawn in float64, then cast: logp, old log-probs `spread`
+    apart (normal, in log: how far the ratios reach), ref 0.5 apart, the mask, advantages of both signs and a 0."""
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(6, 5, generator=g, dtype=torch.float64) * 3
+    old = logp + spread * torch.randn(6, 5, generator=g, dtype=torch.float64)
+    ref = logp + 0.5 * torch.randn(6, 5, generator=g, dtype=torch.float64)
+    mask = (torch.arange(5)[None] < torch.tensor([5, 3, 1, 4, 5, 2])[:, None]).double()
+    adv = torch.tensor([1.2, -0.4, 0.0, -1.5, 0.7, 2.0], dtype=torch.float64)
+    return [x.to(dtype) for x in (logp, old, ref, mask, adv)]
+
+
+def value_and_grad(fn, logp):
+    """fn(logp) and its gradient with respect to logp (a copy that requires it)."""
+    x = logp.clone().requires_grad_(True)
+    out = fn(x)
+    (g,) = torch.autograd.grad(out, x)
+    return out.detach(), g
+
+
 # ---- the engine's test model and HF generate as its reference (test_engine and the files beside it)
 
 

@@ -1,10 +1,11 @@
 """What more than one test file uses, in one place: running a script in-process or under torchrun and reading its
 metrics, the bad-input check, the loss tensors and value-and-gradient, the engine's test model and its HF reference,
-transformers' sampling written out. Test files import from here and from conftest, never from each other; the
-programs in tests/programs/ may import from here too."""
+transformers' sampling and the peers' (TRL's, verl's) losses written out. Test files import from here and from
+conftest, never from each other; the programs in tests/programs/ may import from here too."""
 import glob
 import importlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -53,8 +54,8 @@ def read_rows(path, jitter_row=True):
 
 def torchrun(*args):
     """`torchrun --standalone --nproc-per-node 2 {args}` from the repository root, its output captured."""
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
 # a short run: 4 prompts a rank, no evaluation, no sample tables (test_checkpoint, test_reliability)
@@ -221,3 +222,159 @@ def multinomial_sample(logits, temperature, top_k=0, top_p=1.0, min_p=0.0, repet
     scores = hf_warped(scores, temperature, top_k, top_p, min_p)
     tokens = torch.multinomial(torch.softmax(scores, -1), 1, generator=generator)
     return tokens[:, 0], logp.gather(1, tokens)[:, 0]
+
+
+# ---- the peers written from their source (TRL 1.10.0.dev0's grpo_trainer.py, verl's core_algos.py): the parity
+# tests' references, and test_token_weights' (with StubPolicy, the old pass's stand-in)
+
+G, B, T = 4, 8, 5  # trl_batch: 2 groups of 4 completions, up to 5 tokens
+
+
+def trl_nanstd(x, dim=None):
+    """TRL's nanstd: sqrt(nanmean((x - mean)^2) * n / (n - 1))."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
+    n = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
+    return torch.sqrt(var * n / (n - 1)).squeeze() if dim is None else torch.sqrt(var * n / (n - 1)).squeeze(dim)
+
+
+def trl_advantages(rewards, scale):
+    r = rewards.double()
+    mean = r.view(-1, G).mean(1).repeat_interleave(G)
+    std = trl_nanstd(r.view(-1, G), dim=1).repeat_interleave(G) if scale == "group" else trl_nanstd(r).expand_as(r)
+    adv = r - mean
+    return adv if scale == "none" else adv / (std + 1e-4)
+
+
+def trl_loss(logp, old, ref, adv, mask, *, level, loss_type, eps_lo, eps_hi, beta, bias_kl, max_len=T, delta=None,
+             weight=None):
+    log_ratio = logp - old
+    if level == "token":
+        log_w = log_ratio
+    else:
+        log_w = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_w)
+    kl = torch.exp(ref - logp) - (ref - logp) - 1
+    if bias_kl:
+        kl = kl * coef_1
+    a = adv.unsqueeze(1)
+    coef_2 = torch.clamp(coef_1, 1 - eps_lo, 1 + eps_hi)
+    if delta is not None:  # two-sided clipping
+        coef_1 = torch.clamp(coef_1, max=delta)
+    per_token = -torch.min(coef_1 * a, coef_2 * a)
+    if weight is not None:  # off_policy_mask, entropy_mask, importance_sampling_ratio: before the KL
+        per_token = per_token * weight
+    per_token = per_token + beta * kl
+    if loss_type == "grpo":
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "dapo":
+        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        return (per_token * mask).sum() / (per_token.size(0) * max_len)
+    if loss_type == "luspo":  # sequence level: per_token is [B, 1] (beta = 0 here; TRL broadcasts its KL to [B, T])
+        return (per_token * mask.sum(1, keepdim=True)).mean()
+    raise ValueError(loss_type)
+
+
+def trl_batch(seed=0):
+    """Two groups of 4 completions of 5, 3, 1, 4 / 5, 2, 5, 4 tokens (of 5) in float64, and their rewards."""
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    old = logp + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)  # ratios well outside the clip band
+    ref = logp + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = (torch.arange(T)[None] < torch.tensor([5, 3, 1, 4, 5, 2, 5, 4])[:, None]).double()
+    rewards = torch.tensor([1.0, 0, 0, 0, 0.5, 1, 0, 2])
+    return logp, old, ref, mask, rewards
+
+
+class StubPolicy:
+    """The old pass's forward: rows of fixed log-probs and entropies (row r's ids are all r)."""
+
+    def __init__(self, logp, entropy):
+        self.logp, self.entropy = logp, entropy
+
+    def __call__(self, ids, attention_mask, n_prompt, entropy=False):
+        rows = ids[:, 0]
+        return self.logp[rows], self.entropy[rows]
+
+
+def trl_is_ratio(old, sampling, mask, mode, clip_min, clip_max):
+    """TRL's vllm_importance_sampling_ratio (trl/trainer/grpo_trainer.py, _generate_and_score_completions), written
+    from its source: (B, T) for token_* modes, (B, 1) for sequence_* modes."""
+    diff = (old - sampling) * mask
+    logps_diff = diff.sum(dim=-1, keepdim=True) if mode in ("sequence_mask", "sequence_truncate") else diff
+    ratio = torch.exp(logps_diff)
+    if mode in ("sequence_truncate", "token_truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low = clip_min if clip_min is not None else -math.inf
+    high = clip_max if clip_max is not None else math.inf
+    return ratio.masked_fill((ratio < low) | (ratio > high), value=0.0)
+
+
+def trl_cispo(logp, old, ref, adv, mask, *, epsilon_high, beta=0.0, bias_kl=False, weight=None):
+    coef_1 = torch.exp(logp - old)
+    clamped = torch.clamp(coef_1, max=epsilon_high).detach()
+    per_token_loss = -clamped * adv.unsqueeze(1) * logp
+    if weight is not None:  # entropy_mask, importance_sampling_ratio: before the KL
+        per_token_loss = per_token_loss * weight
+    if beta != 0.0:
+        kl = torch.exp(ref - logp) - (ref - logp) - 1
+        if bias_kl:
+            kl = kl * coef_1
+        per_token_loss = per_token_loss + beta * kl
+    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def trl_sapo(logp, old, ref, adv, mask, *, pos, neg, beta=0.0, bias_kl=False, weight=None):
+    coef_1 = torch.exp(logp - old)
+    advantages = adv.unsqueeze(1)
+    temperatures = torch.where(advantages > 0, pos, neg)
+    soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
+    per_token_loss = -soft_coef_1 * advantages
+    if weight is not None:  # entropy_mask, importance_sampling_ratio: before the KL
+        per_token_loss = per_token_loss * weight
+    if beta != 0.0:
+        kl = torch.exp(ref - logp) - (ref - logp) - 1
+        if bias_kl:
+            kl = kl * coef_1
+        per_token_loss = per_token_loss + beta * kl
+    return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+
+
+def trl_vespo(logp, old, ref, adv, mask, *, k_pos, lambda_pos, k_neg, lambda_neg, beta=0.0, bias_kl=False,
+              entropy_mask=None):
+    advantages = adv.unsqueeze(1)
+    with torch.no_grad():
+        log_ratio = torch.clamp(logp - old, -20.0, 20.0)
+        seq_log_ratio = torch.sum(log_ratio * mask, dim=-1, keepdim=True)
+        log_w_seq = torch.clamp(seq_log_ratio, math.log(1e-8), 20.0)
+        w_seq = torch.exp(log_w_seq)
+        nonneg = advantages >= 0
+        k_seq = torch.where(nonneg, k_pos, k_neg)
+        lambda_seq = torch.where(nonneg, lambda_pos, lambda_neg).clamp(min=1e-4)
+        phi_seq = torch.exp(lambda_seq + k_seq * log_w_seq - lambda_seq * w_seq).nan_to_num(nan=0.0, posinf=0.0,
+                                                                                           neginf=0.0)
+    per_token_loss = -phi_seq * advantages * logp
+    if entropy_mask is not None:  # before the KL (TRL multiplies no IS ratio into vespo's terms)
+        per_token_loss = per_token_loss * entropy_mask
+    if beta != 0.0:
+        kl = torch.exp(ref - logp) - (ref - logp) - 1
+        if bias_kl:
+            kl = kl * torch.exp(logp - old)
+        per_token_loss = per_token_loss + beta * kl
+    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def verl_geo_mean(logp, old, adv, mask, clip_low, clip_high, rollout_is_weights=None):
+    advantages = adv[:, None] * mask  # verl's token-level advantages, the sequence's on every token
+    negative_approx_kl = logp - old
+    sgn = torch.sign(advantages)
+    clamp = torch.clamp(negative_approx_kl, -clip_low, clip_high)
+    kl_min = sgn * torch.min(sgn * negative_approx_kl, sgn * clamp)
+    n = mask.sum(dim=-1)
+    ratio = torch.exp((kl_min * mask).sum(dim=-1) / (n + 1e-8))
+    advantage = (advantages * mask).sum(dim=-1) / (n + 1e-8)
+    pg_losses = -advantage * ratio
+    if rollout_is_weights is not None:  # the token weights' geometric mean, the sequence's weight
+        pg_losses = pg_losses * torch.exp((torch.log(rollout_is_weights + 1e-10) * mask).sum(dim=-1) / (n + 1e-8))
+    return torch.mean(pg_losses)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cispo import Args, cispo_loss
-from helpers import batch as drawn_batch, value_and_grad
+from helpers import batch as drawn_batch, trl_cispo, value_and_grad
 
 B, T = 6, 5
 batch = functools.partial(drawn_batch, 1.2)  # old log-probs 1.2 apart (in log): w from ~0.03 to ~30
@@ -30,20 +30,6 @@ def paper_objective(logp, old, adv, mask, eps_low, eps_high):
                 total = total + r_hat * float(adv[i]) * logp[i, t]  # a tensor in logp: its gradient is r_hat A_i
                 tokens += 1
     return total / tokens
-
-
-def trl_cispo(logp, old, ref, adv, mask, *, epsilon_high, beta=0.0, bias_kl=False, weight=None):
-    coef_1 = torch.exp(logp - old)
-    clamped = torch.clamp(coef_1, max=epsilon_high).detach()
-    per_token_loss = -clamped * adv.unsqueeze(1) * logp
-    if weight is not None:  # entropy_mask, importance_sampling_ratio: before the KL
-        per_token_loss = per_token_loss * weight
-    if beta != 0.0:
-        kl = torch.exp(ref - logp) - (ref - logp) - 1
-        if bias_kl:
-            kl = kl * coef_1
-        per_token_loss = per_token_loss + beta * kl
-    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 @pytest.mark.parametrize("eps_low,eps_high", [(1.0, 4.0), (0.2, 0.28), (0.5, 1.0)])

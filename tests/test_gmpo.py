@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gmpo import Args, gmpo_loss
-from helpers import batch as drawn_batch, value_and_grad
+from helpers import batch as drawn_batch, verl_geo_mean, value_and_grad
 
 B, T = 6, 5
 batch = functools.partial(drawn_batch, 0.6)  # old log-probs 0.6 apart (in log): |log w| past 0.4 for some tokens
@@ -32,21 +32,6 @@ def paper_objective(logp, old, adv, mask, eps_low, eps_high):
             prod = prod * torch.abs(torch.min(w * a, clipped * a))
         total = total + torch.sign(a) * prod ** (1.0 / n)
     return total / B
-
-
-def verl_geo_mean(logp, old, adv, mask, clip_low, clip_high, rollout_is_weights=None):
-    advantages = adv[:, None] * mask  # verl's token-level advantages, the sequence's on every token
-    negative_approx_kl = logp - old
-    sgn = torch.sign(advantages)
-    clamp = torch.clamp(negative_approx_kl, -clip_low, clip_high)
-    kl_min = sgn * torch.min(sgn * negative_approx_kl, sgn * clamp)
-    n = mask.sum(dim=-1)
-    ratio = torch.exp((kl_min * mask).sum(dim=-1) / (n + 1e-8))
-    advantage = (advantages * mask).sum(dim=-1) / (n + 1e-8)
-    pg_losses = -advantage * ratio
-    if rollout_is_weights is not None:  # the token weights' geometric mean, the sequence's weight
-        pg_losses = pg_losses * torch.exp((torch.log(rollout_is_weights + 1e-10) * mask).sum(dim=-1) / (n + 1e-8))
-    return torch.mean(pg_losses)
 
 
 @pytest.mark.parametrize("eps_low,eps_high", [(0.4, 0.4), (0.2, 0.28), (0.1, 1.0)])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sapo import Args, sapo_loss
-from helpers import batch as drawn_batch, value_and_grad
+from helpers import batch as drawn_batch, trl_sapo, value_and_grad
 
 B, T = 6, 5
 batch = functools.partial(drawn_batch, 0.8)  # old log-probs 0.8 apart (in log): ratios well off 1
@@ -32,22 +32,6 @@ def paper_objective(logp, old, adv, mask, tau_pos, tau_neg):
             seq = seq + 1 / (1 + torch.exp(-tau * (w - 1))) * 4 / tau * adv[i]
         total = total + seq / n
     return total / B
-
-
-def trl_sapo(logp, old, ref, adv, mask, *, pos, neg, beta=0.0, bias_kl=False, weight=None):
-    coef_1 = torch.exp(logp - old)
-    advantages = adv.unsqueeze(1)
-    temperatures = torch.where(advantages > 0, pos, neg)
-    soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
-    per_token_loss = -soft_coef_1 * advantages
-    if weight is not None:  # entropy_mask, importance_sampling_ratio: before the KL
-        per_token_loss = per_token_loss * weight
-    if beta != 0.0:
-        kl = torch.exp(ref - logp) - (ref - logp) - 1
-        if bias_kl:
-            kl = kl * coef_1
-        per_token_loss = per_token_loss + beta * kl
-    return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
 
 
 @pytest.mark.parametrize("tau_pos,tau_neg", [(1.0, 1.05), (0.5, 2.0), (3.0, 3.0)])

@@ -155,8 +155,8 @@ def test_deleting_writer_lock_does_not_admit_a_second_writer(tmp_path, monkeypat
     (ckpt / "state").mkdir(parents=True)
     (ckpt / "state" / "trainer_state.json").write_text(json.dumps({"step": 4, "world": 1, "script": "gspo.py"}))
     checkpoint.write_manifest(str(ckpt))
-    holder = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "lock_holder.py"), "claim", ROOT, str(run),
-                               str(ckpt)], stdout=subprocess.PIPE,
+    holder = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "programs", "lock_holder.py"), "claim", ROOT,
+                               str(run), str(ckpt)], stdout=subprocess.PIPE,
                               text=True)
     try:
         assert holder.stdout.readline() == "locked\n"

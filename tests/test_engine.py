@@ -398,7 +398,7 @@ def test_engine_under_fsdp2_torchrun():
     too (EOS masked alike on every rank)."""
     from helpers import torchrun
 
-    p = torchrun("tests/engine_fsdp.py")
+    p = torchrun("tests/programs/engine_fsdp.py")
     assert p.returncode == 0 and p.stdout.count("engine FSDP2 OK") == 2, p.stdout[-2000:] + p.stderr[-4000:]
     assert p.stdout.count("engine-tp OK") == 2, p.stdout[-2000:]  # tensor parallel: one process's greedy tokens
     assert p.stdout.count("engine-tp min_new_tokens OK") == 2, p.stdout[-2000:]  # masked alike on every rank

@@ -1,6 +1,6 @@
 """One gradient whatever the batching: a minibatch's parameter gradient does not depend on --micro-batch-size (here)
-nor on the world size (tests/fsdp_grad.py under torchrun, in test_train.py), because every loss is divided by the
-minibatch's count over all ranks (`norm`) and FSDP2 sums the ranks' gradients. Normalising per micro-batch instead,
+nor on the world size (tests/programs/fsdp_grad.py under torchrun, in test_train.py), because every loss is divided by
+the minibatch's count over all ranks (`norm`) and FSDP2 sums the ranks' gradients. Normalising per micro-batch instead,
 the bug this guards against, is shown to fail the same check."""
 import pytest
 import torch

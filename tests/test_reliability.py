@@ -150,7 +150,7 @@ def parent(mode, folder):
     import json
     import subprocess
 
-    return subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "reward_parent.py"), mode,
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "programs", "reward_parent.py"), mode,
                              json.dumps([str(folder), ROOT])], cwd=ROOT,
                             stdout=subprocess.PIPE, text=True, start_new_session=True,  # its own process group
                             env={**__import__("os").environ, "MARKS": str(folder)})
@@ -509,8 +509,8 @@ def test_a_signal_during_start_up_is_one_line_and_leaves_no_run_folder(sig, patc
     import subprocess
     import time
 
-    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "stall.py"), patched, str(tmp_path / "runs")],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "programs", "stall.py"), patched,
+                          str(tmp_path / "runs")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in p.stdout:  # start-up lines (the held-out set's), then the stall's
         if line == "waiting\n":
             break

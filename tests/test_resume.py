@@ -26,13 +26,13 @@ ARGS = ["--num-steps", "6", "--prompts-per-rank", "8", "--eval-every", "3", "--e
 
 
 def launch(out, *extra, world=1, crash=None, crash_rank=0, restarts=0, script="gspo.py"):
-    """tests/crash.py runs the script as `python gspo.py` would (or under torchrun), with CRASH injected."""
+    """tests/programs/crash.py runs the script as `python gspo.py` would (or under torchrun), with CRASH injected."""
     env = {k: v for k, v in os.environ.items() if k not in ("CRASH", "CRASH_RANK")}
     if crash:
         env.update(CRASH=crash, CRASH_RANK=str(crash_rank))
-    cmd = [sys.executable, "tests/crash.py"] if world == 1 else [
+    cmd = [sys.executable, "tests/programs/crash.py"] if world == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-        "--max-restarts", str(restarts), "tests/crash.py"]
+        "--max-restarts", str(restarts), "tests/programs/crash.py"]
     return subprocess.run([*cmd, script, *ARGS, *extra, "--output-dir", str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
 
@@ -210,7 +210,7 @@ def test_one_writer_per_run_folder(tmp_path, monkeypatch):
     ckpt = run / "step_4"
     ckpt.mkdir(parents=True)
     fake_checkpoint(ckpt, step=4, world=1, script="gspo.py")
-    holder = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "lock_holder.py"), "flock",
+    holder = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "programs", "lock_holder.py"), "flock",
                                str(run / "writer.lock")], stdout=subprocess.PIPE,
                               text=True)
     try:
@@ -379,11 +379,12 @@ def test_one_process_resumes_two_ranks_optimizer_shards(tmp_path, capsys):
 def test_resume_on_another_world_size_under_torchrun(tmp_path):
     """2 ranks -> 1 -> 2 under torchrun (FSDP2, gloo), with odd dim-0 sizes (FSDP2's uneven chunks): after each
     resume the gathered weights and AdamW moments equal those the writer gathered, bitwise, and the fixed batch's
-    loss the writer computed, to float tolerance; one more step trains with a finite loss (tests/reshard.py)."""
+    loss the writer computed, to float tolerance; one more step trains with a finite loss
+    (tests/programs/reshard.py)."""
     def run(world, *argv):
         p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                            str(world), "tests/reshard.py", str(tmp_path), *argv], cwd=ROOT, capture_output=True,
-                           text=True, timeout=300)
+                            str(world), "tests/programs/reshard.py", str(tmp_path), *argv], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
         return p.stdout
 

@@ -284,7 +284,7 @@ def test_gdpo_through_the_loop(monkeypatch, tmp_path):
 
 
 def test_the_step_statistics_over_two_ranks():
-    """tests/token_weights_ranks.py under torchrun (gloo): the entropy threshold and mask, and GDPO's batch
+    """tests/programs/token_weights_ranks.py under torchrun (gloo): the entropy threshold and mask, and GDPO's batch
     normalisation, over two ranks of unequal token counts = one process holding every row."""
     import os
     import subprocess
@@ -292,6 +292,6 @@ def test_the_step_statistics_over_two_ranks():
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "tests/token_weights_ranks.py"], cwd=root, capture_output=True, text=True, timeout=300,
+                        "tests/programs/token_weights_ranks.py"], cwd=root, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0 and "rank 0 ok" in p.stdout and "rank 1 ok" in p.stdout, p.stderr[-3000:]

@@ -231,8 +231,8 @@ BUG = "gspo:0:fp32:4:per-rank-mean"
 
 @pytest.fixture(scope="module")
 def fsdp_grad_lines():
-    """tests/fsdp_grad.py's cases in one torchrun launch (~5 s a launch saved a case): {case: its line}."""
-    p = torchrun("tests/fsdp_grad.py", *FULL, *MICRO, BUG)
+    """tests/programs/fsdp_grad.py's cases in one torchrun launch (~5 s a launch saved a case): {case: its line}."""
+    p = torchrun("tests/programs/fsdp_grad.py", *FULL, *MICRO, BUG)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     # "OK <case>: ..." or "FAIL <case>: ...", the case written as given (colons, no ": ")
     return {line.split(" ", 1)[1].split(": ", 1)[0]: line for line in p.stdout.splitlines()

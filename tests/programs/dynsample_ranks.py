@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import torch
 from datasets import Dataset
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from grouprl import checkpoint  # noqa: E402
 import common  # noqa: E402
 from grouprl import distributed  # noqa: E402

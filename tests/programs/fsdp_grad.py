@@ -13,7 +13,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # the scripts, and tests/helpers.py
 from grouprl import checkpoint  # noqa: E402
 import common  # noqa: E402
 from grouprl import distributed  # noqa: E402

@@ -34,7 +34,7 @@ def generate(*a, **k):
     return real_generate(*a, **k)
 
 
-def score(texts, rows, n, reward):
+def score(texts, rows, n, reward, **kw):  # kw: the truncation flags and scale, unused by these scripted rewards
     flat = d.rank == 1 and len(calls) <= 2  # rank 1: its first two rounds
     return torch.tensor([0.0 if flat else float(i % 2) for i in range(len(texts))]), 0
 

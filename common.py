@@ -1,199 +1,52 @@
-"""The map of what every algorithm script's loop calls, in the loop's order; the loop itself
-lives in each script, after its set-up (grouprl/modeling.py: the model, the tokenizer, Policy). Sections:
-  generation           HF `generate`: repeat, shared-prefill, static
+"""The step, in the loop's order: what every algorithm script's loop calls between its set-up and
+its logging (the loop itself lives in each script). Sections:
   the step's groups    sample_groups: rollout -> rewards, DAPO's dynamic sampling in rounds
-  rewards              the built-in reward functions a --reward names (scoring: grouprl/rewards.py)
   group advantages     A_i and the mechanism metrics (Asym, shared-token coefficient)
   old log-probs        pi_old recomputed or from the rollout (--old-logp), the token weights
   data order           prompts a step, minibatches of whole groups, micro-batches
-  the optimizer step   learning-rate schedule, finite checks (statistics: grouprl/stats.py)
-  evaluation, logging  held-out avg@k and pass@k, tensorboard and metrics.jsonl, samples
-The subsystems a reader of an algorithm need not read live in the grouprl package, one file
-each (grouprl/__init__.py lists them), imported by the scripts or by this file; none of them
-imports a script or this file.
+  the optimizer step   learning-rate schedule, finite checks, what one step's updates log
+What `logp` is everywhere: log pi_theta(y_it | x, y_<t) of each completion token, [B, T] in
+float32, 0 past a completion's end (mask 0), computed by Policy.forward (grouprl/modeling.py)
+through a chunked log-softmax that never builds a float32 [B, T, V] (grouprl/logprobs.py).
+The rest lives in the grouprl package, one subsystem a file (grouprl/__init__.py lists them):
+generation (generate, the Rollout), evaluation, runlog (Logger, samples), rewards (scoring and
+the built-in reward functions a --reward names), stats (how each loss's stats add up over ranks).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
-import os
-import re
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from grouprl import energy, engine, moe
-from grouprl.checkpoint import startup_phase, starting_up, writing
-from grouprl.distributed import Dist, Refused, all_gather_cat, all_reduce, fail, on_rank0
-from grouprl.grader import Reward, extract_answer
+from grouprl import energy, moe
+from grouprl.distributed import Dist, all_gather_cat, all_reduce, fail
+from grouprl.generation import Rollout, generate
 from grouprl.modeling import Policy
-from grouprl.rewards import score
 from grouprl.progress import ROLLOUT_BAR_DELAY, GenBar
+from grouprl.rewards import length_penalty, math_reward, score, think_format  # noqa: F401
+from grouprl.sampling import Sampling
 from grouprl.stats import (high_entropy_tokens, local_grads, log_ratio_spread, nanstd, noise_stats,
-                           pass_at_k, reduce_stats)
+                           reduce_stats)
 
-
-# -------------------- generation
-GEN_MODES = ("repeat", "shared-prefill", "static", "engine", "engine-tp")
-
-
-@torch.no_grad()
-def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], dist_env: Dist, *,
-             max_new_tokens: int, temperature: float, top_p: float, top_k: int, gen_batch_size: int,
-             min_p: float = 0.0, repetition_penalty: float = 1.0, min_new_tokens: int = 0,
-             unshard: bool = False, mode: str = "shared-prefill", cuda_graphs: bool = True,
-             flex: bool | None = None, compile_step: bool | None = None,
-             engine_dtype: str = "auto", streamer=None) -> dict:
-    """n completions per prompt, rows of one prompt adjacent (a group); B = len(prompts) x n.
-    Returns a dict: input_ids and attention_mask [B, P + T] (prompts left-padded), n_prompt P,
-    mask [B, T] (completion tokens up to and including the first EOS), truncated [B] (no EOS),
-    texts [B], and with the engine logp [B, T], each token's log-prob as sampled. Every mode
-    samples as HF's generate does (repetition_penalty, temperature, top_k, top_p, min_p); mode:
-    repeat, shared-prefill (each prompt prefilled once, its KV cache repeated to its n rows),
-    static, engine, engine-tp (grouprl/engine.py); min_new_tokens (HF's: EOS masked until then)
-    in every mode. Greedy decoding (top_k=1) gives the same tokens
-    in every mode. The modes, cuda_graphs, flex, compile_step and engine_dtype: docs/engine.md.
-    streamer: HF's, given each decoding step's tokens (a progress bar; HF modes only)."""
-    if mode not in GEN_MODES:
-        raise ValueError(f"unknown generation mode {mode!r} ({', '.join(GEN_MODES)})")
-    enc = tok(list(prompts), padding=True, return_tensors="pt", add_special_tokens=False)
-    ids, am = enc.input_ids.to(dist_env.device), enc.attention_mask.to(dist_env.device)
-    tp = dist_env.world if mode == "engine-tp" else 1  # the engine's layers split over tp ranks
-    if mode in ("engine", "engine-tp") and engine.runs(policy.lm.config, tp, dist_env.main):
-        mine = [row[m.bool()].tolist() for row, m in zip(ids, am)]  # this rank's prompts, unpadded
-        everyone, generator = [mine], None
-        if tp > 1:  # every rank decodes every rank's prompts, with the same random stream
-            everyone = [None] * tp
-            dist.all_gather_object(everyone, mine)
-            seed = all_reduce(torch.randint(2 ** 62, (1,)) * dist_env.main)  # rank 0's draw
-            generator = torch.Generator(dist_env.device).manual_seed(int(seed))
-        try:
-            completions, logps = engine.generate(
-                policy.lm, sum(everyone, []), n, eos, max_new_tokens=max_new_tokens,
-                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                repetition_penalty=repetition_penalty, min_new_tokens=min_new_tokens,
-                slots=tp * max(n, gen_batch_size // n * n), device=dist_env.device,
-                dtype={"bf16": torch.bfloat16, "fp32": torch.float32}.get(engine_dtype) or getattr(
-                    policy, "compute_dtype", None) or (
-                    torch.bfloat16 if dist_env.device.type == "cuda" else torch.float32),
-                rank=dist_env.rank if tp > 1 else 0, world=tp, generator=generator,
-                graphs=None if cuda_graphs else False, flex=flex, compile=compile_step,
-                keep=True)  # one Engine per run: cache and graphs made once, weights refreshed
-        except MemoryError as e:  # said before anything is allocated (engine.kv_plan)
-            fail(f"--gen-mode {mode}: {e}; lower --gen-batch-size (now {gen_batch_size}) or "
-                 f"--max-new-tokens (now {max_new_tokens})")
-        except torch.OutOfMemoryError as e:  # past the plan (another process's memory, say)
-            why = (str(e).strip().splitlines() or ["out of memory"])[0]
-            msg = (f"--gen-mode {mode}: the GPU ran out of memory while generating ({why}); lower "
-                   f"--gen-batch-size (now {gen_batch_size}) or --max-new-tokens (now "
-                   f"{max_new_tokens})")
-            if not dist_env.main:  # only this rank knows: fail() prints on rank 0 alone
-                print(f"error: rank {dist_env.rank}: {msg}", file=sys.stderr)
-            fail(msg)
-        # this rank's rows
-        first = sum(len(p) for p in everyone[:dist_env.rank]) * n if tp > 1 else 0
-        completions = completions[first:first + len(mine) * n]
-        logps = logps[first:first + len(mine) * n]
-        T = max(len(c) for c in completions)
-        comp = torch.tensor([c + [tok.pad_token_id] * (T - len(c)) for c in completions],
-                            device=dist_env.device)
-        roll = rollout(ids.repeat_interleave(n, 0), am.repeat_interleave(n, 0), comp, tok, eos)
-        roll["logp"] = torch.tensor([lp + [0.0] * (T - len(lp)) for lp in logps],
-                                    device=dist_env.device)
-        return roll
-    # engine, engine-tp: HF shared-prefill for a model the engine does not cover
-    shared = mode in ("shared-prefill", "engine", "engine-tp")
-    # one-token prompts: a pad column, so that the prefilled prefix is not empty
-    if shared and ids.shape[1] < 2:
-        ids, am = F.pad(ids, (1, 0), value=tok.pad_token_id), F.pad(am, (1, 0), value=0)
-    # prompts (shared) or rows (repeat) a call
-    rows = max(1, gen_batch_size // n) if shared else gen_batch_size
-    if not shared:
-        ids, am = ids.repeat_interleave(n, 0), am.repeat_interleave(n, 0)
-    extra = (dict(cache_implementation="static", disable_compile=dist_env.sharded)
-             if mode == "static" else {})
-    if streamer is not None:
-        extra["streamer"] = streamer
-    outs = []
-    with gathered(policy, unshard):
-        for i in range(0, ids.shape[0], rows):
-            outs.append(policy.generate(
-                input_ids=ids[i:i + rows], attention_mask=am[i:i + rows], n=n if shared else 1,
-                do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k,
-                min_p=min_p or None, repetition_penalty=repetition_penalty,
-                max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens or None,
-                eos_token_id=eos,
-                # FSDP: every rank steps until all are done
-                pad_token_id=tok.pad_token_id, synced_gpus=dist_env.sharded,
-                **extra,
-            )[:, ids.shape[1]:])
-    if shared:
-        ids, am = ids.repeat_interleave(n, 0), am.repeat_interleave(n, 0)
-    T = max(o.shape[1] for o in outs)
-    comp = torch.cat([F.pad(o, (0, T - o.shape[1]), value=tok.pad_token_id) for o in outs])
-    return rollout(ids, am, comp, tok, eos)
-
-
-def rollout(ids, am, comp, tok, eos: list[int]) -> dict:
-    """Prompts ids, am [B, P] (left-padded) and completions comp [B, T] -> generate()'s dict: each
-    completion kept up to and including its first EOS, truncated where it has none."""
-    is_eos = torch.isin(comp, torch.tensor(eos, device=comp.device))
-    # positions up to and including the first EOS
-    before_eos = (is_eos.long().cumsum(1) - is_eos.long()) == 0
-    comp = comp.masked_fill(~before_eos, tok.pad_token_id)
-    return {"input_ids": torch.cat([ids, comp], 1),
-            "attention_mask": torch.cat([am, before_eos.long()], 1),
-            # no EOS: cut at the limit
-            "n_prompt": ids.shape[1], "mask": before_eos.float(), "truncated": ~is_eos.any(1),
-            "texts": tok.batch_decode(comp.masked_fill(is_eos, tok.pad_token_id),
-                                      skip_special_tokens=True)}
+# length_penalty, math_reward, think_format: the built-in rewards, named by --reward as
+# common:math_reward (users' command lines and saved checkpoints); they live in grouprl/rewards.py
 
 
 # -------------------- the step's groups: rollout -> rewards, and DAPO's dynamic sampling
-@dataclass
-class Rollout:
-    """This rank's groups of one step, as sample_groups hands them to the loop: B = prompts x G
-    rows, the rows of a group adjacent; P prompt positions (left-padded), T completion positions
-    (right-padded)."""
-    rows: object  # the step's prompts, one a group (datasets rows: prompt, answer, text)
-    input_ids: torch.Tensor  # [B, P + T] the prompt's ids, then the completion's
-    attention_mask: torch.Tensor  # [B, P + T]
-    n_prompt: int  # P: input_ids[:, n_prompt:] are the completions
-    mask: torch.Tensor  # [B, T] float: completion tokens up to and including the first EOS
-    truncated: torch.Tensor  # [B] bool: no EOS, cut at --max-new-tokens
-    texts: list[str]  # [B] the completions, decoded without their EOS
-    logp: torch.Tensor | None  # [B, T] each token's log-prob as the engine sampled it (HF: None)
-    rewards: torch.Tensor  # [B] each completion's reward
-    reward_errors: int = 0  # reward calls that failed, every generation round
-    stats: dict = field(default_factory=dict)  # perf/gen_tokens_per_s; charts/gen_rounds ...
-
-    @classmethod
-    def of(cls, roll: dict, rows=None, rewards=None, reward_errors: int = 0,
-           stats: dict | None = None) -> Rollout:
-        """generate()'s dict, with its prompts and rewards."""
-        return cls(rows, roll["input_ids"], roll["attention_mask"], roll["n_prompt"], roll["mask"],
-                   roll["truncated"], roll["texts"], roll.get("logp"), rewards, reward_errors,
-                   stats or {})
-
-
-# roll's per-sequence entries by shape: [B] and [B, T] (completion positions, right-padded)
-ROLL_ROW_KEYS = ("truncated",)
-ROLL_COMPLETION_KEYS = ("mask", "logp")
 _FILLED_SAID = []  # the line saying that --max-gen-rounds was reached, said once a run
 
 
 def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_env: Dist, reward,
-                  gen_kw: dict, *, per_rank: int, group_size: int, seed: int,
-                  dynamic: bool = False, max_rounds: int = 1, truncated_scale: float = 1.0):
-    """This rank's groups of `step`: its per_rank prompts (prompt_indices), group_size completions
-    each (generate) and their rewards (score; a completion cut at the token limit scores
-    truncated_scale times its reward, --truncated-reward-scale), as a Rollout.
+                  sampling: Sampling, args) -> Rollout:
+    """This rank's groups of `step`: its per_rank (--prompts-per-rank) prompts (prompt_indices),
+    group_size (--group-size) completions each (generate, drawn as `sampling` says) and their
+    rewards (score; a completion cut at the token limit scores truncated_scale times its reward,
+    --truncated-reward-scale), as a Rollout.
     dynamic (--dynamic-sampling): DAPO's dynamic sampling (arXiv 2503.14476, Sec. 3.2: the
     constraint 0 < |{o_i correct}| < G on its objective's groups), on the reward the advantages
     use: a group whose rewards are all equal has A_i = 0 for each of its completions (DFPO eq. 43)
@@ -212,6 +65,8 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
     (groups with a spread past per_rank on their rank, unused); charts/filled_groups (flat groups
     kept at the bound). Generated groups = gen_rounds x per_rank x world = the batch + dropped +
     surplus."""
+    per_rank, group_size, seed = args.prompts_per_rank, args.group_size, args.seed
+    dynamic, max_rounds = args.dynamic_sampling, args.max_gen_rounds
     rounds = []  # per round: (indices, roll, rewards, each reward's values)
     gen_time, gen_tokens, reward_errors, spread = 0.0, 0.0, 0, 0
     bar = GenBar(f"step {step} rollout", per_rank, group_size, tok.pad_token_id, dist_env.main,
@@ -223,13 +78,13 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
         rows = train.select(indices)
         bar.bar.total += len(indices) if r else 0  # --dynamic-sampling's further rounds
         t = time.time()
-        roll = generate(policy, tok, rows["text"], group_size, eos, dist_env, **gen_kw,
+        roll = generate(policy, tok, rows["text"], group_size, eos, dist_env, sampling,
                         streamer=bar)
         gen_time += time.time() - t
         bar.show(len(indices))
-        gen_tokens += roll["mask"].sum().item()
-        rewards, errors = score(roll["texts"], rows, group_size, reward, truncated=roll["truncated"],
-                                truncated_scale=truncated_scale)
+        gen_tokens += roll.mask.sum().item()
+        rewards, errors = score(roll.texts, rows, group_size, reward, truncated=roll.truncated,
+                                truncated_scale=args.truncated_reward_scale)
         reward_errors += errors
         rounds.append((indices, roll, rewards, dict(getattr(reward, "values", {}))))
         if not dynamic or r + 1 == max_rounds:
@@ -242,7 +97,7 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
     tokens = all_reduce(torch.tensor(gen_tokens, dtype=torch.float64, device=dist_env.device))
     logs = {"perf/gen_tokens_per_s": tokens.item() / gen_time}
     if not dynamic:
-        return Rollout.of(roll, rows, rewards, reward_errors, logs)
+        return replace(roll, rows=rows, rewards=rewards, reward_errors=reward_errors, stats=logs)
     # the batch: the first per_rank groups with a spread, then (at the bound) the earliest flat ones
     flat = torch.cat([flat_groups(rewards, group_size) for _, _, rewards, _ in rounds])
     order = torch.cat([(~flat).nonzero().flatten(), flat.nonzero().flatten()])  # stable
@@ -260,7 +115,7 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
     # group k of the concatenated rounds: round k // per_rank, its group k % per_rank
     parts = [(rollout_r, rows_of(kept[kept // per_rank == r] % per_rank, group_size))
              for r, (_, rollout_r, _, _) in enumerate(rounds)]
-    roll = merge_rollouts(parts, tok.pad_token_id)
+    roll = Rollout.merge(parts, tok.pad_token_id)
     everything = sum((indices for indices, _, _, _ in rounds), [])
     rows = train.select([everything[k] for k in kept.tolist()])
     sequences = rows_of(kept, group_size)
@@ -268,7 +123,7 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
     if rounds[0][3]:  # the reward's logs (reward.metrics) over the kept groups
         reward.values = {name: torch.cat([values[name] for _, _, _, values in rounds])[sequences]
                          for name in rounds[0][3]}
-    return Rollout.of(roll, rows, rewards, reward_errors, logs)
+    return replace(roll, rows=rows, rewards=rewards, reward_errors=reward_errors, stats=logs)
 
 
 def flat_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -298,31 +153,6 @@ def extra_prompt_indices(n_rows: int, step: int, round_: int, per_rank: int, dis
     return [int(pool[j % len(pool)]) for j in range(first, first + per_rank)]
 
 
-def merge_rollouts(parts: list[tuple[dict, torch.Tensor]], pad_id: int) -> dict:
-    """generate()'s dicts, rows `keep` of each (in order), as one: the prompts left-padded (pad id,
-    attention 0) and the completions right-padded (pad id, attention and mask 0; log-prob 0) to the
-    longest. One dict kept whole is returned as it is."""
-    parts = [(roll, keep) for roll, keep in parts if len(keep)]
-    if len(parts) == 1 and torch.equal(parts[0][1], torch.arange(len(parts[0][0]["texts"]))):
-        return parts[0][0]
-    P = max(roll["n_prompt"] for roll, _ in parts)
-    T = max(roll["mask"].shape[1] for roll, _ in parts)
-    out = {"n_prompt": P, "texts": [roll["texts"][i] for roll, keep in parts
-                                    for i in keep.tolist()]}
-    for key, value in (("input_ids", pad_id), ("attention_mask", 0)):
-        out[key] = torch.cat([F.pad(roll[key][keep.to(roll[key].device)], (
-            P - roll["n_prompt"], T - roll["mask"].shape[1]), value=value)
-            for roll, keep in parts])
-    for key in ROLL_ROW_KEYS + ROLL_COMPLETION_KEYS:
-        if key in parts[0][0]:
-            out[key] = torch.cat([
-                roll[key][keep.to(roll[key].device)] if key in ROLL_ROW_KEYS
-                else F.pad(roll[key][keep.to(roll[key].device)], (0, T - roll[key].shape[1]))
-                for roll, keep in parts])
-    assert set(out) == set(parts[0][0]), set(parts[0][0]) ^ set(out)  # no entry left behind
-    return out
-
-
 
 
 def logp_drift(roll: Rollout, old_logp: torch.Tensor) -> dict:
@@ -335,69 +165,6 @@ def logp_drift(roll: Rollout, old_logp: torch.Tensor) -> dict:
     mask = roll.mask
     total = all_reduce(((roll.logp - old_logp).abs() * mask).sum())
     return {"gen/logp_drift": (total / all_reduce(mask.sum()).clamp(min=1)).item()}
-
-
-@contextlib.contextmanager
-def gathered(policy, on: bool):
-    """FSDP2 with --gen-unshard: every unit keeps its full parameters from its first forward to the
-    end of the block, so decoding gathers each layer once per generate call instead of once per
-    token; resharded after."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if not on or not isinstance(policy, FSDPModule):
-        yield
-        return
-    policy.set_reshard_after_forward(False)
-    try:
-        yield
-    finally:
-        policy.set_reshard_after_forward(True)  # the decoder layers' default
-        policy.set_reshard_after_forward(False, recurse=False)  # the root's
-        for m in policy.modules():
-            if isinstance(m, FSDPModule):
-                m.reshard()
-
-
-# -------------------- rewards: the built-in reward functions (scoring a rollout: rewards.py)
-def math_reward(completion: str, answer: str) -> float:
-    """1.0 if the completion's final answer (extract_answer) equals the reference, else 0.0: exact
-    numbers and canonical text first (decide), math-verify on what they cannot settle (radicals,
-    expressions, intervals, sets, tuples, matrices, equations), in a worker process with a time
-    bound (in the calling process when that is a --reward worker). Model text is parsed, never
-    executed."""
-    r, errors = score([completion], [answer], 1, watch=False)
-    return r.item()
-
-
-# <think>, the reasoning, one </think>, then an answer: no second <think>, something after
-# </think>. The opening tag may be missing where the chat template wrote it into the prompt.
-_THINK_FORMAT = re.compile(r"\s*(?:<think>)?(?:(?!<think>|</think>).)*</think>(?!.*<think>)"
-                           r"(?!.*</think>)\s*\S.*", re.DOTALL)
-
-
-def think_format(completion: str, answer: str) -> float:
-    """1.0 when the completion reasons inside <think>...</think> and then answers (TRL's
-    think_format_reward, which also asks for an answer after </think>), else 0.0. A built-in
-    reward: --reward common:think_format."""
-    return float(_THINK_FORMAT.fullmatch(completion) is not None)
-
-
-# DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13), with |y| in characters (a reward
-# sees text): L_max = LENGTH_MAX_CHARS, L_cache = LENGTH_CACHE_CHARS (DAPO: 20480 and 4096 tokens)
-LENGTH_MAX_CHARS = 16384
-LENGTH_CACHE_CHARS = 4096
-
-
-def length_penalty(completion: str, answer: str) -> float:
-    """0 up to L_max - L_cache characters, then ((L_max - L_cache) - |y|) / L_cache, falling
-    linearly to -1 at L_max, and -1 past it (DAPO eq. 13). A built-in reward:
-    --reward common:length_penalty, added to another one with its weight (--reward-weights)."""
-    free = LENGTH_MAX_CHARS - LENGTH_CACHE_CHARS
-    if len(completion) <= free:
-        return 0.0
-    if len(completion) <= LENGTH_MAX_CHARS:
-        return (free - len(completion)) / LENGTH_CACHE_CHARS
-    return -1.0
 
 
 # -------------------- group advantages and the mechanism metrics
@@ -726,286 +493,3 @@ def all_finite(*tensors: torch.Tensor) -> bool:
     """True when every tensor is finite on every rank: one decision that all ranks share."""
     ok = torch.stack([torch.isfinite(t).all() for t in tensors]).all().float().view(1)
     return bool(all_reduce(ok, dist.ReduceOp.MIN).item())  # one host sync, not one a tensor
-
-
-def jitter2(m: list[float]) -> float:
-    """Second-order difference jitter of a curve, DFPO eq. 20: 1/(T-2) sum_t |m_t+2 - 2 m_t+1 + m_t|
-    (nan if T < 3)."""
-    if len(m) < 3:
-        return float("nan")
-    return sum(abs(m[t + 2] - 2 * m[t + 1] + m[t]) for t in range(len(m) - 2)) / (len(m) - 2)
-
-
-# -------------------- held-out evaluation
-
-
-EVAL_ROWS = "eval/completions"  # evaluate's rows of --log-eval-samples (Logger.log writes them)
-
-
-@torch.no_grad()
-def evaluate(policy, tok, held, eos, dist_env: Dist, *, k: int, n: int | None = None,
-             reward: Reward | None = None, max_new_tokens: int, temperature: float, top_p: float,
-             top_k: int, gen_batch_size: int, min_p: float = 0.0, repetition_penalty: float = 1.0,
-             unshard: bool = False, mode: str = "shared-prefill", cuda_graphs: bool = True,
-             engine_dtype: str = "auto", min_new_tokens: int = 0, log_samples: int = 0,
-             first_name: str = "the step-0 evaluation") -> dict:
-    """Over the held-out prompts (each rank an equal share), from n >= k samples a prompt (n
-    defaults to k): avg@k, the mean accuracy of the n samples (an unbiased estimate of the mean
-    accuracy of k samples, the DFPO paper's metric), and pass@k, the mean over prompts of the
-    unbiased 1 - C(n - c, k) / C(n, k) (pass_at_k); the reward is the task's own, whole whether
-    or not a completion stopped (truncated_frac: the fraction cut at max_new_tokens).
-    A progress bar (GenBar) shows it; before the first step it is named first_name, in the bar
-    and in a stop signal's line. log_samples (--log-eval-samples): the first N prompts of rank 0's
-    share, each completion with its reward and extracted answer, as rows under EVAL_ROWS."""
-    n = n or k
-    world = dist_env.world
-    m = len(held) // world * world  # equal shares, or the FSDP all-gathers would hang
-    if m == 0:
-        fail(f"the held-out split has {len(held)} prompt(s), fewer than the {world} ranks that "
-             "share it: give a larger dataset (a local file holds out a tenth, at most "
-             "--eval-size) or --eval-every 0")
-    rows = held.select(range(dist_env.rank, m, dist_env.world))
-    first = starting_up()  # before the first step: the step-0 evaluation (or --eval-only)
-    name = first_name if first else "held-out evaluation"
-    bar = GenBar(name.removeprefix("the "), len(rows), n, tok.pad_token_id, dist_env.main,
-                 leave=first)
-    r, errors, cut, logged = torch.zeros(0), 0, 0, []
-    per_call = max(1, gen_batch_size // n)  # prompts per generate call
-    with startup_phase(name) if first else contextlib.nullcontext():
-        for i in range(0, len(rows), per_call):
-            part = rows.select(range(i, min(i + per_call, len(rows))))
-            out = generate(policy, tok, part["text"], n, eos, dist_env,
-                           max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                           top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
-                           min_new_tokens=min_new_tokens, gen_batch_size=gen_batch_size,
-                           unshard=unshard, mode=mode, cuda_graphs=cuda_graphs,
-                           engine_dtype=engine_dtype, streamer=bar)
-            part_r, part_errors = score(out["texts"], part, n, reward, watch=False)
-            for g in range(max(0, min(len(part), log_samples - i))):  # --log-eval-samples
-                logged += [{"prompt": part[g]["prompt"], "answer": part[g]["answer"],
-                            "completion": out["texts"][j], "reward": part_r[j].item(),
-                            "extracted": extract_answer(out["texts"][j]),
-                            "truncated": bool(out["truncated"][j])}
-                           for j in range(g * n, (g + 1) * n)]
-            r, errors = torch.cat([r, part_r]), errors + part_errors
-            cut += int(out["truncated"].sum())
-            bar.show(len(part))
-    r = r.view(-1, n)
-    passk = sum(pass_at_k(n, int(c), k) for c in (r > 0).sum(1))
-    s = all_reduce(torch.tensor([r.mean(1).sum(), passk, len(rows), errors, cut], dtype=torch.float64))
-    result = {f"eval/avg@{k}": (s[0] / s[2]).item(), f"eval/pass@{k}": (s[1] / s[2]).item(),
-              "eval/prompts": m, "eval/samples": n, "eval/reward_errors": s[3].item(),
-              "eval/truncated_frac": (s[4] / (s[2] * n)).item()}
-    bar.show(more=f", avg@{k} {result[f'eval/avg@{k}']:.3f}, pass@{k} "
-                  f"{result[f'eval/pass@{k}']:.3f}")
-    bar.bar.close()
-    if log_samples and dist_env.main:
-        result[EVAL_ROWS] = logged
-    return result
-
-
-def eval_report(result: dict, args, run_dir: str, dist_env: Dist) -> str:
-    """--eval-only: the table printed, and eval.json in the run folder (its key: the set
-    evaluated, --eval-dataset or --dataset). Returns the JSON path."""
-    path = os.path.join(run_dir, "eval.json")
-    dataset = args.dataset if args.eval_dataset is None else args.eval_dataset
-    part = "held-out" if dataset == "builtin" else "whole set"  # --eval-only: the whole file
-    if args.eval_limit and dataset != "builtin":
-        part = f"first {args.eval_limit}"
-    if dist_env.main:
-        k = next(key for key in result if key.startswith("eval/avg@")).split("@")[1]
-        print(f"\n| dataset | prompts | samples a prompt | avg@{k} | pass@{k} | reward errors |\n"
-              "|---|---|---|---|---|---|\n"
-              f"| {dataset} ({part}) | {result['eval/prompts']} | {result['eval/samples']} | "
-              f"{result[f'eval/avg@{k}']:.4f} | {result[f'eval/pass@{k}']:.4f} | "
-              f"{result['eval/reward_errors']:.0f} |")
-        os.makedirs(run_dir, exist_ok=True)
-        with open(path, "w") as f:
-            json.dump({dataset: {k: v for k, v in result.items() if k != EVAL_ROWS}}, f, indent=1)
-        print(f"written: {path}")
-    return path
-
-
-def eval_summary(log: dict) -> str:
-    """'; held-out avg@k a, pass@k p' when `log` (a step's logged values) holds an evaluation, else
-    ''."""
-    k = next((key.split("@")[1] for key in log if key.startswith("eval/avg@")), None)
-    if k is None:
-        return ""
-    return f"; held-out avg@{k} {log[f'eval/avg@{k}']:.3f}, pass@{k} {log[f'eval/pass@{k}']:.3f}"
-
-
-# -------------------- logging: tensorboard, metrics.jsonl, samples
-class Logger:
-    """Tensorboard + metrics.jsonl on rank 0 only, one row a step, in strict JSON (a non-finite
-    number is null). A resumed run (first_step > 1) continues both at first_step: rows a killed run
-    logged after its checkpoint are dropped from metrics.jsonl and samples.jsonl and purged from
-    tensorboard, and a torn last line (a write cut short) is dropped and said so; the kept rows are
-    rewritten into a new file that replaces the old one whole."""
-
-    def __init__(self, run_dir: str, dist_env: Dist, args, first_step: int = 1):
-        self.dist_env, self.writer, self.wandb, self.run_dir = dist_env, None, None, run_dir
-        # a bad metrics.jsonl stops every rank
-        on_rank0(lambda: self._open(run_dir, args, first_step), dist_env)
-
-    def _open(self, run_dir: str, args, first_step: int):
-        from torch.utils.tensorboard import SummaryWriter
-
-        path = os.path.join(run_dir, "metrics.jsonl")
-        kept = read_metrics(path, keep_below=first_step) if first_step > 1 else []
-        os.makedirs(run_dir, exist_ok=True)
-        self.writer = SummaryWriter(run_dir, purge_step=first_step if first_step > 1 else None)
-        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
-            f"|{k}|{v}|" for k, v in vars(args).items()))
-        with open(os.path.join(run_dir, "args.json"), "w") as f:
-            json.dump(vars(args), f, indent=1, default=str)
-        rewrite_rows(path, kept)
-        for name in ("samples.jsonl", EVAL_SAMPLES):  # the steps this run redoes log new samples
-            samples = os.path.join(run_dir, name)
-            if first_step > 1 and os.path.exists(samples):
-                rewrite_rows(samples, read_metrics(samples, keep_below=first_step))
-        self.metrics = open(path, "a")
-        if getattr(args, "track", False):  # --track: Weights & Biases too, the same keys (CleanRL)
-            import wandb
-
-            self.wandb = wandb.init(project=args.wandb_project, entity=args.wandb_entity,
-                                    name=os.path.basename(os.path.normpath(run_dir)),
-                                    config=vars(args), dir=run_dir, resume="allow",
-                                    id=os.path.basename(os.path.normpath(run_dir)))
-
-    def log(self, step: int, scalars: dict):
-        """The step's numbers; an evaluation's --log-eval-samples rows (EVAL_ROWS) go to
-        eval_samples.jsonl and tensorboard instead (log_eval_samples)."""
-        if not self.dist_env.main:
-            return
-        if scalars.get(EVAL_ROWS):
-            log_eval_samples(self, step, scalars[EVAL_ROWS])
-        # strict JSON: null, not NaN
-        row = {k: v if math.isfinite(v) else None for k, v in scalars.items() if k != EVAL_ROWS}
-        with writing(self.run_dir, self.metrics.name):  # a full disk, a deleted run folder
-            for k, v in row.items():
-                if v is not None:
-                    self.writer.add_scalar(k, v, step)
-            self.metrics.write(json.dumps({"step": step, **row}, allow_nan=False) + "\n")
-            self.metrics.flush()
-        if self.wandb is not None:
-            self.wandb.log({k: v for k, v in row.items() if v is not None}, step=step)
-
-    def close(self):
-        if self.dist_env.main:
-            self.writer.close()
-            self.metrics.close()
-            if self.wandb is not None:
-                self.wandb.finish()
-
-
-def rewrite_rows(path: str, rows: list[dict]):
-    """path holds rows, one JSON object a line; replaced whole, never half written."""
-    with open(path + ".tmp", "w") as f:
-        f.writelines(json.dumps(row, allow_nan=False) + "\n" for row in rows)
-    os.replace(path + ".tmp", path)
-
-
-def read_metrics(path: str, keep_below: int | None = None) -> list[dict]:
-    """The rows of a metrics.jsonl or samples.jsonl (those with step < keep_below if given). A last
-    line cut short by a killed writer is dropped, and said so; any other line that is not JSON
-    raises Refused with its line number."""
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        lines = f.read().split("\n")
-    rows = []
-    for i, line in enumerate(lines, 1):
-        if not line:
-            continue
-        try:
-            # files written before rows were strict JSON
-            row = json.loads(line, parse_constant=lambda c: None)
-            if not isinstance(row, dict) or "step" not in row:
-                raise ValueError("not a row")
-        except ValueError:
-            if i == len(lines):  # no newline after it: the write was cut short
-                print(f"{path}: dropped a torn last line ({len(line)} characters, not a whole row)")
-                continue
-            raise Refused(f"{path} line {i} is not JSON: repair or remove that line, then resume")
-        if keep_below is None or row["step"] < keep_below:
-            rows.append(row)
-    return rows
-
-
-def rollout_log(roll: Rollout, zero_groups: int, reward: Reward, args, dist_env: Dist) -> dict:
-    """The step's rollout over all ranks: charts/ (rewards, lengths, truncation, flat groups,
-    failed reward calls), rewards/<name>/ of each --reward, and the rollout's own stats
-    (perf/gen_tokens_per_s; --dynamic-sampling: charts/gen_rounds ...)."""
-    rewards = all_gather_cat(roll.rewards.to(roll.input_ids.device))
-    lengths = all_gather_cat(roll.mask.sum(1))
-    masked_truncated = 0
-    if args.mask_truncated:
-        masked_truncated = all_reduce(roll.truncated.sum().float()).item()
-    zero_frac = torch.tensor(zero_groups / args.prompts_per_rank)  # this rank's
-    return {
-        "charts/reward_mean": rewards.mean().item(),
-        "charts/reward_std": rewards.std(unbiased=False).item(),
-        "charts/response_length_mean": lengths.mean().item(),
-        "charts/response_length_max": lengths.max().item(),
-        "charts/truncated_frac": all_gather_cat(roll.truncated.float()).mean().item(),
-        "charts/masked_truncated": masked_truncated,
-        "charts/zero_adv_group_frac": all_reduce(zero_frac).item() / dist_env.world,  # rank mean
-        "charts/reward_errors": all_reduce(torch.tensor(float(roll.reward_errors))).item(),
-        **reward.metrics(),  # rewards/<name>/mean and /std, each --reward
-        **roll.stats,  # perf/gen_tokens_per_s; --dynamic-sampling: charts/gen_rounds ...
-    }
-
-
-SAMPLE_PROMPTS = 2  # prompts a --log-samples step shows, each with all its completions
-
-
-def log_samples(logger: Logger, run_dir: str, step: int, every: int, prompts, answers,
-                texts: list[str], rewards: torch.Tensor, advantages: torch.Tensor, n: int,
-                prompt_texts: list[str] | None = None):
-    """Every `every` steps (0: never; main rank only): the first SAMPLE_PROMPTS prompts of this
-    rank's step with their n completions, rewards and advantages, as a text table in tensorboard
-    ('samples') and as one JSON object a completion in {run_dir}/samples.jsonl (a resumed run's
-    Logger has dropped the rows of the steps it redoes). prompt_texts: the prompts as the model saw
-    them (through the chat template), logged in samples.jsonl as "prompt_text"."""
-    if not every or step % every or not logger.dist_env.main:
-        return
-    path = os.path.join(run_dir, "samples.jsonl")
-    rows, md = [], []
-    for g in range(min(SAMPLE_PROMPTS, len(prompts))):
-        seen = {} if prompt_texts is None else {"prompt_text": prompt_texts[g]}
-        md.append(f"**prompt:** {prompts[g]}  \n**answer:** {answers[g]}\n\n"
-                  "| reward | advantage | completion |\n|---|---|---|")
-        for i in range(g * n, (g + 1) * n):
-            rows.append({"step": step, "prompt": prompts[g], **seen, "answer": answers[g],
-                         "completion": texts[i], "reward": rewards[i].item(),
-                         "advantage": advantages[i].item()})
-            cell = texts[i].replace("|", "\\|").replace("\n", "<br>")
-            md.append(f"| {rewards[i].item():.3f} | {advantages[i].item():+.3f} | {cell} |")
-    with writing(run_dir, path):  # a full disk, a deleted run folder: one line
-        logger.writer.add_text("samples", "\n".join(md), step)
-        with open(path, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-
-
-EVAL_SAMPLES = "eval_samples.jsonl"  # --log-eval-samples, beside samples.jsonl
-
-
-def log_eval_samples(logger: Logger, step: int, rows: list[dict]):
-    """An evaluation's rows (evaluate's EVAL_ROWS: prompt, answer, completion, reward, extracted
-    answer, truncated), one JSON object a completion with its step in {run_dir}/eval_samples.jsonl,
-    and a text table in tensorboard ('eval_samples'); main rank only."""
-    path = os.path.join(logger.run_dir, EVAL_SAMPLES)
-    md, prompt = [], None
-    for r in rows:
-        if r["prompt"] != prompt:
-            prompt = r["prompt"]
-            md.append(f"\n**prompt:** {prompt}  \n**answer:** {r['answer']}\n\n"
-                      "| reward | extracted | completion |\n|---|---|---|")
-        cell = r["completion"].replace("|", "\\|").replace("\n", "<br>")
-        said = str(r["extracted"]).replace("|", "\\|")
-        md.append(f"| {r['reward']:.3f} | {said} | {cell} |")
-    with writing(logger.run_dir, path):  # a full disk, a deleted run folder: one line
-        logger.writer.add_text("eval_samples", "\n".join(md).strip(), step)
-        with open(path, "a") as f:
-            f.writelines(json.dumps({"step": step, **r}) + "\n" for r in rows)

@@ -25,21 +25,22 @@ from typing import Literal
 import torch
 from tqdm import tqdm
 
-from common import (Logger, Updates, clip_grad_norm, eval_report, eval_summary, evaluate,
-                    group_advantages, jitter2, log_samples, logp_drift, lr_scheduler, micro_batches,
-                    minibatches, off_policy_mask, old_log_probs, policy_log_probs, ref_log_probs,
-                    reward_parts, rollout_log, sample_groups)
+from common import (Updates, clip_grad_norm, group_advantages, logp_drift, lr_scheduler,
+                    micro_batches, minibatches, off_policy_mask, old_log_probs, policy_log_probs,
+                    ref_log_probs, reward_parts, sample_groups)
 from grouprl import moe
 from grouprl.checkpoint import (catch_stop_signals, claim_run_dir, cleanup, resume_state,
                                 run_paths, save_checkpoint, stop_requested)
-from grouprl.cli import (CommonArgs, check_common_args, check_float, check_prompt_pool, eval_sampling,
-                         fill_defaults, generation_kwargs, parse_args)
+from grouprl.cli import (CommonArgs, check_common_args, check_float, check_prompt_pool, eval_plan,
+                         fill_defaults, parse_args, rollout_sampling)
 from grouprl.data import load_task
 from grouprl.distributed import all_gather_cat, all_reduce, seed_rank, setup_distributed
+from grouprl.evaluation import eval_report, eval_summary, evaluate
 from grouprl.grader import answer_span, extract_answer, load_reward
 from grouprl.lora import lora_spec
 from grouprl.modeling import (check_model, eos_ids, load_model, load_tokenizer, reference_policy,
                               wrap_policy)
+from grouprl.runlog import Logger, jitter2, log_samples, rollout_log
 
 LossAgg = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]  # --loss-agg
 
@@ -216,22 +217,22 @@ def main():
         print(f"{len(train)} train / {len(held)} held-out prompts (dropped: {dropped['no_answer']} "
               f"without an answer, {dropped['too_long']} over --max-prompt-tokens); "
               f"world size {dist_env.world}; logs: tensorboard --logdir {args.output_dir}")
-    gen_kw = generation_kwargs(args)
-    eval_kw = dict(gen_kw, k=args.eval_k, n=args.eval_n, reward=reward, **eval_sampling(args))
+    sampling = rollout_sampling(args)  # how completions are drawn: one Sampling, passed whole
+    plan = eval_plan(args, sampling, reward)  # the held-out evaluation's Evaluation
 
     def eval_now(step: int) -> bool:
         return args.eval_every > 0 and (step % args.eval_every == 0 or step == args.num_steps)
 
     if args.eval_only:  # the table a paper reports, for --model as it is
         policy.eval()
-        result = evaluate(policy, tok, held, eos, dist_env, **eval_kw)
+        result = evaluate(policy, tok, held, eos, dist_env, plan)
         logger.log(0, result)
         eval_report(result, args, run_dir, dist_env)
         logger.close()
         return cleanup()
     if eval_now(0) and state["step"] == 0:
         policy.eval()
-        logger.log(0, evaluate(policy, tok, held, eos, dist_env, **eval_kw))
+        logger.log(0, evaluate(policy, tok, held, eos, dist_env, plan))
     start = time.time() - state["wall_time"]
     reward_curve = state["reward_curve"]
     nonfinite_run = state["nonfinite_run"]
@@ -243,17 +244,11 @@ def main():
         policy.eval()
         # the step's prompts, G completions each, their rewards; --dynamic-sampling (DAPO): groups
         # with equal rewards (A = 0) replaced by more prompts' groups, in rounds
-        roll = sample_groups(policy, tok, train, step, eos, dist_env, reward, gen_kw,
-                             per_rank=args.prompts_per_rank, group_size=args.group_size,
-                             seed=args.seed, dynamic=args.dynamic_sampling,
-                             max_rounds=args.max_gen_rounds,
-                             truncated_scale=args.truncated_reward_scale)
-        advantages, zero_groups = group_advantages(roll.rewards, args.group_size,
-                                                   args.scale_rewards, args.adv_std, args.adv_eps,
-                                                   args.baseline, reward_parts(reward, roll, args))
-        log_samples(logger, run_dir, step, args.log_samples, roll.rows["prompt"],
-                    roll.rows["answer"], roll.texts, roll.rewards, advantages, args.group_size,
-                    roll.rows["text"])
+        roll = sample_groups(policy, tok, train, step, eos, dist_env, reward, sampling, args)
+        advantages, zero_groups = group_advantages(
+            roll.rewards, args.group_size, scale=args.scale_rewards, std=args.adv_std,
+            eps=args.adv_eps, baseline=args.baseline, parts=reward_parts(reward, roll, args))
+        log_samples(logger, roll, advantages, step, args.log_samples)  # --log-samples
         mask = roll.mask  # the loss's tokens: the completions up to their first EOS
         if args.mask_truncated:  # and only the rows that stopped (the logs keep roll.mask)
             mask = mask * ~roll.truncated[:, None]
@@ -269,8 +264,9 @@ def main():
         updates = Updates(policy, roll, mask, args, step, nonfinite_run, dist_env)  # logs, Energy
         with torch.no_grad():
             old_logp, is_weight, keep, old_stats = old_log_probs(
-                policy, roll, minibatch_slices, args.old_logp, args.rollout_is_cap, routes,
-                args.rollout_is_mode, args.rollout_is_min, args.top_entropy_quantile)
+                policy, roll, minibatch_slices, routes=routes, source=args.old_logp,
+                is_cap=args.rollout_is_cap, is_mode=args.rollout_is_mode,
+                is_min=args.rollout_is_min, top_entropy=args.top_entropy_quantile)
             ref_logp = ref_log_probs(ref, roll, minibatch_slices)  # --kl-coef: the KL's pi_ref
         sample_logp = old_logp if roll.logp is None else roll.logp  # OPSM's pi_sample
 
@@ -321,7 +317,7 @@ def main():
         }
         if eval_now(step):
             policy.eval()
-            log.update(evaluate(policy, tok, held, eos, dist_env, **eval_kw))
+            log.update(evaluate(policy, tok, held, eos, dist_env, plan))
         reward_curve.append(log["charts/reward_mean"])
         if step == args.num_steps:  # Jitter2 of the reward curve (DFPO eq. 20), last row
             log["charts/reward_jitter2"] = jitter2(reward_curve)

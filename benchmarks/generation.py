@@ -1,11 +1,11 @@
-"""Generation time of each mode of common.generate, side by side in one process, on a random-init Qwen3-shaped model:
+"""Generation time of each mode of generation.generate, side by side in one process, on a random-init Qwen3-shaped model:
 
     python benchmarks/generation.py          # Qwen3-0.6B shape, fp32, 4 prompts x 8 completions, 256 + 64 tokens
     python benchmarks/generation.py --model /path/to/SmolLM2-135M-Instruct --group-size 3   # a real model's folder
 
 repeat          each prompt repeated G times, so HF `generate` prefills it G times
 shared-prefill  each prompt prefilled once, its KV cache repeated to the G rows of its group (the default)
-engine          engine.py: plain-PyTorch decoding over a KV cache allocated once, each prompt prefilled once
+engine          engine/: plain-PyTorch decoding over a KV cache allocated once, each prompt prefilled once
 engine-paged    the same with a paged KV pool of --pool-tokens positions (SDPA: blocks of engine.PAGE, gathered per
                 step; --flex: blocks of engine.FLEX_BLOCK, read in place through the block mask)
 
@@ -56,7 +56,7 @@ def main():
     from torch.profiler import ProfilerActivity, profile
     from transformers.utils import logging as hf_logging
 
-    import common
+    from grouprl import generation
     from grouprl import distributed
     from grouprl import modeling
     import shapes
@@ -66,9 +66,9 @@ def main():
     from grouprl import engine
 
     modes = a.modes.split(",")
-    if a.shape != "tiny" and a.shape not in shapes.QWEN3 or not set(modes) <= {*common.GEN_MODES, "engine-paged"}:
+    if a.shape != "tiny" and a.shape not in shapes.QWEN3 or not set(modes) <= {*generation.GEN_MODES, "engine-paged"}:
         raise SystemExit(f"error: --shape is one of tiny, {', '.join(shapes.QWEN3)} and --modes a comma list of "
-                         f"{', '.join(common.GEN_MODES)}, engine-paged")
+                         f"{', '.join(generation.GEN_MODES)}, engine-paged")
     torch.set_num_threads(a.threads)
     t = time.perf_counter()
     torch.manual_seed(0)
@@ -102,7 +102,7 @@ def main():
         t, cpu = time.perf_counter(), time.process_time()
         engine.generate = (lambda *p, **k: whole(*p, **k, pool_tokens=max(pool, a.group_size * (
             a.prompt_tokens + new_tokens)))) if mode == "engine-paged" else whole
-        out = common.generate(policy, tok, prompts, a.group_size, [-1], d, max_new_tokens=new_tokens,
+        out = generation.generate(policy, tok, prompts, a.group_size, [-1], d, max_new_tokens=new_tokens,
                               temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=a.gen_batch_size,
                               mode=mode.replace("-paged", ""),  # EOS id -1: never produced, every completion
                               flex=flex or None, compile_step=flex or None)

@@ -6,8 +6,8 @@ weights run at the speed of trained ones; no download):
     python benchmarks/gpu.py --smoke          # every code path on CPU with tiny shapes, in seconds (the test suite)
 
 Per model, as far as each fits:
-- generation: a GSPO rollout through common.generate, --prompts x --group-size completions of --prompt-tokens-token
-  prompts, up to --new-tokens new tokens, in each mode of --gen-modes (default: all of common.GEN_MODES, and
+- generation: a GSPO rollout through generation.generate, --prompts x --group-size completions of --prompt-tokens-token
+  prompts, up to --new-tokens new tokens, in each mode of --gen-modes (default: all of generation.GEN_MODES, and
   engine-eager: the engine without CUDA graphs, --no-gen-cuda-graphs, to show what the graphs gain; engine-sdpa: the
   engine attending through SDPA over the whole read length, to show what FlexAttention's live blocks gain;
   engine-nocompile: the graphs replaying the eager layers, to show what inductor's fusion gains; engine-flexapart:
@@ -114,14 +114,14 @@ def bound_seconds(lengths: list[int], prompt_tokens: int, weight_bytes: int, kv_
 def bench_generation(policy, tok, shape, a, d, out=None, flush=lambda: None) -> dict:
     import torch
 
-    import common
+    from grouprl import generation
     import shapes
 
     V = shape["vocab_size"]
     g = torch.Generator().manual_seed(0)
     eos = torch.randperm(V - 3, generator=g)[:max(1, V // a.mean_length)].add(3).tolist()  # ids >= 3: no special
     texts = shapes.prompts(a.prompts, a.prompt_tokens, V)
-    common.generate(policy, tok, texts[:1], 2, eos, d, max_new_tokens=2, temperature=1.0, top_p=1.0, top_k=0,
+    generation.generate(policy, tok, texts[:1], 2, eos, d, max_new_tokens=2, temperature=1.0, top_p=1.0, top_k=0,
                     gen_batch_size=2)  # untimed: CUDA/cuBLAS start-up is not the first mode's cost
     out = {} if out is None else out
     bytes_per_s = bandwidth(d.device)
@@ -139,7 +139,7 @@ def bench_generation(policy, tok, shape, a, d, out=None, flush=lambda: None) -> 
                                   kv_bytes_per_token)
         except torch.OutOfMemoryError:
             out[mode] = {"error": "OOM"}
-        except (Exception, SystemExit) as e:  # one failing mode is a row, not the end of the call (common.generate
+        except (Exception, SystemExit) as e:  # one failing mode is a row, not the end of the call (generation.generate
             # turns an OOM into SystemExit with its one-line error)
             out[mode] = error_row(e)
         flush()  # each mode's row on disk the moment it is measured
@@ -161,26 +161,26 @@ def error_row(e: BaseException) -> dict:
 
 
 def rollout(policy, tok, texts, eos, a, d, mode: str) -> dict:
-    """One GSPO rollout through common.generate in a row of --gen-modes, or of --flex-options
-    ('engine{...}': the engine with exactly those FlexAttention decoding kernel options, engine.FLEX_OPTIONS;
+    """One GSPO rollout through generation.generate in a row of --gen-modes, or of --flex-options
+    ('engine{...}': the engine with exactly those FlexAttention decoding kernel options, engine.settings.FLEX_OPTIONS;
     'engine{}': inductor's defaults)."""
-    import common
+    from grouprl import generation
 
     engine_mode = mode.startswith("engine-") and mode != "engine-tp"
     options = json.loads(mode[len("engine"):]) if mode.startswith("engine{") else None
-    from grouprl import engine
+    from grouprl.engine import settings
 
     if options is not None:
-        engine.FLEX_OPTIONS = options
-    engine.FLEX_APART = True if mode == "engine-flexapart" else None
+        settings.FLEX_OPTIONS = options
+    settings.FLEX_APART = True if mode == "engine-flexapart" else None
     try:
-        return common.generate(policy, tok, texts, a.group_size, eos, d, max_new_tokens=a.new_tokens,
+        return generation.generate(policy, tok, texts, a.group_size, eos, d, max_new_tokens=a.new_tokens,
                                temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=a.prompts * a.group_size,
                                mode="engine" if options is not None else mode.split("-")[0] if engine_mode else mode,
                                cuda_graphs=mode != "engine-eager", flex=False if mode == "engine-sdpa" else None,
                                compile_step=False if mode == "engine-nocompile" else None)
     finally:
-        engine.FLEX_OPTIONS, engine.FLEX_APART = None, None
+        settings.FLEX_OPTIONS, settings.FLEX_APART = None, None
 
 
 def profile(policy, tok, texts, eos, a, d, name: str) -> dict:
@@ -255,6 +255,7 @@ def shared_check(lm, shape, a, d) -> dict:
     import torch
 
     from grouprl import engine
+    from grouprl.engine import settings
 
     engine.HELD.clear()
     P, new, n = (40, 4, a.group_size) if a.smoke else (2000, 128, a.group_size)
@@ -266,7 +267,7 @@ def shared_check(lm, shape, a, d) -> dict:
     out = {}
     try:
         for share in (True, False):
-            engine.SHARE_PROMPTS = share
+            settings.SHARE_PROMPTS = share
             engine.generate(lm, prompts, n, [-1], **kw)  # untimed: compiles
             stats, seed = {}, torch.Generator(d.device).manual_seed(3)
             sync(d.device)
@@ -276,7 +277,7 @@ def shared_check(lm, shape, a, d) -> dict:
             out[share] = dict(s=time.perf_counter() - t, rows=rows, logps=logps, **{
                 k: stats[k] for k in ("kv_blocks_peak", "kv_read_peak", "kv_read_physical_peak", "block_bytes")})
     finally:
-        engine.SHARE_PROMPTS = True
+        settings.SHARE_PROMPTS = True
     diff = max(abs(x - y) for la, lb in zip(out[True]["logps"], out[False]["logps"]) for x, y in zip(la, lb))
     equal = sum(x == y for x, y in zip(out[True].pop("rows"), out[False].pop("rows")))
     for side in out.values():
@@ -309,7 +310,7 @@ def _one_mode(policy, tok, shape, a, d, mode, texts, eos, bytes_per_s, weight_by
     import torch
 
     cuda = d.device.type == "cuda"
-    # the previous mode's kept Engine (common.generate keeps one per run) freed, as far as each step frees it
+    # the previous mode's kept Engine (generation.generate keeps one per run) freed, as far as each step frees it
     freed = held(d.device) if cuda else None
     # static and the engine modes: the first call compiles (HF's step; FlexAttention, first and dynamic read
     # lengths) and is not timed, so no mode's time holds a compilation; the engine's first call also makes the
@@ -428,7 +429,7 @@ def trl_step(a, out_dir: str) -> dict:
 
 
 def main():
-    import common
+    from grouprl import generation
     from grouprl import distributed
     from grouprl import modeling
 
@@ -436,7 +437,7 @@ def main():
     # whole read length instead of FlexAttention's live blocks (the GPU's default)
     # engine-nocompile: the graphs replay the eager layers (each layer not compiled by inductor); engine-flexapart:
     # FlexAttention compiled apart from the layer (engine.FLEX_APART)
-    MODES = (*common.GEN_MODES, "engine-eager", "engine-sdpa", "engine-nocompile", "engine-flexapart")
+    MODES = (*generation.GEN_MODES, "engine-eager", "engine-sdpa", "engine-nocompile", "engine-flexapart")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="0.6B,1.7B,4B,8B",
                     help="keys of shapes.QWEN3, smallest first ('': none, the TRL comparison alone)")

@@ -20,7 +20,9 @@ import tyro
 from .checkpoint import STEP_DIR, catch_startup_signals, saved_flags
 from .data import check_dataset
 from .distributed import fail, launched, main_process
+from .evaluation import Evaluation
 from .lora import ALL_LINEAR, DEFAULT_ALPHA
+from .sampling import Sampling
 
 
 GenMode = Literal["repeat", "shared-prefill", "static", "engine", "engine-tp"]  # common.GEN_MODES
@@ -551,27 +553,31 @@ def fill_defaults(args):
         else args.truncated_reward_scale)
 
 
-def generation_kwargs(args) -> dict:
-    """The rollout's flags as common.generate's keywords (sampling, lengths, --gen-mode)."""
-    return dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
-                temperature=args.temperature,
-                top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                repetition_penalty=args.repetition_penalty, gen_batch_size=args.gen_batch_size,
-                unshard=args.gen_unshard, mode=args.gen_mode, cuda_graphs=args.gen_cuda_graphs,
-                engine_dtype=args.gen_dtype)
+def rollout_sampling(args) -> Sampling:
+    """The rollout's Sampling: how a step's completions are drawn (sampling, lengths, --gen-mode
+    and its settings), passed whole to generation.generate and the engine."""
+    return Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                    top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                    repetition_penalty=args.repetition_penalty,
+                    min_new_tokens=args.min_new_tokens, mode=args.gen_mode,
+                    gen_batch_size=args.gen_batch_size, unshard=args.gen_unshard,
+                    cuda_graphs=args.gen_cuda_graphs, engine_dtype=args.gen_dtype)
 
 
-def eval_sampling(args) -> dict:
-    """The evaluation's own keywords of common.evaluate, over generation_kwargs' training ones:
+def eval_plan(args, sampling: Sampling, reward) -> Evaluation:
+    """The held-out evaluation's Evaluation: the rollout's sampling with the evaluation's own
     temperature, top_p and max_new_tokens (--eval-temperature, --eval-top-p,
-    --eval-max-new-tokens: by default the training ones), log_samples (--log-eval-samples) and
-    the name of an evaluation before the first step (the step-0 one, or --eval-only's)."""
-    return {"temperature": args.temperature if args.eval_temperature is None
-            else args.eval_temperature,
-            "top_p": args.top_p if args.eval_top_p is None else args.eval_top_p,
-            "max_new_tokens": args.eval_max_new_tokens, "log_samples": args.log_eval_samples,
-            "first_name": "the --eval-only evaluation" if args.eval_only
-            else "the step-0 evaluation"}
+    --eval-max-new-tokens: by default the training ones), --eval-k and --eval-n, the task's
+    reward, --log-eval-samples and the name of an evaluation before the first step (the step-0
+    one, or --eval-only's)."""
+    own = dataclasses.replace(
+        sampling, max_new_tokens=args.eval_max_new_tokens,
+        temperature=args.temperature if args.eval_temperature is None else args.eval_temperature,
+        top_p=args.top_p if args.eval_top_p is None else args.eval_top_p)
+    return Evaluation(sampling=own, k=args.eval_k, n=args.eval_n, reward=reward,
+                      log_samples=args.log_eval_samples,
+                      first_name="the --eval-only evaluation" if args.eval_only
+                      else "the step-0 evaluation")
 
 
 # Upper bounds of the integer flags past which a run would load the model and then crash (a tensor,

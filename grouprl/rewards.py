@@ -2,13 +2,15 @@
 advantages, and the watch it keeps over a run's training steps (a reward that keeps failing stops
 the run; groups that are all flat from the first step on are said once). The grading itself, the
 math grader and users' --reward functions in worker processes under a time bound, is grader.py's
-(reward_worker.py is the worker's program); the built-in reward functions a --reward names are
-common.py's (math_reward, think_format, length_penalty).
+(reward_worker.py is the worker's program). At the end, the built-in reward functions a --reward
+names (math_reward, think_format, length_penalty: common.py imports them, so --reward
+common:math_reward finds them).
 """
 
 from __future__ import annotations
 
 import math
+import re
 import sys
 
 import torch
@@ -247,3 +249,45 @@ def watch_flat_groups(reward: Reward | Rewards, r: torch.Tensor, n: int):
                   "nothing is learned; if this goes on, the answers may not be gradable: compare "
                   "them with what the model writes (samples.jsonl)",
                   file=sys.stderr)
+
+
+# -------------------- the built-in reward functions (--reward common:math_reward ...)
+def math_reward(completion: str, answer: str) -> float:
+    """1.0 if the completion's final answer (extract_answer) equals the reference, else 0.0: exact
+    numbers and canonical text first (decide), math-verify on what they cannot settle (radicals,
+    expressions, intervals, sets, tuples, matrices, equations), in a worker process with a time
+    bound (in the calling process when that is a --reward worker). Model text is parsed, never
+    executed."""
+    r, errors = score([completion], [answer], 1, watch=False)
+    return r.item()
+
+
+# <think>, the reasoning, one </think>, then an answer: no second <think>, something after
+# </think>. The opening tag may be missing where the chat template wrote it into the prompt.
+_THINK_FORMAT = re.compile(r"\s*(?:<think>)?(?:(?!<think>|</think>).)*</think>(?!.*<think>)"
+                           r"(?!.*</think>)\s*\S.*", re.DOTALL)
+
+
+def think_format(completion: str, answer: str) -> float:
+    """1.0 when the completion reasons inside <think>...</think> and then answers (TRL's
+    think_format_reward, which also asks for an answer after </think>), else 0.0. A built-in
+    reward: --reward common:think_format."""
+    return float(_THINK_FORMAT.fullmatch(completion) is not None)
+
+
+# DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13), with |y| in characters (a reward
+# sees text): L_max = LENGTH_MAX_CHARS, L_cache = LENGTH_CACHE_CHARS (DAPO: 20480 and 4096 tokens)
+LENGTH_MAX_CHARS = 16384
+LENGTH_CACHE_CHARS = 4096
+
+
+def length_penalty(completion: str, answer: str) -> float:
+    """0 up to L_max - L_cache characters, then ((L_max - L_cache) - |y|) / L_cache, falling
+    linearly to -1 at L_max, and -1 past it (DAPO eq. 13). A built-in reward:
+    --reward common:length_penalty, added to another one with its weight (--reward-weights)."""
+    free = LENGTH_MAX_CHARS - LENGTH_CACHE_CHARS
+    if len(completion) <= free:
+        return 0.0
+    if len(completion) <= LENGTH_MAX_CHARS:
+        return (free - len(completion)) / LENGTH_CACHE_CHARS
+    return -1.0

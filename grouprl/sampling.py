@@ -7,11 +7,36 @@ of exp(s - max) / E with E ~ Exp(1) (torch.multinomial's own algorithm for one s
 log-prob is the token's under the temperature-scaled softmax over the whole vocabulary of the
 penalised logits (before top-k/top-p/min-p). How each step is computed, what it reads and how it
 was measured: docs/engine.md (the sampler, step by step).
+
+Sampling: how a rollout's completions are drawn, one object passed whole from the command line
+(cli.sampling) to generation.generate, evaluation.evaluate and the engine.
 """
+from dataclasses import dataclass
+
 import torch
 
 RADIX_BITS = 8
 BUCKETS = 1 << RADIX_BITS
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What is drawn (HF generate's names and meanings; 0, 1, 0, 1, 0 are off) and by which path
+    (--gen-mode and its settings; docs/engine.md)."""
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0  # EOS masked for a completion's first tokens
+    mode: str = "shared-prefill"  # --gen-mode: repeat, shared-prefill, static, engine, engine-tp
+    gen_batch_size: int = 256  # rows a generate call (the engine: slots)
+    unshard: bool = False  # --gen-unshard (FSDP2: each layer gathered once a generate call)
+    cuda_graphs: bool = True  # --gen-cuda-graphs (the engine's decode step)
+    engine_dtype: str = "auto"  # --gen-dtype: the engine's weights' precision
+    flex: bool | None = None  # the engine's attention: FlexAttention (None: where it runs)
+    compile_step: bool | None = None  # the engine's compiled decode step (None: on a GPU)
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import common
+from grouprl import generation
 from grouprl import modeling
 from conftest import ROOT
 
@@ -91,7 +92,7 @@ def test_gpu_benchmark_smoke(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.load(open(tmp_path / "gpu.json"))
     row = out["results"]["tiny"]
-    assert set(row["generation"]) == {*common.GEN_MODES, "engine-eager", "engine-sdpa", "engine-nocompile",
+    assert set(row["generation"]) == {*generation.GEN_MODES, "engine-eager", "engine-sdpa", "engine-nocompile",
                                       "engine-flexapart"}
     for mode, g in row["generation"].items():
         assert g["tokens_per_s"] > 0 and 1 <= g["mean_length"] < 6, (mode, g)  # EOS ids stop some completions early
@@ -110,7 +111,7 @@ def test_gpu_benchmark_without_training_packages(tmp_path):
                        capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     row = json.load(open(tmp_path / "gpu.json"))["results"]["tiny"]
-    assert set(row["generation"]) == {*common.GEN_MODES, "engine-eager", "engine-sdpa", "engine-nocompile",
+    assert set(row["generation"]) == {*generation.GEN_MODES, "engine-eager", "engine-sdpa", "engine-nocompile",
                                       "engine-flexapart"}
     assert all(g["tokens_per_s"] > 0 for g in row["generation"].values()), row["generation"]
     for ac in (0, 1):

@@ -12,6 +12,7 @@ import torch
 import common
 from grouprl import data
 from grouprl import distributed
+from grouprl import evaluation
 from grouprl import grader
 from grouprl import modeling
 from grouprl import rewards
@@ -147,6 +148,6 @@ def test_fewer_held_out_prompts_than_ranks_fail_before_any_generation():
 
     held = Dataset.from_list([{"prompt": "1+1", "answer": "2", "text": "1+1"}])
     with pytest.raises(SystemExit) as e:  # no model: it stops before any generation
-        common.evaluate(None, None, held, None, distributed.Dist(0, 2, torch.device("cpu")), k=2, max_new_tokens=4,
+        evaluation.evaluate(None, None, held, None, distributed.Dist(0, 2, torch.device("cpu")), k=2, max_new_tokens=4,
                         temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=8)
     assert str(e.value.code).startswith("error: the held-out split has 1 prompt(s), fewer than the 2 ranks")

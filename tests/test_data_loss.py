@@ -222,7 +222,7 @@ def test_a_run_folder_replaced_mid_run_stops_the_run_in_one_line(tmp_path):
     now, and nothing is written into the new R; a second run can lock the new R."""
     import torch
 
-    import common
+    from grouprl import runlog
     from grouprl import distributed
 
     run = tmp_path / "gspo__1__1700000000"
@@ -230,7 +230,7 @@ def test_a_run_folder_replaced_mid_run_stops_the_run_in_one_line(tmp_path):
     checkpoint.claim_run_dir(str(run), None, dist_env)
     import argparse
 
-    logger = common.Logger(str(run), dist_env, argparse.Namespace(seed=1))
+    logger = runlog.Logger(str(run), dist_env, argparse.Namespace(seed=1))
     try:
         logger.log(1, {"charts/reward_mean": 0.5})
         logger.writer.flush()  # tensorboard's thread has written step 1 (in a run: long before the next step)

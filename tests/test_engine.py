@@ -1,6 +1,6 @@
-"""The rollout engine (engine.py) against the HF reference: greedy tokens equal to `generate`'s, per-token log-probs
-equal to Policy.forward's, logits equal to the HF forward's for the Qwen3 / Qwen2 / Llama shapes, the sampler equal
-to transformers' warpers and to the softmax, and the scheduler's bookkeeping (fp32, CPU)."""
+"""The rollout engine (grouprl/engine/) against the HF reference: greedy tokens equal to `generate`'s, per-token
+log-probs equal to Policy.forward's, logits equal to the HF forward's for the Qwen3 / Qwen2 / Llama shapes, the
+sampler equal to transformers' warpers and to the softmax, and the scheduler's bookkeeping (fp32, CPU)."""
 import math
 
 import pytest
@@ -8,6 +8,7 @@ import torch
 
 import common
 from grouprl import engine
+from grouprl.engine import rollout, sampler, scheduler, settings
 from grouprl import modeling
 from grouprl.distributed import Dist, seed_everything
 from conftest import SCRIPTS
@@ -67,7 +68,7 @@ def test_paged_pool_greedy_tokens_equal_hf_generate(setup, monkeypatch, n, slots
     preempted and made anew (their shared prompt blocks freed with their last row, and shared again); the
     completions are still HF's, and every block is back in the pool at the end; with a group's prompt blocks
     shared (SHARE_PROMPTS) and without."""
-    monkeypatch.setattr(engine, "SHARE_PROMPTS", share)
+    monkeypatch.setattr(settings, "SHARE_PROMPTS", share)
     new = 24
     tok, lm, ids = setup
     assert pool < slots * (max(map(len, ids)) + new)  # the whole cache would not fit the pool
@@ -106,7 +107,7 @@ def test_group_prompt_stored_once(setup, monkeypatch, page):
     1/16 of the unshared ones at 16 (2,000 = 125 x 16), 31 of 256 a group at 128 (15 shared, and each row's own
     copy of the last, partly filled one). The tokens and log-probs are the unshared rollout's (sampled from one seed:
     a group's greedy rows would be equal, and would not show one row writing over another's)."""
-    monkeypatch.setattr(engine, "PAGE", page)
+    monkeypatch.setattr(settings, "PAGE", page)
     tok, lm, ids = setup
     n, P, new, groups = 16, 2000, 8, 2
     g = torch.Generator().manual_seed(0)
@@ -114,7 +115,7 @@ def test_group_prompt_stored_once(setup, monkeypatch, page):
     pool = groups * n * -(-(P + new + 4) // page) * page  # every row at once, unshared: nothing waits
     out, stats = {}, {}
     for share in (True, False):
-        monkeypatch.setattr(engine, "SHARE_PROMPTS", share)
+        monkeypatch.setattr(settings, "SHARE_PROMPTS", share)
         stats[share] = {}
         out[share] = run(lm, prompts, n, [0], new, groups * n, sync_every=4, pool_tokens=pool, stats=stats[share],
                          temperature=1.0, top_k=0, generator=torch.Generator().manual_seed(3))
@@ -135,7 +136,7 @@ def test_group_prompt_stored_once(setup, monkeypatch, page):
     assert prompt_blocks[True] / prompt_blocks[False] == {16: 1 / 16, 128: 31 / 256}[page]
     # admission counts the shared blocks once: a pool of exactly the blocks the shared rollout took admits both groups
     # at once (counted unshared, the second would wait for the first)
-    monkeypatch.setattr(engine, "SHARE_PROMPTS", True)
+    monkeypatch.setattr(settings, "SHARE_PROMPTS", True)
     tight = {}
     assert run(lm, prompts, n, [0], new, groups * n, sync_every=4, pool_tokens=on["kv_blocks_peak"] * page,
                stats=tight, temperature=1.0, top_k=0, generator=torch.Generator().manual_seed(3))[0] == out[True][0]
@@ -152,9 +153,9 @@ def test_flex_decoding_reads_live_blocks_and_equals_hf_generate(setup, monkeypat
     tokens equal HF's; sampled with one seed, SDPA's tokens and log-probs. Each row's block count is its own length
     rounded up: the blocks past it are not read (a row with one block fewer, or the read length's count, would
     differ)."""
-    monkeypatch.setattr(engine, "FLEX_BLOCK", 8)
-    monkeypatch.setattr(engine, "PAGE", 8)  # paged, SDPA's blocks as flex's: the same admissions and preemptions
-    monkeypatch.setattr(engine, "GRAPH_REACH", 16)
+    monkeypatch.setattr(settings, "FLEX_BLOCK", 8)
+    monkeypatch.setattr(settings, "PAGE", 8)  # paged, SDPA's blocks as flex's: the same admissions and preemptions
+    monkeypatch.setattr(settings, "GRAPH_REACH", 16)
     tok, lm, ids = setup
     eos = ragged_eos(lm, tok, ids)
     ref, _ = hf_greedy(lm, tok, ids, n, eos, 24)
@@ -180,7 +181,7 @@ def test_graphed_step_equals_the_eager_one(setup, monkeypatch, n, slots, pool):
     buffers, the read length rounded up to engine.GRAPH_REACH, here 16, so that several graphs serve one rollout; on
     the CPU each runs eagerly, the capture itself needs a GPU), whole and paged: greedy, HF's tokens; sampled with one
     seed, the eager step's tokens, and log-probs equal to 1e-5."""
-    monkeypatch.setattr(engine, "GRAPH_REACH", 16)
+    monkeypatch.setattr(settings, "GRAPH_REACH", 16)
     tok, lm, ids = setup
     eos = ragged_eos(lm, tok, ids)
     ref, _ = hf_greedy(lm, tok, ids, n, eos, 24)
@@ -198,6 +199,25 @@ def test_graphed_step_equals_the_eager_one(setup, monkeypatch, n, slots, pool):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
 
 
+def test_a_kept_engine_holds_eos_after_a_rollout_without(setup):
+    """A kept Engine (keep=True, one per run) whose graphs' step was made without the EOS hold (min_new_tokens 0),
+    then asked for min_new_tokens 4: the hold is part of the graphs' key, so the step runs a graph that masks EOS and
+    no row ends before 4 tokens, as a fresh Engine's rows (issue 61: a key without it replayed the unmasked graph,
+    and rows ended at their first EOS). EOS: the greedy tokens of steps 1 and 2, so that unmasked, rows end early."""
+    tok, lm, ids = setup
+    free, _ = run(lm, ids, 2, [tok.eos_token_id], 8, 6)
+    eos = sorted({t for c in free for t in c[1:3]})
+    kw = dict(sync_every=3, graphs=True)
+    try:
+        short, _ = run(lm, ids, 2, eos, 8, 6, keep=True, **kw)  # its graph made without the hold
+        assert min(map(len, short)) < 4, short
+        got = run(lm, ids, 2, eos, 8, 6, keep=True, min_new_tokens=4, **kw)
+    finally:
+        engine.HELD.pop(lm, None)
+    assert min(map(len, got[0])) >= 4, got[0]
+    assert got == run(lm, ids, 2, eos, 8, 6, min_new_tokens=4, **kw)
+
+
 def test_paged_pool_too_small_for_one_group(setup, monkeypatch):
     """A pool smaller than one group at full length fails in one line: 62 + 40 positions, 7 blocks of 16 a row; the
     shortest prompt (21 tokens) has 1 full block its 2 rows share: 1 + 2 x 6 = 13 blocks (208 positions), which run
@@ -208,7 +228,7 @@ def test_paged_pool_too_small_for_one_group(setup, monkeypatch):
     stats = {}
     assert run(lm, ids, 2, [0], 40, 10, pool_tokens=208, stats=stats)[0] == run(lm, ids, 2, [0], 40, 10)[0]
     assert stats["blocks_taken"] == 0
-    monkeypatch.setattr(engine, "SHARE_PROMPTS", False)
+    monkeypatch.setattr(settings, "SHARE_PROMPTS", False)
     with pytest.raises(ValueError, match="a KV pool of 223 positions cannot hold one group of 2 rows of up to 102"):
         run(lm, ids, 2, [0], 40, 10, pool_tokens=223)
 
@@ -283,7 +303,7 @@ def test_attention_output_in_a_gpu_kernels_layout(monkeypatch):
     x = torch.randint(0, 97, (2, 9))
     with torch.no_grad():
         want = lm(x).logits.float()
-    monkeypatch.setattr(engine.F, "scaled_dot_product_attention", gpu_layout)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", gpu_layout)
     eng = engine.Engine(lm, 2, 9, CPU, torch.float32)
     eng.prefill([x[0, :5].tolist(), x[1, :5].tolist()], torch.tensor([0, 1]), 1)
     got = [eng.decode(x[:, t], torch.full((2,), t), t + 1) for t in range(5, 9)]
@@ -333,7 +353,8 @@ def test_engine_samples_hf_multinomial_tokens_with_one_seed(setup, monkeypatch, 
     eos = [first[0][2], first[4][5]]  # tokens sampled at steps 3 and 6: rows end at different lengths
     runs = {}
     for name, fn in (("engine", engine.sample), ("hf", multinomial_sample)):
-        monkeypatch.setattr(engine, "sample", fn)
+        monkeypatch.setattr(sampler, "sample", fn)  # the decoding steps' draw
+        monkeypatch.setattr(scheduler, "sample", fn)  # the first tokens, at admission
         runs[name] = run(lm, ids, 3, eos, 12, 7, **kw, generator=torch.Generator().manual_seed(5))
     assert runs["engine"][0] == runs["hf"][0]
     assert len({len(c) for c in runs["engine"][0]}) > 1  # rows ended at different steps
@@ -423,8 +444,8 @@ def test_scripts_train_with_the_engine(script, monkeypatch, tmp_path):
 
 def test_an_architecture_the_engine_does_not_cover_falls_back_with_one_line(setup, monkeypatch, capsys):
     tok, lm, ids = setup
-    monkeypatch.setattr(engine, "unsupported", lambda config: "model_type 'other' (the engine covers ...)")
-    monkeypatch.setattr(engine, "_FALLBACK_SAID", [])
+    monkeypatch.setattr(settings, "unsupported", lambda config: "model_type 'other' (the engine covers ...)")
+    monkeypatch.setattr(settings, "_FALLBACK_SAID", [])
     d = Dist(0, 1, CPU)
     kw = dict(max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=1, gen_batch_size=8)
     texts = [tok.decode(p) for p in ids]
@@ -460,8 +481,8 @@ def test_engine_tp_heads_that_do_not_split_fail_before_any_model(monkeypatch, tm
 
 def test_check_model_says_the_fallback_before_the_model_is_built(monkeypatch, capsys):
     """An architecture the engine does not cover: the one line comes at check_model (config only), once."""
-    monkeypatch.setattr(engine, "unsupported", lambda config: "model_type 'other' (the engine covers ...)")
-    monkeypatch.setattr(engine, "_FALLBACK_SAID", [])
+    monkeypatch.setattr(settings, "unsupported", lambda config: "model_type 'other' (the engine covers ...)")
+    monkeypatch.setattr(settings, "_FALLBACK_SAID", [])
     modeling.check_model("tiny", False, "engine")
     modeling.check_model("tiny", False, "engine")
     modeling.check_model("tiny", False, "shared-prefill")
@@ -535,7 +556,7 @@ def test_memory_needed_and_a_pool_the_gpu_cannot_hold(setup, monkeypatch):
     def short(*a):
         raise MemoryError("the KV cache of ... exceed the 1.0 GiB free on the GPU")
 
-    monkeypatch.setattr(engine, "kv_plan", short)
+    monkeypatch.setattr(rollout, "kv_plan", short)
     with pytest.raises(SystemExit) as e:
         common.generate(modeling.Policy(lm), tok, [tok.decode(ids[0])], 2, [tok.eos_token_id], Dist(0, 1, CPU),
                         max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=8, mode="engine")

@@ -9,6 +9,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from grouprl import engine
+from grouprl.engine import rollout, settings
 from conftest import ROOT
 from helpers import CPU, run, setup  # noqa: F401 (the fixture)
 
@@ -129,7 +130,7 @@ def test_slots_never_exceed_rows(setup, monkeypatch):
     rows made the engine several times slower than HF on a real model)."""
     tok, lm, ids = setup
     made, real = [], engine.Engine
-    monkeypatch.setattr(engine, "Engine", lambda lm, slots, *a, **k: made.append(slots) or real(lm, slots, *a, **k))
+    monkeypatch.setattr(rollout, "Engine", lambda lm, slots, *a, **k: made.append(slots) or real(lm, slots, *a, **k))
     run(lm, ids[:2], 3, [tok.eos_token_id], 4, 256)
     assert made == [6]
 
@@ -156,8 +157,8 @@ def test_flex_kernel_options(setup, monkeypatch):
     assert engine.flex_options("cuda") == {"BLOCK_N": 64, "num_stages": 4, "num_warps": 2} == engine.HOPPER_FLEX
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
     assert engine.flex_options("cuda") is None
-    monkeypatch.setattr(engine, "FLEX_OPTIONS", {"num_warps": 4})
-    assert engine.flex_options(CPU) == {"num_warps": 4} and engine.flex_options(CPU) is not engine.FLEX_OPTIONS
+    monkeypatch.setattr(settings, "FLEX_OPTIONS", {"num_warps": 4})
+    assert engine.flex_options(CPU) == {"num_warps": 4} and engine.flex_options(CPU) is not settings.FLEX_OPTIONS
     eng = engine.Engine(lm, 3, 64, CPU, torch.float32, flex=True)
     seen, flex = [], eng.flex
     eng.flex = lambda *a, kernel_options=None, **k: seen.append(kernel_options) or flex(*a, **k)
@@ -184,7 +185,7 @@ def test_paged_flex_reads_the_pool_in_place(setup, monkeypatch):
     lists each live row's physical blocks (taken in shuffled order, so logical and physical differ) and no block of a
     dead slot, so the KV bytes a step reads are the live rows' positions rounded up to a block (dead rows 0); the
     logits equal a whole cache's, fed the same prompts and tokens, for three steps."""
-    monkeypatch.setattr(engine, "FLEX_BLOCK", 8)
+    monkeypatch.setattr(settings, "FLEX_BLOCK", 8)
     tok, lm, ids = setup
     prompts, n, new = [ids[0], ids[4]], 2, 3
     lengths = torch.tensor([len(p) for p in prompts]).repeat_interleave(n)
@@ -278,7 +279,7 @@ def test_an_engine_replaced_is_freed_before_the_next_plan(setup, monkeypatch):
     old = weakref.ref(engine.HELD[lm])
     seen = []
     plan = engine.kv_plan
-    monkeypatch.setattr(engine, "kv_plan", lambda *a, **k: seen.append(old()) or plan(*a, **k))
+    monkeypatch.setattr(rollout, "kv_plan", lambda *a, **k: seen.append(old()) or plan(*a, **k))
     gc.disable()
     try:
         engine.generate(lm, ids[:2], 3, [tok.eos_token_id], **kw, slots=4, keep=True)
@@ -294,10 +295,10 @@ def test_a_pool_planned_from_free_memory_is_not_kept(setup, monkeypatch):
     step's peak (AdamW's moments, made at its first step) would not fit beside it. A whole cache is kept."""
     tok, lm, ids = setup
     kw = dict(max_new_tokens=4, temperature=1.0, top_k=1, top_p=1.0, slots=6, device=CPU, dtype=torch.float32)
-    monkeypatch.setattr(engine, "kv_plan", lambda *a, **k: 400)  # a paged plan
+    monkeypatch.setattr(rollout, "kv_plan", lambda *a, **k: 400)  # a paged plan
     engine.generate(lm, ids[:2], 3, [tok.eos_token_id], **kw, keep=True)
     assert lm not in engine.HELD
-    monkeypatch.setattr(engine, "kv_plan", lambda *a, **k: None)  # whole
+    monkeypatch.setattr(rollout, "kv_plan", lambda *a, **k: None)  # whole
     engine.generate(lm, ids[:2], 3, [tok.eos_token_id], **kw, keep=True)
     assert lm in engine.HELD
     del engine.HELD[lm]
@@ -332,7 +333,7 @@ def test_compiled_flex_decodes_as_eager(device, pool, apart, monkeypatch):
         return dense(*a, **k)
 
     monkeypatch.setattr(hop, "math_attention", counting)
-    monkeypatch.setattr(engine, "FLEX_APART", apart)
+    monkeypatch.setattr(settings, "FLEX_APART", apart)
     shape = dict(shapes.QWEN3["0.6B"], num_hidden_layers=1, vocab_size=512)
     torch.manual_seed(0)
     lm = shapes.random_model(shape, shapes.word_tokenizer(512), torch.float32).to(device)

@@ -15,7 +15,7 @@ import torch
 
 import common
 from conftest import ROOT
-from grouprl import checkpoint, data, distributed, grader, modeling
+from grouprl import checkpoint, data, distributed, evaluation, grader, modeling, runlog
 from helpers import run_script
 
 
@@ -95,8 +95,9 @@ def test_a_slow_steps_rollout_is_in_view(monkeypatch, tmp_path, capsys):
 
 def test_a_stop_signal_during_the_step0_evaluation_is_named(tmp_path):
     """SIGTERM while the step-0 evaluation generates: one line naming it, nothing saved."""
-    p = subprocess.Popen([sys.executable, "tests/programs/stall.py", "common.generate", str(tmp_path / "runs"),
-                          "--eval-every", "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "tests/programs/stall.py", "grouprl.evaluation.generate",
+                          str(tmp_path / "runs"), "--eval-every", "1"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
     for line in p.stdout:
         if line == "waiting\n":
             break
@@ -113,8 +114,8 @@ def test_a_resumed_logger_drops_the_eval_samples_it_redoes(tmp_path):
     (tmp_path / "eval_samples.jsonl").write_text("".join(json.dumps({"step": s, "completion": "x"}) + "\n"
                                                          for s in (0, 2, 4)))
     args = types.SimpleNamespace(track=False)
-    logger = common.Logger(str(tmp_path), distributed.Dist(0, 1, torch.device("cpu")), args, first_step=3)
-    logger.log(4, {"eval/avg@1": 0.5, common.EVAL_ROWS: [{"prompt": "p", "answer": "1", "completion": "1",
+    logger = runlog.Logger(str(tmp_path), distributed.Dist(0, 1, torch.device("cpu")), args, first_step=3)
+    logger.log(4, {"eval/avg@1": 0.5, evaluation.EVAL_ROWS: [{"prompt": "p", "answer": "1", "completion": "1",
                                                           "reward": 1.0, "extracted": "1", "truncated": False}]})
     logger.close()
     steps = [json.loads(line)["step"] for line in open(tmp_path / "eval_samples.jsonl")]

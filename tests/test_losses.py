@@ -195,7 +195,7 @@ def test_gspo_is_advantage_times_post_clip_weight(seed):
 
 def test_jitter2_by_hand():
     """Eq. 20: 1/(T-2) sum_t |m_t+2 - 2 m_t+1 + m_t|; a straight line has none, a zig-zag 0,1,0,1 has 2."""
-    from common import jitter2
+    from grouprl.runlog import jitter2
 
     assert jitter2([0.0, 1.0, 0.0, 1.0]) == 2.0
     assert jitter2([0.1 * t for t in range(10)]) == pytest.approx(0.0, abs=1e-15)

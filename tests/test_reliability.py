@@ -13,6 +13,7 @@ from grouprl import grader
 from grouprl import checkpoint
 from grouprl import modeling
 from grouprl import rewards
+from grouprl import runlog
 from conftest import ROOT
 from helpers import run_script
 
@@ -380,7 +381,7 @@ def test_a_byte_that_is_not_utf8_in_a_data_file_names_file_and_line(name, text, 
 def logger_at(run_dir):
     import argparse
 
-    return common.Logger(str(run_dir), distributed.Dist(0, 1, torch.device("cpu")), argparse.Namespace(seed=1))
+    return runlog.Logger(str(run_dir), distributed.Dist(0, 1, torch.device("cpu")), argparse.Namespace(seed=1))
 
 
 def test_a_deleted_run_folder_or_a_full_disk_while_logging_is_the_saves_one_line(tmp_path):
@@ -396,7 +397,7 @@ def test_a_deleted_run_folder_or_a_full_disk_while_logging_is_the_saves_one_line
                             f"while writing {tmp_path}/run/metrics.jsonl: nothing more can be logged or saved there; "
                             "start the run again")
     with pytest.raises(SystemExit) as e:
-        common.log_samples(logger, str(tmp_path / "run"), 2, 1, ["p"], ["a"], ["c"], torch.ones(1), torch.ones(1), 1)
+        runlog.log_samples(logger, str(tmp_path / "run"), 2, 1, ["p"], ["a"], ["c"], torch.ones(1), torch.ones(1), 1)
     assert "is gone (deleted or moved while the run wrote it) while writing" in str(e.value)
     logger = logger_at(tmp_path / "run2")
     logger.metrics = open("/dev/full", "w")  # every write: ENOSPC

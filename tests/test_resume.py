@@ -17,6 +17,7 @@ from grouprl import checkpoint
 import common
 from grouprl import distributed
 from grouprl import modeling
+from grouprl import runlog
 from conftest import ROOT
 from helpers import fake_checkpoint, read_rows
 
@@ -192,11 +193,11 @@ def test_torchrun_max_restarts_resumes_a_killed_rank(tmp_path, tmp_path_factory)
 def test_metrics_rows_read_back(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "a": NaN}\n{"step": 2, "a": 1}\n{"step": 3, "a"')
-    assert common.read_metrics(str(path)) == [{"step": 1, "a": None}, {"step": 2, "a": 1}]  # older files: NaN read
-    assert common.read_metrics(str(path), keep_below=2) == [{"step": 1, "a": None}]
+    assert runlog.read_metrics(str(path)) == [{"step": 1, "a": None}, {"step": 2, "a": 1}]  # older files: NaN read
+    assert runlog.read_metrics(str(path), keep_below=2) == [{"step": 1, "a": None}]
     path.write_text('{"step": 1}\n{"step": 2\n{"step": 3}\n')
     with pytest.raises(distributed.Refused, match="metrics.jsonl line 2 is not JSON: repair or remove that line"):
-        common.read_metrics(str(path))
+        runlog.read_metrics(str(path))
 
 
 def test_one_writer_per_run_folder(tmp_path, monkeypatch):
@@ -302,7 +303,7 @@ def test_resume_from_an_earlier_checkpoint_branches_the_run(tmp_path, monkeypatc
                                       str(tmp_path)])
     gspo.main()
     assert f"resuming {run}/step_3 (step 3)" in capsys.readouterr().out
-    assert [r["step"] for r in common.read_metrics(f"{run}/metrics.jsonl")] == [1, 2, 3, 4]
+    assert [r["step"] for r in runlog.read_metrics(f"{run}/metrics.jsonl")] == [1, 2, 3, 4]
 
 
 def test_full_disk_on_one_rank_stops_every_rank_with_one_line(tmp_path):

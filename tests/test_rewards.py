@@ -7,6 +7,8 @@ import torch
 
 from common import group_advantages, math_reward
 from grouprl.grader import extract_answer, parse_number
+from grouprl import evaluation
+from grouprl import rewards as grouprl_rewards
 from grouprl.rewards import score
 from conftest import SCRIPTS
 from helpers import run_script
@@ -154,7 +156,7 @@ def test_the_loop_scores_the_rollouts_truncation(script, monkeypatch, tmp_path):
     (4, 2, 1, 2 / 4), (4, 2, 2, 1 - 1 / 6), (4, 2, 3, 1.0), (4, 2, 4, 1.0), (4, 3, 1, 3 / 4), (4, 3, 2, 1.0),
     (4, 3, 3, 1.0), (4, 3, 4, 1.0), (4, 4, 1, 1.0), (4, 4, 4, 1.0)])
 def test_pass_at_k_unbiased_estimator(n, c, k, expected):
-    from common import pass_at_k
+    from grouprl.stats import pass_at_k
 
     assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-15)
 
@@ -163,7 +165,7 @@ def test_pass_at_k_is_the_chance_that_k_of_the_n_samples_hold_a_correct_one():
     """Against the definition: enumerate every k-subset of n samples with c correct."""
     from itertools import combinations
 
-    from common import pass_at_k
+    from grouprl.stats import pass_at_k
 
     for c in range(5):
         samples = [1] * c + [0] * (4 - c)
@@ -178,24 +180,24 @@ def test_eval_only_on_a_saved_checkpoint_prints_the_table(tiny_dir, monkeypatch,
     """--eval-only with n > k: avg@k is the mean accuracy over all n samples, pass@k the mean unbiased estimate."""
     import json
 
-    import common
+    from grouprl.stats import pass_at_k
 
     scores = []
-    real = common.score
+    real = evaluation.score
 
     def recording(texts, answers, n, *a, **k):
         r, e = real(texts, answers, n, *a, **k)
         scores.append(r.view(-1, n))
         return r, e
 
-    monkeypatch.setattr(common, "score", recording)
+    monkeypatch.setattr(evaluation, "score", recording)  # evaluate's
     rows, run = run_script("gspo", ["--model", tiny_dir, "--eval-only", "--eval-size", "6", "--eval-k", "2",
                                     "--eval-n", "4", "--max-new-tokens", "2"], monkeypatch, tmp_path, jitter_row=False)
     r = torch.cat(scores)
     assert r.shape == (6, 4) and len(rows) == 1 and rows[0]["eval/samples"] == 4
     assert rows[0]["eval/avg@2"] == pytest.approx(r.mean().item(), abs=1e-12)  # avg@k of the samples: mean accuracy
     assert rows[0]["eval/pass@2"] == pytest.approx(
-        sum(common.pass_at_k(4, int(c), 2) for c in (r > 0).sum(1)) / 6, abs=1e-12)
+        sum(pass_at_k(4, int(c), 2) for c in (r > 0).sum(1)) / 6, abs=1e-12)
     out = capsys.readouterr().out
     assert "| dataset | prompts | samples a prompt | avg@2 | pass@2 | reward errors |" in out
     assert "| builtin (held-out) | 6 | 4 |" in out
@@ -433,7 +435,7 @@ def test_builtin_rewards():
     assert think_format("<think>2+2 is 4</think>  ", "4") == 0.0  # no answer after it
     assert think_format("<think>a</think> 4 <think>b</think> 5", "4") == 0.0  # a second block
     assert think_format("The answer is 4.", "4") == 0.0 and think_format("<think>never closed 4", "4") == 0.0
-    lmax, cache = common.LENGTH_MAX_CHARS, common.LENGTH_CACHE_CHARS
+    lmax, cache = grouprl_rewards.LENGTH_MAX_CHARS, grouprl_rewards.LENGTH_CACHE_CHARS
     assert length_penalty("a" * (lmax - cache), "") == 0.0
     assert length_penalty("a" * (lmax - cache // 2), "") == -0.5
     assert length_penalty("a" * lmax, "") == -1.0 and length_penalty("a" * (lmax + 1), "") == -1.0

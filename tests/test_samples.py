@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import common
+from grouprl import evaluation, runlog
 from helpers import run_script
 
 
@@ -49,14 +50,14 @@ def test_samples_every_k_steps(tmp_path):
     r, adv = torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([1.5, -0.5, -0.5, -0.5])
     args = (["a", "b", "c"], ["1", "2", "3"], ["x", "y", "z", "w"], r, adv, 2)
     for step in (1, 2, 3, 4):
-        common.log_samples(logger, str(tmp_path), step, 2, *args)  # every 2 steps: 2 and 4
+        runlog.log_samples(logger, str(tmp_path), step, 2, *args)  # every 2 steps: 2 and 4
     steps = [json.loads(line)["step"] for line in open(tmp_path / "samples.jsonl")]
     assert steps == [2, 2, 2, 2, 4, 4, 4, 4] and logged == [("samples", 2), ("samples", 4)]
-    common.log_samples(logger, str(tmp_path), 6, 0, *args)  # 0: never
+    runlog.log_samples(logger, str(tmp_path), 6, 0, *args)  # 0: never
     assert len(logged) == 2
 
 
 @pytest.mark.parametrize("log, expected", [({"eval/avg@8": 0.25, "eval/pass@8": 0.5}, "; held-out avg@8 0.250, pass@8 0.500"),
                                            ({"charts/reward_mean": 0.3}, "")])
 def test_eval_summary(log, expected):
-    assert common.eval_summary(log) == expected
+    assert evaluation.eval_summary(log) == expected

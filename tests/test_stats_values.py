@@ -17,7 +17,8 @@ import re
 import pytest
 import torch
 
-from common import group_advantages, group_metrics, jitter2, reduce_stats
+from common import group_advantages, group_metrics, reduce_stats
+from grouprl.runlog import jitter2
 from dfpo import dfpo_loss
 from grpo import grpo_loss
 from gspo import gspo_loss

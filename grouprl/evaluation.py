@@ -1,0 +1,118 @@
+"""Held-out evaluation: avg@k and pass@k over the held-out prompts, the --eval-only report, and
+the one-line summary a step prints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .checkpoint import startup_phase, starting_up
+from .distributed import Dist, all_reduce, fail
+from .generation import generate
+from .grader import Reward, extract_answer
+from .progress import GenBar
+from .rewards import score
+from .sampling import Sampling
+from .stats import pass_at_k
+
+EVAL_ROWS = "eval/completions"  # evaluate's rows of --log-eval-samples (Logger.log writes them)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One held-out evaluation's settings, made from the flags by cli.evaluation."""
+    sampling: Sampling  # the rollout's, with --eval-temperature, --eval-top-p, --eval-max-new-tokens
+    k: int  # --eval-k
+    n: int | None = None  # --eval-n: samples a prompt (None: k)
+    reward: Reward | None = None  # the task's reward (None: the math grader)
+    log_samples: int = 0  # --log-eval-samples: prompts whose completions are logged
+    first_name: str = "the step-0 evaluation"  # its name before the first step (or --eval-only)
+
+
+@torch.no_grad()
+def evaluate(policy, tok, held, eos, dist_env: Dist, plan: Evaluation) -> dict:
+    """Over the held-out prompts (each rank an equal share), from n >= k samples a prompt (plan.n,
+    defaults to k): avg@k, the mean accuracy of the n samples (an unbiased estimate of the mean
+    accuracy of k samples, the DFPO paper's metric), and pass@k, the mean over prompts of the
+    unbiased 1 - C(n - c, k) / C(n, k) (pass_at_k); the reward is the task's own, whole whether
+    or not a completion stopped (truncated_frac: the fraction cut at max_new_tokens).
+    A progress bar (GenBar) shows it; before the first step it is named first_name, in the bar
+    and in a stop signal's line. log_samples (--log-eval-samples): the first N prompts of rank 0's
+    share, each completion with its reward and extracted answer, as rows under EVAL_ROWS."""
+    k, n, log_samples = plan.k, plan.n or plan.k, plan.log_samples
+    world = dist_env.world
+    m = len(held) // world * world  # equal shares, or the FSDP all-gathers would hang
+    if m == 0:
+        fail(f"the held-out split has {len(held)} prompt(s), fewer than the {world} ranks that "
+             "share it: give a larger dataset (a local file holds out a tenth, at most "
+             "--eval-size) or --eval-every 0")
+    rows = held.select(range(dist_env.rank, m, dist_env.world))
+    first = starting_up()  # before the first step: the step-0 evaluation (or --eval-only)
+    name = plan.first_name if first else "held-out evaluation"
+    bar = GenBar(name.removeprefix("the "), len(rows), n, tok.pad_token_id, dist_env.main,
+                 leave=first)
+    r, errors, cut, logged = torch.zeros(0), 0, 0, []
+    per_call = max(1, plan.sampling.gen_batch_size // n)  # prompts per generate call
+    with startup_phase(name) if first else contextlib.nullcontext():
+        for i in range(0, len(rows), per_call):
+            part = rows.select(range(i, min(i + per_call, len(rows))))
+            out = generate(policy, tok, part["text"], n, eos, dist_env, plan.sampling,
+                           streamer=bar)
+            part_r, part_errors = score(out.texts, part, n, plan.reward, watch=False)
+            for g in range(max(0, min(len(part), log_samples - i))):  # --log-eval-samples
+                logged += [{"prompt": part[g]["prompt"], "answer": part[g]["answer"],
+                            "completion": out.texts[j], "reward": part_r[j].item(),
+                            "extracted": extract_answer(out.texts[j]),
+                            "truncated": bool(out.truncated[j])}
+                           for j in range(g * n, (g + 1) * n)]
+            r, errors = torch.cat([r, part_r]), errors + part_errors
+            cut += int(out.truncated.sum())
+            bar.show(len(part))
+    r = r.view(-1, n)
+    passk = sum(pass_at_k(n, int(c), k) for c in (r > 0).sum(1))
+    s = all_reduce(torch.tensor([r.mean(1).sum(), passk, len(rows), errors, cut], dtype=torch.float64))
+    result = {f"eval/avg@{k}": (s[0] / s[2]).item(), f"eval/pass@{k}": (s[1] / s[2]).item(),
+              "eval/prompts": m, "eval/samples": n, "eval/reward_errors": s[3].item(),
+              "eval/truncated_frac": (s[4] / (s[2] * n)).item()}
+    bar.show(more=f", avg@{k} {result[f'eval/avg@{k}']:.3f}, pass@{k} "
+                  f"{result[f'eval/pass@{k}']:.3f}")
+    bar.bar.close()
+    if log_samples and dist_env.main:
+        result[EVAL_ROWS] = logged
+    return result
+
+
+def eval_report(result: dict, args, run_dir: str, dist_env: Dist) -> str:
+    """--eval-only: the table printed, and eval.json in the run folder (its key: the set
+    evaluated, --eval-dataset or --dataset). Returns the JSON path."""
+    path = os.path.join(run_dir, "eval.json")
+    dataset = args.dataset if args.eval_dataset is None else args.eval_dataset
+    part = "held-out" if dataset == "builtin" else "whole set"  # --eval-only: the whole file
+    if args.eval_limit and dataset != "builtin":
+        part = f"first {args.eval_limit}"
+    if dist_env.main:
+        k = next(key for key in result if key.startswith("eval/avg@")).split("@")[1]
+        print(f"\n| dataset | prompts | samples a prompt | avg@{k} | pass@{k} | reward errors |\n"
+              "|---|---|---|---|---|---|\n"
+              f"| {dataset} ({part}) | {result['eval/prompts']} | {result['eval/samples']} | "
+              f"{result[f'eval/avg@{k}']:.4f} | {result[f'eval/pass@{k}']:.4f} | "
+              f"{result['eval/reward_errors']:.0f} |")
+        os.makedirs(run_dir, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({dataset: {k: v for k, v in result.items() if k != EVAL_ROWS}}, f, indent=1)
+        print(f"written: {path}")
+    return path
+
+
+def eval_summary(log: dict) -> str:
+    """'; held-out avg@k a, pass@k p' when `log` (a step's logged values) holds an evaluation, else
+    ''."""
+    k = next((key.split("@")[1] for key in log if key.startswith("eval/avg@")), None)
+    if k is None:
+        return ""
+    return f"; held-out avg@{k} {log[f'eval/avg@{k}']:.3f}, pass@{k} {log[f'eval/pass@{k}']:.3f}"

@@ -6,6 +6,10 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+# the eight objective scripts, as module names (`f"{s}.py"` where a file is meant); every test that means
+# "each script" takes this list
+SCRIPTS = ["grpo", "gspo", "gspo_token", "dfpo", "cispo", "sapo", "gmpo", "vespo"]
+pytest.register_assert_rewrite("helpers")  # its asserts explain themselves as a test's do
 # 2 threads (CI's cores); OMP_NUM_THREADS, where set, wins (the scripts the tests start read it too): on a loaded
 # machine 1 thread a process avoids OpenMP's spinning, which slowed a small matmul 30x at load 13 on 2 cores
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, min(2, os.cpu_count() or 1))))

@@ -14,11 +14,10 @@ from safetensors.torch import load_file
 
 from grouprl import checkpoint
 from grouprl import distributed
-from conftest import ROOT
-from test_train import run_script
+from conftest import ROOT, SCRIPTS
+from helpers import run_script, SHORT
 
 D = distributed.Dist(0, 1, torch.device("cpu"))
-SHORT = ["--prompts-per-rank", "4", "--eval-every", "0", "--log-samples", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -156,8 +155,8 @@ def test_deleting_writer_lock_does_not_admit_a_second_writer(tmp_path, monkeypat
     (ckpt / "state").mkdir(parents=True)
     (ckpt / "state" / "trainer_state.json").write_text(json.dumps({"step": 4, "world": 1, "script": "gspo.py"}))
     checkpoint.write_manifest(str(ckpt))
-    holder = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "lock_holder.py"), "claim", ROOT, str(run),
-                               str(ckpt)], stdout=subprocess.PIPE,
+    holder = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "programs", "lock_holder.py"), "claim", ROOT,
+                               str(run), str(ckpt)], stdout=subprocess.PIPE,
                               text=True)
     try:
         assert holder.stdout.readline() == "locked\n"
@@ -214,7 +213,6 @@ def test_every_objective_flag_is_fixed_on_resume():
 
     from grouprl.checkpoint import RESUME_FIXED
     from grouprl.cli import CommonArgs
-    from test_layout import SCRIPTS
 
     common_fields = {f.name for f in dataclasses.fields(CommonArgs)}
     for script in SCRIPTS:
@@ -246,7 +244,7 @@ def test_a_save_past_the_file_size_limit_is_not_a_full_disk(tmp_path, monkeypatc
     assert line == efbig == (f"writing {run}/.tmp_step_1 (removed) went past the file size limit (ulimit -f: 1,048,576 "
                              "bytes): raise it (ulimit -f unlimited), then start the run again (it has no checkpoint "
                              "to continue from)")
-    from test_resume import fake_checkpoint
+    from helpers import fake_checkpoint
 
     fake_checkpoint(run / "step_1", step=1, world=1, script="gspo.py")
     assert checkpoint._attempt(write, str(run / ".tmp_step_2")).endswith(  # no limit: the disk, as before
@@ -259,7 +257,7 @@ def test_save_final_model_under_lora_writes_the_merged_model_and_its_adapter(tmp
     final/adapter the adapters (the export's LoRA flag lost: it fails to write)."""
     from transformers import AutoModelForCausalLM
 
-    from test_train import run_script
+    from helpers import run_script
 
     _, run = run_script("gspo", [*SHORT, "--num-steps", "1", "--lora-rank", "4", "--save-final", "model"],
                         monkeypatch, tmp_path)
@@ -297,7 +295,7 @@ def test_every_common_objective_flag_is_fixed_on_resume(flag, then, now, tmp_pat
 
     import gspo
     from grouprl.cli import fill_defaults, parse_args
-    from test_resume import fake_checkpoint
+    from helpers import fake_checkpoint
 
     ckpt = tmp_path / "gspo__1__5" / "step_1"
     fake_checkpoint(ckpt, step=1, world=1, script="gspo.py", args={flag: then})

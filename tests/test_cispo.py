@@ -6,24 +6,17 @@ independently of the code under test, in float64:
             (trl/trainer/grpo_trainer.py, _compute_loss, loss_type "cispo"; TRL's epsilon_high is the cap itself,
             ours is 1 + --clip-high)
 Value and gradient with respect to logp, ratios well outside the band (some weights capped)."""
+import functools
 import math
 
 import pytest
 import torch
 
 from cispo import Args, cispo_loss
+from helpers import batch as drawn_batch, trl_cispo, value_and_grad
 
 B, T = 6, 5
-
-
-def batch(seed=0, dtype=torch.float64):
-    g = torch.Generator().manual_seed(seed)
-    logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
-    old = logp + 1.2 * torch.randn(B, T, generator=g, dtype=torch.float64)  # w from ~0.03 to ~30
-    ref = logp + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64)
-    mask = (torch.arange(T)[None] < torch.tensor([5, 3, 1, 4, 5, 2])[:, None]).double()
-    adv = torch.tensor([1.2, -0.4, 0.0, -1.5, 0.7, 2.0], dtype=torch.float64)
-    return [x.to(dtype) for x in (logp, old, ref, mask, adv)]
+batch = functools.partial(drawn_batch, 1.2)  # old log-probs 1.2 apart (in log): w from ~0.03 to ~30
 
 
 def paper_objective(logp, old, adv, mask, eps_low, eps_high):
@@ -37,27 +30,6 @@ def paper_objective(logp, old, adv, mask, eps_low, eps_high):
                 total = total + r_hat * float(adv[i]) * logp[i, t]  # a tensor in logp: its gradient is r_hat A_i
                 tokens += 1
     return total / tokens
-
-
-def trl_cispo(logp, old, ref, adv, mask, *, epsilon_high, beta=0.0, bias_kl=False, weight=None):
-    coef_1 = torch.exp(logp - old)
-    clamped = torch.clamp(coef_1, max=epsilon_high).detach()
-    per_token_loss = -clamped * adv.unsqueeze(1) * logp
-    if weight is not None:  # entropy_mask, importance_sampling_ratio: before the KL
-        per_token_loss = per_token_loss * weight
-    if beta != 0.0:
-        kl = torch.exp(ref - logp) - (ref - logp) - 1
-        if bias_kl:
-            kl = kl * coef_1
-        per_token_loss = per_token_loss + beta * kl
-    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
-
-
-def value_and_grad(fn, logp):
-    x = logp.clone().requires_grad_(True)
-    out = fn(x)
-    (g,) = torch.autograd.grad(out, x)
-    return out.detach(), g
 
 
 @pytest.mark.parametrize("eps_low,eps_high", [(1.0, 4.0), (0.2, 0.28), (0.5, 1.0)])

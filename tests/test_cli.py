@@ -17,18 +17,8 @@ from grouprl import checkpoint
 import common
 from grouprl import data
 from grouprl import modeling
-from conftest import ROOT
-
-SCRIPTS = ["gspo", "grpo", "gspo_token", "dfpo", "cispo", "sapo", "gmpo", "vespo"]
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
-def bad_dataset(tmp_path):
-    return write_jsonl(tmp_path / "bad.jsonl", [{"question": "1+1?", "solution": "2"}])
+from conftest import ROOT, SCRIPTS
+from helpers import fails_before_any_model, write_jsonl
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -184,25 +174,6 @@ def test_grpo_kl_coef(value, shown, monkeypatch, tmp_path):
 ])
 def test_bad_algorithm_args(script, argv, needle, monkeypatch, tmp_path):
     fails_before_any_model(script, argv, needle, monkeypatch, tmp_path)
-
-
-def fails_before_any_model(script, argv, needle, monkeypatch, tmp_path):
-    mod = importlib.import_module(script)
-
-    def no_model(*a, **k):
-        raise AssertionError("the model was built before the bad input was caught")
-
-    monkeypatch.setattr(mod, "load_model", no_model)
-    argv = [bad_dataset(tmp_path) if a == "BAD" else a for a in argv]
-    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--output-dir", str(tmp_path / "runs"), *argv])
-    with pytest.raises(SystemExit) as e:
-        mod.main()
-    if needle is None:
-        assert e.value.code == 2
-        return
-    msg = str(e.value.code)
-    assert msg.startswith("error: ") and "\n" not in msg and needle in msg, msg
-    assert not (tmp_path / "runs").exists()  # nothing written either
 
 
 def test_error_is_one_line_on_stderr(tmp_path):
@@ -443,7 +414,7 @@ def test_track_logs_the_same_keys_to_wandb(monkeypatch, tmp_path):
     named after its folder and finished at the end. A stand-in wandb module, so that this runs without wandb."""
     import types
 
-    from test_train import run_script
+    from helpers import run_script
 
     runs = []
     fake = types.ModuleType("wandb")
@@ -471,7 +442,7 @@ def test_track_without_wandb_is_one_line(monkeypatch, tmp_path):
 
 def test_track_offline_with_real_wandb(monkeypatch, tmp_path):
     pytest.importorskip("wandb", reason="wandb is not installed: --track's offline run not tried")
-    from test_train import run_script
+    from helpers import run_script
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     _, run_dir = run_script("gspo", ["--num-steps", "1", "--prompts-per-rank", "2", "--group-size", "2",

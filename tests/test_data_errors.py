@@ -100,7 +100,7 @@ def test_bad_data_fails_on_the_command_line_with_one_line(case, cli_results):
 @pytest.mark.parametrize("case", [c for c in CASES if c not in CLI])
 def test_bad_data_fails_before_any_model(case, data_dir, monkeypatch, tmp_path):
     """The same check in this process (test_cli.fails_before_any_model: one line, no model, no run folder)."""
-    from test_cli import fails_before_any_model
+    from helpers import fails_before_any_model
 
     argv, extra, needle = CASES[case]
     for k, v in extra.items():

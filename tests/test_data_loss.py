@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from grouprl import checkpoint
-from test_resume import fake_checkpoint
+from helpers import fake_checkpoint
 
 
 def gspo_main(monkeypatch, out, *argv):
@@ -52,7 +52,7 @@ def test_resume_auto_never_takes_another_experiments_run(tmp_path, monkeypatch, 
 def test_an_exp_name_ending_in_a_seed_like_number_is_refused(name, monkeypatch, tmp_path):
     """--exp-name x__1 names folders x__1__<seed>__<time>, which start as --exp-name x --seed 1's x__1__<time> do:
     refused in one line before anything is read."""
-    from test_cli import fails_before_any_model
+    from helpers import fails_before_any_model
 
     fails_before_any_model("gspo", ["--exp-name", name], f"--exp-name {name!r} ends in '__' and a number", monkeypatch,
                            tmp_path)
@@ -77,7 +77,7 @@ def write_rows(path, n, fmt):
 def test_a_folder_of_mixed_formats_is_refused_in_one_line(tmp_path, monkeypatch):
     """a.jsonl and b.csv (20 rows each): `datasets` read one format's files and dropped the other's, silently (18
     train + 2 held out, "dropped: 0"); now one line names the formats found, before anything is read."""
-    from test_cli import fails_before_any_model
+    from helpers import fails_before_any_model
 
     mix = tmp_path / "mixdir"
     mix.mkdir()
@@ -142,7 +142,7 @@ def test_branching_and_skipping_set_the_later_rows_aside(tmp_path, monkeypatch, 
     checkpoints go to abandoned_<time>/ (as before) and with them, each time, the metrics.jsonl and samples.jsonl
     rows of their steps and the tensorboard event files that hold them (they were deleted: dropped from the files,
     purged from tensorboard); the run folder keeps only its own branch's rows."""
-    from test_train import run_script
+    from helpers import run_script
 
     base = ["--prompts-per-rank", "4", "--save-every", "1", "--log-samples", "1", "--eval-every", "0",
             "--keep-checkpoints", "0", "--num-steps", "4"]
@@ -177,7 +177,7 @@ def test_a_branch_before_a_finished_runs_end_keeps_its_final_and_rows(tmp_path, 
     --num-steps 6 and another --learning-rate with --resume auto: the branch from step_2 moves the finished run's
     final/ and its rows of steps 3-4 to abandoned_<time>/ and says so (they were replaced and overwritten in place,
     no copy kept); the branch's own final/ is its step 6."""
-    from test_train import run_script
+    from helpers import run_script
 
     s = ["--prompts-per-rank", "4", "--group-size", "4", "--num-minibatches", "1", "--eval-every", "0",
          "--save-every", "2", "--save-final", "model"]
@@ -225,7 +225,7 @@ def test_a_checkpoint_half_deleted_by_a_kill_while_pruning_is_removed_later(tmp_
     manifest that no prune started (a checkpoint written before manifests, or being copied in) is left alone."""
     import shutil
 
-    from test_train import run_script
+    from helpers import run_script
 
     real = shutil.rmtree
 
@@ -303,7 +303,7 @@ def test_a_plain_resume_takes_the_runs_flags_and_prunes_nothing(tmp_path, monkey
     restate went back to their defaults (--keep-checkpoints 2) and the resumed run deleted step_1 and step_2. Now
     every flag not restated is the run's own (--num-steps 4, --keep-checkpoints 0, ...); a restated one is this
     run's, and said."""
-    from test_train import run_script
+    from helpers import run_script
 
     base = ["--prompts-per-rank", "4", "--save-every", "1", "--log-samples", "0", "--eval-every", "0",
             "--keep-checkpoints", "0", "--num-steps", "4", "--learning-rate", "1e-3"]
@@ -347,7 +347,7 @@ def test_restated_flags_are_read_in_every_spelling():
 def test_an_edited_trainer_state_is_one_line_before_any_model(field, value, said, tmp_path, monkeypatch):
     """trainer_state.json edited (its manifest re-hashed): step -1 resumed "(step -1)" and wrote over step_1-3 in
     place; wrong types were tracebacks. Every field's type and range, and the step its folder names, are checked."""
-    from test_resume import fake_checkpoint
+    from helpers import fake_checkpoint
 
     ckpt = tmp_path / "gspo__1__1700000000" / "step_3"
     state = dict(step=3, world=1, script="gspo.py", args={}, reward_curve=[0.5, 0.5, None], nonfinite_run=0,
@@ -361,7 +361,7 @@ def test_an_edited_trainer_state_is_one_line_before_any_model(field, value, said
 def test_a_save_never_writes_over_a_step_it_did_not_write(tmp_path, monkeypatch, capsys):
     """A step_N already there when the run saves its own step N (a copy put there mid-run, a step_N without a manifest
     that resume leaves alone, an edited trainer_state) is kept as kept_step_N_<time>, never deleted."""
-    from test_train import run_script
+    from helpers import run_script
 
     write = checkpoint.write_training_state
 
@@ -423,7 +423,7 @@ def test_held_out_prompts_are_never_trained_on(tmp_path, capsys, monkeypatch):
     from grouprl import data
     from grouprl import modeling
 
-    from test_cli import fails_before_any_model
+    from helpers import fails_before_any_model
 
     rows = [{"prompt": f"q {i}%10=", "answer": str(i % 10)} for i in range(40)]
     path = jsonl(tmp_path / "forty.jsonl", rows)

@@ -13,7 +13,8 @@ import common
 from grouprl import data
 from grouprl import modeling
 from grouprl import rewards
-from test_cli import fails_before_any_model
+from conftest import SCRIPTS
+from helpers import fails_before_any_model
 
 TOK = modeling.tiny_tokenizer()
 SYSTEM = [{"role": "system", "content": "Answer with one digit."}]
@@ -192,8 +193,7 @@ def test_docs_trl_and_verl_tables_name_real_flags():
 
     tables = open(f"{common.__file__.rsplit('/', 1)[0]}/docs/trl-and-verl.md").read()
     named = set(re.findall(r"`--([a-z-]+)", tables))
-    flags = {f.name.replace("_", "-") for s in ("gspo", "grpo", "gspo_token", "dfpo", "cispo", "sapo", "gmpo",
-                                                           "vespo")
+    flags = {f.name.replace("_", "-") for s in SCRIPTS
              for f in dataclasses.fields(importlib.import_module(s).Args)}
     assert len(named) > 25 and named - flags <= {"reward-weights"}, named - flags
     for name in ("num_generations", "max_completion_length", "beta", "epsilon_high", "steps_per_generation",

@@ -14,7 +14,7 @@ from grouprl import distributed
 from grouprl import modeling
 from dfpo import dfpo_loss, group_weights, in_group_transform, sequence_weights
 from gspo import gspo_loss
-from test_losses import mean, ragged_batch
+from helpers import mean, ragged_batch
 
 ORTH = ["min-replace", "orth-proj", "orth-proj-qp"]
 FLOOR = 1e-6

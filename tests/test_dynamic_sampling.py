@@ -19,10 +19,9 @@ from datasets import Dataset
 import common
 from conftest import ROOT
 from grouprl.distributed import Dist
+from helpers import fails_before_any_model, run_script
 from grouprl.generation import Rollout
 from grouprl.sampling import Sampling
-from test_cli import fails_before_any_model
-from test_train import run_script
 
 CPU = torch.device("cpu")
 PAD = 0
@@ -301,10 +300,10 @@ def test_resume_is_exact_with_dynamic_sampling(monkeypatch, tmp_path):
 def test_two_ranks_make_the_same_generate_calls(tmp_path):
     """torchrun, 2 ranks (FSDP2, gloo), real generate: rank 0's groups all have a spread, rank 1's are flat in its
     first two rounds; both ranks run 3 rounds (an all_reduce of the shortfall), or 2 at --max-gen-rounds 2
-    (tests/dynsample_ranks.py asserts the counts)."""
+    (tests/programs/dynsample_ranks.py asserts the counts)."""
     p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "tests/dynsample_ranks.py"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, start_new_session=True)
+                          "tests/programs/dynsample_ranks.py"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = p.communicate(timeout=120)
     except subprocess.TimeoutExpired:  # a rank waits in a collective the other never joins: end them all

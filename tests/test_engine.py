@@ -10,46 +10,9 @@ import common
 from grouprl import engine
 from grouprl.engine import rollout, sampler, scheduler, settings
 from grouprl import modeling
-from grouprl.data import chat_prompts
 from grouprl.distributed import Dist, seed_everything
-
-CPU = torch.device("cpu")
-PROMPTS = ["1%10=", "a longer prompt, 23%10=", "7%10=", "xy", "a much longer prompt than the others, 5%10="]
-
-
-@pytest.fixture(scope="module")
-def setup():
-    return setup_model()
-
-
-def setup_model():
-    tok = modeling.tiny_tokenizer()
-    seed_everything(0)
-    lm = modeling.tiny_model(tok).eval()
-    g = torch.Generator().manual_seed(0)
-    for p in lm.parameters():  # larger weights than the init's: greedy rows that differ token by token
-        if p.dim() == 2:
-            p.data.normal_(0, 0.3, generator=g)
-    ids = [tok(p, add_special_tokens=False).input_ids for p in chat_prompts(tok, PROMPTS, False)]
-    return tok, lm, ids
-
-
-def hf_greedy(lm, tok, ids, n, eos, max_new_tokens, mode="repeat", **kw):
-    """HF generate, each prompt repeated n times (--gen-mode repeat), greedy: completions up to the first EOS."""
-    d = Dist(0, 1, CPU)
-    texts = [tok.decode(p) for p in ids]
-    kw = {"temperature": 1.0, "top_p": 1.0, "top_k": 1, **kw}
-    roll = common.generate(modeling.Policy(lm), tok, texts, n, eos, d, max_new_tokens=max_new_tokens,
-                           gen_batch_size=64, mode=mode, **kw)
-    P = roll["n_prompt"]
-    comps = [row[P:][m.bool()].tolist() for row, m in zip(roll["input_ids"], roll["mask"])]
-    return comps, roll["truncated"].tolist()
-
-
-def run(lm, ids, n, eos, max_new_tokens, slots, **kw):
-    kw = {"temperature": 1.0, "top_k": 1, "top_p": 1.0, **kw}
-    return engine.generate(lm, ids, n, eos, max_new_tokens=max_new_tokens, slots=slots, device=CPU,
-                           dtype=torch.float32, **kw)
+from conftest import SCRIPTS
+from helpers import CPU, hf_greedy, run, setup  # noqa: F401 (the fixture)
 
 
 def ragged_eos(lm, tok, ids):
@@ -382,7 +345,7 @@ def test_engine_samples_hf_multinomial_tokens_with_one_seed(setup, monkeypatch, 
     penalty too): the same tokens as with HF's processors + torch.multinomial in the sampler's place (given the
     same seen ids), and log-probs within float error; eager and through the graphs' step, whose captured
     function draws the tokens itself (the layers, the head and the sampler)."""
-    from test_sampling import multinomial_sample
+    from helpers import multinomial_sample
 
     tok, lm, ids = setup
     kw = dict(sync_every=3, graphs=graphs, pool_tokens=pool, temperature=0.8, top_k=20, top_p=0.9, **knobs)
@@ -454,19 +417,19 @@ def test_engine_under_fsdp2_torchrun():
     ranks that stop at different lengths meet at the next collective; the sharded policy trains on after; and
     --gen-mode engine-tp (the layers split over the ranks) gives one process's greedy tokens, with --min-new-tokens
     too (EOS masked alike on every rank)."""
-    from test_train import torchrun
+    from helpers import torchrun
 
-    p = torchrun("tests/engine_fsdp.py")
+    p = torchrun("tests/programs/engine_fsdp.py")
     assert p.returncode == 0 and p.stdout.count("engine FSDP2 OK") == 2, p.stdout[-2000:] + p.stderr[-4000:]
     assert p.stdout.count("engine-tp OK") == 2, p.stdout[-2000:]  # tensor parallel: one process's greedy tokens
     assert p.stdout.count("engine-tp min_new_tokens OK") == 2, p.stdout[-2000:]  # masked alike on every rank
 
 
-@pytest.mark.parametrize("script", ["gspo", "grpo", "gspo_token", "dfpo"])
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_scripts_train_with_the_engine(script, monkeypatch, tmp_path):
     """Every script runs its loop on the engine's rollouts and logs gen/logp_drift, the sampled log-probs against
     the training forward's (fp32: float rounding only)."""
-    from test_train import run_script
+    from helpers import run_script
 
     graphs, generate = [], engine.generate
     monkeypatch.setattr(engine, "generate", lambda *a, **k: graphs.append(k["graphs"]) or generate(*a, **k))
@@ -496,7 +459,7 @@ def test_an_architecture_the_engine_does_not_cover_falls_back_with_one_line(setu
 
 
 def test_engine_refuses_gen_unshard(monkeypatch, tmp_path):
-    from test_cli import fails_before_any_model
+    from helpers import fails_before_any_model
 
     fails_before_any_model("gspo", ["--gen-mode", "engine", "--gen-unshard"], "drop --gen-unshard", monkeypatch,
                            tmp_path)
@@ -507,7 +470,7 @@ def test_engine_tp_heads_that_do_not_split_fail_before_any_model(monkeypatch, tm
     any weights are built (not at the first rollout)."""
     import importlib
 
-    from test_cli import fails_before_any_model
+    from helpers import fails_before_any_model
 
     monkeypatch.setenv("WORLD_SIZE", "3")
     for script in ("gspo", "grpo"):

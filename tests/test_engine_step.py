@@ -11,7 +11,7 @@ from torch.overrides import TorchFunctionMode
 from grouprl import engine
 from grouprl.engine import rollout, settings
 from conftest import ROOT
-from test_engine import CPU, run, setup  # noqa: F401 (the fixture)
+from helpers import CPU, run, setup  # noqa: F401 (the fixture)
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import kernels  # noqa: E402

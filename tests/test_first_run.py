@@ -16,7 +16,7 @@ import torch
 import common
 from conftest import ROOT
 from grouprl import checkpoint, data, distributed, evaluation, grader, modeling, runlog
-from test_train import run_script
+from helpers import run_script
 from grouprl.sampling import Sampling
 
 
@@ -96,8 +96,9 @@ def test_a_slow_steps_rollout_is_in_view(monkeypatch, tmp_path, capsys):
 
 def test_a_stop_signal_during_the_step0_evaluation_is_named(tmp_path):
     """SIGTERM while the step-0 evaluation generates: one line naming it, nothing saved."""
-    p = subprocess.Popen([sys.executable, "tests/stall.py", "grouprl.evaluation.generate", str(tmp_path / "runs"), "--eval-every",
-                          "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "tests/programs/stall.py", "grouprl.evaluation.generate",
+                          str(tmp_path / "runs"), "--eval-every", "1"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
     for line in p.stdout:
         if line == "waiting\n":
             break

@@ -5,23 +5,17 @@ independently of the code under test:
             l = sgn(A) min(sgn(A) neg_kl, sgn(A) clamp); ratio = exp(sum(l m) / (sum m + 1e-8));
             loss = mean_i(-A_i ratio_i)   (verl/trainer/ppo/core_algos.py, compute_policy_loss_geo_mean)
 The paper's form in float64 (value and gradient to 1e-10), verl's in float32 (1e-6); ratios well outside the band."""
+import functools
 import math
 
 import pytest
 import torch
 
 from gmpo import Args, gmpo_loss
+from helpers import batch as drawn_batch, verl_geo_mean, value_and_grad
 
 B, T = 6, 5
-
-
-def batch(seed=0, dtype=torch.float64):
-    g = torch.Generator().manual_seed(seed)
-    logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
-    old = logp + 0.6 * torch.randn(B, T, generator=g, dtype=torch.float64)  # |log w| past 0.4 for some tokens
-    mask = (torch.arange(T)[None] < torch.tensor([5, 3, 1, 4, 5, 2])[:, None]).double()
-    adv = torch.tensor([1.2, -0.4, 0.0, -1.5, 0.7, 2.0], dtype=torch.float64)
-    return [x.to(dtype) for x in (logp, old, mask, adv)]
+batch = functools.partial(drawn_batch, 0.6)  # old log-probs 0.6 apart (in log): |log w| past 0.4 for some tokens
 
 
 def paper_objective(logp, old, adv, mask, eps_low, eps_high):
@@ -40,31 +34,9 @@ def paper_objective(logp, old, adv, mask, eps_low, eps_high):
     return total / B
 
 
-def verl_geo_mean(logp, old, adv, mask, clip_low, clip_high, rollout_is_weights=None):
-    advantages = adv[:, None] * mask  # verl's token-level advantages, the sequence's on every token
-    negative_approx_kl = logp - old
-    sgn = torch.sign(advantages)
-    clamp = torch.clamp(negative_approx_kl, -clip_low, clip_high)
-    kl_min = sgn * torch.min(sgn * negative_approx_kl, sgn * clamp)
-    n = mask.sum(dim=-1)
-    ratio = torch.exp((kl_min * mask).sum(dim=-1) / (n + 1e-8))
-    advantage = (advantages * mask).sum(dim=-1) / (n + 1e-8)
-    pg_losses = -advantage * ratio
-    if rollout_is_weights is not None:  # the token weights' geometric mean, the sequence's weight
-        pg_losses = pg_losses * torch.exp((torch.log(rollout_is_weights + 1e-10) * mask).sum(dim=-1) / (n + 1e-8))
-    return torch.mean(pg_losses)
-
-
-def value_and_grad(fn, logp):
-    x = logp.clone().requires_grad_(True)
-    out = fn(x)
-    (g,) = torch.autograd.grad(out, x)
-    return out.detach(), g
-
-
 @pytest.mark.parametrize("eps_low,eps_high", [(0.4, 0.4), (0.2, 0.28), (0.1, 1.0)])
 def test_equals_the_papers_objective_in_float64(eps_low, eps_high):
-    logp, old, mask, adv = batch()
+    logp, old, _, mask, adv = batch()
     got, got_g = value_and_grad(lambda x: gmpo_loss(x, old, adv, mask, clip_low=eps_low, clip_high=eps_high)[0], logp)
     want, want_g = value_and_grad(lambda x: -paper_objective(x, old, adv, mask, eps_low, eps_high), logp)
     assert abs(got.item() - want.item()) <= 1e-10
@@ -74,7 +46,7 @@ def test_equals_the_papers_objective_in_float64(eps_low, eps_high):
 
 
 def test_equals_verls_geo_mean_in_float32():
-    logp, old, mask, adv = batch(1, torch.float32)
+    logp, old, _, mask, adv = batch(1, torch.float32)
     got, got_g = value_and_grad(lambda x: gmpo_loss(x, old, adv, mask, clip_low=0.4, clip_high=0.4)[0], logp)
     want, want_g = value_and_grad(lambda x: verl_geo_mean(x.double(), old.double(), adv.double(), mask.double(),
                                                           0.4, 0.4), logp)

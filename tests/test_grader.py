@@ -376,13 +376,13 @@ def test_user_reward_failures_score_0_are_counted_and_bounded(user_rewards, name
     (["--reward-timeout", "0"], "--reward-timeout 0.0: must be > 0 seconds"),
 ])
 def test_bad_reward_fails_before_any_model(argv, needle, user_rewards, monkeypatch, tmp_path):
-    from test_cli import fails_before_any_model
+    from helpers import fails_before_any_model
 
     fails_before_any_model("gspo", argv, needle, monkeypatch, tmp_path)
 
 
 def test_user_reward_reaches_training_and_evaluation(user_rewards, monkeypatch, tmp_path):
-    from test_train import run_script
+    from helpers import run_script
 
     rows, _ = run_script("gspo", ["--num-steps", "1", "--prompts-per-rank", "4", "--eval-every", "1", "--eval-size",
                                   "2", "--eval-k", "2", "--reward", f"{user_rewards}:half",

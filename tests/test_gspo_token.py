@@ -9,7 +9,7 @@ import torch
 from grouprl import modeling
 from gspo import gspo_loss
 from gspo_token import gspo_token_loss, post_answer_tokens
-from test_losses import mean, ragged_batch
+from helpers import mean, ragged_batch
 
 CLIPS = [(3e-4, 4e-4), (0.02, 0.03), (10.0, 10.0)]
 

@@ -1,6 +1,6 @@
 """One gradient whatever the batching: a minibatch's parameter gradient does not depend on --micro-batch-size (here)
-nor on the world size (tests/fsdp_grad.py under torchrun, in test_train.py), because every loss is divided by the
-minibatch's count over all ranks (`norm`) and FSDP2 sums the ranks' gradients. Normalising per micro-batch instead,
+nor on the world size (tests/programs/fsdp_grad.py under torchrun, in test_train.py), because every loss is divided by
+the minibatch's count over all ranks (`norm`) and FSDP2 sums the ranks' gradients. Normalising per micro-batch instead,
 the bug this guards against, is shown to fail the same check."""
 import pytest
 import torch
@@ -16,7 +16,7 @@ from vespo import vespo_loss
 from grpo import grpo_loss
 from gspo import gspo_loss
 from gspo_token import gspo_token_loss
-from test_train import run_script
+from helpers import run_script
 
 G, B, P, T = 4, 16, 6, 7
 LOSSES = {

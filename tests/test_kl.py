@@ -11,8 +11,7 @@ from dfpo import dfpo_loss
 from grpo import grpo_loss
 from gspo import gspo_loss
 from gspo_token import gspo_token_loss
-from test_losses import ragged_batch
-from test_train import run_script
+from helpers import ragged_batch, run_script
 
 BETA = 0.3
 

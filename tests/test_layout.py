@@ -11,9 +11,8 @@ import shutil
 import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import ROOT, SCRIPTS
 
-SCRIPTS = ["grpo", "gspo", "gspo_token", "dfpo", "cispo", "sapo", "gmpo", "vespo"]
 PACKAGE = "grouprl"
 
 

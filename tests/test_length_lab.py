@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import common
-from test_train import run_script
+from helpers import run_script
 from grouprl.sampling import Sampling
 
 
@@ -120,7 +120,7 @@ def test_engine_min_new_tokens_equals_hf(n, slots, graphs, pool):
     log-softmax of HF's processed scores (the masked distribution) to 1e-5; eager and through the graphs' step (its
     mask read from the Engine's fixed buffers), whole and paged, where groups are preempted and made anew (their
     count of tokens, and so the mask, starting again)."""
-    from test_engine import hf_greedy, run, setup_model
+    from helpers import hf_greedy, run, setup_model
 
     tok, lm, ids = setup_model()
     eos = [0, 32, 93]
@@ -144,7 +144,7 @@ def test_engine_min_new_tokens_sampled_logps(pool):
     among a completion's first 4 tokens; the graphs' step draws the eager step's tokens (log-probs to 1e-5); each
     log-prob is the masked distribution's, log_softmax(logits / 0.7) of HF's forward with EOS's logits -inf at indices
     0..3 (to 1e-5 and 1e-5 relative: the enlarged weights' log-probs reach ~-5)."""
-    from test_engine import run, setup_model
+    from helpers import run, setup_model
 
     tok, lm, ids = setup_model()
     eos = list(range(0, len(tok), 2))

@@ -131,7 +131,7 @@ def test_engine_decodes_the_merged_weights():
     import copy
 
     from grouprl.data import chat_prompts
-    from test_engine import PROMPTS, hf_greedy, run
+    from helpers import PROMPTS, hf_greedy, run
 
     tok = modeling.tiny_tokenizer()
     seed_everything(0)
@@ -160,19 +160,19 @@ RUN = ["--num-steps", "4", "--prompts-per-rank", "4", "--num-minibatches", "2", 
 
 
 def launch(out, crash=None):
-    """tests/crash.py runs grpo.py as `python grpo.py` would, with CRASH injected (test_resume's recipe)."""
+    """tests/programs/crash.py runs grpo.py as `python grpo.py` would, with CRASH injected (test_resume's recipe)."""
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if k not in ("CRASH", "CRASH_RANK")}
     if crash:
         env["CRASH"] = crash
-    return subprocess.run([sys.executable, "tests/crash.py", "grpo.py", *RUN, "--output-dir", str(out)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "tests/programs/crash.py", "grpo.py", *RUN, "--output-dir", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
 def lora_result(out):
     """(adapters, merged weights, logged rows without timings, the folder) of the one run under `out`, at step 4."""
-    from test_train import read_rows
+    from helpers import read_rows
 
     (run,) = glob.glob(f"{out}/*/metrics.jsonl")
     rows = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_rows(run)]
@@ -244,10 +244,10 @@ def test_export_loads_and_generates_the_training_models_tokens(tmp_path_factory)
 def test_torchrun_two_ranks_give_one_process_adapters():
     """FSDP2 over 2 CPU ranks with activation checkpointing: the adapters sharded with their layers, trained on half
     the groups each, equal one process's on the whole batch; the engine's merged weights and a checkpoint's adapters
-    too (tests/lora_fsdp.py)."""
-    from test_train import torchrun
+    too (tests/programs/lora_fsdp.py)."""
+    from helpers import torchrun
 
-    p = torchrun("tests/lora_fsdp.py")
+    p = torchrun("tests/programs/lora_fsdp.py")
     assert p.returncode == 0 and p.stdout.count("LoRA FSDP2 OK") == 2, p.stdout[-2000:] + p.stderr[-4000:]
 
 
@@ -277,7 +277,7 @@ def test_memory_plan_counts_the_adapters_exactly():
     (["--lora-rank", "4", "--dtype", "bf16-pure"], "--dtype bf16-pure with --lora-rank"),
 ])
 def test_bad_lora_flags_fail_before_any_model(argv, needle, monkeypatch, tmp_path):
-    from test_cli import fails_before_any_model
+    from helpers import fails_before_any_model
 
     fails_before_any_model("gspo", argv, needle, monkeypatch, tmp_path)
 

@@ -87,7 +87,7 @@ def test_norm_replaces_the_count_the_sum_is_divided_by():
 def test_minibatch_without_a_counted_token_adds_nothing(script, agg, monkeypatch, tmp_path):
     """--mask-truncated: a minibatch whose completions are all truncated has 0 tokens in the loss and adds 0 (no
     gradient). With token-mean it was 0/0, a NaN loss, a skipped update, and three in a row stopped the run."""
-    from test_train import run_script
+    from helpers import run_script
 
     agg_flags = ["--loss-agg", agg] if agg else []
     reward = "def f(completion, answer):\n    return float(sum(map(ord, completion)) % 2)\n"

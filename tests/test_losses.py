@@ -10,7 +10,7 @@ from dfpo import dfpo_loss
 from grpo import grpo_loss
 from gspo import gspo_loss
 from gspo_token import gspo_token_loss
-
+from helpers import mean, ragged_batch
 
 
 @pytest.fixture(autouse=True)
@@ -19,25 +19,6 @@ def float64():
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(torch.float32)
-
-
-def mean(stat) -> float:
-    """A logged mean from a loss's stats, given as (sum, count)."""
-    total, count = stat
-    return float(total / count)
-
-
-def ragged_batch(B=6, T=7, seed=0, spread=0.3):
-    """Random log-probs, old log-probs a little apart, ragged completion masks (padding), +/- advantages."""
-    g = torch.Generator().manual_seed(seed)
-    old = -torch.rand(B, T, generator=g) * 3
-    logp = (old + spread * torch.randn(B, T, generator=g)).requires_grad_()
-    lengths = torch.randint(1, T + 1, (B,), generator=g)
-    lengths[0] = T
-    mask = (torch.arange(T)[None] < lengths[:, None]).double()
-    logp.data[mask == 0] = float("nan")  # padding must never leak into the loss
-    adv = torch.randn(B, generator=g)
-    return logp, old, adv, mask
 
 
 # ------------------------------------------------------------------------------------------- GSPO

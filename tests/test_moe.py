@@ -14,11 +14,12 @@ from grouprl import data
 from grouprl import distributed
 from grouprl import modeling
 from grouprl import moe
-from test_train import run_script, torchrun, read_rows
+from conftest import SCRIPTS
+from helpers import read_rows, run_script, torchrun
 from grouprl.sampling import Sampling
 
 
-@pytest.mark.parametrize("script", ["gspo", "grpo", "gspo_token", "dfpo"])
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_every_script_trains_tiny_moe(script, monkeypatch, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 

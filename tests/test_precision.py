@@ -8,7 +8,7 @@ import torch
 import common
 from grouprl import distributed
 from grouprl import modeling
-from test_train import run_script
+from helpers import run_script
 from grouprl.sampling import Sampling
 
 CPU = distributed.Dist(0, 1, torch.device("cpu"))

@@ -158,7 +158,7 @@ def argv(model: str, data: str, *extra) -> list[str]:
 
 
 def rows_of(run: str) -> list[dict]:
-    from test_train import read_rows
+    from helpers import read_rows
 
     return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_rows(f"{run}/metrics.jsonl")]
 
@@ -167,7 +167,7 @@ def test_resume_is_bitwise_and_samples_hold_the_chatml_prompt(real_model_dir, mo
     """gspo.py, 2 steps, a checkpoint each; then --resume step_1 runs step 2 again: its fp32 master weights and every
     logged number equal the unbroken run's bitwise. samples.jsonl's prompt_text is the ChatML prompt the model
     expects."""
-    from test_train import run_script
+    from helpers import run_script
 
     data = task(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -206,7 +206,7 @@ def test_lora_adapter_folder_and_merged_export_write_the_training_models_answer(
     from transformers import AutoModelForCausalLM
 
     from grouprl import lora
-    from test_train import run_script
+    from helpers import run_script
 
     data = task(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -265,7 +265,7 @@ def test_torchrun_two_ranks_one_step(real_model_dir, tmp_path):
 
 # -------------------- bad input: a GGUF as --model (no wheel needed)
 def test_gguf_model_fails_before_any_model_naming_the_conversion(monkeypatch, tmp_path):
-    from test_cli import fails_before_any_model
+    from helpers import fails_before_any_model
 
     (tmp_path / "only").mkdir()
     (tmp_path / "only" / "SmolLM2.Q4_1.gguf").write_bytes(b"GGUF")

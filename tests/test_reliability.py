@@ -15,7 +15,7 @@ from grouprl import modeling
 from grouprl import rewards
 from grouprl import runlog
 from conftest import ROOT
-from test_train import run_script
+from helpers import run_script
 
 
 def test_grader_that_raises_scores_zero_and_is_counted(monkeypatch, capsys):
@@ -152,7 +152,7 @@ def parent(mode, folder):
     import json
     import subprocess
 
-    return subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "reward_parent.py"), mode,
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "programs", "reward_parent.py"), mode,
                              json.dumps([str(folder), ROOT])], cwd=ROOT,
                             stdout=subprocess.PIPE, text=True, start_new_session=True,  # its own process group
                             env={**__import__("os").environ, "MARKS": str(folder)})
@@ -322,7 +322,7 @@ def test_a_reward_module_that_starts_a_thread_at_import_is_said_and_stays_out_of
     (["--exp-name", "e" * 300], "over the 255 this file system allows in one name: give an --exp-name of at most 240"),
 ])
 def test_run_folder_that_cannot_be_made_is_one_line(argv, needle, monkeypatch, tmp_path):
-    from test_cli import fails_before_any_model
+    from helpers import fails_before_any_model
 
     if argv[0] == "--output-dir" and not os.path.isdir(argv[1].split("/x")[0]):
         pytest.skip(f"no {argv[1].split('/x')[0]} here")
@@ -350,7 +350,7 @@ def model_copy(src, dst, drop=(), damage=None):
     ("header", "model.safetensors: its safetensors header claims 18446744073709551615 bytes, the file has"),
 ])
 def test_a_model_folder_that_cannot_load_is_one_line(case, needle, tiny_dir, tmp_path, monkeypatch):
-    from test_cli import fails_before_any_model
+    from helpers import fails_before_any_model
 
     tokenizer = ("tokenizer*", "chat_template*")
     if case == "state":  # step_N/state: the training weights without a tokenizer, beside model/ which has one
@@ -370,7 +370,7 @@ def test_a_model_folder_that_cannot_load_is_one_line(case, needle, tiny_dir, tmp
     ("folder/bad.csv", b"prompt,answer\n1+1=,2\n2+2=,4\n\xe9t\xe9,5\n", "folder/bad.csv:4: byte 0xe9 at column 1"),
 ])
 def test_a_byte_that_is_not_utf8_in_a_data_file_names_file_and_line(name, text, needle, tmp_path, monkeypatch):
-    from test_cli import fails_before_any_model
+    from helpers import fails_before_any_model
 
     path = tmp_path / name
     path.parent.mkdir(exist_ok=True)
@@ -417,7 +417,7 @@ def test_a_deleted_run_folder_or_a_full_disk_while_logging_is_the_saves_one_line
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory):
     """A 1-step run with its step_1 (the tiny model), copied by the tests below."""
-    from test_checkpoint import SHORT
+    from helpers import SHORT
 
     out = tmp_path_factory.mktemp("saved38")
     mp = pytest.MonkeyPatch()
@@ -449,7 +449,7 @@ def test_a_damaged_header_of_a_big_file_makes_resume_auto_take_the_previous_chec
     --resume auto falls back to the checkpoint before, in one line."""
     import shutil
 
-    from test_checkpoint import SHORT
+    from helpers import SHORT
 
     run = tmp_path / "runs" / os.path.basename(saved_run)
     shutil.copytree(saved_run, run)
@@ -514,8 +514,8 @@ def test_a_signal_during_start_up_is_one_line_and_leaves_no_run_folder(sig, patc
     import subprocess
     import time
 
-    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "stall.py"), patched, str(tmp_path / "runs")],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "programs", "stall.py"), patched,
+                          str(tmp_path / "runs")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in p.stdout:  # start-up lines (the held-out set's), then the stall's
         if line == "waiting\n":
             break
@@ -603,7 +603,7 @@ def test_a_group_or_a_lora_rank_past_what_the_model_and_memory_allow_is_one_line
     planned as the engine's KV cache is, at the least a row takes (the built-in prompt's 24 tokens and 2 new ones, 2
     layers of a 128-wide model: per token and layer 2 x (4 x 128 + 3 x 384) + 4 heads x 26 = 3432 floats kept for
     the backward: 100000 x 26 x 2 x 3432 x 4 bytes = 66.5 GiB); a rank above every target layer's min(in, out)."""
-    from test_cli import fails_before_any_model
+    from helpers import fails_before_any_model
 
     fake_meminfo(monkeypatch, tmp_path, 16 * 2 ** 20)
     assert 100000 * 26 * 2 * 3432 * 4 / 2 ** 30 == pytest.approx(66.5, abs=0.05)
@@ -625,7 +625,7 @@ def test_the_default_runs_and_a_large_group_that_fits_pass_the_plan(monkeypatch,
 def test_an_output_dir_that_is_a_link_to_nowhere_is_one_line(link, target, why, below, monkeypatch, tmp_path):
     """Issue 54: --output-dir a symlink loop or a dangling link (or a folder under one) was a FileExistsError or
     ELOOP traceback from makedirs."""
-    from test_cli import fails_before_any_model
+    from helpers import fails_before_any_model
 
     os.symlink(target, tmp_path / link)
     fails_before_any_model("gspo", ["--output-dir", f"{tmp_path}/{link}{below}"],
@@ -656,7 +656,7 @@ def test_a_hostile_template_or_pickle_is_one_line(case, needle, tiny_dir, tmp_pa
 
     from transformers import AutoTokenizer
 
-    from test_cli import fails_before_any_model
+    from helpers import fails_before_any_model
 
     model = model_copy(tiny_dir, tmp_path / "m")
     argv = ["--model", model]

@@ -20,7 +20,7 @@ from grouprl import distributed
 from grouprl import modeling
 from grouprl import runlog
 from conftest import ROOT
-from test_train import read_rows
+from helpers import fake_checkpoint, read_rows
 
 # 6 steps, eval at 0/3/6 (it draws samples too), warm-up then cosine: every piece of state a resume must restore
 ARGS = ["--num-steps", "6", "--prompts-per-rank", "8", "--eval-every", "3", "--eval-size", "8", "--eval-k", "2",
@@ -28,13 +28,13 @@ ARGS = ["--num-steps", "6", "--prompts-per-rank", "8", "--eval-every", "3", "--e
 
 
 def launch(out, *extra, world=1, crash=None, crash_rank=0, restarts=0, script="gspo.py"):
-    """tests/crash.py runs the script as `python gspo.py` would (or under torchrun), with CRASH injected."""
+    """tests/programs/crash.py runs the script as `python gspo.py` would (or under torchrun), with CRASH injected."""
     env = {k: v for k, v in os.environ.items() if k not in ("CRASH", "CRASH_RANK")}
     if crash:
         env.update(CRASH=crash, CRASH_RANK=str(crash_rank))
-    cmd = [sys.executable, "tests/crash.py"] if world == 1 else [
+    cmd = [sys.executable, "tests/programs/crash.py"] if world == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-        "--max-restarts", str(restarts), "tests/crash.py"]
+        "--max-restarts", str(restarts), "tests/programs/crash.py"]
     return subprocess.run([*cmd, script, *ARGS, *extra, "--output-dir", str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
 
@@ -212,7 +212,7 @@ def test_one_writer_per_run_folder(tmp_path, monkeypatch):
     ckpt = run / "step_4"
     ckpt.mkdir(parents=True)
     fake_checkpoint(ckpt, step=4, world=1, script="gspo.py")
-    holder = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "lock_holder.py"), "flock",
+    holder = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "programs", "lock_holder.py"), "flock",
                                str(run / "writer.lock")], stdout=subprocess.PIPE,
                               text=True)
     try:
@@ -234,13 +234,6 @@ def test_one_writer_per_run_folder(tmp_path, monkeypatch):
     assert checkpoint.claim_run_dir(fresh, None, d) == fresh
     assert checkpoint.claim_run_dir(fresh, None, d) == fresh[:-1] + "5"  # the same name: the next second's folder
     checkpoint.release_run_dir()
-
-
-def fake_checkpoint(ckpt, **state):
-    """A checkpoint folder holding only state/trainer_state.json and its manifest."""
-    (ckpt / "state").mkdir(parents=True, exist_ok=True)
-    (ckpt / "state" / "trainer_state.json").write_text(json.dumps(state))
-    checkpoint.write_manifest(str(ckpt))
 
 
 def test_resume_errors_before_any_heavy_work(tmp_path, monkeypatch, capsys):
@@ -289,7 +282,7 @@ def test_resume_from_an_earlier_checkpoint_branches_the_run(tmp_path, monkeypatc
     Steps 3 and 4 of the old branch are set aside (not pruned in place of the new ones, never resumed by --resume auto),
     its rows after step 2 are moved from metrics.jsonl and samples.jsonl to the same folder (test_data_loss), a torn
     last samples line dropped."""
-    from test_train import run_script
+    from helpers import run_script
 
     base = ["--prompts-per-rank", "4", "--save-every", "1", "--log-samples", "1", "--eval-every", "0"]
     _, run = run_script("gspo", [*base, "--num-steps", "4", "--keep-checkpoints", "0"], monkeypatch, tmp_path)
@@ -388,11 +381,12 @@ def test_one_process_resumes_two_ranks_optimizer_shards(tmp_path, capsys):
 def test_resume_on_another_world_size_under_torchrun(tmp_path):
     """2 ranks -> 1 -> 2 under torchrun (FSDP2, gloo), with odd dim-0 sizes (FSDP2's uneven chunks): after each
     resume the gathered weights and AdamW moments equal those the writer gathered, bitwise, and the fixed batch's
-    loss the writer computed, to float tolerance; one more step trains with a finite loss (tests/reshard.py)."""
+    loss the writer computed, to float tolerance; one more step trains with a finite loss
+    (tests/programs/reshard.py)."""
     def run(world, *argv):
         p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                            str(world), "tests/reshard.py", str(tmp_path), *argv], cwd=ROOT, capture_output=True,
-                           text=True, timeout=300)
+                            str(world), "tests/programs/reshard.py", str(tmp_path), *argv], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
         return p.stdout
 

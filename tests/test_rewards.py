@@ -10,7 +10,8 @@ from grouprl.grader import extract_answer, parse_number
 from grouprl import evaluation
 from grouprl import rewards as grouprl_rewards
 from grouprl.rewards import score
-from test_train import run_script
+from conftest import SCRIPTS
+from helpers import run_script
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -127,7 +128,7 @@ def test_a_truncated_completion_scores_its_fraction_of_the_reward():
     assert score(texts, ["7"], 4, watch=False)[0].tolist() == [1.0, 1.0, 0.0, 1.0]
 
 
-@pytest.mark.parametrize("script", ["gspo", "grpo", "gspo_token", "dfpo"])
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_the_loop_scores_the_rollouts_truncation(script, monkeypatch, tmp_path):
     """Each script passes --truncated-reward-scale (filled in: 0.5 on the built-in task) to sample_groups, which
     scores its rollout with the rollout's truncation flags (what score does with them: the test above)."""
@@ -453,7 +454,7 @@ def test_builtin_rewards():
     (["--reward-fail-steps", "-1"], "--reward-fail-steps -1: must be an integer >= 0"),
 ])
 def test_bad_rewards_fail_before_any_model(argv, needle, trl_rewards, monkeypatch, tmp_path):
-    from test_cli import fails_before_any_model
+    from helpers import fails_before_any_model
 
     fails_before_any_model("gspo", argv, needle, monkeypatch, tmp_path)
 

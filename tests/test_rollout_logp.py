@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import common
-from test_train import run_script
+from conftest import SCRIPTS
+from helpers import run_script, StubPolicy, trl_is_ratio
 
 # two completions of 3 tokens, the second with 2 (its third position is padding)
 OLD = [[-1.0, -2.0, -0.5], [-0.3, -0.7, 0.0]]  # pi_old as the training forward computes it
@@ -17,17 +18,6 @@ MASK = [[1, 1, 1], [1, 1, 0]]
 CAP = 2.0
 # min(pi_old / pi_rollout, C), token by token: e^0.5, e^-1, 3 -> 2; 1, 2.5 -> 2 (the padding: not counted)
 WEIGHTS = [math.exp(0.5), math.exp(-1.0), 2.0, 1.0, 2.0]
-
-
-class StubPolicy:
-    """The old pass's forward: rows of fixed log-probs and entropies (row r's ids are all r)."""
-
-    def __init__(self, logp, entropy):
-        self.logp, self.entropy = logp, entropy
-
-    def __call__(self, ids, attention_mask, n_prompt, entropy=False):
-        rows = ids[:, 0]
-        return self.logp[rows], self.entropy[rows]
 
 
 def rollout():
@@ -52,19 +42,6 @@ def test_tis_weight_and_its_logs_by_hand():
     none = StubPolicy(None, None)
     logp, weight, keep, stats = common.old_log_probs(none, roll, [slice(0, 2)], "rollout", None)
     assert logp is roll.logp and weight is None and stats == {"perf/old_logp_s": 0.0}
-
-
-def trl_is_ratio(old, sampling, mask, mode, clip_min, clip_max):
-    """TRL's vllm_importance_sampling_ratio (trl/trainer/grpo_trainer.py, _generate_and_score_completions), written
-    from its source: (B, T) for token_* modes, (B, 1) for sequence_* modes."""
-    diff = (old - sampling) * mask
-    logps_diff = diff.sum(dim=-1, keepdim=True) if mode in ("sequence_mask", "sequence_truncate") else diff
-    ratio = torch.exp(logps_diff)
-    if mode in ("sequence_truncate", "token_truncate"):
-        return torch.clamp(ratio, min=clip_min, max=clip_max)
-    low = clip_min if clip_min is not None else -math.inf
-    high = clip_max if clip_max is not None else math.inf
-    return ratio.masked_fill((ratio < low) | (ratio > high), value=0.0)
 
 
 @pytest.mark.parametrize("mode", ["token-truncate", "token-mask", "sequence-truncate", "sequence-mask"])
@@ -163,9 +140,6 @@ class LoopSpy:
             (logp1, old1), (logp2, old2) = self.calls[k], self.calls[k + minibatches]
             assert torch.equal(old1, old2), k
             assert (logp2 - logp1).abs().max() > 1e-5, k
-
-
-SCRIPTS = ["grpo", "gspo", "gspo_token", "dfpo", "cispo", "sapo", "gmpo", "vespo"]
 
 
 @pytest.mark.parametrize("script, extra", [*[(s, ["--old-logp", "rollout"]) for s in SCRIPTS],

@@ -9,7 +9,7 @@ import torch
 
 import common
 from grouprl import evaluation, runlog
-from test_train import run_script
+from helpers import run_script
 
 
 def test_samples_and_final_eval_line(monkeypatch, tmp_path, capsys):

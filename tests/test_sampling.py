@@ -11,38 +11,13 @@ import torch
 from transformers.generation import logits_process as lp
 
 from grouprl import sampling
+from helpers import hf_penalised, hf_warped, multinomial_sample
 
 
 def hf_kept(x, temperature, top_k, top_p, min_p=0.0):
     """transformers' own warpers on float32 scores (as generate casts them), in generate's order
     (_get_logits_processor: temperature, top-k, top-p, min-p): True where finite."""
     return ~hf_warped(x.float(), temperature, top_k, top_p, min_p).isinf()
-
-
-def hf_warped(scores, temperature, top_k, top_p, min_p=0.0):
-    scores = lp.TemperatureLogitsWarper(float(temperature))(None, scores)
-    if top_k:
-        scores = lp.TopKLogitsWarper(top_k)(None, scores)
-    if top_p < 1:
-        scores = lp.TopPLogitsWarper(top_p)(None, scores)
-    if min_p > 0:
-        scores = lp.MinPLogitsWarper(min_p)(None, scores)
-    return scores
-
-
-def ids_of(seen):
-    """seen [R, V] bool -> input_ids [R, max count] as HF's RepetitionPenaltyLogitsProcessor reads them, padded
-    with V (an id past the logits, which it drops)."""
-    rows = [row.nonzero()[:, 0].tolist() for row in seen]
-    width = max(1, max(map(len, rows)))
-    return torch.tensor([r + [seen.shape[1]] * (width - len(r)) for r in rows])
-
-
-def hf_penalised(x, penalty, seen):
-    """RepetitionPenaltyLogitsProcessor on float32 logits (generate's first processor here)."""
-    if penalty == 1.0:
-        return x.float()
-    return lp.RepetitionPenaltyLogitsProcessor(float(penalty))(ids_of(seen), x.float())
 
 
 def stable_sort(monkeypatch):
@@ -298,18 +273,6 @@ def test_bf16_logits(monkeypatch):
         ref = torch.log_softmax(x.double() / t, -1).gather(1, tokens[:, None])[:, 0]
         torch.testing.assert_close(logp.double(), ref, rtol=0, atol=1e-5)
     assert math.isfinite(float(logp.sum()))
-
-
-def multinomial_sample(logits, temperature, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, *,
-                       seen=None, generator=None):
-    """HF's sampling as transformers writes it (the engine's sampler before sampling.py): its processors in
-    float32 in generate's order (repetition penalty, temperature, top-k, top-p, min-p), then torch.multinomial;
-    the log-prob under the tempered softmax of the penalised logits."""
-    scores = hf_penalised(logits, repetition_penalty, seen)
-    logp = torch.log_softmax(scores / temperature, -1)
-    scores = hf_warped(scores, temperature, top_k, top_p, min_p)
-    tokens = torch.multinomial(torch.softmax(scores, -1), 1, generator=generator)
-    return tokens[:, 0], logp.gather(1, tokens)[:, 0]
 
 
 def test_same_tokens_as_hf_multinomial_with_one_seed():

@@ -7,24 +7,17 @@ of the code under test, in float64:
             loss = mean_i (sum_t per_token_loss m / |y_i|)   (trl/trainer/grpo_trainer.py, _compute_loss, "sapo",
             the TRL source read for docs/trl-and-verl.md, 1.10.0.dev0)
 Value and gradient with respect to logp, ratios well off 1."""
+import functools
 import math
 
 import pytest
 import torch
 
 from sapo import Args, sapo_loss
+from helpers import batch as drawn_batch, trl_sapo, value_and_grad
 
 B, T = 6, 5
-
-
-def batch(seed=0, dtype=torch.float64):
-    g = torch.Generator().manual_seed(seed)
-    logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
-    old = logp + 0.8 * torch.randn(B, T, generator=g, dtype=torch.float64)
-    ref = logp + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64)
-    mask = (torch.arange(T)[None] < torch.tensor([5, 3, 1, 4, 5, 2])[:, None]).double()
-    adv = torch.tensor([1.2, -0.4, 0.0, -1.5, 0.7, 2.0], dtype=torch.float64)
-    return [x.to(dtype) for x in (logp, old, ref, mask, adv)]
+batch = functools.partial(drawn_batch, 0.8)  # old log-probs 0.8 apart (in log): ratios well off 1
 
 
 def paper_objective(logp, old, adv, mask, tau_pos, tau_neg):
@@ -39,29 +32,6 @@ def paper_objective(logp, old, adv, mask, tau_pos, tau_neg):
             seq = seq + 1 / (1 + torch.exp(-tau * (w - 1))) * 4 / tau * adv[i]
         total = total + seq / n
     return total / B
-
-
-def trl_sapo(logp, old, ref, adv, mask, *, pos, neg, beta=0.0, bias_kl=False, weight=None):
-    coef_1 = torch.exp(logp - old)
-    advantages = adv.unsqueeze(1)
-    temperatures = torch.where(advantages > 0, pos, neg)
-    soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
-    per_token_loss = -soft_coef_1 * advantages
-    if weight is not None:  # entropy_mask, importance_sampling_ratio: before the KL
-        per_token_loss = per_token_loss * weight
-    if beta != 0.0:
-        kl = torch.exp(ref - logp) - (ref - logp) - 1
-        if bias_kl:
-            kl = kl * coef_1
-        per_token_loss = per_token_loss + beta * kl
-    return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-
-
-def value_and_grad(fn, logp):
-    x = logp.clone().requires_grad_(True)
-    out = fn(x)
-    (g,) = torch.autograd.grad(out, x)
-    return out.detach(), g
 
 
 @pytest.mark.parametrize("tau_pos,tau_neg", [(1.0, 1.05), (0.5, 2.0), (3.0, 3.0)])

@@ -16,13 +16,8 @@ from gmpo import gmpo_loss
 from grpo import grpo_loss
 from gspo import gspo_loss
 from sapo import sapo_loss
-from test_cispo import trl_cispo
-from test_gmpo import verl_geo_mean
-from test_rollout_logp import StubPolicy, trl_is_ratio
-from test_sapo import trl_sapo
-from test_train import run_script
-from test_trl_parity import G, batch, trl_advantages, trl_loss
-from test_vespo import trl_vespo
+from helpers import G, run_script, StubPolicy, trl_advantages, trl_batch, trl_cispo, trl_is_ratio, trl_loss
+from helpers import trl_sapo, trl_vespo, verl_geo_mean
 from vespo import vespo_loss
 
 
@@ -121,7 +116,7 @@ LOSSES = {  # ours(logp, old, adv, mask, ref, keep), TRL's(logp, old, ref, trl_a
 def test_entropy_mask_equals_trls_in_every_loss(name):
     """Each loss with keep = TRL's with per_token_loss x entropy_mask before its KL term, value and gradient; and the
     mask changes the loss (it acts on this batch)."""
-    logp, old, ref, mask, rewards = batch(1 if name in ("gspo", "dfpo none") else 0)
+    logp, old, ref, mask, rewards = trl_batch(1 if name in ("gspo", "dfpo none") else 0)
     if name in ("gspo", "dfpo none"):
         old = logp + 0.05 * (old - logp)  # s_i around the clip band
     adv = trl_advantages(rewards, "group")  # float64: the losses alone compared
@@ -145,7 +140,7 @@ def test_sequence_scripts_rollout_correction_equals_trls(mode, name):
     """gspo.py and dfpo.py (--transform none --clip-gated: GSPO) with the rollout weights of each mode = TRL's
     sequence-level loss_type grpo with per_token_loss x importance_sampling_ratio: a sequence's term times its
     weights' mean over its tokens (the sequence modes: its one weight)."""
-    logp, old, ref, mask, rewards = batch(1)
+    logp, old, ref, mask, rewards = trl_batch(1)
     old = logp + 0.05 * (old - logp)
     sampling = old + 0.4 * torch.randn(old.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     ratio = trl_is_ratio(old, sampling, mask, mode, 0.5, 2.0).expand_as(mask)
@@ -166,7 +161,7 @@ def test_sequence_scripts_rollout_correction_equals_trls(mode, name):
 def test_gmpo_rollout_correction_equals_verls_geo_mean(mode):
     """gmpo.py with the rollout weights = verl's geo_mean with rollout_is_weights (their geometric mean over the
     sequence's tokens); a masked token (weight 0) weighs its sequence by 1e-10^(1/|y_i|), as verl's."""
-    logp, old, ref, mask, rewards = batch(0)
+    logp, old, ref, mask, rewards = trl_batch(0)
     sampling = old + 0.4 * torch.randn(old.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     ratio = trl_is_ratio(old, sampling, mask, mode, 0.5, 2.0).expand_as(mask)
     adv = trl_advantages(rewards, "group")
@@ -289,7 +284,7 @@ def test_gdpo_through_the_loop(monkeypatch, tmp_path):
 
 
 def test_the_step_statistics_over_two_ranks():
-    """tests/token_weights_ranks.py under torchrun (gloo): the entropy threshold and mask, and GDPO's batch
+    """tests/programs/token_weights_ranks.py under torchrun (gloo): the entropy threshold and mask, and GDPO's batch
     normalisation, over two ranks of unequal token counts = one process holding every row."""
     import os
     import subprocess
@@ -297,6 +292,6 @@ def test_the_step_statistics_over_two_ranks():
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "tests/token_weights_ranks.py"], cwd=root, capture_output=True, text=True, timeout=300,
+                        "tests/programs/token_weights_ranks.py"], cwd=root, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0 and "rank 0 ok" in p.stdout and "rank 1 ok" in p.stdout, p.stderr[-3000:]

@@ -15,33 +15,9 @@ import common
 from grouprl import data
 from grouprl import distributed
 from grouprl import modeling
-from conftest import ROOT
-from test_losses import mean
+from conftest import SCRIPTS
+from helpers import mean, read_rows, run_script, torchrun
 from grouprl.sampling import Sampling
-
-
-def run_script(script, argv, monkeypatch, out, jitter_row=True):
-    mod = importlib.import_module(script)
-    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv, "--output-dir", str(out)])
-    mod.main()
-    (run,) = glob.glob(f"{out}/*/metrics.jsonl")
-    rows = read_rows(run, jitter_row)
-    return rows, os.path.dirname(run)
-
-
-def not_json(constant):
-    raise ValueError(f"{constant} is not JSON")
-
-
-def read_rows(path, jitter_row=True):
-    """metrics.jsonl, read as strict JSON (NaN or Infinity fail), one row a step; the last (training) step's row also
-    holds the run's Jitter2 (checked here)."""
-    rows = [json.loads(line, parse_constant=not_json) for line in open(path)]
-    steps = [r["step"] for r in rows]
-    assert steps == sorted(set(steps)), steps
-    with_jitter = [i for i, r in enumerate(rows) if "charts/reward_jitter2" in r]
-    assert with_jitter == ([len(rows) - 1] if jitter_row else [])
-    return rows
 
 
 # grpo, gspo_token, dfpo slow (CI time): gspo's run is the one the fast suite keeps; the losses are pinned by hand
@@ -157,7 +133,7 @@ def test_first_minibatch_ratio_is_one():
     assert mean(stats["losses/clipfrac"]) == 0
 
 
-@pytest.mark.parametrize("script", ["gspo", "grpo", "gspo_token", "dfpo", "cispo", "sapo", "gmpo", "vespo"])
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_later_minibatches_use_the_rollout_logprobs(script, monkeypatch, tmp_path):
     """Minibatches 2..N take their ratios against pi_old, the policy that generated the rollout: after the first
     optimizer step with a signal (16 minibatches of one group each here) the policy has moved, so their k3 KL is
@@ -169,7 +145,7 @@ def test_later_minibatches_use_the_rollout_logprobs(script, monkeypatch, tmp_pat
     assert rows[0]["losses/ratio_max"] - rows[0]["losses/ratio_min"] > 1e-4
 
 
-@pytest.mark.parametrize("script", ["gspo", "grpo", "gspo_token", "dfpo", "cispo", "sapo", "gmpo", "vespo"])
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_gradients_are_freed_before_generation_and_save(script, monkeypatch, tmp_path):
     """Each minibatch frees its gradients after the optimizer step, so the next step's generation and the
     checkpoint save run without their 4 P / n bytes. A loop that frees them only before its next backward reaches
@@ -249,21 +225,15 @@ def test_dfpo_gradient_forms_end_to_end(monkeypatch, tmp_path):
     assert means["--length-aware"] < 1e-7 < 1e-4 < min(means["--no-length-aware"], means["--clip-gated"]), means
 
 
-def torchrun(*args):
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-
-
 FULL = ["gspo:1:fp32:0", "grpo:1:fp32:0", "dfpo:1:fp32:0", "gspo:1:bf16:0", "grpo:0:bf16:0", "dfpo:1:bf16:0"]
-MICRO = [f"{loss}:0:fp32:3" for loss in ["gspo", "grpo", "gspo_token", "dfpo", "grpo_token_mean", "cispo", "sapo",
-                                          "gmpo", "vespo"]]
+MICRO = [f"{loss}:0:fp32:3" for loss in [*SCRIPTS, "grpo_token_mean"]]
 BUG = "gspo:0:fp32:4:per-rank-mean"
 
 
 @pytest.fixture(scope="module")
 def fsdp_grad_lines():
-    """tests/fsdp_grad.py's cases in one torchrun launch (~5 s a launch saved a case): {case: its line}."""
-    p = torchrun("tests/fsdp_grad.py", *FULL, *MICRO, BUG)
+    """tests/programs/fsdp_grad.py's cases in one torchrun launch (~5 s a launch saved a case): {case: its line}."""
+    p = torchrun("tests/programs/fsdp_grad.py", *FULL, *MICRO, BUG)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     # "OK <case>: ..." or "FAIL <case>: ...", the case written as given (colons, no ": ")
     return {line.split(" ", 1)[1].split(": ", 1)[0]: line for line in p.stdout.splitlines()

@@ -19,64 +19,8 @@ from common import group_advantages
 from dfpo import dfpo_loss
 from grpo import grpo_loss
 from gspo import gspo_loss
-
-G, B, T = 4, 8, 5
-
-
-def trl_nanstd(x, dim=None):
-    """TRL's nanstd: sqrt(nanmean((x - mean)^2) * n / (n - 1))."""
-    mean = torch.nanmean(x, dim=dim, keepdim=True)
-    var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
-    n = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
-    return torch.sqrt(var * n / (n - 1)).squeeze() if dim is None else torch.sqrt(var * n / (n - 1)).squeeze(dim)
-
-
-def trl_advantages(rewards, scale):
-    r = rewards.double()
-    mean = r.view(-1, G).mean(1).repeat_interleave(G)
-    std = trl_nanstd(r.view(-1, G), dim=1).repeat_interleave(G) if scale == "group" else trl_nanstd(r).expand_as(r)
-    adv = r - mean
-    return adv if scale == "none" else adv / (std + 1e-4)
-
-
-def trl_loss(logp, old, ref, adv, mask, *, level, loss_type, eps_lo, eps_hi, beta, bias_kl, max_len=T, delta=None,
-             weight=None):
-    log_ratio = logp - old
-    if level == "token":
-        log_w = log_ratio
-    else:
-        log_w = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    coef_1 = torch.exp(log_w)
-    kl = torch.exp(ref - logp) - (ref - logp) - 1
-    if bias_kl:
-        kl = kl * coef_1
-    a = adv.unsqueeze(1)
-    coef_2 = torch.clamp(coef_1, 1 - eps_lo, 1 + eps_hi)
-    if delta is not None:  # two-sided clipping
-        coef_1 = torch.clamp(coef_1, max=delta)
-    per_token = -torch.min(coef_1 * a, coef_2 * a)
-    if weight is not None:  # off_policy_mask, entropy_mask, importance_sampling_ratio: before the KL
-        per_token = per_token * weight
-    per_token = per_token + beta * kl
-    if loss_type == "grpo":
-        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    if loss_type == "dapo":
-        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
-    if loss_type == "dr_grpo":
-        return (per_token * mask).sum() / (per_token.size(0) * max_len)
-    if loss_type == "luspo":  # sequence level: per_token is [B, 1] (beta = 0 here; TRL broadcasts its KL to [B, T])
-        return (per_token * mask.sum(1, keepdim=True)).mean()
-    raise ValueError(loss_type)
-
-
-def batch(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
-    old = logp + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)  # ratios well outside the clip band
-    ref = logp + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64)
-    mask = (torch.arange(T)[None] < torch.tensor([5, 3, 1, 4, 5, 2, 5, 4])[:, None]).double()
-    rewards = torch.tensor([1.0, 0, 0, 0, 0.5, 1, 0, 2])
-    return logp, old, ref, mask, rewards
+from conftest import SCRIPTS
+from helpers import B, G, T, trl_advantages, trl_batch, trl_loss, trl_nanstd
 
 
 def test_bessel_advantages_by_hand():
@@ -94,7 +38,7 @@ def test_bessel_advantages_by_hand():
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_advantages_equal_trl(scale):
-    rewards = batch()[-1]
+    rewards = trl_batch()[-1]
     ours, zero = group_advantages(rewards, G, scale, "bessel", 1e-4)
     torch.testing.assert_close(ours.double(), trl_advantages(rewards, scale), rtol=1e-6, atol=1e-7)
     assert zero == 0
@@ -106,7 +50,7 @@ def test_advantages_equal_trl(scale):
 def test_grpo_loss_equals_trl_token_level(loss_type, loss_agg, bias_kl):
     """grpo.py's loss and its gradient = TRL's with importance_sampling_level='token', the loss_type the table maps to
     --loss-agg, beta = --kl-coef, use_bias_correction_kl = --kl-ratio-correction, on TRL's advantages."""
-    logp, old, ref, mask, rewards = batch()
+    logp, old, ref, mask, rewards = trl_batch()
     adv = group_advantages(rewards, G, "group", "bessel", 1e-4)[0].double()
     x = logp.clone().requires_grad_()
     ours, _, _ = grpo_loss(x, old, adv, mask, clip_low=0.2, clip_high=0.28, ref_logp=ref, kl_coef=0.04,
@@ -125,7 +69,7 @@ def test_grpo_loss_equals_trl_token_level(loss_type, loss_agg, bias_kl):
 def test_gspo_loss_equals_trl_sequence_level(loss_fn, bias_kl):
     """gspo.py (and dfpo.py --transform none --clip-gated, which is GSPO) = TRL's importance_sampling_level='sequence'
     with loss_type='grpo' (a sequence's per-token term is constant, so its token mean is the sequence's term)."""
-    logp, old, ref, mask, rewards = batch(1)
+    logp, old, ref, mask, rewards = trl_batch(1)
     old = logp + 0.002 * (old - logp)  # s_i near the GSPO band, some inside, some clipped
     adv = group_advantages(rewards, G, "group", "bessel", 1e-4)[0].double()
     x = logp.clone().requires_grad_()
@@ -147,7 +91,7 @@ def test_gspo_loss_equals_trl_sequence_level(loss_fn, bias_kl):
 def test_grpo_delta_equals_trls_two_sided_clip(loss_type, loss_agg):
     """grpo.py --delta = TRL's delta: coef_1 capped at delta before the min; ratios up to ~e^1 here, so the cap acts on
     tokens of A < 0 (for A > 0 the clip's 1 + eps_high < delta already decides)."""
-    logp, old, ref, mask, rewards = batch(2)
+    logp, old, ref, mask, rewards = trl_batch(2)
     adv = group_advantages(rewards, G, "group", "bessel", 1e-4)[0].double()
     x = logp.clone().requires_grad_()
     ours, _, stats = grpo_loss(x, old, adv, mask, clip_low=0.2, clip_high=0.28, delta=1.1 + 0.28, loss_agg=loss_agg)
@@ -167,7 +111,7 @@ def test_grpo_delta_equals_trls_two_sided_clip(loss_type, loss_agg):
 def test_luspo_equals_trls():
     """gspo.py --luspo = TRL's loss_type='luspo' at importance_sampling_level='sequence' (beta 0: TRL broadcasts its
     KL over the padded [B, T] there, and ours keeps GSPO's KL)."""
-    logp, old, ref, mask, rewards = batch(1)
+    logp, old, ref, mask, rewards = trl_batch(1)
     old = logp + 0.002 * (old - logp)  # s_i near the GSPO band, some inside, some clipped
     adv = group_advantages(rewards, G, "group", "bessel", 1e-4)[0].double()
     x = logp.clone().requires_grad_()
@@ -219,7 +163,7 @@ def test_opsm_equals_trls_in_grpo(delta):
     per_token_loss x off_policy_mask (the KL term kept in both); the logged count is TRL's drops."""
     from common import off_policy_mask
 
-    logp, old, ref, mask, rewards = batch(3)
+    logp, old, ref, mask, rewards = trl_batch(3)
     sampling = logp + 0.3 * torch.randn(B, T, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     adv = group_advantages(rewards, G, "group", "bessel", 1e-4)[0].double()
     x = logp.clone().requires_grad_()
@@ -260,7 +204,7 @@ def test_opsm_by_hand():
 
 def test_trl_own_nanstd():
     trl_utils = pytest.importorskip("trl.trainer.utils", reason="trl is not installed: TRL's own nanstd not compared")
-    rewards = batch()[-1].double()
+    rewards = trl_batch()[-1].double()
     torch.testing.assert_close(trl_utils.nanstd(rewards.view(-1, G), dim=1), trl_nanstd(rewards.view(-1, G), dim=1))
     ours, _ = group_advantages(rewards, G, "group", "bessel", 1e-4)
     mean = rewards.view(-1, G).mean(1).repeat_interleave(G)
@@ -317,7 +261,7 @@ def kl_losses():
     }
 
 
-@pytest.mark.parametrize("name", ["grpo", "gspo", "gspo_token", "dfpo", "cispo", "sapo", "gmpo", "vespo"])
+@pytest.mark.parametrize("name", SCRIPTS)
 def test_bias_corrected_kl_equals_trls_in_every_loss(name):
     """--kl-ratio-correction (TRL's use_bias_correction_kl) in every loss that takes it: what the KL adds to the loss,
     loss(beta, kl_ratio) - loss(beta = 0), and its gradient equal TRL's beta agg(coef_1 k3) in float64, with
@@ -325,7 +269,7 @@ def test_bias_corrected_kl_equals_trls_in_every_loss(name):
     exp(1/|y_i| sum_t log w_it) (sequence), or GSPO-token's s_it = sg[s_i] pi / sg[pi] (value s_i, gradient
     s_i grad log pi). Without the correction the KL adds beta agg(k3), which differs on this batch."""
     loss_fn, kw, level, agg = kl_losses()[name]
-    logp, old, ref, mask, rewards = batch(3)
+    logp, old, ref, mask, rewards = trl_batch(3)
     old = logp + (0.3 if level == "token" else 0.2) * (old - logp)  # ratios off 1, GMPO's inside its band
     adv = group_advantages(rewards, G, "group", "population", 1e-6)[0].double()
     a = adv[:, None] * mask if name == "gspo_token" else adv
@@ -360,7 +304,7 @@ def test_bias_corrected_kl_equals_trls_in_every_loss(name):
     assert abs(corrected - plain) > 1e-3 * abs(plain), (corrected, plain)  # the correction acts on this batch
 
 
-@pytest.mark.parametrize("script", ["grpo", "gspo", "gspo_token", "dfpo", "cispo", "sapo", "gmpo", "vespo"])
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_advantage_defaults(script):
     """The command line's defaults, as each script parses them: the group's population std (DFPO eq. 43) and verl's
     eps 1e-6 (TRL's Bessel std and 1e-4 are --adv-std bessel --adv-eps 1e-4). Rewards [1, 0, 0, 0]: A_1 =

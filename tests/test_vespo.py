@@ -7,25 +7,18 @@ against TRL's formula, each written here independently of the code under test:
                 loss = (per_token_loss m).sum() / num_items_in_batch   (trl/trainer/grpo_trainer.py, the TRL source
                 read for docs/trl-and-verl.md, 1.10.0.dev0)
 Value and gradient with respect to logp."""
+import functools
 import math
 
 import pytest
 import torch
 
 from vespo import Args, vespo_loss
+from helpers import batch as drawn_batch, trl_vespo, value_and_grad
 
 B, T = 6, 5
+batch = functools.partial(drawn_batch, 0.3)  # old log-probs 0.3 apart (in log): W_i from ~0.5 to ~2
 DEFAULTS = dict(k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0)
-
-
-def batch(seed=0, dtype=torch.float64):
-    g = torch.Generator().manual_seed(seed)
-    logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
-    old = logp + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)  # W_i from ~0.5 to ~2
-    ref = logp + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64)
-    mask = (torch.arange(T)[None] < torch.tensor([5, 3, 1, 4, 5, 2])[:, None]).double()
-    adv = torch.tensor([1.2, -0.4, 0.0, -1.5, 0.7, 2.0], dtype=torch.float64)
-    return [x.to(dtype) for x in (logp, old, ref, mask, adv)]
 
 
 def by_definition(logp, old, adv, mask, k_pos, lambda_pos, k_neg, lambda_neg):
@@ -41,37 +34,6 @@ def by_definition(logp, old, adv, mask, k_pos, lambda_pos, k_neg, lambda_neg):
             total = total + phi * float(adv[i]) * logp[i, t]
             tokens += 1
     return total / tokens
-
-
-def trl_vespo(logp, old, ref, adv, mask, *, k_pos, lambda_pos, k_neg, lambda_neg, beta=0.0, bias_kl=False,
-              entropy_mask=None):
-    advantages = adv.unsqueeze(1)
-    with torch.no_grad():
-        log_ratio = torch.clamp(logp - old, -20.0, 20.0)
-        seq_log_ratio = torch.sum(log_ratio * mask, dim=-1, keepdim=True)
-        log_w_seq = torch.clamp(seq_log_ratio, math.log(1e-8), 20.0)
-        w_seq = torch.exp(log_w_seq)
-        nonneg = advantages >= 0
-        k_seq = torch.where(nonneg, k_pos, k_neg)
-        lambda_seq = torch.where(nonneg, lambda_pos, lambda_neg).clamp(min=1e-4)
-        phi_seq = torch.exp(lambda_seq + k_seq * log_w_seq - lambda_seq * w_seq).nan_to_num(nan=0.0, posinf=0.0,
-                                                                                           neginf=0.0)
-    per_token_loss = -phi_seq * advantages * logp
-    if entropy_mask is not None:  # before the KL (TRL multiplies no IS ratio into vespo's terms)
-        per_token_loss = per_token_loss * entropy_mask
-    if beta != 0.0:
-        kl = torch.exp(ref - logp) - (ref - logp) - 1
-        if bias_kl:
-            kl = kl * torch.exp(logp - old)
-        per_token_loss = per_token_loss + beta * kl
-    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
-
-
-def value_and_grad(fn, logp):
-    x = logp.clone().requires_grad_(True)
-    out = fn(x)
-    (g,) = torch.autograd.grad(out, x)
-    return out.detach(), g
 
 
 @pytest.mark.parametrize("params", [DEFAULTS, dict(k_pos=1.0, lambda_pos=1.0, k_neg=5.0, lambda_neg=0.5)])

@@ -10,7 +10,7 @@ import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from grouprl import checkpoint  # noqa: E402
 from grouprl import distributed  # noqa: E402
 from grouprl import engine  # noqa: E402

@@ -1,10 +1,12 @@
 """Run an algorithm script, optionally with a fault injected, for the resume tests:
 
-    CRASH=start:4      python tests/crash.py gspo.py ARGS...   SIGKILL at the start of step 4
-    CRASH=checkpoint:4 python tests/crash.py gspo.py ARGS...   SIGKILL while step_4 is being written (the model is
-                                                               written, this rank's optimizer file half written)
-    CRASH=sigterm:3    python tests/crash.py gspo.py ARGS...   SIGTERM at the start of step 3 (a graceful stop)
-    CRASH=nospace:2    python tests/crash.py gspo.py ARGS...   ENOSPC when the rank writes its rank<r>.pt of step_2
+    CRASH=start:4      python tests/programs/crash.py gspo.py ARGS...   SIGKILL at the start of step 4
+    CRASH=checkpoint:4 python tests/programs/crash.py gspo.py ARGS...   SIGKILL while step_4 is being written (the
+                                                                        model is written, this rank's optimizer file
+                                                                        half written)
+    CRASH=sigterm:3    python tests/programs/crash.py gspo.py ARGS...   SIGTERM at the start of step 3 (a graceful stop)
+    CRASH=nospace:2    python tests/programs/crash.py gspo.py ARGS...   ENOSPC when the rank writes its rank<r>.pt of
+                                                                        step_2
 CRASH_RANK (default 0) picks the rank that dies; under torchrun only the first attempt crashes (restarts run clean)."""
 import os
 import runpy
@@ -13,7 +15,7 @@ import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 import common  # noqa: E402
 

@@ -1,10 +1,10 @@
 """A second process that holds a run folder's lock, for the one-writer tests:
 
-    python tests/lock_holder.py claim ROOT RUN CHECKPOINT   checkpoint._claim_run_dir(RUN, CHECKPOINT), as a live
-                                                             run's rank 0 does (tests/test_checkpoint.py)
-    python tests/lock_holder.py flock LOCK_FILE              an exclusive flock on LOCK_FILE, which then names this
-                                                             pid and host, as a writer's writer.lock does
-                                                             (tests/test_resume.py)
+    python tests/programs/lock_holder.py claim ROOT RUN CHECKPOINT   checkpoint._claim_run_dir(RUN, CHECKPOINT), as a
+                                                                      live run's rank 0 does (tests/test_checkpoint.py)
+    python tests/programs/lock_holder.py flock LOCK_FILE              an exclusive flock on LOCK_FILE, which then names
+                                                                      this pid and host, as a writer's writer.lock does
+                                                                      (tests/test_resume.py)
 
 Each prints "locked" once it holds the lock, then sleeps 120 s (the test kills it sooner)."""
 import fcntl

@@ -14,7 +14,7 @@ import types
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from grouprl import checkpoint  # noqa: E402
 from grouprl import distributed  # noqa: E402
 from grouprl import modeling  # noqa: E402

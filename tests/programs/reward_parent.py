@@ -1,6 +1,6 @@
 """A trainer-like parent for the reward-worker tests (tests/test_reliability.py, issue 27's holes 1-2):
 
-    python tests/reward_parent.py MODE PATH_JSON
+    python tests/programs/reward_parent.py MODE PATH_JSON
 
 PATH_JSON: folders put first on sys.path (the reward module's and the repository). The parent's reward workers,
 started from the main thread (or from another one: MODE thread), answer two requests, and it prints their pids.

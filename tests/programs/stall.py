@@ -1,14 +1,16 @@
 """Run gspo.py with one of its start-up functions replaced by a stall, for the start-up signal tests:
 
-    python tests/stall.py load_model OUTPUT_DIR   prints "waiting" when gspo.py calls load_model, then sleeps 60 s
-    python tests/stall.py grouprl.evaluation.generate OUTPUT_DIR --eval-every 1   the same in evaluate's generate (the step-0
-                                                  evaluation's); flags after OUTPUT_DIR go to gspo.py"""
+    python tests/programs/stall.py load_model OUTPUT_DIR   prints "waiting" when gspo.py calls load_model, then
+                                                           sleeps 60 s
+    python tests/programs/stall.py grouprl.evaluation.generate OUTPUT_DIR --eval-every 1   the same in evaluate's
+                                                           generate (the step-0 evaluation's); flags after OUTPUT_DIR
+                                                           go to gspo.py"""
 import importlib
 import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 import gspo  # noqa: E402
 

@@ -13,7 +13,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # the scripts, and tests/helpers.py
 from grouprl import checkpoint  # noqa: E402
 import common  # noqa: E402
 from grouprl import distributed  # noqa: E402
@@ -26,7 +27,7 @@ from vespo import vespo_loss  # noqa: E402
 from grpo import grpo_loss  # noqa: E402
 from gspo import gspo_loss  # noqa: E402
 from gspo_token import gspo_token_loss  # noqa: E402
-from test_losses import mean  # noqa: E402
+from helpers import mean  # noqa: E402
 
 d = distributed.setup_distributed(0)
 assert d.world == 2, "run me with torchrun --nproc-per-node 2"

@@ -1,0 +1,381 @@
+"""What more than one test file uses, in one place: running a script in-process or under torchrun and reading its
+metrics, the bad-input check, the loss tensors and value-and-gradient, the engine's test model and its HF reference,
+transformers' sampling and the peers' (TRL's, verl's) losses written out. Test files import from here and from
+conftest, never from each other; the programs in tests/programs/ may import from here too."""
+import glob
+import importlib
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers.generation import logits_process as lp
+
+import common
+from grouprl import checkpoint
+from grouprl import engine
+from grouprl import modeling
+from grouprl.data import chat_prompts
+from grouprl.distributed import Dist, seed_everything
+from grouprl.sampling import Sampling
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # conftest's; here too for the programs
+
+
+# ---- a script's run: in this process (run_script) or under torchrun, its metrics.jsonl, bad input
+
+
+def run_script(script, argv, monkeypatch, out, jitter_row=True):
+    """`python {script}.py {argv} --output-dir {out}` in this process: (its metrics rows, the run folder)."""
+    mod = importlib.import_module(script)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv, "--output-dir", str(out)])
+    mod.main()
+    (run,) = glob.glob(f"{out}/*/metrics.jsonl")
+    rows = read_rows(run, jitter_row)
+    return rows, os.path.dirname(run)
+
+
+def not_json(constant):
+    raise ValueError(f"{constant} is not JSON")
+
+
+def read_rows(path, jitter_row=True):
+    """metrics.jsonl, read as strict JSON (NaN or Infinity fail), one row a step; the last (training) step's row also
+    holds the run's Jitter2 (checked here)."""
+    rows = [json.loads(line, parse_constant=not_json) for line in open(path)]
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(set(steps)), steps
+    with_jitter = [i for i, r in enumerate(rows) if "charts/reward_jitter2" in r]
+    assert with_jitter == ([len(rows) - 1] if jitter_row else [])
+    return rows
+
+
+def torchrun(*args):
+    """`torchrun --standalone --nproc-per-node 2 {args}` from the repository root, its output captured."""
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+# a short run: 4 prompts a rank, no evaluation, no sample tables (test_checkpoint, test_reliability)
+SHORT = ["--prompts-per-rank", "4", "--eval-every", "0", "--log-samples", "0"]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def bad_dataset(tmp_path):
+    return write_jsonl(tmp_path / "bad.jsonl", [{"question": "1+1?", "solution": "2"}])
+
+
+def fails_before_any_model(script, argv, needle, monkeypatch, tmp_path):
+    """`script` with argv (BAD: a dataset without the answer column) exits with one line holding needle (None:
+    argparse's exit 2) before any model is built, and writes nothing."""
+    mod = importlib.import_module(script)
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was built before the bad input was caught")
+
+    monkeypatch.setattr(mod, "load_model", no_model)
+    argv = [bad_dataset(tmp_path) if a == "BAD" else a for a in argv]
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--output-dir", str(tmp_path / "runs"), *argv])
+    with pytest.raises(SystemExit) as e:
+        mod.main()
+    if needle is None:
+        assert e.value.code == 2
+        return
+    msg = str(e.value.code)
+    assert msg.startswith("error: ") and "\n" not in msg and needle in msg, msg
+    assert not (tmp_path / "runs").exists()  # nothing written either
+
+
+def fake_checkpoint(ckpt, **state):
+    """A checkpoint folder holding only state/trainer_state.json and its manifest."""
+    (ckpt / "state").mkdir(parents=True, exist_ok=True)
+    (ckpt / "state" / "trainer_state.json").write_text(json.dumps(state))
+    checkpoint.write_manifest(str(ckpt))
+
+
+# ---- losses' stats and tensors
+
+
+def mean(stat) -> float:
+    """A logged mean from a loss's stats, given as (sum, count)."""
+    total, count = stat
+    return float(total / count)
+
+
+def ragged_batch(B=6, T=7, seed=0, spread=0.3):
+    """Random log-probs, old log-probs a little apart, ragged completion masks (padding), +/- advantages."""
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(B, T, generator=g) * 3
+    logp = (old + spread * torch.randn(B, T, generator=g)).requires_grad_()
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    lengths[0] = T
+    mask = (torch.arange(T)[None] < lengths[:, None]).double()
+    logp.data[mask == 0] = float("nan")  # padding must never leak into the loss
+    adv = torch.randn(B, generator=g)
+    return logp, old, adv, mask
+
+
+def batch(spread, seed=0, dtype=torch.float64):
+    """Six completions of 5, 3, 1, 4, 5, 2 tokens (of 5), drawn in float64, then cast: logp, old log-probs `spread`
+    apart (normal, in log: how far the ratios reach), ref 0.5 apart, the mask, advantages of both signs and a 0."""
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(6, 5, generator=g, dtype=torch.float64) * 3
+    old = logp + spread * torch.randn(6, 5, generator=g, dtype=torch.float64)
+    ref = logp + 0.5 * torch.randn(6, 5, generator=g, dtype=torch.float64)
+    mask = (torch.arange(5)[None] < torch.tensor([5, 3, 1, 4, 5, 2])[:, None]).double()
+    adv = torch.tensor([1.2, -0.4, 0.0, -1.5, 0.7, 2.0], dtype=torch.float64)
+    return [x.to(dtype) for x in (logp, old, ref, mask, adv)]
+
+
+def value_and_grad(fn, logp):
+    """fn(logp) and its gradient with respect to logp (a copy that requires it)."""
+    x = logp.clone().requires_grad_(True)
+    out = fn(x)
+    (g,) = torch.autograd.grad(out, x)
+    return out.detach(), g
+
+
+# ---- the engine's test model and HF generate as its reference (test_engine and the files beside it)
+
+
+CPU = torch.device("cpu")
+PROMPTS = ["1%10=", "a longer prompt, 23%10=", "7%10=", "xy", "a much longer prompt than the others, 5%10="]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return setup_model()
+
+
+def setup_model():
+    tok = modeling.tiny_tokenizer()
+    seed_everything(0)
+    lm = modeling.tiny_model(tok).eval()
+    g = torch.Generator().manual_seed(0)
+    for p in lm.parameters():  # larger weights than the init's: greedy rows that differ token by token
+        if p.dim() == 2:
+            p.data.normal_(0, 0.3, generator=g)
+    ids = [tok(p, add_special_tokens=False).input_ids for p in chat_prompts(tok, PROMPTS, False)]
+    return tok, lm, ids
+
+
+def hf_greedy(lm, tok, ids, n, eos, max_new_tokens, mode="repeat", **kw):
+    """HF generate, each prompt repeated n times (--gen-mode repeat), greedy: completions up to the first EOS."""
+    d = Dist(0, 1, CPU)
+    texts = [tok.decode(p) for p in ids]
+    kw = {"temperature": 1.0, "top_p": 1.0, "top_k": 1, **kw}
+    roll = common.generate(modeling.Policy(lm), tok, texts, n, eos, d,
+                           Sampling(max_new_tokens=max_new_tokens, gen_batch_size=64, mode=mode, **kw))
+    P = roll.n_prompt
+    comps = [row[P:][m.bool()].tolist() for row, m in zip(roll.input_ids, roll.mask)]
+    return comps, roll.truncated.tolist()
+
+
+def run(lm, ids, n, eos, max_new_tokens, slots, **kw):
+    kw = {"temperature": 1.0, "top_k": 1, "top_p": 1.0, **kw}
+    return engine.generate(lm, ids, n, eos, max_new_tokens=max_new_tokens, slots=slots, device=CPU,
+                           dtype=torch.float32, **kw)
+
+
+# ---- transformers' sampling, written from its processors (test_sampling; test_engine's reference)
+
+
+def hf_warped(scores, temperature, top_k, top_p, min_p=0.0):
+    scores = lp.TemperatureLogitsWarper(float(temperature))(None, scores)
+    if top_k:
+        scores = lp.TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1:
+        scores = lp.TopPLogitsWarper(top_p)(None, scores)
+    if min_p > 0:
+        scores = lp.MinPLogitsWarper(min_p)(None, scores)
+    return scores
+
+
+def ids_of(seen):
+    """seen [R, V] bool -> input_ids [R, max count] as HF's RepetitionPenaltyLogitsProcessor reads them, padded
+    with V (an id past the logits, which it drops)."""
+    rows = [row.nonzero()[:, 0].tolist() for row in seen]
+    width = max(1, max(map(len, rows)))
+    return torch.tensor([r + [seen.shape[1]] * (width - len(r)) for r in rows])
+
+
+def hf_penalised(x, penalty, seen):
+    """RepetitionPenaltyLogitsProcessor on float32 logits (generate's first processor here)."""
+    if penalty == 1.0:
+        return x.float()
+    return lp.RepetitionPenaltyLogitsProcessor(float(penalty))(ids_of(seen), x.float())
+
+
+def multinomial_sample(logits, temperature, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, *,
+                       seen=None, generator=None):
+    """HF's sampling as transformers writes it (the engine's sampler before sampling.py): its processors in
+    float32 in generate's order (repetition penalty, temperature, top-k, top-p, min-p), then torch.multinomial;
+    the log-prob under the tempered softmax of the penalised logits."""
+    scores = hf_penalised(logits, repetition_penalty, seen)
+    logp = torch.log_softmax(scores / temperature, -1)
+    scores = hf_warped(scores, temperature, top_k, top_p, min_p)
+    tokens = torch.multinomial(torch.softmax(scores, -1), 1, generator=generator)
+    return tokens[:, 0], logp.gather(1, tokens)[:, 0]
+
+
+# ---- the peers written from their source (TRL 1.10.0.dev0's grpo_trainer.py, verl's core_algos.py): the parity
+# tests' references, and test_token_weights' (with StubPolicy, the old pass's stand-in)
+
+G, B, T = 4, 8, 5  # trl_batch: 2 groups of 4 completions, up to 5 tokens
+
+
+def trl_nanstd(x, dim=None):
+    """TRL's nanstd: sqrt(nanmean((x - mean)^2) * n / (n - 1))."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
+    n = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
+    return torch.sqrt(var * n / (n - 1)).squeeze() if dim is None else torch.sqrt(var * n / (n - 1)).squeeze(dim)
+
+
+def trl_advantages(rewards, scale):
+    r = rewards.double()
+    mean = r.view(-1, G).mean(1).repeat_interleave(G)
+    std = trl_nanstd(r.view(-1, G), dim=1).repeat_interleave(G) if scale == "group" else trl_nanstd(r).expand_as(r)
+    adv = r - mean
+    return adv if scale == "none" else adv / (std + 1e-4)
+
+
+def trl_loss(logp, old, ref, adv, mask, *, level, loss_type, eps_lo, eps_hi, beta, bias_kl, max_len=T, delta=None,
+             weight=None):
+    log_ratio = logp - old
+    if level == "token":
+        log_w = log_ratio
+    else:
+        log_w = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_w)
+    kl = torch.exp(ref - logp) - (ref - logp) - 1
+    if bias_kl:
+        kl = kl * coef_1
+    a = adv.unsqueeze(1)
+    coef_2 = torch.clamp(coef_1, 1 - eps_lo, 1 + eps_hi)
+    if delta is not None:  # two-sided clipping
+        coef_1 = torch.clamp(coef_1, max=delta)
+    per_token = -torch.min(coef_1 * a, coef_2 * a)
+    if weight is not None:  # off_policy_mask, entropy_mask, importance_sampling_ratio: before the KL
+        per_token = per_token * weight
+    per_token = per_token + beta * kl
+    if loss_type == "grpo":
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "dapo":
+        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        return (per_token * mask).sum() / (per_token.size(0) * max_len)
+    if loss_type == "luspo":  # sequence level: per_token is [B, 1] (beta = 0 here; TRL broadcasts its KL to [B, T])
+        return (per_token * mask.sum(1, keepdim=True)).mean()
+    raise ValueError(loss_type)
+
+
+def trl_batch(seed=0):
+    """Two groups of 4 completions of 5, 3, 1, 4 / 5, 2, 5, 4 tokens (of 5) in float64, and their rewards."""
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    old = logp + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)  # ratios well outside the clip band
+    ref = logp + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = (torch.arange(T)[None] < torch.tensor([5, 3, 1, 4, 5, 2, 5, 4])[:, None]).double()
+    rewards = torch.tensor([1.0, 0, 0, 0, 0.5, 1, 0, 2])
+    return logp, old, ref, mask, rewards
+
+
+class StubPolicy:
+    """The old pass's forward: rows of fixed log-probs and entropies (row r's ids are all r)."""
+
+    def __init__(self, logp, entropy):
+        self.logp, self.entropy = logp, entropy
+
+    def __call__(self, ids, attention_mask, n_prompt, entropy=False):
+        rows = ids[:, 0]
+        return self.logp[rows], self.entropy[rows]
+
+
+def trl_is_ratio(old, sampling, mask, mode, clip_min, clip_max):
+    """TRL's vllm_importance_sampling_ratio (trl/trainer/grpo_trainer.py, _generate_and_score_completions), written
+    from its source: (B, T) for token_* modes, (B, 1) for sequence_* modes."""
+    diff = (old - sampling) * mask
+    logps_diff = diff.sum(dim=-1, keepdim=True) if mode in ("sequence_mask", "sequence_truncate") else diff
+    ratio = torch.exp(logps_diff)
+    if mode in ("sequence_truncate", "token_truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low = clip_min if clip_min is not None else -math.inf
+    high = clip_max if clip_max is not None else math.inf
+    return ratio.masked_fill((ratio < low) | (ratio > high), value=0.0)
+
+
+def trl_cispo(logp, old, ref, adv, mask, *, epsilon_high, beta=0.0, bias_kl=False, weight=None):
+    coef_1 = torch.exp(logp - old)
+    clamped = torch.clamp(coef_1, max=epsilon_high).detach()
+    per_token_loss = -clamped * adv.unsqueeze(1) * logp
+    if weight is not None:  # entropy_mask, importance_sampling_ratio: before the KL
+        per_token_loss = per_token_loss * weight
+    if beta != 0.0:
+        kl = torch.exp(ref - logp) - (ref - logp) - 1
+        if bias_kl:
+            kl = kl * coef_1
+        per_token_loss = per_token_loss + beta * kl
+    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def trl_sapo(logp, old, ref, adv, mask, *, pos, neg, beta=0.0, bias_kl=False, weight=None):
+    coef_1 = torch.exp(logp - old)
+    advantages = adv.unsqueeze(1)
+    temperatures = torch.where(advantages > 0, pos, neg)
+    soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
+    per_token_loss = -soft_coef_1 * advantages
+    if weight is not None:  # entropy_mask, importance_sampling_ratio: before the KL
+        per_token_loss = per_token_loss * weight
+    if beta != 0.0:
+        kl = torch.exp(ref - logp) - (ref - logp) - 1
+        if bias_kl:
+            kl = kl * coef_1
+        per_token_loss = per_token_loss + beta * kl
+    return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+
+
+def trl_vespo(logp, old, ref, adv, mask, *, k_pos, lambda_pos, k_neg, lambda_neg, beta=0.0, bias_kl=False,
+              entropy_mask=None):
+    advantages = adv.unsqueeze(1)
+    with torch.no_grad():
+        log_ratio = torch.clamp(logp - old, -20.0, 20.0)
+        seq_log_ratio = torch.sum(log_ratio * mask, dim=-1, keepdim=True)
+        log_w_seq = torch.clamp(seq_log_ratio, math.log(1e-8), 20.0)
+        w_seq = torch.exp(log_w_seq)
+        nonneg = advantages >= 0
+        k_seq = torch.where(nonneg, k_pos, k_neg)
+        lambda_seq = torch.where(nonneg, lambda_pos, lambda_neg).clamp(min=1e-4)
+        phi_seq = torch.exp(lambda_seq + k_seq * log_w_seq - lambda_seq * w_seq).nan_to_num(nan=0.0, posinf=0.0,
+                                                                                           neginf=0.0)
+    per_token_loss = -phi_seq * advantages * logp
+    if entropy_mask is not None:  # before the KL (TRL multiplies no IS ratio into vespo's terms)
+        per_token_loss = per_token_loss * entropy_mask
+    if beta != 0.0:
+        kl = torch.exp(ref - logp) - (ref - logp) - 1
+        if bias_kl:
+            kl = kl * torch.exp(logp - old)
+        per_token_loss = per_token_loss + beta * kl
+    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def verl_geo_mean(logp, old, adv, mask, clip_low, clip_high, rollout_is_weights=None):
+    advantages = adv[:, None] * mask  # verl's token-level advantages, the sequence's on every token
+    negative_approx_kl = logp - old
+    sgn = torch.sign(advantages)
+    clamp = torch.clamp(negative_approx_kl, -clip_low, clip_high)
+    kl_min = sgn * torch.min(sgn * negative_approx_kl, sgn * clamp)
+    n = mask.sum(dim=-1)
+    ratio = torch.exp((kl_min * mask).sum(dim=-1) / (n + 1e-8))
+    advantage = (advantages * mask).sum(dim=-1) / (n + 1e-8)
+    pg_losses = -advantage * ratio
+    if rollout_is_weights is not None:  # the token weights' geometric mean, the sequence's weight
+        pg_losses = pg_losses * torch.exp((torch.log(rollout_is_weights + 1e-10) * mask).sum(dim=-1) / (n + 1e-8))
+    return torch.mean(pg_losses)

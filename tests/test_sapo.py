@@ -124,3 +124,20 @@ def test_far_tokens_fade_but_none_is_cut():
 def test_defaults_are_the_papers_and_trls():
     args = Args()
     assert (args.tau_pos, args.tau_neg, args.loss_agg) == (1.0, 1.05, "seq-mean-token-mean")
+
+
+def test_is_weight_multiplies_each_token_term():
+    """--rollout-is-cap: on policy (w = 1) each token's term is v_it f(1) A_i = v_it (2 / tau) A_i with the gradient
+    v_it A_i (f'(1) = 1), then 1/B sum_i 1/|y_i| sum_t (seq-mean-token-mean): v the TIS weights."""
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+    v = torch.tensor([[0.5, 2.0, 1.5], [0.25, 3.0, 9.0]], dtype=torch.float64)
+    adv = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    logp = old.clone().requires_grad_(True)
+    loss, _, _ = sapo_loss(logp, old, adv, mask, tau_pos=1.0, tau_neg=2.0, is_weight=v)
+    loss.backward()
+    seq0 = (0.5 + 2.0 + 1.5) * (2 / 1.0) * 1.0 / 3
+    seq1 = (0.25 + 3.0) * (2 / 2.0) * -2.0 / 2
+    assert loss.item() == pytest.approx(-(seq0 + seq1) / 2, rel=1e-12)
+    grad = [[-0.5 / 6, -2.0 / 6, -1.5 / 6], [0.25 * 2 / 4, 3.0 * 2 / 4, 0.0]]
+    assert logp.grad.flatten().tolist() == pytest.approx(sum(grad, []), rel=1e-12)

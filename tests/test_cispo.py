@@ -135,3 +135,17 @@ def test_is_weight_multiplies_each_token_term():
     assert logp.grad.flatten().tolist() == pytest.approx(sum(grad, []), rel=1e-12)
     plain = cispo_loss(old, old, adv, mask, clip_low=1.0, clip_high=4.0)[0]
     assert plain.item() == pytest.approx(-(-1.0 - 2.0 - 0.5 - 2.0 * (-0.3 - 0.7)) / 5, rel=1e-12)
+
+
+def test_script_passes_the_rollout_correction_mode(monkeypatch, tmp_path):
+    """cispo.py --rollout-is-mode sequence-mask: the loop's correction is the masked one (rollout_is/masked_frac
+    logged), not the default token-truncate's (rollout_is/capped_frac); the engine decodes in fp32 on the CPU, so
+    nothing is masked."""
+    from test_train import run_script
+
+    rows, _ = run_script("cispo", ["--num-steps", "1", "--prompts-per-rank", "2", "--group-size", "2",
+                                   "--num-minibatches", "1", "--eval-every", "0", "--max-new-tokens", "4",
+                                   "--log-samples", "0", "--save-every", "0", "--gen-mode", "engine",
+                                   "--rollout-is-cap", "2", "--rollout-is-mode", "sequence-mask"],
+                         monkeypatch, tmp_path / "o")
+    assert rows[0]["rollout_is/masked_frac"] == 0 and "rollout_is/capped_frac" not in rows[0]

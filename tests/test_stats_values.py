@@ -545,3 +545,16 @@ def test_issue24_docs_grpo_fix_recipe_cancels_shared_tokens():
     got = shared_coef(logp, old, adv, mask, clip_low=args.clip_low, clip_high=args.clip_high, symmetric_clip=True,
                       loss_agg=args.loss_agg, max_new_tokens=args.max_new_tokens)
     assert got < 1e-15
+
+
+def test_batch_scale_takes_every_ranks_rewards():
+    """tests/advantages_ranks.py under torchrun (gloo, 2 ranks): --scale-rewards batch divides by the std of all
+    ranks' rewards (1.25 there; rank 0's own would be 0.5), each rank's advantages by hand."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "tests/advantages_ranks.py"], cwd=root, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0 and "rank 0 ok" in p.stdout and "rank 1 ok" in p.stdout, p.stderr[-3000:]

@@ -558,3 +558,25 @@ def test_batch_scale_takes_every_ranks_rewards():
                         "tests/advantages_ranks.py"], cwd=root, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0 and "rank 0 ok" in p.stdout and "rank 1 ok" in p.stdout, p.stderr[-3000:]
+
+
+def test_reward_parts_scale_the_cut_completions():
+    """--multi-objective-aggregation normalize-then-sum: each reward's values as GDPO normalises them, those of a
+    completion cut at --max-new-tokens times --truncated-reward-scale (0.25 here), as its summed reward is; NaN (the
+    reward does not apply) stays NaN; the weights as given. Other aggregations: None."""
+    import types
+
+    import common
+
+    part = types.SimpleNamespace
+    reward = types.SimpleNamespace(parts=[(part(name="a"), 1.0), (part(name="b"), 0.5)],
+                                   values={"a": torch.tensor([1.0, 0.0, 1.0, 1.0]),
+                                           "b": torch.tensor([2.0, math.nan, 4.0, -1.0])})
+    roll = types.SimpleNamespace(truncated=torch.tensor([False, True, True, False]))
+    args = types.SimpleNamespace(multi_objective_aggregation="normalize-then-sum", truncated_reward_scale=0.25)
+    values, weights = common.reward_parts(reward, roll, args)
+    want = torch.tensor([[1.0, 2.0], [0.0, math.nan], [0.25, 1.0], [1.0, -1.0]], dtype=torch.float64)
+    torch.testing.assert_close(values, want, equal_nan=True)
+    assert values.dtype == torch.float64 and weights.tolist() == [1.0, 0.5]
+    args.multi_objective_aggregation = "sum-then-normalize"
+    assert common.reward_parts(reward, roll, args) is None

@@ -580,3 +580,67 @@ def test_reward_parts_scale_the_cut_completions():
     assert values.dtype == torch.float64 and weights.tolist() == [1.0, 0.5]
     args.multi_objective_aggregation = "sum-then-normalize"
     assert common.reward_parts(reward, roll, args) is None
+
+
+# issue 61 item 1(d): under normalize-then-sum (GDPO) a group is flat when every advantage is 0, not when its summed
+# rewards are equal. Weights (1, 2): group 1's parts (2, 0) and (0, 1) sum to 2 on every row, yet each part's z-score
+# is +-1 and the weighted sum of those is -+1; group 2's parts are each constant where they apply (NaN: b does not
+# apply to row 3), so every z-score is 0, though the summed rewards (3, 3, 1, 3) differ; group 3's a differs.
+GDPO_VALUES = torch.tensor([[2.0, 0.0], [0.0, 1.0], [2.0, 0.0], [0.0, 1.0],
+                            [1.0, 1.0], [1.0, 1.0], [1.0, math.nan], [1.0, 1.0],
+                            [0.0, 1.0], [2.0, 1.0], [0.0, 1.0], [0.0, 1.0],
+                            [0.0, 1.0], [2.0, 0.0], [2.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+GDPO_WEIGHTS = torch.tensor([1.0, 2.0], dtype=torch.float64)
+
+
+def test_gdpo_flat_groups_are_those_whose_advantages_are_all_zero():
+    """Groups 1 and 4 (equal sums, parts apart) have A = -+1 and are not flat; group 2 (each part constant) has
+    A = 0 and is: one zero-advantage group, not the two whose summed rewards are equal."""
+    import common
+
+    summed = (GDPO_VALUES * GDPO_WEIGHTS).nansum(1).float()
+    parts = (GDPO_VALUES, GDPO_WEIGHTS)
+    adv, zero = common.group_advantages(summed, 4, parts=parts)
+    groups = adv.view(-1, 4).abs().amax(1)
+    assert groups[1] < 1e-6 and (groups[[0, 2, 3]] > 0.5).all(), groups
+    assert zero == 1
+    assert common.flat_groups(summed, 4, parts).tolist() == [False, True, False, False]
+    assert common.flat_groups(summed, 4).tolist() == [True, False, False, True]  # the summed rewards' rule
+
+
+def test_dynamic_sampling_keeps_gdpo_groups_with_advantages(monkeypatch):
+    """--dynamic-sampling with normalize-then-sum judges a group flat by its parts: of round 1's groups (1 and 2
+    above) group 1 is kept (A = -+1) and group 2 dropped; round 2 (groups 3 and 4) fills the batch."""
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+
+    import common
+    from grouprl.distributed import Dist
+
+    calls = []
+
+    def generate(policy, tok, prompts, n, eos, d, **kw):
+        B, P, T = len(prompts) * n, 2, 3
+        calls.append(len(calls))
+        return {"input_ids": torch.ones(B, P + T, dtype=torch.long), "attention_mask": torch.ones(B, P + T,
+                dtype=torch.long), "n_prompt": P, "mask": torch.ones(B, T), "truncated": torch.zeros(B, dtype=bool),
+                "texts": [f"{len(calls) - 1}"] * B}
+
+    def score(texts, rows, n, reward_, truncated=None, truncated_scale=1.0):
+        r = int(texts[0])
+        values = GDPO_VALUES[8 * r: 8 * r + 8]
+        reward_.values = {"a": values[:, 0], "b": values[:, 1]}
+        return (values * GDPO_WEIGHTS).nansum(1).float(), 0
+
+    monkeypatch.setattr(common, "generate", generate)
+    monkeypatch.setattr(common, "score", score)
+    part = SimpleNamespace
+    reward = SimpleNamespace(values={}, parts=[(part(name="a"), 1.0), (part(name="b"), 2.0)])
+    train = Dataset.from_list([{"prompt": f"p{i}", "answer": "1", "text": f"p{i}"} for i in range(40)])
+    roll = common.sample_groups(None, SimpleNamespace(pad_token_id=0), train, 1, [1], Dist(0, 1, torch.device("cpu")),
+                                reward, {}, per_rank=2, group_size=4, seed=0, dynamic=True, max_rounds=3,
+                                normalize_then_sum=True)
+    assert len(calls) == 2 and roll.stats["charts/dropped_groups"] == 1
+    torch.testing.assert_close(torch.stack([reward.values["a"], reward.values["b"]], 1),
+                               GDPO_VALUES[list(range(4)) + list(range(8, 12))], equal_nan=True)

@@ -216,7 +216,7 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
     surplus."""
     rounds = []  # per round: (indices, roll, rewards, each reward's values)
 
-    def flat(round_) -> torch.Tensor:  # [groups]: A = 0 for every completion of the group
+    def flat_of(round_) -> torch.Tensor:  # [groups]: A = 0 for every completion of the group
         _, roll_r, rewards_r, values_r = round_
         parts = (weighted_parts(reward, values_r, roll_r["truncated"], truncated_scale)
                  if normalize_then_sum else None)
@@ -243,7 +243,7 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
         rounds.append((indices, roll, rewards, dict(getattr(reward, "values", {}))))
         if not dynamic or r + 1 == max_rounds:
             break
-        spread += int((~flat(rounds[-1])).sum())  # groups with a spread stay
+        spread += int((~flat_of(rounds[-1])).sum())  # groups with a spread stay
         short = torch.tensor(float(max(0, per_rank - spread)), device=dist_env.device)
         if all_reduce(short).item() == 0:  # every rank full (the same answer on each)
             break
@@ -253,7 +253,7 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
     if not dynamic:
         return Rollout.of(roll, rows, rewards, reward_errors, logs)
     # the batch: the first per_rank groups with a spread, then (at the bound) the earliest flat ones
-    flat = torch.cat([flat(round_) for round_ in rounds])
+    flat = torch.cat([flat_of(round_) for round_ in rounds])
     order = torch.cat([(~flat).nonzero().flatten(), flat.nonzero().flatten()])  # stable
     kept = order[:per_rank].sort().values  # in generation order
     counts = torch.tensor([float(flat.sum() - flat[kept].sum()),  # dropped

@@ -477,7 +477,7 @@ def reward_parts(reward, roll: Rollout, args) -> tuple[torch.Tensor, torch.Tenso
 
 
 def weighted_parts(reward, values: dict, truncated: torch.Tensor, truncated_scale: float):
-    """reward_parts of the values {name: [B]} that reward's score set, truncated [B] the rows cut."""
+    """reward_parts of the values {name: [B]} that reward's score set; truncated [B]: rows cut."""
     parts = torch.stack([values[part.name] for part, _ in reward.parts], 1).double()
     cut = truncated.cpu()[:, None]
     parts = torch.where(cut, truncated_scale * parts, parts)

@@ -52,9 +52,11 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
     use: a group whose rewards are all equal has A_i = 0 for each of its completions (DFPO eq. 43)
     and gives the policy-gradient term nothing; it is dropped, and more rounds of per_rank prompts a
     rank (extra_prompt_indices: never the step's own, a function of seed, step and round) are
-    generated and scored while any rank holds fewer than per_rank groups with a spread, max_rounds
-    rounds in all. Every rank runs every round (an all_reduce of the shortfall decides), so the
-    ranks make the same generate calls (FSDP2's collectives) and score calls (the reward watch's).
+    generated and scored while any rank holds fewer than per_rank groups with a spread (with
+    --multi-objective-aggregation normalize-then-sum, GDPO's: a reward whose values differ in the
+    group, flat_groups), max_rounds rounds in all. Every rank runs every round (an all_reduce of
+    the shortfall decides), so the ranks make the same generate calls (FSDP2's collectives) and
+    score calls (the reward watch's).
     Each rank keeps its first per_rank groups with a spread; past max_rounds, the earliest flat
     groups fill the batch (A = 0; counted), so the step goes on. The kept groups stay in generation
     order: a step whose first round has no flat group is the step without dynamic.
@@ -68,6 +70,13 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
     per_rank, group_size, seed = args.prompts_per_rank, args.group_size, args.seed
     dynamic, max_rounds = args.dynamic_sampling, args.max_gen_rounds
     rounds = []  # per round: (indices, roll, rewards, each reward's values)
+
+    def flat_of(round_) -> torch.Tensor:  # [groups]: A = 0 for every completion of the group
+        _, roll_r, rewards_r, values_r = round_
+        parts = (weighted_parts(reward, values_r, roll_r.truncated, args.truncated_reward_scale)
+                 if args.multi_objective_aggregation == "normalize-then-sum" else None)
+        return flat_groups(rewards_r, group_size, parts)
+
     gen_time, gen_tokens, reward_errors, spread = 0.0, 0.0, 0, 0
     bar = GenBar(f"step {step} rollout", per_rank, group_size, tok.pad_token_id, dist_env.main,
                  leave=False, delay=ROLLOUT_BAR_DELAY)  # a slow step's generation in view
@@ -89,7 +98,7 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
         rounds.append((indices, roll, rewards, dict(getattr(reward, "values", {}))))
         if not dynamic or r + 1 == max_rounds:
             break
-        spread += int((~flat_groups(rewards, group_size)).sum())  # groups with a spread stay
+        spread += int((~flat_of(rounds[-1])).sum())  # groups with a spread stay
         short = torch.tensor(float(max(0, per_rank - spread)), device=dist_env.device)
         if all_reduce(short).item() == 0:  # every rank full (the same answer on each)
             break
@@ -99,7 +108,7 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
     if not dynamic:
         return replace(roll, rows=rows, rewards=rewards, reward_errors=reward_errors, stats=logs)
     # the batch: the first per_rank groups with a spread, then (at the bound) the earliest flat ones
-    flat = torch.cat([flat_groups(rewards, group_size) for _, _, rewards, _ in rounds])
+    flat = torch.cat([flat_of(round_) for round_ in rounds])
     order = torch.cat([(~flat).nonzero().flatten(), flat.nonzero().flatten()])  # stable
     kept = order[:per_rank].sort().values  # in generation order
     counts = torch.tensor([float(flat.sum() - flat[kept].sum()),  # dropped
@@ -126,10 +135,19 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
     return replace(roll, rows=rows, rewards=rewards, reward_errors=reward_errors, stats=logs)
 
 
-def flat_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[groups]: True where a group's rewards are all equal (std 0: A_i = 0, DFPO eq. 43)."""
-    g = rewards.view(-1, group_size)
-    return (g == g[:, :1]).all(1)
+def flat_groups(rewards: torch.Tensor, group_size: int,
+                parts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """[groups]: True where every advantage of the group is 0: its rewards all equal (std 0, DFPO
+    eq. 43); with parts (reward_parts: GDPO), each weighted reward's values equal over the rows it
+    applies to (every z-score 0), whatever the summed rewards."""
+    if parts is None:
+        g = rewards.view(-1, group_size)
+        return (g == g[:, :1]).all(1)
+    values, weights = parts
+    k = values.view(-1, group_size, values.shape[1])
+    lo = k.nan_to_num(math.inf).amin(1)  # NaN: the reward does not apply to that row
+    hi = k.nan_to_num(-math.inf).amax(1)
+    return ((lo >= hi) | (weights == 0)).all(1)
 
 
 def rows_of(groups: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -183,7 +201,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     normalize_then_sum): each reward normalised in its group, (r_k - mean_g r_k) / (std_g r_k +
     eps), their weighted sum (NaN-skipping), then that normalised over the batch of all ranks;
     a completion no reward applies to gets A = 0. scale and baseline are the defaults then.
-    Groups with equal rewards (the summed reward) get A = 0; their count is returned."""
+    Returns the advantages [B] and the count of flat groups, whose advantages are all 0
+    (flat_groups: equal rewards; with parts, each reward's values equal in the group)."""
     if std not in ("population", "bessel"):
         raise ValueError(f"unknown std {std!r} (population or bessel)")
     unbiased = std == "bessel"
@@ -196,6 +215,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     group_std = r.std(1, unbiased=unbiased, keepdim=True)
     zero = int((group_std.squeeze(1) == 0).sum())
     if parts is not None:  # GDPO: normalise each reward in its group, sum, normalise the batch
+        zero = int(flat_groups(rewards, group_size, parts).sum())  # not the summed rewards' std
         values, weights = parts
         k = values.view(-1, group_size, values.shape[1])
         z = ((k - k.nanmean(1, keepdim=True)) / (nanstd(k, 1, unbiased) + eps)).view_as(values)
@@ -220,10 +240,15 @@ def reward_parts(reward, roll: Rollout, args) -> tuple[torch.Tensor, torch.Tenso
     --truncated-reward-scale, as its summed reward) and their weights [K]; else None."""
     if args.multi_objective_aggregation != "normalize-then-sum":
         return None
-    values = torch.stack([reward.values[part.name] for part, _ in reward.parts], 1).double()
-    cut = roll.truncated.cpu()[:, None]
-    values = torch.where(cut, args.truncated_reward_scale * values, values)
-    return values, torch.tensor([w for _, w in reward.parts], dtype=torch.float64)
+    return weighted_parts(reward, reward.values, roll.truncated, args.truncated_reward_scale)
+
+
+def weighted_parts(reward, values: dict, truncated: torch.Tensor, truncated_scale: float):
+    """reward_parts of the values {name: [B]} that reward's score set; truncated [B]: rows cut."""
+    parts = torch.stack([values[part.name] for part, _ in reward.parts], 1).double()
+    cut = truncated.cpu()[:, None]
+    parts = torch.where(cut, truncated_scale * parts, parts)
+    return parts, torch.tensor([w for _, w in reward.parts], dtype=torch.float64)
 
 
 def group_metrics(seq_terms: torch.Tensor, first_token_grads: torch.Tensor, group_size: int,

@@ -88,3 +88,36 @@ def test_no_token_leaves_the_gradient():
 def test_defaults_are_the_papers_and_trls():
     args = Args()
     assert (args.clip_low, args.clip_high, args.loss_agg) == (1.0, 4.0, "token-mean")
+
+
+def test_is_weight_multiplies_each_token_term():
+    """--rollout-is-cap: on policy (w = 1, r_hat = 1) each token's term is v_it A_i log pi, v the TIS weights, summed
+    over the 5 tokens and divided by them (token-mean): loss -sum v_it A_i log pi_it / 5, d loss / d log pi_it =
+    -v_it A_i / 5; no weight (v = 1) is the plain CISPO loss."""
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+    v = torch.tensor([[0.5, 2.0, 1.5], [0.25, 3.0, 9.0]], dtype=torch.float64)
+    adv = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    logp = old.clone().requires_grad_(True)
+    loss, _, _ = cispo_loss(logp, old, adv, mask, clip_low=1.0, clip_high=4.0, is_weight=v)
+    loss.backward()
+    want = -(0.5 * -1.0 + 2.0 * -2.0 + 1.5 * -0.5 - 2.0 * (0.25 * -0.3 + 3.0 * -0.7)) / 5
+    assert loss.item() == pytest.approx(want, rel=1e-12)
+    grad = [[-0.5 / 5, -2.0 / 5, -1.5 / 5], [0.25 * 2 / 5, 3.0 * 2 / 5, 0.0]]
+    assert logp.grad.flatten().tolist() == pytest.approx(sum(grad, []), rel=1e-12)
+    plain = cispo_loss(old, old, adv, mask, clip_low=1.0, clip_high=4.0)[0]
+    assert plain.item() == pytest.approx(-(-1.0 - 2.0 - 0.5 - 2.0 * (-0.3 - 0.7)) / 5, rel=1e-12)
+
+
+def test_script_passes_the_rollout_correction_mode(monkeypatch, tmp_path):
+    """cispo.py --rollout-is-mode sequence-mask: the loop's correction is the masked one (rollout_is/masked_frac
+    logged), not the default token-truncate's (rollout_is/capped_frac); the engine decodes in fp32 on the CPU, so
+    nothing is masked."""
+    from test_train import run_script
+
+    rows, _ = run_script("cispo", ["--num-steps", "1", "--prompts-per-rank", "2", "--group-size", "2",
+                                   "--num-minibatches", "1", "--eval-every", "0", "--max-new-tokens", "4",
+                                   "--log-samples", "0", "--save-every", "0", "--gen-mode", "engine",
+                                   "--rollout-is-cap", "2", "--rollout-is-mode", "sequence-mask"],
+                         monkeypatch, tmp_path / "o")
+    assert rows[0]["rollout_is/masked_frac"] == 0 and "rollout_is/capped_frac" not in rows[0]

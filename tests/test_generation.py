@@ -105,3 +105,38 @@ def test_static_cache_gives_the_same_tokens_and_logprobs(setup, reference, monke
         seen = torch.stack(out.logits, 1).log_softmax(-1).gather(-1, comp[..., None]).squeeze(-1)
         forward = policy(out.sequences, torch.cat([am, torch.ones_like(comp)], 1), ids.shape[1])
     torch.testing.assert_close(seen, forward, rtol=0, atol=1e-5)
+
+
+def held_out(tok, n=4):
+    from datasets import Dataset
+
+    prompts = [f"{i}%10=" for i in range(n)]
+    texts = data.chat_prompts(tok, prompts, False)
+    return Dataset.from_list([{"prompt": p, "answer": p[0], "text": t} for p, t in zip(prompts, texts)])
+
+
+def test_evaluate_holds_eos_until_min_new_tokens(setup, monkeypatch):
+    """The held-out evaluation samples as training does (--min-new-tokens 4): half the vocabulary made EOS, every
+    generate call evaluate makes masks EOS for the first 4 tokens, so no completion is shorter than 4 tokens (HF's
+    min_new_tokens; without it most stop at their first)."""
+    from grouprl import evaluation
+    from grouprl.sampling import Sampling
+
+    d, tok, policy, _, _ = setup
+    real, lengths = evaluation.generate, []
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        lengths.append(out.mask.sum(1))
+        return out
+
+    monkeypatch.setattr(evaluation, "generate", spy)
+    eos = list(range(0, len(tok), 2))
+    torch.manual_seed(0)
+    held = evaluation.Evaluation(Sampling(max_new_tokens=8, gen_batch_size=64, min_new_tokens=4), k=2)
+    evaluation.evaluate(policy, tok, held_out(tok), eos, d, held)
+    assert lengths and (torch.cat(lengths) >= 4).all(), lengths
+    lengths.clear()
+    free = evaluation.Evaluation(Sampling(max_new_tokens=8, gen_batch_size=64), k=2)
+    evaluation.evaluate(policy, tok, held_out(tok), eos, d, free)
+    assert (torch.cat(lengths) < 4).float().mean() > 0.5  # the flag is what holds them

@@ -79,3 +79,19 @@ def test_two_tokens_by_hand():
 def test_defaults_are_the_papers():
     args = Args()
     assert (args.clip_low, args.clip_high) == (0.4, 0.4)
+
+
+def test_keep_multiplies_the_term_by_the_fraction_of_its_tokens_kept():
+    """--top-entropy-quantile: on policy (s_i = 1) the term A_i s_i is multiplied by the fraction of y_i's own tokens
+    kept, 1/|y_i| sum_t keep_it, not of the padded width: y_1 has 4 tokens of T = 5, 3 kept (3/4); y_2 has 2, 1 kept
+    (1/2). Loss -(2 x 3/4 - 1 x 1/2) / 2 = -0.5; the gradient of an unclipped token is A_i s_i kept_i / |y_i| / B."""
+    old = torch.tensor([[-1.0, -2.0, -0.5, -1.5, 0.0], [-0.3, -0.7, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1, 1, 1, 0], [1, 1, 0, 0, 0]], dtype=torch.float64)
+    keep = torch.tensor([[1.0, 0, 1, 1, 0], [0, 1, 0, 0, 0]], dtype=torch.float64)
+    adv = torch.tensor([2.0, -1.0], dtype=torch.float64)
+    logp = old.clone().requires_grad_(True)
+    loss, _, _ = gmpo_loss(logp, old, adv, mask, clip_low=0.4, clip_high=0.4, keep=keep)
+    loss.backward()
+    assert loss.item() == pytest.approx(-(2 * 3 / 4 - 1 * 1 / 2) / 2, rel=1e-12)
+    g0, g1 = -2 * (3 / 4) / 4 / 2, 1 * (1 / 2) / 2 / 2
+    assert logp.grad.flatten().tolist() == pytest.approx([g0] * 4 + [0.0] + [g1] * 2 + [0.0] * 3, rel=1e-12)

@@ -123,3 +123,21 @@ def test_post_answer_tokens():
     for (text, expected), row, a in zip(cases, ids, after):
         assert tok.decode(row[a]) == expected, text
     assert not (after & (mask == 0)).any()
+
+
+def test_keep_drops_the_low_entropy_tokens_terms():
+    """--top-entropy-quantile: on policy (s_it = 1, inside the clip) each kept token's term is A_it, the others' 0;
+    1/B sum_i 1/|y_i| sum_t keep_it A_it (seq-mean-token-mean), gradient keep_it A_it / (|y_i| B) (s_it's gradient is
+    sg[s_i] grad log pi_t); keep = 1 everywhere is the plain loss."""
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, 0.0]])
+    mask = torch.tensor([[1.0, 1, 1], [1, 1, 0]])
+    keep = torch.tensor([[1.0, 0, 1], [0, 1, 0]])
+    A = torch.tensor([[1.0, 2.0, 3.0], [-1.0, -4.0, 0.0]])
+    logp = old.clone().requires_grad_(True)
+    loss, _, _ = gspo_token_loss(logp, old, A, mask, clip_low=0.2, clip_high=0.27, keep=keep)
+    loss.backward()
+    assert loss.item() == pytest.approx(-((1 + 3) / 3 + -4 / 2) / 2, rel=1e-12)
+    want = [[-1 / 6, 0.0, -3 / 6], [0.0, 4 / 4, 0.0]]
+    assert logp.grad.flatten().tolist() == pytest.approx(sum(want, []), rel=1e-12)
+    plain = gspo_token_loss(old, old, A, mask, clip_low=0.2, clip_high=0.27, keep=torch.ones_like(keep))[0]
+    assert plain.item() == pytest.approx(-((1 + 2 + 3) / 3 + (-1 - 4) / 2) / 2, rel=1e-12)

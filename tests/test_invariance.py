@@ -160,16 +160,28 @@ def test_every_pass_has_the_same_gradient_whatever_the_micro_batching(setup, nam
         assert not close(second, first, rtol=1e-3)
 
 
-def test_script_num_iterations(monkeypatch, tmp_path):
+@pytest.mark.parametrize("script, extra", [("gspo", []), ("grpo", ["--clip-low", "1e-4", "--clip-high", "1e-4"]),
+                                           ("dfpo", [])])
+def test_script_num_iterations(script, extra, monkeypatch, tmp_path):
     """--num-iterations 2 with one minibatch: the second update sees pi_theta != pi_old (the ratios move off 1, the
-    clip acts), and the cosine schedule counts mu x num_minibatches optimizer steps a rollout: after step 1 of 3,
-    2 of 6 updates are done, lr = 0.5 (1 + cos(pi / 3)) = 0.75 of the peak (min-lr-ratio 0)."""
+    clip acts), the optimizer steps once an update (6 over 3 steps) and the cosine schedule counts mu x
+    num_minibatches optimizer steps a rollout: after step 1 of 3, 2 of 6 updates are done, lr = 0.5 (1 + cos(pi / 3))
+    = 0.75 of the peak (min-lr-ratio 0). Through the loops of gspo.py, grpo.py and dfpo.py (each its own)."""
     (tmp_path / "dense_reward15.py").write_text("def f(completion, answer):\n    return float(len(completion) % 3)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    rows, _ = run_script("gspo", ["--num-steps", "3", "--prompts-per-rank", "4", "--group-size", "4",
+    steps, adamw_step = [], torch.optim.AdamW.step
+
+    def counted(optimizer, *args, **kwargs):
+        steps.append(1)
+        return adamw_step(optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", counted)
+    rows, _ = run_script(script, ["--num-steps", "3", "--prompts-per-rank", "4", "--group-size", "4",
                                   "--num-minibatches", "1", "--num-iterations", "2", "--eval-every", "0",
                                   "--reward", "dense_reward15:f", "--learning-rate", "1e-3", "--lr-schedule",
-                                  "cosine", "--min-lr-ratio", "0", "--save-every", "0"], monkeypatch, tmp_path / "o")
+                                  "cosine", "--min-lr-ratio", "0", "--save-every", "0", *extra], monkeypatch,
+                         tmp_path / "o")
+    assert len(steps) == 6, len(steps)
     assert rows[0]["charts/learning_rate"] == pytest.approx(1e-3 * 0.75, rel=1e-9)
     moved = max(rows[0]["losses/ratio_max"] - 1, 1 - rows[0]["losses/ratio_min"])
     assert moved > 1e-4, moved  # with one minibatch and mu = 1 the ratios are 1 to float error

@@ -231,3 +231,21 @@ def test_sequence_stats_count_only_what_is_in_the_loss(loss_fn):
     assert mean(stats["losses/clipfrac"]) == 1.0 and mean(stats["losses/clipfrac_seq"]) == 1.0
     s = math.exp(0.5)  # s_i, and in GRPO each token ratio w_it
     assert mean(stats["losses/ratio_mean"]) == pytest.approx(s) and stats["losses/ratio_min"].item() == pytest.approx(s)
+
+
+def test_gspo_script_passes_luspo(monkeypatch, tmp_path):
+    """gspo.py --luspo: every loss call of the loop is LUSPO's (luspo=True), so the run is not plain GSPO."""
+    import gspo
+    from test_train import run_script
+
+    loss, calls = gspo.gspo_loss, []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("luspo", False))
+        return loss(*args, **kwargs)
+
+    monkeypatch.setattr(gspo, "gspo_loss", spy)
+    run_script("gspo", ["--num-steps", "1", "--prompts-per-rank", "2", "--group-size", "2", "--num-minibatches", "1",
+                        "--eval-every", "0", "--max-new-tokens", "4", "--log-samples", "0", "--save-every", "0",
+                        "--luspo"], monkeypatch, tmp_path / "o")
+    assert calls and all(c is True for c in calls), calls

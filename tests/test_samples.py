@@ -62,3 +62,24 @@ def test_samples_every_k_steps(tmp_path):
                                            ({"charts/reward_mean": 0.3}, "")])
 def test_eval_summary(log, expected):
     assert evaluation.eval_summary(log) == expected
+
+
+def test_eval_samples_are_the_first_prompts_of_the_whole_evaluation():
+    """--log-eval-samples 1 with --gen-batch-size 2 and k = 2 (one prompt a generate call, four calls): the rows of
+    the first held-out prompt only, its 2 completions, not the first prompt of every call."""
+    from datasets import Dataset
+
+    from grouprl import data, distributed, modeling
+    from grouprl.sampling import Sampling
+
+    d = distributed.Dist(0, 1, torch.device("cpu"))
+    tok = modeling.tiny_tokenizer()
+    lm, _ = modeling.load_model("tiny", tok, d, seed=0)
+    policy = modeling.wrap_policy(lm, d, 1.0, 64, False).eval()
+    prompts = [f"{i}%10=" for i in range(4)]
+    held = Dataset.from_list([{"prompt": p, "answer": p[0], "text": t}
+                              for p, t in zip(prompts, data.chat_prompts(tok, prompts, False))])
+    plan = evaluation.Evaluation(Sampling(max_new_tokens=2, gen_batch_size=2), k=2, log_samples=1)
+    result = evaluation.evaluate(policy, tok, held, modeling.eos_ids(lm, tok), d, plan)
+    rows = result[evaluation.EVAL_ROWS]
+    assert [r["prompt"] for r in rows] == ["0%10="] * 2, [r["prompt"] for r in rows]

@@ -94,3 +94,49 @@ def test_far_tokens_fade_but_none_is_cut():
 def test_defaults_are_the_papers_and_trls():
     args = Args()
     assert (args.tau_pos, args.tau_neg, args.loss_agg) == (1.0, 1.05, "seq-mean-token-mean")
+
+
+def test_is_weight_multiplies_each_token_term():
+    """--rollout-is-cap: on policy (w = 1) each token's term is v_it f(1) A_i = v_it (2 / tau) A_i with the gradient
+    v_it A_i (f'(1) = 1), then 1/B sum_i 1/|y_i| sum_t (seq-mean-token-mean): v the TIS weights."""
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+    v = torch.tensor([[0.5, 2.0, 1.5], [0.25, 3.0, 9.0]], dtype=torch.float64)
+    adv = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    logp = old.clone().requires_grad_(True)
+    loss, _, _ = sapo_loss(logp, old, adv, mask, tau_pos=1.0, tau_neg=2.0, is_weight=v)
+    loss.backward()
+    seq0 = (0.5 + 2.0 + 1.5) * (2 / 1.0) * 1.0 / 3
+    seq1 = (0.25 + 3.0) * (2 / 2.0) * -2.0 / 2
+    assert loss.item() == pytest.approx(-(seq0 + seq1) / 2, rel=1e-12)
+    grad = [[-0.5 / 6, -2.0 / 6, -1.5 / 6], [0.25 * 2 / 4, 3.0 * 2 / 4, 0.0]]
+    assert logp.grad.flatten().tolist() == pytest.approx(sum(grad, []), rel=1e-12)
+
+
+def test_script_passes_the_rollout_correction_to_the_loss(monkeypatch, tmp_path):
+    """sapo.py --rollout-is-cap 2 with the engine's log-probs raised by 0.5 a token: the loss gets is_weight =
+    min(pi_old / pi_rollout, 2) = e^-0.5 (to the engine's float error) on every completion token, in every call."""
+    import dataclasses
+
+    import sapo
+    from test_train import run_script
+
+    sample_groups, loss, weights = sapo.sample_groups, sapo.sapo_loss, []
+
+    def raised(*args, **kwargs):
+        roll = sample_groups(*args, **kwargs)
+        return dataclasses.replace(roll, logp=roll.logp + 0.5 * roll.mask)
+
+    def spy(logp, old_logp, advantages, mask, **kwargs):
+        weights.append((kwargs.get("is_weight"), mask))
+        return loss(logp, old_logp, advantages, mask, **kwargs)
+
+    monkeypatch.setattr(sapo, "sample_groups", raised)
+    monkeypatch.setattr(sapo, "sapo_loss", spy)
+    run_script("sapo", ["--num-steps", "1", "--prompts-per-rank", "2", "--group-size", "2", "--num-minibatches", "1",
+                        "--eval-every", "0", "--max-new-tokens", "4", "--log-samples", "0", "--save-every", "0",
+                        "--gen-mode", "engine", "--rollout-is-cap", "2"], monkeypatch, tmp_path / "o")
+    assert weights and all(v is not None for v, _ in weights)
+    for v, mask in weights:
+        assert torch.allclose(v[mask.bool()].double(), torch.full_like(v[mask.bool()].double(), math.exp(-0.5)),
+                              atol=1e-5)

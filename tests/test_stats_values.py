@@ -546,3 +546,104 @@ def test_issue24_docs_grpo_fix_recipe_cancels_shared_tokens():
     got = shared_coef(logp, old, adv, mask, clip_low=args.clip_low, clip_high=args.clip_high, symmetric_clip=True,
                       loss_agg=args.loss_agg, max_new_tokens=args.max_new_tokens)
     assert got < 1e-15
+
+
+def test_batch_scale_takes_every_ranks_rewards():
+    """tests/advantages_ranks.py under torchrun (gloo, 2 ranks): --scale-rewards batch divides by the std of all
+    ranks' rewards (1.25 there; rank 0's own would be 0.5), each rank's advantages by hand."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "tests/advantages_ranks.py"], cwd=root, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0 and "rank 0 ok" in p.stdout and "rank 1 ok" in p.stdout, p.stderr[-3000:]
+
+
+def test_reward_parts_scale_the_cut_completions():
+    """--multi-objective-aggregation normalize-then-sum: each reward's values as GDPO normalises them, those of a
+    completion cut at --max-new-tokens times --truncated-reward-scale (0.25 here), as its summed reward is; NaN (the
+    reward does not apply) stays NaN; the weights as given. Other aggregations: None."""
+    import types
+
+    import common
+
+    part = types.SimpleNamespace
+    reward = types.SimpleNamespace(parts=[(part(name="a"), 1.0), (part(name="b"), 0.5)],
+                                   values={"a": torch.tensor([1.0, 0.0, 1.0, 1.0]),
+                                           "b": torch.tensor([2.0, math.nan, 4.0, -1.0])})
+    roll = types.SimpleNamespace(truncated=torch.tensor([False, True, True, False]))
+    args = types.SimpleNamespace(multi_objective_aggregation="normalize-then-sum", truncated_reward_scale=0.25)
+    values, weights = common.reward_parts(reward, roll, args)
+    want = torch.tensor([[1.0, 2.0], [0.0, math.nan], [0.25, 1.0], [1.0, -1.0]], dtype=torch.float64)
+    torch.testing.assert_close(values, want, equal_nan=True)
+    assert values.dtype == torch.float64 and weights.tolist() == [1.0, 0.5]
+    args.multi_objective_aggregation = "sum-then-normalize"
+    assert common.reward_parts(reward, roll, args) is None
+
+
+# issue 61 item 1(d): under normalize-then-sum (GDPO) a group is flat when every advantage is 0, not when its summed
+# rewards are equal. Weights (1, 2): group 1's parts (2, 0) and (0, 1) sum to 2 on every row, yet each part's z-score
+# is +-1 and the weighted sum of those is -+1; group 2's parts are each constant where they apply (NaN: b does not
+# apply to row 3), so every z-score is 0, though the summed rewards (3, 3, 1, 3) differ; group 3's a differs.
+GDPO_VALUES = torch.tensor([[2.0, 0.0], [0.0, 1.0], [2.0, 0.0], [0.0, 1.0],
+                            [1.0, 1.0], [1.0, 1.0], [1.0, math.nan], [1.0, 1.0],
+                            [0.0, 1.0], [2.0, 1.0], [0.0, 1.0], [0.0, 1.0],
+                            [0.0, 1.0], [2.0, 0.0], [2.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+GDPO_WEIGHTS = torch.tensor([1.0, 2.0], dtype=torch.float64)
+
+
+def test_gdpo_flat_groups_are_those_whose_advantages_are_all_zero():
+    """Groups 1 and 4 (equal sums, parts apart) have A = -+1 and are not flat; group 2 (each part constant) has
+    A = 0 and is: one zero-advantage group, not the two whose summed rewards are equal."""
+    import common
+
+    summed = (GDPO_VALUES * GDPO_WEIGHTS).nansum(1).float()
+    parts = (GDPO_VALUES, GDPO_WEIGHTS)
+    adv, zero = common.group_advantages(summed, 4, parts=parts)
+    groups = adv.view(-1, 4).abs().amax(1)
+    assert groups[1] < 1e-6 and (groups[[0, 2, 3]] > 0.5).all(), groups
+    assert zero == 1
+    assert common.flat_groups(summed, 4, parts).tolist() == [False, True, False, False]
+    assert common.flat_groups(summed, 4).tolist() == [True, False, False, True]  # the summed rewards' rule
+
+
+def test_dynamic_sampling_keeps_gdpo_groups_with_advantages(monkeypatch):
+    """--dynamic-sampling with normalize-then-sum judges a group flat by its parts: of round 1's groups (1 and 2
+    above) group 1 is kept (A = -+1) and group 2 dropped; round 2 (groups 3 and 4) fills the batch."""
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+
+    import common
+    from grouprl.distributed import Dist
+    from grouprl.generation import Rollout
+    from grouprl.sampling import Sampling
+
+    calls = []
+
+    def generate(policy, tok, prompts, n, eos, d, *args, **kw):
+        B, P, T = len(prompts) * n, 2, 3
+        calls.append(len(calls))
+        return Rollout(torch.ones(B, P + T, dtype=torch.long), torch.ones(B, P + T, dtype=torch.long), P,
+                       torch.ones(B, T), torch.zeros(B, dtype=bool), [f"{len(calls) - 1}"] * B)
+
+    def score(texts, rows, n, reward_, truncated=None, truncated_scale=1.0):
+        r = int(texts[0])
+        values = GDPO_VALUES[8 * r: 8 * r + 8]
+        reward_.values = {"a": values[:, 0], "b": values[:, 1]}
+        return (values * GDPO_WEIGHTS).nansum(1).float(), 0
+
+    monkeypatch.setattr(common, "generate", generate)
+    monkeypatch.setattr(common, "score", score)
+    part = SimpleNamespace
+    reward = SimpleNamespace(values={}, parts=[(part(name="a"), 1.0), (part(name="b"), 2.0)])
+    train = Dataset.from_list([{"prompt": f"p{i}", "answer": "1", "text": f"p{i}"} for i in range(40)])
+    args = SimpleNamespace(prompts_per_rank=2, group_size=4, seed=0, dynamic_sampling=True, max_gen_rounds=3,
+                           truncated_reward_scale=1.0, multi_objective_aggregation="normalize-then-sum")
+    roll = common.sample_groups(None, SimpleNamespace(pad_token_id=0), train, 1, [1], Dist(0, 1, torch.device("cpu")),
+                                reward, Sampling(max_new_tokens=3), args)
+    assert len(calls) == 2 and roll.stats["charts/dropped_groups"] == 1
+    torch.testing.assert_close(torch.stack([reward.values["a"], reward.values["b"]], 1),
+                               GDPO_VALUES[list(range(4)) + list(range(8, 12))], equal_nan=True)

@@ -77,3 +77,25 @@ def test_defaults_are_trls():
     args = Args()
     assert (args.k_pos, args.lambda_pos, args.k_neg, args.lambda_neg, args.loss_agg) == (2.0, 3.0, 3.0, 2.0,
                                                                                          "token-mean")
+
+
+def test_is_weight_folds_into_the_sequence_ratio():
+    """--rollout-is-cap: the TIS weights v_it = pi_old / pi_rollout fold into W_i (TRL multiplies its
+    importance_sampling_ratio into the sequence weight): on policy (w = 1) with log v = (0.3, -0.1), W = e^0.2 and
+    A = 1 takes (k, lambda) = (2, 3): phi = e^0.4 e^(3 (1 - e^0.2)) = 0.77; the terms are not multiplied by v. Loss
+    -phi (logp_1 + logp_2) / 2, gradient -phi / 2 each. Folded the wrong way (W = e^-0.2) phi would be 1.15."""
+    logp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
+    v = torch.tensor([[math.exp(0.3), math.exp(-0.1)]], dtype=torch.float64)
+    loss, terms, stats = vespo_loss(logp, logp.detach(), torch.tensor([1.0], dtype=torch.float64),
+                                    torch.ones(1, 2, dtype=torch.float64), **DEFAULTS, is_weight=v)
+    loss.backward()
+    phi = math.exp(0.4) * math.exp(3 * (1 - math.exp(0.2)))
+    assert loss.item() == pytest.approx(-phi * (-3.0) / 2, rel=1e-12) and terms.item() == pytest.approx(phi)
+    assert logp.grad[0].tolist() == pytest.approx([-phi / 2] * 2, rel=1e-12)
+    assert stats["losses/phi_mean"][0].item() == pytest.approx(phi)
+    # A < 0 takes (3, 2): phi = e^0.6 e^(2 (1 - e^0.2)), with a padded third position that must not count
+    logp = torch.tensor([[-1.0, -2.0, -5.0]], dtype=torch.float64)
+    v3 = torch.cat([v, torch.tensor([[100.0]], dtype=torch.float64)], 1)
+    _, terms, _ = vespo_loss(logp, logp, torch.tensor([-1.0], dtype=torch.float64),
+                             torch.tensor([[1.0, 1.0, 0.0]], dtype=torch.float64), **DEFAULTS, is_weight=v3)
+    assert terms.item() == pytest.approx(-math.exp(0.6) * math.exp(2 * (1 - math.exp(0.2))), rel=1e-12)

@@ -81,8 +81,16 @@ def test_no_dict_read_of_a_rollout_and_no_long_parameter_list():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 a = node.args
                 names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls", "ctx")]
-                n = len(names) + (a.vararg is not None) + (a.kwarg is not None)
-                assert n <= 9, (os.path.relpath(path, ROOT), node.name, n)
+                assert len(names) <= 9, (os.path.relpath(path, ROOT), node.name, names)
+
+
+def test_tests_import_their_helpers_from_one_module():
+    """Shared test code lives in tests/helpers.py (and conftest); no test file imports another, and the programs
+    the tests start lie in tests/programs/, the stubs in tests/blocked/."""
+    for path in glob.glob(os.path.join(ROOT, "tests", "*.py")):
+        assert not re.search(r"^\s*(from|import) test_", open(path).read(), re.M), path
+    flat = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "tests", "*.py"))}
+    assert all(f.startswith("test_") or f in ("conftest.py", "helpers.py") for f in flat), flat
 
 
 def test_the_root_holds_the_scripts_and_common_only():

@@ -84,7 +84,7 @@ def score(texts: list[str], answers, n: int, reward: Reward | Rewards | None = N
     if watch:
         reward.values = values
         watch_failures(reward, first, len(texts))
-        watch_flat_groups(reward, r, n)
+        watch_flat_groups(reward, r, n, values)
     return r, int(failed.sum())
 
 
@@ -232,15 +232,22 @@ def watch_failures(reward: Reward | Rewards, failures: dict, total: int):
 FLAT_STEPS = 5
 
 
-def watch_flat_groups(reward: Reward | Rewards, r: torch.Tensor, n: int):
+def watch_flat_groups(reward: Reward | Rewards, r: torch.Tensor, n: int,
+                      values: dict | None = None):
     """Say once (main rank) when every group of each of the first FLAT_STEPS training steps had
     equal rewards: every advantage was 0, nothing was learned, and the likely cause is answers the
-    grader cannot match."""
+    grader cannot match. values: each reward's own values [B] (NaN: it does not apply); a group
+    whose summed rewards are equal but whose rewards tell its completions apart is not flat (under
+    --multi-objective-aggregation normalize-then-sum its advantages are not 0)."""
     # a step with a spread was seen, or the warning was given
     if reward.flat_steps < 0 or r.numel() % n:
         return
     g = r.view(-1, n)
-    reward.flat_steps = reward.flat_steps + 1 if bool((g == g[:, :1]).all()) else -1
+    flat = bool((g == g[:, :1]).all())
+    for v in (values or {}).values():  # each reward constant over the rows it applies to
+        v = v.view(-1, n)
+        flat = flat and bool((v.nan_to_num(-math.inf).amax(1) <= v.nan_to_num(math.inf).amin(1)).all())
+    reward.flat_steps = reward.flat_steps + 1 if flat else -1
     if reward.flat_steps == FLAT_STEPS:
         reward.flat_steps = -1
         if not dist.is_initialized() or dist.get_rank() == 0:

@@ -1,6 +1,7 @@
 """Data files a user would write fail through the real command line with one line on stderr, a non-zero exit,
 no run folder and no model, fast; numbers as answers are text; a run whose rewards never differ says so once."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -126,6 +127,22 @@ def test_numbers_as_answers_and_chat_prompts_are_text(tmp_path):
     assert [{"role": "user", "content": "4%10="}] in prompts and "3%10=" in prompts  # each as given
     texts = list(train["text"]) + list(held["text"])
     assert "<|im_start|>user\n4%10=<|im_end|>\n<|im_start|>assistant\n" in texts
+
+
+def test_the_flat_warning_judges_each_reward_not_their_sum(capsys):
+    """Issue 61 1(d): two rewards whose weighted sums are equal in the group but whose values tell the completions
+    apart (GDPO's normalize-then-sum gives them A = -+1) are not 'every group flat': no warning; with each reward
+    constant in the group, the warning after FLAT_STEPS steps."""
+    from types import SimpleNamespace
+
+    summed = torch.tensor([2.0, 2.0, 2.0, 2.0])  # 1 x a + 2 x b
+    apart = {"a": torch.tensor([2.0, 0.0, 2.0, 0.0]), "b": torch.tensor([0.0, 1.0, 0.0, 1.0])}
+    constant = {"a": torch.tensor([2.0, 2.0, 2.0, 2.0]), "b": torch.tensor([0.0, 0.0, 0.0, math.nan])}
+    for values, warned in ((apart, False), (constant, True)):
+        reward = SimpleNamespace(flat_steps=0)
+        for _ in range(rewards.FLAT_STEPS):
+            rewards.watch_flat_groups(reward, summed, 4, values)
+        assert ("the answers may not be gradable" in capsys.readouterr().err) == warned and reward.flat_steps < 0
 
 
 def test_flat_rewards_in_the_first_steps_are_reported_once(capsys):

@@ -78,6 +78,8 @@ def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: f
     s = torch.exp(log_w.sum(1) / lengths)  # eq. 44: s_i = exp(1/|y_i| sum_t log w_it)
     s_clipped = s.clamp(1 - clip_low, 1 + clip_high)
     objective = torch.min(s * advantages, s_clipped * advantages)  # eq. 42 (= A_i s_bar_i, eq. 49)
+    # a row with no loss token (--mask-truncated) has s_i = exp(0) = 1: it adds 0, as TRL's and verl's
+    objective = torch.where(mask.sum(1) > 0, objective, 0.0)
     if is_weight is not None or keep is not None:  # per-token weights: their mean over y_i (TRL)
         weight = (1.0 if is_weight is None else is_weight) * (1.0 if keep is None else keep)
         objective = objective * (weight * mask).sum(1) / lengths

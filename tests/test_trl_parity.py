@@ -230,10 +230,11 @@ def test_grpo_delta_equals_trls_two_sided_clip(loss_type, loss_agg):
 
 
 @pytest.mark.parametrize("lengths", LENGTHS)
-@pytest.mark.parametrize("beta, bias_kl", [(0.0, False)])
+@pytest.mark.parametrize("beta, bias_kl", [(0.0, False), (0.04, False), (0.04, True)])
 def test_luspo_equals_trls(beta, bias_kl, lengths):
-    """gspo.py --luspo = TRL 1.16's loss_type='luspo' at importance_sampling_level='sequence' (beta 0: with a KL
-    term the two differ, issue 60)."""
+    """gspo.py --luspo = TRL 1.16's loss_type='luspo' at importance_sampling_level='sequence', its KL included:
+    TRL masks the broadcast [B, T] per-token loss and sums it per sequence (grpo_trainer.py:3175-3183), so a
+    sequence adds |y_i| min(s_i A_i, clip(s_i) A_i) - beta sum_t k3_it: the whole GSPO term, KL too, times |y_i|."""
     logp, old, ref, mask, rewards = batch(1, lengths)
     old = logp + 0.002 * (old - logp)  # s_i near the GSPO band, some inside, some clipped
     adv = trl_advantages(rewards, "group")
@@ -245,15 +246,22 @@ def test_luspo_equals_trls(beta, bias_kl, lengths):
 
 def test_luspo_and_delta_by_hand():
     """LUSPO, one sequence of 3 tokens on policy (s = 1), A = 1: GSPO gives each token -A/|y| = -1/3 in d loss / d
-    logp, LUSPO -A = -1, and the loss -1 x 3 = -3. Delta 1.5, one token of A = -1 at w = e: min(min(e, 1.5) (-1),
-    clip(e) (-1)) = -1.5, a constant: loss 1.5, no gradient (without delta: loss e, gradient e)."""
+    logp, LUSPO -A = -1, and the loss -1 x 3 = -3; with beta 0.5 and k3 = e^-1 - (-1) - 1 = 1/e on every token
+    (log pi_ref - log pi = -1), the KL adds 0.5 x 3/e (summed, as TRL's), not GSPO's 0.5 x 1/e. Delta 1.5, one token
+    of A = -1 at w = e: min(min(e, 1.5) (-1), clip(e) (-1)) = -1.5, a constant: loss 1.5, no gradient (without
+    delta: loss e, gradient e)."""
     logp = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64, requires_grad=True)
     one = torch.tensor([1.0], dtype=torch.float64)
-    loss, terms, _ = gspo_loss(logp, logp.detach(), one, torch.ones(1, 3, dtype=torch.float64), clip_low=3e-4,
-                               clip_high=4e-4, luspo=True)
+    ones = torch.ones(1, 3, dtype=torch.float64)
+    loss, terms, _ = gspo_loss(logp, logp.detach(), one, ones, clip_low=3e-4, clip_high=4e-4, luspo=True)
     loss.backward()
     assert loss.item() == pytest.approx(-3.0) and logp.grad[0].tolist() == pytest.approx([-1.0] * 3)
     assert terms.item() == pytest.approx(3.0)
+    kw = dict(clip_low=3e-4, clip_high=4e-4, ref_logp=logp.detach() - 1, kl_coef=0.5)
+    luspo, _, _ = gspo_loss(logp.detach(), logp.detach(), one, ones, luspo=True, **kw)
+    assert luspo.item() == pytest.approx(-3.0 + 0.5 * 3 / math.e, rel=1e-12)
+    gspo, _, _ = gspo_loss(logp.detach(), logp.detach(), one, ones, **kw)
+    assert gspo.item() == pytest.approx(-1.0 + 0.5 / math.e, rel=1e-12)
     w = torch.tensor([[1.0]], dtype=torch.float64, requires_grad=True)  # log pi - log pi_old = 1: w = e
     minus = torch.tensor([-1.0], dtype=torch.float64)
     loss, _, stats = grpo_loss(w, torch.zeros(1, 1, dtype=torch.float64), minus, torch.ones(1, 1, dtype=torch.float64),

@@ -3,10 +3,11 @@ TRL 1.16.0 itself (tests/requirements-test.txt; issue 60 item 7), not a transcri
     the loss    GRPOTrainer._compute_loss (trl/trainer/grpo_trainer.py:3020-3292) run as it is, bound to an object
                 carrying the GRPOConfig fields it reads, the model's forward replaced by the test's log-probs (and
                 entropies); its get_off_policy_mask, get_gamma_weights and get_high_entropy_mask are TRL's too
-    advantages  TRL's nanstd (trl/trainer/utils.py:1021); the eight lines around it are inline in
+    advantages  TRL's nanstd (trl/trainer/utils.py:1021); the lines around it are inline in
                 _generate_and_score_completions (grpo_trainer.py:2765-2787), so they are transcribed here
-In float64 (TRL's code run with float64 as the default dtype: see default_dtype), value and gradient to 1e-10; in float32, ours to TRL's float64 to 1e-6. Where TRL has no such loss, the
-reference is verl's or the paper's, transcribed, and says so (GSPO-token, GMPO's band). In CI (.ci/run sets CI) a
+In float64 (TRL's code run with float64 as the default dtype: see default_dtype), value and gradient to 1e-10;
+in float32, ours to TRL's float64 to 1e-6. Where TRL has no such loss, the reference is verl's or the paper's,
+transcribed, and says so (GSPO-token here; GMPO outside its band in tests/test_gmpo.py). In CI (.ci/run sets CI) a
 missing or other trl fails these tests; a plain local run without it skips them in one line."""
 import contextlib
 import functools
@@ -206,10 +207,12 @@ def test_gspo_loss_equals_trl_sequence_level(loss_fn, bias_kl, lengths):
     old = logp + 0.002 * (old - logp)  # s_i near the GSPO band, some inside, some clipped
     adv = trl_advantages(rewards, "group")
     kw = dict(clip_low=3e-4, clip_high=4e-4, ref_logp=ref, kl_coef=0.04, kl_ratio=bias_kl)
-    if loss_fn == "gspo":
-        ours = lambda x: gspo_loss(x, old, adv, mask, **kw)[0]  # noqa: E731
-    else:
-        ours = lambda x: dfpo_loss(x, old, adv, mask, group_size=G, transform="none", clip_gated=True, **kw)[0]  # noqa: E731
+
+    def ours(x):
+        if loss_fn == "gspo":
+            return gspo_loss(x, old, adv, mask, **kw)[0]
+        return dfpo_loss(x, old, adv, mask, group_size=G, transform="none", clip_gated=True, **kw)[0]
+
     assert_equal_trl(ours, lambda y: trl_loss(y, old, adv, mask, level="sequence", eps_lo=3e-4, eps_hi=4e-4,
                                               beta=0.04, ref=ref, bias_kl=bias_kl), logp, mask)
 
@@ -238,8 +241,11 @@ def test_luspo_equals_trls(beta, bias_kl, lengths):
     logp, old, ref, mask, rewards = batch(1, lengths)
     old = logp + 0.002 * (old - logp)  # s_i near the GSPO band, some inside, some clipped
     adv = trl_advantages(rewards, "group")
-    ours = lambda x: gspo_loss(x, old, adv, mask, clip_low=3e-4, clip_high=4e-4, ref_logp=ref, kl_coef=beta,  # noqa: E731
-                               kl_ratio=bias_kl, luspo=True)[0]
+
+    def ours(x):
+        return gspo_loss(x, old, adv, mask, clip_low=3e-4, clip_high=4e-4, ref_logp=ref, kl_coef=beta,
+                         kl_ratio=bias_kl, luspo=True)[0]
+
     assert_equal_trl(ours, lambda y: trl_loss(y, old, adv, mask, level="sequence", loss_type="luspo", eps_lo=3e-4,
                                               eps_hi=4e-4, beta=beta, ref=ref, bias_kl=bias_kl), logp, mask)
 

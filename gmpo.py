@@ -76,7 +76,7 @@ def gmpo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: f
     # min(A w, A clip(w)) in log space: A > 0 caps log w at eps_high, A < 0 floors it at -eps_low
     clipped_log_w = sign * torch.min(sign * log_w, sign * log_w.clamp(-clip_low, clip_high))
     s = torch.exp((clipped_log_w * mask).sum(1) / lengths)  # the geometric mean of clipped w_it
-    objective = advantages * s
+    objective = torch.where(mask.sum(1) > 0, advantages * s, 0.0)  # no loss token: s_i = 1, adds 0
     if is_weight is not None:  # the rollout correction: the weights' geometric mean (verl's)
         objective = objective * torch.exp((torch.log(is_weight + 1e-10) * mask).sum(1) / lengths)
     if keep is not None:  # --top-entropy-quantile: the fraction of y_i's tokens kept

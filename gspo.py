@@ -63,7 +63,7 @@ def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: f
     no KL: beta = 0). kl_ratio: each k3 is multiplied by s_i (TRL's use_bias_correction_kl).
     norm: the count the summed objective is divided by (None: this batch's); the loop passes the
     minibatch's count over all ranks, so that micro-batches and ranks add up to one gradient.
-    luspo: each sequence's clipped term is multiplied by |y_i| (the KL term is GSPO's).
+    luspo: each sequence's term, its KL too, is multiplied by |y_i| (TRL 1.16's luspo).
     is_weight (--rollout-is-cap) and keep (--top-entropy-quantile): [B, T] token weights (the
     rollout correction's, 1 on the high-entropy tokens); the sequence's term is multiplied by
     their product's mean over its tokens, as TRL's sequence-level loss averages its per-token
@@ -79,6 +79,8 @@ def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: f
     s = torch.exp(log_w.sum(1) / lengths)  # eq. 44: s_i = exp(1/|y_i| sum_t log w_it)
     s_clipped = s.clamp(1 - clip_low, 1 + clip_high)
     objective = torch.min(s * advantages, s_clipped * advantages)  # eq. 42 (= A_i s_bar_i, eq. 49)
+    # a row with no loss token (--mask-truncated) has s_i = exp(0) = 1: it adds 0, as TRL's and verl's
+    objective = torch.where(mask.sum(1) > 0, objective, 0.0)
     if is_weight is not None or keep is not None:  # per-token weights: their mean over y_i (TRL)
         weight = (1.0 if is_weight is None else is_weight) * (1.0 if keep is None else keep)
         objective = objective * (weight * mask).sum(1) / lengths
@@ -90,7 +92,8 @@ def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: f
         k3 = log_ref.exp() - log_ref - 1
         if kl_ratio:  # k3 under pi_theta, estimated from pi_old's samples: s_i k3_it
             k3 = s[:, None] * k3
-        per_seq = objective - kl_coef * (k3 * mask).sum(1) / lengths
+        kl = (k3 * mask).sum(1)  # sum_t k3_it
+        per_seq = objective - kl_coef * (kl if luspo else kl / lengths)  # LUSPO: x |y_i| as well
     loss = -per_seq.sum() / (norm or per_seq.numel())  # 1/G sum_i over every group (norm)
     with torch.no_grad():  # clipped: the min takes the constant branch, so no gradient
         clipped = ((s > 1 + clip_high) & (advantages > 0)) | ((s < 1 - clip_low) & (advantages < 0))

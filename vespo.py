@@ -106,7 +106,8 @@ def vespo_loss(logp, old_logp, advantages, mask, *, k_pos: float, lambda_pos: fl
     if keep is not None:  # --top-entropy-quantile: only the high-entropy tokens' terms
         per_token = per_token * keep
     token_terms = per_token * mask
-    seq_terms = phi * advantages  # m_i = phi(W_i) A_i, the group metrics'
+    # m_i = phi(W_i) A_i, the group metrics'; a row with no loss token (--mask-truncated) adds 0
+    seq_terms = torch.where(mask.sum(1) > 0, phi * advantages, 0.0)
     if ref_logp is not None and kl_coef > 0:  # k3: pi_ref/pi - log(pi_ref/pi) - 1 >= 0
         log_ref = torch.where(valid, ref_logp - logp, 0.0)
         k3 = log_ref.exp() - log_ref - 1

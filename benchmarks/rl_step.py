@@ -208,8 +208,8 @@ def run_trl(a, folder: str, out_dir: str) -> dict:
 
 def child(a, folder: str, run: str = "trl") -> dict:
     flags = ("run", "folder", "model_folder", "gpu", "phases")
-    cmd = [sys.executable, __file__, "--run", run, "--folder", folder] + [
-        f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items() if k not in flags
+    cmd = [sys.executable, __file__, "--run", run, "--folder", folder] + [  # unset flags stay unset (not "None")
+        f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items() if k not in flags and v is not None
     ] + (["--gpu"] if a.gpu else []) + (["--phases"] if a.phases else [])
     p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(a.threads)})
     if p.returncode:

@@ -2,6 +2,8 @@
 metrics, the bad-input check, the loss tensors and value-and-gradient, the engine's test model and its HF reference,
 transformers' sampling and the peers' (TRL's, verl's) losses written out. Test files import from here and from
 conftest, never from each other; the programs in tests/programs/ may import from here too."""
+import contextlib
+import functools
 import glob
 import importlib
 import json
@@ -9,6 +11,8 @@ import math
 import os
 import subprocess
 import sys
+import types
+from collections import defaultdict
 
 import pytest
 import torch
@@ -225,67 +229,125 @@ def multinomial_sample(logits, temperature, top_k=0, top_p=1.0, min_p=0.0, repet
     return tokens[:, 0], logp.gather(1, tokens)[:, 0]
 
 
-# ---- the peers written from their source (TRL 1.10.0.dev0's grpo_trainer.py, verl's core_algos.py): the parity
-# tests' references, and test_token_weights' (with StubPolicy, the old pass's stand-in)
+# ---- TRL 1.16.0 itself, run as the parity tests' reference (test_trl_parity, test_token_weights), and the peers
+# written from their source where they cannot be run (StubPolicy, the old pass's stand-in; trl_is_ratio, the
+# CISPO/SAPO/VESPO transcriptions of test_cispo/test_sapo/test_vespo; verl's geo_mean)
 
-G, B, T = 4, 8, 5  # trl_batch: 2 groups of 4 completions, up to 5 tokens
+G, B, T = 4, 8, 5
+REQUIREMENTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "requirements-test.txt")
+TRL_VERSION = next(line.split("==")[1].strip() for line in open(REQUIREMENTS) if line.startswith("trl=="))
+LENGTHS = {"full": [5, 3, 1, 4, 5, 2, 5, 4], "empty": [5, 3, 0, 4, 5, 0, 5, 4]}  # empty: --mask-truncated rows
 
 
-def trl_nanstd(x, dim=None):
-    """TRL's nanstd: sqrt(nanmean((x - mean)^2) * n / (n - 1))."""
-    mean = torch.nanmean(x, dim=dim, keepdim=True)
-    var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
-    n = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
-    return torch.sqrt(var * n / (n - 1)).squeeze() if dim is None else torch.sqrt(var * n / (n - 1)).squeeze(dim)
+@functools.cache
+def _trl():
+    try:
+        import trl
+        from trl.trainer import grpo_trainer, utils
+    except ImportError as e:
+        return f"trl is not installed ({e}): pip install -r tests/requirements-test.txt"
+    if trl.__version__ != TRL_VERSION:
+        return f"trl {trl.__version__} is installed; the parity tests read {TRL_VERSION} (tests/requirements-test.txt)"
+    return grpo_trainer.GRPOTrainer, utils.nanstd
+
+
+def trl():
+    """(GRPOTrainer, nanstd) of TRL 1.16.0. Missing or another version: fails in CI, skips elsewhere."""
+    got = _trl()
+    if isinstance(got, str):
+        if os.environ.get("CI"):
+            pytest.fail(got, pytrace=False)
+        pytest.skip(got)
+    return got
+
+
+@contextlib.contextmanager
+def default_dtype(dtype):
+    """TRL's code run with dtype as the default: its count / (count - 1) of integer tensors (nanstd's Bessel factor)
+    and torch.where of two Python floats (SAPO's temperatures) come out in the default dtype, float32 otherwise."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def trl_advantages(rewards, scale):
+    """TRL's sum_then_normalize advantages (grpo_trainer.py:2765-2787) with TRL's own nanstd, in float64."""
+    nanstd = trl()[1]
     r = rewards.double()
     mean = r.view(-1, G).mean(1).repeat_interleave(G)
-    std = trl_nanstd(r.view(-1, G), dim=1).repeat_interleave(G) if scale == "group" else trl_nanstd(r).expand_as(r)
+    with default_dtype(torch.float64):
+        std = nanstd(r.view(-1, G), dim=1).repeat_interleave(G) if scale == "group" else nanstd(r).expand_as(r)
     adv = r - mean
     return adv if scale == "none" else adv / (std + 1e-4)
 
 
-def trl_loss(logp, old, ref, adv, mask, *, level, loss_type, eps_lo, eps_hi, beta, bias_kl, max_len=T, delta=None,
-             weight=None):
-    log_ratio = logp - old
-    if level == "token":
-        log_w = log_ratio
-    else:
-        log_w = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    coef_1 = torch.exp(log_w)
-    kl = torch.exp(ref - logp) - (ref - logp) - 1
-    if bias_kl:
-        kl = kl * coef_1
-    a = adv.unsqueeze(1)
-    coef_2 = torch.clamp(coef_1, 1 - eps_lo, 1 + eps_hi)
-    if delta is not None:  # two-sided clipping
-        coef_1 = torch.clamp(coef_1, max=delta)
-    per_token = -torch.min(coef_1 * a, coef_2 * a)
-    if weight is not None:  # off_policy_mask, entropy_mask, importance_sampling_ratio: before the KL
-        per_token = per_token * weight
-    per_token = per_token + beta * kl
-    if loss_type == "grpo":
-        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    if loss_type == "dapo":
-        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
-    if loss_type == "dr_grpo":
-        return (per_token * mask).sum() / (per_token.size(0) * max_len)
-    if loss_type == "luspo":  # sequence level: per_token is [B, 1] (beta = 0 here; TRL broadcasts its KL to [B, T])
-        return (per_token * mask.sum(1, keepdim=True)).mean()
-    raise ValueError(loss_type)
+def trl_loss(logp, old, adv, mask, *, level="token", loss_type="grpo", eps_lo=0.2, eps_hi=0.28, beta=0.0, ref=None,
+             bias_kl=False, delta=None, max_len=T, entropies=None, top_entropy=1.0, opsm=None, sampling=None,
+             is_ratio=None, sapo=(1.0, 1.05), vespo=(2.0, 3.0, 3.0, 2.0), metrics=None):
+    """TRL 1.16's GRPOTrainer._compute_loss on one process, one micro-batch (no accumulation, training mode): the
+    per-token log-probs logp (and entropies) stand in for the model's forward; old, ref, sampling and is_ratio are
+    the inputs dict's old_per_token_logps, ref_per_token_logps, sampling_per_token_logps and
+    importance_sampling_ratio (vLLM's correction on). Fills metrics (a dict) with TRL's logged values."""
+    trainer = trl()[0]
+    args = types.SimpleNamespace(use_bias_correction_kl=bias_kl, delta=delta, sapo_temperature_pos=sapo[0],
+                                 sapo_temperature_neg=sapo[1], vespo_k_pos=vespo[0], vespo_lambda_pos=vespo[1],
+                                 vespo_k_neg=vespo[2], vespo_lambda_neg=vespo[3], steps_per_generation=1)
+    one_process = types.SimpleNamespace(num_processes=1, gather=lambda x: x, gather_for_metrics=lambda x: x,
+                                        reduce=lambda x, reduction: x,
+                                        pad_across_processes=lambda x, dim, pad_index: x)
+    ent = torch.zeros_like(logp) if entropies is None else entropies
+    me = types.SimpleNamespace(
+        args=args, accelerator=one_process, loss_type=loss_type, importance_sampling_level=level,
+        epsilon_low=eps_lo, epsilon_high=eps_hi, beta=beta, top_entropy_quantile=top_entropy,
+        off_policy_mask_threshold=opsm, use_vllm=is_ratio is not None,
+        vllm_importance_sampling_correction=is_ratio is not None, aux_loss_enabled=False,
+        _entropy_bonus_enabled=False, model=types.SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=1, max_completion_length=max_len, _metrics={"train": defaultdict(list)},
+        get_off_policy_mask=trainer.get_off_policy_mask, get_gamma_weights=trainer.get_gamma_weights,
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logp, ent, None))
+    me.get_high_entropy_mask = types.MethodType(trainer.get_high_entropy_mask, me)
+    ids = torch.zeros(mask.shape, dtype=torch.long)
+    inputs = dict(prompt_ids=ids[:, :0], prompt_mask=ids[:, :0], completion_ids=ids, completion_mask=mask,
+                  advantages=adv, old_per_token_logps=old, num_items_in_batch=mask.sum())
+    for key, value in (("ref_per_token_logps", ref), ("sampling_per_token_logps", sampling),
+                       ("importance_sampling_ratio", is_ratio)):
+        if value is not None:
+            inputs[key] = value
+    with default_dtype(logp.dtype):
+        loss = trainer._compute_loss(me, None, inputs)
+    if metrics is not None:
+        metrics.update({k: v[0] for k, v in me._metrics["train"].items()})
+    return loss
 
 
-def trl_batch(seed=0):
-    """Two groups of 4 completions of 5, 3, 1, 4 / 5, 2, 5, 4 tokens (of 5) in float64, and their rewards."""
+def trl_batch(seed=0, lengths="full"):
+    """Two groups of 4 completions (LENGTHS' tokens of 5) in float64, and their rewards."""
     g = torch.Generator().manual_seed(seed)
     logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
     old = logp + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)  # ratios well outside the clip band
     ref = logp + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64)
-    mask = (torch.arange(T)[None] < torch.tensor([5, 3, 1, 4, 5, 2, 5, 4])[:, None]).double()
+    mask = (torch.arange(T)[None] < torch.tensor(LENGTHS[lengths])[:, None]).double()
     rewards = torch.tensor([1.0, 0, 0, 0, 0.5, 1, 0, 2])
     return logp, old, ref, mask, rewards
+
+
+def value_grad(fn, logp):
+    x = logp.clone().requires_grad_()
+    out = fn(x)
+    out.backward()
+    return out.item(), x.grad
+
+
+def assert_equal_trl(ours_fn, trl_fn, logp, mask, rel=1e-10):
+    """Value and gradient (on the loss tokens) of ours and TRL's, float64; returns TRL's value."""
+    ours, g_ours = value_grad(ours_fn, logp)
+    theirs, g_theirs = value_grad(trl_fn, logp)
+    assert ours == pytest.approx(theirs, rel=rel, abs=1e-12)
+    torch.testing.assert_close(g_ours * mask, g_theirs * mask, rtol=rel, atol=1e-12)
+    return theirs
 
 
 class StubPolicy:

@@ -160,7 +160,8 @@ def test_gspo_values(masked):
     logp, old, adv, mask = batch(masked)
     loss, seq_terms, stats = gspo_loss(logp, old, adv, mask, clip_low=LO, clip_high=HI)
     s = [seq_ratio(i, masked) for i in range(len(LOG_W))]
-    terms = [min(s[i] * ADV[i], clip(s[i], LO, HI) * ADV[i]) for i in range(len(s))]
+    # a row with no loss token adds 0 (TRL 1.16, verl, grpo.py), not its s_i = exp(0) times A_i
+    terms = [min(s[i] * ADV[i], clip(s[i], LO, HI) * ADV[i]) if lengths(masked)[i] else 0.0 for i in range(len(s))]
     clipped = sequence_clipped(masked)
     assert 0 < sum(clipped) < len(clipped) - 1  # both sides of the clip
     assert seq_terms.tolist() == pytest.approx(terms, abs=1e-12)
@@ -549,14 +550,14 @@ def test_issue24_docs_grpo_fix_recipe_cancels_shared_tokens():
 
 
 def test_batch_scale_takes_every_ranks_rewards():
-    """tests/advantages_ranks.py under torchrun (gloo, 2 ranks): --scale-rewards batch divides by the std of all
+    """tests/programs/advantages_ranks.py under torchrun (gloo, 2 ranks): --scale-rewards batch divides by the std of all
     ranks' rewards (1.25 there; rank 0's own would be 0.5), each rank's advantages by hand."""
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "tests/advantages_ranks.py"], cwd=root, capture_output=True, text=True, timeout=300,
+                        "tests/programs/advantages_ranks.py"], cwd=root, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0 and "rank 0 ok" in p.stdout and "rank 1 ok" in p.stdout, p.stderr[-3000:]
 

@@ -1,10 +1,14 @@
 """The per-token weights every script takes (issue 50 item 3): the high-entropy minority (--top-entropy-quantile,
 arXiv 2506.01939; TRL's top_entropy_quantile) and the rollout correction (--rollout-is-cap) in the sequence-level
-scripts. The mask against an independent transcription of TRL's get_high_entropy_mask and by hand; each loss with the
-mask equal to its TRL formula with per_token_loss x entropy_mask (before the KL, as TRL's _compute_loss); gspo.py and
-dfpo.py with the rollout weights equal to TRL's sequence-level loss x importance_sampling_ratio, gmpo.py to verl's
-geo_mean with rollout_is_weights; all in float64, and gspo's by hand."""
+scripts. Against TRL 1.16.0 itself (tests/test_trl_parity.py's trl_loss: GRPOTrainer._compute_loss run as it is):
+the mask against TRL's get_high_entropy_mask and by hand; each loss with the mask equal to TRL's with
+top_entropy_quantile (TRL's mask from the same entropies, per_token_loss x entropy_mask before the KL); gspo.py and
+dfpo.py with the rollout weights equal to TRL's sequence-level loss with importance_sampling_ratio (that ratio is
+inline in TRL's _generate_and_score_completions: tests/test_rollout_logp.py transcribes it); gmpo.py against verl's
+geo_mean with rollout_is_weights (verl, transcribed in tests/test_gmpo.py); GDPO against TRL's normalize_then_sum
+lines (inline, transcribed) with TRL's nanstd. All in float64, and gspo's by hand."""
 import math
+import types
 
 import pytest
 import torch
@@ -16,19 +20,16 @@ from gmpo import gmpo_loss
 from grpo import grpo_loss
 from gspo import gspo_loss
 from sapo import sapo_loss
-from helpers import G, run_script, StubPolicy, trl_advantages, trl_batch, trl_cispo, trl_is_ratio, trl_loss
-from helpers import trl_sapo, trl_vespo, verl_geo_mean
+from helpers import (G, StubPolicy, default_dtype, run_script, trl, trl_advantages, trl_batch as batch, trl_is_ratio,
+                     trl_loss, value_grad, verl_geo_mean)
 from vespo import vespo_loss
 
 
 def trl_high_entropy_mask(entropies, mask, threshold):
-    """TRL's get_high_entropy_mask on one process, written from its source."""
-    local = entropies[mask.bool()].float()
-    if local.numel() == 0:
-        return torch.zeros_like(entropies, dtype=torch.bool)
-    entropy_threshold = torch.quantile(local, threshold)
-    masked_entropies = entropies * mask.float()
-    return (masked_entropies >= entropy_threshold) & mask.bool()
+    """TRL's own GRPOTrainer.get_high_entropy_mask on one process."""
+    one_process = types.SimpleNamespace(pad_across_processes=lambda x, dim, pad_index: x, gather=lambda x: x)
+    me = types.SimpleNamespace(accelerator=one_process)
+    return trl()[0].get_high_entropy_mask(me, entropies, mask, threshold)
 
 
 @pytest.mark.parametrize("rho", [0.2, 0.5, 0.8, 1 / 3, 0.999])
@@ -73,60 +74,44 @@ def test_old_log_probs_gives_the_mask_and_its_logs():
     assert keep is None and "losses/entropy_kept_frac" not in stats
 
 
-def keep_mask(mask, seed=4, rho=0.5):
-    entropy = torch.rand(mask.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 3
-    return common.high_entropy_tokens(entropy, mask, rho)[0]
+def entropies(mask, seed=4):
+    return torch.rand(mask.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 3
 
 
-def value_grad(fn, logp):
-    x = logp.clone().requires_grad_()
-    out = fn(x)
-    out.backward()
-    return out.item(), x.grad
-
-
-LOSSES = {  # ours(logp, old, adv, mask, ref, keep), TRL's(logp, old, ref, trl_adv, mask, keep)
+LOSSES = {  # ours(logp, old, adv, mask, ref, keep); TRL's loss_type, level and its other arguments
     "grpo": (lambda x, o, a, m, r, k: grpo_loss(x, o, a, m, clip_low=0.2, clip_high=0.28, ref_logp=r, kl_coef=0.04,
-                                                keep=k)[0],
-             lambda y, o, r, a, m, k: trl_loss(y, o, r, a, m, level="token", loss_type="grpo", eps_lo=0.2,
-                                               eps_hi=0.28, beta=0.04, bias_kl=False, weight=k)),
+                                                keep=k)[0], dict()),
     "gspo": (lambda x, o, a, m, r, k: gspo_loss(x, o, a, m, clip_low=0.2, clip_high=0.28, ref_logp=r, kl_coef=0.04,
-                                                keep=k)[0],
-             lambda y, o, r, a, m, k: trl_loss(y, o, r, a, m, level="sequence", loss_type="grpo", eps_lo=0.2,
-                                               eps_hi=0.28, beta=0.04, bias_kl=False, weight=k)),
+                                                keep=k)[0], dict(level="sequence")),
     "dfpo none": (lambda x, o, a, m, r, k: dfpo_loss(x, o, a, m, group_size=G, transform="none", clip_gated=True,
                                                      clip_low=0.2, clip_high=0.28, ref_logp=r, kl_coef=0.04,
-                                                     keep=k)[0],
-                  lambda y, o, r, a, m, k: trl_loss(y, o, r, a, m, level="sequence", loss_type="grpo", eps_lo=0.2,
-                                                    eps_hi=0.28, beta=0.04, bias_kl=False, weight=k)),
+                                                     keep=k)[0], dict(level="sequence")),
     "cispo": (lambda x, o, a, m, r, k: cispo_loss(x, o, a, m, clip_low=100.0, clip_high=0.5, ref_logp=r,
-                                                  kl_coef=0.04, keep=k)[0],
-              lambda y, o, r, a, m, k: trl_cispo(y, o, r, a, m, epsilon_high=1.5, beta=0.04, weight=k)),
+                                                  kl_coef=0.04, keep=k)[0], dict(loss_type="cispo", eps_hi=1.5)),
     "sapo": (lambda x, o, a, m, r, k: sapo_loss(x, o, a, m, tau_pos=1.0, tau_neg=1.05, ref_logp=r, kl_coef=0.04,
-                                                keep=k)[0],
-             lambda y, o, r, a, m, k: trl_sapo(y, o, r, a, m, pos=1.0, neg=1.05, beta=0.04, weight=k)),
+                                                keep=k)[0], dict(loss_type="sapo")),
     "vespo": (lambda x, o, a, m, r, k: vespo_loss(x, o, a, m, k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0,
-                                                  ref_logp=r, kl_coef=0.04, keep=k)[0],
-              lambda y, o, r, a, m, k: trl_vespo(y, o, r, a, m, k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0,
-                                                 beta=0.04, entropy_mask=k)),
+                                                  ref_logp=r, kl_coef=0.04, keep=k)[0], dict(loss_type="vespo")),
 }
 
 
 @pytest.mark.parametrize("name", LOSSES)
 def test_entropy_mask_equals_trls_in_every_loss(name):
-    """Each loss with keep = TRL's with per_token_loss x entropy_mask before its KL term, value and gradient; and the
-    mask changes the loss (it acts on this batch)."""
-    logp, old, ref, mask, rewards = trl_batch(1 if name in ("gspo", "dfpo none") else 0)
+    """Each loss with keep (ours, at rho 0.5) = TRL's with top_entropy_quantile 0.5 on the same entropies (its own
+    mask, per_token_loss x entropy_mask before its KL term), value and gradient; and the mask changes the loss (it
+    acts on this batch)."""
+    logp, old, ref, mask, rewards = batch(1 if name in ("gspo", "dfpo none") else 0)
     if name in ("gspo", "dfpo none"):
         old = logp + 0.05 * (old - logp)  # s_i around the clip band
     adv = trl_advantages(rewards, "group")  # float64: the losses alone compared
-    keep = keep_mask(mask)
-    ours_fn, trl_fn = LOSSES[name]
+    ent = entropies(mask)
+    keep = common.high_entropy_tokens(ent, mask, 0.5)[0]
+    ours_fn, trl_kw = LOSSES[name]
     ours, g_ours = value_grad(lambda x: ours_fn(x, old, adv, mask, ref, keep), logp)
-    theirs, g_theirs = value_grad(lambda y: trl_fn(y, old, ref, adv, mask, keep), logp)
-    # float64 both, but TRL's SAPO takes its temperatures as float32 (torch.where of two Python floats)
-    assert ours == pytest.approx(theirs, rel=1e-7, abs=1e-12)
-    torch.testing.assert_close(g_ours * mask, g_theirs * mask, rtol=1e-7, atol=1e-12)
+    theirs, g_theirs = value_grad(lambda y: trl_loss(y, old, adv, mask, beta=0.04, ref=ref, entropies=ent,
+                                                     top_entropy=0.5, **trl_kw), logp)
+    assert ours == pytest.approx(theirs, rel=1e-10, abs=1e-12)
+    torch.testing.assert_close(g_ours * mask, g_theirs * mask, rtol=1e-10, atol=1e-12)
     assert ours != pytest.approx(value_grad(lambda x: ours_fn(x, old, adv, mask, ref, None), logp)[0])
     # in float32, TRL's to 1e-6
     f = [t.float() for t in (logp, old, adv, mask, ref, keep)]
@@ -140,28 +125,29 @@ def test_sequence_scripts_rollout_correction_equals_trls(mode, name):
     """gspo.py and dfpo.py (--transform none --clip-gated: GSPO) with the rollout weights of each mode = TRL's
     sequence-level loss_type grpo with per_token_loss x importance_sampling_ratio: a sequence's term times its
     weights' mean over its tokens (the sequence modes: its one weight)."""
-    logp, old, ref, mask, rewards = trl_batch(1)
+    logp, old, ref, mask, rewards = batch(1)
     old = logp + 0.05 * (old - logp)
     sampling = old + 0.4 * torch.randn(old.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
-    ratio = trl_is_ratio(old, sampling, mask, mode, 0.5, 2.0).expand_as(mask)
+    ratio = trl_is_ratio(old, sampling, mask, mode, 0.5, 2.0)  # TRL's: [B, T] or, sequence modes, [B, 1]
     adv = trl_advantages(rewards, "group")
-    ours_fn, trl_fn = LOSSES[name]
+    theirs, g_theirs = value_grad(lambda y: trl_loss(y, old, adv, mask, level="sequence", beta=0.04, ref=ref,
+                                                     is_ratio=ratio), logp)
+    ratio = ratio.expand_as(mask)
     ours_fn = {"gspo": lambda x: gspo_loss(x, old, adv, mask, clip_low=0.2, clip_high=0.28, ref_logp=ref,
                                            kl_coef=0.04, is_weight=ratio)[0],
                "dfpo none": lambda x: dfpo_loss(x, old, adv, mask, group_size=G, transform="none", clip_gated=True,
                                                 clip_low=0.2, clip_high=0.28, ref_logp=ref, kl_coef=0.04,
                                                 is_weight=ratio)[0]}[name]
     ours, g_ours = value_grad(ours_fn, logp)
-    theirs, g_theirs = value_grad(lambda y: trl_fn(y, old, ref, adv, mask, ratio), logp)
-    assert ours == pytest.approx(theirs, rel=1e-9, abs=1e-12)
-    torch.testing.assert_close(g_ours * mask, g_theirs * mask, rtol=1e-9, atol=1e-12)
+    assert ours == pytest.approx(theirs, rel=1e-10, abs=1e-12)
+    torch.testing.assert_close(g_ours * mask, g_theirs * mask, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_mask"])
 def test_gmpo_rollout_correction_equals_verls_geo_mean(mode):
     """gmpo.py with the rollout weights = verl's geo_mean with rollout_is_weights (their geometric mean over the
     sequence's tokens); a masked token (weight 0) weighs its sequence by 1e-10^(1/|y_i|), as verl's."""
-    logp, old, ref, mask, rewards = trl_batch(0)
+    logp, old, ref, mask, rewards = batch(0)
     sampling = old + 0.4 * torch.randn(old.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     ratio = trl_is_ratio(old, sampling, mask, mode, 0.5, 2.0).expand_as(mask)
     adv = trl_advantages(rewards, "group")
@@ -208,22 +194,19 @@ def test_scripts_log_the_mask_and_train(script, monkeypatch, tmp_path):
 
 # -------------------- GDPO: --multi-objective-aggregation normalize-then-sum
 def trl_normalize_then_sum(rewards_per_func, weights, num_generations):
-    """TRL's normalize_then_sum branch (_generate_and_score_completions), written from its source, with its nanstd."""
-    def nanstd(x, dim=None, keepdim=False):
-        mean = torch.nanmean(x, dim=dim, keepdim=True)
-        var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
-        n = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
-        out = torch.sqrt(var * n / (n - 1))
-        return out if keepdim or dim is None else out.squeeze(dim)
-
+    """TRL's normalize_then_sum branch, inline in _generate_and_score_completions (trl/trainer/grpo_trainer.py:
+    2758, 2790-2799, 2810, transcribed), with TRL's own nanstd (float64 throughout: see default_dtype)."""
+    nanstd = trl()[1]
     unscorable = torch.isnan(rewards_per_func).all(dim=1)
     grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.shape[1])
     mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
-    std_k = nanstd(grouped, dim=1, keepdim=True)
+    with default_dtype(torch.float64):
+        std_k = nanstd(grouped, dim=1, keepdim=True)
     reward_k = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, rewards_per_func.shape[1])
     rewards = (reward_k * weights.unsqueeze(0)).nansum(dim=1)
     rewards[unscorable] = torch.nan
-    std_rewards = nanstd(rewards).expand_as(rewards)
+    with default_dtype(torch.float64):
+        std_rewards = nanstd(rewards).expand_as(rewards)
     advantages = (rewards - torch.nanmean(rewards)) / (std_rewards + 1e-4)
     return torch.nan_to_num(advantages, nan=0.0)
 

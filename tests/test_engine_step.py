@@ -132,7 +132,7 @@ def test_slots_never_exceed_rows(setup, monkeypatch):
     rows made the engine several times slower than HF on a real model)."""
     tok, lm, ids = setup
     made, real = [], engine.Engine
-    monkeypatch.setattr(rollout, "Engine", lambda lm, slots, *a, **k: made.append(slots) or real(lm, slots, *a, **k))
+    monkeypatch.setattr(rollout, "Engine", lambda lm, setup, *a: made.append(setup.slots) or real(lm, setup, *a))
     run(lm, ids[:2], 3, [tok.eos_token_id], 4, 256)
     assert made == [6]
 
@@ -248,17 +248,17 @@ def test_one_engine_per_run(setup, pool):
     ids = ids[:3]
     sampling = Sampling(8, temperature=0.9, top_k=0, top_p=0.95)
     setup = engine.Setup(7, CPU, torch.bfloat16, sync_every=3, graphs=True, pool_tokens=pool)
-    kept = dataclasses.replace(setup, keep=True)
+    keeping = dataclasses.replace(setup, keep=True)
     eos = [tok.eos_token_id]
     first, stats = {}, {}
-    engine.generate(lm, ids, 3, eos, sampling, kept, torch.Generator().manual_seed(1), first)
+    engine.generate(lm, ids, 3, eos, sampling, keeping, torch.Generator().manual_seed(1), first)
     kept = engine.HELD[lm]
     cache = [c.untyped_storage().data_ptr() for c in kept.cache]
     graphs = dict(kept.graphs)
     with torch.no_grad():  # the optimizer's step: every weight moves, in place
         for p in lm.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
-    got = engine.generate(lm, ids, 3, eos, sampling, kept, torch.Generator().manual_seed(2), stats)
+    got = engine.generate(lm, ids, 3, eos, sampling, keeping, torch.Generator().manual_seed(2), stats)
     assert stats["engine"] == first["engine"] and engine.HELD[lm] is kept
     assert [c.untyped_storage().data_ptr() for c in kept.cache] == cache
     assert all(kept.graphs[k] is g for k, g in graphs.items())  # the graphs (here their functions) made once

@@ -80,13 +80,13 @@ def group_blocks(prompt: int, positions: int, n: int, page: int) -> int:
 def kv_plan(lm, setup: Setup, max_len: int, n: int, page: int = settings.PAGE,
             prompt: int = 0) -> int | None:
     """The KV cache a rollout of setup.slots rows (on setup.device, setup.dtype, over setup.world
-    ranks) gets on a GPU: None (whole: every slot max_len positions) when that
-    and the weight copy fit 90% of the free memory (the driver's free and the allocator's cached);
-    else the positions a paged pool can hold in 90% of what the weights leave; MemoryError (one
-    line) when that is less than one group of n rows at max_len (in blocks of `page`, the full
-    blocks of its prompt, at least `prompt` positions long, shared: group_blocks). On the CPU
-    always whole, and a MemoryError (one line) when that and the weight copy exceed 90% of the host
-    memory available (distributed.check_host_memory)."""
+    ranks) gets on a GPU: None (whole: every slot max_len positions) when that and the weight copy
+    fit 90% of the free memory (the driver's free and the allocator's cached); else the positions a
+    paged pool can hold in 90% of what the weights leave; MemoryError (one line) when that is less
+    than one group of n rows at max_len (in blocks of `page`, the full blocks of its prompt, at
+    least `prompt` positions long, shared: group_blocks). On the CPU always whole, and a MemoryError
+    (one line) when that and the weight copy exceed 90% of the host memory available
+    (distributed.check_host_memory)."""
     slots, device = setup.slots, setup.device
     kv, weights = memory_needed(lm, slots, max_len, setup.dtype, setup.world, device, setup.fuse)
     if torch.device(device).type != "cuda":  # host memory: checked alike, before any allocation

@@ -57,11 +57,11 @@ def raise_recompile_limit():
 
 class Engine(KVCache, Forward, Sampler):
     """One rollout's decoder over a KV cache of setup.slots rows, each up to `max_len` tokens, made
-    as `setup` says (settings.Setup: where, in which precision, which paths; None there is auto
-    as generate decides it, so that an Engine made here is the one generate makes): the
-    cache, whole or paged, and its block table (KVCache), the layers (Forward) and the sampler
-    (Sampler), made here once with the weights, FlexAttention, compilation and CUDA graphs; and
-    the decoding step as the rollout runs it (step, capture)."""
+    as `setup` says (settings.Setup: where, in which precision, which paths; None there is auto as
+    generate decides it, so that an Engine made here is the one generate makes): the cache, whole or
+    paged, and its block table (KVCache), the layers (Forward) and the sampler (Sampler), made here
+    once with the weights, FlexAttention, compilation and CUDA graphs; and the decoding step as the
+    rollout runs it (step, capture)."""
 
     def __init__(self, lm, setup: Setup, max_len: int):
         from transformers.activations import ACT2FN

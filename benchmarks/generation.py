@@ -21,6 +21,7 @@ The table gives wall seconds and the CPU seconds the process used (less noisy on
 import argparse
 import os
 from contextlib import nullcontext
+from dataclasses import replace
 import statistics
 import sys
 import time
@@ -59,6 +60,7 @@ def main():
     from grouprl import generation
     from grouprl import distributed
     from grouprl import modeling
+    from grouprl.sampling import Sampling
     import shapes
 
     hf_logging.set_verbosity_error()  # EOS id -1 below is on purpose (transformers warns about it)
@@ -97,18 +99,20 @@ def main():
     pool = a.pool_tokens or a.prompts * a.group_size * (a.prompt_tokens + a.new_tokens) // 2
     whole = engine.generate
 
+    def paged(lm, prompts, n, eos, sampling, setup, *rest):  # the engine on a pool of `pool` positions
+        tokens = max(pool, a.group_size * (a.prompt_tokens + sampling.max_new_tokens))
+        return whole(lm, prompts, n, eos, sampling, replace(setup, pool_tokens=tokens), *rest)
+
     def run(mode, prompts, new_tokens):
         flex = a.flex == "all" or a.flex == "paged" and mode == "engine-paged"
         t, cpu = time.perf_counter(), time.process_time()
-        engine.generate = (lambda *p, **k: whole(*p, **k, pool_tokens=max(pool, a.group_size * (
-            a.prompt_tokens + new_tokens)))) if mode == "engine-paged" else whole
-        out = generation.generate(policy, tok, prompts, a.group_size, [-1], d, max_new_tokens=new_tokens,
-                              temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=a.gen_batch_size,
-                              mode=mode.replace("-paged", ""),  # EOS id -1: never produced, every completion
-                              flex=flex or None, compile_step=flex or None)
-        # has new_tokens tokens
+        engine.generate = paged if mode == "engine-paged" else whole
+        sampling = Sampling(new_tokens, gen_batch_size=a.gen_batch_size, mode=mode.replace("-paged", ""),
+                            flex=flex or None, compile_step=flex or None)
+        # EOS id -1: never produced, every completion has new_tokens tokens
+        out = generation.generate(policy, tok, prompts, a.group_size, [-1], d, sampling)
         if len(prompts) == len(texts):
-            assert out["input_ids"].shape == (len(prompts) * a.group_size, P + new_tokens)
+            assert out.input_ids.shape == (len(prompts) * a.group_size, P + new_tokens)
         return time.perf_counter() - t, time.process_time() - cpu
 
     for mode in modes:  # warm-up: one short call each

@@ -115,14 +115,15 @@ def bench_generation(policy, tok, shape, a, d, out=None, flush=lambda: None) -> 
     import torch
 
     from grouprl import generation
+    from grouprl.sampling import Sampling
     import shapes
 
     V = shape["vocab_size"]
     g = torch.Generator().manual_seed(0)
     eos = torch.randperm(V - 3, generator=g)[:max(1, V // a.mean_length)].add(3).tolist()  # ids >= 3: no special
     texts = shapes.prompts(a.prompts, a.prompt_tokens, V)
-    generation.generate(policy, tok, texts[:1], 2, eos, d, max_new_tokens=2, temperature=1.0, top_p=1.0, top_k=0,
-                    gen_batch_size=2)  # untimed: CUDA/cuBLAS start-up is not the first mode's cost
+    # untimed: CUDA/cuBLAS start-up is not the first mode's cost
+    generation.generate(policy, tok, texts[:1], 2, eos, d, Sampling(2, gen_batch_size=2))
     out = {} if out is None else out
     bytes_per_s = bandwidth(d.device)
     elem = next(policy.parameters()).element_size()
@@ -165,6 +166,7 @@ def rollout(policy, tok, texts, eos, a, d, mode: str) -> dict:
     ('engine{...}': the engine with exactly those FlexAttention decoding kernel options, engine.settings.FLEX_OPTIONS;
     'engine{}': inductor's defaults)."""
     from grouprl import generation
+    from grouprl.sampling import Sampling
 
     engine_mode = mode.startswith("engine-") and mode != "engine-tp"
     options = json.loads(mode[len("engine"):]) if mode.startswith("engine{") else None
@@ -174,11 +176,12 @@ def rollout(policy, tok, texts, eos, a, d, mode: str) -> dict:
         settings.FLEX_OPTIONS = options
     settings.FLEX_APART = True if mode == "engine-flexapart" else None
     try:
-        return generation.generate(policy, tok, texts, a.group_size, eos, d, max_new_tokens=a.new_tokens,
-                               temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=a.prompts * a.group_size,
-                               mode="engine" if options is not None else mode.split("-")[0] if engine_mode else mode,
-                               cuda_graphs=mode != "engine-eager", flex=False if mode == "engine-sdpa" else None,
-                               compile_step=False if mode == "engine-nocompile" else None)
+        sampling = Sampling(
+            a.new_tokens, gen_batch_size=a.prompts * a.group_size,
+            mode="engine" if options is not None else mode.split("-")[0] if engine_mode else mode,
+            cuda_graphs=mode != "engine-eager", flex=False if mode == "engine-sdpa" else None,
+            compile_step=False if mode == "engine-nocompile" else None)
+        return generation.generate(policy, tok, texts, a.group_size, eos, d, sampling)
     finally:
         settings.FLEX_OPTIONS, settings.FLEX_APART = None, None
 
@@ -206,9 +209,9 @@ def profile(policy, tok, texts, eos, a, d, name: str) -> dict:
     rows = sorted(events, key=own, reverse=True)
     busy = sum(own(e) for e in rows) / 1e6
     count = sum(e.count for e in rows)
-    tokens = roll["mask"].sum().item()
+    tokens = roll.mask.sum().item()
     lines = [f"{name}: the engine's rollout under torch.profiler: {wall:.2f} s wall, {busy:.2f} s of kernels "
-             f"({busy / wall:.0%} busy), {count} kernels, {tokens} tokens, {int(roll['mask'].sum(1).max())} steps",
+             f"({busy / wall:.0%} busy), {count} kernels, {tokens} tokens, {int(roll.mask.sum(1).max())} steps",
              "", "| kernel | calls | ms | share of kernel time |", "|---|---|---|---|"]
     lines += [f"| {e.key[:120]} | {e.count} | {own(e) / 1e3:.1f} | {own(e) / 1e6 / busy:.1%} |" for e in rows[:40]]
     os.makedirs(a.out, exist_ok=True)
@@ -227,6 +230,7 @@ def paged_check(lm, shape, d) -> dict:
     import torch
 
     from grouprl import engine
+    from grouprl.sampling import Sampling
 
     engine.HELD.clear()
     g = torch.Generator().manual_seed(1)
@@ -234,10 +238,11 @@ def paged_check(lm, shape, d) -> dict:
     new, n = 64, 2
     block = engine.page_size(d.device.type == "cuda")
     pool = n * sum(-(-(len(p) + new + engine.SYNC_EVERY) // block) * block for p in prompts)
-    kw = dict(max_new_tokens=new, temperature=1.0, top_k=1, top_p=1.0, slots=len(prompts) * n, device=d.device,
-              dtype=next(lm.parameters()).dtype)
-    (whole, whole_lp), (paged, paged_lp) = (engine.generate(lm, prompts, n, [-1], pool_tokens=pt, **kw)
-                                            for pt in (None, pool))
+    greedy = Sampling(new, top_k=1)
+    (whole, whole_lp), (paged, paged_lp) = (
+        engine.generate(lm, prompts, n, [-1], greedy,
+                        engine.Setup(len(prompts) * n, d.device, next(lm.parameters()).dtype, pool_tokens=pt))
+        for pt in (None, pool))
     diff = 0.0
     for a, b, la, lb in zip(whole, paged, whole_lp, paged_lp):
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
@@ -256,23 +261,25 @@ def shared_check(lm, shape, a, d) -> dict:
 
     from grouprl import engine
     from grouprl.engine import settings
+    from grouprl.sampling import Sampling
 
     engine.HELD.clear()
     P, new, n = (40, 4, a.group_size) if a.smoke else (2000, 128, a.group_size)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, shape["vocab_size"], (P,), generator=g).tolist() for _ in range(4)]
     block = engine.page_size(d.device.type == "cuda")
-    kw = dict(max_new_tokens=new, temperature=1.0, top_k=0, top_p=1.0, slots=len(prompts) * n, device=d.device,
-              dtype=next(lm.parameters()).dtype, pool_tokens=len(prompts) * n * block * -(-(P + new + 8) // block))
+    sampling = Sampling(new)
+    setup = engine.Setup(len(prompts) * n, d.device, next(lm.parameters()).dtype,
+                         pool_tokens=len(prompts) * n * block * -(-(P + new + 8) // block))
     out = {}
     try:
         for share in (True, False):
             settings.SHARE_PROMPTS = share
-            engine.generate(lm, prompts, n, [-1], **kw)  # untimed: compiles
+            engine.generate(lm, prompts, n, [-1], sampling, setup)  # untimed: compiles
             stats, seed = {}, torch.Generator(d.device).manual_seed(3)
             sync(d.device)
             t = time.perf_counter()
-            rows, logps = engine.generate(lm, prompts, n, [-1], stats=stats, generator=seed, **kw)
+            rows, logps = engine.generate(lm, prompts, n, [-1], sampling, setup, seed, stats)
             sync(d.device)
             out[share] = dict(s=time.perf_counter() - t, rows=rows, logps=logps, **{
                 k: stats[k] for k in ("kv_blocks_peak", "kv_read_peak", "kv_read_physical_peak", "block_bytes")})
@@ -329,10 +336,10 @@ def _one_mode(policy, tok, shape, a, d, mode, texts, eos, bytes_per_s, weight_by
         s = time.perf_counter() - t
         if cuda and peak is None:  # the call's peak GPU memory above what it started with
             peak = (torch.cuda.max_memory_allocated(d.device) - base) / 1e9
-    tokens = roll["mask"].sum().item()
-    bound = bound_seconds(roll["mask"].sum(1).long().tolist(), a.prompt_tokens, weight_bytes, kv_bytes_per_token,
+    tokens = roll.mask.sum().item()
+    bound = bound_seconds(roll.mask.sum(1).long().tolist(), a.prompt_tokens, weight_bytes, kv_bytes_per_token,
                           bytes_per_s)
-    res = {"s": s, "tokens_per_s": tokens / s, "mean_length": tokens / roll["mask"].shape[0],
+    res = {"s": s, "tokens_per_s": tokens / s, "mean_length": tokens / roll.mask.shape[0],
            "bound_share": bound / s, "bandwidth_GBps": bytes_per_s / 1e9,
            "peak_gb": peak, "allocated_before_gb": freed}
     if mode.startswith("engine") and cuda:  # against the engine's plan (memory_plan.py's engine row)

@@ -36,7 +36,8 @@ def small_engine(shape: dict, layers: int, slots: int, max_len: int, flex: bool,
     torch.manual_seed(0)
     lm = shapes.random_model(shape, shapes.word_tokenizer(shape["vocab_size"]), torch.float32)
     # q/k/v and gate/up fused, as on a GPU (on the CPU the engine keeps them apart: fuse=False)
-    return engine.Engine(lm, slots, max_len, "cpu", torch.float32, flex=flex, compile=compile, fuse=True)
+    setup = engine.Setup(slots, "cpu", torch.float32, flex=flex, compile=compile, fuse=True)
+    return engine.Engine(lm, setup, max_len)
 
 
 def step_inputs(eng):

@@ -26,6 +26,7 @@ from grouprl import energy  # noqa: E402
 from grouprl import modeling  # noqa: E402
 from grouprl.data import chat_prompts  # noqa: E402
 from grouprl.distributed import Dist  # noqa: E402
+from grouprl.sampling import Sampling  # noqa: E402
 
 
 @dataclass
@@ -53,10 +54,10 @@ def main():
     prompt = chat_prompts(tok, [test[0]["prompt"]])
     policy.eval()
     with torch.no_grad():
+        sampling = Sampling(args.max_new_tokens, temperature=0.7, gen_batch_size=args.group_size)
         roll = common.generate(policy, tok, prompt, args.group_size, eos, Dist(0, 1, torch.device("cpu")),
-                               max_new_tokens=args.max_new_tokens, temperature=0.7, top_p=1.0, top_k=0,
-                               gen_batch_size=args.group_size)
-    ids, am, n_prompt, mask = roll["input_ids"], roll["attention_mask"], roll["n_prompt"], roll["mask"]
+                               sampling)
+    ids, am, n_prompt, mask = roll.input_ids, roll.attention_mask, roll.n_prompt, roll.mask
     t, cpu = time.time(), time.process_time()
     norms = energy.token_grad_norms(policy, ids, am, n_prompt, mask)
     seconds, cpu = time.time() - t, time.process_time() - cpu

@@ -99,18 +99,15 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], di
         dtype = ({"bf16": torch.bfloat16, "fp32": torch.float32}.get(sampling.engine_dtype)
                  or getattr(policy, "compute_dtype", None)
                  or (torch.bfloat16 if dist_env.device.type == "cuda" else torch.float32))
+        setup = engine.Setup(
+            slots=tp * max(n, gen_batch_size // n * n), device=dist_env.device, dtype=dtype,
+            rank=dist_env.rank if tp > 1 else 0, world=tp,
+            graphs=None if sampling.cuda_graphs else False, flex=sampling.flex,
+            compile=sampling.compile_step,
+            keep=True)  # one Engine per run: cache and graphs made once, weights refreshed
         try:
-            completions, logps = engine.generate(
-                policy.lm, sum(everyone, []), n, eos, max_new_tokens=max_new_tokens,
-                temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                min_p=sampling.min_p, repetition_penalty=sampling.repetition_penalty,
-                min_new_tokens=sampling.min_new_tokens,
-                slots=tp * max(n, gen_batch_size // n * n), device=dist_env.device,
-                dtype=dtype,
-                rank=dist_env.rank if tp > 1 else 0, world=tp, generator=generator,
-                graphs=None if sampling.cuda_graphs else False, flex=sampling.flex,
-                compile=sampling.compile_step,
-                keep=True)  # one Engine per run: cache and graphs made once, weights refreshed
+            completions, logps = engine.generate(policy.lm, sum(everyone, []), n, eos, sampling,
+                                                 setup, generator)
         except MemoryError as e:  # said before anything is allocated (engine.kv_plan)
             fail(f"--gen-mode {mode}: {e}; lower --gen-batch-size (now {gen_batch_size}) or "
                  f"--max-new-tokens (now {max_new_tokens})")

@@ -3,6 +3,7 @@ metrics, the bad-input check, the loss tensors and value-and-gradient, the engin
 transformers' sampling and the peers' (TRL's, verl's) losses written out. Test files import from here and from
 conftest, never from each other; the programs in tests/programs/ may import from here too."""
 import contextlib
+import dataclasses
 import functools
 import glob
 import importlib
@@ -182,10 +183,16 @@ def hf_greedy(lm, tok, ids, n, eos, max_new_tokens, mode="repeat", **kw):
     return comps, roll.truncated.tolist()
 
 
-def run(lm, ids, n, eos, max_new_tokens, slots, **kw):
-    kw = {"temperature": 1.0, "top_k": 1, "top_p": 1.0, **kw}
-    return engine.generate(lm, ids, n, eos, max_new_tokens=max_new_tokens, slots=slots, device=CPU,
-                           dtype=torch.float32, **kw)
+DRAWN = {f.name for f in dataclasses.fields(Sampling)}  # the rest of run's keywords: the Setup's
+
+
+def run(lm, ids, n, eos, max_new_tokens, slots, generator=None, stats=None, **kw):
+    """engine.generate on the CPU in fp32, greedy unless kw says otherwise: kw's Sampling fields to the Sampling,
+    the rest to the Setup."""
+    how = {"temperature": 1.0, "top_k": 1, "top_p": 1.0, **{k: v for k, v in kw.items() if k in DRAWN}}
+    where = {k: v for k, v in kw.items() if k not in DRAWN}
+    return engine.generate(lm, ids, n, eos, Sampling(max_new_tokens, **how),
+                           engine.Setup(slots, CPU, torch.float32, **where), generator, stats)
 
 
 # ---- transformers' sampling, written from its processors (test_sampling; test_engine's reference)

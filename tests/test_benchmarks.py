@@ -243,7 +243,6 @@ def test_gpu_shared_check_counts_and_catches_a_wrong_share(monkeypatch):
     import torch
 
     from grouprl import distributed
-    from grouprl import engine
     import gpu
 
     lm = shapes.random_model(shapes.TINY, shapes.word_tokenizer(shapes.TINY["vocab_size"]), torch.float32,
@@ -256,7 +255,13 @@ def test_gpu_shared_check_counts_and_catches_a_wrong_share(monkeypatch):
     assert on["kv_read_physical_peak"] == off["kv_read_physical_peak"] - 4 * 2 * 2 and on["kv_read_peak"] == off[
         "kv_read_peak"], ok
     assert "shared 20 KV blocks taken" in gpu.shared_line(ok) and "12 of 12 rows equal" in gpu.shared_line(ok)
-    monkeypatch.setattr(engine, "prompt_blocks", lambda length, page: -(-length // page) if engine.SHARE_PROMPTS else 0)
+    from grouprl.engine import blocks, scheduler, settings
+
+    def whole_blocks(length, page):  # the last, partly filled block shared too
+        return -(-length // page) if settings.SHARE_PROMPTS else 0
+
+    monkeypatch.setattr(blocks, "prompt_blocks", whole_blocks)  # group_blocks reads it here
+    monkeypatch.setattr(scheduler, "prompt_blocks", whole_blocks)
     bad = gpu.shared_check(lm, shapes.TINY, a, d)  # (the random tiny model's logits move little: 0.04 here)
     assert bad["rows_equal"] < 12 or bad["max_logp_diff"] > 1e-3, bad
 

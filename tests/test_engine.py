@@ -1,6 +1,7 @@
 """The rollout engine (grouprl/engine/) against the HF reference: greedy tokens equal to `generate`'s, per-token
 log-probs equal to Policy.forward's, logits equal to the HF forward's for the Qwen3 / Qwen2 / Llama shapes, the
 sampler equal to transformers' warpers and to the softmax, and the scheduler's bookkeeping (fp32, CPU)."""
+import dataclasses
 import math
 
 import pytest
@@ -11,6 +12,7 @@ from grouprl import engine
 from grouprl.engine import rollout, sampler, scheduler, settings
 from grouprl import modeling
 from grouprl.distributed import Dist, seed_everything
+from grouprl.sampling import Sampling
 from conftest import SCRIPTS
 from helpers import CPU, hf_greedy, run, setup  # noqa: F401 (the fixture)
 
@@ -86,7 +88,7 @@ def test_shared_prompt_blocks_refcounted(setup):
     and in the logical map flex's mask_mod reads), each counted by the rows that hold them; the first row's retiring
     frees only its own blocks, the last row's frees the shared ones too."""
     tok, lm, ids = setup
-    eng = engine.Engine(lm, 2, 64, CPU, torch.float32, pool_tokens=16 * 10)
+    eng = engine.Engine(lm, engine.Setup(2, CPU, torch.float32, pool_tokens=16 * 10), 64)
     assert eng.take(0, 4)
     eng.share(1, 0, 3)
     assert eng.take(1, 4)
@@ -167,7 +169,7 @@ def test_flex_decoding_reads_live_blocks_and_equals_hf_generate(setup, monkeypat
     assert sampled[True][0] == sampled[False][0]
     for a, b in zip(sampled[True][1], sampled[False][1]):  # two kernels: fp32 sums in another order
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=1e-5)
-    eng = engine.Engine(lm, 4, 40, CPU, torch.float32, flex=True)
+    eng = engine.Engine(lm, engine.Setup(4, CPU, torch.float32, flex=True), 40)
     live = eng.live_blocks(torch.tensor([0, 7, 8, 33]), 40)  # blocks of 8: positions 0-7 one block, 8 two, 33 five
     assert live.kv_num_blocks.flatten().tolist() == [1, 1, 1, 1]  # the last block: the mask_mod cuts it
     assert live.full_kv_num_blocks.flatten().tolist() == [0, 0, 1, 4]  # the blocks before it, read in full
@@ -277,7 +279,7 @@ def test_logits_equal_hf_forward(kind, tied, flex):
     x = torch.randint(0, 97, (2, 11))
     with torch.no_grad():
         want = lm(x).logits.float()
-    eng = engine.Engine(lm, 2, 11, CPU, torch.float32, flex=flex)
+    eng = engine.Engine(lm, engine.Setup(2, CPU, torch.float32, flex=flex), 11)
     got = [eng.prefill([x[0, :5].tolist(), x[1, :5].tolist()], torch.tensor([0, 1]), 1)]
     for t in range(5, 11):
         got.append(eng.decode(x[:, t], torch.full((2,), t), t + 1))
@@ -304,7 +306,7 @@ def test_attention_output_in_a_gpu_kernels_layout(monkeypatch):
     with torch.no_grad():
         want = lm(x).logits.float()
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", gpu_layout)
-    eng = engine.Engine(lm, 2, 9, CPU, torch.float32)
+    eng = engine.Engine(lm, engine.Setup(2, CPU, torch.float32), 9)
     eng.prefill([x[0, :5].tolist(), x[1, :5].tolist()], torch.tensor([0, 1]), 1)
     got = [eng.decode(x[:, t], torch.full((2,), t), t + 1) for t in range(5, 9)]
     assert calls  # the engine's attention went through it
@@ -362,7 +364,7 @@ def test_engine_samples_hf_multinomial_tokens_with_one_seed(setup, monkeypatch, 
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
     monkeypatch.undo()
     # the captured step returns tokens and log-probs: its sampler drew them from the generator, as the eager one does
-    eng = engine.Engine(lm, 3, 40, CPU, torch.float32, graphs=True)
+    eng = engine.Engine(lm, engine.Setup(3, CPU, torch.float32, graphs=True), 40)
     x, at = torch.tensor([5, 9, 11]), torch.tensor([0, 0, 0])
     got = eng.step(x, at, 1, None, (0.8, 20, 0.9, 0.0, 1.0), torch.Generator().manual_seed(3))
     want = engine.sample(eng.decode(x, at, 1), 0.8, 20, 0.9, generator=torch.Generator().manual_seed(3))
@@ -432,7 +434,7 @@ def test_scripts_train_with_the_engine(script, monkeypatch, tmp_path):
     from helpers import run_script
 
     graphs, generate = [], engine.generate
-    monkeypatch.setattr(engine, "generate", lambda *a, **k: graphs.append(k["graphs"]) or generate(*a, **k))
+    monkeypatch.setattr(engine, "generate", lambda *a, **k: graphs.append(a[5].graphs) or generate(*a, **k))
     eager = ["--no-gen-cuda-graphs"] if script in ("gspo_token", "dfpo") else []
     rows, _ = run_script(script, ["--num-steps", "3", "--prompts-per-rank", "4", "--eval-every", "2", "--gen-mode",
                                   "engine", "--max-new-tokens", "4", *eager], monkeypatch, tmp_path)
@@ -449,11 +451,12 @@ def test_an_architecture_the_engine_does_not_cover_falls_back_with_one_line(setu
     d = Dist(0, 1, CPU)
     kw = dict(max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=1, gen_batch_size=8)
     texts = [tok.decode(p) for p in ids]
-    got = [common.generate(modeling.Policy(lm), tok, texts, 2, [tok.eos_token_id], d, mode=mode, **kw)
+    got = [common.generate(modeling.Policy(lm), tok, texts, 2, [tok.eos_token_id], d, Sampling(mode=mode, **kw))
            for mode in ("engine", "engine-tp")]
-    want = common.generate(modeling.Policy(lm), tok, texts, 2, [tok.eos_token_id], d, mode="shared-prefill", **kw)
+    want = common.generate(modeling.Policy(lm), tok, texts, 2, [tok.eos_token_id], d,
+                           Sampling(mode="shared-prefill", **kw))
     for g in got:  # both engine modes fall back to shared-prefill, not another sampler
-        assert torch.equal(g["input_ids"], want["input_ids"]) and "logp" not in g
+        assert torch.equal(g.input_ids, want.input_ids) and g.logp is None
     err = capsys.readouterr().err
     assert err.count("--gen-mode engine does not cover model_type 'other'") == 1  # said once, not every step
 
@@ -525,9 +528,10 @@ def test_memory_needed_and_a_pool_the_gpu_cannot_hold(setup, monkeypatch):
     bf16 = 2 * (sum(p.numel() for p in lm.parameters()) + 2 * 100 * 32)
     assert engine.memory_needed(lm, 8, 100, torch.bfloat16, device=CPU) == (kv // 2, bf16)
     assert engine.memory_needed(lm, 8, 100, torch.bfloat16, world=2)[0] == kv // 4
-    cache = engine.Engine(lm, 8, 100, CPU, torch.float32).cache  # what the engine allocates: the count exactly
+    # what the engine allocates: the count exactly
+    cache = engine.Engine(lm, engine.Setup(8, CPU, torch.float32), 100).cache
     assert sum(c.numel() * c.element_size() for c in cache) == kv
-    assert engine.kv_plan(lm, 8, 100, 2, CPU, torch.float32) is None  # host memory: checked, and ample here
+    assert engine.kv_plan(lm, engine.Setup(8, CPU, torch.float32), 100, 2) is None  # host memory: checked, ample
     per_position = kv // 800
 
     def free(b):
@@ -536,22 +540,23 @@ def test_memory_needed_and_a_pool_the_gpu_cannot_hold(setup, monkeypatch):
         monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
 
     for dtype, fuse in ((torch.float32, False), (torch.float32, True), (torch.bfloat16, False)):
-        eng = engine.Engine(lm, 8, 100, CPU, dtype, fuse=fuse)
+        eng = engine.Engine(lm, engine.Setup(8, CPU, dtype, fuse=fuse), 100)
         assert allocated_weights(eng, lm) == engine.memory_needed(lm, 8, 100, dtype, device=CPU, fuse=fuse)[1]
 
     free(math.ceil((kv + weights) / 0.9))
-    assert engine.kv_plan(lm, 8, 100, 2, "cuda", torch.float32) is None  # whole
+    assert engine.kv_plan(lm, engine.Setup(8, "cuda", torch.float32), 100, 2) is None  # whole
     for b in (int((kv + weights) / 0.9) - 1, kv + weights):  # paged: 90% of the free memory less the weights
         free(b)
-        assert engine.kv_plan(lm, 8, 100, 2, "cuda", torch.float32) == int((0.9 * b - weights) / per_position)
+        want = int((0.9 * b - weights) / per_position)
+        assert engine.kv_plan(lm, engine.Setup(8, "cuda", torch.float32), 100, 2) == want
     free(int((weights + 199.5 * per_position) / 0.9))  # 199 positions: less than a group of 2 x 100
     with pytest.raises(MemoryError, match="holds 199 positions, less than one group of 2 x 100"):
-        engine.kv_plan(lm, 8, 100, 2, "cuda", torch.float32)  # 2 rows x 7 blocks of 16: 224
+        engine.kv_plan(lm, engine.Setup(8, "cuda", torch.float32), 100, 2)  # 2 rows x 7 blocks of 16: 224
     # 199 positions are 12 blocks; prompts of 32 or more tokens: their 2 full blocks shared by the 2 rows, 2 + 2 x 5
     # = 12 blocks a group; of 31, 1 + 2 x 6 = 13
-    assert engine.kv_plan(lm, 8, 100, 2, "cuda", torch.float32, prompt=32) == 199
+    assert engine.kv_plan(lm, engine.Setup(8, "cuda", torch.float32), 100, 2, prompt=32) == 199
     with pytest.raises(MemoryError, match="holds 199 positions"):
-        engine.kv_plan(lm, 8, 100, 2, "cuda", torch.float32, prompt=31)
+        engine.kv_plan(lm, engine.Setup(8, "cuda", torch.float32), 100, 2, prompt=31)
 
     def short(*a):
         raise MemoryError("the KV cache of ... exceed the 1.0 GiB free on the GPU")
@@ -559,7 +564,7 @@ def test_memory_needed_and_a_pool_the_gpu_cannot_hold(setup, monkeypatch):
     monkeypatch.setattr(rollout, "kv_plan", short)
     with pytest.raises(SystemExit) as e:
         common.generate(modeling.Policy(lm), tok, [tok.decode(ids[0])], 2, [tok.eos_token_id], Dist(0, 1, CPU),
-                        max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=8, mode="engine")
+                        Sampling(5, top_k=0, gen_batch_size=8, mode="engine"))
     msg = str(e.value.code)
     assert "\n" not in msg and "lower --gen-batch-size (now 8) or --max-new-tokens (now 5)" in msg, msg
 
@@ -569,7 +574,7 @@ def test_memory_needed_and_a_pool_the_gpu_cannot_hold(setup, monkeypatch):
     monkeypatch.setattr(engine, "generate", oom)
     with pytest.raises(SystemExit) as e:
         common.generate(modeling.Policy(lm), tok, [tok.decode(ids[0])], 2, [tok.eos_token_id], Dist(0, 1, CPU),
-                        max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=8, mode="engine")
+                        Sampling(5, top_k=0, gen_batch_size=8, mode="engine"))
     assert str(e.value.code) == ("error: --gen-mode engine: the GPU ran out of memory while generating (CUDA out of "
                                  "memory. Tried to allocate 2.00 GiB.); lower --gen-batch-size (now 8) or "
                                  "--max-new-tokens (now 5)")
@@ -587,10 +592,10 @@ def test_second_rollout_plans_as_the_first(setup, monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - state["reserved"], total))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: state["reserved"])
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
-    step1 = engine.kv_plan(lm, 8, 100, 2, "cuda", torch.float32)
+    step1 = engine.kv_plan(lm, engine.Setup(8, "cuda", torch.float32), 100, 2)
     state["reserved"] = kv + weights  # step 1's cache and weight copy, freed but kept by the allocator
-    step2 = engine.kv_plan(lm, 8, 100, 2, "cuda", torch.float32)
+    step2 = engine.kv_plan(lm, engine.Setup(8, "cuda", torch.float32), 100, 2)
     assert step1 is None and step2 is None
     state["allocated"] = kv + weights  # still in use: then it is not available
     with pytest.raises(MemoryError):
-        engine.kv_plan(lm, 8, 100, 2, "cuda", torch.float32)
+        engine.kv_plan(lm, engine.Setup(8, "cuda", torch.float32), 100, 2)

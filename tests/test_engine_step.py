@@ -1,6 +1,7 @@
 """The engine's decoding step as issue 34 wants it on a GPU, checked on the CPU: each layer compiled into a handful
 of fused kernels (a ceiling that fails when fusion is lost), the compiled step decoding the same tokens and log-probs
 as the eager one, and the host looking at the device at most twice every sync_every steps (fp32, CPU)."""
+import dataclasses
 import os
 import sys
 
@@ -10,6 +11,7 @@ from torch.overrides import TorchFunctionMode
 
 from grouprl import engine
 from grouprl.engine import rollout, settings
+from grouprl.sampling import Sampling
 from conftest import ROOT
 from helpers import CPU, run, setup  # noqa: F401 (the fixture)
 
@@ -130,7 +132,7 @@ def test_slots_never_exceed_rows(setup, monkeypatch):
     rows made the engine several times slower than HF on a real model)."""
     tok, lm, ids = setup
     made, real = [], engine.Engine
-    monkeypatch.setattr(rollout, "Engine", lambda lm, slots, *a, **k: made.append(slots) or real(lm, slots, *a, **k))
+    monkeypatch.setattr(rollout, "Engine", lambda lm, setup, *a: made.append(setup.slots) or real(lm, setup, *a))
     run(lm, ids[:2], 3, [tok.eos_token_id], 4, 256)
     assert made == [6]
 
@@ -139,7 +141,7 @@ def test_dead_slots_read_no_block(setup):
     """FlexAttention's block mask of a step: a live row reads its blocks 0 .. position // FLEX_BLOCK (no more), a free
     slot or a finished row (alive 0) reads none; counted from the mask the kernel reads."""
     tok, lm, ids = setup
-    eng = engine.Engine(lm, 4, 600, CPU, torch.float32, flex=True)
+    eng = engine.Engine(lm, engine.Setup(4, CPU, torch.float32, flex=True), 600)
     positions = torch.tensor([5, 300, 0, 599])
     alive = torch.tensor([True, True, False, False])
     mask = eng.live_blocks(positions, 600, alive)
@@ -159,7 +161,7 @@ def test_flex_kernel_options(setup, monkeypatch):
     assert engine.flex_options("cuda") is None
     monkeypatch.setattr(settings, "FLEX_OPTIONS", {"num_warps": 4})
     assert engine.flex_options(CPU) == {"num_warps": 4} and engine.flex_options(CPU) is not settings.FLEX_OPTIONS
-    eng = engine.Engine(lm, 3, 64, CPU, torch.float32, flex=True)
+    eng = engine.Engine(lm, engine.Setup(3, CPU, torch.float32, flex=True), 64)
     seen, flex = [], eng.flex
     eng.flex = lambda *a, kernel_options=None, **k: seen.append(kernel_options) or flex(*a, **k)
     tokens = torch.zeros(3, dtype=torch.long)
@@ -190,8 +192,8 @@ def test_paged_flex_reads_the_pool_in_place(setup, monkeypatch):
     prompts, n, new = [ids[0], ids[4]], 2, 3
     lengths = torch.tensor([len(p) for p in prompts]).repeat_interleave(n)
     max_len = int(lengths.max()) + new
-    whole = engine.Engine(lm, 5, max_len, CPU, torch.float32, flex=True)  # slot 4: free (dead)
-    paged = engine.Engine(lm, 5, max_len, CPU, torch.float32, pool_tokens=8 * 40, flex=True)
+    whole = engine.Engine(lm, engine.Setup(5, CPU, torch.float32, flex=True), max_len)  # slot 4: free (dead)
+    paged = engine.Engine(lm, engine.Setup(5, CPU, torch.float32, pool_tokens=8 * 40, flex=True), max_len)
     assert paged.block == 8 and paged.cache_shape[1] == 41  # pages of flex's key block; + the spare block
     order = torch.randperm(40, generator=torch.Generator().manual_seed(0)).tolist()
     paged.free = order
@@ -244,22 +246,23 @@ def test_one_engine_per_run(setup, pool):
     tok, lm, ids = setup
     lm = copy.deepcopy(lm)
     ids = ids[:3]
-    kw = dict(max_new_tokens=8, temperature=0.9, top_k=0, top_p=0.95, slots=7, device=CPU, dtype=torch.bfloat16,
-              sync_every=3, graphs=True, pool_tokens=pool)
+    sampling = Sampling(8, temperature=0.9, top_k=0, top_p=0.95)
+    setup = engine.Setup(7, CPU, torch.bfloat16, sync_every=3, graphs=True, pool_tokens=pool)
+    keeping = dataclasses.replace(setup, keep=True)
     eos = [tok.eos_token_id]
     first, stats = {}, {}
-    engine.generate(lm, ids, 3, eos, **kw, keep=True, stats=first, generator=torch.Generator().manual_seed(1))
+    engine.generate(lm, ids, 3, eos, sampling, keeping, torch.Generator().manual_seed(1), first)
     kept = engine.HELD[lm]
     cache = [c.untyped_storage().data_ptr() for c in kept.cache]
     graphs = dict(kept.graphs)
     with torch.no_grad():  # the optimizer's step: every weight moves, in place
         for p in lm.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
-    got = engine.generate(lm, ids, 3, eos, **kw, keep=True, stats=stats, generator=torch.Generator().manual_seed(2))
+    got = engine.generate(lm, ids, 3, eos, sampling, keeping, torch.Generator().manual_seed(2), stats)
     assert stats["engine"] == first["engine"] and engine.HELD[lm] is kept
     assert [c.untyped_storage().data_ptr() for c in kept.cache] == cache
     assert all(kept.graphs[k] is g for k, g in graphs.items())  # the graphs (here their functions) made once
-    fresh = engine.generate(lm, ids, 3, eos, **kw, generator=torch.Generator().manual_seed(2))
+    fresh = engine.generate(lm, ids, 3, eos, sampling, setup, torch.Generator().manual_seed(2))
     assert got[0] == fresh[0]
     assert got[1] == fresh[1]
     del engine.HELD[lm]
@@ -274,15 +277,17 @@ def test_an_engine_replaced_is_freed_before_the_next_plan(setup, monkeypatch):
     import weakref
 
     tok, lm, ids = setup
-    kw = dict(max_new_tokens=4, temperature=1.0, top_k=1, top_p=1.0, device=CPU, dtype=torch.float32, graphs=True)
-    engine.generate(lm, ids[:2], 3, [tok.eos_token_id], **kw, slots=6, keep=True)
+    greedy = Sampling(4, top_k=1)
+    engine.generate(lm, ids[:2], 3, [tok.eos_token_id], greedy,
+                    engine.Setup(6, CPU, torch.float32, graphs=True, keep=True))
     old = weakref.ref(engine.HELD[lm])
     seen = []
     plan = engine.kv_plan
     monkeypatch.setattr(rollout, "kv_plan", lambda *a, **k: seen.append(old()) or plan(*a, **k))
     gc.disable()
     try:
-        engine.generate(lm, ids[:2], 3, [tok.eos_token_id], **kw, slots=4, keep=True)
+        engine.generate(lm, ids[:2], 3, [tok.eos_token_id], greedy,
+                        engine.Setup(4, CPU, torch.float32, graphs=True, keep=True))
     finally:
         gc.enable()
     assert seen == [None]
@@ -294,12 +299,12 @@ def test_a_pool_planned_from_free_memory_is_not_kept(setup, monkeypatch):
     """A paged pool that kv_plan sized to 90% of the free memory is freed after its rollout, not kept: the training
     step's peak (AdamW's moments, made at its first step) would not fit beside it. A whole cache is kept."""
     tok, lm, ids = setup
-    kw = dict(max_new_tokens=4, temperature=1.0, top_k=1, top_p=1.0, slots=6, device=CPU, dtype=torch.float32)
+    greedy, setup = Sampling(4, top_k=1), engine.Setup(6, CPU, torch.float32, keep=True)
     monkeypatch.setattr(rollout, "kv_plan", lambda *a, **k: 400)  # a paged plan
-    engine.generate(lm, ids[:2], 3, [tok.eos_token_id], **kw, keep=True)
+    engine.generate(lm, ids[:2], 3, [tok.eos_token_id], greedy, setup)
     assert lm not in engine.HELD
     monkeypatch.setattr(rollout, "kv_plan", lambda *a, **k: None)  # whole
-    engine.generate(lm, ids[:2], 3, [tok.eos_token_id], **kw, keep=True)
+    engine.generate(lm, ids[:2], 3, [tok.eos_token_id], greedy, setup)
     assert lm in engine.HELD
     del engine.HELD[lm]
 
@@ -338,8 +343,8 @@ def test_compiled_flex_decodes_as_eager(device, pool, apart, monkeypatch):
     torch.manual_seed(0)
     lm = shapes.random_model(shape, shapes.word_tokenizer(512), torch.float32).to(device)
     prompt, new, n = torch.randint(3, 512, (300,), device=device), 3, 2
-    engines = [engine.Engine(lm, n, 300 + new, device, torch.float32, pool_tokens=pool, flex=True, compile=c)
-               for c in (False, True)]
+    engines = [engine.Engine(lm, engine.Setup(n, device, torch.float32, pool_tokens=pool, graphs=False, flex=True,
+                                              compile=c), 300 + new) for c in (False, True)]
     from torch.nn.attention.flex_attention import flex_attention as plain
 
     inside = not apart and not (pool and device == "cpu")  # flex inside the layer's graph, or compiled apart

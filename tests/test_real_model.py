@@ -21,6 +21,7 @@ from grouprl import modeling
 from conftest import ROOT
 from grouprl.data import chat_prompts
 from grouprl.distributed import Dist
+from grouprl.sampling import Sampling
 
 CPU = torch.device("cpu")
 IM_START, IM_END = 1, 2  # SmolLM2's <|im_start|> and <|im_end|> (= EOS = pad)
@@ -117,8 +118,7 @@ def test_engine_greedy_and_logprobs_equal_hf_generate_and_policy_forward(loaded)
     ids = [r[0] for r in refs]
     ends = [r[1][-1] == IM_END for r in refs]  # here [3, 8, NEW] tokens: [True, True, False]
     assert len({len(r[1]) for r in refs}) == 3 and True in ends and False in ends  # ragged, an EOS, a truncation
-    comps, logps = engine.generate(lm, ids, 3, [IM_END], max_new_tokens=NEW, temperature=1.0, top_k=1, top_p=1.0,
-                                   slots=9, device=CPU, dtype=torch.float32)
+    comps, logps = engine.generate(lm, ids, 3, [IM_END], Sampling(NEW, top_k=1), engine.Setup(9, CPU, torch.float32))
     assert comps == [r[1] for r in refs for _ in range(3)]
     for b, lp in enumerate(logps):
         torch.testing.assert_close(torch.tensor(lp), refs[b // 3][2], atol=1e-4, rtol=0)
@@ -126,16 +126,14 @@ def test_engine_greedy_and_logprobs_equal_hf_generate_and_policy_forward(loaded)
         torch.testing.assert_close(got, want[2], atol=1e-4, rtol=0)
 
     roll = common.generate(modeling.Policy(lm), tok, chat_prompts(tok, PROMPTS), 3, [IM_END], Dist(0, 1, CPU),
-                           max_new_tokens=NEW, temperature=1.0, top_p=1.0, top_k=1, gen_batch_size=16,
-                           mode="shared-prefill")
-    P = roll["n_prompt"]
-    assert [row[P:][m.bool()].tolist() for row, m in zip(roll["input_ids"], roll["mask"])] == comps
-    assert roll["truncated"].tolist() == [not e for e in ends for _ in range(3)]
-    assert roll["texts"][::3] == [tok.decode(r[1][:-1] if e else r[1]) for r, e in zip(refs, ends)]  # no EOS text
+                           Sampling(NEW, top_k=1, gen_batch_size=16, mode="shared-prefill"))
+    P = roll.n_prompt
+    assert [row[P:][m.bool()].tolist() for row, m in zip(roll.input_ids, roll.mask)] == comps
+    assert roll.truncated.tolist() == [not e for e in ends for _ in range(3)]
+    assert roll.texts[::3] == [tok.decode(r[1][:-1] if e else r[1]) for r, e in zip(refs, ends)]  # no EOS text
 
     g = torch.Generator().manual_seed(0)
-    comps, logps = engine.generate(lm, ids[1:], 3, [IM_END], max_new_tokens=NEW, temperature=1.0, top_k=0,
-                                   top_p=1.0, slots=6, device=CPU, dtype=torch.float32, generator=g)
+    comps, logps = engine.generate(lm, ids[1:], 3, [IM_END], Sampling(NEW), engine.Setup(6, CPU, torch.float32), g)
     assert all(len({tuple(c) for c in comps[i: i + 3]}) > 1 for i in (0, 3)), comps  # the rows of a group differ
     for got, lp in zip(policy_logps(lm, [ids[1 + b // 3] for b in range(6)], comps), logps):
         torch.testing.assert_close(got, torch.tensor(lp), atol=1e-4, rtol=0)

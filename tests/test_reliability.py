@@ -550,10 +550,10 @@ def test_the_engine_plans_host_memory_before_allocating(monkeypatch, tmp_path):
     weights = 2 * 100 * 32 * 4  # the copy: cos and sin tables only (an fp32 model on the CPU is read in place)
     need_kb = (kv + weights) / 0.9 / 1024
     fake_meminfo(monkeypatch, tmp_path, int(need_kb) + 1)  # 90% of it holds both
-    assert engine.kv_plan(lm, 8, 100, 4, "cpu", torch.float32) is None
+    assert engine.kv_plan(lm, engine.Setup(8, "cpu", torch.float32), 100, 4) is None
     fake_meminfo(monkeypatch, tmp_path, int(need_kb) - 1)
     with pytest.raises(MemoryError) as e:
-        engine.kv_plan(lm, 8, 100, 4, "cpu", torch.float32)
+        engine.kv_plan(lm, engine.Setup(8, "cpu", torch.float32), 100, 4)
     free = (int(need_kb) - 1) * 1024
     assert str(e.value) == (f"the KV cache of 8 rows x 100 positions ({kv / 2 ** 20:.1f} MiB) and the weight copy "
                             f"({weights / 2 ** 20:.1f} MiB) exceed 90% of the {free / 2 ** 20:.1f} MiB of host memory "

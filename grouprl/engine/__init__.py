@@ -14,9 +14,11 @@ FlexAttention, each live row reading only its own blocks of the KV cache and dea
 (Engine.live_blocks).
 
 The files, each read alone, in the order a rollout meets them:
-    settings.py   the engine's settings (PAGE, FLEX_BLOCK, GRAPH_REACH, SHARE_PROMPTS, ...) and the
-                  models it covers (runs, unsupported, tensor_parallel_fits)
-    rollout.py    generate, the entry point: the Engine made or kept (HELD, release), the loop
+    settings.py   the engine's settings (PAGE, FLEX_BLOCK, GRAPH_REACH, SHARE_PROMPTS, ...), the
+                  models it covers (runs, unsupported, tensor_parallel_fits), and Setup: where
+                  and how one rollout's engine runs (slots, device, dtype, ranks, paths)
+    rollout.py    generate(lm, prompts, n, eos, sampling, setup), the entry point: the Engine
+                  made or kept (HELD, release), the loop
     blocks.py     the KV cache's size in blocks and bytes, and its plan (page_size, group_blocks,
                   memory_needed, kv_plan)
     weights.py    the policy's weights as plain tensors (Weights, take_weights, weight, full)
@@ -38,10 +40,10 @@ from .runner import Engine, flex_options
 from .sampler import sample
 from .scheduler import Rows
 from .settings import (FLEX_APART, FLEX_BLOCK, FLEX_OPTIONS, GRAPH_REACH, HOPPER_FLEX, PAGE,
-                       SHARE_PROMPTS, SYNC_EVERY, runs, unsupported)
+                       SHARE_PROMPTS, SYNC_EVERY, Setup, runs, unsupported)
 from .weights import take_weights, weight
 
 __all__ = ["FLEX_APART", "FLEX_BLOCK", "FLEX_OPTIONS", "GRAPH_REACH", "HELD", "HOPPER_FLEX", "PAGE",
-           "SHARE_PROMPTS", "SYNC_EVERY", "Engine", "Rows", "flex_options", "generate",
+           "SHARE_PROMPTS", "SYNC_EVERY", "Engine", "Rows", "Setup", "flex_options", "generate",
            "group_blocks", "kv_plan", "memory_needed", "page_size", "prompt_blocks", "runs",
            "sample", "take_weights", "unsupported", "weight"]

@@ -9,6 +9,7 @@ import torch
 
 from ..distributed import check_host_memory
 from . import settings
+from .settings import Setup
 
 
 def page_size(flex: bool) -> int:
@@ -76,16 +77,18 @@ def group_blocks(prompt: int, positions: int, n: int, page: int) -> int:
     return shared + n * (-(-positions // page) - shared)
 
 
-def kv_plan(lm, slots: int, max_len: int, n: int, device, dtype, world: int = 1,
-            page: int = settings.PAGE, prompt: int = 0) -> int | None:
-    """The KV cache a rollout gets on a GPU: None (whole: every slot max_len positions) when that
-    and the weight copy fit 90% of the free memory (the driver's free and the allocator's cached);
-    else the positions a paged pool can hold in 90% of what the weights leave; MemoryError (one
-    line) when that is less than one group of n rows at max_len (in blocks of `page`, the full
-    blocks of its prompt, at least `prompt` positions long, shared: group_blocks). On the CPU
-    always whole, and a MemoryError (one line) when that and the weight copy exceed 90% of the host
-    memory available (distributed.check_host_memory)."""
-    kv, weights = memory_needed(lm, slots, max_len, dtype, world, device)
+def kv_plan(lm, setup: Setup, max_len: int, n: int, page: int = settings.PAGE,
+            prompt: int = 0) -> int | None:
+    """The KV cache a rollout of setup.slots rows (on setup.device, setup.dtype, over setup.world
+    ranks) gets on a GPU: None (whole: every slot max_len positions) when that and the weight copy
+    fit 90% of the free memory (the driver's free and the allocator's cached); else the positions a
+    paged pool can hold in 90% of what the weights leave; MemoryError (one line) when that is less
+    than one group of n rows at max_len (in blocks of `page`, the full blocks of its prompt, at
+    least `prompt` positions long, shared: group_blocks). On the CPU always whole, and a MemoryError
+    (one line) when that and the weight copy exceed 90% of the host memory available
+    (distributed.check_host_memory)."""
+    slots, device = setup.slots, setup.device
+    kv, weights = memory_needed(lm, slots, max_len, setup.dtype, setup.world, device, setup.fuse)
     if torch.device(device).type != "cuda":  # host memory: checked alike, before any allocation
         return check_host_memory({f"the KV cache of {slots} rows x {max_len} positions": kv,
                                   "the weight copy": weights})

@@ -4,13 +4,16 @@ release), the KV plan, and the loop of admissions, decoding steps and looks (sch
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
 
 import torch
 
+from ..sampling import Sampling
 from . import settings
 from .blocks import group_blocks, kv_plan, page_size
 from .runner import Engine
 from .scheduler import Rows, Scheduler, admit, retire
+from .settings import Setup
 
 HELD = weakref.WeakKeyDictionary()  # generate(keep=True): the model -> its kept Engine
 
@@ -27,69 +30,66 @@ def release(lm):
 
 
 @torch.no_grad()
-def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_tokens: int,
-             temperature: float, top_k: int, top_p: float, slots: int, device, dtype,
-             min_p: float = 0.0, repetition_penalty: float = 1.0,
-             sync_every: int = settings.SYNC_EVERY,
-             stats: dict | None = None, rank: int = 0, world: int = 1,
-             generator=None, pool_tokens: int | None = None, graphs: bool | None = None,
-             flex: bool | None = None, compile: bool | None = None,
-             keep: bool = False,
-             min_new_tokens: int = 0) -> tuple[list[list[int]], list[list[float]]]:
+def generate(lm, prompts: list[list[int]], n: int, eos: list[int], sampling: Sampling,
+             setup: Setup, generator=None,
+             stats: dict | None = None) -> tuple[list[list[int]], list[list[float]]]:
     """n completions of each prompt (token ids, no padding): rows prompt * n + j, a group's rows
-    adjacent. A completion ends at its first EOS (kept) or after max_new_tokens; min_new_tokens
-    (HF's): the EOS ids' logits are -inf for a row's tokens 0 .. min_new_tokens - 1, so none ends
-    before (max_new_tokens still caps), and its log-probs are the masked softmax's. `slots` rows
-    decode at once; a prompt is admitted (prefilled once, its KV copied to n free slots) whenever n
-    slots are free, and the host looks at which rows have finished every `sync_every` steps.
+    adjacent, drawn as `sampling` says (its max_new_tokens, temperature, top_k, top_p, min_p,
+    repetition_penalty and min_new_tokens; the rest of it is generation.generate's) by an Engine
+    made as `setup` says (settings.Setup). A completion ends at its first EOS (kept) or after
+    max_new_tokens; min_new_tokens (HF's): the EOS ids' logits are -inf for a row's tokens 0 ..
+    min_new_tokens - 1, so none ends before (max_new_tokens still caps), and its log-probs are the
+    masked softmax's. `setup.slots` rows decode at once; a prompt is admitted (prefilled once, its
+    KV copied to n free slots) whenever n slots are free, and the host looks at which rows have
+    finished every `setup.sync_every` steps.
     Returns the completions' token ids and the log-prob of each under the temperature-scaled
     softmax (of the logits repetition_penalty changed, if it is not 1: sampling.sample). `stats`,
     if given, gets the counts of decoding steps, prefills, prefills made while other rows were
     decoding (continuous batching at work), groups preempted, KV blocks still taken at the end,
     graphs captured, a block's bytes (k and v, every layer) and, paged, Scheduler.tally's peaks.
-    pool_tokens: the KV cache's positions, paged (Engine) in blocks of page_size(flex); None: whole
-    (slots x the longest prompt + max_new_tokens), or paged where that cannot fit the GPU (kv_plan).
-    Paged, a group's rows share its prompt's full blocks (Engine.share, reference-counted, freed
-    with the last row that holds them; SHARE_PROMPTS), and it is admitted only when the pool also
-    holds its next sync_every positions beside those the running rows need; when running rows
-    outgrow the pool the youngest group is preempted: its blocks freed, its prompt first in line
-    again, its completions made anew.
-    world > 1: tensor parallel, every rank running this call on the same prompts with its share of
-    the heads (tensor_parallel_fits) and the same `generator`, so that every rank samples the same
-    tokens.
-    graphs: the decoding step through Engine.step's graphs, one per read length (CUDA graphs on a
-    GPU; on the CPU the same path eager, for tests); None: on a GPU with one rank (tensor
+    setup.pool_tokens: the KV cache's positions, paged (Engine) in blocks of page_size(flex);
+    None: whole (slots x the longest prompt + max_new_tokens), or paged where that cannot fit the
+    GPU (kv_plan). Paged, a group's rows share its prompt's full blocks (Engine.share,
+    reference-counted, freed with the last row that holds them; SHARE_PROMPTS), and it is admitted
+    only when the pool also holds its next sync_every positions beside those the running rows
+    need; when running rows outgrow the pool the youngest group is preempted: its blocks freed, its
+    prompt first in line again, its completions made anew.
+    setup.world > 1: tensor parallel, every rank running this call on the same prompts with its
+    share of the heads (tensor_parallel_fits) and the same `generator` (None: torch's global
+    stream), so that every rank samples the same tokens.
+    setup.graphs: the decoding step through Engine.step's graphs, one per read length (CUDA graphs
+    on a GPU; on the CPU the same path eager, for tests); None: on a GPU with one rank (tensor
     parallel decodes eagerly: its all-reduces are not captured).
-    flex: decoding attends through FlexAttention's block mask, reading each row's live blocks only
-    (Engine.live_blocks); None: on a GPU (compiled), not on the CPU (SDPA over the read length).
-    compile: each layer of the decoding step compiled (Engine's compile: fused kernels, inside the
-    CUDA graphs); None: where the graphs are on (a GPU, one rank). Not on the CPU by default: there
-    inductor's C++ compilation (~40 s on 2 cores) costs more than it saves in a rollout's steps.
-    keep: one Engine per run: the Engine is kept (HELD, per model) and the next call with the same
-    settings and rows no longer than its own reuses it, its weight copies refreshed from the model
-    in place (Engine.refresh), its KV cache, compilations and CUDA graphs made once; its cache
-    then stays allocated between rollouts (the training step runs beside it). Otherwise each call
-    makes its own."""
+    setup.flex: decoding attends through FlexAttention's block mask, reading each row's live
+    blocks only (Engine.live_blocks); None: on a GPU (compiled), not on the CPU (SDPA over the
+    read length).
+    setup.compile: each layer of the decoding step compiled (Engine's compile: fused kernels,
+    inside the CUDA graphs); None: where the graphs are on (a GPU, one rank). Not on the CPU by
+    default: there inductor's C++ compilation (~40 s on 2 cores) costs more than it saves in a
+    rollout's steps.
+    setup.keep: one Engine per run: the Engine is kept (HELD, per model) and the next call with
+    the same setup and rows no longer than its own reuses it, its weight copies refreshed from the
+    model in place (Engine.refresh), its KV cache, compilations and CUDA graphs made once; its
+    cache then stays allocated between rollouts (the training step runs beside it). Otherwise
+    each call makes its own."""
+    max_new_tokens = sampling.max_new_tokens
+    slots, keep = setup.slots, setup.keep
     if slots < n:
         raise ValueError(f"{slots} slots cannot hold a group of {n}")
     # never more slots than rows: a free slot still costs its share of every step (the LM head
     # over the vocabulary, the sampler, attention over the read length), so --gen-batch-size's
     # default of 256 slots for a rollout of 12 rows decoded 21x the rows it needed
     slots = min(slots, len(prompts) * n)
+    setup = replace(setup, slots=slots).resolve()
     max_len = max(len(p) for p in prompts) + max_new_tokens
     shortest = min(len(p) for p in prompts)  # the fewest prompt blocks a group's rows share
-    if graphs is None:
-        graphs = torch.device(device).type == "cuda" and world == 1
-    if compile is None:
-        compile = graphs and torch.device(device).type == "cuda"
-    if compile:  # the cache's length in steps of GRAPH_REACH: rollouts whose longest prompts differ
-        # reuse one compilation (static shapes)
+    if setup.compile:  # the cache's length in steps of GRAPH_REACH: rollouts whose longest
+        # prompts differ reuse one compilation (static shapes)
         max_len = -(-max_len // settings.GRAPH_REACH) * settings.GRAPH_REACH
-    if flex is None:
-        flex = torch.device(device).type == "cuda"
-    page = page_size(flex)  # paged, the pool's blocks
-    key = (slots, str(device), dtype, rank, world, graphs, flex, compile, page,
-           settings.FLEX_BLOCK, pool_tokens, str(settings.FLEX_OPTIONS))
+    page = page_size(setup.flex)  # paged, the pool's blocks
+    key = (slots, str(setup.device), setup.dtype, setup.rank, setup.world, setup.graphs,
+           setup.flex, setup.compile, setup.fuse, page, settings.FLEX_BLOCK, setup.pool_tokens,
+           str(settings.FLEX_OPTIONS))
     engine = HELD.get(lm) if keep else None
     if (engine is not None and engine.key == key and engine.max_len >= max_len
             and not any(engine.owned)):  # (a call that raised may leave blocks taken)
@@ -99,8 +99,9 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
         engine = None
         if keep:  # an Engine of other settings: its cache freed before the plan
             release(lm)
+        pool_tokens = setup.pool_tokens
         if pool_tokens is None:
-            pool_tokens = kv_plan(lm, slots, max_len, n, device, dtype, world, page, shortest)
+            pool_tokens = kv_plan(lm, setup, max_len, n, page, shortest)
             # a pool planned from 90% of the free memory is not kept: the training step's peak
             # (AdamW's moments appear at its first step) would not fit beside it
             keep = keep and pool_tokens is None
@@ -108,19 +109,19 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
                 and pool_tokens // page < group_blocks(shortest, max_len, n, page)):
             raise ValueError(f"a KV pool of {pool_tokens} positions cannot hold one group of {n} "
                              f"rows of up to {max_len} positions")
-        engine = Engine(lm, slots, max_len, device, dtype, rank, world, pool_tokens,
-                        graphs=graphs, flex=flex, compile=compile)
+        engine = Engine(lm, replace(setup, pool_tokens=pool_tokens), max_len)
         engine.key = key
         if keep:
             HELD[lm] = engine
     # the sampler's settings (sampling.sample: HF's semantics)
-    how = (temperature, top_k, top_p, min_p, repetition_penalty)
-    if repetition_penalty != 1:
+    how = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
+           sampling.repetition_penalty)
+    if sampling.repetition_penalty != 1:
         engine.see_ids()
-    if min_new_tokens:
+    if sampling.min_new_tokens:
         engine.hold_eos(eos)
-    rows = Rows(slots, max_new_tokens, eos, device, min_new_tokens)
-    plan = Scheduler(prompts, n, slots, sync_every, max_len, engine)
+    rows = Rows(slots, max_new_tokens, eos, setup.device, sampling.min_new_tokens)
+    plan = Scheduler(prompts, n, slots, setup.sync_every, max_len, engine)
     while plan.busy() or plan.waiting:
         admit(plan, rows, engine, how, generator)
         if plan.waiting and not plan.busy():  # Scheduler.admissible makes this impossible
@@ -130,7 +131,7 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], *, max_new_to
             plan.grow(rows)
             if stats is not None:
                 plan.tally()
-        for _ in range(sync_every if plan.busy() else 0):  # the model's steps, no host sync
+        for _ in range(setup.sync_every if plan.busy() else 0):  # the model's steps, no host sync
             rows.advance(*engine.step(rows.tokens, rows.positions, plan.reach, rows.live, how,
                                       generator, rows.held()))
             plan.reach = min(plan.reach + 1, max_len)

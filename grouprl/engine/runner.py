@@ -12,6 +12,7 @@ from . import settings
 from .forward import Forward, rms_norm
 from .kvcache import KVCache
 from .sampler import Sampler, compiled
+from .settings import Setup
 from .weights import take_weights
 
 _flex = {}  # the flex_attention each device type runs: compiled on a GPU, eager on the CPU
@@ -55,18 +56,22 @@ def raise_recompile_limit():
 
 
 class Engine(KVCache, Forward, Sampler):
-    """One rollout's decoder over a KV cache of `slots` rows, each up to `max_len` tokens: the
-    cache, whole or paged, and its block table (KVCache), the layers (Forward) and the sampler
-    (Sampler), made here once with the weights, FlexAttention, compilation and CUDA graphs; and
-    the decoding step as the rollout runs it (step, capture)."""
+    """One rollout's decoder over a KV cache of setup.slots rows, each up to `max_len` tokens, made
+    as `setup` says (settings.Setup: where, in which precision, which paths; None there is auto as
+    generate decides it, so that an Engine made here is the one generate makes): the cache, whole or
+    paged, and its block table (KVCache), the layers (Forward) and the sampler (Sampler), made here
+    once with the weights, FlexAttention, compilation and CUDA graphs; and the decoding step as the
+    rollout runs it (step, capture)."""
 
-    def __init__(self, lm, slots: int, max_len: int, device, dtype, rank: int = 0, world: int = 1,
-                 pool_tokens: int | None = None, graphs: bool = False, flex: bool | None = None,
-                 compile: bool = False, fuse: bool | None = None):
+    def __init__(self, lm, setup: Setup, max_len: int):
         from transformers.activations import ACT2FN
 
+        setup = setup.resolve()  # graphs, flex, compile, fuse: None decided (Setup.resolve)
+        slots, device, dtype, world = setup.slots, setup.device, setup.dtype, setup.world
+        graphs, flex, compile = setup.graphs, setup.flex, setup.compile
         cfg = lm.config
         self.cfg, self.slots, self.max_len, self.world = cfg, slots, max_len, world
+        self.setup = setup
         # this rank's heads: all of them, or 1/world of them under tensor parallelism
         self.heads = cfg.num_attention_heads // world
         self.kv_heads = cfg.num_key_value_heads // world
@@ -74,18 +79,16 @@ class Engine(KVCache, Forward, Sampler):
         self.eps, self.act = cfg.rms_norm_eps, ACT2FN[cfg.hidden_act]
         self.inter = cfg.intermediate_size // world  # this rank's MLP width
         # fused q/k/v and gate/up on a GPU (fewer, larger kernels); on the CPU a matmul's cost is
-        # its bytes whatever the split, and the copy is not (~0.2 s a rollout at 135M parameters)
-        if fuse is None:
-            fuse = torch.device(device).type != "cpu"
-        self.w = take_weights(lm, max_len, device, dtype, rank, world, fuse)
-        self.taken = dict(max_len=max_len, device=device, dtype=dtype, rank=rank, world=world,
-                          fuse=fuse)  # for refresh
+        # its bytes whatever the split, and the copy is not (~0.2 s a rollout at 135M parameters):
+        # setup.fuse None
+        self.taken = dict(max_len=max_len, device=device, dtype=dtype, rank=setup.rank,
+                          world=world, fuse=setup.fuse)  # for refresh
+        self.w = take_weights(lm, **self.taken)
         # decoding attends through FlexAttention's block mask (each row's live blocks), by default
         # on a GPU, where it is compiled; else (the CPU, where eager flex_attention computes every
-        # score and is ~40x slower) SDPA with a mask over the whole read length
-        if flex is None:
-            flex = torch.device(device).type == "cuda"
-        self.init_cache(slots, max_len, device, dtype, pool_tokens, flex, len(self.w.layers))
+        # score and is ~40x slower) SDPA with a mask over the whole read length: setup.flex None
+        self.init_cache(slots, max_len, device, dtype, setup.pool_tokens, flex,
+                        len(self.w.layers))
         # graphs (step): the decoding step of each read length, over inputs at fixed addresses;
         # compiled, the step takes that path too (a read length is a compilation), without a
         # CUDA graph when graphs is off

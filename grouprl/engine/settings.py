@@ -1,11 +1,15 @@
 """The engine's settings and the models it covers. The settings are this module's constants, read
 at call time as settings.NAME by every file of the package, so that a test or a benchmark sets
 one here (`settings.PAGE = 8`) and the whole engine sees it. What the engine covers: runs (for
-common.generate and modeling.check_engine), unsupported, tensor_parallel_fits."""
+common.generate and modeling.check_engine), unsupported, tensor_parallel_fits. Where and how one
+rollout's engine runs (its slots, device, precision, ranks, paths): Setup, passed whole."""
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, replace
+
+import torch
 
 from ..distributed import fail
 
@@ -35,6 +39,33 @@ HOPPER_FLEX = {"BLOCK_N": 64, "num_stages": 4, "num_warps": 2}
 # variant apart: benchmarks/gpu.py's engine-flexapart, unmeasured)
 FLEX_APART: bool | None = None
 _FALLBACK_SAID = []  # the one line saying why HF generate runs in the engine's place, said once
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Where and how the engine runs (nano-vllm's Config); what it draws is the Sampling.
+    graphs, flex, compile and fuse: None is auto (resolve)."""
+    slots: int  # rows decoded at once (never more than a rollout's rows: generate)
+    device: object  # torch.device or its name
+    dtype: torch.dtype  # the weights' copies and the KV cache
+    rank: int = 0  # this rank among `world` (tensor parallel: its share of the heads)
+    world: int = 1  # ranks the layers split over (1: no tensor parallelism)
+    pool_tokens: int | None = None  # a paged KV cache's positions; None: kv_plan decides
+    graphs: bool | None = None  # decoding step through Engine.step's graphs; None: GPU, 1 rank
+    flex: bool | None = None  # attention through FlexAttention's block mask; None: on a GPU
+    compile: bool | None = None  # each decoding layer compiled; None: where graphs are on a GPU
+    fuse: bool | None = None  # q/k/v and gate/up fused into one copy each; None: off the CPU
+    sync_every: int = SYNC_EVERY  # decoding steps between two looks from the host at the rows
+    keep: bool = False  # the Engine kept for the next call (HELD): one Engine per run
+
+    def resolve(self) -> Setup:
+        """graphs, compile, flex and fuse decided where None (the rules in generate's docstring)."""
+        cuda = torch.device(self.device).type == "cuda"
+        graphs = cuda and self.world == 1 if self.graphs is None else self.graphs
+        compile = graphs and cuda if self.compile is None else self.compile
+        flex = cuda if self.flex is None else self.flex
+        fuse = torch.device(self.device).type != "cpu" if self.fuse is None else self.fuse
+        return replace(self, graphs=graphs, compile=compile, flex=flex, fuse=fuse)
 
 
 def runs(config, world: int = 1, main: bool = True) -> bool:

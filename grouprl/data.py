@@ -63,8 +63,7 @@ class Task:
     eval_only: bool = False  # --eval-only: every row held out
 
     @classmethod
-    def of(cls, args) -> Task:
-        """The run's flags (--dataset is `name`)."""
+    def of(cls, args) -> Task:  # the run's flags (--dataset is `name`)
         return cls(**{f.name: getattr(args, "dataset" if f.name == "name" else f.name)
                       for f in fields(cls)})
 
@@ -73,10 +72,8 @@ def load_task(task: Task, tok):
     """-> (train, held-out, dropped): `datasets.Dataset`s with columns prompt (text, or a list of
     {role, content} messages, as given), answer (text), text (the prompt through the chat template)
     and every other column of the data under its own name, and the counts of rows dropped from
-    both, {"no_answer": n, "too_long": m}. `name` is 'builtin', a known hub set (DATASETS, with its
-    own columns and instruction), a local file or a hub id; `data_files` reads local files laid out
-    in a known hub set's own columns (an offline mirror).
-    The held-out rows: the whole of eval_dataset if given (test split, else its only one); with
+    both, {"no_answer": n, "too_long": m}. task.name and task.data_files: as Task says (a known hub
+    set comes with its own columns and instruction). The held-out rows: the whole of eval_dataset if given (test split, else its only one); with
     eval_only the whole of the data (its test split if it has one); else the data's test split, or
     a tenth of its rows kept apart, at most eval_size of them. eval_limit > 0 caps the first two.
     Rows without an answer, and prompts over max_prompt_tokens tokens after the chat template, are

@@ -304,8 +304,8 @@ def test_every_arg_documented(script):
     flags = re.findall(r"│ (--[a-z0-9-]+)", p.stdout)
     assert flags[:len(first)] == first, flags[:len(first)]
     names = set()
-    for path, cls in ((f"{ROOT}/{script}.py", "class Args"), (f"{ROOT}/grouprl/cli.py", "class CommonArgs")):
-        src = open(path).read()
+    for path, cls in ((f"{ROOT}/{script}.py", "class Args"), (f"{ROOT}/grouprl/cli/flags.py", "class CommonArgs")):
+        src = open(path).read() + "\n\n\n"  # a class that ends its file
         body = src[src.index(cls):src.index("\n\n\n", src.index(cls))].splitlines()
         # a field: `    name: type = default` at the class body's indent (a docstring line may hold ": " and "=")
         fields = [i for i, line in enumerate(body) if re.match(r"    [a-z_][a-z0-9_]*: .+ = ", line)

@@ -315,6 +315,45 @@ def test_every_arg_documented(script):
     assert names == {f.name for f in dataclasses.fields(mod.Args)}  # every field is one of the two classes'
 
 
+
+@pytest.mark.parametrize("script", ["gspo", "vespo"])
+def test_help_is_grouped_in_sections(script):
+    """--help shows CommonArgs' sections (the `# -- name: heading` comments of cli/flags.py) in order, each a box of its
+    own headed by its name and heading, then the script's own flags; every flag under exactly one, the one its field
+    sits under in the source; a command line still parses into the flat Args (issue 60 item 5)."""
+    from grouprl.cli import flags, parsing
+
+    mod = importlib.import_module(script)
+    p = subprocess.run([sys.executable, f"{script}.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "COLUMNS": "120"})  # one column of boxes
+    assert p.returncode == 0, p.stderr
+    boxes, flags_in = [], {}
+    for line in p.stdout.splitlines():
+        row = line.strip().strip("│").strip()
+        if (m := re.match(r"╭─ (\S+) options", line)):
+            boxes.append([m[1], None])
+        elif boxes and boxes[-1][1] is None and row:
+            boxes[-1][1] = row  # the box's first line: its heading
+        elif (m := re.match(r"\s*│ (--[a-z0-9-]+)", line)) and boxes:  # a flag: at the box's edge
+            flags_in.setdefault(m[1], []).append(boxes[-1][0])
+    source = open(flags.__file__).read()
+    heads = re.findall(r"^    # -- ([a-z_]+): (.+)$", source, re.M)
+    assert len(heads) >= 8
+    own = [("this-script", "Parameters that control this script's own objective")]
+    assert [tuple(b) for b in boxes] == [(n.replace("_", "-"), h) for n, h in heads] + own, boxes
+    fields = dataclasses.fields(mod.Args)
+    assert sorted(flags_in) == sorted("--" + f.name.replace("_", "-") for f in fields)
+    assert all(len(where) == 1 for where in flags_in.values()), flags_in
+    for name, heading, names in parsing.sections(mod.Args):
+        assert all(flags_in["--" + n.replace("_", "-")] == [name.replace("_", "-")] for n in names), name
+    # in the source, each CommonArgs field sits under the heading --help puts it under
+    for name, _, names in parsing.sections(mod.Args)[:-1]:
+        block = source[source.index(f"# -- {name}:"):]
+        block = block[:block.index("# -- ", 5)] if "# -- " in block[5:] else block
+        assert all(re.search(rf"^    {n}: ", block, re.M) for n in names), name
+    args = parsing.parse_args(mod.Args, ["--top-p", "0.5", "--kl-coef", "0.1"])
+    assert type(args) is mod.Args and args.top_p == 0.5 and args.kl_coef == 0.1
+
 def test_hub_columns_through_local_files(tmp_path):
     tok = modeling.tiny_tokenizer()
     gsm = write_jsonl(tmp_path / "gsm8k.jsonl", [

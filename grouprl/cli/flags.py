@@ -22,12 +22,13 @@ Aggregation = Literal["sum-then-normalize", "normalize-then-sum"]
 
 @dataclass
 class CommonArgs:
-    """Flags shared by every script, in --help's order: those most runs set first (exp_name to
-    resume), then the rest by what they shape (data, batch, sampling, optimizer, advantages,
-    precision and generation, LoRA, evaluation, checkpoints, rewards, KL, logging); each script's
-    Args adds its objective's own and names its runs after itself (exp_name)."""
+    """Flags shared by every script, in sections, each headed by a `# -- name: heading` comment that
+    --help shows as a box of its own (parsing.help_view): those most runs set first (exp_name to
+    resume), then the rest by what they control; each script's Args adds its objective's own (its
+    last box) and names its runs after itself (exp_name). The fields stay flat: args.top_p."""
     sequence_is_weights: ClassVar[bool] = True  # a sequence's ratio may weight it (sequence-* modes)
     masks_advantages: ClassVar[bool] = True  # a sequence's advantage may be zeroed alone (OPSM)
+    # -- run: The flags most runs set
     exp_name: str = "run"
     """name of the run: logs and checkpoints go to {output_dir}/{exp_name}__{seed}__{unix time}"""
     seed: int = 1
@@ -66,8 +67,37 @@ class CommonArgs:
     """continue exactly from a checkpoint folder (.../step_N), or 'auto': the newest one of this
     exp_name and seed under --output-dir, a fresh run if there is none (use it with torchrun
     --max-restarts)"""
+
+    # -- model: Parameters that control the model: loading, precision, memory and LoRA
     trust_remote_code: bool = False
     """let transformers run code shipped with the model (off unless you trust the model's source)"""
+    dtype: Literal["auto", "bf16", "fp32", "bf16-pure"] = "auto"
+    """compute dtype (auto: bf16 on GPU, fp32 on CPU). bf16 keeps fp32 master weights,
+    gradients and AdamW state (16 bytes a parameter) and computes in bf16: torch.autocast in
+    plain `python`, FSDP2's MixedPrecisionPolicy under torchrun. bf16-pure (plain `python`
+    only) holds weights, gradients and AdamW state in bf16 (8 bytes a parameter): an update
+    below half the bf16 spacing at its weight (2^-9 to 2^-8 of it) rounds away, so at lr 1e-6
+    nearly every AdamW step is lost. Log-probs are always fp32"""
+    activation_checkpointing: bool = False
+    """recompute decoder layers in the backward pass (less memory, ~30% more compute)"""
+    cpu_offload: bool = False
+    """FSDP2: keep parameter shards, gradients and the AdamW step on the CPU (larger models per GPU,
+    slower)"""
+    logprob_chunk_tokens: int = 1024
+    """tokens per LM-head chunk: log-probs never hold more than chunk x vocab logits"""
+    lora_rank: int = 0
+    """LoRA rank r (0: off, full fine-tuning): train only adapters B A (alpha / r) on the target
+    linear layers, the base frozen in the compute dtype (bf16 on a GPU); adapters and their AdamW
+    state in fp32 (lora.py)"""
+    lora_alpha: float = DEFAULT_ALPHA
+    """LoRA alpha: the adapters' output is scaled by alpha / r"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input while training"""
+    lora_target_modules: list[str] = field(default_factory=lambda: [ALL_LINEAR])
+    """names of the decoder's linear layers to adapt (e.g. q_proj v_proj); all-linear: every linear
+    layer of the decoder (not the LM head)"""
+
+    # -- data: Parameters that control the data: columns, the chat template, prompt lengths
     data_files: str | None = None
     """local files laid out in a named hub set's own columns (--dataset gsm8k, math500, dapo17k),
     read instead of the hub (offline mirror)"""
@@ -84,16 +114,8 @@ class CommonArgs:
     (Qwen3: thinks, so the prompt does not end in an empty <think></think>)"""
     max_prompt_tokens: int = 2048
     """prompts longer than this (tokens, after the chat template) are dropped at load and counted"""
-    num_minibatches: int = 4
-    """optimizer steps per rollout batch, each over whole groups (4 in the GSPO paper)"""
-    num_iterations: int = 1
-    """mu: passes over each rollout's minibatches, pi_old fixed to the policy that generated it
-    (GRPO paper's mu; TRL num_iterations, verl ppo_epochs): mu x --num-minibatches optimizer
-    steps a rollout"""
-    micro_batch_size: int = 0
-    """sequences per forward/backward inside a minibatch (0: the whole minibatch); gradients
-    accumulate and the loss is divided by the minibatch's count over all ranks, so this changes
-    memory, never the gradient"""
+
+    # -- generation: Parameters that control generation: sampling, lengths and the engine
     top_p: float = 1.0
     """nucleus sampling; 1.0 is off"""
     top_k: int = 0
@@ -106,23 +128,55 @@ class CommonArgs:
     far (divided by it when positive, multiplied when negative; > 1 discourages repeats); 1.0 is
     off. Evaluation uses it too. The engine's log-probs are then the penalised sampler's, not the
     policy's, so --old-logp rollout refuses it (docs/engine.md)"""
+    min_new_tokens: int = 0
+    """no completion ends before N new tokens: EOS's logit is masked until then (HF's
+    min_new_tokens), in training and evaluation, in every --gen-mode; the length lab's control
+    (docs/lab.md)"""
     gen_batch_size: int = 256
     """completions per `generate` call (memory only; not TRL's generation_batch_size, which is
     completions a step: --prompts-per-rank x --group-size here)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping by global norm"""
-    max_nonfinite: int = 3
-    """a non-finite loss or gradient skips that update on every rank; this many in a row stop the
-    run"""
-    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
-    """learning-rate schedule after the warm-up, per optimizer step (DFPO paper: cosine; linear
-    with --min-lr-ratio 0 is TRL's default, transformers' linear decay to 0)"""
-    warmup_frac: float = 0.0
-    """fraction of the optimizer steps spent in a linear warm-up (DFPO paper: 0.03)"""
-    min_lr_ratio: float = 0.2
-    """cosine and linear: the last learning rate as a fraction of the peak (DFPO paper: 0.2)"""
+    gen_mode: GenMode = "shared-prefill"
+    """shared-prefill: each prompt prefilled once and its KV cache repeated to its group, whole
+    groups a generate call; repeat: each prompt repeated group_size times and prefilled as many
+    times; static: as repeat, with a KV cache allocated once (compiled decoding on one GPU);
+    engine: engine.py, --gen-batch-size rows decoding at once, finished rows replaced while
+    decoding (Qwen3/Qwen2/Llama; others: HF shared-prefill, said once); engine-tp: the engine's
+    layers split over the torchrun ranks (tensor parallel), for models whose bf16 copy does not
+    fit one GPU beside the training state (same tokens; benchmarks/README.md)"""
+    gen_dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    """--gen-mode engine / engine-tp: the engine's weights and KV cache in this dtype (auto: the
+    trainer's compute dtype); bf16 beside an fp32 trainer measures GSPO's precision claim"""
+    gen_unshard: bool = False
+    """FSDP2: gather each layer once per generate call, not once per decoded token (every GPU then
+    holds the whole model in the compute dtype while generating)"""
+    gen_cuda_graphs: bool = True
+    """--gen-mode engine on one GPU: replay the decoding step as CUDA graphs, one per read length
+    (a multiple of 256 positions), captured on first use; --no-gen-cuda-graphs decodes eagerly"""
+
+    # -- rewards: Parameters that control the rewards
+    reward_weights: list[float] = field(default_factory=list)
+    """one weight per --reward (default 1 each): a completion's reward is the weighted sum of the
+    rewards that apply to it (a TRL reward's None does not)"""
+    multi_objective_aggregation: Aggregation = "sum-then-normalize"
+    """several --reward: the advantage of their weighted sum (sum-then-normalize), or GDPO's (arXiv
+    2601.05242): each reward normalised in its group, the weighted sum of those, normalised over
+    the batch (normalize-then-sum; TRL's multi_objective_aggregation)"""
+    reward_fail_steps: int = 3
+    """stop the run when a reward fails on more than half of the completions in N steps in a row
+    (or on every completion of the first step); 0: never"""
+    reward_timeout: float = 1.0
+    """seconds one reward call may take (the math grader: its worker's CPU seconds, at most 30x in
+    wall time; a --reward function: wall seconds): past it the completion scores 0 and counts in
+    charts/reward_errors"""
+    mask_truncated: bool = False
+    """completions cut at --max-new-tokens (no EOS) get zero loss weight; their rewards still set
+    the group's A"""
+    truncated_reward_scale: float | None = None
+    """a completion cut at --max-new-tokens (no EOS) scores this fraction of its reward, in [0, 1]
+    (default: 0.5 for --dataset builtin, whose task is the digit and a stop; 1.0, unchanged,
+    otherwise; 0 scores every cut completion 0)"""
+
+    # -- advantages: Parameters that control the advantages and which groups are kept
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """divide the centred group rewards by the group's std (eq. 43), the whole batch's std (all
     ranks; with the group mean: REINFORCE++-baseline, arXiv 2501.03262), or nothing"""
@@ -145,43 +199,40 @@ class CommonArgs:
     max_num_gen_batches, 10 in its DAPO example); when they are spent the batch is filled with the
     earliest flat groups (A = 0) and the step goes on (verl raises instead), counted in
     charts/filled_groups"""
-    mask_truncated: bool = False
-    """completions cut at --max-new-tokens (no EOS) get zero loss weight; their rewards still set
-    the group's A"""
-    truncated_reward_scale: float | None = None
-    """a completion cut at --max-new-tokens (no EOS) scores this fraction of its reward, in [0, 1]
-    (default: 0.5 for --dataset builtin, whose task is the digit and a stop; 1.0, unchanged,
-    otherwise; 0 scores every cut completion 0)"""
-    dtype: Literal["auto", "bf16", "fp32", "bf16-pure"] = "auto"
-    """compute dtype (auto: bf16 on GPU, fp32 on CPU). bf16 keeps fp32 master weights,
-    gradients and AdamW state (16 bytes a parameter) and computes in bf16: torch.autocast in
-    plain `python`, FSDP2's MixedPrecisionPolicy under torchrun. bf16-pure (plain `python`
-    only) holds weights, gradients and AdamW state in bf16 (8 bytes a parameter): an update
-    below half the bf16 spacing at its weight (2^-9 to 2^-8 of it) rounds away, so at lr 1e-6
-    nearly every AdamW step is lost. Log-probs are always fp32"""
-    activation_checkpointing: bool = False
-    """recompute decoder layers in the backward pass (less memory, ~30% more compute)"""
-    cpu_offload: bool = False
-    """FSDP2: keep parameter shards, gradients and the AdamW step on the CPU (larger models per GPU,
-    slower)"""
-    gen_unshard: bool = False
-    """FSDP2: gather each layer once per generate call, not once per decoded token (every GPU then
-    holds the whole model in the compute dtype while generating)"""
-    gen_mode: GenMode = "shared-prefill"
-    """shared-prefill: each prompt prefilled once and its KV cache repeated to its group, whole
-    groups a generate call; repeat: each prompt repeated group_size times and prefilled as many
-    times; static: as repeat, with a KV cache allocated once (compiled decoding on one GPU);
-    engine: engine.py, --gen-batch-size rows decoding at once, finished rows replaced while
-    decoding (Qwen3/Qwen2/Llama; others: HF shared-prefill, said once); engine-tp: the engine's
-    layers split over the torchrun ranks (tensor parallel), for models whose bf16 copy does not
-    fit one GPU beside the training state (same tokens; benchmarks/README.md)"""
-    min_new_tokens: int = 0
-    """no completion ends before N new tokens: EOS's logit is masked until then (HF's
-    min_new_tokens), in training and evaluation, in every --gen-mode; the length lab's control
-    (docs/lab.md)"""
-    gen_dtype: Literal["auto", "bf16", "fp32"] = "auto"
-    """--gen-mode engine / engine-tp: the engine's weights and KV cache in this dtype (auto: the
-    trainer's compute dtype); bf16 beside an fp32 trainer measures GSPO's precision claim"""
+
+    # -- training: Parameters that control the updates: minibatches, the optimizer and its schedule
+    num_minibatches: int = 4
+    """optimizer steps per rollout batch, each over whole groups (4 in the GSPO paper)"""
+    num_iterations: int = 1
+    """mu: passes over each rollout's minibatches, pi_old fixed to the policy that generated it
+    (GRPO paper's mu; TRL num_iterations, verl ppo_epochs): mu x --num-minibatches optimizer
+    steps a rollout"""
+    micro_batch_size: int = 0
+    """sequences per forward/backward inside a minibatch (0: the whole minibatch); gradients
+    accumulate and the loss is divided by the minibatch's count over all ranks, so this changes
+    memory, never the gradient"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping by global norm"""
+    max_nonfinite: int = 3
+    """a non-finite loss or gradient skips that update on every rank; this many in a row stop the
+    run"""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """learning-rate schedule after the warm-up, per optimizer step (DFPO paper: cosine; linear
+    with --min-lr-ratio 0 is TRL's default, transformers' linear decay to 0)"""
+    warmup_frac: float = 0.0
+    """fraction of the optimizer steps spent in a linear warm-up (DFPO paper: 0.03)"""
+    min_lr_ratio: float = 0.2
+    """cosine and linear: the last learning rate as a fraction of the peak (DFPO paper: 0.2)"""
+
+    # -- objective: Parameters that control the objective every script shares (its own follow)
+    kl_coef: float = 0.0
+    """beta of the k3 KL penalty to the initial model, per token (0: no reference model is loaded
+    at all; the GSPO and DFPO recipes use none)"""
+    kl_ratio_correction: bool = False
+    """multiply each token's k3 by the script's importance ratio (w_it, or s_i), as TRL's
+    use_bias_correction_kl does (DeepSeek-V3.2): the KL of pi_theta, not pi_old, to pi_ref"""
     old_logp: Literal["recompute", "rollout"] = "recompute"
     """pi_old: recomputed by the training forward (no grad), or the log-prob the engine computed as
     it sampled each token (--gen-mode engine / engine-tp; no recompute pass, as GSPO arXiv
@@ -212,22 +263,8 @@ class CommonArgs:
     completion token on all ranks) keep their policy term (the high-entropy minority, arXiv
     2506.01939: 0.2; TRL's top_entropy_quantile); the KL term stays; a sequence-level script
     weighs a sequence by its fraction kept (1.0: off)"""
-    gen_cuda_graphs: bool = True
-    """--gen-mode engine on one GPU: replay the decoding step as CUDA graphs, one per read length
-    (a multiple of 256 positions), captured on first use; --no-gen-cuda-graphs decodes eagerly"""
-    lora_rank: int = 0
-    """LoRA rank r (0: off, full fine-tuning): train only adapters B A (alpha / r) on the target
-    linear layers, the base frozen in the compute dtype (bf16 on a GPU); adapters and their AdamW
-    state in fp32 (lora.py)"""
-    lora_alpha: float = DEFAULT_ALPHA
-    """LoRA alpha: the adapters' output is scaled by alpha / r"""
-    lora_dropout: float = 0.0
-    """dropout on the adapters' input while training"""
-    lora_target_modules: list[str] = field(default_factory=lambda: [ALL_LINEAR])
-    """names of the decoder's linear layers to adapt (e.g. q_proj v_proj); all-linear: every linear
-    layer of the decoder (not the LM head)"""
-    logprob_chunk_tokens: int = 1024
-    """tokens per LM-head chunk: log-probs never hold more than chunk x vocab logits"""
+
+    # -- evaluation: Parameters that control evaluation on held-out prompts
     eval_size: int = 64
     """held-out prompts kept apart from --dataset's rows (a tenth of them at most) or taken from its
     test split, when there is no --eval-dataset"""
@@ -252,6 +289,12 @@ class CommonArgs:
     """evaluate --model (e.g. a checkpoint folder) on the whole of --eval-dataset, else of --dataset
     (its test split if it has one; builtin: --eval-size prompts), print the table, write eval.json,
     stop"""
+    log_eval_samples: int = 0
+    """at each evaluation, the first N held-out prompts (of rank 0's share) with their completions,
+    rewards and extracted answers go to tensorboard (text, 'eval_samples') and to
+    eval_samples.jsonl in the run folder, a row a completion with its step (0: none)"""
+
+    # -- checkpoints: Parameters that control checkpoints and the final save
     save_every: int = 0
     """write a checkpoint every N steps, and always at the end (0: only at the end). A checkpoint,
     step_N/, holds model/ (the bf16 export, 2 bytes a parameter) and state/ (fp32 master weights
@@ -262,26 +305,8 @@ class CommonArgs:
     signal's save stays full); either way the end's save prints the size it wrote"""
     keep_checkpoints: int = 2
     """keep the newest K checkpoints of the run and delete older ones (0: keep all)"""
-    reward_weights: list[float] = field(default_factory=list)
-    """one weight per --reward (default 1 each): a completion's reward is the weighted sum of the
-    rewards that apply to it (a TRL reward's None does not)"""
-    multi_objective_aggregation: Aggregation = "sum-then-normalize"
-    """several --reward: the advantage of their weighted sum (sum-then-normalize), or GDPO's (arXiv
-    2601.05242): each reward normalised in its group, the weighted sum of those, normalised over
-    the batch (normalize-then-sum; TRL's multi_objective_aggregation)"""
-    reward_fail_steps: int = 3
-    """stop the run when a reward fails on more than half of the completions in N steps in a row
-    (or on every completion of the first step); 0: never"""
-    reward_timeout: float = 1.0
-    """seconds one reward call may take (the math grader: its worker's CPU seconds, at most 30x in
-    wall time; a --reward function: wall seconds): past it the completion scores 0 and counts in
-    charts/reward_errors"""
-    kl_coef: float = 0.0
-    """beta of the k3 KL penalty to the initial model, per token (0: no reference model is loaded
-    at all; the GSPO and DFPO recipes use none)"""
-    kl_ratio_correction: bool = False
-    """multiply each token's k3 by the script's importance ratio (w_it, or s_i), as TRL's
-    use_bias_correction_kl does (DeepSeek-V3.2): the KL of pi_theta, not pi_old, to pi_ref"""
+
+    # -- logging: Parameters that control logging and the diagnostics
     track: bool = False
     """log to Weights & Biases too, as CleanRL's --track (needs `pip install wandb`;
     WANDB_MODE=offline logs without a network), the same keys as tensorboard and metrics.jsonl"""
@@ -293,10 +318,6 @@ class CommonArgs:
     """every N steps, the first 2 prompts of the step with their completions, rewards and
     advantages go to tensorboard (text, 'samples') and to samples.jsonl in the run folder
     (0: never)"""
-    log_eval_samples: int = 0
-    """at each evaluation, the first N held-out prompts (of rank 0's share) with their completions,
-    rewards and extracted answers go to tensorboard (text, 'eval_samples') and to
-    eval_samples.jsonl in the run folder, a row a completion with its step (0: none)"""
     energy_every: int = 0
     """Energy on frequent tokens (DFPO arXiv:2604.13088 eq. 24) logged at step 1, every N steps
     and the last (energy/*): each token's ||grad l_t|| of the step's loss, exact (one backward a

@@ -158,7 +158,7 @@ def parse_args(cls, argv: list[str] | None = None):
     """tyro.cli(cls), whose own errors (an unknown flag, a value of the wrong type) stop with one
     line, printed by rank 0 alone under torchrun, instead of a box of 6-9 lines from every rank:
     tyro's first sentence, the flag it suggests if any, and where the flags are listed. --help is
-    tyro's, printed once."""
+    tyro's, printed once, one box per section of CommonArgs (help_view)."""
     import contextlib
     import io
 
@@ -172,8 +172,8 @@ def parse_args(cls, argv: list[str] | None = None):
     box = io.StringIO()
     try:
         with contextlib.redirect_stderr(box):
-            args = tyro.cli(cls, args=argv, console_outputs=main,
-                            description=script_description(cls))
+            args = tyro.cli(help_view(cls) if asks_help(argv) else cls, args=argv,
+                            console_outputs=main, description=script_description(cls))
     except SystemExit as e:
         if e.code in (0, None):  # --help
             raise
@@ -191,8 +191,89 @@ def script_description(cls) -> str:
     doc = (inspect.getmodule(cls).__doc__ or "").strip()
     first = " ".join(doc.split("\n\n")[0].split())
     return (f"{first}\nThe flags most runs set come first (--exp-name to --resume), then the rest "
-            "every script shares, then this script's objective's own; TRL's and verl's names for them: "
-            "docs/trl-and-verl.md.")
+            "every script shares by what they control, then this script's objective's own; TRL's and "
+            "verl's names for them: docs/trl-and-verl.md.")
+
+
+# -------------------- --help in sections: one box per `# -- name: heading` of CommonArgs' body
+SECTION = re.compile(r"\s*# -- ([a-z_]+): (.+)")
+
+
+def asks_help(argv: list[str] | None) -> bool:
+    """Whether the command line asks for --help (before a bare --, as tyro reads it)."""
+    words = sys.argv[1:] if argv is None else argv
+    words = words[:words.index("--")] if "--" in words else words
+    return "-h" in words or "--help" in words
+
+
+def class_fields(cls) -> tuple[dict[str, int], dict[str, str], list[tuple[int, str, str]]]:
+    """From cls's own source: its fields' lines, their docstrings, and the section headings
+    (line, name, heading) of its body."""
+    import ast
+    import inspect
+    import textwrap
+
+    source = textwrap.dedent(inspect.getsource(cls))
+    body = ast.parse(source).body[0].body
+    lines, docs = {}, {}
+    for node, after in zip(body, [*body[1:], None]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            lines[node.target.id] = node.lineno
+            if (isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                    and isinstance(after.value.value, str)):
+                docs[node.target.id] = inspect.cleandoc(after.value.value)
+    heads = [(i + 1, m[1], m[2]) for i, line in enumerate(source.splitlines())
+             if (m := SECTION.fullmatch(line))]
+    return lines, docs, heads
+
+
+def sections(cls) -> list[tuple[str, str, list[str]]]:
+    """cls's flags by section, in --help's order, as (name, heading, fields): CommonArgs' sections
+    (each `# -- name: heading` comment in its body over the fields below it), then the script's
+    own flags (its Args' fields that CommonArgs lacks), if any."""
+    from .flags import CommonArgs
+
+    lines, _, heads = class_fields(CommonArgs)
+    out = [(name, heading, []) for _, name, heading in heads]
+    for f in dataclasses.fields(cls):
+        if f.name in lines:
+            k = max(i for i, (at, _, _) in enumerate(heads) if at < lines[f.name])
+            out[k][2].append(f.name)
+    own = [f.name for f in dataclasses.fields(cls) if f.name not in lines]
+    if own:
+        out.append(("this_script", "Parameters that control this script's own objective", own))
+    return out
+
+
+def help_view(cls):
+    """A class whose --help is cls's in sections: one nested dataclass per section, its prefix
+    omitted (tyro.conf.OmitArgPrefixes), so that tyro prints each section in a box of its own,
+    headed by its name and heading, with every flag named, typed, documented and defaulted as in
+    cls. Only --help reads it; a command line is always parsed into cls, whose fields stay flat."""
+    import typing
+
+    import tyro
+
+    hints = typing.get_type_hints(cls, include_extras=True)
+    docs = {}
+    for klass in cls.__mro__[::-1]:  # a field's docstring: the nearest class's that gives one
+        if dataclasses.is_dataclass(klass):
+            docs.update(class_fields(klass)[1])
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    groups = []
+    for name, heading, names in sections(cls):
+        parts = []
+        for n in names:
+            f = fields[n]
+            default = (dataclasses.field(default_factory=f.default_factory)
+                       if f.default is dataclasses.MISSING else dataclasses.field(default=f.default))
+            parts.append((n, typing.Annotated[hints[n], tyro.conf.arg(help=docs.get(n, ""))],
+                          default))
+        group = dataclasses.make_dataclass(name, parts)
+        group.__doc__ = heading
+        groups.append((name, tyro.conf.OmitArgPrefixes[group],
+                       dataclasses.field(default_factory=group)))
+    return dataclasses.make_dataclass(cls.__name__, groups)
 
 
 def tyro_error_line(box: str) -> str:

@@ -41,8 +41,8 @@ WALL_FACTOR = 30.0
 # set in a --reward worker's environment: the math grader grades in that process (in_process_math)
 IN_WORKER_ENV = "GRADER_IN_REWARD_WORKER"
 _IN_PROCESS = []  # math-verify of this process, made once (in_process_math)
-# the worker's program, in the package folder above this one: run as a file, it finds the project wherever the trainer
-# runs from, and its own imports (standard library only) keep its start-up fast
+# the worker's program, in the package folder above this one: run as a file, it finds the project
+# wherever the trainer runs from, and its own imports (standard library only) keep its start-up fast
 WORKER_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "reward_worker.py")
 
@@ -327,7 +327,11 @@ def module_root(module: str) -> tuple[str | None, str | None]:
 
 
 def worker_path(spec: str | None) -> list[str]:
-    """The import path of a reward worker: the trainer's module_root first, so that a worker
-    imports the very file the trainer checked (not a same-named one in the working folder)."""
-    root = module_root(spec.partition(":")[0])[0] if spec else None
+    """What a reward worker puts first on its import path: for a --reward module, the trainer's
+    module_root first, so that a worker imports the very file the trainer checked (not a
+    same-named one in the working folder), then the working folder and the trainer's path; for the
+    math grader, nothing: it imports its libraries from the installation only."""
+    if not spec:
+        return []
+    root = module_root(spec.partition(":")[0])[0]
     return [p for p in (root, os.getcwd()) if p] + sys.path

@@ -181,10 +181,76 @@ def test_grpo_kl_coef(value, shown, monkeypatch, tmp_path):
      "--rollout-is-mode sequence-mask: vespo.py folds the rollout's ratios into its sequence weight token by token"),
     ("grpo", ["--rollout-is-cap", "2"], "--rollout-is-cap reads the log-probs the engine computes as it samples; "
                                         "--gen-mode shared-prefill (HF generate) returns none"),
+    # issue 61 item 1 (f), (g): every objective parameter range-checked before the model
+    ("vespo", ["--k-pos", "nan"], "--k-pos nan: must be >= 0 and finite (VESPO's phi(W)"),
+    ("vespo", ["--k-pos", "inf"], "--k-pos inf: must be >= 0 and finite"),
+    ("vespo", ["--k-neg", "-3"], "--k-neg -3.0: must be >= 0 and finite (VESPO's k where A_i < 0; a negative k "
+                                 "reverses the fade)"),
+    ("vespo", ["--lambda-neg", "-2"], "--lambda-neg -2.0: must be >= 0.0001 and finite (VESPO's lambda where A_i < 0; "
+                                      "the loss clamps it at 1e-4, as TRL)"),
+    ("vespo", ["--lambda-pos", "0"], "--lambda-pos 0.0: must be >= 0.0001 and finite"),
+    ("sapo", ["--tau-pos", "0"], "--tau-pos 0.0: must be > 0 and finite (SAPO's gate temperature where A_i > 0"),
+    ("sapo", ["--tau-pos", "nan"], "--tau-pos nan: must be > 0 and finite"),
+    ("sapo", ["--tau-neg", "-1"], "--tau-neg -1.0: must be > 0 and finite (SAPO's gate temperature where A_i < 0)"),
+    # (h) every completion at the limit, so every one masked
+    ("gspo", ["--min-new-tokens", "2", "--max-new-tokens", "2", "--mask-truncated"],
+     "--mask-truncated with --min-new-tokens 2 = --max-new-tokens 2: no completion can stop before the limit"),
+    # (l) a correction mode with no correction
+    ("grpo", ["--rollout-is-mode", "sequence-mask"], "--rollout-is-mode sequence-mask needs --rollout-is-cap (C_max)"),
+    ("cispo", ["--rollout-is-mode", "token-mask"], "--rollout-is-mode token-mask needs --rollout-is-cap (C_max)"),
+    # (q) evaluation flags with no evaluation
+    ("gspo", ["--eval-every", "0", "--log-eval-samples", "4"],
+     "--log-eval-samples shapes the evaluations, and --eval-every 0 runs none: give --eval-every N (or --eval-only)"),
+    ("gspo", ["--eval-every", "0", "--eval-max-new-tokens", "4"],
+     "--eval-max-new-tokens shapes the evaluations, and --eval-every 0 runs none"),
+    # item 2: the cli survivors
+    ("gspo", ["--min-new-tokens", "3", "--max-new-tokens", "4", "--eval-max-new-tokens", "2"],
+     "--min-new-tokens 3: must lie in [0, 2] (at most --max-new-tokens and --eval-max-new-tokens)"),
+    ("gspo", ["--eval-max-new-tokens", "0"], "--eval-max-new-tokens 0: must lie in [1, 1048576]"),
+    ("gspo", ["--multi-objective-aggregation", "normalize-then-sum", "--baseline", "leave-one-out"],
+     "--multi-objective-aggregation normalize-then-sum normalises each reward in its group and their sum over the "
+     "batch (GDPO): give no --scale-rewards or --baseline with it"),
 ])
 def test_bad_algorithm_args(script, argv, needle, monkeypatch, tmp_path):
     fails_before_any_model(script, argv, needle, monkeypatch, tmp_path)
 
+
+
+def own_float_flags():
+    """(script, field) for each float field of a script's Args that CommonArgs lacks: its objective's parameters."""
+    from grouprl.cli import CommonArgs
+
+    common = {f.name for f in dataclasses.fields(CommonArgs)}
+    for script in SCRIPTS:
+        mod = importlib.import_module(script)
+        for f in dataclasses.fields(mod.Args):
+            if f.name not in common and "float" in str(f.type):
+                yield script, f.name
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+@pytest.mark.parametrize("script, name", list(own_float_flags()))
+def test_every_objective_parameter_is_range_checked(script, name, value, monkeypatch, tmp_path):
+    """Issue 61 item 1 (f, g): every objective parameter of every script (its Args' float fields beyond CommonArgs)
+    refuses nan and inf in one line before the model loads."""
+    flag = "--" + name.replace("_", "-")
+    fails_before_any_model(script, [flag, value], f"{flag} {value}: must ", monkeypatch, tmp_path)
+
+
+@pytest.mark.parametrize("script, argv, said", [
+    ("cispo", ["--epsilon-high", "5"], "--epsilon-high is TRL's name: use --clip-high 4 (TRL's CISPO epsilon_high is "
+                                       "the cap on the weight itself; cispo.py's cap is 1 + --clip-high)"),
+    ("cispo", ["--epsilon_high=5.5"], "--epsilon_high is TRL's name: use --clip-high 4.5 "),
+    ("grpo", ["--epsilon-high", "0.28"], "--epsilon-high is TRL's name: use --clip-high"),
+])
+def test_trl_epsilon_high_answered_per_script(script, argv, said):
+    """Issue 61 item 1 (p): TRL's CISPO epsilon_high is the cap itself, cispo.py's cap 1 + --clip-high: --epsilon-high 5
+    is --clip-high 4 there; elsewhere epsilon_high is our --clip-high as it is."""
+    from grouprl import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(importlib.import_module(script).Args, argv)
+    assert str(e.value).startswith(f"error: {said}"), e.value
 
 def fails_before_any_model(script, argv, needle, monkeypatch, tmp_path):
     mod = importlib.import_module(script)

@@ -55,6 +55,31 @@ def check_int(flag: str, n: int, low: int, high: int | None = None, why: str = "
         fail(f"--{flag} {n}: must {rule}{why}")
 
 
+# Each script's own objective parameters, checked wherever its Args has the field: (low, high, low
+# open, why). The clip band is checked with every flag; grpo.py's --delta, gspo_token.py's
+# --post-answer-penalty and dfpo.py's --orth-floor by their scripts.
+OBJECTIVE_RANGES = {
+    "tau_pos": (0, math.inf, True, " (SAPO's gate temperature where A_i > 0: f = sigmoid(tau (w - 1)) "
+                                   "4 / tau)"),
+    "tau_neg": (0, math.inf, True, " (SAPO's gate temperature where A_i < 0)"),
+    "k_pos": (0, math.inf, False, " (VESPO's phi(W) = W^k exp(lambda (1 - W)) where A_i >= 0; a "
+                                  "negative k reverses the fade)"),
+    "k_neg": (0, math.inf, False, " (VESPO's k where A_i < 0; a negative k reverses the fade)"),
+    "lambda_pos": (1e-4, math.inf, False, " (VESPO's lambda where A_i >= 0; the loss clamps it at "
+                                          "1e-4, as TRL)"),
+    "lambda_neg": (1e-4, math.inf, False, " (VESPO's lambda where A_i < 0; the loss clamps it at "
+                                          "1e-4, as TRL)"),
+}
+
+
+def check_objective_args(args):
+    """The script's own objective parameters (OBJECTIVE_RANGES) in range, each in one line."""
+    for name, (low, high, low_open, why) in OBJECTIVE_RANGES.items():
+        if hasattr(args, name):
+            check_float(name.replace("_", "-"), getattr(args, name), low, high, low_open=low_open,
+                        why=why)
+
+
 def check_common_args(args):
     """Bad input fails with one line before any heavy work. Reads args, never writes them: main()
     has filled in the defaults already (fill_defaults)."""
@@ -66,6 +91,7 @@ def check_common_args(args):
     check_float("truncated-reward-scale", args.truncated_reward_scale, 0, 1)
     check_float("clip-low", args.clip_low, 0, low_open=True)
     check_float("clip-high", args.clip_high, 0, low_open=True)
+    check_objective_args(args)
     check_int("prompts-per-rank", args.prompts_per_rank, 1, MAX_COMPLETIONS)
     if args.prompts_per_rank * args.group_size > MAX_COMPLETIONS:
         fail(f"--prompts-per-rank {args.prompts_per_rank} x --group-size {args.group_size} = "
@@ -167,6 +193,12 @@ def check_common_args(args):
              f"{MAX_REWARD_TIMEOUT_S:g} (a day)")
     if args.eval_every < 0:
         fail(f"--eval-every {args.eval_every}: must be >= 0 (0: never)")
+    given = [flag for flag, on in (("--log-eval-samples", args.log_eval_samples),
+                                   ("--eval-max-new-tokens",
+                                    args.eval_max_new_tokens != args.max_new_tokens)) if on]
+    if args.eval_every == 0 and not args.eval_only and given:
+        fail(f"{given[0]} shapes the evaluations, and --eval-every 0 runs none: give --eval-every N "
+             f"(or --eval-only), or drop {given[0]}")
     check_lora_args(args)
     check_dataset(args.dataset, args.data_files)
     if args.eval_dataset is not None:
@@ -254,6 +286,10 @@ def check_rollout_args(args):
     check_int("min-new-tokens", args.min_new_tokens, 0,
               min(args.max_new_tokens, args.eval_max_new_tokens),
               " (at most --max-new-tokens and --eval-max-new-tokens)")
+    if args.mask_truncated and args.min_new_tokens >= args.max_new_tokens:
+        fail(f"--mask-truncated with --min-new-tokens {args.min_new_tokens} = --max-new-tokens "
+             f"{args.max_new_tokens}: no completion can stop before the limit, so every one would be "
+             "masked and nothing learned; lower --min-new-tokens, or drop --mask-truncated")
     if args.old_logp == "rollout" and args.min_new_tokens:
         fail(f"--old-logp rollout with --min-new-tokens {args.min_new_tokens}: the engine's "
              "log-probs of a completion's first tokens are then the EOS-masked sampler's, not the "
@@ -264,6 +300,9 @@ def check_rollout_args(args):
              "be wrong; use --old-logp recompute (the default), or drop --repetition-penalty")
     cap = args.rollout_is_cap
     if cap is None:
+        if args.rollout_is_mode != CommonArgs.rollout_is_mode:
+            fail(f"--rollout-is-mode {args.rollout_is_mode} needs --rollout-is-cap (C_max): the "
+                 "rollout correction is on when a cap is given, and corrects nothing without one")
         if args.rollout_is_min is not None:
             fail(f"--rollout-is-min {args.rollout_is_min} needs --rollout-is-cap (C_max; a large one "
                  "for none): the rollout correction is on when a cap is given")

@@ -126,10 +126,10 @@ TRL_LOSS_SCRIPTS = {"cispo": "cispo.py", "sapo": "sapo.py",  # TRL loss_types th
 VERL_OVERRIDE = re.compile(r"\+?([a-z_]+(?:\.[a-z_]+)+)=")
 
 
-def foreign_flag(argv: list[str], ours: set[str]) -> str | None:
+def foreign_flag(argv: list[str], ours: set[str], script: str = "") -> str | None:
     """The first of argv's flags that is TRL's or verl's name and not ours, as one line naming
     ours ("--num-generations is TRL's name: use --group-size"); None when there is none. ours:
-    the field names of the script's Args."""
+    the field names of the script's Args; script: its file name (cispo.py's cap differs)."""
     for i, word in enumerate(argv):
         if (m := VERL_OVERRIDE.match(word)):
             key = m[1]
@@ -148,6 +148,14 @@ def foreign_flag(argv: list[str], ours: set[str]) -> str | None:
             if value in TRL_LOSS_SCRIPTS:
                 return (f"--loss-agg {value} is TRL's loss_type name for an objective: run "
                         f"{TRL_LOSS_SCRIPTS[value]}")
+        if name == "epsilon_high" and script == "cispo.py" and name not in ours:
+            value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+            try:
+                mine = f"--clip-high {float(value) - 1:g}"
+            except ValueError:
+                mine = "--clip-high, its value less 1"
+            return (f"--{flag} is TRL's name: use {mine} (TRL's CISPO epsilon_high is the cap on the "
+                    "weight itself; cispo.py's cap is 1 + --clip-high)")
         if name in TRL_FLAGS and name not in ours:
             return f"--{flag} is TRL's name: {TRL_FLAGS[name]}"
     return None
@@ -166,7 +174,7 @@ def parse_args(cls, argv: list[str] | None = None):
 
     main = main_process()
     said = foreign_flag(sys.argv[1:] if argv is None else argv,
-                        {f.name for f in dataclasses.fields(cls)})
+                        {f.name for f in dataclasses.fields(cls)}, script_file(cls))
     if said:  # a TRL or verl name: ours in one line, before tyro's "Unrecognized options"
         raise SystemExit(f"error: {said}" if main else 2)
     box = io.StringIO()
@@ -181,6 +189,16 @@ def parse_args(cls, argv: list[str] | None = None):
     sys.stderr.write(box.getvalue())  # anything else tyro said (warnings) is not lost
     # a plain --resume step_N: the flags not restated are the run's saved ones, not the defaults
     return dataclasses.replace(args, **saved_flags(args, sys.argv[1:] if argv is None else argv))
+
+
+def script_file(cls) -> str:
+    """The file name of the script whose Args cls is ('' where unknown)."""
+    import inspect
+
+    try:
+        return os.path.basename(inspect.getfile(cls))
+    except (TypeError, OSError):
+        return ""
 
 
 def script_description(cls) -> str:

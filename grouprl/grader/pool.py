@@ -1,6 +1,7 @@
 """The grading worker pool: Reward (one reward function, the math grader or a user's, run in worker
-processes under a time bound), Rewards (several, summed with weights), and _Worker, one process
-running reward_worker.py and talking to it over pipes (its protocol is in that file).
+processes under a time bound), Rewards (several, summed with weights), _Worker, one process
+running reward_worker.py and talking to it over pipes (its protocol is in that file), and where a
+worker imports a --reward module from (module_root, worker_path).
 """
 
 from __future__ import annotations

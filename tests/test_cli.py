@@ -237,6 +237,20 @@ def test_every_objective_parameter_is_range_checked(script, name, value, monkeyp
     fails_before_any_model(script, [flag, value], f"{flag} {value}: must ", monkeypatch, tmp_path)
 
 
+
+def test_evaluation_flags_refused_only_when_typed():
+    """Issue 61 item 1 (q): --log-eval-samples and --eval-max-new-tokens typed with --eval-every 0 are refused; a value
+    that only differs from --max-new-tokens (a resumed run's saved one, with --max-new-tokens restated) is not."""
+    from grouprl.cli import checks, fill_defaults
+    from gspo import Args
+
+    args = fill_defaults(Args(eval_every=0, max_new_tokens=6, eval_max_new_tokens=2, log_eval_samples=3))
+    checks.check_given_eval_flags(args, ["--max-new-tokens", "6", "--eval-every", "0"])  # no error
+    checks.check_given_eval_flags(dataclasses.replace(args, eval_only=True), ["--log-eval-samples", "3"])
+    for argv in (["--eval_max_new_tokens=2"], ["--log-eval-samples", "3"]):
+        with pytest.raises(SystemExit):
+            checks.check_given_eval_flags(args, argv)
+
 @pytest.mark.parametrize("script, argv, said", [
     ("cispo", ["--epsilon-high", "5"], "--epsilon-high is TRL's name: use --clip-high 4 (TRL's CISPO epsilon_high is "
                                        "the cap on the weight itself; cispo.py's cap is 1 + --clip-high)"),

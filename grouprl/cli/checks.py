@@ -80,6 +80,17 @@ def check_objective_args(args):
                         why=why)
 
 
+def check_given_eval_flags(args, argv: list[str]):
+    """--log-eval-samples and --eval-max-new-tokens on the command line (argv), with --eval-every 0
+    and no --eval-only: they shape evaluations the run never makes. Read from what the user typed,
+    as a saved (--resume) or derived value of them is no request."""
+    named = {w[2:].split("=")[0].replace("_", "-") for w in argv if w.startswith("--")}
+    for flag in ("--log-eval-samples", "--eval-max-new-tokens"):
+        if flag[2:] in named and args.eval_every == 0 and not args.eval_only:
+            fail(f"{flag} shapes the evaluations, and --eval-every 0 runs none: give --eval-every N "
+                 f"(or --eval-only), or drop {flag}")
+
+
 def check_common_args(args):
     """Bad input fails with one line before any heavy work. Reads args, never writes them: main()
     has filled in the defaults already (fill_defaults)."""
@@ -193,12 +204,6 @@ def check_common_args(args):
              f"{MAX_REWARD_TIMEOUT_S:g} (a day)")
     if args.eval_every < 0:
         fail(f"--eval-every {args.eval_every}: must be >= 0 (0: never)")
-    given = [flag for flag, on in (("--log-eval-samples", args.log_eval_samples),
-                                   ("--eval-max-new-tokens",
-                                    args.eval_max_new_tokens != args.max_new_tokens)) if on]
-    if args.eval_every == 0 and not args.eval_only and given:
-        fail(f"{given[0]} shapes the evaluations, and --eval-every 0 runs none: give --eval-every N "
-             f"(or --eval-only), or drop {given[0]}")
     check_lora_args(args)
     check_dataset(args.dataset, args.data_files)
     if args.eval_dataset is not None:

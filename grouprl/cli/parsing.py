@@ -11,6 +11,7 @@ import sys
 
 from ..checkpoint import saved_flags
 from ..distributed import main_process
+from .checks import check_given_eval_flags
 
 
 # -------------------- TRL's and verl's names for our flags (docs/trl-and-verl.md's tables)
@@ -188,7 +189,10 @@ def parse_args(cls, argv: list[str] | None = None):
         raise SystemExit(f"error: {tyro_error_line(box.getvalue())}" if main else 2) from None
     sys.stderr.write(box.getvalue())  # anything else tyro said (warnings) is not lost
     # a plain --resume step_N: the flags not restated are the run's saved ones, not the defaults
-    return dataclasses.replace(args, **saved_flags(args, sys.argv[1:] if argv is None else argv))
+    words = sys.argv[1:] if argv is None else argv
+    args = dataclasses.replace(args, **saved_flags(args, words))
+    check_given_eval_flags(args, words)  # what the user typed, not a saved or derived value
+    return args
 
 
 def script_file(cls) -> str:

@@ -186,7 +186,7 @@ def check_model(name: str, trust_remote_code: bool, gen_mode: str = "shared-pref
 def check_model_flags(name: str, config, gen_mode: str, old_logp: str,
                       rollout_is_cap: float | None, routing_replay: bool):
     """--old-logp rollout and --rollout-is-cap read the log-probs the engine returns as it samples
-    (generate's roll["logp"]): one line where the generation mode returns none (HF generate, and the
+    (generate's Rollout.logp): one line where the generation mode returns none (HF generate, and the
     engine's HF fallback for an architecture it does not cover). --routing-replay: one line on a
     dense model."""
     needs = "--old-logp rollout" if old_logp == "rollout" else (

@@ -20,6 +20,7 @@ forks and lets the child return answers in the child's name, and that is an erro
 answer of another request.
 """
 
+import contextlib
 import json
 import os
 import queue
@@ -30,6 +31,8 @@ import time
 
 # the math grader's address-space bound in its worker (math-verify on a huge expression)
 MATH_MEMORY_BYTES = 4 << 30
+# the grader's libraries: math-verify and what it imports to parse and compare answers
+GRADER_LIBRARIES = ("math_verify", "latex2sympy2_extended", "sympy", "mpmath", "antlr4")
 # parsed LaTeX kept per worker, cleared when full (a group's completions repeat answers)
 PARSE_CACHE = 4096
 
@@ -67,15 +70,56 @@ def two_stage_parsing() -> bool:
     return True
 
 
+def installed_path() -> list[str]:
+    """The entries of sys.path inside the installation (the standard library, site-packages, the
+    user's site) or named by PYTHONPATH, the working folder never: where the grader's libraries are
+    imported from, so that a math_verify.py or sympy.py lying in the working folder is not graded
+    with in their place."""
+    import site
+    import sysconfig
+
+    real = os.path.realpath
+    paths = sysconfig.get_paths()
+    roots = {real(p) for p in (paths["stdlib"], paths["platstdlib"], paths["purelib"],
+                               paths["platlib"], *site.getsitepackages()) if p}
+    if site.ENABLE_USER_SITE:
+        roots.add(real(site.getusersitepackages()))
+    roots |= {real(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    roots.discard(real(os.getcwd()))
+    return [p for p in sys.path if p and real(p) != real(os.getcwd())
+            and any(real(p) == r or real(p).startswith(r + os.sep) for r in roots)]
+
+
+@contextlib.contextmanager
+def installed_only():
+    """Imports inside come from installed_path() alone; one of the grader's libraries imported
+    from elsewhere already (by a --reward module, from its folder) is an ImportError naming it."""
+    path = installed_path()
+    roots = [os.path.realpath(p) for p in path]
+    for name in GRADER_LIBRARIES:
+        where = getattr(sys.modules.get(name), "__file__", None)
+        if where and not any(os.path.realpath(where).startswith(r + os.sep) for r in roots):
+            raise ImportError(f"{name} was imported from {where}, not the installed library: the "
+                              "grader does not grade with it (rename that file)")
+    saved = sys.path[:]
+    sys.path[:] = path
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
+
+
 def make_math_verify():
     """math-verify set up for grading: fn(pred, gold) -> 1.0 or 0.0, both LaTeX answers parsed
-    once (an ANTLR grammar into sympy, never eval), no time bound of its own (the worker's is).
+    once (an ANTLR grammar into sympy, never eval), no time bound of its own (the worker's is),
+    imported from the installation only (installed_only).
     Run by the math grader's workers, and inside a --reward worker whose function calls
     common.math_reward (grader.in_process_math)."""
     import logging
     logging.disable(logging.WARNING)
-    from math_verify import LatexExtractionConfig, parse, verify
-    two_stage_parsing()
+    with installed_only():  # never a math_verify.py or sympy.py of the working folder
+        from math_verify import LatexExtractionConfig, parse, verify
+        two_stage_parsing()
     config, parsed = [LatexExtractionConfig()], {}
 
     def parse_once(s):
@@ -206,7 +250,6 @@ def probe(spec: str) -> dict:
 
 
 def main(argv: list[str]):
-    sys.path[:0] = json.loads(argv[0])
     spec, kind, parent, deathsig = argv[1], argv[2], int(argv[3]), argv[4] == "1"
     me = os.getpid()
     if deathsig:
@@ -215,6 +258,7 @@ def main(argv: list[str]):
             ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
         except (OSError, AttributeError):
             pass
+    sys.path[:0] = json.loads(argv[0])  # a --reward module's folder first (the trainer's rule)
     if os.getppid() != parent:  # the trainer died before the line above
         os._exit(1)
     # replies only: a print() or a child process of the reward writes to stderr

@@ -371,7 +371,7 @@ def test_rl_step_phases_against_trl(tmp_path):
     """rl_step.py --phases on the tiny model: both trainers' tables, the fenced phases within each step, with
     gspo.py's default --gen-mode (the child was handed --gen-mode=None; issue 61 item 3). Needs trl: fails in CI
     without it, skips elsewhere."""
-    from test_trl_parity import trl
+    from helpers import trl
 
     trl()
     import torch

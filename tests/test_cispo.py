@@ -113,7 +113,7 @@ def test_script_passes_the_rollout_correction_mode(monkeypatch, tmp_path):
     """cispo.py --rollout-is-mode sequence-mask: the loop's correction is the masked one (rollout_is/masked_frac
     logged), not the default token-truncate's (rollout_is/capped_frac); the engine decodes in fp32 on the CPU, so
     nothing is masked."""
-    from test_train import run_script
+    from helpers import run_script
 
     rows, _ = run_script("cispo", ["--num-steps", "1", "--prompts-per-rank", "2", "--group-size", "2",
                                    "--num-minibatches", "1", "--eval-every", "0", "--max-new-tokens", "4",

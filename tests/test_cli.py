@@ -18,7 +18,7 @@ import common
 from grouprl import data
 from grouprl import modeling
 from conftest import ROOT, SCRIPTS
-from helpers import fails_before_any_model, write_jsonl
+from helpers import bad_dataset, fails_before_any_model, write_jsonl
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -171,9 +171,108 @@ def test_grpo_kl_coef(value, shown, monkeypatch, tmp_path):
      "--rollout-is-mode sequence-mask: vespo.py folds the rollout's ratios into its sequence weight token by token"),
     ("grpo", ["--rollout-is-cap", "2"], "--rollout-is-cap reads the log-probs the engine computes as it samples; "
                                         "--gen-mode shared-prefill (HF generate) returns none"),
+    # issue 61 item 1 (f), (g): every objective parameter range-checked before the model
+    ("vespo", ["--k-pos", "nan"], "--k-pos nan: must be >= 0 and finite (VESPO's phi(W)"),
+    ("vespo", ["--k-pos", "inf"], "--k-pos inf: must be >= 0 and finite"),
+    ("vespo", ["--k-neg", "-3"], "--k-neg -3.0: must be >= 0 and finite (VESPO's k where A_i < 0; a negative k "
+                                 "reverses the fade)"),
+    ("vespo", ["--lambda-neg", "-2"], "--lambda-neg -2.0: must be >= 0.0001 and finite (VESPO's lambda where A_i < 0; "
+                                      "the loss clamps it at 1e-4, as TRL)"),
+    ("vespo", ["--lambda-pos", "0"], "--lambda-pos 0.0: must be >= 0.0001 and finite"),
+    ("sapo", ["--tau-pos", "0"], "--tau-pos 0.0: must be > 0 and finite (SAPO's gate temperature where A_i > 0"),
+    ("sapo", ["--tau-pos", "nan"], "--tau-pos nan: must be > 0 and finite"),
+    ("sapo", ["--tau-neg", "-1"], "--tau-neg -1.0: must be > 0 and finite (SAPO's gate temperature where A_i < 0)"),
+    # (h) every completion at the limit, so every one masked
+    ("gspo", ["--min-new-tokens", "2", "--max-new-tokens", "2", "--mask-truncated"],
+     "--mask-truncated with --min-new-tokens 2 = --max-new-tokens 2: no completion can stop before the limit"),
+    # (l) a correction mode with no correction
+    ("grpo", ["--rollout-is-mode", "sequence-mask"], "--rollout-is-mode sequence-mask needs --rollout-is-cap (C_max)"),
+    ("cispo", ["--rollout-is-mode", "token-mask"], "--rollout-is-mode token-mask needs --rollout-is-cap (C_max)"),
+    # (q) evaluation flags with no evaluation
+    ("gspo", ["--eval-every", "0", "--log-eval-samples", "4"],
+     "--log-eval-samples shapes the evaluations, and --eval-every 0 runs none: give --eval-every N (or --eval-only)"),
+    ("gspo", ["--eval-every", "0", "--eval-max-new-tokens", "4"],
+     "--eval-max-new-tokens shapes the evaluations, and --eval-every 0 runs none"),
+    # item 2: the cli survivors
+    ("gspo", ["--min-new-tokens", "3", "--max-new-tokens", "4", "--eval-max-new-tokens", "2"],
+     "--min-new-tokens 3: must lie in [0, 2] (at most --max-new-tokens and --eval-max-new-tokens)"),
+    ("gspo", ["--eval-max-new-tokens", "0"], "--eval-max-new-tokens 0: must lie in [1, 1048576]"),
+    ("gspo", ["--multi-objective-aggregation", "normalize-then-sum", "--baseline", "leave-one-out"],
+     "--multi-objective-aggregation normalize-then-sum normalises each reward in its group and their sum over the "
+     "batch (GDPO): give no --scale-rewards or --baseline with it"),
 ])
 def test_bad_algorithm_args(script, argv, needle, monkeypatch, tmp_path):
     fails_before_any_model(script, argv, needle, monkeypatch, tmp_path)
+
+
+
+def own_float_flags():
+    """(script, field) for each float field of a script's Args that CommonArgs lacks: its objective's parameters."""
+    from grouprl.cli import CommonArgs
+
+    common = {f.name for f in dataclasses.fields(CommonArgs)}
+    for script in SCRIPTS:
+        mod = importlib.import_module(script)
+        for f in dataclasses.fields(mod.Args):
+            if f.name not in common and "float" in str(f.type):
+                yield script, f.name
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+@pytest.mark.parametrize("script, name", list(own_float_flags()))
+def test_every_objective_parameter_is_range_checked(script, name, value, monkeypatch, tmp_path):
+    """Issue 61 item 1 (f, g): every objective parameter of every script (its Args' float fields beyond CommonArgs)
+    refuses nan and inf in one line before the model loads."""
+    flag = "--" + name.replace("_", "-")
+    fails_before_any_model(script, [flag, value], f"{flag} {value}: must ", monkeypatch, tmp_path)
+
+
+
+def test_evaluation_flags_refused_only_when_typed():
+    """Issue 61 item 1 (q): --log-eval-samples and --eval-max-new-tokens typed with --eval-every 0 are refused; a value
+    that only differs from --max-new-tokens (a resumed run's saved one, with --max-new-tokens restated) is not."""
+    from grouprl.cli import checks, fill_defaults
+    from gspo import Args
+
+    args = fill_defaults(Args(eval_every=0, max_new_tokens=6, eval_max_new_tokens=2, log_eval_samples=3))
+    checks.check_given_eval_flags(args, ["--max-new-tokens", "6", "--eval-every", "0"])  # no error
+    checks.check_given_eval_flags(dataclasses.replace(args, eval_only=True), ["--log-eval-samples", "3"])
+    for argv in (["--eval_max_new_tokens=2"], ["--log-eval-samples", "3"]):
+        with pytest.raises(SystemExit):
+            checks.check_given_eval_flags(args, argv)
+
+@pytest.mark.parametrize("script, argv, said", [
+    ("cispo", ["--epsilon-high", "5"], "--epsilon-high is TRL's name: use --clip-high 4 (TRL's CISPO epsilon_high is "
+                                       "the cap on the weight itself; cispo.py's cap is 1 + --clip-high)"),
+    ("cispo", ["--epsilon_high=5.5"], "--epsilon_high is TRL's name: use --clip-high 4.5 "),
+    ("grpo", ["--epsilon-high", "0.28"], "--epsilon-high is TRL's name: use --clip-high"),
+])
+def test_trl_epsilon_high_answered_per_script(script, argv, said):
+    """Issue 61 item 1 (p): TRL's CISPO epsilon_high is the cap itself, cispo.py's cap 1 + --clip-high: --epsilon-high 5
+    is --clip-high 4 there; elsewhere epsilon_high is our --clip-high as it is."""
+    from grouprl import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(importlib.import_module(script).Args, argv)
+    assert str(e.value).startswith(f"error: {said}"), e.value
+
+def fails_before_any_model(script, argv, needle, monkeypatch, tmp_path):
+    mod = importlib.import_module(script)
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was built before the bad input was caught")
+
+    monkeypatch.setattr(mod, "load_model", no_model)
+    argv = [bad_dataset(tmp_path) if a == "BAD" else a for a in argv]
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--output-dir", str(tmp_path / "runs"), *argv])
+    with pytest.raises(SystemExit) as e:
+        mod.main()
+    if needle is None:
+        assert e.value.code == 2
+        return
+    msg = str(e.value.code)
+    assert msg.startswith("error: ") and "\n" not in msg and needle in msg, msg
+    assert not (tmp_path / "runs").exists()  # nothing written either
 
 
 def test_error_is_one_line_on_stderr(tmp_path):
@@ -275,8 +374,8 @@ def test_every_arg_documented(script):
     flags = re.findall(r"│ (--[a-z0-9-]+)", p.stdout)
     assert flags[:len(first)] == first, flags[:len(first)]
     names = set()
-    for path, cls in ((f"{ROOT}/{script}.py", "class Args"), (f"{ROOT}/grouprl/cli.py", "class CommonArgs")):
-        src = open(path).read()
+    for path, cls in ((f"{ROOT}/{script}.py", "class Args"), (f"{ROOT}/grouprl/cli/flags.py", "class CommonArgs")):
+        src = open(path).read() + "\n\n\n"  # a class that ends its file
         body = src[src.index(cls):src.index("\n\n\n", src.index(cls))].splitlines()
         # a field: `    name: type = default` at the class body's indent (a docstring line may hold ": " and "=")
         fields = [i for i, line in enumerate(body) if re.match(r"    [a-z_][a-z0-9_]*: .+ = ", line)
@@ -285,6 +384,45 @@ def test_every_arg_documented(script):
         names |= {body[i].split(":")[0].strip() for i in fields}
     assert names == {f.name for f in dataclasses.fields(mod.Args)}  # every field is one of the two classes'
 
+
+
+@pytest.mark.parametrize("script", ["gspo", "vespo"])
+def test_help_is_grouped_in_sections(script):
+    """--help shows CommonArgs' sections (the `# -- name: heading` comments of cli/flags.py) in order, each a box of its
+    own headed by its name and heading, then the script's own flags; every flag under exactly one, the one its field
+    sits under in the source; a command line still parses into the flat Args (issue 60 item 5)."""
+    from grouprl.cli import flags, parsing
+
+    mod = importlib.import_module(script)
+    p = subprocess.run([sys.executable, f"{script}.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "COLUMNS": "120"})  # one column of boxes
+    assert p.returncode == 0, p.stderr
+    boxes, flags_in = [], {}
+    for line in p.stdout.splitlines():
+        row = line.strip().strip("│").strip()
+        if (m := re.match(r"╭─ (\S+) options", line)):
+            boxes.append([m[1], None])
+        elif boxes and boxes[-1][1] is None and row:
+            boxes[-1][1] = row  # the box's first line: its heading
+        elif (m := re.match(r"\s*│ (--[a-z0-9-]+)", line)) and boxes:  # a flag: at the box's edge
+            flags_in.setdefault(m[1], []).append(boxes[-1][0])
+    source = open(flags.__file__).read()
+    heads = re.findall(r"^    # -- ([a-z_]+): (.+)$", source, re.M)
+    assert len(heads) >= 8
+    own = [("this-script", "Parameters that control this script's own objective")]
+    assert [tuple(b) for b in boxes] == [(n.replace("_", "-"), h) for n, h in heads] + own, boxes
+    fields = dataclasses.fields(mod.Args)
+    assert sorted(flags_in) == sorted("--" + f.name.replace("_", "-") for f in fields)
+    assert all(len(where) == 1 for where in flags_in.values()), flags_in
+    for name, heading, names in parsing.sections(mod.Args):
+        assert all(flags_in["--" + n.replace("_", "-")] == [name.replace("_", "-")] for n in names), name
+    # in the source, each CommonArgs field sits under the heading --help puts it under
+    for name, _, names in parsing.sections(mod.Args)[:-1]:
+        block = source[source.index(f"# -- {name}:"):]
+        block = block[:block.index("# -- ", 5)] if "# -- " in block[5:] else block
+        assert all(re.search(rf"^    {n}: ", block, re.M) for n in names), name
+    args = parsing.parse_args(mod.Args, ["--top-p", "0.5", "--kl-coef", "0.1"])
+    assert type(args) is mod.Args and args.top_p == 0.5 and args.kl_coef == 0.1
 
 def test_hub_columns_through_local_files(tmp_path):
     tok = modeling.tiny_tokenizer()

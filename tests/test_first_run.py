@@ -143,7 +143,8 @@ def test_the_cost_line_before_a_real_model_loads_on_a_cpu(tiny_dir, monkeypatch,
         "on the CPU this run generates at most: training 3 steps x 4 prompts x G 8 x 5 tokens = 480; evaluation 3 "
         "evaluations x 4 held-out prompts x 2 samples x 10 tokens = 240, 33% of all new tokens (a real model's CPU "
         "recipe: README.md, 'A real model on a CPU')\n")
-    assert "evaluation 0 evaluations" in cost_line(argv + ["--eval-every", "0"], monkeypatch, capsys, str(tiny_dir))
+    no_eval = [a for a in argv if a not in ("--eval-max-new-tokens", "10")] + ["--eval-every", "0"]  # 1(q): refused
+    assert "evaluation 0 evaluations" in cost_line(no_eval, monkeypatch, capsys, str(tiny_dir))
     assert cost_line(argv, monkeypatch, capsys, "tiny") == ""
     data = tmp_path / "set.jsonl"  # --eval-only evaluates the whole file: its size is not known yet
     data.write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n")

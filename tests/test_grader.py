@@ -1,6 +1,7 @@
 """The math grader: equivalent answers written differently score 1, different answers score 0, every call is
 bounded in time, each reference is normalised once per prompt and each distinct answer graded once."""
 import os
+import sys
 import threading
 import time
 
@@ -278,6 +279,47 @@ def test_a_worker_out_of_time_is_replaced_without_delaying_the_other_requests(tm
     assert r.tolist() == [1.0, 1.0] and errors == 0
     reward.stop()
 
+
+
+FAKE_MATH_VERIFY = """
+class LatexExtractionConfig:
+    pass
+
+
+def parse(s, **kw):
+    return [s]
+
+
+def verify(gold, pred, **kw):
+    return True  # every answer right: a grader that imported this file would say so
+"""
+
+
+def test_the_grader_imports_its_libraries_from_the_installation_only(tmp_path, monkeypatch):
+    """Issue 61 item 1 (c): a math_verify.py or sympy.py in the working folder is not what the math grader grades
+    with, in its own workers or in a --reward worker whose function calls common.math_reward (\\sin(x) was graded
+    right against \\cos(x)); the user's reward module is still found in the working folder."""
+    monkeypatch.setattr(sys, "path", sys.path[:])  # load_reward appends the working folder
+    (tmp_path / "math_verify.py").write_text(FAKE_MATH_VERIFY)
+    (tmp_path / "sympy.py").write_text("raise ImportError('the sympy.py of the working folder')\n")
+    monkeypatch.chdir(tmp_path)
+    reward = grader.Reward(timeout_s=30.0)
+    try:
+        assert reward.run([("\\sin(x)", "\\cos(x)"), ("2\\sqrt{2}", "\\sqrt{8}")]) == [(0.0, None), (1.0, None)]
+    finally:
+        reward.stop()
+    user = tmp_path / "user"  # no sympy.py here: torch, which the reward's `import common` loads, imports sympy
+    user.mkdir()
+    (user / "math_verify.py").write_text(FAKE_MATH_VERIFY)
+    (user / "wraps61.py").write_text("from common import math_reward\n\n\ndef r(completion, answer):\n"
+                                     "    return math_reward(completion, answer)\n")
+    monkeypatch.chdir(user)
+    reward = grader.load_reward("wraps61:r", 60.0)
+    try:
+        out = reward.run([("\\boxed{\\sin(x)}", "\\cos(x)"), ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}")])
+    finally:
+        reward.stop()
+    assert out == [(0.0, None), (1.0, None)], out
 
 def test_grading_works_off_the_main_thread():
     """math-verify's own timeout uses signal.alarm, which raises ValueError outside the main thread."""

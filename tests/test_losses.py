@@ -236,7 +236,7 @@ def test_sequence_stats_count_only_what_is_in_the_loss(loss_fn):
 def test_gspo_script_passes_luspo(monkeypatch, tmp_path):
     """gspo.py --luspo: every loss call of the loop is LUSPO's (luspo=True), so the run is not plain GSPO."""
     import gspo
-    from test_train import run_script
+    from helpers import run_script
 
     loss, calls = gspo.gspo_loss, []
 

@@ -5,11 +5,7 @@ import sys
 
 import pytest
 
-CHANGE = ("grouprl/cli.py check_common_args must refuse an odd minibatch under --noise-stats (not owned by this "
-          "session; the change is in its report)")
 
-
-@pytest.mark.xfail(strict=True, reason=CHANGE)
 def test_an_odd_minibatch_is_refused(monkeypatch, tmp_path):
     import gspo
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import common
-from test_train import run_script
+from helpers import run_script
 
 MASK = torch.tensor([[1.0, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.float64)
 

@@ -468,7 +468,7 @@ def test_a_user_reward_calling_math_reward_grades_at_once_in_its_worker(tmp_path
     (tmp_path / "wraps_math26.py").write_text(
         "from common import math_reward\n\n\ndef r(completion, answer):\n    return math_reward(completion, answer)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(grader, "GRADING_WORKERS", 1)
+    monkeypatch.setattr(grader.pool, "GRADING_WORKERS", 1)  # read by pool.Reward
     reward = grader.load_reward("wraps_math26:r", 1.0)
     r, errors = score(["\\boxed{2\\sqrt{2}}", "\\boxed{3}", "so \\boxed{\\frac{4}{\\sqrt{2}}}"], ["\\sqrt{8}"], 3,
                       reward)  # math-verify decides each (no exact form settles it)
@@ -502,7 +502,7 @@ def test_trl_own_rewards_through_the_pool(monkeypatch):
     from grouprl import grader
     from grouprl.rewards import score
 
-    monkeypatch.setattr(grader, "GRADING_WORKERS", 1)
+    monkeypatch.setattr(grader.pool, "GRADING_WORKERS", 1)  # read by pool.Reward
     reward = grader.load_reward(["trl.rewards:think_format_reward", "trl.rewards:accuracy_reward"], 60.0)
     rows = {"prompt": [[{"role": "user", "content": "What is 1/2 + 1/3?"}]], "answer": ["5/6"], "text": ["t"],
             "solution": ["$\\frac{5}{6}$"]}

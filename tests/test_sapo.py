@@ -119,7 +119,7 @@ def test_script_passes_the_rollout_correction_to_the_loss(monkeypatch, tmp_path)
     import dataclasses
 
     import sapo
-    from test_train import run_script
+    from helpers import run_script
 
     sample_groups, loss, weights = sapo.sample_groups, sapo.sapo_loss, []
 

@@ -170,6 +170,9 @@ def exp_name(name: str) -> str:
 def run_dir(root: str, name: str, seed: int) -> str:
     """The one run folder of this configuration and seed ({exp_name}__{seed}__{time}, as the scripts name it)."""
     paths = glob.glob(os.path.join(root, f"{exp_name(name)}__{seed}__*"))
+    if not paths:
+        raise SystemExit(f"no run of {name!r} seed {seed} under {root}: run the lab first (--table-only reads "
+                         "the runs there, with the --seeds and --only of the run that wrote them)")
     if len(paths) != 1:
         raise SystemExit(f"{len(paths)} run folders of {name!r} seed {seed} under {root} (expected one)")
     return paths[0]

@@ -172,8 +172,13 @@ def run_and_report(args, script: str, commands: dict, budget: list[str], what: s
     seeds = list(range(1, args.seeds + 1))
     if not args.table_only:
         run_all(args, only_commands(args.only, commands), seeds, commands, budget, task)
+    logs = os.path.join(args.out, "logs")
+    if not any(os.path.isfile(os.path.join(logs, f"{exp_name(name)}__{s}", "metrics.jsonl"))
+               for name in commands for s in seeds):  # never a table from nothing over the one there
+        raise SystemExit(f"no logs of {script}'s runs (seeds {seeds}) under {logs}: run the experiment "
+                         "first; table.md is left as it was")
     report = (f"`python experiments/{script} {shlex.join(sys.argv[1:])}`: seeds {seeds}, {what}\n\n"
-              f"{table(os.path.join(args.out, 'logs'), seeds)}\n")
+              f"{table(logs, seeds)}\n")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(report)

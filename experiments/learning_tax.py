@@ -180,7 +180,42 @@ def run_dir(root: str, name: str, seed: int) -> str:
 
 def metrics(root: str, name: str, seed: int) -> list[dict]:
     """The rows of one run's metrics.jsonl, one a step (the last also holds the run's Jitter2)."""
-    return [json.loads(line) for line in open(os.path.join(run_dir(root, name, seed), "metrics.jsonl"))]
+    return read_rows(os.path.join(run_dir(root, name, seed), "metrics.jsonl"))
+
+
+def read_rows(path: str, keys: tuple[str, ...] = ()) -> list[dict]:
+    """The rows of a run's metrics.jsonl (or samples file), each a JSON object holding `keys`. A torn line (a run
+    cut short while writing it), a row without a key a table needs or a file with no row stops the table in one
+    line naming the file and line: a table built around it would be silently wrong."""
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                raise SystemExit(f"{path}:{n}: not a JSON row (a line torn when the run was cut short?): run it "
+                                 "again, or delete the line and the rows after it") from None
+            if not isinstance(row, dict):
+                raise SystemExit(f"{path}:{n}: a JSON {type(row).__name__}, not a row of a run's log")
+            if missing := [k for k in keys if k not in row]:
+                raise SystemExit(f"{path}:{n}: the row has no {missing[0]!r} (a log of another script or "
+                                 "version?): run it again with this one")
+            rows.append(row)
+    if not rows:
+        raise SystemExit(f"{path}: no rows (the run stopped before its first step): run it again, or remove "
+                         "its folder")
+    return rows
+
+
+def jitter2(rows: list[dict], where: str) -> float:
+    """The run's Jitter2 (eq. 20), logged with its last step; a run cut short has none: one line."""
+    for r in rows:
+        if "charts/reward_jitter2" in r:
+            return r["charts/reward_jitter2"]
+    raise SystemExit(f"{where}: no charts/reward_jitter2 (logged with the last step): the run was cut short; "
+                     "run it again (learning_tax.py --skip-done runs the pairs that did not finish)")
 
 
 def steps_to(curve: list[float], threshold: float, window: int) -> int | None:
@@ -255,7 +290,7 @@ def part1(args, configs: dict, seeds: list[int]) -> dict:
             steps = [r for r in rows if "charts/reward_mean" in r]
             keys = list(CURVES) + [k for k in EXTRA_CURVES if all(k in r for r in steps)]
             per_seed.append({"curves": {k: [r[k] for r in steps] for k in keys},
-                             "jitter2": next(r["charts/reward_jitter2"] for r in rows if "charts/reward_jitter2" in r)})
+                             "jitter2": jitter2(rows, f"{name!r} seed {s} under {root}")})
         result[name] = per_seed
     return result
 

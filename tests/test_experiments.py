@@ -251,3 +251,35 @@ def test_same_runs_compare_reads_a_fingerprint_file_and_leaves_no_temp_folder(tm
     got = same_runs.fingerprint("gspo-reward", ["gspo.py"])
     assert got["metrics"] == [{"step": 1, "charts/reward_mean": 0.5}] and list(got["files"]) == ["step_1/x"]
     assert os.listdir(temp) == []
+
+
+def test_learning_tax_table_only_on_a_run_cut_short_is_one_line(tmp_path, monkeypatch):
+    """Issue 61 item 1(k): learning_tax.py --table-only on a run cut short (no last step, so no Jitter2 row) stops
+    in one line naming the run and --skip-done (it was a StopIteration traceback), table.md untouched; so does
+    default_runs.py, which read the Jitter2 the same way."""
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import default_runs
+    import learning_tax as lab
+
+    root = tmp_path / "runs" / "builtin"
+    write_run(root, "gspo", 1, [{"charts/reward_mean": 0.1}] * 3, 0.1)
+    path = next(root.glob("gspo__1__*")) / "metrics.jsonl"
+    path.write_text("".join(path.read_text().splitlines(keepends=True)[:2]))  # the last step never logged
+    (tmp_path / "table.md").write_text("committed\n")
+    monkeypatch.setattr(sys, "argv", ["learning_tax.py", "--table-only", "--out", str(tmp_path), "--seeds", "1",
+                                      "--only", "gspo", "--no-two-form"])
+    with pytest.raises(SystemExit) as e:
+        lab.main()
+    assert "'gspo' seed 1" in str(e.value.code) and "cut short" in str(e.value.code), e.value.code
+    assert "\n" not in str(e.value.code) and (tmp_path / "table.md").read_text() == "committed\n"
+    rows = [{"step": 0, "eval/avg@8": 0.1}] + [
+        {"step": t, "charts/reward_mean": 0.1, "charts/truncated_frac": 0.5, "losses/shared_coef": 0.0,
+         "losses/clipfrac": 0.0, "perf/wall_time": 1.0} for t in (1, 2)]
+    run = tmp_path / "default" / "runs" / f"{default_runs.exp_name(next(iter(default_runs.COMMANDS)))}__1__1"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(sys, "argv", ["default_runs.py", "--table-only", "--out", str(tmp_path / "default"),
+                                      "--seeds", "1", "--only", next(iter(default_runs.COMMANDS))])
+    with pytest.raises(SystemExit) as e:
+        default_runs.main()
+    assert "cut short" in str(e.value.code) and "\n" not in str(e.value.code), e.value.code

@@ -209,6 +209,16 @@ def read_rows(path: str, keys: tuple[str, ...] = ()) -> list[dict]:
     return rows
 
 
+def step_rows(rows: list[dict], keys, where: str) -> list[dict]:
+    """The rows of a run's steps (those with charts/reward_mean), each holding `keys`; else one line."""
+    steps = [r for r in rows if "charts/reward_mean" in r]
+    for r in steps:
+        if missing := [k for k in keys if k not in r]:
+            raise SystemExit(f"{where}: step {r.get('step')}'s row has no {missing[0]!r} (a log of another "
+                             "script or version?): run it again with this one")
+    return steps
+
+
 def jitter2(rows: list[dict], where: str) -> float:
     """The run's Jitter2 (eq. 20), logged with its last step; a run cut short has none: one line."""
     for r in rows:
@@ -287,7 +297,7 @@ def part1(args, configs: dict, seeds: list[int]) -> dict:
         per_seed = []
         for s in seeds:
             rows = metrics(root, name, s)
-            steps = [r for r in rows if "charts/reward_mean" in r]
+            steps = step_rows(rows, CURVES, f"{name!r} seed {s} under {root}")
             keys = list(CURVES) + [k for k in EXTRA_CURVES if all(k in r for r in steps)]
             per_seed.append({"curves": {k: [r[k] for r in steps] for k in keys},
                              "jitter2": jitter2(rows, f"{name!r} seed {s} under {root}")})

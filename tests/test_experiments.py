@@ -272,6 +272,10 @@ def test_learning_tax_table_only_on_a_run_cut_short_is_one_line(tmp_path, monkey
         lab.main()
     assert "'gspo' seed 1" in str(e.value.code) and "cut short" in str(e.value.code), e.value.code
     assert "\n" not in str(e.value.code) and (tmp_path / "table.md").read_text() == "committed\n"
+    path.write_text(path.read_text().replace('"losses/entropy": 0.0, ', ""))  # a row without a column's key
+    with pytest.raises(SystemExit) as e:
+        lab.main()
+    assert "step 1's row has no 'losses/entropy'" in str(e.value.code) and "\n" not in str(e.value.code)
     rows = [{"step": 0, "eval/avg@8": 0.1}] + [
         {"step": t, "charts/reward_mean": 0.1, "charts/truncated_frac": 0.5, "losses/shared_coef": 0.0,
          "losses/clipfrac": 0.0, "perf/wall_time": 1.0} for t in (1, 2)]

@@ -680,8 +680,10 @@ def issue61_cases(cases: Cases, tmp: str, quick: bool):
     # (i) --noise-stats on an odd minibatch (3 rows, micro-batches of 1): no 'halves' of three
     out = f"{base}/i"
     p = bare(out, "--prompts-per-rank", "1", "--group-size", "3", "--num-minibatches", "1",
-             "--micro-batch-size", "1", "--noise-stats", "--num-steps", "1", "--eval-every", "0")
-    cos = [r["noise/grad_cos_later"] for r in rows_of(out) if r.get("noise/grad_cos_later") is not None]
+             "--micro-batch-size", "1", "--noise-stats", "--num-steps", "2", "--eval-every", "0",
+             "--reward", "issue61_reward:a", "--truncated-reward-scale", "1")  # a gradient at step 1
+    cos = [r[k] for r in rows_of(out) for k in ("noise/grad_cos_first", "noise/grad_cos_later")
+           if r.get(k) is not None]
     cases.check("(i) --noise-stats with 3 rows a minibatch: refused, or no cosine of micro-batches 1 and 2",
                 (one_line_error(p) and "--noise-stats" in p.err) or (p.returncode == 0 and not cos),
                 f"rc={p.returncode} cos {cos} {p.err[-200:]}")
@@ -722,14 +724,17 @@ def issue61_cases(cases: Cases, tmp: str, quick: bool):
         cases.check(f"(k) length_runs.py --table-only, a {damage} metrics.jsonl: one line",
                     one_line_exit(p), f"rc={p.returncode} {p.err[-300:]}")
     if not quick:
-        out = f"{base}/k_tax"
-        os.makedirs(f"{out}/runs/builtin/gspo__1__1", exist_ok=True)
-        with open(f"{out}/runs/builtin/gspo__1__1/metrics.jsonl", "w") as f:
-            f.write(json.dumps(row) + "\n")  # no last step (the Jitter2 row)
-        p = tool(["experiments/learning_tax.py", "--table-only", "--out", out, "--seeds", "1",
-                  "--only", "gspo", "--no-two-form"])
-        cases.check("(k) learning_tax.py --table-only on a run cut short: one line",
-                    one_line_exit(p), f"rc={p.returncode} {p.err[-300:]}")
+        full = {**row, "losses/entropy": 1.0, "losses/asym": 0.0, "losses/shared_coef": 0.0}
+        for what, rows in [("a run cut short (no last step)", [full]), ("a row without its entropy",
+                                                                       [row, {**row, "step": 2}])]:
+            out = f"{base}/k_tax_{len(rows)}"
+            os.makedirs(f"{out}/runs/builtin/gspo__1__1", exist_ok=True)
+            with open(f"{out}/runs/builtin/gspo__1__1/metrics.jsonl", "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+            p = tool(["experiments/learning_tax.py", "--table-only", "--out", out, "--seeds", "1",
+                      "--only", "gspo", "--no-two-form"])
+            cases.check(f"(k) learning_tax.py --table-only on {what}: one line",
+                        one_line_exit(p), f"rc={p.returncode} {p.err[-300:]}")
         out = f"{base}/k_mixed"
         os.makedirs(f"{out}/logs/gspo__1", exist_ok=True)
         with open(f"{out}/logs/gspo__1/metrics.jsonl", "w") as f:

@@ -750,7 +750,8 @@ def issue61_cases(cases: Cases, tmp: str, quick: bool):
         f.writelines(json.dumps({"prompt": f"q {i}%10=", "answer": str(i % 10)}) + "\n"
                      for i in range(40))
     p = bare(f"{user}/runs", *S, "--num-steps", "1", "--save-every", "1", "--dataset", "data.jsonl",
-             "--reward", "issue61_reward:a", "--reward", "issue61_reward:b", cwd=user)
+             "--reward", "issue61_reward:a", "--reward", "issue61_reward:b", "--reward-weights", "1",
+             "2", cwd=user)  # (o): the weights given here, not on the resume
     (rd,) = glob.glob(f"{user}/runs/*/") or [""]
     elsewhere = f"{base}/m_elsewhere"
     os.makedirs(elsewhere, exist_ok=True)

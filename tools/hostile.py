@@ -773,10 +773,12 @@ def issue61_cases(cases: Cases, tmp: str, quick: bool):
                 and saved != "runs", f"rc={p4.returncode} output_dir {saved!r} "
                 f"{said[-300:]}")
     # (o) a plain resume restating one of the two rewards: not about weights never given
-    p5 = bare("", "--resume", f"{rd}step_1", "--num-steps", "2", "--reward", "issue61_reward:a",
-              "--output-dir", f"{user}/runs", cwd=user)
+    newest = max(glob.glob(f"{rd}step_*"), key=lambda c: int(c.rsplit("_", 1)[1]), default="")
+    p5 = bare("", "--resume", newest, "--num-steps", "5", "--reward", "issue61_reward:a",
+              "--output-dir", f"{user}/runs", cwd=user)  # the newest: (n)'s resume pruned step_1
     cases.check("(o) a plain --resume restating one of two --reward: no word of weights never given",
-                p5.returncode == 0 or (one_line_error(p5) and "weight(s)" not in p5.err),
+                p5.returncode == 0 or (one_line_error(p5) and "--reward" in p5.err
+                                       and "weight(s)" not in p5.err),
                 f"rc={p5.returncode} {p5.err[-300:]}")
 
 

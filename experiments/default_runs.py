@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from learning_tax import ROOT, by_seed, exp_name, fmt, metrics, only_commands, run_jobs, sci  # noqa: E402
+from learning_tax import (ROOT, by_seed, exp_name, fmt, jitter2, metrics, only_commands, run_jobs, sci,  # noqa: E402
+                          step_rows)
 
 COMMANDS = {  # gspo_token.py with its default A_it = A_i is gspo.py to the last digit (tests/test_gspo_token.py)
     "gspo.py": ["gspo.py"],
@@ -68,6 +69,7 @@ COMMANDS = {  # gspo_token.py with its default A_it = A_i is gspo.py to the last
         "gspo.py", "--temperature", "0.5", "--lora-rank", "16", "--lora-alpha", "32", "--learning-rate", "2e-3"],
 }
 
+STEP_KEYS = ("charts/truncated_frac", "losses/shared_coef", "losses/clipfrac", "perf/wall_time")  # the table's
 
 @dataclass
 class Args:
@@ -137,7 +139,7 @@ def main():
         cols = {k: [] for k in ("first", "last", "eval0", "eval1", "cut", "jitter", "shared", "clip", "wall")}
         for s in seeds:
             rows = metrics(runs, name, s)
-            steps = [r for r in rows if "charts/reward_mean" in r]
+            steps = step_rows(rows, STEP_KEYS, f"{name!r} seed {s} under {runs}")
             evals = [r["eval/avg@8"] for r in rows if "eval/avg@8" in r]
             n = max(1, len(steps) // 10)
             r = [x["charts/reward_mean"] for x in steps]
@@ -146,7 +148,7 @@ def main():
             cols["eval0"].append(evals[0])
             cols["eval1"].append(evals[-1])
             cols["cut"].append(sum(x["charts/truncated_frac"] for x in steps[-n:]) / n)
-            cols["jitter"].append(next(x["charts/reward_jitter2"] for x in rows if "charts/reward_jitter2" in x))
+            cols["jitter"].append(jitter2(rows, f"{name!r} seed {s} under {runs}"))
             cols["shared"].append(sum(x["losses/shared_coef"] for x in steps) / len(steps))
             cols["clip"].append(sum(x["losses/clipfrac"] for x in steps) / len(steps))
             cols["wall"].append(steps[-1]["perf/wall_time"])

@@ -16,7 +16,6 @@ through the policies they trained (and, on a later minibatch, through the clip a
 
 Each run's metrics.jsonl, samples.jsonl and args.json are kept under {out}/logs/ (its checkpoint is deleted).
 """
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from typing import Literal
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from learning_tax import ROOT, by_seed, exp_name, fmt  # noqa: E402
+from learning_tax import ROOT, by_seed, exp_name, fmt, read_rows  # noqa: E402
 import real_model_runs  # noqa: E402
 from real_model_runs import BUDGET, run_and_report  # noqa: E402
 
@@ -53,7 +52,7 @@ def table(logs: str, seeds: list[int]) -> str:
              "|---|---|---|" + "---|" * (len(SHARES) + 3)]
     later = {}  # (objective, seed) -> each share's mean over steps 2-8 where measured
     for name in COMMANDS:
-        runs = {s: [json.loads(line) for line in open(p)] for s in seeds
+        runs = {s: read_rows(p, ("step",)) for s in seeds
                 if os.path.exists(p := os.path.join(logs, f"{exp_name(name)}__{s}", "metrics.jsonl"))}
         acc = [r[k] for rows in runs.values() for r in rows if r["step"] == 8 for k in r if k.startswith("eval/avg@")]
         for label, steps in (("1", {1}), ("2-8, mean a seed", set(range(2, 9))), ("8", {8})):

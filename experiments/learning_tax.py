@@ -170,6 +170,9 @@ def exp_name(name: str) -> str:
 def run_dir(root: str, name: str, seed: int) -> str:
     """The one run folder of this configuration and seed ({exp_name}__{seed}__{time}, as the scripts name it)."""
     paths = glob.glob(os.path.join(root, f"{exp_name(name)}__{seed}__*"))
+    if not paths:
+        raise SystemExit(f"no run of {name!r} seed {seed} under {root}: run the lab first (--table-only reads "
+                         "the runs there, with the --seeds and --only of the run that wrote them)")
     if len(paths) != 1:
         raise SystemExit(f"{len(paths)} run folders of {name!r} seed {seed} under {root} (expected one)")
     return paths[0]
@@ -177,7 +180,52 @@ def run_dir(root: str, name: str, seed: int) -> str:
 
 def metrics(root: str, name: str, seed: int) -> list[dict]:
     """The rows of one run's metrics.jsonl, one a step (the last also holds the run's Jitter2)."""
-    return [json.loads(line) for line in open(os.path.join(run_dir(root, name, seed), "metrics.jsonl"))]
+    return read_rows(os.path.join(run_dir(root, name, seed), "metrics.jsonl"))
+
+
+def read_rows(path: str, keys: tuple[str, ...] = ()) -> list[dict]:
+    """The rows of a run's metrics.jsonl (or samples file), each a JSON object holding `keys`. A torn line (a run
+    cut short while writing it), a row without a key a table needs or a file with no row stops the table in one
+    line naming the file and line: a table built around it would be silently wrong."""
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                raise SystemExit(f"{path}:{n}: not a JSON row (a line torn when the run was cut short?): run it "
+                                 "again, or delete the line and the rows after it") from None
+            if not isinstance(row, dict):
+                raise SystemExit(f"{path}:{n}: a JSON {type(row).__name__}, not a row of a run's log")
+            if missing := [k for k in keys if k not in row]:
+                raise SystemExit(f"{path}:{n}: the row has no {missing[0]!r} (a log of another script or "
+                                 "version?): run it again with this one")
+            rows.append(row)
+    if not rows:
+        raise SystemExit(f"{path}: no rows (the run stopped before its first step): run it again, or remove "
+                         "its folder")
+    return rows
+
+
+def step_rows(rows: list[dict], keys, where: str) -> list[dict]:
+    """The rows of a run's steps (those with charts/reward_mean), each holding `keys`; else one line."""
+    steps = [r for r in rows if "charts/reward_mean" in r]
+    for r in steps:
+        if missing := [k for k in keys if k not in r]:
+            raise SystemExit(f"{where}: step {r.get('step')}'s row has no {missing[0]!r} (a log of another "
+                             "script or version?): run it again with this one")
+    return steps
+
+
+def jitter2(rows: list[dict], where: str) -> float:
+    """The run's Jitter2 (eq. 20), logged with its last step; a run cut short has none: one line."""
+    for r in rows:
+        if "charts/reward_jitter2" in r:
+            return r["charts/reward_jitter2"]
+    raise SystemExit(f"{where}: no charts/reward_jitter2 (logged with the last step): the run was cut short; "
+                     "run it again (learning_tax.py --skip-done runs the pairs that did not finish)")
 
 
 def steps_to(curve: list[float], threshold: float, window: int) -> int | None:
@@ -249,10 +297,10 @@ def part1(args, configs: dict, seeds: list[int]) -> dict:
         per_seed = []
         for s in seeds:
             rows = metrics(root, name, s)
-            steps = [r for r in rows if "charts/reward_mean" in r]
+            steps = step_rows(rows, CURVES, f"{name!r} seed {s} under {root}")
             keys = list(CURVES) + [k for k in EXTRA_CURVES if all(k in r for r in steps)]
             per_seed.append({"curves": {k: [r[k] for r in steps] for k in keys},
-                             "jitter2": next(r["charts/reward_jitter2"] for r in rows if "charts/reward_jitter2" in r)})
+                             "jitter2": jitter2(rows, f"{name!r} seed {s} under {root}")})
         result[name] = per_seed
     return result
 

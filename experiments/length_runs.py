@@ -24,7 +24,6 @@ Each finished run's metrics.jsonl and args.json are kept under {out}/logs/{scrip
 seeds whose logs are missing, and the step budget in the name keeps runs of different budgets apart.
 """
 import glob
-import json
 import math
 import os
 import re
@@ -37,7 +36,7 @@ from dataclasses import dataclass
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from learning_tax import ROOT, fmt, mean_std, run_jobs, sci  # noqa: E402
+from learning_tax import ROOT, fmt, mean_std, read_rows, run_jobs, sci  # noqa: E402
 from real_model_runs import keep_logs  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -121,7 +120,10 @@ def load(logs: str, scripts: list[str], lengths: list[int], rates: list[str], se
             found.setdefault(key, {})[int(m["seed"])] = path
     keys = [k for k in found if k[0] in scripts and k[1] in lengths and k[2] in rates]
     keys.sort(key=lambda k: (scripts.index(k[0]), lengths.index(k[1]), rates.index(k[2]), k[3]))
-    return {k: {s: [json.loads(line) for line in open(found[k][s])] for s in sorted(found[k])} for k in keys}
+    return {k: {s: read_rows(found[k][s], STEP_KEYS) for s in sorted(found[k])} for k in keys}
+
+
+STEP_KEYS = ("charts/reward_mean", "losses/clipfrac", "losses/clipfrac_seq", "perf/wall_time")  # summary's
 
 
 def mean(xs: list[float]) -> float:

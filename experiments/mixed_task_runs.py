@@ -17,7 +17,6 @@ scores 1 when the number a completion states equals the answer.
 Each run's metrics.jsonl, samples.jsonl and eval_samples.jsonl (every held-out completion at each evaluation) are
 kept under {out}/logs/; its checkpoint is deleted.
 """
-import json
 import os
 import random
 import sys
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from learning_tax import ROOT, by_seed, exp_name, fmt  # noqa: E402
+from learning_tax import ROOT, by_seed, exp_name, fmt, read_rows  # noqa: E402
 import real_model_runs  # noqa: E402
 from real_model_runs import run_and_report, write_task  # noqa: E402
 
@@ -90,12 +89,12 @@ def load(logs: str, name: str, seed: int) -> dict | None:
     folder = os.path.join(logs, f"{exp_name(name)}__{seed}")
     if not os.path.exists(os.path.join(folder, "metrics.jsonl")):
         return None
-    rows = [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
+    rows = read_rows(os.path.join(folder, "metrics.jsonl"), ("step",))
     evals = {r["step"]: r["eval/avg@1"] for r in rows if "eval/avg@1" in r}
     form_of = {r["prompt"]: r["form"] for r in mixed_task()[1]}
     by_form = {}
     path = os.path.join(folder, "eval_samples.jsonl")
-    for r in map(json.loads, open(path) if os.path.exists(path) else []):
+    for r in read_rows(path, ("step", "prompt", "reward")) if os.path.exists(path) else []:
         hits = by_form.setdefault(r["step"], {}).setdefault(form_of[r["prompt"]], [])
         hits.append(r["reward"])
     steps = [r for r in rows if "charts/reward_mean" in r]

@@ -30,7 +30,6 @@ the two GSPO rows of the main table (read from {out}/logs).
 
 Each run's metrics.jsonl and args.json are kept under {out}/logs/ (its checkpoint is deleted).
 """
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from dataclasses import dataclass
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from learning_tax import ROOT, by_seed, exp_name, fmt, sci  # noqa: E402
+from learning_tax import ROOT, by_seed, exp_name, fmt, read_rows, sci  # noqa: E402
 import real_model_runs  # noqa: E402
 from real_model_runs import run_and_report  # noqa: E402
 
@@ -105,7 +104,7 @@ def table(logs: str, seeds: list[int], commands=COMMANDS, columns=COLUMNS, logs_
     lines = ["| configuration | seeds | " + " | ".join(columns.values()) + " |", "|---|---" + "|---" * len(columns) + "|"]
     for name in commands:
         where = logs_of(name) if logs_of else logs
-        rows = [json.loads(open(p).readlines()[-1]) for s in seeds
+        rows = [read_rows(p)[-1] for s in seeds
                 if os.path.exists(p := os.path.join(where, f"{exp_name(name)}__{s}", "metrics.jsonl"))]
         if not rows:
             continue
@@ -147,7 +146,7 @@ def curve_table(logs: str, seeds: list[int], commands=None, logs_of=None, extra=
                                         f"{exp_name(name)}__{s}", "metrics.jsonl")
     for name in commands or CURVE_COMMANDS:
         found = [s for s in seeds if os.path.exists(path(name, s))]
-        runs = [[r for r in map(json.loads, open(path(name, s))) if "charts/reward_mean" in r] for s in found]
+        runs = [[r for r in read_rows(path(name, s)) if "charts/reward_mean" in r] for s in found]
         if not runs:
             continue
         curve = lambda k: [[r[k] for r in rows] for rows in runs]  # noqa: E731

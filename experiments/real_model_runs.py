@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from learning_tax import ROOT, by_seed, exp_name, fmt, only_commands, run_jobs, sci, steps_to  # noqa: E402
+from learning_tax import ROOT, by_seed, exp_name, fmt, only_commands, read_rows, run_jobs, sci, steps_to  # noqa: E402
 
 HELD_OUT = 128  # unordered pairs kept apart (both orders) for the held-out set
 PROMPT = "What is {a} + {b}? Put the final answer in \\boxed{{}}."
@@ -172,8 +172,13 @@ def run_and_report(args, script: str, commands: dict, budget: list[str], what: s
     seeds = list(range(1, args.seeds + 1))
     if not args.table_only:
         run_all(args, only_commands(args.only, commands), seeds, commands, budget, task)
+    logs = os.path.join(args.out, "logs")
+    if not any(os.path.isfile(os.path.join(logs, f"{exp_name(name)}__{s}", "metrics.jsonl"))
+               for name in commands for s in seeds):  # never a table from nothing over the one there
+        raise SystemExit(f"no logs of {script}'s runs (seeds {seeds}) under {logs}: run the experiment "
+                         "first; table.md is left as it was")
     report = (f"`python experiments/{script} {shlex.join(sys.argv[1:])}`: seeds {seeds}, {what}\n\n"
-              f"{table(os.path.join(args.out, 'logs'), seeds)}\n")
+              f"{table(logs, seeds)}\n")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(report)
@@ -202,7 +207,7 @@ def summarize(logs: str, seeds: list[int]) -> dict:
             path = os.path.join(logs, f"{exp_name(name)}__{s}", "metrics.jsonl")
             if not os.path.exists(path):
                 continue
-            rows = [json.loads(line) for line in open(path)]
+            rows = read_rows(path)
             steps = [r for r in rows if "charts/reward_mean" in r]
             evals = [(r["step"], r[k]) for r in rows for k in r if k.startswith("eval/avg@")]
             per_seed.append({"seed": s, "curves": {k: curve(steps, k) for k in [*CURVES, *MECHANISM]},

@@ -185,3 +185,105 @@ def test_builtin_and_two_form_tables_by_hand(tmp_path):
     assert lab.table2(two).splitlines()[2] == (
         "| gspo | 0.900 → 0.600 ± 0.141 | 1.50 ± 0.71 | -0.0200 ± 0.0141 | 1.0e-03 ± 1.4e-03 "
         "| 0.20 ± 0.14 → 0.60 ± 0.14 |")
+
+
+def same_runs_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("same_runs", os.path.join(ROOT, "tools", "same_runs.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("case", ["out in a missing folder", "out a folder", "only unknown", "only empty",
+                                  "compare missing", "compare broken", "compare a list", "compare bad entry"])
+def test_same_runs_bad_arguments_are_one_line_before_any_run(case, tmp_path, monkeypatch, capsys):
+    """Issue 61 item 1(j): tools/same_runs.py with a bad argument stops in one line before any run starts (it ran
+    all 12 runs, then died with FileNotFoundError for --out in a missing folder; --only nosuchrun was a KeyError,
+    --only with no names ran all 12, --compare of a missing, broken or list JSON a traceback)."""
+    same_runs = same_runs_module()
+    monkeypatch.setattr(same_runs, "fingerprint", lambda *a: pytest.fail("a run started"))
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"gspo-reward": {"metrics": [{"step": 1}], "files": {}}}))
+    (tmp_path / "broken.json").write_text('{"gspo-reward": {"metr')
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "entry.json").write_text('{"gspo-reward": [1]}')
+    argv = {"out in a missing folder": ["--out", str(tmp_path / "no" / "x.json")],
+            "out a folder": ["--out", str(tmp_path)],
+            "only unknown": ["--out", str(tmp_path / "x.json"), "--only", "nosuchrun"],
+            "only empty": ["--out", str(tmp_path / "x.json"), "--only"],
+            "compare missing": ["--compare", str(good), str(tmp_path / "missing.json")],
+            "compare broken": ["--compare", str(tmp_path / "broken.json"), str(good)],
+            "compare a list": ["--compare", str(good), str(tmp_path / "list.json")],
+            "compare bad entry": ["--compare", str(tmp_path / "entry.json"), str(good)]}[case]
+    monkeypatch.setattr(sys, "argv", ["same_runs.py", *argv])
+    with pytest.raises(SystemExit) as e:
+        same_runs.main()
+    said = str(e.value.code)
+    assert e.value.code not in (0, 1, None) and said.startswith("error: ") and "\n" not in said, said
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_same_runs_compare_reads_a_fingerprint_file_and_leaves_no_temp_folder(tmp_path, monkeypatch, capsys):
+    """--compare of two equal files says bitwise equal (the format before.json was written in); a run's fingerprint
+    is its metrics without timings and removes the temporary folder it ran in (each run left one behind)."""
+    same_runs = same_runs_module()
+    rows = [{"step": 1, "charts/reward_mean": 0.5, "perf/wall_time": 3.0, "energy/seconds": 1.0}]
+    a = tmp_path / "a.json"
+    a.write_text(json.dumps({"gspo-reward": {"metrics": rows[:1], "files": {"step_1/x": "ab"}}}))
+    assert same_runs.compare(str(a), str(a)) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "bitwise equal"
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(same_runs.tempfile, "tempdir", str(temp))
+
+    def fake_run(cmd, **kw):  # the script's run: one run folder with its metrics and a checkpoint file
+        run = os.path.join(cmd[cmd.index("--output-dir") + 1], "gspo__1__123")
+        os.makedirs(os.path.join(run, "step_1"))
+        with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        with open(os.path.join(run, "step_1", "x"), "w") as f:
+            f.write("x")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(same_runs.subprocess, "run", fake_run)
+    got = same_runs.fingerprint("gspo-reward", ["gspo.py"])
+    assert got["metrics"] == [{"step": 1, "charts/reward_mean": 0.5}] and list(got["files"]) == ["step_1/x"]
+    assert os.listdir(temp) == []
+
+
+def test_learning_tax_table_only_on_a_run_cut_short_is_one_line(tmp_path, monkeypatch):
+    """Issue 61 item 1(k): learning_tax.py --table-only on a run cut short (no last step, so no Jitter2 row) stops
+    in one line naming the run and --skip-done (it was a StopIteration traceback), table.md untouched; so does
+    default_runs.py, which read the Jitter2 the same way."""
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import default_runs
+    import learning_tax as lab
+
+    root = tmp_path / "runs" / "builtin"
+    write_run(root, "gspo", 1, [{"charts/reward_mean": 0.1}] * 3, 0.1)
+    path = next(root.glob("gspo__1__*")) / "metrics.jsonl"
+    path.write_text("".join(path.read_text().splitlines(keepends=True)[:2]))  # the last step never logged
+    (tmp_path / "table.md").write_text("committed\n")
+    monkeypatch.setattr(sys, "argv", ["learning_tax.py", "--table-only", "--out", str(tmp_path), "--seeds", "1",
+                                      "--only", "gspo", "--no-two-form"])
+    with pytest.raises(SystemExit) as e:
+        lab.main()
+    assert "'gspo' seed 1" in str(e.value.code) and "cut short" in str(e.value.code), e.value.code
+    assert "\n" not in str(e.value.code) and (tmp_path / "table.md").read_text() == "committed\n"
+    path.write_text(path.read_text().replace('"losses/entropy": 0.0, ', ""))  # a row without a column's key
+    with pytest.raises(SystemExit) as e:
+        lab.main()
+    assert "step 1's row has no 'losses/entropy'" in str(e.value.code) and "\n" not in str(e.value.code)
+    rows = [{"step": 0, "eval/avg@8": 0.1}] + [
+        {"step": t, "charts/reward_mean": 0.1, "charts/truncated_frac": 0.5, "losses/shared_coef": 0.0,
+         "losses/clipfrac": 0.0, "perf/wall_time": 1.0} for t in (1, 2)]
+    run = tmp_path / "default" / "runs" / f"{default_runs.exp_name(next(iter(default_runs.COMMANDS)))}__1__1"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(sys, "argv", ["default_runs.py", "--table-only", "--out", str(tmp_path / "default"),
+                                      "--seeds", "1", "--only", next(iter(default_runs.COMMANDS))])
+    with pytest.raises(SystemExit) as e:
+        default_runs.main()
+    assert "cut short" in str(e.value.code) and "\n" not in str(e.value.code), e.value.code

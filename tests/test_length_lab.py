@@ -255,3 +255,28 @@ def test_length_skip_done_lists_only_missing_runs(tmp_path):
         lr.pending(lr.Args(lengths="16,x"), str(tmp_path))
     with pytest.raises(SystemExit, match="--scripts nope.py: no such script"):
         lr.pending(lr.Args(scripts="grpo.py,nope.py"), str(tmp_path))
+
+
+@pytest.mark.parametrize("damage", ["torn", "empty", "key missing"])
+def test_length_table_only_on_a_damaged_log_is_one_line(damage, tmp_path, monkeypatch, capsys):
+    """Issue 61 item 1(k): length_runs.py --table-only with a metrics.jsonl whose last line is torn (a run cut short
+    while writing it), an empty one, or one whose rows lack a column's key stops in one line naming the file and
+    line (it was a JSONDecodeError, a StopIteration, a KeyError), and table.md stays as it was. A torn line is not
+    skipped: the table would then show a run's first steps as a finished run."""
+    lr = length_runs()
+    folder = tmp_path / "logs" / "grpo__L16__lr2e-3__n100__1"
+    folder.mkdir(parents=True)
+    row = {"charts/reward_mean": 0.1, "losses/clipfrac": 0.0, "losses/clipfrac_seq": 0.0, "perf/wall_time": 1.0}
+    text = {"torn": json.dumps(row) + "\n" + json.dumps(row)[:20], "empty": "",
+            "key missing": json.dumps(row) + "\n" + json.dumps({"charts/reward_mean": 0.2}) + "\n"}[damage]
+    (folder / "metrics.jsonl").write_text(text)
+    (tmp_path / "table.md").write_text("committed\n")
+    monkeypatch.setattr(sys, "argv", ["length_runs.py", "--table-only", "--out", str(tmp_path), "--scripts",
+                                      "grpo.py", "--lengths", "16", "--learning-rates", "2e-3", "--seeds", "1"])
+    with pytest.raises(SystemExit) as e:
+        lr.main()
+    said = str(e.value.code)
+    where = {"torn": "metrics.jsonl:2: not a JSON row", "empty": "metrics.jsonl: no rows",
+             "key missing": "metrics.jsonl:2: the row has no 'losses/clipfrac'"}[damage]
+    assert where in said and "\n" not in said, said
+    assert (tmp_path / "table.md").read_text() == "committed\n"

@@ -95,3 +95,24 @@ def test_mixed_task_table_from_fabricated_logs(tmp_path):
     assert mt.table(str(tmp_path / "none"), [1]) == "no logs"
     if mt.plot(str(logs), [1, 2, 3], str(tmp_path / "mixed.png")):  # matplotlib there: the curves drawn
         assert (tmp_path / "mixed.png").stat().st_size > 10_000
+
+
+def test_mixed_task_table_only_with_a_torn_line_is_one_line(tmp_path, monkeypatch):
+    """Issue 61 item 1(k): mixed_task_runs.py --table-only where a run's metrics.jsonl or eval_samples.jsonl ends in
+    a torn line (a run cut short while writing) stops in one line naming the file and line (it was a
+    JSONDecodeError), table.md untouched; the torn line is not skipped (the run would read as finished)."""
+    import pytest
+
+    for name in ("metrics.jsonl", "eval_samples.jsonl"):
+        out = tmp_path / name
+        logs = out / "logs"
+        write(logs, "gspo", 1, {0: 0.1, 40: 0.2}, [0.1] * 4, {0: {"add": 1}, 40: {"add": 2}})
+        path = logs / "gspo__1" / name
+        path.write_text(path.read_text() + '{"step": 4, "charts/rew')
+        (out / "table.md").write_text("committed\n")
+        monkeypatch.setattr(sys, "argv", ["mixed_task_runs.py", "--table-only", "--out", str(out)])
+        with pytest.raises(SystemExit) as e:
+            mt.main()
+        said = str(e.value.code)
+        assert f"{name}:{len(path.read_text().splitlines())}: not a JSON row" in said and "\n" not in said, said
+        assert (out / "table.md").read_text() == "committed\n"

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 sys.path.insert(0, ROOT)
@@ -274,3 +276,35 @@ def test_committed_tables_rebuild_from_committed_logs():
     found = length_runs.table(os.path.join(results, "length", "logs"),
                               *length_runs.grid(tyro.cli(length_runs.Args, args=argv)))
     assert found.count("\n| `") >= 6 and found in read("length")
+
+
+def test_table_only_without_logs_never_writes_a_table(tmp_path, monkeypatch, capsys):
+    """Issue 61 item 1(b): --table-only of every experiment script with no logs/ under --out stops in one line, exit
+    non-zero, and leaves the table.md there as it was (precision_runs.py, mixed_task_runs.py and energy_runs.py wrote
+    an empty table over it and exited 0); so does a folder holding another configuration's logs alone."""
+    import default_runs
+    import energy_runs
+    import learning_tax
+    import length_runs
+    import mixed_task_runs
+    import precision_runs
+    import real_model_runs as rm
+
+    cases = [(precision_runs, [], ""), (precision_runs, ["--curves"], "curves"),
+             (precision_runs, ["--corrections"], "corrections"),
+             (precision_runs, ["--corrections", "--curves"], "corrections/curves"),
+             (mixed_task_runs, [], ""), (energy_runs, [], ""), (energy_runs, ["--minibatch", "last"], "last"),
+             (rm, [], ""), (length_runs, [], ""), (learning_tax, [], ""), (default_runs, [], "")]
+    for k, (module, flags, sub) in enumerate(cases):
+        out = tmp_path / str(k)
+        (out / sub).mkdir(parents=True)
+        (out / sub / "table.md").write_text("committed\n")
+        (out / sub / "logs" / "other__1").mkdir(parents=True)  # not one of the experiment's configurations
+        (out / sub / "logs" / "other__1" / "metrics.jsonl").write_text('{"step": 1}\n')
+        monkeypatch.setattr(sys, "argv", [module.__name__, "--table-only", "--out", str(out), *flags])
+        with pytest.raises(SystemExit) as e:
+            module.main()
+        said = str(e.value.code)
+        assert e.value.code not in (0, None) and "\n" not in said and "no " in said, (module.__name__, flags, said)
+        assert (out / sub / "table.md").read_text() == "committed\n", (module.__name__, flags)
+        assert "Traceback" not in capsys.readouterr().err

@@ -5,6 +5,7 @@ case by case on the tiny model, each case held or not. Prints every case and the
     nice -n 10 python tools/hostile.py --quick    # one case of each kind
     python tools/hostile.py --rewards-only        # the bad reward forms alone (in this process, ~1 min)
     python tools/hostile.py --issue54-only        # issue 54's cases alone (~3 min)
+    python tools/hostile.py --issue61-only        # issue 61's cases alone
 
 A case holds when:
 - kill -9 at a save phase (writing model/, state/, the manifest, after the rename, while pruning): the
@@ -22,6 +23,15 @@ A case holds when:
   sizes past memory or the model, --eval-dataset equal to --dataset, an --output-dir link to
   nowhere, a hostile chat template or pickle, a file size limit: one line each; a user's common.py
   beside --reward common:length_penalty is said and not used; repeated prompts held out whole.
+- issue 61's cases, (a) to (q) of its item 1: a finished run extended by --resume auto keeps its
+  final/ and its replaced rows; a math_verify.py in the working folder is not the grader's; groups
+  whose reward parts differ are not flat under normalize-then-sum; a plain --resume derives
+  --eval-max-new-tokens again, keeps the run's folder, reads a relative --dataset from another
+  folder and takes one of two --reward restated; the experiment scripts and tools/same_runs.py
+  stop in one line (no table from nothing, no traceback on a damaged log, no run started); every
+  objective parameter, --mask-truncated masking everything, a correction mode without its cap,
+  TRL's --epsilon-high, eval flags without evaluation and --noise-stats on an odd minibatch: one
+  line each (or, for --noise-stats, no cosine that is not the halves').
 - a bad reward (every form: raises, NaN, inf, None, a string, past float32, sleeps past its bound,
   exits, forks, prints; a module that exits, hangs or starts a thread at import): each completion
   scores 0 and is counted, or the run stops in one line before any model is built; never a
@@ -45,7 +55,7 @@ sys.path.insert(0, ROOT)
 # where a signal is a start-up's (one line, nothing saved), not the graceful stop tried here
 ARGS = ["--num-steps", "4", "--save-every", "2", "--prompts-per-rank", "2", "--num-minibatches", "1",
         "--eval-every", "0", "--learning-rate", "2e-3", "--keep-checkpoints", "1", "--log-samples", "1"]
-# the save phases a kill -9 lands in (checkpoint.py's functions, in the order a save calls them)
+# the save phases a kill -9 lands in (grouprl/checkpoint/'s functions, in the order a save calls them)
 PHASES = ["write_model", "write_training_state", "_manifest_files", "_write_manifest_file",
           "prune_checkpoints", "remove_pruned"]
 
@@ -66,7 +76,10 @@ def child(argv: list[str]):
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(*a, **k)
 
-        setattr(checkpoint, name, killed)
+        # every file of grouprl/checkpoint/ that holds the function (the package re-exports it)
+        for mod in [checkpoint] + [m for k, m in sys.modules.items() if k.startswith("grouprl.checkpoint.")]:
+            if getattr(mod, name, None) is real:
+                setattr(mod, name, killed)
     sys.argv = argv
     sys.path.insert(0, ROOT)
     import runpy
@@ -247,7 +260,7 @@ def one_line_error(p) -> bool:
         "Traceback" not in p.err)
 
 
-def main(quick: bool, rewards_only: bool = False, only54: bool = False):
+def main(quick: bool, rewards_only: bool = False, only54: bool = False, only61: bool = False):
     cases = Cases()
     tmp = tempfile.mkdtemp(prefix="hostile_")
     os.environ["HOSTILE_PATH"] = tmp  # the reward modules below
@@ -255,11 +268,15 @@ def main(quick: bool, rewards_only: bool = False, only54: bool = False):
         f.write(REWARD)
     reward = ["--reward", "hostile_reward:r", "--reward-timeout", "10"]
     t0 = time.time()
-    if not rewards_only:
+    if only61:
+        issue61_cases(cases, tmp, quick)
+    elif not rewards_only:
         if not only54:
             run_cases(cases, tmp, reward, quick)
         issue54_cases(cases, tmp, quick)
-    if not only54:
+        if not only54:
+            issue61_cases(cases, tmp, quick)
+    if not only54 and not only61:
         reward_cases(cases, tmp, quick)
     print(f"\nhostile run: {cases.tried} cases tried, {cases.tried - len(cases.failed)} held "
           f"({time.time() - t0:.0f} s)")
@@ -357,8 +374,9 @@ def run_cases(cases: Cases, tmp: str, reward: list[str], quick: bool):
 
 
 
-def bare(out, *argv, cwd=ROOT, limit=None):
-    """gspo.py with argv alone (no ARGS), from cwd; limit: the file size limit (ulimit -f), bytes."""
+def bare(out, *argv, cwd=ROOT, limit=None, script="gspo.py"):
+    """script (gspo.py) with argv alone (no ARGS), from cwd; limit: the file size limit (ulimit -f),
+    bytes."""
     import resource
 
     def ulimit():
@@ -368,7 +386,7 @@ def bare(out, *argv, cwd=ROOT, limit=None):
     env = {**os.environ, "PYTHONPATH": os.environ.get("HOSTILE_PATH", "")}
     env.pop("HOSTILE_KILL", None)
     where = [] if "--output-dir" in argv else ["--output-dir", out]
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "gspo.py", *argv,
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", script, *argv,
                         *where], cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
                        preexec_fn=ulimit)
     p.out, p.err = p.stdout, p.stderr
@@ -516,6 +534,257 @@ def issue54_cases(cases: Cases, tmp: str, quick: bool):
                 and "it has no checkpoint" in p.err, f"rc={p.returncode} {p.err[-300:]}")
 
 
+def tool(argv: list[str], cwd=ROOT, timeout=120):
+    """python argv (an experiment script or a tool) from cwd, as a user runs it."""
+    p = subprocess.run([sys.executable, *argv], cwd=cwd, capture_output=True, text=True,
+                       timeout=timeout)
+    p.out, p.err = p.stdout, p.stderr
+    return p
+
+
+def one_line_exit(p) -> bool:
+    """Exit non-zero with one line on stderr (a tool's or a lab's SystemExit, 'error: ...' or not)."""
+    lines = p.err.strip().splitlines()
+    return p.returncode not in (0, None) and len(lines) == 1 and "Traceback" not in p.err
+
+
+def rows_of(folder: str) -> list[dict]:
+    return [json.loads(line) for m in glob.glob(f"{folder}/*/metrics.jsonl") for line in open(m)]
+
+
+ISSUE61_REWARD = '''
+import os
+
+
+def a(completion, answer):  # parts that differ inside a group, their sum always 1
+    return float(sum(map(ord, completion)) % 2)
+
+
+def b(completion, answer):
+    return 1.0 - float(sum(map(ord, completion)) % 2)
+'''
+SHADOW = '''import os
+open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "imported"), "w").close()
+
+
+def LatexExtractionConfig(*a, **k):
+    return None
+
+
+def parse(*a, **k):
+    return [1]
+
+
+def verify(*a, **k):
+    return True
+'''
+
+
+def issue61_cases(cases: Cases, tmp: str, quick: bool):
+    """Issue 61 item 1, (a) to (q): data lost on a resume, libraries shadowed by the working folder,
+    flat groups that are not flat, flags that do nothing or are checked nowhere, the experiment
+    scripts' and tools' tracebacks and empty tables."""
+    S = ["--prompts-per-rank", "4", "--group-size", "4", "--num-minibatches", "1", "--eval-every", "0"]
+    short = [*S, "--num-steps", "1", "--max-new-tokens", "2"]
+    base = f"{tmp}/i61"
+    os.makedirs(base, exist_ok=True)
+    with open(f"{tmp}/issue61_reward.py", "w") as f:  # on the children's PYTHONPATH
+        f.write(ISSUE61_REWARD)
+
+    # (a) a finished run extended with --resume auto: its final/ and its last rows are kept aside
+    out = f"{base}/a"
+    p = bare(out, *S, "--num-steps", "4", "--save-every", "2", "--save-final", "model")
+    (rd,) = glob.glob(f"{out}/*/") or [""]
+    weights = sorted(glob.glob(f"{rd}final/model/*.safetensors"))
+    old = open(weights[0], "rb").read() if weights else None
+    old_rows = [r for r in rows_of(out) if r.get("step") in (3, 4)]
+    p2 = bare(out, *S, "--num-steps", "6", "--save-every", "2", "--save-final", "model",
+              "--learning-rate", "1e-3", "--resume", "auto")
+    kept = [w for w in glob.glob(f"{rd}**/*.safetensors", recursive=True)
+            if open(w, "rb").read() == old]
+    logged = [json.loads(line) for m in glob.glob(f"{rd}**/metrics.jsonl", recursive=True)
+              for line in open(m)]
+    cases.check("(a) a finished --save-final model run extended by --resume auto: final/ and rows "
+                "kept", p.returncode == 0 and p2.returncode == 0 and old is not None and bool(kept)
+                and all(r in logged for r in old_rows),
+                f"rc={p.returncode},{p2.returncode} old final kept: {bool(kept)} "
+                f"rows 3-4 kept: {all(r in logged for r in old_rows)} {p2.err[-200:]}")
+
+    # (b) the experiments' --table-only with no logs: one line, the committed table untouched
+    for argv in [["precision_runs.py"], ["mixed_task_runs.py"], ["energy_runs.py"]][:1 if quick else 3]:
+        out = f"{base}/b_{argv[0]}"
+        os.makedirs(out, exist_ok=True)
+        with open(f"{out}/table.md", "w") as f:
+            f.write("committed\n")
+        p = tool([f"experiments/{argv[0]}", "--table-only", "--out", out])
+        cases.check(f"(b) {argv[0]} --table-only with no logs/: one line, table.md untouched",
+                    one_line_exit(p) and open(f"{out}/table.md").read() == "committed\n",
+                    f"rc={p.returncode} {p.err[-300:]}")
+
+    # (c) a math_verify.py in the working folder: the math grader's worker (a dataset's answers
+    # start it; the built-in task's digits do not) imports the installed one
+    user = f"{base}/c"
+    os.makedirs(user, exist_ok=True)
+    with open(f"{user}/math_verify.py", "w") as f:
+        f.write(SHADOW)
+    with open(f"{user}/trig.jsonl", "w") as f:
+        f.writelines(json.dumps({"prompt": f"q{i} d/dx sin(x) =", "answer": "\\cos(x)"}) + "\n"
+                     for i in range(40))
+    p = bare(f"{user}/runs", *short, "--dataset", "trig.jsonl", cwd=user)
+    cases.check("(c) a math_verify.py in the working folder is not the grader's",
+                p.returncode == 0 and not os.path.exists(f"{user}/imported"),
+                f"rc={p.returncode} imported: {os.path.exists(f'{user}/imported')} {p.err[-200:]}")
+
+    # (d) normalize-then-sum: groups whose parts differ (their sum equal) are not flat
+    out = f"{base}/d"
+    p = bare(out, *S, "--num-steps", "2", "--reward", "issue61_reward:a", "--reward",
+             "issue61_reward:b", "--multi-objective-aggregation", "normalize-then-sum",
+             "--truncated-reward-scale", "1")  # every sum exactly 1
+    flat = [r["charts/zero_adv_group_frac"] for r in rows_of(out) if "charts/zero_adv_group_frac" in r]
+    cases.check("(d) normalize-then-sum: parts differ, sums equal: not flat",
+                p.returncode == 0 and bool(flat) and min(flat) < 1.0,
+                f"rc={p.returncode} zero_adv_group_frac {flat} {p.err[-200:]}")
+
+    # (e) a plain --resume with --max-new-tokens 6 evaluates at 6 (the derived default derived again)
+    out = f"{base}/e"
+    p = bare(out, *S, "--num-steps", "1", "--save-every", "1", "--eval-every", "1",
+             "--log-eval-samples", "16")
+    (rd,) = glob.glob(f"{out}/*/") or [""]
+    p2 = bare(out, "--resume", f"{rd}step_1", "--num-steps", "2", "--max-new-tokens", "6")
+    evals = [json.loads(line) for line in open(f"{rd}eval_samples.jsonl")] if os.path.exists(
+        f"{rd}eval_samples.jsonl") else []
+    before = max((len(r["completion"]) for r in evals if r["step"] <= 1), default=0)
+    after = max((len(r["completion"]) for r in evals if r["step"] == 2), default=0)
+    cases.check("(e) a plain --resume --max-new-tokens 6 evaluates at 6 tokens, not the saved 2",
+                p.returncode == 0 and p2.returncode == 0 and after > before,
+                f"rc={p.returncode},{p2.returncode} longest eval completion {before} -> {after} "
+                f"{p2.err[-200:]}")
+
+    # (f) (g) every objective parameter range-checked in one line before the model; (h) (l) (p) (q)
+    one_line = [
+        ("vespo.py", ["--k-pos", "nan"], "--k-pos"), ("vespo.py", ["--k-pos", "inf"], "--k-pos"),
+        ("vespo.py", ["--lambda-neg", "-2"], "--lambda-neg"), ("vespo.py", ["--k-neg", "-3"], "--k-neg"),
+        ("sapo.py", ["--tau-pos", "0"], "--tau-pos"), ("sapo.py", ["--tau-pos", "nan"], "--tau-pos"),
+        ("sapo.py", ["--tau-neg", "-1"], "--tau-neg"),
+        ("gspo.py", ["--min-new-tokens", "2", "--max-new-tokens", "2", "--mask-truncated"],
+         "--mask-truncated"),
+        ("gspo.py", ["--gen-mode", "engine", "--rollout-is-mode", "sequence-mask"], "--rollout-is-cap"),
+        ("cispo.py", ["--epsilon-high", "5"], "--clip-high 4"),
+        ("gspo.py", ["--log-eval-samples", "4"], "--eval-every"),
+        ("gspo.py", ["--eval-max-new-tokens", "4"], "--eval-every"),
+    ]
+    labels = "ffffggghlpqq"
+    for (script, argv, needle), label in list(zip(one_line, labels))[:4 if quick else None]:
+        p = bare(f"{base}/one_line", *short, *argv, script=script)
+        cases.check(f"({label}) {script} {' '.join(argv)}: one line naming {needle}",
+                    one_line_error(p) and needle in p.err and p.err.count("\n") < 3,
+                    f"rc={p.returncode} {p.err[-300:]}")
+
+    # (i) --noise-stats on an odd minibatch (3 rows, micro-batches of 1): no 'halves' of three
+    out = f"{base}/i"
+    p = bare(out, "--prompts-per-rank", "1", "--group-size", "3", "--num-minibatches", "1",
+             "--micro-batch-size", "1", "--noise-stats", "--num-steps", "2", "--eval-every", "0",
+             "--reward", "issue61_reward:a", "--truncated-reward-scale", "1")  # a gradient at step 1
+    cos = [r[k] for r in rows_of(out) for k in ("noise/grad_cos_first", "noise/grad_cos_later")
+           if r.get(k) is not None]
+    cases.check("(i) --noise-stats with 3 rows a minibatch: refused, or no cosine of micro-batches 1 and 2",
+                (one_line_error(p) and "--noise-stats" in p.err) or (p.returncode == 0 and not cos),
+                f"rc={p.returncode} cos {cos} {p.err[-200:]}")
+
+    # (j) tools/same_runs.py: one line before any run
+    good = f"{base}/j_good.json"
+    with open(good, "w") as f:
+        json.dump({"grpo-fix": {"metrics": [], "files": {}}}, f)
+    with open(f"{base}/j_broken.json", "w") as f:
+        f.write('{"grpo-fix": {')
+    with open(f"{base}/j_list.json", "w") as f:
+        f.write("[]")
+    for argv in [["--out", f"{base}/no/such/x.json"], ["--out", f"{base}/x.json", "--only", "nosuchrun"],
+                 ["--out", f"{base}/x.json", "--only"], ["--compare", good, f"{base}/missing.json"],
+                 ["--compare", good, f"{base}/j_broken.json"], ["--compare", f"{base}/j_list.json", good]
+                 ][:2 if quick else None]:
+        t = time.time()
+        try:
+            p = tool(["tools/same_runs.py", *argv], timeout=60)
+            held, why = one_line_exit(p) and time.time() - t < 60, f"rc={p.returncode} {p.err[-300:]}"
+        except subprocess.TimeoutExpired:
+            held, why = False, "runs started (still running after 60 s)"
+        cases.check(f"(j) same_runs.py {' '.join(os.path.basename(a) for a in argv)}: one line, "
+                    "no run", held, why)
+
+    # (k) the labs' --table-only on a torn, empty or key-missing log, or a run cut short
+    row = {"step": 1, "charts/reward_mean": 0.1, "losses/clipfrac": 0.0, "losses/clipfrac_seq": 0.0,
+           "perf/wall_time": 1.0}
+    logs = {"torn": json.dumps(row) + "\n" + json.dumps(row)[:15], "empty": "",
+            "key-missing": json.dumps({"step": 1, "charts/reward_mean": 0.1}) + "\n"}
+    for damage, text in list(logs.items())[:1 if quick else None]:
+        out = f"{base}/k_length_{damage}"
+        os.makedirs(f"{out}/logs/grpo__L16__lr2e-3__n100__1", exist_ok=True)
+        with open(f"{out}/logs/grpo__L16__lr2e-3__n100__1/metrics.jsonl", "w") as f:
+            f.write(text)
+        p = tool(["experiments/length_runs.py", "--table-only", "--out", out, "--scripts", "grpo.py",
+                  "--lengths", "16", "--learning-rates", "2e-3", "--seeds", "1"])
+        cases.check(f"(k) length_runs.py --table-only, a {damage} metrics.jsonl: one line",
+                    one_line_exit(p), f"rc={p.returncode} {p.err[-300:]}")
+    if not quick:
+        full = {**row, "losses/entropy": 1.0, "losses/asym": 0.0, "losses/shared_coef": 0.0}
+        for what, rows in [("a run cut short (no last step)", [full]), ("a row without its entropy",
+                                                                       [row, {**row, "step": 2}])]:
+            out = f"{base}/k_tax_{len(rows)}"
+            os.makedirs(f"{out}/runs/builtin/gspo__1__1", exist_ok=True)
+            with open(f"{out}/runs/builtin/gspo__1__1/metrics.jsonl", "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+            p = tool(["experiments/learning_tax.py", "--table-only", "--out", out, "--seeds", "1",
+                      "--only", "gspo", "--no-two-form"])
+            cases.check(f"(k) learning_tax.py --table-only on {what}: one line",
+                        one_line_exit(p), f"rc={p.returncode} {p.err[-300:]}")
+        out = f"{base}/k_mixed"
+        os.makedirs(f"{out}/logs/gspo__1", exist_ok=True)
+        with open(f"{out}/logs/gspo__1/metrics.jsonl", "w") as f:
+            f.write(json.dumps({"step": 0, "eval/avg@1": 0.1}) + '\n{"step": 1, "charts/rew')
+        p = tool(["experiments/mixed_task_runs.py", "--table-only", "--out", out, "--seeds", "1"])
+        cases.check("(k) mixed_task_runs.py --table-only, a torn line: one line",
+                    one_line_exit(p), f"rc={p.returncode} {p.err[-300:]}")
+
+    # (m) (n) (o): resumes. A run with a relative --dataset and two rewards, from its own folder
+    user = f"{base}/m"
+    os.makedirs(user, exist_ok=True)
+    with open(f"{user}/data.jsonl", "w") as f:
+        f.writelines(json.dumps({"prompt": f"q {i}%10=", "answer": str(i % 10)}) + "\n"
+                     for i in range(40))
+    p = bare(f"{user}/runs", *S, "--num-steps", "1", "--save-every", "1", "--dataset", "data.jsonl",
+             "--reward", "issue61_reward:a", "--reward", "issue61_reward:b", "--reward-weights", "1",
+             "2", cwd=user)  # (o): the weights given here, not on the resume
+    (rd,) = glob.glob(f"{user}/runs/*/") or [""]
+    elsewhere = f"{base}/m_elsewhere"
+    os.makedirs(elsewhere, exist_ok=True)
+    p2 = bare("", "--resume", f"{rd}step_1", "--num-steps", "2", "--output-dir", f"{user}/runs",
+              cwd=elsewhere)
+    cases.check("(m) a run with a relative --dataset resumed from another folder",
+                p.returncode == 0 and (p2.returncode == 0 or (
+                    one_line_error(p2) and "checkpoint" in p2.err and "differs" not in p2.err)),
+                f"rc={p.returncode},{p2.returncode} {p2.err[-300:]}")
+    # (n) a plain --resume (no --output-dir) writes, says and records the checkpoint's folder
+    p4 = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "gspo.py", "--resume",
+                         f"{rd}step_1", "--num-steps", "3"], cwd=user, capture_output=True, text=True,
+                        timeout=600, env={**os.environ, "PYTHONPATH": tmp})
+    said = p4.stdout + p4.stderr
+    saved = json.load(open(f"{rd}args.json")).get("output_dir") if os.path.exists(
+        f"{rd}args.json") else None
+    cases.check("(n) a plain --resume: no '--output-dir ... -> runs', the run's folder recorded",
+                p4.returncode == 0 and "-> runs" not in said and "--logdir runs" not in said
+                and saved != "runs", f"rc={p4.returncode} output_dir {saved!r} "
+                f"{said[-300:]}")
+    # (o) a plain resume restating one of the two rewards: not about weights never given
+    newest = max(glob.glob(f"{rd}step_*"), key=lambda c: int(c.rsplit("_", 1)[1]), default="")
+    p5 = bare("", "--resume", newest, "--num-steps", "5", "--reward", "issue61_reward:a",
+              "--output-dir", f"{user}/runs", cwd=user)  # the newest: (n)'s resume pruned step_1
+    cases.check("(o) a plain --resume restating one of two --reward: no word of weights never given",
+                p5.returncode == 0 or (one_line_error(p5) and "--reward" in p5.err
+                                       and "weight(s)" not in p5.err),
+                f"rc={p5.returncode} {p5.err[-300:]}")
+
+
 class RunsCode:
     def __reduce__(self):
         return (os.system, ("true",))
@@ -569,4 +838,4 @@ if __name__ == "__main__":
         child(sys.argv[2:])
     else:
         sys.exit(main("--quick" in sys.argv[1:], "--rewards-only" in sys.argv[1:],
-                      "--issue54-only" in sys.argv[1:]))
+                      "--issue54-only" in sys.argv[1:], "--issue61-only" in sys.argv[1:]))

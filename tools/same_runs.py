@@ -18,6 +18,7 @@ import glob
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -84,6 +85,14 @@ def normalised(path: str, run_dir: str, out_dir: str) -> str:
 
 def fingerprint(name: str, argv: list[str]) -> dict:
     out_dir = tempfile.mkdtemp(prefix=f"same_runs_{name}_")
+    try:
+        return run_and_hash(name, argv, out_dir)
+    finally:  # the run and its checkpoints: hashed, no longer needed
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def run_and_hash(name: str, argv: list[str], out_dir: str) -> dict:
+    """One run under out_dir, then its fingerprint (the module docstring)."""
     if argv[0] == "--torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *argv[1:]]
     else:
@@ -111,8 +120,28 @@ def fingerprint(name: str, argv: list[str]) -> dict:
     return {"metrics": metrics, "files": files}
 
 
+def load(path: str) -> dict:
+    """A fingerprint file as --out writes it ({run: {"metrics": [rows], "files": {file: hash}}}), or one line."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        sys.exit(f"error: --compare {path}: no such file (write it with --out)")
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        sys.exit(f"error: --compare {path}: not a JSON file ({e}); write it again with --out")
+    if not isinstance(data, dict):
+        sys.exit(f"error: --compare {path}: a JSON {type(data).__name__}, not same_runs.py's "
+                 "{run: fingerprint} object (written by --out)")
+    for name, run in data.items():
+        if not (isinstance(run, dict) and isinstance(run.get("metrics"), list)
+                and isinstance(run.get("files"), dict)):
+            sys.exit(f"error: --compare {path}: run {name!r} is not a fingerprint "
+                     "({\"metrics\": [...], \"files\": {...}}); write the file again with --out")
+    return data
+
+
 def compare(a_path: str, b_path: str, only_common: bool = False) -> int:
-    a, b = json.load(open(a_path)), json.load(open(b_path))
+    a, b = load(a_path), load(b_path)
     bad = 0
     for name in sorted(set(a) | set(b)):
         if (name not in a or name not in b) and only_common:
@@ -145,6 +174,18 @@ def main():
         sys.exit(compare(*args.compare, only_common=args.common))
     if not args.out:
         p.error("give --out FILE or --compare A B")
+    # every check before the first run (12 runs take minutes)
+    if args.only is not None and not args.only:
+        sys.exit(f"error: --only with no names: give one or more of {', '.join(RUNS)} (or leave out --only)")
+    if unknown := [n for n in args.only or [] if n not in RUNS]:
+        sys.exit(f"error: --only {' '.join(unknown)}: no such run (choose from {', '.join(RUNS)})")
+    folder = os.path.dirname(os.path.abspath(args.out))
+    if os.path.isdir(args.out):
+        sys.exit(f"error: --out {args.out} is a folder: give a file name in it, e.g. {args.out}/before.json")
+    if not os.path.isdir(folder):
+        sys.exit(f"error: --out {args.out}: no folder {folder}; make it first (mkdir -p {folder})")
+    if not os.access(folder, os.W_OK):
+        sys.exit(f"error: --out {args.out}: the folder {folder} is not writable")
     names = args.only or list(RUNS)
     with ThreadPoolExecutor(2) as pool:  # two runs at a time, one thread each
         prints = dict(zip(names, pool.map(lambda n: fingerprint(n, RUNS[n]), names)))

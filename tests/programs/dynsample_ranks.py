@@ -4,6 +4,7 @@ a spread, rank 1's groups are flat in its first two rounds. Both ranks must make
 all-gathers inside generate would hang otherwise), and the counts are summed over the ranks:
   --max-gen-rounds 10: 3 rounds; rank 0 keeps round 0's 2 groups (4 surplus), rank 1 round 2's (4 flat dropped)
   --max-gen-rounds 2:  2 rounds; rank 0: 2 surplus; rank 1: 4 flat, 2 of them fill its batch (2 dropped)"""
+import inspect
 import os
 import sys
 from types import SimpleNamespace
@@ -35,11 +36,15 @@ def generate(*a, **k):
     return real_generate(*a, **k)
 
 
-def score(texts, rows, n, reward, **kw):  # kw: the truncation flags and scale, unused by these scripted rewards
+def score(texts, answers, n, reward=None, watch=True, truncated=None, truncated_scale=1.0):
+    """rewards.score's signature (the loop passes truncated=): 0 on rank 1's first two rounds, else 0, 1, 0, ..."""
     flat = d.rank == 1 and len(calls) <= 2  # rank 1: its first two rounds
     return torch.tensor([0.0 if flat else float(i % 2) for i in range(len(texts))]), 0
 
 
+# the stub takes what the real score takes: a new argument of the loop's call fails here, named
+assert list(inspect.signature(score).parameters) == list(inspect.signature(common.score).parameters), (
+    inspect.signature(common.score))
 common.generate, common.score = generate, score
 for max_rounds, want in [(10, (3, 4.0, 4.0, 0.0)), (2, (2, 2.0, 2.0, 2.0))]:
     calls.clear()

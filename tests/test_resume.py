@@ -492,6 +492,7 @@ def test_a_relative_dataset_resumed_from_another_folder(tmp_path, monkeypatch):
     fake_checkpoint(ckpt, step=1, world=1, script="gspo.py", args={"dataset": "data.jsonl", "output_dir": "/abs"})
     with pytest.raises(SystemExit) as e:
         resumed(ckpt)
-    assert e.value.code == (f"error: --dataset 'data.jsonl' comes from {ckpt}'s saved flags, a path relative to the "
-                            f"folder the run was started in, and is not found from {tmp_path / 'elsewhere'}: resume "
-                            "from that folder, or give --dataset with its path from here")
+    assert e.value.code == (f"error: --dataset 'data.jsonl' comes from the checkpoint {ckpt}'s saved flags, a path "
+                            "relative to the folder the run was started in, and is not found from "
+                            f"{tmp_path / 'elsewhere'}: resume from that folder, or give --dataset with its path from "
+                            "here")

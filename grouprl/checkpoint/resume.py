@@ -216,9 +216,9 @@ def _found(flag: str, value, ckpt: str, output_dir) -> object:
     if start is not None and glob.glob(os.path.join(glob.escape(start), value)):
         return os.path.join(start, value)
     name = flag.replace("_", "-")
-    fail(f"--{name} {value!r} comes from {ckpt}'s saved flags, a path relative to the folder the "
-         f"run was started in, and is not found from {os.getcwd()}: resume from that folder, or "
-         f"give --{name} with its path from here")
+    fail(f"--{name} {value!r} comes from the checkpoint {ckpt}'s saved flags, a path relative to "
+         f"the folder the run was started in, and is not found from {os.getcwd()}: resume from that "
+         f"folder, or give --{name} with its path from here")
 
 
 def as_flag(name: str, value) -> str:

@@ -84,16 +84,15 @@ def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: f
     if is_weight is not None or keep is not None:  # per-token weights: their mean over y_i (TRL)
         weight = (1.0 if is_weight is None else is_weight) * (1.0 if keep is None else keep)
         objective = objective * (weight * mask).sum(1) / lengths
-    if luspo:  # LUSPO: the sequence's term times its length |y_i|
-        objective = objective * mask.sum(1)
     per_seq = objective
     if ref_logp is not None and kl_coef > 0:  # k3: pi_ref/pi - log(pi_ref/pi) - 1 >= 0, per token
         log_ref = torch.where(valid, ref_logp - logp, 0.0)
         k3 = log_ref.exp() - log_ref - 1
         if kl_ratio:  # k3 under pi_theta, estimated from pi_old's samples: s_i k3_it
             k3 = s[:, None] * k3
-        kl = (k3 * mask).sum(1)  # sum_t k3_it
-        per_seq = objective - kl_coef * (kl if luspo else kl / lengths)  # LUSPO: x |y_i| as well
+        per_seq = objective - kl_coef * (k3 * mask).sum(1) / lengths
+    if luspo:  # LUSPO: the sequence's term, its KL too, times its length |y_i| (TRL 1.16's luspo)
+        objective, per_seq = objective * mask.sum(1), per_seq * mask.sum(1)
     loss = -per_seq.sum() / (norm or per_seq.numel())  # 1/G sum_i over every group (norm)
     with torch.no_grad():  # clipped: the min takes the constant branch, so no gradient
         clipped = ((s > 1 + clip_high) & (advantages > 0)) | ((s < 1 - clip_low) & (advantages < 0))

@@ -1,10 +1,10 @@
-"""cispo_loss (CISPO, arXiv 2506.13585 Sec. 3.1) against the paper's objective and TRL's formula, each written here
-independently of the code under test, in float64:
-    paper:  J = 1/sum_i |y_i| sum_i sum_t sg(clip(w_it, 1 - eps_low, 1 + eps_high)) A_i log pi(y_it)
-    TRL:    per_token_loss = -clamp(coef_1, max=epsilon_high).detach() * A * logp (+ beta kl, x coef_1 with
-            use_bias_correction_kl); loss = (per_token_loss * mask).sum() / num_items_in_batch
-            (trl/trainer/grpo_trainer.py, _compute_loss, loss_type "cispo"; TRL's epsilon_high is the cap itself,
-            ours is 1 + --clip-high)
+"""cispo_loss (CISPO, arXiv 2506.13585 Sec. 3.1) against the paper's objective, written here independently of the
+code under test, and against TRL 1.16's own loss:
+    paper:  J = 1/sum_i |y_i| sum_i sum_t sg(clip(w_it, 1 - eps_low, 1 + eps_high)) A_i log pi(y_it)   (float64)
+    TRL:    GRPOTrainer._compute_loss itself, loss_type "cispo" (helpers.trl_loss): per_token_loss =
+            -clamp(coef_1, max=epsilon_high).detach() * A * logp (+ beta kl, x coef_1 with use_bias_correction_kl);
+            loss = (per_token_loss * mask).sum() / num_items_in_batch; TRL's epsilon_high is the cap itself, ours
+            is 1 + --clip-high, and TRL has no floor (its case of ours: --clip-low 1; the floor is the paper's test)
 Value and gradient with respect to logp, ratios well outside the band (some weights capped)."""
 import functools
 import math
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cispo import Args, cispo_loss
-from helpers import batch as drawn_batch, trl_cispo, value_and_grad
+from helpers import batch as drawn_batch, trl_loss, value_and_grad, value_grad
 
 B, T = 6, 5
 batch = functools.partial(drawn_batch, 1.2)  # old log-probs 1.2 apart (in log): w from ~0.03 to ~30
@@ -44,17 +44,22 @@ def test_equals_the_papers_objective_in_float64(eps_low, eps_high):
     assert ((w > 1 + eps_high) | (w < 1 - eps_low)).any()  # the clip acts on this batch
 
 
+@pytest.mark.parametrize("clip_high", [4.0, 0.28])
 @pytest.mark.parametrize("beta,bias_kl", [(0.0, False), (0.05, False), (0.05, True)])
-def test_equals_trls_formula_in_float32(beta, bias_kl):
-    """TRL's cap epsilon_high = 1 + --clip-high; TRL has no lower bound: --clip-low 1 (floor 0, the default)."""
-    logp, old, ref, mask, adv = batch(1, torch.float32)
-    got, got_g = value_and_grad(lambda x: cispo_loss(x, old, adv, mask, clip_low=1.0, clip_high=4.0, ref_logp=ref,
-                                                     kl_coef=beta, kl_ratio=bias_kl)[0], logp)
-    want, want_g = value_and_grad(lambda x: trl_cispo(x.double(), old.double(), ref.double(), adv.double(),
-                                                      mask.double(), epsilon_high=5.0, beta=beta,
-                                                      bias_kl=bias_kl), logp)
-    assert abs(got.item() - want.item()) <= 1e-6
-    assert (got_g.double() - want_g).abs().max().item() <= 1e-6
+def test_equals_trls_loss(clip_high, beta, bias_kl):
+    """TRL 1.16's _compute_loss, loss_type "cispo", epsilon_high = 1 + --clip-high, no floor (--clip-low 1): value
+    and gradient equal in float64 to 1e-10 (TRL run with float64 as the default dtype), ours in float32 within
+    1e-6 of TRL's float64."""
+    logp, old, ref, mask, adv = batch(1)
+    theirs, g_theirs = value_grad(lambda x: trl_loss(x, old, adv, mask, loss_type="cispo", eps_hi=1 + clip_high,
+                                                     beta=beta, ref=ref, bias_kl=bias_kl), logp)
+    assert (torch.exp(logp - old)[mask.bool()] > 1 + clip_high).any()  # the cap acts on this batch
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-6)):
+        o, r, m, a = (t.to(dtype) for t in (old, ref, mask, adv))
+        got, g = value_grad(lambda x: cispo_loss(x, o, a, m, clip_low=1.0, clip_high=clip_high, ref_logp=r,
+                                                 kl_coef=beta, kl_ratio=bias_kl)[0], logp.to(dtype))
+        assert abs(got - theirs) <= tol
+        assert (g.double() - g_theirs).abs().max().item() <= tol
 
 
 def test_one_token_by_hand():

@@ -1,12 +1,12 @@
-"""sapo_loss (SAPO, arXiv 2511.20347) against the paper's objective and TRL's formula, each written here independently
-of the code under test, in float64:
+"""sapo_loss (SAPO, arXiv 2511.20347) against the paper's objective, written here independently of the code under
+test, and against TRL 1.16's own loss:
     paper:  J = 1/G sum_i 1/|y_i| sum_t f_it(w_it) A_i,  f_it(x) = sigmoid(tau_i (x - 1)) 4 / tau_i,
-            tau_i = tau_pos if A_i > 0 else tau_neg
-    TRL:    temperatures = where(A > 0, sapo_temperature_pos, sapo_temperature_neg);
-            per_token_loss = -sigmoid(temperatures (coef_1 - 1)) 4 / temperatures A (+ beta kl);
-            loss = mean_i (sum_t per_token_loss m / |y_i|)   (trl/trainer/grpo_trainer.py, _compute_loss, "sapo",
-            the TRL source read for docs/trl-and-verl.md, 1.10.0.dev0)
+            tau_i = tau_pos if A_i > 0 else tau_neg   (float64)
+    TRL:    GRPOTrainer._compute_loss itself, loss_type "sapo" (helpers.trl_loss): temperatures = where(A > 0,
+            sapo_temperature_pos, sapo_temperature_neg); per_token_loss = -sigmoid(temperatures (coef_1 - 1)) 4 /
+            temperatures A (+ beta kl); loss = mean_i (sum_t per_token_loss m / |y_i|)
 Value and gradient with respect to logp, ratios well off 1."""
+import dataclasses
 import functools
 import math
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sapo import Args, sapo_loss
-from helpers import batch as drawn_batch, trl_sapo, value_and_grad
+from helpers import batch as drawn_batch, trl, trl_loss, value_and_grad, value_grad
 
 B, T = 6, 5
 batch = functools.partial(drawn_batch, 0.8)  # old log-probs 0.8 apart (in log): ratios well off 1
@@ -43,16 +43,21 @@ def test_equals_the_papers_objective_in_float64(tau_pos, tau_neg):
     assert (got_g - want_g).abs().max().item() <= 1e-10
 
 
+@pytest.mark.parametrize("tau_pos,tau_neg", [(1.0, 1.05), (0.5, 2.0)])
 @pytest.mark.parametrize("beta,bias_kl", [(0.0, False), (0.05, False), (0.05, True)])
-def test_equals_trls_formula_in_float32(beta, bias_kl):
-    logp, old, ref, mask, adv = batch(1, torch.float32)
-    got, got_g = value_and_grad(lambda x: sapo_loss(x, old, adv, mask, tau_pos=1.0, tau_neg=1.05, ref_logp=ref,
-                                                    kl_coef=beta, kl_ratio=bias_kl)[0], logp)
-    want, want_g = value_and_grad(lambda x: trl_sapo(x.double(), old.double(), ref.double(), adv.double(),
-                                                     mask.double(), pos=1.0, neg=1.05, beta=beta, bias_kl=bias_kl),
-                                  logp)
-    assert abs(got.item() - want.item()) <= 1e-6
-    assert (got_g.double() - want_g).abs().max().item() <= 1e-6
+def test_equals_trls_loss(tau_pos, tau_neg, beta, bias_kl):
+    """TRL 1.16's _compute_loss, loss_type "sapo", sapo_temperature_pos/neg = --tau-pos/--tau-neg: value and gradient
+    equal in float64 to 1e-10 (TRL run with float64 as the default dtype: its temperatures, where() of two Python
+    floats, come out in it), ours in float32 within 1e-6 of TRL's float64."""
+    logp, old, ref, mask, adv = batch(1)
+    theirs, g_theirs = value_grad(lambda x: trl_loss(x, old, adv, mask, loss_type="sapo", sapo=(tau_pos, tau_neg),
+                                                     beta=beta, ref=ref, bias_kl=bias_kl), logp)
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-6)):
+        o, r, m, a = (t.to(dtype) for t in (old, ref, mask, adv))
+        got, g = value_grad(lambda x: sapo_loss(x, o, a, m, tau_pos=tau_pos, tau_neg=tau_neg, ref_logp=r,
+                                                kl_coef=beta, kl_ratio=bias_kl)[0], logp.to(dtype))
+        assert abs(got - theirs) <= tol
+        assert (g.double() - g_theirs).abs().max().item() <= tol
 
 
 def test_the_gate_by_hand():
@@ -92,8 +97,14 @@ def test_far_tokens_fade_but_none_is_cut():
 
 
 def test_defaults_are_the_papers_and_trls():
+    """The paper's (1.0, 1.05), and TRL 1.16's GRPOConfig defaults read from its dataclass."""
     args = Args()
     assert (args.tau_pos, args.tau_neg, args.loss_agg) == (1.0, 1.05, "seq-mean-token-mean")
+    trl()
+    from trl.trainer.grpo_config import GRPOConfig
+
+    config = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    assert (args.tau_pos, args.tau_neg) == (config["sapo_temperature_pos"], config["sapo_temperature_neg"])
 
 
 def test_is_weight_multiplies_each_token_term():
@@ -116,8 +127,6 @@ def test_is_weight_multiplies_each_token_term():
 def test_script_passes_the_rollout_correction_to_the_loss(monkeypatch, tmp_path):
     """sapo.py --rollout-is-cap 2 with the engine's log-probs raised by 0.5 a token: the loss gets is_weight =
     min(pi_old / pi_rollout, 2) = e^-0.5 (to the engine's float error) on every completion token, in every call."""
-    import dataclasses
-
     import sapo
     from helpers import run_script
 

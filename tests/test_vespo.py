@@ -1,12 +1,13 @@
-"""vespo_loss (VESPO, arXiv 2602.10693, as TRL computes it) against the Gamma weight written from its definition and
-against TRL's formula, each written here independently of the code under test:
+"""vespo_loss (VESPO, arXiv 2602.10693, as TRL computes it) against the Gamma weight written from its definition,
+independently of the code under test, and against TRL 1.16's own loss:
     definition: phi(W) = W^k exp(lambda (1 - W)), W_i = prod_t w_it, (k, lambda) by A_i >= 0 or < 0;
-                J = 1/sum_i |y_i| sum_i sum_t phi(W_i) A_i log pi(y_it), phi a constant
-    TRL:        get_gamma_weights (log w_it clamped to [-20, 20], summed, clamped to [log 1e-8, 20];
-                log phi = lambda + k log W - lambda W); per_token_loss = -phi A logp (+ beta kl);
-                loss = (per_token_loss m).sum() / num_items_in_batch   (trl/trainer/grpo_trainer.py, the TRL source
-                read for docs/trl-and-verl.md, 1.10.0.dev0)
+                J = 1/sum_i |y_i| sum_i sum_t phi(W_i) A_i log pi(y_it), phi a constant   (float64)
+    TRL:        GRPOTrainer._compute_loss itself, loss_type "vespo" (helpers.trl_loss), with its get_gamma_weights
+                (log w_it clamped to [-20, 20], summed, clamped to [log 1e-8, 20]; log phi = lambda + k log W -
+                lambda W); per_token_loss = -phi A logp (+ beta kl); loss = (per_token_loss m).sum() /
+                num_items_in_batch
 Value and gradient with respect to logp."""
+import dataclasses
 import functools
 import math
 
@@ -14,11 +15,12 @@ import pytest
 import torch
 
 from vespo import Args, vespo_loss
-from helpers import batch as drawn_batch, trl_vespo, value_and_grad
+from helpers import batch as drawn_batch, trl, trl_loss, value_and_grad, value_grad
 
 B, T = 6, 5
 batch = functools.partial(drawn_batch, 0.3)  # old log-probs 0.3 apart (in log): W_i from ~0.5 to ~2
 DEFAULTS = dict(k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0)
+OTHERS = dict(k_pos=1.0, lambda_pos=1.0, k_neg=5.0, lambda_neg=0.5)
 
 
 def by_definition(logp, old, adv, mask, k_pos, lambda_pos, k_neg, lambda_neg):
@@ -36,7 +38,7 @@ def by_definition(logp, old, adv, mask, k_pos, lambda_pos, k_neg, lambda_neg):
     return total / tokens
 
 
-@pytest.mark.parametrize("params", [DEFAULTS, dict(k_pos=1.0, lambda_pos=1.0, k_neg=5.0, lambda_neg=0.5)])
+@pytest.mark.parametrize("params", [DEFAULTS, OTHERS])
 def test_equals_the_gamma_weight_by_definition_in_float64(params):
     logp, old, _, mask, adv = batch()
     got, got_g = value_and_grad(lambda x: vespo_loss(x, old, adv, mask, **params)[0], logp)
@@ -45,15 +47,22 @@ def test_equals_the_gamma_weight_by_definition_in_float64(params):
     assert (got_g - want_g).abs().max().item() <= 1e-10
 
 
+@pytest.mark.parametrize("params", [DEFAULTS, OTHERS])
 @pytest.mark.parametrize("beta,bias_kl", [(0.0, False), (0.05, False), (0.05, True)])
-def test_equals_trls_formula_in_float32(beta, bias_kl):
-    logp, old, ref, mask, adv = batch(1, torch.float32)
-    got, got_g = value_and_grad(lambda x: vespo_loss(x, old, adv, mask, **DEFAULTS, ref_logp=ref, kl_coef=beta,
-                                                     kl_ratio=bias_kl)[0], logp)
-    want, want_g = value_and_grad(lambda x: trl_vespo(x.double(), old.double(), ref.double(), adv.double(),
-                                                      mask.double(), **DEFAULTS, beta=beta, bias_kl=bias_kl), logp)
-    assert abs(got.item() - want.item()) <= 1e-6
-    assert (got_g.double() - want_g).abs().max().item() <= 1e-6
+def test_equals_trls_loss(params, beta, bias_kl):
+    """TRL 1.16's _compute_loss, loss_type "vespo", vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg =
+    --k-pos, --lambda-pos, --k-neg, --lambda-neg: value and gradient equal in float64 to 1e-10 (TRL run with float64
+    as the default dtype), ours in float32 within 1e-6 of TRL's float64."""
+    logp, old, ref, mask, adv = batch(1)
+    trl_params = tuple(params[k] for k in ("k_pos", "lambda_pos", "k_neg", "lambda_neg"))
+    theirs, g_theirs = value_grad(lambda x: trl_loss(x, old, adv, mask, loss_type="vespo", vespo=trl_params,
+                                                     beta=beta, ref=ref, bias_kl=bias_kl), logp)
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-6)):
+        o, r, m, a = (t.to(dtype) for t in (old, ref, mask, adv))
+        got, g = value_grad(lambda x: vespo_loss(x, o, a, m, **params, ref_logp=r, kl_coef=beta,
+                                                 kl_ratio=bias_kl)[0], logp.to(dtype))
+        assert abs(got - theirs) <= tol
+        assert (g.double() - g_theirs).abs().max().item() <= tol
 
 
 def test_one_sequence_by_hand():
@@ -74,9 +83,15 @@ def test_one_sequence_by_hand():
 
 
 def test_defaults_are_trls():
+    """TRL 1.16's GRPOConfig defaults, read from its dataclass."""
     args = Args()
     assert (args.k_pos, args.lambda_pos, args.k_neg, args.lambda_neg, args.loss_agg) == (2.0, 3.0, 3.0, 2.0,
                                                                                          "token-mean")
+    trl()
+    from trl.trainer.grpo_config import GRPOConfig
+
+    config = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    assert [getattr(args, k) for k in DEFAULTS] == [config["vespo_" + k] for k in DEFAULTS]
 
 
 def test_is_weight_folds_into_the_sequence_ratio():

@@ -1,6 +1,6 @@
 """What more than one test file uses, in one place: running a script in-process or under torchrun and reading its
 metrics, the bad-input check, the loss tensors and value-and-gradient, the engine's test model and its HF reference,
-transformers' sampling and the peers' (TRL's, verl's) losses written out. Test files import from here and from
+transformers' sampling, TRL 1.16 run as the peer and verl's loss written out. Test files import from here and from
 conftest, never from each other; the programs in tests/programs/ may import from here too."""
 import contextlib
 import dataclasses
@@ -236,9 +236,9 @@ def multinomial_sample(logits, temperature, top_k=0, top_p=1.0, min_p=0.0, repet
     return tokens[:, 0], logp.gather(1, tokens)[:, 0]
 
 
-# ---- TRL 1.16.0 itself, run as the parity tests' reference (test_trl_parity, test_token_weights), and the peers
-# written from their source where they cannot be run (StubPolicy, the old pass's stand-in; trl_is_ratio, the
-# CISPO/SAPO/VESPO transcriptions of test_cispo/test_sapo/test_vespo; verl's geo_mean)
+# ---- TRL 1.16.0 itself, run as the parity tests' reference (test_trl_parity, test_token_weights, test_cispo,
+# test_sapo, test_vespo); what cannot be run, transcribed from its source: trl_is_ratio (inline in TRL) and
+# verl's geo_mean (verl is not installed); StubPolicy, the old pass's stand-in
 
 G, B, T = 4, 8, 5
 REQUIREMENTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "requirements-test.txt")
@@ -369,9 +369,10 @@ class StubPolicy:
 
 
 def trl_is_ratio(old, sampling, mask, mode, clip_min, clip_max):
-    """TRL's vllm_importance_sampling_ratio (trl/trainer/grpo_trainer.py, _generate_and_score_completions), written
-    from its source: (B, T) for token_* modes, (B, 1) for sequence_* modes."""
-    diff = (old - sampling) * mask
+    """TRL 1.16's vllm_importance_sampling_ratio, transcribed: TRL computes it inline in
+    _generate_and_score_completions (trl/trainer/grpo_trainer.py:2660-2703), no function of its own to call.
+    (B, T) for token_* modes, (B, 1) for sequence_* modes; a NaN sampling log-prob gives a ratio of 1, as in TRL."""
+    diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)
     logps_diff = diff.sum(dim=-1, keepdim=True) if mode in ("sequence_mask", "sequence_truncate") else diff
     ratio = torch.exp(logps_diff)
     if mode in ("sequence_truncate", "token_truncate"):
@@ -379,60 +380,6 @@ def trl_is_ratio(old, sampling, mask, mode, clip_min, clip_max):
     low = clip_min if clip_min is not None else -math.inf
     high = clip_max if clip_max is not None else math.inf
     return ratio.masked_fill((ratio < low) | (ratio > high), value=0.0)
-
-
-def trl_cispo(logp, old, ref, adv, mask, *, epsilon_high, beta=0.0, bias_kl=False, weight=None):
-    coef_1 = torch.exp(logp - old)
-    clamped = torch.clamp(coef_1, max=epsilon_high).detach()
-    per_token_loss = -clamped * adv.unsqueeze(1) * logp
-    if weight is not None:  # entropy_mask, importance_sampling_ratio: before the KL
-        per_token_loss = per_token_loss * weight
-    if beta != 0.0:
-        kl = torch.exp(ref - logp) - (ref - logp) - 1
-        if bias_kl:
-            kl = kl * coef_1
-        per_token_loss = per_token_loss + beta * kl
-    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
-
-
-def trl_sapo(logp, old, ref, adv, mask, *, pos, neg, beta=0.0, bias_kl=False, weight=None):
-    coef_1 = torch.exp(logp - old)
-    advantages = adv.unsqueeze(1)
-    temperatures = torch.where(advantages > 0, pos, neg)
-    soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
-    per_token_loss = -soft_coef_1 * advantages
-    if weight is not None:  # entropy_mask, importance_sampling_ratio: before the KL
-        per_token_loss = per_token_loss * weight
-    if beta != 0.0:
-        kl = torch.exp(ref - logp) - (ref - logp) - 1
-        if bias_kl:
-            kl = kl * coef_1
-        per_token_loss = per_token_loss + beta * kl
-    return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-
-
-def trl_vespo(logp, old, ref, adv, mask, *, k_pos, lambda_pos, k_neg, lambda_neg, beta=0.0, bias_kl=False,
-              entropy_mask=None):
-    advantages = adv.unsqueeze(1)
-    with torch.no_grad():
-        log_ratio = torch.clamp(logp - old, -20.0, 20.0)
-        seq_log_ratio = torch.sum(log_ratio * mask, dim=-1, keepdim=True)
-        log_w_seq = torch.clamp(seq_log_ratio, math.log(1e-8), 20.0)
-        w_seq = torch.exp(log_w_seq)
-        nonneg = advantages >= 0
-        k_seq = torch.where(nonneg, k_pos, k_neg)
-        lambda_seq = torch.where(nonneg, lambda_pos, lambda_neg).clamp(min=1e-4)
-        phi_seq = torch.exp(lambda_seq + k_seq * log_w_seq - lambda_seq * w_seq).nan_to_num(nan=0.0, posinf=0.0,
-                                                                                           neginf=0.0)
-    per_token_loss = -phi_seq * advantages * logp
-    if entropy_mask is not None:  # before the KL (TRL multiplies no IS ratio into vespo's terms)
-        per_token_loss = per_token_loss * entropy_mask
-    if beta != 0.0:
-        kl = torch.exp(ref - logp) - (ref - logp) - 1
-        if bias_kl:
-            kl = kl * torch.exp(logp - old)
-        per_token_loss = per_token_loss + beta * kl
-    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def verl_geo_mean(logp, old, adv, mask, clip_low, clip_high, rollout_is_weights=None):

@@ -89,9 +89,8 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
         rows = train.select(indices)
         bar.bar.total += len(indices) if r else 0  # --dynamic-sampling's further rounds
         t = time.time()
-        roll = (partial(generate_episodes, tools=tools_of(args), max_calls=args.max_tool_calls)
-                if args.tools else generate)(policy, tok, rows["text"], group_size, eos, dist_env,
-                                             sampling, streamer=bar)
+        roll = (partial(generate_episodes, tools=tools_of(args)) if args.tools else generate)(
+            policy, tok, rows["text"], group_size, eos, dist_env, sampling, streamer=bar)
         gen_time += time.time() - t
         bar.show(len(indices))
         gen_tokens += roll.mask.sum().item()

@@ -147,10 +147,11 @@ class Tools:
     """The --tools functions, called in a worker process (tool_worker.py) one call at a time. A
     call's reply is (content, failed): the tool's str(result), or TRL's error result
     str({'error': message}) for an exception, an unknown tool, bad arguments, a call past
-    timeout_s (the worker is killed and restarted) or a worker that died (a crash)."""
+    timeout_s (the worker is killed and restarted) or a worker that died (a crash). max_calls:
+    the rounds of calls an episode may make (--max-tool-calls)."""
 
-    def __init__(self, spec: str, timeout_s: float = TOOL_TIMEOUT_S):
-        self.spec, self.timeout_s = spec, timeout_s
+    def __init__(self, spec: str, max_calls: int = 5, timeout_s: float = TOOL_TIMEOUT_S):
+        self.spec, self.max_calls, self.timeout_s = spec, max_calls, timeout_s
         self.path, self.names = split_spec(spec)
         self.fns, self.schemas = load_tools(spec)
         self.proc, self.buf, self.sent = None, b"", 0
@@ -251,9 +252,9 @@ def continue_turns(policy, tok, histories: list[list[int]], room: list[int], eos
 
 
 def generate_episodes(policy, tok, prompts: list[str], n: int, eos: list[int], dist_env,
-                      sampling, tools: Tools, max_calls: int, streamer=None) -> Rollout:
+                      sampling, tools: Tools, streamer=None) -> Rollout:
     """generation.generate's Rollout, each row an episode (TRL 1.16's _tool_call_loop): turn 1 by
-    generate (every HF mode), then up to max_calls rounds: the rows whose last turn calls tools
+    generate (every HF mode), then up to tools.max_calls rounds: the rows whose last turn calls tools
     get the results as a tool turn (mask 0) and generate again (mask 1). The budget
     sampling.max_new_tokens holds over the whole episode: a tool turn that would pass it is
     dropped (its calls counted) and the episode ends, truncated; a turn is cut where the budget
@@ -270,7 +271,7 @@ def generate_episodes(policy, tok, prompts: list[str], n: int, eos: list[int], d
     cut = first.truncated.tolist()
     calls = failures = malformed = rolled = 0
     live = list(range(B))  # rows whose last turn is read for calls
-    for _ in range(max_calls):  # TRL's max_tool_calling_iterations: rounds, not calls
+    for _ in range(tools.max_calls):  # TRL's max_tool_calling_iterations: rounds, not calls
         nxt = []
         for i in live:
             parsed = parse_calls(turns[i][-1])
@@ -317,7 +318,8 @@ _TOOLS = {}  # the run's Tools by --tools spec: one worker a run, started on the
 
 
 def tools_of(args) -> Tools:
-    """The run's Tools for --tools (made once)."""
-    if args.tools not in _TOOLS:
-        _TOOLS[args.tools] = Tools(args.tools)
-    return _TOOLS[args.tools]
+    """The run's Tools for --tools and --max-tool-calls (made once)."""
+    key = (args.tools, args.max_tool_calls)
+    if key not in _TOOLS:
+        _TOOLS[key] = Tools(args.tools, args.max_tool_calls)
+    return _TOOLS[key]

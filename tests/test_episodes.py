@@ -123,10 +123,10 @@ def scripted_episode(budget=200, max_calls=2):
     tok = modeling.tiny_tokenizer()
     eos, enc = tok.eos_token_id, lambda s: tok(s, add_special_tokens=False).input_ids
     policy = Scripted(tok, [[CALL, "no tool"], ["so 42"]])
-    tools = Tools(f"{TOOLS_FILE}:multiply")
+    tools = Tools(f"{TOOLS_FILE}:multiply", max_calls)
     try:
         roll = generate_episodes(policy, tok, [PROMPT], 2, [eos], CPU_ENV,
-                                 Sampling(max_new_tokens=budget, mode="repeat"), tools, max_calls)
+                                 Sampling(max_new_tokens=budget, mode="repeat"), tools)
     finally:
         tools.stop()
     suffix = enc("\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n")
@@ -164,17 +164,17 @@ def test_budget_rolls_back_a_result():
     assert roll.mask[0].sum() == turn1 and roll.mask.shape[1] == turn1 and roll.texts[0] == CALL
 
 
-def episode_of(turns, max_calls, tools=None, budget=300):
+def episode_of(turns, tools, budget=300):
     tok = modeling.tiny_tokenizer()
     return tok, generate_episodes(Scripted(tok, turns), tok, [PROMPT], len(turns[0]), [tok.eos_token_id],
-                                  CPU_ENV, Sampling(max_new_tokens=budget, mode="repeat"), tools, max_calls)
+                                  CPU_ENV, Sampling(max_new_tokens=budget, mode="repeat"), tools)
 
 
 def test_rounds_not_calls_are_capped():
     """--max-tool-calls 1: one round (its two calls both run); the next turn's call is not run."""
-    tools = Tools(f"{TOOLS_FILE}:multiply")
+    tools = Tools(f"{TOOLS_FILE}:multiply", max_calls=1)
     try:
-        _, roll = episode_of([[CALL + "\n" + CALL, "no"], [CALL]], 1, tools)
+        _, roll = episode_of([[CALL + "\n" + CALL, "no"], [CALL]], tools)
     finally:
         tools.stop()
     assert roll.stats["tools/call_frequency"] == 1.0 and roll.stats["tools/turns_per_episode"] == 1.5
@@ -183,7 +183,7 @@ def test_rounds_not_calls_are_capped():
 
 def test_malformed_call_ends_the_episode_counted():
     bad = '<tool_call>{"name": </tool_call>'
-    tok, roll = episode_of([[bad, "fine"]], 3)
+    tok, roll = episode_of([[bad, "fine"]], types.SimpleNamespace(max_calls=3))  # no call: no tool runs
     assert roll.stats["tools/malformed_turns"] == 1 and roll.stats["tools/call_frequency"] == 0
     assert roll.mask.sum(1).tolist() == [len(tok(bad, add_special_tokens=False).input_ids) + 1, 5]
 
@@ -244,4 +244,5 @@ def test_gspo_runs_episodes_end_to_end(monkeypatch, tmp_path):
     train = [r for r in rows if "tools/call_frequency" in r]
     assert len(train) == 2 and all(r["tools/call_frequency"] > 0 for r in train)
     assert all(r["tools/failure_frequency"] == 0 for r in train)
-    episodes._TOOLS.pop(f"{TOOLS_FILE}:multiply").stop()
+    assert all(r["tools/turns_per_episode"] > 1 for r in train)  # some episodes went on after a tool turn
+    episodes._TOOLS.pop((f"{TOOLS_FILE}:multiply", 2)).stop()

@@ -19,12 +19,14 @@ import math
 import sys
 import time
 from dataclasses import replace
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from grouprl import energy, moe
 from grouprl.distributed import Dist, all_gather_cat, all_reduce, fail
+from grouprl.episodes import generate_episodes, tools_of
 from grouprl.generation import Rollout, generate
 from grouprl.modeling import Policy
 from grouprl.progress import ROLLOUT_BAR_DELAY, GenBar
@@ -87,8 +89,8 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
         rows = train.select(indices)
         bar.bar.total += len(indices) if r else 0  # --dynamic-sampling's further rounds
         t = time.time()
-        roll = generate(policy, tok, rows["text"], group_size, eos, dist_env, sampling,
-                        streamer=bar)
+        roll = (partial(generate_episodes, tools=tools_of(args)) if args.tools else generate)(
+            policy, tok, rows["text"], group_size, eos, dist_env, sampling, streamer=bar)
         gen_time += time.time() - t
         bar.show(len(indices))
         gen_tokens += roll.mask.sum().item()
@@ -104,7 +106,7 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
             break
     bar.bar.close()
     tokens = all_reduce(torch.tensor(gen_tokens, dtype=torch.float64, device=dist_env.device))
-    logs = {"perf/gen_tokens_per_s": tokens.item() / gen_time}
+    logs = {"perf/gen_tokens_per_s": tokens.item() / gen_time, **roll.stats}  # tools/* (last round)
     if not dynamic:
         return replace(roll, rows=rows, rewards=rewards, reward_errors=reward_errors, stats=logs)
     # the batch: the first per_rank groups with a spread, then (at the bound) the earliest flat ones

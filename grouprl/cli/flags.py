@@ -335,3 +335,12 @@ class CommonArgs:
     energy_minibatch: Literal["first", "last"] = "first"
     """--energy-every: measure from the step's first minibatch on (pi = pi_old: GSPO and DFPO give
     every token the same coefficient there) or on its last only (ratios moved, the clip acting)"""
+
+    # -- tools: Parameters that control tool use (episodes)
+    tools: str | None = None
+    """FILE.py:fn[,fn...]: plain functions the model may call (TRL's tools=; the Qwen3/Hermes
+    <tool_call> format): each completion becomes an episode, only the model's tokens in the loss
+    (grouprl/episodes.py; HF --gen-mode only, one process; off when not given)"""
+    max_tool_calls: int = 5
+    """--tools: the most rounds of tool calls an episode makes (TRL's max_tool_calling_iterations:
+    rounds, not calls); the --max-new-tokens budget holds over the whole episode"""

@@ -1,0 +1,248 @@
+"""Episodes, first slice (grouprl/episodes.py): tool calls parsed as TRL 1.16 parses the Qwen3/Hermes
+format, tools' schemas as transformers makes them, tools run in a worker that a hang or a crash
+cannot take down, a scripted episode's exact ids and mask, and the key test: GSPO's and GRPO's loss
+on an episode is the loss over the model's tokens only, with no gradient at any tool token."""
+import os
+import types
+
+import pytest
+import torch
+from helpers import ROOT, fails_before_any_model, run_script, value_and_grad
+
+import grpo
+import gspo
+from grouprl import episodes, modeling
+from grouprl.episodes import Tools, generate_episodes, parse_calls, tool_suffix_ids
+from grouprl.sampling import Sampling
+
+TOOLS_FILE = os.path.join(ROOT, "tests", "programs", "tools_example.py")
+CALL = '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call>'
+
+
+# ---- parsing a model turn, the schema, the tool turn's tokens
+
+
+def test_parse_calls_as_trl():
+    assert parse_calls("just an answer: 42") == []
+    assert parse_calls(CALL) == [{"name": "multiply", "arguments": {"a": 6, "b": 7}}]
+    two = "let me see\n" + CALL + '\n<tool_call>{"name": "hang", "arguments": {"seconds": 1}}</tool_call>'
+    assert parse_calls(two) == [{"name": "multiply", "arguments": {"a": 6, "b": 7}},
+                                {"name": "hang", "arguments": {"seconds": 1}}]
+    assert parse_calls("<think>\nhm\n</think>\n" + CALL) == [{"name": "multiply", "arguments": {"a": 6, "b": 7}}]
+    assert parse_calls('<tool_call>{"name": "f"}</tool_call>') == [{"name": "f", "arguments": {}}]  # TRL: {}
+    # malformed: not a call (TRL decodes the turn as text), one bad call spoils the turn
+    assert parse_calls('<tool_call>{"name": "multiply", "arguments": {"a": 6,</tool_call>') is None
+    assert parse_calls('<tool_call>{"arguments": {"a": 6}}</tool_call>') is None  # no name
+    assert parse_calls('<tool_call>{"name": 3, "arguments": {}}</tool_call>') is None
+    assert parse_calls('<tool_call>{"name": "f", "arguments": [1]}</tool_call>') is None
+    assert parse_calls(CALL + '<tool_call>{"name": </tool_call>') is None
+    assert parse_calls("<tool_call>unclosed") is None
+    assert parse_calls(CALL + " and then more words") is None  # the turn is not content, then calls
+
+
+def test_schema_of_a_typed_documented_function():
+    fns, schemas = episodes.load_tools(f"{TOOLS_FILE}:multiply,hang")
+    assert list(fns) == ["multiply", "hang"] and fns["multiply"](6, 7) == 42
+    assert schemas[0] == {"type": "function", "function": {
+        "name": "multiply", "description": "Multiply two integers.",
+        "parameters": {"type": "object", "properties": {
+            "a": {"type": "integer", "description": "the first factor"},
+            "b": {"type": "integer", "description": "the second factor"}}, "required": ["a", "b"]},
+        "return": {"type": "integer"}}}
+
+
+def test_tool_turn_of_the_tiny_template():
+    """The tiny template renders {'role': 'tool'} as any turn: TRL's suffix is the EOS's newline, the tool turn,
+    and the next assistant header."""
+    tok = modeling.tiny_tokenizer()
+    suffix = tool_suffix_ids(tok, [{"role": "tool", "name": "multiply", "content": "42"}])
+    assert tok.decode(suffix) == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_tool_checks_are_one_line(monkeypatch, tmp_path):
+    ok = dict(tools=f"{TOOLS_FILE}:multiply", max_tool_calls=2, gen_mode="shared-prefill", old_logp="recompute")
+    for bad, needle in [(dict(tools="tools.txt"), "FILE.py:fn"), (dict(tools="nowhere.py:f"), "no file"),
+                        (dict(tools=f"{TOOLS_FILE}:nope"), "no function 'nope'"),
+                        (dict(max_tool_calls=0), "at least 1"), (dict(gen_mode="engine"), "engine does not"),
+                        (dict(old_logp="rollout"), "--old-logp rollout")]:
+        with pytest.raises(SystemExit) as e:
+            episodes.check_tool_args(types.SimpleNamespace(**{**ok, **bad}), False)
+        msg = str(e.value.code)
+        assert msg.startswith("error: ") and "\n" not in msg and needle in msg, msg
+    episodes.check_tool_args(types.SimpleNamespace(**ok), False)
+    fails_before_any_model("gspo", ["--tools", "nowhere.py:f"], "no file", monkeypatch, tmp_path)
+
+
+# ---- tools out of the trainer's process
+
+
+def test_bad_tools_cost_a_call_never_the_run():
+    tools = Tools(f"{TOOLS_FILE}:multiply,hang,boom,die,flood", timeout_s=2.0)
+    try:
+        assert tools.call("multiply", {"a": 6, "b": 7}) == ("42", False)
+        assert tools.call("boom", {"message": "no"}) == ("{'error': 'no'}", True)
+        assert tools.call("nope", {}) == ("{'error': 'Tool nope not found.'}", True)
+        content, failed = tools.call("multiply", {"a": 6, "c": 7})
+        assert failed and content.startswith("{'error': ") and "'c'" in content
+        content, failed = tools.call("hang", {"seconds": 60})
+        assert failed and "did not answer in 2 s" in content
+        content, failed = tools.call("die", {"code": 3})
+        assert failed and "exit code 3" in content
+        content, failed = tools.call("flood", {"megabytes": 10})
+        assert not failed and content == "x" * 100_000  # cut at the worker's MAX_RESULT_CHARS
+        assert tools.call("multiply", {"a": 2, "b": 3}) == ("6", False)  # a fresh worker after each
+    finally:
+        tools.stop()
+
+
+# ---- a scripted episode: exact ids and mask
+
+
+class Scripted:
+    """A policy whose generate appends the next scripted turn to each row (text, then EOS)."""
+
+    def __init__(self, tok, turns):
+        self.tok, self.turns = tok, list(turns)
+
+    def generate(self, input_ids, attention_mask, n=1, **kw):
+        texts = self.turns.pop(0)
+        assert len(texts) == input_ids.shape[0]
+        new = [self.tok(t, add_special_tokens=False).input_ids + [self.tok.eos_token_id] for t in texts]
+        T = max(map(len, new))
+        tail = torch.tensor([t + [self.tok.pad_token_id] * (T - len(t)) for t in new])
+        return torch.cat([input_ids, tail], 1)
+
+
+PROMPT = "<|im_start|>user\n6*7=<|im_end|>\n<|im_start|>assistant\n"  # as data.chat_prompts templates it
+CPU_ENV = types.SimpleNamespace(device=torch.device("cpu"), sharded=False, world=1, main=True, rank=0)
+
+
+def scripted_episode(budget=200, max_calls=2):
+    """Two episodes of the prompt '6*7=': the first calls multiply then answers, the second answers at once.
+    -> (the Rollout, the tokenizer, the expected completion ids and model-token positions per row)."""
+    tok = modeling.tiny_tokenizer()
+    eos, enc = tok.eos_token_id, lambda s: tok(s, add_special_tokens=False).input_ids
+    policy = Scripted(tok, [[CALL, "no tool"], ["so 42"]])
+    tools = Tools(f"{TOOLS_FILE}:multiply", max_calls)
+    try:
+        roll = generate_episodes(policy, tok, [PROMPT], 2, [eos], CPU_ENV,
+                                 Sampling(max_new_tokens=budget, mode="repeat"), tools)
+    finally:
+        tools.stop()
+    suffix = enc("\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n")
+    turn1, turn2 = enc(CALL) + [eos], enc("so 42") + [eos]
+    comp = [turn1 + suffix + turn2, enc("no tool") + [eos]]
+    model = [list(range(len(turn1))) + list(range(len(turn1) + len(suffix), len(comp[0]))),
+             list(range(len(comp[1])))]
+    return roll, tok, comp, model
+
+
+def test_scripted_episode_ids_and_mask():
+    roll, tok, comp, model = scripted_episode()
+    P, T = roll.n_prompt, len(comp[0])
+    assert roll.input_ids.shape == (2, P + T) and roll.mask.shape == (2, T)
+    prompt = tok(PROMPT, add_special_tokens=False).input_ids
+    for i in range(2):
+        assert roll.input_ids[i, :P].tolist() == prompt
+        assert roll.input_ids[i, P:P + len(comp[i])].tolist() == comp[i]
+        assert roll.attention_mask[i].tolist() == [1] * (P + len(comp[i])) + [0] * (T - len(comp[i]))
+        assert roll.mask[i].nonzero().flatten().tolist() == model[i]  # 1 on the model's tokens only
+    tool_tokens = [t for t in range(len(comp[0])) if t not in model[0]]
+    assert len(tool_tokens) > 10 and roll.mask[0, tool_tokens].sum() == 0
+    assert roll.texts == [CALL + "\nso 42", "no tool"] and roll.truncated.tolist() == [False, False]
+    assert roll.stats["tools/call_frequency"] == 0.5 and roll.stats["tools/failure_frequency"] == 0.0
+    assert roll.stats["tools/turns_per_episode"] == 1.5
+
+
+def test_budget_rolls_back_a_result():
+    """TRL's rollback: a tool turn that would pass the budget is dropped (the call counted), the episode cut."""
+    tok = modeling.tiny_tokenizer()
+    turn1 = len(tok(CALL, add_special_tokens=False).input_ids) + 1
+    roll, _, _, _ = scripted_episode(budget=turn1 + 5)
+    assert roll.truncated.tolist() == [True, False] and roll.stats["tools/rolled_back"] == 1
+    assert roll.stats["tools/call_frequency"] == 0.5
+    assert roll.mask[0].sum() == turn1 and roll.mask.shape[1] == turn1 and roll.texts[0] == CALL
+
+
+def episode_of(turns, tools, budget=300):
+    tok = modeling.tiny_tokenizer()
+    return tok, generate_episodes(Scripted(tok, turns), tok, [PROMPT], len(turns[0]), [tok.eos_token_id],
+                                  CPU_ENV, Sampling(max_new_tokens=budget, mode="repeat"), tools)
+
+
+def test_rounds_not_calls_are_capped():
+    """--max-tool-calls 1: one round (its two calls both run); the next turn's call is not run."""
+    tools = Tools(f"{TOOLS_FILE}:multiply", max_calls=1)
+    try:
+        _, roll = episode_of([[CALL + "\n" + CALL, "no"], [CALL]], tools)
+    finally:
+        tools.stop()
+    assert roll.stats["tools/call_frequency"] == 1.0 and roll.stats["tools/turns_per_episode"] == 1.5
+    assert roll.texts[0] == CALL + "\n" + CALL + "\n" + CALL and not roll.truncated.any()
+
+
+def test_malformed_call_ends_the_episode_counted():
+    bad = '<tool_call>{"name": </tool_call>'
+    tok, roll = episode_of([[bad, "fine"]], types.SimpleNamespace(max_calls=3))  # no call: no tool runs
+    assert roll.stats["tools/malformed_turns"] == 1 and roll.stats["tools/call_frequency"] == 0
+    assert roll.mask.sum(1).tolist() == [len(tok(bad, add_special_tokens=False).input_ids) + 1, 5]
+
+
+# ---- THE KEY TEST: only the model's tokens in the loss
+
+
+def test_loss_over_an_episode_is_the_model_tokens_only():
+    """gspo_loss and grpo_loss on the scripted episode's mask equal, value and gradient in float64, the loss by hand
+    over the model's token positions (counted from the script, not from the mask), and the gradient at every tool
+    token is exactly 0."""
+    roll, _, comp, model = scripted_episode()
+    B, T = roll.mask.shape
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    old = logp + 0.1 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    A = torch.tensor([1.0, -0.7], dtype=torch.float64)
+    mask = roll.mask.to(torch.float64)
+    eps = 0.2
+
+    def gspo_by_hand(lp):
+        terms = []
+        for i in range(B):
+            s = torch.exp(sum(lp[i, t] - old[i, t] for t in model[i]) / len(model[i]))  # eq. 44 on y_i's tokens
+            terms.append(torch.min(s * A[i], s.clamp(1 - eps, 1 + eps) * A[i]))
+        return -sum(terms) / B
+
+    def grpo_by_hand(lp):
+        terms = []
+        for i in range(B):
+            w = [torch.exp(lp[i, t] - old[i, t]) for t in model[i]]
+            terms.append(sum(torch.min(x * A[i], x.clamp(1 - eps, 1 + eps) * A[i]) for x in w) / len(model[i]))
+        return -sum(terms) / B
+
+    for fn, by_hand in [(lambda lp: gspo.gspo_loss(lp, old, A, mask, clip_low=eps, clip_high=eps)[0], gspo_by_hand),
+                        (lambda lp: grpo.grpo_loss(lp, old, A, mask, clip_low=eps, clip_high=eps)[0], grpo_by_hand)]:
+        value, grad = value_and_grad(fn, logp)
+        value_hand, grad_hand = value_and_grad(by_hand, logp)
+        torch.testing.assert_close(value, value_hand, rtol=1e-12, atol=0)
+        torch.testing.assert_close(grad, grad_hand, rtol=1e-12, atol=1e-15)
+        for i in range(B):
+            outside = [t for t in range(T) if t not in model[i]]  # tool turn, template glue, padding
+            assert (grad[i, outside] == 0).all()
+        assert (grad[0, model[0]] != 0).any()
+
+
+# ---- end to end
+
+
+def test_gspo_runs_episodes_end_to_end(monkeypatch, tmp_path):
+    """gspo.py --tools on the tiny model: every turn is read as a multiply call (the random model writes none), the real worker answers, the model generates again, and the step trains on the episodes."""
+    call = {"name": "multiply", "arguments": {"a": 2, "b": 3}}
+    monkeypatch.setattr(episodes, "parse_calls", lambda text: [call])
+    rows, _ = run_script("gspo", ["--tools", f"{TOOLS_FILE}:multiply", "--max-tool-calls", "2", "--num-steps", "2",
+                                  "--prompts-per-rank", "2", "--group-size", "2", "--num-minibatches", "1",
+                                  "--max-new-tokens", "48", "--eval-every", "0", "--log-samples", "0"],
+                         monkeypatch, tmp_path / "o")
+    train = [r for r in rows if "tools/call_frequency" in r]
+    assert len(train) == 2 and all(r["tools/call_frequency"] > 0 for r in train)
+    assert all(r["tools/failure_frequency"] == 0 for r in train)
+    assert all(r["tools/turns_per_episode"] > 1 for r in train)  # some episodes went on after a tool turn
+    episodes._TOOLS.pop((f"{TOOLS_FILE}:multiply", 2)).stop()

@@ -19,7 +19,6 @@ import math
 import sys
 import time
 from dataclasses import replace
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -89,8 +88,12 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
         rows = train.select(indices)
         bar.bar.total += len(indices) if r else 0  # --dynamic-sampling's further rounds
         t = time.time()
-        roll = (partial(generate_episodes, tools=tools_of(args)) if args.tools else generate)(
-            policy, tok, rows["text"], group_size, eos, dist_env, sampling, streamer=bar)
+        if args.tools:  # episodes: tool calls and their results between the model's turns
+            roll = generate_episodes(policy, tok, rows["text"], group_size, eos, dist_env, sampling,
+                                     streamer=bar, tools=tools_of(args))
+        else:
+            roll = generate(policy, tok, rows["text"], group_size, eos, dist_env, sampling,
+                            streamer=bar)
         gen_time += time.time() - t
         bar.show(len(indices))
         gen_tokens += roll.mask.sum().item()

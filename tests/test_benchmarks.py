@@ -367,6 +367,7 @@ def test_rl_step_fences_sum_each_phase_per_rl_step():
         assert 0.02 <= rl_step.PHASES["generate"][step] < 0.03
 
 
+@pytest.mark.slow  # ~20 s: two RL steps of ours and of TRL's trainer; CI skipped it before trl was installed
 def test_rl_step_phases_against_trl(tmp_path):
     """rl_step.py --phases on the tiny model: both trainers' tables, the fenced phases within each step, with
     gspo.py's default --gen-mode (the child was handed --gen-mode=None; issue 61 item 3). Needs trl: fails in CI

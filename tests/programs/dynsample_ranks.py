@@ -50,7 +50,7 @@ for max_rounds, want in [(10, (3, 4.0, 4.0, 0.0)), (2, (2, 2.0, 2.0, 2.0))]:
     calls.clear()
     args = SimpleNamespace(prompts_per_rank=2, group_size=2, seed=0, dynamic_sampling=True,
                            max_gen_rounds=max_rounds, truncated_reward_scale=1.0,
-                           multi_objective_aggregation="sum-then-normalize")
+                           multi_objective_aggregation="sum-then-normalize", tools=None)
     roll = common.sample_groups(policy, tok, train, 1, modeling.eos_ids(lm, tok), d, SimpleNamespace(values={}),
                                 sampling, args)
     rows, rewards, logs = roll.rows, roll.rewards, roll.stats

@@ -8,9 +8,10 @@ its logging (the loop itself lives in each script). Sections:
 What `logp` is everywhere: log pi_theta(y_it | x, y_<t) of each completion token, [B, T] in
 float32, 0 past a completion's end (mask 0), computed by Policy.forward (grouprl/modeling.py)
 through a chunked log-softmax that never builds a float32 [B, T, V] (grouprl/logprobs.py).
-The rest lives in the grouprl package, one subsystem a file (grouprl/__init__.py lists them):
-generation (generate, the Rollout), evaluation, runlog (Logger, samples), rewards (scoring and
-the built-in reward functions a --reward names), stats (how each loss's stats add up over ranks).
+The rest lives in the grouprl package, a file or a folder a subsystem (grouprl/__init__.py lists
+them): generation (generate, the Rollout), episodes (--tools), evaluation, runlog (Logger,
+samples), rewards (scoring and the built-in reward functions a --reward names), stats (how each
+loss's stats add up over ranks).
 """
 
 from __future__ import annotations

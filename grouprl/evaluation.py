@@ -25,7 +25,7 @@ EVAL_ROWS = "eval/completions"  # evaluate's rows of --log-eval-samples (Logger.
 
 @dataclass(frozen=True)
 class Evaluation:
-    """One held-out evaluation's settings, made from the flags by cli.evaluation."""
+    """One held-out evaluation's settings, made from the flags by cli.eval_plan."""
     sampling: Sampling  # the rollout's, with --eval-temperature, --eval-top-p, --eval-max-new-tokens
     k: int  # --eval-k
     n: int | None = None  # --eval-n: samples a prompt (None: k)

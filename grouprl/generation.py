@@ -18,6 +18,7 @@ from .distributed import Dist, all_reduce, fail
 from .modeling import Policy
 from .sampling import Sampling
 
+
 @dataclass
 class Rollout:
     """Completions as generate makes them, and as sample_groups hands them to the loop with their
@@ -46,23 +47,23 @@ class Rollout:
         P = max(roll.n_prompt for roll, _ in parts)
         T = max(roll.mask.shape[1] for roll, _ in parts)
 
-        def cat(name: str, left, value=0):  # field `name` of every part, its rows `keep`, padded
-            if getattr(parts[0][0], name) is None:
+        def cat(name: str, prompt: bool = False, value=0):  # rows `keep` of each part, padded
+            if getattr(parts[0][0], name) is None:  # logp: the HF modes have none
                 return None
             pieces = []
             for roll, keep in parts:
                 x = getattr(roll, name)[keep.to(roll.mask.device)]
-                pad = (left(roll), T - roll.mask.shape[1]) if x.dim() == 2 else ()
-                pieces.append(F.pad(x, pad, value=value) if pad else x)
+                if x.dim() == 2:  # [rows, (P +) T]: the prompt padded on the left, the rest right
+                    x = F.pad(x, (P - roll.n_prompt if prompt else 0, T - roll.mask.shape[1]),
+                              value=value)
+                pieces.append(x)
             return torch.cat(pieces)
 
-        prompt_pad = lambda roll: P - roll.n_prompt  # noqa: E731
-        no_pad = lambda roll: 0  # noqa: E731
-        return cls(input_ids=cat("input_ids", prompt_pad, pad_id),
-                   attention_mask=cat("attention_mask", prompt_pad), n_prompt=P,
-                   mask=cat("mask", no_pad), truncated=cat("truncated", no_pad),
+        return cls(input_ids=cat("input_ids", prompt=True, value=pad_id),
+                   attention_mask=cat("attention_mask", prompt=True), n_prompt=P,
+                   mask=cat("mask"), truncated=cat("truncated"),
                    texts=[roll.texts[i] for roll, keep in parts for i in keep.tolist()],
-                   logp=cat("logp", no_pad))
+                   logp=cat("logp"))
 
 
 GEN_MODES = ("repeat", "shared-prefill", "static", "engine", "engine-tp")

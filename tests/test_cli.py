@@ -256,24 +256,6 @@ def test_trl_epsilon_high_answered_per_script(script, argv, said):
         cli.parse_args(importlib.import_module(script).Args, argv)
     assert str(e.value).startswith(f"error: {said}"), e.value
 
-def fails_before_any_model(script, argv, needle, monkeypatch, tmp_path):
-    mod = importlib.import_module(script)
-
-    def no_model(*a, **k):
-        raise AssertionError("the model was built before the bad input was caught")
-
-    monkeypatch.setattr(mod, "load_model", no_model)
-    argv = [bad_dataset(tmp_path) if a == "BAD" else a for a in argv]
-    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--output-dir", str(tmp_path / "runs"), *argv])
-    with pytest.raises(SystemExit) as e:
-        mod.main()
-    if needle is None:
-        assert e.value.code == 2
-        return
-    msg = str(e.value.code)
-    assert msg.startswith("error: ") and "\n" not in msg and needle in msg, msg
-    assert not (tmp_path / "runs").exists()  # nothing written either
-
 
 def test_error_is_one_line_on_stderr(tmp_path):
     """Before any heavy work: the child's CPU time (not the wall clock, which a loaded machine stretches) stays

@@ -1,8 +1,11 @@
 """Bad input fails fast with one clear line, before any model is built; --help documents every field; the
 hub sets' loaders read local files laid out in the hub sets' own columns."""
+import contextlib
 import dataclasses
+import functools
 import importlib
 import importlib.util
+import io
 import json
 import os
 import re
@@ -338,12 +341,41 @@ def test_tyro_error_under_torchrun_is_printed_once(tmp_path):
         "flag\n", "", 1), out
 
 
+@functools.cache
+def help_of(script: str) -> str:
+    """What `python {script}.py --help` prints at 120 columns, made in this process by the script's own call,
+    parse_args(Args) with sys.argv as the shell gives it (a subprocess a script costs ~3 s of imports;
+    test_help_in_process_is_the_scripts checks that the two are the same bytes)."""
+    from grouprl.cli import parsing
+
+    mod = importlib.import_module(script)
+    argv, columns = sys.argv, os.environ.get("COLUMNS")
+    out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")  # utf-8: tyro's boxes, as on a terminal
+    sys.argv, os.environ["COLUMNS"] = [f"{script}.py", "--help"], "120"
+    try:
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as e:
+            parsing.parse_args(mod.Args)
+    finally:
+        sys.argv = argv
+        os.environ.pop("COLUMNS") if columns is None else os.environ.update(COLUMNS=columns)
+    assert e.value.code in (0, None)
+    out.flush()
+    return out.buffer.getvalue().decode()
+
+
+def test_help_in_process_is_the_scripts():
+    """help_of's text is byte for byte what the script prints (the script's main reaches the same parse_args)."""
+    p = subprocess.run([sys.executable, "vespo.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "COLUMNS": "120"})
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == help_of("vespo")
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_arg_documented(script):
     mod = importlib.import_module(script)
-    p = subprocess.run([sys.executable, f"{script}.py", "--help"], cwd=ROOT, capture_output=True, text=True)
-    assert p.returncode == 0
-    help_text = " ".join(p.stdout.split())
+    help_out = help_of(script)
+    help_text = " ".join(help_out.split())
     # --help opens with the script's description: its docstring's first paragraph (issue 37 item 7)
     doc = " ".join(mod.__doc__.split("\n\n")[0].split())
     assert help_text.startswith(f"usage: {script}.py [-h] [OPTIONS] {doc}"), help_text[:300]
@@ -353,7 +385,7 @@ def test_every_arg_documented(script):
     first = ["--exp-name", "--seed", "--model", "--dataset", "--reward", "--num-steps", "--prompts-per-rank",
              "--group-size", "--learning-rate", "--max-new-tokens", "--temperature", "--eval-every", "--output-dir",
              "--resume"]
-    flags = re.findall(r"│ (--[a-z0-9-]+)", p.stdout)
+    flags = re.findall(r"│ (--[a-z0-9-]+)", help_out)
     assert flags[:len(first)] == first, flags[:len(first)]
     names = set()
     for path, cls in ((f"{ROOT}/{script}.py", "class Args"), (f"{ROOT}/grouprl/cli/flags.py", "class CommonArgs")):
@@ -376,11 +408,8 @@ def test_help_is_grouped_in_sections(script):
     from grouprl.cli import flags, parsing
 
     mod = importlib.import_module(script)
-    p = subprocess.run([sys.executable, f"{script}.py", "--help"], cwd=ROOT, capture_output=True, text=True,
-                       env={**os.environ, "COLUMNS": "120"})  # one column of boxes
-    assert p.returncode == 0, p.stderr
     boxes, flags_in = [], {}
-    for line in p.stdout.splitlines():
+    for line in help_of(script).splitlines():  # 120 columns: one column of boxes
         row = line.strip().strip("│").strip()
         if (m := re.match(r"╭─ (\S+) options", line)):
             boxes.append([m[1], None])

@@ -532,3 +532,33 @@ def test_gspo_runs_an_environment_end_to_end(monkeypatch, tmp_path, dynamic):
     tools = episodes._TOOLS.pop((None, ENV, 2))
     assert tools.history == {}  # every episode's instance dropped
     tools.stop()
+
+
+def test_a_broken_reset_or_turn_count_stops_in_one_line(tmp_path):
+    """reset raising, or get_turn_rewards giving another count than the episode's model turns, is the class's bug:
+    one line, not a silent misalignment of per-turn credit."""
+    f = tmp_path / "broken.py"
+    f.write_text('''class Broken:
+    def reset(self, answer: str, **row):
+        if answer == "bad":
+            raise KeyError("no such answer")
+
+    def noop(self) -> str:
+        """Nothing."""
+        return ""
+
+    def get_turn_rewards(self) -> list:
+        return [1.0, 2.0]
+''')
+    tok = modeling.tiny_tokenizer()
+    for answer, needle in [("bad", "reset(**row) failed ('no such answer')"),
+                           ("3", "get_turn_rewards gave 2 rewards for an episode of 1 model turns")]:
+        tools = Tools(None, environment=f"{f}:Broken")
+        try:
+            with pytest.raises(SystemExit) as e:
+                generate_episodes(Scripted(tok, [["no tool"]]), tok, env_rows(answer), 1, [tok.eos_token_id],
+                                  CPU_ENV, Sampling(max_new_tokens=50, mode="repeat"), tools)
+        finally:
+            tools.stop()
+        msg = str(e.value.code)
+        assert msg.startswith("error: ") and "\n" not in msg and needle in msg, msg

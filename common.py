@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from grouprl import energy, moe
 from grouprl.distributed import Dist, all_gather_cat, all_reduce, fail
-from grouprl.episodes import generate_episodes, tools_of
+from grouprl.episodes import env_scores, generate_episodes, tools_of
 from grouprl.generation import Rollout, generate
 from grouprl.modeling import Policy
 from grouprl.progress import ROLLOUT_BAR_DELAY, GenBar
@@ -89,8 +89,8 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
         rows = train.select(indices)
         bar.bar.total += len(indices) if r else 0  # --dynamic-sampling's further rounds
         t = time.time()
-        if args.tools:  # episodes: tool calls and their results between the model's turns
-            roll = generate_episodes(policy, tok, rows["text"], group_size, eos, dist_env, sampling,
+        if args.tools or args.environment:  # episodes: tool calls, results, turns (an instance each)
+            roll = generate_episodes(policy, tok, rows, group_size, eos, dist_env, sampling,
                                      streamer=bar, tools=tools_of(args))
         else:
             roll = generate(policy, tok, rows["text"], group_size, eos, dist_env, sampling,
@@ -99,7 +99,9 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
         bar.show(len(indices))
         gen_tokens += roll.mask.sum().item()
         rewards, errors = score(roll.texts, rows, group_size, reward, truncated=roll.truncated,
-                                truncated_scale=args.truncated_reward_scale)
+                                truncated_scale=args.truncated_reward_scale,
+                                given=env_scores(roll, args),  # get_reward, weight 1
+                                messages=roll.messages)  # TRL-form rewards: the episode
         reward_errors += errors
         rounds.append((indices, roll, rewards, dict(getattr(reward, "values", {}))))
         if not dynamic or r + 1 == max_rounds:

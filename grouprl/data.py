@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from .distributed import fail, main_process
+from .tools import tool_schemas, tools_in_prompt
 
 
 # -------------------- tasks: prompts and reference answers
@@ -61,6 +62,8 @@ class Task:
     eval_dataset: str | None = None  # --eval-dataset: held out whole
     eval_limit: int = 0  # --eval-limit: the first N held-out rows (0: all)
     eval_only: bool = False  # --eval-only: every row held out
+    tools: str | None = None  # --tools: their schemas rendered into the prompts
+    environment: str | None = None  # --environment: its methods' schemas too
 
     @classmethod
     def of(cls, args) -> Task:  # the run's flags (--dataset is `name`)
@@ -95,8 +98,9 @@ def load_task(task: Task, tok):
         if "text" in d.column_names:  # the templated prompt goes there; the data's 'text' is lost
             print("the data's column 'text' is replaced by the templated prompt")
             d = d.remove_columns("text")
+        schemas = tool_schemas(task.tools, task.environment)  # --tools', --environment's
         d = d.add_column("text", chat_prompts(tok, d["prompt"], task.enable_thinking,
-                                              task.system_prompt))
+                                              task.system_prompt, schemas))
         return d.filter(lambda b: [len(ids) <= task.max_prompt_tokens for ids in
                                    tok(b["text"], add_special_tokens=False).input_ids],
                         batched=True)
@@ -330,8 +334,7 @@ def task_rows(flag: str, name: str, d, pcol: str, acol: str, instr: str):
     rows = d.map(to_row).filter(lambda r: len(r["answer_"]) > 0)
     for col in ("answer", "prompt"):
         if col + "_" in rows.column_names:
-            if col in rows.column_names:
-                rows = rows.remove_columns(col)
+            rows = rows.remove_columns(col) if col in rows.column_names else rows
             rows = rows.rename_column(col + "_", col)
     return rows, len(d) - len(rows)
 
@@ -385,10 +388,8 @@ def read_files(flag: str, spec: str, splits: bool = False):
     datasets_logging.set_verbosity(datasets_logging.CRITICAL)  # its own error lines: ours is one
     try:
         if builder is None:
-            found = dict(load_dataset(spec))
-            if splits:
-                return found
-            return found["train"] if "train" in found else next(iter(found.values()))
+            found = dict(load_dataset(spec))  # a folder: its splits, or its train (else first)
+            return found if splits else found.get("train", next(iter(found.values())))
         if splits and len(paths) > 1:  # a glob: its files keep the splits their names say
             by_split = {}
             for p in paths:
@@ -544,26 +545,26 @@ def local_copy(name: str) -> str:
 
 
 def chat_prompts(tok, prompts: list, enable_thinking: bool | None = None,
-                 system_prompt: str | None = None) -> list[str]:
+                 system_prompt: str | None = None, tools: list[dict] | None = None) -> list[str]:
     """Each prompt through the tokenizer's chat template: a text prompt as one user message (after
     a system message of system_prompt, if given), a conversational prompt (a list of {role,
     content} messages) whole, its own system message included. enable_thinking is passed to the
     template only when set (None: the template's own default; Qwen3's thinks). A tokenizer without
-    a chat template gets text prompts as they are."""
+    a chat template gets text prompts as they are. tools: the tools' schemas (tools_in_prompt)."""
     if not getattr(tok, "chat_template", None):
         if system_prompt is not None or any(not isinstance(p, str) for p in prompts):
             fail("the tokenizer has no chat template: conversational prompts and --system-prompt "
                  "need one (give text prompts, or a model with a chat template)")
-        return list(prompts)
+        return [tools_in_prompt(tok, p, tools)[0] for p in prompts]
     kw = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     system = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
+    given = [tools_in_prompt(tok, system + [{"role": "user", "content": p}]
+                             if isinstance(p, str) else p, tools) for p in prompts]
     from jinja2.exceptions import SecurityError, TemplateError
 
     try:
-        return [tok.apply_chat_template(system + [{"role": "user", "content": p}]
-                                        if isinstance(p, str) else p,
-                                        tokenize=False, add_generation_prompt=True, **kw)
-                for p in prompts]
+        return [tok.apply_chat_template(m, tools=t, tokenize=False, add_generation_prompt=True,
+                                        **kw) for m, t in given]
     except SecurityError as e:  # the template reached for what the sandbox blocks (os.popen...)
         fail(f"the model's chat template does what a template may not ({str(e).rstrip('.')}), "
              "blocked: a template formats messages only; check the chat_template of the model's "

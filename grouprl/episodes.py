@@ -10,22 +10,13 @@ environment wrote. Not yet: --environment, the engine, per-turn credit (docs/alg
 from __future__ import annotations
 
 import json
-import os
 import re
-import select
-import subprocess
-import sys
-import time
 
 import torch
 
 from .distributed import fail
 from .generation import Rollout, gathered, generate
-
-TOOL_TIMEOUT_S = 10.0  # wall seconds a tool call may take; past it the call is an error result
-START_TIMEOUT_S = 60.0  # seconds the tool worker may take to import the tools file
-MAX_REPLY_BYTES = 1 << 21  # a reply line past this ends the worker: the call is an error
-WORKER_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tool_worker.py")
+from .tools import Tools, load_environment, load_tools
 
 # TRL 1.16's qwen3_schema (trl/chat_template_utils.py): the whole turn, then each call's JSON
 TURN = re.compile(r"^(?:<think>\n?(?:(?P<reasoning_content>.*?\S.*?)\n?|[\s]*)</think>\s*)?"
@@ -36,63 +27,31 @@ TURN = re.compile(r"^(?:<think>\n?(?:(?P<reasoning_content>.*?\S.*?)\n?|[\s]*)</
 CALL = re.compile(r"<tool_call>\s*(.+?)\s*</tool_call>", re.DOTALL)
 
 
-# -------------------- the tools: spec, functions and schemas, checks
-def split_spec(spec: str) -> tuple[str, list[str]]:
-    """'FILE.py:fn,fn' -> (FILE.py, [fn, fn]); a malformed spec fails in one line."""
-    path, _, names = spec.rpartition(":")
-    names = [n.strip() for n in names.split(",") if n.strip()]
-    if not path.endswith(".py") or not names:
-        fail(f"--tools {spec!r}: give FILE.py:fn[,fn...] (a Python file and its tool functions)")
-    return path, names
-
-
-def load_tools(spec: str) -> tuple[dict, list[dict]]:
-    """'FILE.py:fn,fn' -> ({name: function}, [JSON schema]) with the schemas as transformers'
-    get_json_schema makes them from type hints and the docstring (what TRL renders into the
-    prompt). The file is imported here for the schemas only: the calls run in the tool worker."""
-    import importlib.util
-
-    from transformers.utils import get_json_schema
-
-    path, names = split_spec(spec)
-    if not os.path.isfile(path):
-        fail(f"--tools {spec!r}: no file {path!r}")
-    module_spec = importlib.util.spec_from_file_location("grouprl_tools", path)
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - whatever the file raised, in one line
-        fail(f"--tools {spec!r}: importing {path} raised {type(e).__name__}: {e}")
-    fns, schemas = {}, []
-    for name in names:
-        fn = getattr(module, name, None)
-        if not callable(fn):
-            fail(f"--tools {spec!r}: {path} has no function {name!r}")
-        try:
-            schemas.append(get_json_schema(fn))
-        except Exception as e:  # noqa: BLE001 - transformers' own message says what is missing
-            fail(f"--tools {spec!r}: {name} has no JSON schema ({e}): give it type hints and a "
-                 "docstring with an Args: section")
-        fns[name] = fn
-    return fns, schemas
-
-
+# -------------------- the flags' checks
 def check_tool_args(args, launched: bool):
-    """The --tools flags' one-line checks, before any heavy work (called by check_common_args)."""
-    if not args.tools:
+    """The --tools and --environment flags' one-line checks, before any heavy work (called by
+    check_common_args). The two go together as TRL's tools= and environment_factory do: the
+    functions and the environment's methods are the episode's tools."""
+    env = getattr(args, "environment", None)
+    if not args.tools and not env:
         return
+    flag = "--tools" if args.tools else "--environment"
     if args.max_tool_calls < 1:
         fail(f"--max-tool-calls {args.max_tool_calls}: give at least 1 (rounds of tool calls)")
     if args.gen_mode in ("engine", "engine-tp"):
-        fail(f"--tools with --gen-mode {args.gen_mode}: the engine does not run episodes yet "
+        fail(f"{flag} with --gen-mode {args.gen_mode}: the engine does not run episodes yet "
              "(its KV cache across turns is not written); use --gen-mode shared-prefill")
     if args.old_logp == "rollout":
-        fail("--tools with --old-logp rollout: rollout log-probs come from the engine, which does "
+        fail(f"{flag} with --old-logp rollout: rollout log-probs come from the engine, which does "
              "not run episodes yet; drop --old-logp rollout")
     if launched:
-        fail("--tools under torchrun: episodes of different lengths would make the ranks' generate "
-             "calls differ; run on one process for now")
-    load_tools(args.tools)
+        fail(f"{flag} under torchrun: episodes of different lengths would make the ranks' "
+             "generate calls differ; run on one process for now")
+    names = list(load_tools(args.tools)[0]) if args.tools else []
+    twice = sorted(set(names) & set(load_environment(env).methods if env else []))
+    if twice:
+        fail(f"--tools and --environment both name a tool {twice[0]!r}: rename one (the prompt "
+             "would show two tools of one name)")
 
 
 # -------------------- a model turn's tool calls, a tool turn's tokens
@@ -142,81 +101,6 @@ def tool_suffix_ids(tok, tool_messages: list[dict]) -> list[int]:
     return full[len(prefix):]
 
 
-# -------------------- the tools' worker: calls out of this process, under a time bound
-class Tools:
-    """The --tools functions, called in a worker process (tool_worker.py) one call at a time. A
-    call's reply is (content, failed): the tool's str(result), or TRL's error result
-    str({'error': message}) for an exception, an unknown tool, bad arguments, a call past
-    timeout_s (the worker is killed and restarted) or a worker that died (a crash). max_calls:
-    the rounds of calls an episode may make (--max-tool-calls)."""
-
-    def __init__(self, spec: str, max_calls: int = 5, timeout_s: float = TOOL_TIMEOUT_S):
-        self.spec, self.max_calls, self.timeout_s = spec, max_calls, timeout_s
-        self.path, self.names = split_spec(spec)
-        self.fns, self.schemas = load_tools(spec)
-        self.proc, self.buf, self.sent = None, b"", 0
-
-    def start(self):
-        self.proc = subprocess.Popen(
-            [sys.executable, WORKER_FILE, os.path.abspath(self.path), ",".join(self.names),
-             str(os.getpid())], stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
-            start_new_session=True)  # a signal to our group leaves it be
-        self.buf = b""
-        msg = self.read(START_TIMEOUT_S)
-        if not isinstance(msg, dict) or not msg.get("ready"):
-            self.stop()
-            raise RuntimeError(f"the tool worker ({self.spec}) did not start: "
-                               f"{msg.get('fatal', msg) if isinstance(msg, dict) else msg}")
-
-    def read(self, timeout_s: float):
-        """The worker's next JSON line; a str saying why there is none (time, death, size)."""
-        deadline = time.monotonic() + timeout_s
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self.buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return f"the tool did not answer in {timeout_s:g} s"
-            if not select.select([fd], [], [], left)[0]:
-                continue
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                return f"the tool's process ended (exit code {self.proc.wait()})"
-            self.buf += chunk
-            if len(self.buf) > MAX_REPLY_BYTES:
-                return f"the tool's reply passed {MAX_REPLY_BYTES} bytes"
-        line, self.buf = self.buf.split(b"\n", 1)
-        try:
-            return json.loads(line)
-        except ValueError:
-            return f"the tool worker wrote {line[:80]!r}"
-
-    def call(self, name: str, arguments: dict) -> tuple[str, bool]:
-        if self.proc is None or self.proc.poll() is not None:
-            self.start()
-        self.sent += 1
-        try:
-            self.proc.stdin.write((json.dumps({"id": self.sent, "name": name,
-                                               "arguments": arguments}) + "\n").encode())
-            msg = self.read(self.timeout_s)
-        except OSError as e:  # the worker died between calls
-            msg = f"the tool's process ended ({e})"
-        if not isinstance(msg, dict) or msg.get("id") != self.sent:
-            self.stop()  # a hang, a crash, a flood: this call's error, a fresh worker next
-            return str({"error": msg if isinstance(msg, str) else "a reply out of order"}), True
-        if "e" in msg:
-            return str({"error": msg["e"]}), True
-        return msg["r"], False
-
-    def stop(self):
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-    def __del__(self):
-        self.stop()
-
-
 # -------------------- the tool loop over generate
 @torch.no_grad()
 def continue_turns(policy, tok, histories: list[list[int]], room: list[int], eos: list[int],
@@ -251,16 +135,22 @@ def continue_turns(policy, tok, histories: list[list[int]], room: list[int], eos
     return turns
 
 
-def generate_episodes(policy, tok, prompts: list[str], n: int, eos: list[int], dist_env,
-                      sampling, tools: Tools, streamer=None) -> Rollout:
+def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sampling,
+                      tools: Tools, streamer=None) -> Rollout:
     """generation.generate's Rollout, each row an episode (TRL 1.16's _tool_call_loop): turn 1 by
-    generate (every HF mode), then up to tools.max_calls rounds: the rows whose last turn calls tools
-    get the results as a tool turn (mask 0) and generate again (mask 1). The budget
+    generate (every HF mode), then up to tools.max_calls rounds: the rows whose last turn calls
+    tools get the results as a tool turn (mask 0) and generate again (mask 1). The budget
     sampling.max_new_tokens holds over the whole episode: a tool turn that would pass it is
     dropped (its calls counted) and the episode ends, truncated; a turn is cut where the budget
-    ends. texts: the model's turns, joined by a newline. stats: tools/call_frequency (calls an
-    episode), tools/failure_frequency (failed calls over calls), tools/malformed_turns,
-    tools/rolled_back, tools/turns_per_episode (this process's episodes)."""
+    ends. prompts: the templated prompts, or the batch's rows (their 'text'; with an
+    --environment, each episode's instance is reset(**row) first, open_episodes).
+    texts: the model's turns, joined by a newline. With an --environment: env_rewards and
+    env_errors (get_reward), turn_rewards (get_turn_rewards), close_episodes. stats:
+    tools/call_frequency (calls an episode), tools/failure_frequency (failed calls over calls),
+    tools/malformed_turns, tools/rolled_back, tools/cut_by_budget (episodes cut by the budget,
+    rolled back or not), tools/cut_by_limit (episodes whose last turn calls tools after
+    --max-tool-calls rounds), tools/turns_per_episode (this process's episodes)."""
+    ids, prompts, n = open_episodes(tok, prompts, n, tools)
     first = generate(policy, tok, prompts, n, eos, dist_env, sampling, streamer=streamer)
     B, P, budget = len(first.texts), first.n_prompt, sampling.max_new_tokens
     prompt = [row[m.bool()].tolist() for row, m in zip(first.input_ids[:, :P],
@@ -268,6 +158,7 @@ def generate_episodes(policy, tok, prompts: list[str], n: int, eos: list[int], d
     comp = [row[P:][m.bool()].tolist() for row, m in zip(first.input_ids, first.mask)]
     mask = [[1] * len(c) for c in comp]
     turns = [[t] for t in first.texts]
+    replies = [[] for _ in range(B)]  # each kept tool turn's messages (TRL's completions)
     cut = first.truncated.tolist()
     calls = failures = malformed = rolled = 0
     live = list(range(B))  # rows whose last turn is read for calls
@@ -280,7 +171,7 @@ def generate_episodes(policy, tok, prompts: list[str], n: int, eos: list[int], d
                 continue
             results = []
             for c in parsed:
-                content, failed = tools.call(c["name"], c["arguments"])
+                content, failed = tools.call(c["name"], c["arguments"], ids[i])
                 calls, failures = calls + 1, failures + failed
                 results.append({"role": "tool", "name": c["name"], "content": content})
             suffix = tool_suffix_ids(tok, results)
@@ -288,8 +179,10 @@ def generate_episodes(policy, tok, prompts: list[str], n: int, eos: list[int], d
                 rolled, cut[i] = rolled + 1, True
                 continue
             comp[i], mask[i] = comp[i] + suffix, mask[i] + [0] * len(suffix)
+            replies[i].append(results)
             nxt.append(i)
         if not nxt:
+            live = []
             break
         room = [budget - len(comp[i]) for i in nxt]
         for i, (new, no_eos, text) in zip(nxt, continue_turns(
@@ -298,6 +191,8 @@ def generate_episodes(policy, tok, prompts: list[str], n: int, eos: list[int], d
             turns[i].append(text)
             cut[i] = no_eos
         live = nxt
+    limited = sum(not cut[i] and bool(parse_calls(turns[i][-1])) for i in live)  # rounds spent
+    ends = close_episodes(tools, ids, turns)
     T = max(len(c) for c in comp)
     dev = first.input_ids.device
     tail = torch.tensor([c + [tok.pad_token_id] * (T - len(c)) for c in comp], device=dev)
@@ -305,21 +200,130 @@ def generate_episodes(policy, tok, prompts: list[str], n: int, eos: list[int], d
     stats = {"tools/call_frequency": calls / B,
              "tools/failure_frequency": failures / calls if calls else 0.0,
              "tools/malformed_turns": float(malformed), "tools/rolled_back": float(rolled),
+             "tools/cut_by_budget": float(sum(cut)), "tools/cut_by_limit": float(limited),
              "tools/turns_per_episode": sum(len(t) for t in turns) / B}
     return Rollout(input_ids=torch.cat([first.input_ids[:, :P], tail], 1),
                    attention_mask=torch.cat([first.attention_mask[:, :P], am], 1), n_prompt=P,
                    mask=torch.tensor([m + [0] * (T - len(m)) for m in mask], device=dev,
                                      dtype=torch.float),
                    truncated=torch.tensor(cut, device=dev), texts=["\n".join(t) for t in turns],
-                   stats=stats)
+                   stats=stats, messages=[conversation(t, r) for t, r in zip(turns, replies)],
+                   **ends)
 
 
-_TOOLS = {}  # the run's Tools by --tools spec: one worker a run, started on the first call
+def turn_message(text: str) -> dict:
+    """A model turn as TRL 1.16's parse_response makes it with Qwen3's response schema: content,
+    reasoning_content (a <think> block's), tool_calls [{type: function, function: {name,
+    arguments}}]; a malformed turn is its text (TRL decodes it as plain text)."""
+    turn, calls = TURN.match(text), parse_calls(text)
+    if turn is None or calls is None:
+        return {"role": "assistant", "content": text}
+    msg = {"role": "assistant", "content": turn.group("content")}
+    if turn.group("reasoning_content"):
+        msg["reasoning_content"] = turn.group("reasoning_content")
+    if calls:
+        msg["tool_calls"] = [{"type": "function", "function": c} for c in calls]
+    return msg
+
+
+def conversation(turns: list[str], replies: list[list[dict]]) -> list[dict]:
+    """An episode as TRL's completions for a tool episode: each model turn's message, then its
+    tool messages ({role: tool, name, content}) where they were kept (not rolled back)."""
+    out = []
+    for k, text in enumerate(turns):
+        out.append(turn_message(text))
+        out += replies[k] if k < len(replies) else []
+    return out
+
+
+def open_episodes(tok, prompts, n: int, tools: Tools) -> tuple[list, list[str], int]:
+    """-> (each episode's instance id, the prompts to generate from, n). prompts: a list of
+    templated prompts, or the batch's rows. With an --environment (TRL's environment_factory), each
+    of the B = prompts x n episodes gets its own instance in the tool worker, reset(**row) with its
+    prompt's row (every column but our templated 'text'); a string it returns is appended to the
+    prompt's last message as TRL appends it, and that prompt goes through the chat template again
+    (with the tools). The prompts stay one a group (n each) while a group's episodes share one; else
+    one a row (n 1)."""
+    rows = None if isinstance(prompts, list) else prompts
+    texts = list(prompts) if rows is None else list(rows["text"])
+    if getattr(tools, "env", None) is None:
+        return [None] * (len(texts) * n), texts, n
+    if rows is None:
+        raise ValueError("an --environment's episodes need the batch's rows (reset(**row))")
+    from .data import chat_prompts
+
+    names = list(rows.column_names if hasattr(rows, "column_names") else rows.keys())
+    columns = {k: list(rows[k]) for k in names}
+    ids, mine = [], []
+    for g, text in enumerate(texts):
+        row = {k: v[g] for k, v in columns.items()}
+        for _ in range(n):
+            i, obs = tools.open(row)
+            ids.append(i)
+            mine.append(text if obs is None else chat_prompts(
+                tok, [with_observation(row["prompt"], obs)], tools.template.get("enable_thinking"),
+                tools.template.get("system_prompt"), tools=tools.schemas)[0])
+    if all(mine[g * n:(g + 1) * n] == [mine[g * n]] * n for g in range(len(texts))):
+        return ids, mine[::n], n
+    return ids, mine, 1
+
+
+def with_observation(prompt, obs: str):
+    """TRL 1.16's reset: obs appended to the content of the prompt's last message (a text prompt
+    is the one user message chat_prompts makes of it; list content gets a text part)."""
+    if isinstance(prompt, str):
+        return prompt + obs
+    content = prompt[-1]["content"]
+    if isinstance(content, list):
+        obs = [{"type": "text", "text": obs}]
+    return list(prompt[:-1]) + [{**prompt[-1], "content": content + obs}]
+
+
+def close_episodes(tools: Tools, ids: list, turns: list[list[str]]) -> dict:
+    """Each episode's scores, its instance then dropped: env_rewards [B] float64 (get_reward, one
+    more reward source of weight 1; NaN where it returned None or failed), env_errors [B] (its
+    error or None), turn_rewards [B] lists (get_turn_rewards, one float per model turn). A
+    get_turn_rewards that fails or gives another count than the episode's turns stops the run in
+    one line. {} without an --environment."""
+    env = getattr(tools, "env", None)
+    if env is None:
+        return {}
+    values, errors, per_turn = [], [], []
+    for i, said in zip(ids, turns):
+        if env.reward:
+            r, e = tools.score(i, "reward")
+            values.append(float("nan") if r is None else r)
+            errors.append(e if e is None else f"{env.name}.get_reward: {e}")
+        if env.turn_rewards:
+            r, e = tools.score(i, "turn_rewards", said)
+            if e is not None or len(r) != len(said):
+                what = f"failed ({e})" if e is not None else f"gave {len(r)} rewards"
+                fail(f"--environment {env.spec!r}: get_turn_rewards {what} for an episode of "
+                     f"{len(said)} model turns: give one float per model turn")
+            per_turn.append(r)
+        tools.close(i)
+    return {"env_rewards": torch.tensor(values, dtype=torch.float64) if env.reward else None,
+            "env_errors": errors if env.reward else None,
+            "turn_rewards": per_turn if env.turn_rewards else None}
+
+
+_TOOLS = {}  # the run's Tools by its flags: one worker a run, started on the first call
+
+
+def env_scores(roll: Rollout, args) -> dict | None:
+    """score's given rewards: {the environment class's name: (get_reward values, their errors)}
+    for a rollout of an --environment with get_reward (TRL: one more reward of weight 1, logged
+    under the class's name); else None."""
+    if roll.env_rewards is None:
+        return None
+    return {tools_of(args).env.name: (roll.env_rewards, roll.env_errors)}
 
 
 def tools_of(args) -> Tools:
-    """The run's Tools for --tools and --max-tool-calls (made once)."""
-    key = (args.tools, args.max_tool_calls)
+    """The run's Tools for --tools, --environment and --max-tool-calls (made once)."""
+    key = (args.tools, args.environment, args.max_tool_calls)
     if key not in _TOOLS:
-        _TOOLS[key] = Tools(args.tools, args.max_tool_calls)
+        _TOOLS[key] = Tools(args.tools, args.max_tool_calls, environment=args.environment,
+                            template={"enable_thinking": args.enable_thinking,
+                                      "system_prompt": args.system_prompt})
     return _TOOLS[key]

@@ -35,6 +35,12 @@ class Rollout:
     rewards: torch.Tensor | None = None  # [B] each completion's reward (sample_groups)
     reward_errors: int = 0  # reward calls that failed, every generation round
     stats: dict = field(default_factory=dict)  # perf/gen_tokens_per_s; charts/gen_rounds ...
+    # episodes with an --environment (episodes.close_episodes): [B] float64 get_reward (NaN: None
+    # or failed), [B] its errors (None: scored), [B] get_turn_rewards (a float a model turn)
+    env_rewards: torch.Tensor | None = None
+    env_errors: list[str | None] | None = None
+    turn_rewards: list[list[float]] | None = None
+    messages: list[list[dict]] | None = None  # [B] an episode as TRL's completions (messages)
 
     @classmethod
     def merge(cls, parts: list[tuple[Rollout, torch.Tensor]], pad_id: int) -> Rollout:
@@ -47,12 +53,18 @@ class Rollout:
         P = max(roll.n_prompt for roll, _ in parts)
         T = max(roll.mask.shape[1] for roll, _ in parts)
 
+        def rows(name: str):  # a list field's rows `keep` of each part (None: the parts have none)
+            if getattr(parts[0][0], name) is None:
+                return None
+            return [getattr(roll, name)[i] for roll, keep in parts for i in keep.tolist()]
+
         def cat(name: str, prompt: bool = False, value=0):  # rows `keep` of each part, padded
             if getattr(parts[0][0], name) is None:  # logp: the HF modes have none
                 return None
             pieces = []
             for roll, keep in parts:
-                x = getattr(roll, name)[keep.to(roll.mask.device)]
+                x = getattr(roll, name)
+                x = x[keep.to(x.device)]  # env_rewards stay on the CPU
                 if x.dim() == 2:  # [rows, (P +) T]: the prompt padded on the left, the rest right
                     x = F.pad(x, (P - roll.n_prompt if prompt else 0, T - roll.mask.shape[1]),
                               value=value)
@@ -62,8 +74,9 @@ class Rollout:
         return cls(input_ids=cat("input_ids", prompt=True, value=pad_id),
                    attention_mask=cat("attention_mask", prompt=True), n_prompt=P,
                    mask=cat("mask"), truncated=cat("truncated"),
-                   texts=[roll.texts[i] for roll, keep in parts for i in keep.tolist()],
-                   logp=cat("logp"))
+                   texts=rows("texts"), logp=cat("logp"), env_rewards=cat("env_rewards"),
+                   env_errors=rows("env_errors"), turn_rewards=rows("turn_rewards"),
+                   messages=rows("messages"))
 
 
 GEN_MODES = ("repeat", "shared-prefill", "static", "engine", "engine-tp")

@@ -22,9 +22,22 @@ from .grader import MAX_ANSWER_CHARS, Reward, Rewards, canonical, decide, extrac
 _MATH_GRADER = []  # the default Reward, made on first use
 
 
+class Given:
+    """A reward computed before score, as a part of the rewards (kind 'given'): an
+    --environment's get_reward (episodes.env_scores), named for its class, weight 1 (TRL)."""
+    kind = "given"
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def stop(self):  # Rewards.stop stops every part
+        pass
+
+
 def score(texts: list[str], answers, n: int, reward: Reward | Rewards | None = None,
           watch: bool = True, truncated: torch.Tensor | None = None,
-          truncated_scale: float = 1.0) -> tuple[torch.Tensor, int]:
+          truncated_scale: float = 1.0, given: dict | None = None,
+          messages: list[list[dict]] | None = None) -> tuple[torch.Tensor, int]:
     """Reward per completion (reward: a Reward or Rewards, default the math grader), and on how
     many completions a reward failed (raised, returned a non-finite value or not a reward a
     completion, ran past its time bound, or an answer too long to grade): those score 0 from that
@@ -39,7 +52,12 @@ def score(texts: list[str], answers, n: int, reward: Reward | Rewards | None = N
     --max-new-tokens scores truncated_scale times its reward.
     watch: a training step; say once when every group of each of the first steps has equal
     rewards (watch_flat_groups), keep each reward's values for its logs (reward.metrics()), and
-    stop the run on a reward that keeps failing (watch_failures)."""
+    stop the run on a reward that keeps failing (watch_failures).
+    given: {name: (values [B] float64, NaN: does not apply; errors [B], None: scored)}, rewards
+    computed elsewhere (an --environment's get_reward): each joins reward's parts on first sight,
+    weight 1 (Rewards only; their values log as rewards/<name>/), and scores NaN where not given
+    (a held-out evaluation). messages: episodes as TRL's completions (model and tool messages),
+    what a TRL-form reward gets as completions when the prompts are messages (TRL's tool loop)."""
     if reward is None:
         if not _MATH_GRADER:
             _MATH_GRADER.append(Reward())
@@ -47,11 +65,20 @@ def score(texts: list[str], answers, n: int, reward: Reward | Rewards | None = N
     rows = answers if hasattr(answers, "keys") or hasattr(answers, "column_names") else None
     answers = [str(a) for a in (rows["answer"] if rows is not None else answers)]
     columns, values, failed, first = {}, {}, torch.zeros(len(texts), dtype=torch.bool), {}
-    for part, _ in reward.parts:
-        if part.kind == "trl":
+    new = [(Given(name), 1.0) for name in given or {}
+           if name not in [part.name for part, _ in reward.parts]]
+    if isinstance(reward, Rewards):  # TRL: the environment's reward is one more, weight 1, kept
+        reward.parts += new
+    parts = reward.parts if isinstance(reward, Rewards) else reward.parts + new
+    for part, _ in parts:
+        if part.kind == "given":  # not given (an evaluation): it does not apply
+            none = torch.full((len(texts),), math.nan, dtype=torch.float64), [None] * len(texts)
+            v, errors = (given or {}).get(part.name, none)
+        elif part.kind == "trl":
             columns = columns or _columns(rows, answers)
             conversational = any(isinstance(p, list) for p in columns["prompts"][:1])  # messages
-            v, errors = _score_groups(part, texts, _taken(columns, part, rows), n, conversational)
+            v, errors = _score_groups(part, texts, _taken(columns, part, rows), n,
+                                      conversational, messages)
         elif part.kind == "verl":
             v, errors = _score_verl(part, texts, rows, answers, n)
         else:
@@ -63,7 +90,7 @@ def score(texts: list[str], answers, n: int, reward: Reward | Rewards | None = N
     # sum_k w_k r_k over the rewards that apply (TRL's nansum; 0 when none does), in float64: a finite reward past
     # float32's range (1e308, or 1e38 times a weight of 10) scores 0 and counts as a failure of the reward that
     # weighs most in it, like a non-finite reward, instead of becoming an infinite advantage
-    weights = torch.tensor([w for _, w in reward.parts], dtype=torch.float64)
+    weights = torch.tensor([w for _, w in parts], dtype=torch.float64)
     weighted = torch.stack(list(values.values()), 1) * weights
     r = weighted.nansum(1)
     over = ~torch.isfinite(r.float())
@@ -183,16 +210,20 @@ def _taken(columns: dict, reward: Reward, rows) -> dict:
 PLAIN_TEXT_ERRORS = ("TypeError", "KeyError", "AttributeError", "IndexError")
 
 
-def _score_groups(reward: Reward, texts: list[str], columns: dict, n: int, conversational: bool):
+def _score_groups(reward: Reward, texts: list[str], columns: dict, n: int, conversational: bool,
+                  messages: list[list[dict]] | None = None):
     """TRL's f(prompts, completions, **columns) -> list[float | None], called once per group of n
     completions, each argument given per completion (a prompt's values repeated n times); the
-    completions as [{'role': 'assistant', 'content': text}] when the prompts are message lists.
-    A reward per completion (NaN: None, not applicable) and its error."""
+    completions as [{'role': 'assistant', 'content': text}] when the prompts are message lists
+    (an episode's: its messages, as TRL's tool loop passes them). A reward per completion (NaN:
+    None, not applicable) and its error."""
     requests = []
     for g in range(len(texts) // n):
         group = texts[g * n:(g + 1) * n]
         completions = ([[{"role": "assistant", "content": t}] for t in group] if conversational
                        else list(group))
+        if conversational and messages is not None:
+            completions = messages[g * n:(g + 1) * n]
         requests.append({**{k: [v[g]] * n for k, v in columns.items()},
                          "completions": completions})
     v, errors = [], []

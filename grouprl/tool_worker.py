@@ -1,14 +1,25 @@
-"""The tool worker's program (episodes.py's Tools): run as a file, in a process of its own, it
-imports a --tools file and answers one call at a time over pipes, one JSON line each way.
-argv: the tools file, its function names (comma-separated), the trainer's pid.
-Its first line: {"ready": true} or {"fatal": "Type: message"}. A request {"id", "name",
-"arguments"} (arguments a JSON object, passed as keyword arguments: nothing is evaluated) gets
-{"id", "r": str(result)} or {"id", "e": "Type: message"} (an exception, an unknown tool, bad
-arguments), the result cut at MAX_RESULT_CHARS. A hang or a crash is the trainer's to bound (it
-kills this process); this one leaves when the trainer closes the pipe or dies.
+"""The tool worker's program (tools.py's Tools): run as a file, in a process of its own, it
+imports a --tools file and an --environment class and answers one request at a time over pipes,
+one JSON line each way.
+argv: the tools file and its function names (comma-separated; '-' '-' for none), the trainer's
+pid, the environment's file and class name ('-' '-' for none).
+Its first line: {"ready": true} or {"fatal": "Type: message"}. Requests, each with its "id":
+  {"name", "arguments"[, "i"]}: a tool call (arguments a JSON object, passed as keyword
+    arguments: nothing is evaluated), on instance i's methods and the tools (TRL's tool dict: a
+    method shadows a function of its name) -> {"r": str(result)} or {"e": message} (an exception,
+    an unknown tool, bad arguments), the result cut at MAX_RESULT_CHARS;
+  {"op": "reset", "i", "row"}: instance i made anew (the class called with no argument, TRL's
+    factory) and reset(**row) -> {"r": its str or None};
+  {"op": "reward", "i"}: get_reward() -> {"r": float or None};
+  {"op": "turn_rewards", "i", "turns"}: get_turn_rewards(), or get_turn_rewards(turns) where it
+    takes an argument (the model's turns as texts), -> {"r": [float]};
+  {"op": "drop", "i"}: instance i forgotten -> {"r": null}.
+Instances live here only, one per episode, never shared. A hang or a crash is the trainer's to
+bound (it kills this process); this one leaves when the trainer closes the pipe or dies.
 Standard library only, so that it starts fast."""
 
 import importlib.util
+import inspect
 import json
 import os
 import sys
@@ -18,29 +29,61 @@ import time
 MAX_RESULT_CHARS = 100_000  # a tool's reply past this is cut (the length budget drops it anyway)
 
 
-def load(path: str, names: list[str]) -> dict:
-    """{name: function} of the file at path (imported as a module of its own)."""
+NOT_TOOLS = ("reset", "get_reward", "get_turn_rewards")  # tools.py's: not the model's to call
+
+
+def load(path: str, names: list[str]):
+    """{name: attribute} of the file at path (imported as a module of its own)."""
     spec = importlib.util.spec_from_file_location("grouprl_tools", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return {name: getattr(module, name) for name in names}
 
 
-def answer(fns: dict, request: dict) -> dict:
-    """TRL 1.16's tool call: fn(**arguments); any failure is the reply's 'e'."""
+def methods(instance) -> dict:
+    """An instance's tools as TRL lists them: the class's public functions but NOT_TOOLS."""
+    return {name: getattr(instance, name) for name, _ in inspect.getmembers(
+        type(instance), predicate=inspect.isfunction)
+        if name not in NOT_TOOLS and not name.startswith("_")}
+
+
+def answer(fns: dict, cls, instances: dict, request: dict) -> dict:
+    """TRL 1.16's tool call fn(**arguments), or an instance's reset, scores, drop; any failure
+    is the reply's 'e'."""
     try:
+        op, i = request.get("op"), request.get("i")
+        if op == "reset":
+            instances[i] = cls()
+            obs = instances[i].reset(**request["row"])
+            if obs is not None and not isinstance(obs, str):
+                raise TypeError(f"reset returned a {type(obs).__name__}, not a str or None")
+            return {"r": obs}
+        if op == "drop":
+            instances.pop(i, None)
+            return {"r": None}
+        if i is not None and i not in instances:
+            raise ValueError(f"the environment instance {i} does not exist")
+        if op == "reward":
+            r = instances[i].get_reward()
+            return {"r": None if r is None else float(r)}
+        if op == "turn_rewards":  # get_turn_rewards() or get_turn_rewards(turns): the turns' texts
+            fn = instances[i].get_turn_rewards
+            r = fn(request["turns"]) if inspect.signature(fn).parameters else fn()
+            return {"r": [float(x) for x in r]}
         name, arguments = request["name"], request["arguments"]
-        if name not in fns:
+        tools = {**fns, **methods(instances[i])} if i is not None else fns
+        if name not in tools:
             raise ValueError(f"Tool {name} not found.")
         if not isinstance(arguments, dict):
             raise TypeError(f"arguments must be a JSON object, not {type(arguments).__name__}")
-        return {"r": str(fns[name](**arguments))[:MAX_RESULT_CHARS]}
+        return {"r": str(tools[name](**arguments))[:MAX_RESULT_CHARS]}
     except Exception as e:  # noqa: BLE001 - whatever the tool raised, sent back as its error
         return {"e": str(e)[:MAX_RESULT_CHARS]}
 
 
 def main(argv: list[str]):
     path, names, parent = argv[0], argv[1].split(","), int(argv[2])
+    env_path, env_class = (argv[3], argv[4]) if len(argv) > 4 else ("-", "-")
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # a tool's print() goes to stderr, never into the replies
     sys.stdout = sys.stderr
@@ -56,15 +99,16 @@ def main(argv: list[str]):
 
     threading.Thread(target=watch, daemon=True).start()
     try:
-        fns = load(path, names)
+        fns = load(path, names) if path != "-" else {}
+        cls = load(env_path, [env_class])[env_class] if env_path != "-" else None
     except BaseException as e:  # noqa: BLE001 - said in one line, the trainer stops
         reply(fatal=f"{type(e).__name__}: {e}")
         sys.exit(1)
     reply(ready=True)
-    me = os.getpid()
+    me, instances = os.getpid(), {}
     for line in sys.stdin:
         request = json.loads(line)
-        msg = answer(fns, request)
+        msg = answer(fns, cls, instances, request)
         if os.getpid() != me:  # the tool forked and its child came back here
             os._exit(0)
         reply(id=request["id"], **msg)

@@ -1,7 +1,8 @@
-"""Episodes, first slice (grouprl/episodes.py): tool calls parsed as TRL 1.16 parses the Qwen3/Hermes
-format, tools' schemas as transformers makes them, tools run in a worker that a hang or a crash
-cannot take down, a scripted episode's exact ids and mask, and the key test: GSPO's and GRPO's loss
-on an episode is the loss over the model's tokens only, with no gradient at any tool token."""
+"""Episodes (grouprl/episodes.py, grouprl/tools.py): tool calls parsed as TRL 1.16 parses the Qwen3/Hermes
+format, tools' schemas as transformers makes them and rendered into the prompt as TRL renders them, tools run in a
+worker that a hang or a crash cannot take down, --environment's instances (TRL's environment_factory) one per episode
+in that worker, get_reward as one more reward, a scripted episode's exact ids and mask, and the key test: GSPO's and
+GRPO's loss on an episode is the loss over the model's tokens only, with no gradient at any tool token."""
 import os
 import types
 
@@ -11,11 +12,16 @@ from helpers import ROOT, fails_before_any_model, run_script, value_and_grad
 
 import grpo
 import gspo
-from grouprl import episodes, modeling
+from grouprl import data, episodes, modeling, rewards
 from grouprl.episodes import Tools, generate_episodes, parse_calls, tool_suffix_ids
+from grouprl.generation import Rollout
+from grouprl.grader import Rewards
 from grouprl.sampling import Sampling
+from grouprl.tools import tools_text
 
 TOOLS_FILE = os.path.join(ROOT, "tests", "programs", "tools_example.py")
+ENV_FILE = os.path.join(ROOT, "tests", "programs", "counter_env.py")
+ENV = f"{ENV_FILE}:Counter"
 CALL = '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call>'
 
 
@@ -160,6 +166,7 @@ def test_budget_rolls_back_a_result():
     turn1 = len(tok(CALL, add_special_tokens=False).input_ids) + 1
     roll, _, _, _ = scripted_episode(budget=turn1 + 5)
     assert roll.truncated.tolist() == [True, False] and roll.stats["tools/rolled_back"] == 1
+    assert roll.stats["tools/cut_by_budget"] == 1 and roll.stats["tools/cut_by_limit"] == 0
     assert roll.stats["tools/call_frequency"] == 0.5
     assert roll.mask[0].sum() == turn1 and roll.mask.shape[1] == turn1 and roll.texts[0] == CALL
 
@@ -179,6 +186,7 @@ def test_rounds_not_calls_are_capped():
         tools.stop()
     assert roll.stats["tools/call_frequency"] == 1.0 and roll.stats["tools/turns_per_episode"] == 1.5
     assert roll.texts[0] == CALL + "\n" + CALL + "\n" + CALL and not roll.truncated.any()
+    assert roll.stats["tools/cut_by_limit"] == 1 and roll.stats["tools/cut_by_budget"] == 0  # its last turn calls
 
 
 def test_malformed_call_ends_the_episode_counted():
@@ -245,4 +253,312 @@ def test_gspo_runs_episodes_end_to_end(monkeypatch, tmp_path):
     assert len(train) == 2 and all(r["tools/call_frequency"] > 0 for r in train)
     assert all(r["tools/failure_frequency"] == 0 for r in train)
     assert all(r["tools/turns_per_episode"] > 1 for r in train)  # some episodes went on after a tool turn
-    episodes._TOOLS.pop((f"{TOOLS_FILE}:multiply", 2)).stop()
+    episodes._TOOLS.pop((f"{TOOLS_FILE}:multiply", None, 2)).stop()
+
+
+# ---- the tools in the prompt (TRL: apply_chat_template(tools=...)), the plain fallback
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
+    return a * b
+
+
+def test_tools_rendered_into_the_prompt_as_trl():
+    """A template that renders tools (TRL's Qwen3 one on the tiny tokenizer) gets the schemas exactly as TRL 1.16's
+    GRPOTrainer passes its tools (the callables; transformers makes their schemas), the environment's methods after
+    the functions; the tiny template, which renders none, gets the plain fallback at the end of the system message."""
+    from trl.chat_template_utils import qwen3_chat_template
+
+    from programs.counter_env import Counter
+
+    schemas = episodes.load_tools(f"{TOOLS_FILE}:multiply")[1] + episodes.load_environment(ENV).schemas
+    qwen = modeling.tiny_tokenizer()
+    qwen.chat_template = qwen3_chat_template
+    for prompt in ["6*7=", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "6*7="}]]:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        trl_text = qwen.apply_chat_template(messages, tools=[multiply, Counter().add], tokenize=False,
+                                            add_generation_prompt=True)
+        assert data.chat_prompts(qwen, [prompt], tools=schemas) == [trl_text]
+        assert '"name": "multiply"' in trl_text and '"name": "add"' in trl_text
+    assert data.chat_prompts(qwen, ["6*7="], tools=[]) == data.chat_prompts(qwen, ["6*7="])  # TRL's `or None`
+
+    tiny, plain = modeling.tiny_tokenizer(), tools_text(schemas)
+    assert "multiply(a: integer, b: integer) -> integer: Multiply two integers." in plain
+    assert "add(n: integer) -> integer" in plain and "<tool_call>" in plain
+    assert data.chat_prompts(tiny, ["6*7="], tools=schemas) == [
+        f"<|im_start|>system\n{plain}<|im_end|>\n<|im_start|>user\n6*7=<|im_end|>\n<|im_start|>assistant\n"]
+    assert data.chat_prompts(tiny, ["6*7="], system_prompt="Be brief.", tools=schemas) == [
+        f"<|im_start|>system\nBe brief.\n\n{plain}<|im_end|>\n<|im_start|>user\n6*7=<|im_end|>\n"
+        "<|im_start|>assistant\n"]
+    assert data.chat_prompts(tiny, ["6*7="]) == [PROMPT]  # no tools: as before
+    tiny.chat_template = None
+    assert data.chat_prompts(tiny, ["6*7="], tools=schemas) == [plain + "\n\n6*7="]
+    train, _, _ = data.load_task(data.Task("builtin", eval_size=2, tools=f"{TOOLS_FILE}:multiply"),
+                                 modeling.tiny_tokenizer())
+    assert plain.split("\n")[1] in train[0]["text"]  # the run's prompts show the tools
+
+
+# ---- --environment: TRL's environment_factory, its instances in the tool worker
+
+
+def test_environment_checks_are_one_line(monkeypatch, tmp_path):
+    bad = tmp_path / "envs.py"
+    bad.write_text('''
+class NoReset:
+    def look(self, key: str) -> str:
+        """Look.
+
+        Args:
+            key: a key
+        """
+
+class NoTools:
+    def reset(self, **row):
+        pass
+    def get_reward(self) -> float:
+        return 1.0
+    def _hidden(self, x: int) -> int:
+        return x
+
+class NoSchema:
+    def reset(self, **row):
+        pass
+    def look(self, key):
+        return key
+
+class Multiply:
+    def reset(self, **row):
+        pass
+    def multiply(self, a: int) -> int:
+        """Clash.
+
+        Args:
+            a: a
+        """
+''')
+    ok = dict(tools=None, environment=ENV, max_tool_calls=2, gen_mode="shared-prefill", old_logp="recompute")
+    for change, needle in [(dict(environment="env.txt"), "FILE.py:Class"), (dict(environment=f"{bad}:A,B"), "FILE.py:Class"),
+                           (dict(environment="nowhere.py:C"), "no file"), (dict(environment=f"{bad}:Nope"), "no class 'Nope'"),
+                           (dict(environment=f"{bad}:NoReset"), "no reset method"),
+                           (dict(environment=f"{bad}:NoTools"), "no public method"),
+                           (dict(environment=f"{bad}:NoSchema"), "look has no JSON schema"),
+                           (dict(environment=f"{bad}:Multiply", tools=f"{TOOLS_FILE}:multiply"), "both name a tool"),
+                           (dict(max_tool_calls=0), "at least 1"), (dict(gen_mode="engine"), "--environment with"),
+                           (dict(old_logp="rollout"), "--old-logp rollout")]:
+        with pytest.raises(SystemExit) as e:
+            episodes.check_tool_args(types.SimpleNamespace(**{**ok, **change}), False)
+        msg = str(e.value.code)
+        assert msg.startswith("error: ") and "\n" not in msg and needle in msg, msg
+    with pytest.raises(SystemExit) as e:
+        episodes.check_tool_args(types.SimpleNamespace(**ok), True)
+    assert "under torchrun" in str(e.value.code)
+    episodes.check_tool_args(types.SimpleNamespace(**ok), False)
+    episodes.check_tool_args(types.SimpleNamespace(**{**ok, "tools": f"{TOOLS_FILE}:multiply"}), False)  # as TRL
+    fails_before_any_model("gspo", ["--environment", "nowhere.py:C"], "no file", monkeypatch, tmp_path)
+
+
+def test_environment_instances_live_in_the_worker_one_per_episode(tmp_path):
+    """Each episode its own instance, in the worker's process, never shared; TRL's tool dict (the functions and the
+    instance's methods, never reset or the scores); a crash of the worker loses no instance (made again from its
+    reset and calls); a dropped instance is gone."""
+    f = tmp_path / "where.py"
+    f.write_text('''import os
+
+
+class Where:
+    def reset(self, key: str, **row):
+        self.key, self.seen = key, []
+        return None
+
+    def note(self, x: int) -> str:
+        """Note x.
+
+        Args:
+            x: a number
+        """
+        self.seen.append(x)
+        return f"{self.key}:{self.seen}:{os.getpid()}"
+
+    def crash(self) -> str:
+        """End the process."""
+        os._exit(3)
+
+    def get_reward(self) -> float:
+        return float(sum(self.seen))
+''')
+    tools = Tools(f"{TOOLS_FILE}:multiply", environment=f"{f}:Where")
+    try:
+        a, obs = tools.open({"key": "a", "text": "not passed"})
+        b, _ = tools.open({"key": "b"})
+        assert a != b and obs is None
+        assert [s["function"]["name"] for s in tools.schemas] == ["multiply", "crash", "note"]  # TRL's order
+        reply, failed = tools.call("note", {"x": 1}, a)
+        key, seen, pid = reply.split(":")
+        assert not failed and (key, seen) == ("a", "[1]") and int(pid) not in (os.getpid(), -1)
+        assert tools.call("note", {"x": 5}, b)[0].startswith("b:[5]:")  # not a's state
+        assert tools.call("multiply", {"a": 2, "b": 3}, a) == ("6", False)  # the functions too
+        assert tools.call("reset", {"key": "z"}, a)[1] and tools.call("get_reward", {}, a)[1]  # not tools
+        assert tools.call("crash", {}, b)[1]  # the worker dies: b's call fails, nothing else is lost
+        reply, failed = tools.call("note", {"x": 2}, a)
+        assert not failed and reply.startswith("a:[1, 2]:") and reply.split(":")[2] != pid  # made again
+        assert tools.score(a, "reward") == (3.0, None) and tools.score(b, "reward") == (5.0, None)
+        tools.close(a)
+        assert "is gone" in tools.call("note", {"x": 1}, a)[0]
+    finally:
+        tools.stop()
+
+
+def env_rows(answer="3"):
+    return {"prompt": ["6*7="], "answer": [answer], "text": [PROMPT]}
+
+
+ADD = '<tool_call>\n{"name": "add", "arguments": {"n": 3}}\n</tool_call>'
+
+
+def test_scripted_environment_episode():
+    """--environment on a scripted policy: reset's string appended to the prompt's user message (TRL), the prompt
+    templated again with the tools, one Counter per episode (the first adds 3, the second answers at once),
+    get_reward and get_turn_rewards collected at each episode's end, the episode as TRL's completions."""
+    tok = modeling.tiny_tokenizer()
+    tools = Tools(None, 2, environment=ENV)
+    policy = Scripted(tok, [[ADD, "no tool"], ["so 3"]])
+    try:
+        roll = generate_episodes(policy, tok, env_rows(), 2, [tok.eos_token_id], CPU_ENV,
+                                 Sampling(max_new_tokens=200, mode="repeat"), tools)
+    finally:
+        tools.stop()
+    prompt, = data.chat_prompts(tok, ["6*7= A counter starts at 0."], tools=tools.schemas)
+    P = roll.n_prompt
+    for i in range(2):
+        assert tok.decode(roll.input_ids[i, :P][roll.attention_mask[i, :P].bool()]) == prompt
+    assert roll.env_rewards.tolist() == [1.0, 0.0] and roll.env_errors == [None, None]
+    assert roll.turn_rewards == [[1.0, 1.0], [0.0]]  # one a model turn: Counter's rule, 'the count is said'
+    assert roll.messages[0] == [
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function",
+                                                            "function": {"name": "add", "arguments": {"n": 3}}}]},
+        {"role": "tool", "name": "add", "content": "3"}, {"role": "assistant", "content": "so 3"}]
+    assert roll.messages[1] == [{"role": "assistant", "content": "no tool"}]
+    assert roll.stats["tools/call_frequency"] == 0.5 and tools.history == {}  # every instance dropped
+
+
+def test_resets_that_differ_give_one_prompt_a_row(tmp_path):
+    f = tmp_path / "count.py"
+    f.write_text('''N = [0]
+
+
+class Count:
+    def reset(self, **row):
+        N[0] += 1
+        return f" #{N[0]}"
+
+    def noop(self) -> str:
+        """Nothing."""
+        return ""
+''')
+    tok = modeling.tiny_tokenizer()
+    tools = Tools(None, environment=f"{f}:Count")
+    try:
+        ids, prompts, n = episodes.open_episodes(tok, env_rows(), 2, tools)
+    finally:
+        tools.stop()
+    assert len(set(ids)) == 2 and n == 1 and len(prompts) == 2
+    assert [p.split("<|im_start|>user\n")[1][:9] for p in prompts] == ["6*7= #1<|", "6*7= #2<|"]
+
+
+def test_get_reward_is_one_more_reward_logged_under_the_class():
+    """score's given rewards: summed with weight 1 (TRL's nansum), logged as rewards/Counter/, a failure scores 0 and
+    is counted; where none is given (an evaluation) it does not apply. Episodes' messages are what a TRL-form reward
+    gets as completions."""
+    reward = Rewards([])
+    given = {"Counter": (torch.tensor([1.0, 0.0, float("nan")], dtype=torch.float64), [None, None, "boom"])}
+    r, errors = rewards.score(["a", "b", "c"], ["1", "2", "3"], 1, reward, watch=False, given=given)
+    assert r.tolist() == [1.0, 0.0, 0.0] and errors == 1
+    assert [p.name for p, _ in reward.parts] == ["Counter"] and [w for _, w in reward.parts] == [1.0]
+    r, errors = rewards.score(["a"], ["1"], 1, reward, watch=True)
+    assert r.tolist() == [0.0] and errors == 0 and reward.values["Counter"].isnan().all()
+    reward.values = {"Counter": given["Counter"][0]}
+    assert reward.metrics()["rewards/Counter/mean"] == 0.5
+    conversation = [{"role": "assistant", "content": "x"}, {"role": "tool", "name": "f", "content": "1"}]
+    seen = []
+
+    class Trl:
+        name, kind, more, params = "trl_reward", "trl", True, ()
+
+        def run(self, requests):
+            seen.extend(q["completions"] for q in requests)
+            return [([1.0] * len(q["completions"]), None) for q in requests]
+
+    v, _ = rewards._score_groups(Trl(), ["x"], {"prompts": [[{"role": "user", "content": "q"}]]}, 1, True,
+                                 [conversation])
+    assert v.tolist() == [1.0] and seen == [[conversation]]
+
+
+def test_merge_carries_the_episode_fields():
+    """--dynamic-sampling's row selection keeps each episode's env_rewards, errors, turn rewards and messages."""
+    def roll(k):
+        return Rollout(input_ids=torch.zeros(2, 3, dtype=torch.long), attention_mask=torch.ones(2, 3, dtype=torch.long),
+                       n_prompt=1, mask=torch.ones(2, 2), truncated=torch.zeros(2, dtype=torch.bool),
+                       texts=[f"{k}a", f"{k}b"], env_rewards=torch.tensor([k, k + 0.5], dtype=torch.float64),
+                       env_errors=[None, f"e{k}"], turn_rewards=[[k], [k, k]], messages=[[{"k": k}], [{"k": k + 1}]])
+
+    merged = Rollout.merge([(roll(1), torch.tensor([1])), (roll(2), torch.tensor([0]))], 0)
+    assert merged.env_rewards.tolist() == [1.5, 2.0] and merged.env_errors == ["e1", None]
+    assert merged.turn_rewards == [[1, 1], [2]] and merged.messages == [[{"k": 2}], [{"k": 2}]]
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_gspo_runs_an_environment_end_to_end(monkeypatch, tmp_path, dynamic):
+    """gspo.py --environment tests/programs/counter_env.py:Counter on the tiny model (the README's command): each
+    turn is read as add(n=3) (the random model writes no call), one Counter per episode in the worker, its get_reward
+    one more reward, logged under the class's name (answer 3: a counter at 3 scores 1)."""
+    call = {"name": "add", "arguments": {"n": 3}}
+    monkeypatch.setattr(episodes, "parse_calls", lambda text: [call])
+    more = ["--dynamic-sampling", "--max-gen-rounds", "2"] if dynamic else []
+    rows, _ = run_script("gspo", ["--environment", ENV, "--max-tool-calls", "2", "--num-steps", "2",
+                                  "--prompts-per-rank", "2", "--group-size", "2", "--num-minibatches", "1",
+                                  "--max-new-tokens", "48", "--eval-every", "0", "--log-samples", "0", *more],
+                         monkeypatch, tmp_path / "o")
+    train = [r for r in rows if "tools/call_frequency" in r]
+    assert len(train) == 2 and all(r["tools/call_frequency"] > 0 for r in train)
+    assert all(0 <= r["rewards/Counter/mean"] <= 1 for r in train) and all("rewards/math_reward/mean" in r for r in train)
+    assert all(r["tools/turns_per_episode"] > 1 and "tools/cut_by_limit" in r and "tools/cut_by_budget" in r
+               for r in train)
+    tools = episodes._TOOLS.pop((None, ENV, 2))
+    assert tools.history == {}  # every episode's instance dropped
+    tools.stop()
+
+
+def test_a_broken_reset_or_turn_count_stops_in_one_line(tmp_path):
+    """reset raising, or get_turn_rewards giving another count than the episode's model turns, is the class's bug:
+    one line, not a silent misalignment of per-turn credit."""
+    f = tmp_path / "broken.py"
+    f.write_text('''class Broken:
+    def reset(self, answer: str, **row):
+        if answer == "bad":
+            raise KeyError("no such answer")
+
+    def noop(self) -> str:
+        """Nothing."""
+        return ""
+
+    def get_turn_rewards(self) -> list:
+        return [1.0, 2.0]
+''')
+    tok = modeling.tiny_tokenizer()
+    for answer, needle in [("bad", "reset(**row) failed ('no such answer')"),
+                           ("3", "get_turn_rewards gave 2 rewards for an episode of 1 model turns")]:
+        tools = Tools(None, environment=f"{f}:Broken")
+        try:
+            with pytest.raises(SystemExit) as e:
+                generate_episodes(Scripted(tok, [["no tool"]]), tok, env_rows(answer), 1, [tok.eos_token_id],
+                                  CPU_ENV, Sampling(max_new_tokens=50, mode="repeat"), tools)
+        finally:
+            tools.stop()
+        msg = str(e.value.code)
+        assert msg.startswith("error: ") and "\n" not in msg and needle in msg, msg

@@ -237,7 +237,7 @@ def check_common_args(args):
     check_sizes(args)  # --lora-rank and --group-size against the model and the host's memory
     from ..episodes import check_tool_args
 
-    check_tool_args(args, launched())  # --tools, --max-tool-calls
+    check_tool_args(args, launched())  # --tools, --environment, --max-tool-calls
     check_run_name(args.output_dir, args.exp_name)
     check_run_folder(args.output_dir, args.exp_name, args.seed)
     if not torch.cuda.is_available() and args.model not in ("tiny", "tiny-moe") and main_process():

@@ -341,6 +341,11 @@ class CommonArgs:
     """FILE.py:fn[,fn...]: plain functions the model may call (TRL's tools=; the Qwen3/Hermes
     <tool_call> format): each completion becomes an episode, only the model's tokens in the loss
     (grouprl/episodes.py; HF --gen-mode only, one process; off when not given)"""
+    environment: str | None = None
+    """FILE.py:Class: TRL's environment_factory, one instance per episode in the tool worker: its
+    public methods are the tools, reset(**row) -> str | None (appended to the prompt's last
+    message), get_reward() -> float (one more reward, weight 1, rewards/<Class>/), and
+    get_turn_rewards() -> list[float] (a reward per model turn); with --tools or alone"""
     max_tool_calls: int = 5
-    """--tools: the most rounds of tool calls an episode makes (TRL's max_tool_calling_iterations:
-    rounds, not calls); the --max-new-tokens budget holds over the whole episode"""
+    """--tools, --environment: the most rounds of tool calls an episode makes (TRL's
+    max_tool_calling_iterations: rounds, not calls); --max-new-tokens holds over the episode"""

@@ -221,13 +221,20 @@ class Tools:
 @torch.no_grad()
 def continue_turns(policy, tok, histories: list[list[int]], room: list[int], eos: list[int],
                    dist_env, sampling) -> list[tuple[list[int], bool, str]]:
-    """One more model turn after each history (ids, unpadded), at most room[i] tokens: HF generate
-    as generation.generate samples, one row each -> [(turn ids up to and including the first EOS,
-    cut (no EOS), text without the EOS)]."""
+    """One more model turn after each history (ids, unpadded), at most room[i] tokens -> [(turn
+    ids up to and including the first EOS, cut (no EOS), text without the EOS)]. With the engine's
+    open episodes (generation.generate(episodes=True)) each row's KV cache is kept: only the
+    history's tokens past it (the tool turn) are prefilled, and each token's log-prob is kept
+    for turn_logps; else HF generate as generation.generate samples, one row each, prefilling
+    the whole history."""
+    from .engine import turns as engine_turns
+
     pad = tok.pad_token_id
-    out = []
+    kept = (engine_turns.of(getattr(policy, "lm", None))
+            if sampling.mode in ("engine", "engine-tp") else None)
+    out = [] if kept is None else [new for new, _ in kept.next(histories, room)]
     with gathered(policy, sampling.unshard):
-        for s in range(0, len(histories), sampling.gen_batch_size):
+        for s in range(0, 0 if kept is not None else len(histories), sampling.gen_batch_size):
             part = histories[s:s + sampling.gen_batch_size]
             L = max(len(h) for h in part)
             ids = torch.tensor([[pad] * (L - len(h)) + h for h in part], device=dist_env.device)
@@ -251,6 +258,19 @@ def continue_turns(policy, tok, histories: list[list[int]], room: list[int], eos
     return turns
 
 
+def turn_logps(policy, prompt: list[list[int]], comp: list[list[int]], T: int, device):
+    """The episodes' log-probs [B, T] as the engine sampled the model's tokens, 0 at the tool
+    turns' (mask 0), for --old-logp rollout and the rollout corrections; None where HF generate
+    made the turns. Closes the engine's open episodes (their KV cache back to the pool)."""
+    from .engine import turns as engine_turns
+
+    logps = engine_turns.end(getattr(policy, "lm", None), [p + c for p, c in zip(prompt, comp)])
+    if logps is None:
+        return None
+    rows = [lp[len(p):] for p, lp in zip(prompt, logps)]
+    return torch.tensor([lp + [0.0] * (T - len(lp)) for lp in rows], device=device)
+
+
 def generate_episodes(policy, tok, prompts: list[str], n: int, eos: list[int], dist_env,
                       sampling, tools: Tools, streamer=None) -> Rollout:
     """generation.generate's Rollout, each row an episode (TRL 1.16's _tool_call_loop): turn 1 by
@@ -261,7 +281,8 @@ def generate_episodes(policy, tok, prompts: list[str], n: int, eos: list[int], d
     ends. texts: the model's turns, joined by a newline. stats: tools/call_frequency (calls an
     episode), tools/failure_frequency (failed calls over calls), tools/malformed_turns,
     tools/rolled_back, tools/turns_per_episode (this process's episodes)."""
-    first = generate(policy, tok, prompts, n, eos, dist_env, sampling, streamer=streamer)
+    first = generate(policy, tok, prompts, n, eos, dist_env, sampling, streamer=streamer,
+                     episodes=True)  # the engine keeps each row's KV for its next turns
     B, P, budget = len(first.texts), first.n_prompt, sampling.max_new_tokens
     prompt = [row[m.bool()].tolist() for row, m in zip(first.input_ids[:, :P],
                                                          first.attention_mask[:, :P])]
@@ -311,7 +332,7 @@ def generate_episodes(policy, tok, prompts: list[str], n: int, eos: list[int], d
                    mask=torch.tensor([m + [0] * (T - len(m)) for m in mask], device=dev,
                                      dtype=torch.float),
                    truncated=torch.tensor(cut, device=dev), texts=["\n".join(t) for t in turns],
-                   stats=stats)
+                   logp=turn_logps(policy, prompt, comp, T, dev), stats=stats)
 
 
 _TOOLS = {}  # the run's Tools by --tools spec: one worker a run, started on the first call

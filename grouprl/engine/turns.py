@@ -75,6 +75,9 @@ class Episodes:
             if s is None:
                 raise ValueError("a history that no open episode's row begins: the engine keeps "
                                  "a row's cache only for the tokens it made or was given")
+            if len(h) + (r > 0) > self.engine.max_len:
+                raise ValueError(f"a history of {len(h)} tokens and room for {r} more passes the "
+                                 f"{self.engine.max_len} positions a row holds (prompt + budget)")
             taken.add(s)
             start = self.cached[s] if settings.KEEP_TURNS else 0
             self.logp[s] += [0.0] * (len(h) - len(self.ids[s]))  # the tool turn: not sampled

@@ -132,16 +132,20 @@ def test_kept_cache_prefills_the_tool_turn_alone(setup, monkeypatch):
 
 def test_paged_group_prompt_blocks_shared_across_turns(setup, monkeypatch):
     """Paged (blocks of 8 positions): a group's rows hold its prompt's full blocks once (the same physical blocks,
-    counted by every row) through every turn, the next turn's tokens go to each row's own blocks, the tokens and
-    log-probs are the whole cache's, and every block is back in the pool when the episodes end."""
+    counted by every row) through every turn, the next turn's tokens go to each row's own blocks, and every block
+    is back in the pool when the episodes end. The tokens and log-probs (1e-5) are those of the whole cache, kept
+    and re-prefilled (KEEP_TURNS off), with the host looking after every step (sync_every 1: no step runs after a
+    turn's last row ends, so its EOS, never fed, is in no cache until the next turn prefills it)."""
     monkeypatch.setattr(settings, "PAGE", 8)
     tok, lm, ids = setup
-    eos, n, budget = early_eos(lm, tok, ids), 3, 40
+    eos, n, budget = early_eos(lm, tok, ids), 3, 64
     suffix = tool_suffix_ids(tok, [{"role": "tool", "name": "multiply", "content": "42"}])
     runs = []
-    for pool in (None, 2048):
+    for pool, keep in ((None, False), (None, True), (2048, True)):
+        monkeypatch.setattr(settings, "KEEP_TURNS", keep)
         sampling = Sampling(budget, temperature=1.0, top_k=1)
-        first = turns.begin(lm, ids, n, eos, sampling, engine.Setup(64, CPU, torch.float32, pool_tokens=pool))
+        setup_ = engine.Setup(64, CPU, torch.float32, pool_tokens=pool, sync_every=1)
+        first = turns.begin(lm, ids, n, eos, sampling, setup_)
         kept = turns.of(lm)
         e, out = kept.engine, [first]
         for _ in range(2):  # two tool turns after the last turn of every row with room for them
@@ -160,11 +164,13 @@ def test_paged_group_prompt_blocks_shared_across_turns(setup, monkeypatch):
         assert turns.end(lm, sequences) == kept.logp and turns.of(lm) is None
         if pool:
             assert len(e.free) == pool // 8 and not any(e.owned)
+        assert len(out[1]) > 0 and len(out[2]) > 0  # rows made a second and a third turn
         runs.append(([[t for t, _ in o] for o in out], sequences, kept.logp))
-    (tok_w, seq_w, lp_w), (tok_p, seq_p, lp_p) = runs
-    assert tok_w == tok_p and seq_w == seq_p
-    for a, b in zip(lp_w, lp_p):
-        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    (tokens, seqs, logps), *others = runs
+    for tokens_, seqs_, logps_ in others:
+        assert tokens_ == tokens and seqs_ == seqs
+        for a, b in zip(logps_, logps):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
 
 
 def test_a_history_no_row_began_is_refused(setup):

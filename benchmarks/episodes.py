@@ -92,12 +92,14 @@ def main():
     later_kept = [p - q for p, q in zip(k.prefilled, prompt)]
     later_full = [p - q for p, q in zip(f.prefilled, prompt)]
     same = all(torch.equal(getattr(kept, x), getattr(r, x)) for r in (full, hf) for x in ("input_ids", "mask"))
-    print(f"| episodes | prompt tokens | turns / episode | model tokens / ep. | tool tokens / ep. | prompt prefill / ep. | "
-          f"later turns' prefill / ep., kept | re-prefilled | ratio | total kept / re-prefilled | "
-          f"equal to HF and re-prefilled | max |logp - re-prefilled| | max |logp - forward| | s kept / re-prefilled / HF |")
+    print("| episodes | prompt tokens | turns / episode | model tokens / ep. | tool tokens / ep. | "
+          "prompt prefill / ep. | later turns' prefill / ep., kept | re-prefilled | ratio | "
+          "total kept / re-prefilled | equal to HF and re-prefilled | max \\|logp - re-prefilled\\| | "
+          "max \\|logp - forward\\| | s kept / re-prefilled / HF |")
     print("|" + "---|" * 14)
     tool = float(((~mask) & kept.attention_mask[:, kept.n_prompt:].bool()).sum()) / B
-    print(f"| {B} | {sum(prompt) * args.group_size / B:.1f} | {kept.stats['tools/turns_per_episode']:.2f} | {float(mask.sum()) / B:.1f} | {tool:.1f} | "
+    print(f"| {B} | {sum(prompt) * args.group_size / B:.1f} | {kept.stats['tools/turns_per_episode']:.2f} | "
+          f"{float(mask.sum()) / B:.1f} | {tool:.1f} | "
           f"{sum(prompt) / B:.1f} | {sum(later_kept) / B:.1f} | {sum(later_full) / B:.1f} | "
           f"{sum(later_full) / max(sum(later_kept), 1):.1f}x | {sum(f.prefilled) / sum(k.prefilled):.2f}x | "
           f"{'yes' if same else 'NO'} | {float((kept.logp - full.logp).abs().max()):.1e} | "

@@ -16,6 +16,16 @@ from .scheduler import Rows, Scheduler, admit, retire
 from .settings import Setup
 
 HELD = weakref.WeakKeyDictionary()  # generate(keep=True): the model -> its kept Engine
+OPEN = weakref.WeakKeyDictionary()  # the model -> its open episodes (turns.Episodes)
+
+
+def close_episodes(lm):
+    """lm's open episodes (turns.begin) closed, their rows' blocks back to the pool -> them, or
+    None: an Engine serves one thing at a time."""
+    episodes = OPEN.pop(lm, None) if lm is not None else None
+    if episodes is not None:
+        episodes.close()
+    return episodes
 
 
 def release(lm):
@@ -34,10 +44,8 @@ def made(lm, prompts: list[list[int]], n: int, max_new_tokens: int,
     """The Engine for n rows of each prompt, up to max_new_tokens each, made as `setup` says or
     kept from the last call (setup.keep: HELD; generate's docstring) -> (the Engine, the setup
     resolved with its slots, the cache's positions a row). Episodes still open on lm (turns.py)
-    are ended first: their rows' blocks back to the pool."""
-    from .turns import end
-
-    end(lm)
+    are closed first: their rows' blocks back to the pool."""
+    close_episodes(lm)
     slots, keep = setup.slots, setup.keep
     if slots < n:
         raise ValueError(f"{slots} slots cannot hold a group of {n}")

@@ -6,12 +6,11 @@ hold yet (the last turn's EOS, never fed, and the tool turn: Engine.extend) and 
 where HF generate would prefill the whole history again. settings.KEEP_TURNS = False re-prefills
 the history instead (in the same Engine), the count the kept cache is measured against.
 
-One Episodes a model at a time (OPEN): begin makes it, of finds it, end closes it (its blocks back
-to the pool) and rollout.made ends it before the Engine serves anything else."""
+One Episodes a model at a time (rollout.OPEN): begin makes it, of finds it, end closes it (its
+blocks back to the pool) and rollout.made closes it before the Engine serves anything else."""
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import replace
 
 import torch
@@ -19,12 +18,9 @@ import torch
 from ..sampling import Sampling, sample
 from . import settings
 from .blocks import prompt_blocks
-from .rollout import made, prepare
+from .rollout import OPEN, close_episodes, made, prepare
 from .scheduler import Rows
 from .settings import Setup
-
-OPEN = weakref.WeakKeyDictionary()  # the model -> its open Episodes
-
 
 class Episodes:
     """An episode batch on one Engine, one slot a row for the whole episode: each row's tokens so
@@ -185,11 +181,8 @@ def end(lm, sequences: list[list[int]] | None = None) -> list[list[float]] | Non
     tokens (prompt and completion) -> the log-probs of each's tokens as the engine sampled them
     (0 where the tool loop wrote: the prompt's and the tool turns' tokens), the row matched by
     its tokens; None without open Episodes."""
-    episodes = OPEN.pop(lm, None) if lm is not None else None
-    if episodes is None:
-        return None
-    episodes.close()
-    if sequences is None:
+    episodes = close_episodes(lm)
+    if episodes is None or sequences is None:
         return None
     taken, out = set(), []
     for seq in sequences:

@@ -76,8 +76,10 @@ def test_greedy_episodes_equal_hf_reprefilling_the_history(setup, monkeypatch, n
     """The engine with the kept cache gives HF's greedy episodes (--gen-mode repeat, whose every turn re-prefills
     the history): the same ids, mask, ends and texts; turns ended by EOS, by the budget (a tool result rolled
     back), by the rounds' limit, and (every=False) turns without a call, in groups of 1-3 rows; engine-tp on one
-    process; with HF's repetition penalty over the whole history and min_new_tokens in every turn."""
+    process; with HF's repetition penalty over the whole history and min_new_tokens in every turn. A later turn
+    prefills 3 rows at a time (settings.EXTEND_ROWS)."""
     tok, lm, ids = setup
+    monkeypatch.setattr(settings, "EXTEND_ROWS", 3)
     scripted_calls(monkeypatch, every)
     eos = early_eos(lm, tok, ids)
     want, _ = run_episodes(lm, tok, ids, n, eos, "repeat", budget, calls, **how)

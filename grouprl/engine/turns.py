@@ -65,9 +65,9 @@ class Episodes:
         loop appended), at most room[i] tokens -> (tokens up to and including the first EOS,
         their log-probs) each. A history is matched to the row whose tokens it extends; only its
         tokens past the row's cache are prefilled (all of it with KEEP_TURNS off)."""
-        taken, slots, tokens, starts, empty = set(), [], [], [], []
+        taken, slots, tokens, starts, empty, s = set(), [], [], [], [], -1
         for h, r in zip(histories, room):
-            s = next((s for s in range(self.slots) if s not in taken and self.extends(h, s)), None)
+            s = self.find(lambda t: t not in taken and self.extends(h, t), s + 1)
             if s is None:
                 raise ValueError("a history that no open episode's row begins: the engine keeps "
                                  "a row's cache only for the tokens it made or was given")
@@ -90,12 +90,19 @@ class Episodes:
         turns = []
         if slots:
             sel = torch.tensor(slots, device=self.engine.table.device)
-            logits = self.engine.extend(sel, tokens, starts)
+            k = settings.EXTEND_ROWS  # rows a prefill: each gathers its history's keys and values
+            logits = torch.cat([self.engine.extend(sel[i:i + k], tokens[i:i + k], starts[i:i + k])
+                                for i in range(0, len(slots), k)])
             self.counts["prefill_tokens"] += sum(map(len, tokens))
             turns = self.decode(sel, logits, [r for r in room if r >= 1])
         for k in empty:  # in the histories' order
             turns.insert(k, ([], []))
         return turns
+
+    def find(self, fits, start: int) -> int | None:
+        """The first slot from `start` on (then from 0) that fits: the loop's rows come in slot
+        order, so the next one is usually the first tried."""
+        return next((s for s in [*range(start, self.slots), *range(start)] if fits(s)), None)
 
     def extends(self, history: list[int], s: int) -> bool:
         ids = self.ids[s]
@@ -184,10 +191,9 @@ def end(lm, sequences: list[list[int]] | None = None) -> list[list[float]] | Non
     episodes = close_episodes(lm)
     if episodes is None or sequences is None:
         return None
-    taken, out = set(), []
+    taken, out, s = set(), [], -1
     for seq in sequences:
-        s = next((s for s in range(episodes.slots)
-                  if s not in taken and episodes.ids[s] == seq), None)
+        s = episodes.find(lambda t: t not in taken and episodes.ids[t] == seq, s + 1)
         if s is None:
             raise ValueError("an episode whose tokens no engine row made")
         taken.add(s)

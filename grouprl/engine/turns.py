@@ -22,11 +22,16 @@ from .rollout import OPEN, close_episodes, made, prepare
 from .scheduler import Rows
 from .settings import Setup
 
+
 class Episodes:
-    """An episode batch on one Engine, one slot a row for the whole episode: each row's tokens so
-    far (ids: prompt, the model's turns, the tool turns) and the log-prob of each as the engine
-    sampled it (0 at the prompt's and the tool turns' tokens), the positions its cache holds, and
-    counts (prefilled: the tokens each row's prefills computed, a prompt's once for its group)."""
+    """An episode batch on one Engine, one slot a row for the whole episode (so every row of the
+    call decodes at once: --gen-batch-size does not cap them, and a paged pool must hold them all
+    until the episodes end): each row's tokens so far (ids: prompt, the model's turns, the tool
+    turns) and the log-prob of each as the engine sampled it (0 at the prompt's and the tool
+    turns' tokens), the positions its cache holds (cached: ids[:cached]; ids[cached], the last
+    sampled token, is not read yet, and a slot that sits out a turn writes that token's keys and
+    values at its place, which the next turn writes again), and counts (prefilled: the tokens each
+    row's prefills computed, a group's prompt once for its n rows)."""
 
     def __init__(self, engine, setup: Setup, eos: list[int], sampling: Sampling, generator=None):
         self.engine, self.setup, self.eos, self.sampling = engine, setup, eos, sampling

@@ -94,6 +94,9 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], di
     enc = tok(list(prompts), padding=True, return_tensors="pt", add_special_tokens=False)
     ids, am = enc.input_ids.to(dist_env.device), enc.attention_mask.to(dist_env.device)
     tp = dist_env.world if mode == "engine-tp" else 1  # the engine's layers split over tp ranks
+    if episodes and tp > 1:  # engine-tp decodes every rank's rows together; episodes go on apart
+        fail("--tools with --gen-mode engine-tp over several processes: each rank's episodes take "
+             "their own turns, which engine-tp's shared decoding cannot; use --gen-mode engine")
     if mode in ("engine", "engine-tp") and engine.runs(policy.lm.config, tp, dist_env.main):
         mine = [row[m.bool()].tolist() for row, m in zip(ids, am)]  # this rank's prompts, unpadded
         everyone, generator = [mine], None

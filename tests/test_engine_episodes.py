@@ -198,7 +198,13 @@ def test_the_penalty_reads_the_whole_history(setup):
 
 
 def test_a_history_no_row_began_is_refused(setup):
+    """A history that extends no open row, and engine-tp's episodes over several processes: one line each."""
     tok, lm, ids = setup
+    from grouprl import generation
+
+    with pytest.raises(SystemExit, match="engine-tp over several processes"):
+        generation.generate(modeling.Policy(lm), tok, ["x"], 1, [tok.eos_token_id], Dist(0, 2, CPU),
+                            Sampling(4, mode="engine-tp"), episodes=True)
     seed_everything(0)
     turns.begin(lm, ids[:1], 1, [tok.eos_token_id], Sampling(4, top_k=1), engine.Setup(4, CPU, torch.float32))
     with pytest.raises(ValueError, match="no open episode's row begins"):

@@ -1,11 +1,13 @@
-"""Episodes (first slice): a completion with turns, as TRL 1.16's GRPOTrainer tool loop makes them
+"""Episodes: a completion with turns, as TRL 1.16's GRPOTrainer tool loop makes them
 (`tools=`, `max_tool_calling_iterations`, `_tool_call_loop`). The model's turn is parsed for tool
 calls in the Qwen3/Hermes format, the tools run in a worker process under a time bound
 (tool_worker.py), their results are appended as the chat template's tool turn and the model
 generates again, until a turn has no call, --max-tool-calls rounds, or the --max-new-tokens budget
 over the whole episode. An episode travels as one Rollout row: prompt | turn 1 | tool turn | turn 2
 ..., the mask 1 on the model's tokens only (TRL's tool_mask), so every objective sees nothing the
-environment wrote. Not yet: --environment, the engine, per-turn credit (docs/algorithms.md)."""
+environment wrote. --environment (TRL's environment_factory): one instance an episode, in the
+worker. The engine (--gen-mode engine) keeps each row's KV cache across its turns
+(engine/turns.py). Not yet: torchrun, episodes in the evaluation (docs/algorithms.md)."""
 
 from __future__ import annotations
 
@@ -38,12 +40,6 @@ def check_tool_args(args, launched: bool):
     flag = "--tools" if args.tools else "--environment"
     if args.max_tool_calls < 1:
         fail(f"--max-tool-calls {args.max_tool_calls}: give at least 1 (rounds of tool calls)")
-    if args.gen_mode in ("engine", "engine-tp"):
-        fail(f"{flag} with --gen-mode {args.gen_mode}: the engine does not run episodes yet "
-             "(its KV cache across turns is not written); use --gen-mode shared-prefill")
-    if args.old_logp == "rollout":
-        fail(f"{flag} with --old-logp rollout: rollout log-probs come from the engine, which does "
-             "not run episodes yet; drop --old-logp rollout")
     if launched:
         fail(f"{flag} under torchrun: episodes of different lengths would make the ranks' "
              "generate calls differ; run on one process for now")
@@ -105,13 +101,20 @@ def tool_suffix_ids(tok, tool_messages: list[dict]) -> list[int]:
 @torch.no_grad()
 def continue_turns(policy, tok, histories: list[list[int]], room: list[int], eos: list[int],
                    dist_env, sampling) -> list[tuple[list[int], bool, str]]:
-    """One more model turn after each history (ids, unpadded), at most room[i] tokens: HF generate
-    as generation.generate samples, one row each -> [(turn ids up to and including the first EOS,
-    cut (no EOS), text without the EOS)]."""
+    """One more model turn after each history (ids, unpadded), at most room[i] tokens -> [(turn
+    ids up to and including the first EOS, cut (no EOS), text without the EOS)]. With the engine's
+    open episodes (generation.generate(episodes=True)) each row's KV cache is kept: only the
+    history's tokens past it (the tool turn) are prefilled, and each token's log-prob is kept
+    for turn_logps; else HF generate as generation.generate samples, one row each, prefilling
+    the whole history."""
+    from .engine import turns as engine_turns
+
     pad = tok.pad_token_id
-    out = []
+    kept = (engine_turns.of(getattr(policy, "lm", None))
+            if sampling.mode in ("engine", "engine-tp") else None)
+    out = [] if kept is None else [new for new, _ in kept.next(histories, room)]
     with gathered(policy, sampling.unshard):
-        for s in range(0, len(histories), sampling.gen_batch_size):
+        for s in range(0, 0 if kept is not None else len(histories), sampling.gen_batch_size):
             part = histories[s:s + sampling.gen_batch_size]
             L = max(len(h) for h in part)
             ids = torch.tensor([[pad] * (L - len(h)) + h for h in part], device=dist_env.device)
@@ -135,10 +138,24 @@ def continue_turns(policy, tok, histories: list[list[int]], room: list[int], eos
     return turns
 
 
+def turn_logps(policy, prompt: list[list[int]], comp: list[list[int]], T: int, device):
+    """The episodes' log-probs [B, T] as the engine sampled the model's tokens, 0 at the tool
+    turns' (mask 0), for --old-logp rollout and the rollout corrections; None where HF generate
+    made the turns. Closes the engine's open episodes (their KV cache back to the pool)."""
+    from .engine import turns as engine_turns
+
+    logps = engine_turns.end(getattr(policy, "lm", None), [p + c for p, c in zip(prompt, comp)])
+    if logps is None:
+        return None
+    rows = [lp[len(p):] for p, lp in zip(prompt, logps)]
+    return torch.tensor([lp + [0.0] * (T - len(lp)) for lp in rows], device=device)
+
+
 def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sampling,
                       tools: Tools, streamer=None) -> Rollout:
     """generation.generate's Rollout, each row an episode (TRL 1.16's _tool_call_loop): turn 1 by
-    generate (every HF mode), then up to tools.max_calls rounds: the rows whose last turn calls
+    generate (every --gen-mode; the engine keeps each row's KV cache for the next turns), then up
+    to tools.max_calls rounds: the rows whose last turn calls
     tools get the results as a tool turn (mask 0) and generate again (mask 1). The budget
     sampling.max_new_tokens holds over the whole episode: a tool turn that would pass it is
     dropped (its calls counted) and the episode ends, truncated; a turn is cut where the budget
@@ -149,9 +166,11 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
     tools/call_frequency (calls an episode), tools/failure_frequency (failed calls over calls),
     tools/malformed_turns, tools/rolled_back, tools/cut_by_budget (episodes cut by the budget,
     rolled back or not), tools/cut_by_limit (episodes whose last turn calls tools after
-    --max-tool-calls rounds), tools/turns_per_episode (this process's episodes)."""
+    --max-tool-calls rounds), tools/turns_per_episode (this process's episodes). logp: the
+    engine's sampled log-probs at the model's tokens (turn_logps), None with HF generate."""
     ids, prompts, n = open_episodes(tok, prompts, n, tools)
-    first = generate(policy, tok, prompts, n, eos, dist_env, sampling, streamer=streamer)
+    first = generate(policy, tok, prompts, n, eos, dist_env, sampling, streamer=streamer,
+                     episodes=True)  # the engine keeps each row's KV for its next turns
     B, P, budget = len(first.texts), first.n_prompt, sampling.max_new_tokens
     prompt = [row[m.bool()].tolist() for row, m in zip(first.input_ids[:, :P],
                                                          first.attention_mask[:, :P])]
@@ -207,8 +226,8 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
                    mask=torch.tensor([m + [0] * (T - len(m)) for m in mask], device=dev,
                                      dtype=torch.float),
                    truncated=torch.tensor(cut, device=dev), texts=["\n".join(t) for t in turns],
-                   stats=stats, messages=[conversation(t, r) for t, r in zip(turns, replies)],
-                   **ends)
+                   logp=turn_logps(policy, prompt, comp, T, dev), stats=stats,
+                   messages=[conversation(t, r) for t, r in zip(turns, replies)], **ends)
 
 
 def turn_message(text: str) -> dict:

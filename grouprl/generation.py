@@ -84,7 +84,7 @@ GEN_MODES = ("repeat", "shared-prefill", "static", "engine", "engine-tp")
 
 @torch.no_grad()
 def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], dist_env: Dist,
-             sampling: Sampling, streamer=None) -> Rollout:
+             sampling: Sampling, streamer=None, episodes: bool = False) -> Rollout:
     """n completions per prompt, rows of one prompt adjacent (a group); B = len(prompts) x n.
     Returns a Rollout without rewards: input_ids and attention_mask [B, P + T] (prompts
     left-padded), n_prompt P, mask [B, T] (completion tokens up to and including the first EOS),
@@ -94,14 +94,22 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], di
     shared-prefill (each prompt prefilled once, its KV cache repeated to its n rows), static,
     engine, engine-tp (grouprl/engine/). Greedy decoding (top_k=1) gives the same tokens in
     every mode. The modes, cuda_graphs, flex, compile_step and engine_dtype: docs/engine.md.
-    streamer: HF's, given each decoding step's tokens (a progress bar; HF modes only)."""
+    streamer: HF's, given each decoding step's tokens (a progress bar; HF modes only).
+    episodes: the first turn of episodes (grouprl/episodes.py): with the engine, one slot a row
+    (not gen_batch_size's), each row's KV cache kept for its next turns (engine.turns; ended by
+    engine.turns.end or the engine's next call); the HF modes keep nothing."""
     mode, gen_batch_size, max_new_tokens = (sampling.mode, sampling.gen_batch_size,
                                             sampling.max_new_tokens)
     if mode not in GEN_MODES:
         raise ValueError(f"unknown generation mode {mode!r} ({', '.join(GEN_MODES)})")
+    if episodes:  # the model's last episodes end here, whichever mode makes these
+        engine.turns.end(getattr(policy, "lm", None))
     enc = tok(list(prompts), padding=True, return_tensors="pt", add_special_tokens=False)
     ids, am = enc.input_ids.to(dist_env.device), enc.attention_mask.to(dist_env.device)
     tp = dist_env.world if mode == "engine-tp" else 1  # the engine's layers split over tp ranks
+    if episodes and tp > 1:  # engine-tp decodes every rank's rows together; episodes go on apart
+        fail("--tools with --gen-mode engine-tp over several processes: each rank's episodes take "
+             "their own turns, which engine-tp's shared decoding cannot; use --gen-mode engine")
     if mode in ("engine", "engine-tp") and engine.runs(policy.lm.config, tp, dist_env.main):
         mine = [row[m.bool()].tolist() for row, m in zip(ids, am)]  # this rank's prompts, unpadded
         everyone, generator = [mine], None
@@ -120,8 +128,12 @@ def generate(policy: Policy, tok, prompts: list[str], n: int, eos: list[int], di
             compile=sampling.compile_step,
             keep=True)  # one Engine per run: cache and graphs made once, weights refreshed
         try:
-            completions, logps = engine.generate(policy.lm, sum(everyone, []), n, eos, sampling,
-                                                 setup, generator)
+            if episodes:  # rows kept open for their next turns (engine.turns.of(lm).next)
+                completions, logps = map(list, zip(*engine.turns.begin(
+                    policy.lm, sum(everyone, []), n, eos, sampling, setup, generator)))
+            else:
+                completions, logps = engine.generate(policy.lm, sum(everyone, []), n, eos,
+                                                     sampling, setup, generator)
         except MemoryError as e:  # said before anything is allocated (engine.kv_plan)
             fail(f"--gen-mode {mode}: {e}; lower --gen-batch-size (now {gen_batch_size}) or "
                  f"--max-new-tokens (now {max_new_tokens})")

@@ -30,20 +30,23 @@ The files, each read alone, in the order a rollout meets them:
     sampler.py    the Engine's sampler (Sampler.draw over sampling.sample)
     scheduler.py  continuous batching: the slots' state (Rows), admission and preemption
                   (Scheduler), admit and retire
+    turns.py      episodes (--tools): each row's KV cache kept across its turns, the next turn
+                  prefilling only the tool turn's tokens (Episodes; begin, of, end)
 The names below are re-exported for `engine.<name>`. A setting is read from engine.settings at
 call time: set it there (`settings.PAGE = 8`); assigning engine.PAGE reaches nothing.
 """
 
+from . import turns
 from .blocks import group_blocks, kv_plan, memory_needed, page_size, prompt_blocks
 from .rollout import HELD, generate
 from .runner import Engine, flex_options
 from .sampler import sample
 from .scheduler import Rows
-from .settings import (FLEX_APART, FLEX_BLOCK, FLEX_OPTIONS, GRAPH_REACH, HOPPER_FLEX, PAGE,
-                       SHARE_PROMPTS, SYNC_EVERY, Setup, runs, unsupported)
+from .settings import (FLEX_APART, FLEX_BLOCK, FLEX_OPTIONS, GRAPH_REACH, HOPPER_FLEX,
+                       KEEP_TURNS, PAGE, SHARE_PROMPTS, SYNC_EVERY, Setup, runs, unsupported)
 from .weights import take_weights, weight
 
-__all__ = ["FLEX_APART", "FLEX_BLOCK", "FLEX_OPTIONS", "GRAPH_REACH", "HELD", "HOPPER_FLEX", "PAGE",
-           "SHARE_PROMPTS", "SYNC_EVERY", "Engine", "Rows", "Setup", "flex_options", "generate",
-           "group_blocks", "kv_plan", "memory_needed", "page_size", "prompt_blocks", "runs",
-           "sample", "take_weights", "unsupported", "weight"]
+__all__ = ["FLEX_APART", "FLEX_BLOCK", "FLEX_OPTIONS", "GRAPH_REACH", "HELD", "HOPPER_FLEX",
+           "KEEP_TURNS", "PAGE", "SHARE_PROMPTS", "SYNC_EVERY", "Engine", "Rows", "Setup",
+           "flex_options", "generate", "group_blocks", "kv_plan", "memory_needed", "page_size",
+           "prompt_blocks", "runs", "sample", "take_weights", "turns", "unsupported", "weight"]

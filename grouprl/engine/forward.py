@@ -110,6 +110,49 @@ class Forward:
         return self.logits(h[torch.arange(len(prompts)), lengths - 1])
 
     @torch.no_grad()
+    def extend(self, slots: torch.Tensor, tokens: list[list[int]],
+               starts: list[int]) -> torch.Tensor:
+        """Rows continued (an episode's next turn): slot slots[b]'s new tokens[b] at its positions
+        starts[b] onward, computed in one batch, their keys and values written to the slot's
+        cache, each attending to the slot's positions before it (kept in the cache) and causally
+        to the new ones; a slot's shared prompt blocks (Engine.share) are read, never written.
+        -> logits at each slot's last new token, [len(slots), V]. The tokens a step reads are the
+        new ones alone: the history's keys and values are not computed again."""
+        dev = self.table.device
+        lengths = torch.tensor([len(t) for t in tokens], device=dev)
+        M, start = int(lengths.max()), torch.tensor(starts, device=dev)
+        ids = torch.zeros(len(tokens), M, dtype=torch.long, device=dev)
+        for b, t in enumerate(tokens):  # right-padded: column j is position starts[b] + j
+            ids[b, :len(t)] = torch.tensor(t, device=dev)
+        valid = torch.arange(M, device=dev) < lengths[:, None]  # [S, M]
+        positions = (start[:, None] + torch.arange(M, device=dev)).clamp(max=self.max_len - 1)
+        reach = int((start + lengths).max())
+        borrowed = torch.tensor([self.borrowed[s] * self.block if self.paged else 0
+                                 for s in slots.tolist()], device=dev)
+        write = valid & (positions >= borrowed[:, None])  # a shared block: its first row's
+        at = self.where(slots[:, None].expand(-1, M)[write], positions[write]).flatten()
+        table = self.table[slots, :self.blocks_for(reach)]
+        # query j of slot b sees the slot's positions up to its own: [S, 1, M, reach]
+        visible = (torch.arange(reach, device=dev) <= positions[:, :, None])[:, None]
+
+        def attend(q, k, v, i):
+            for kv, x in enumerate((k, v)):  # [S, kv heads, M, d] -> rows of the cache
+                x = x.transpose(1, 2)[write].flatten(0, 1)
+                self.cache[i].index_copy_(0, at + kv * self.values_at, x)
+            keys, values = (c[table].flatten(1, 2)[:, :reach].transpose(1, 2)
+                            for c in self.cache[i].view(self.cache_shape))
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible,
+                                                  enable_gqa=True, scale=self.head_dim ** -0.5)
+
+        h = self.layers(F.embedding(ids, self.w.embed), positions, attend)
+        if self.seen is not None:  # the penalty's ids: the new ones join what the row has read
+            vocab = self.seen.shape[1]  # (the padding as id `vocab`, a column dropped)
+            seen = torch.zeros(len(tokens), vocab + 1, dtype=torch.bool, device=dev)
+            seen.scatter_(1, ids.masked_fill(~valid, vocab), True)
+            self.seen[slots] |= seen[:, :vocab]
+        return self.logits(h[torch.arange(len(tokens), device=dev), lengths - 1])
+
+    @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, reach: int,
                alive: torch.Tensor | None = None) -> torch.Tensor:
         """One token for every slot: tokens, positions [slots] -> logits [slots, V]."""

@@ -16,6 +16,16 @@ from .scheduler import Rows, Scheduler, admit, retire
 from .settings import Setup
 
 HELD = weakref.WeakKeyDictionary()  # generate(keep=True): the model -> its kept Engine
+OPEN = weakref.WeakKeyDictionary()  # the model -> its open episodes (turns.Episodes)
+
+
+def close_episodes(lm):
+    """lm's open episodes (turns.begin) closed, their rows' blocks back to the pool -> them, or
+    None: an Engine serves one thing at a time."""
+    episodes = OPEN.pop(lm, None) if lm is not None else None
+    if episodes is not None:
+        episodes.close()
+    return episodes
 
 
 def release(lm):
@@ -27,6 +37,67 @@ def release(lm):
 
     if HELD.pop(lm, None) is not None:
         gc.collect()
+
+
+def made(lm, prompts: list[list[int]], n: int, max_new_tokens: int,
+         setup: Setup) -> tuple[Engine, Setup, int]:
+    """The Engine for n rows of each prompt, up to max_new_tokens each, made as `setup` says or
+    kept from the last call (setup.keep: HELD; generate's docstring) -> (the Engine, the setup
+    resolved with its slots, the cache's positions a row). Episodes still open on lm (turns.py)
+    are closed first: their rows' blocks back to the pool."""
+    close_episodes(lm)
+    slots, keep = setup.slots, setup.keep
+    if slots < n:
+        raise ValueError(f"{slots} slots cannot hold a group of {n}")
+    # never more slots than rows: a free slot still costs its share of every step (the LM head
+    # over the vocabulary, the sampler, attention over the read length), so --gen-batch-size's
+    # default of 256 slots for a rollout of 12 rows decoded 21x the rows it needed
+    slots = min(slots, len(prompts) * n)
+    setup = replace(setup, slots=slots).resolve()
+    max_len = max(len(p) for p in prompts) + max_new_tokens
+    shortest = min(len(p) for p in prompts)  # the fewest prompt blocks a group's rows share
+    if setup.compile:  # the cache's length in steps of GRAPH_REACH: rollouts whose longest
+        # prompts differ reuse one compilation (static shapes)
+        max_len = -(-max_len // settings.GRAPH_REACH) * settings.GRAPH_REACH
+    page = page_size(setup.flex)  # paged, the pool's blocks
+    key = (slots, str(setup.device), setup.dtype, setup.rank, setup.world, setup.graphs,
+           setup.flex, setup.compile, setup.fuse, page, settings.FLEX_BLOCK, setup.pool_tokens,
+           str(settings.FLEX_OPTIONS))
+    engine = HELD.get(lm) if keep else None
+    if (engine is not None and engine.key == key and engine.max_len >= max_len
+            and not any(engine.owned)):  # (a call that raised may leave blocks taken)
+        engine.refresh(lm)  # the same cache, compilations and graphs; the weights of now
+        max_len = engine.max_len
+    else:
+        engine = None
+        if keep:  # an Engine of other settings: its cache freed before the plan
+            release(lm)
+        pool_tokens = setup.pool_tokens
+        if pool_tokens is None:
+            pool_tokens = kv_plan(lm, setup, max_len, n, page, shortest)
+            # a pool planned from 90% of the free memory is not kept: the training step's peak
+            # (AdamW's moments appear at its first step) would not fit beside it
+            keep = keep and pool_tokens is None
+        if (pool_tokens is not None
+                and pool_tokens // page < group_blocks(shortest, max_len, n, page)):
+            raise ValueError(f"a KV pool of {pool_tokens} positions cannot hold one group of {n} "
+                             f"rows of up to {max_len} positions")
+        engine = Engine(lm, replace(setup, pool_tokens=pool_tokens), max_len)
+        engine.key = key
+        if keep:
+            HELD[lm] = engine
+    return engine, setup, max_len
+
+
+def prepare(engine: Engine, sampling: Sampling, eos: list[int]) -> tuple:
+    """The sampler's settings (sampling.sample: HF's semantics) as the step takes them, `how`, and
+    the Engine's buffers they need (the penalty's seen ids, min_new_tokens' EOS mask)."""
+    if sampling.repetition_penalty != 1:
+        engine.see_ids()
+    if sampling.min_new_tokens:
+        engine.hold_eos(eos)
+    return (sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
+            sampling.repetition_penalty)
 
 
 @torch.no_grad()
@@ -73,53 +144,9 @@ def generate(lm, prompts: list[list[int]], n: int, eos: list[int], sampling: Sam
     cache then stays allocated between rollouts (the training step runs beside it). Otherwise
     each call makes its own."""
     max_new_tokens = sampling.max_new_tokens
-    slots, keep = setup.slots, setup.keep
-    if slots < n:
-        raise ValueError(f"{slots} slots cannot hold a group of {n}")
-    # never more slots than rows: a free slot still costs its share of every step (the LM head
-    # over the vocabulary, the sampler, attention over the read length), so --gen-batch-size's
-    # default of 256 slots for a rollout of 12 rows decoded 21x the rows it needed
-    slots = min(slots, len(prompts) * n)
-    setup = replace(setup, slots=slots).resolve()
-    max_len = max(len(p) for p in prompts) + max_new_tokens
-    shortest = min(len(p) for p in prompts)  # the fewest prompt blocks a group's rows share
-    if setup.compile:  # the cache's length in steps of GRAPH_REACH: rollouts whose longest
-        # prompts differ reuse one compilation (static shapes)
-        max_len = -(-max_len // settings.GRAPH_REACH) * settings.GRAPH_REACH
-    page = page_size(setup.flex)  # paged, the pool's blocks
-    key = (slots, str(setup.device), setup.dtype, setup.rank, setup.world, setup.graphs,
-           setup.flex, setup.compile, setup.fuse, page, settings.FLEX_BLOCK, setup.pool_tokens,
-           str(settings.FLEX_OPTIONS))
-    engine = HELD.get(lm) if keep else None
-    if (engine is not None and engine.key == key and engine.max_len >= max_len
-            and not any(engine.owned)):  # (a call that raised may leave blocks taken)
-        engine.refresh(lm)  # the same cache, compilations and graphs; the weights of now
-        max_len = engine.max_len
-    else:
-        engine = None
-        if keep:  # an Engine of other settings: its cache freed before the plan
-            release(lm)
-        pool_tokens = setup.pool_tokens
-        if pool_tokens is None:
-            pool_tokens = kv_plan(lm, setup, max_len, n, page, shortest)
-            # a pool planned from 90% of the free memory is not kept: the training step's peak
-            # (AdamW's moments appear at its first step) would not fit beside it
-            keep = keep and pool_tokens is None
-        if (pool_tokens is not None
-                and pool_tokens // page < group_blocks(shortest, max_len, n, page)):
-            raise ValueError(f"a KV pool of {pool_tokens} positions cannot hold one group of {n} "
-                             f"rows of up to {max_len} positions")
-        engine = Engine(lm, replace(setup, pool_tokens=pool_tokens), max_len)
-        engine.key = key
-        if keep:
-            HELD[lm] = engine
-    # the sampler's settings (sampling.sample: HF's semantics)
-    how = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
-           sampling.repetition_penalty)
-    if sampling.repetition_penalty != 1:
-        engine.see_ids()
-    if sampling.min_new_tokens:
-        engine.hold_eos(eos)
+    engine, setup, max_len = made(lm, prompts, n, max_new_tokens, setup)
+    slots = setup.slots
+    how = prepare(engine, sampling, eos)
     rows = Rows(slots, max_new_tokens, eos, setup.device, sampling.min_new_tokens)
     plan = Scheduler(prompts, n, slots, setup.sync_every, max_len, engine)
     while plan.busy() or plan.waiting:

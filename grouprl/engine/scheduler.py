@@ -60,11 +60,13 @@ class Rows:
         self.out = torch.zeros(slots, max_new_tokens, dtype=torch.long, device=device)
         self.out_logp = torch.zeros(slots, max_new_tokens, device=device)
         self.slot_rows = torch.arange(slots, device=device)
+        # each slot's most tokens (episodes: a turn's room; else max_new_tokens for every row)
+        self.limit = torch.full((slots,), max_new_tokens, dtype=torch.long, device=device)
 
     def start(self, sel, new, new_logp, positions):
         """Slots sel begin rows: their first tokens (sampled after the prefill) at `positions`."""
         self.out[sel, 0], self.out_logp[sel, 0], self.count[sel] = new, new_logp, 1
-        self.live[sel] = ~self.is_eos(new) & (self.max_new_tokens > 1)
+        self.live[sel] = ~self.is_eos(new) & (self.limit[sel] > 1)
         self.tokens[sel] = new
         self.positions[sel] = positions
 
@@ -77,7 +79,7 @@ class Rows:
         self.count += live.long()
         self.tokens = torch.where(live, new, self.tokens)
         self.positions += live.long()
-        self.live &= ~self.is_eos(new) & (self.count < self.max_new_tokens)
+        self.live &= ~self.is_eos(new) & (self.count < self.limit)
 
     def held(self) -> torch.Tensor | None:
         """min_new_tokens: the slots whose next token is one of their first min_new_tokens (count,

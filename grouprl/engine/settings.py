@@ -22,6 +22,13 @@ GRAPH_REACH = 256
 # paged, a group's n rows share the physical blocks of its prompt (Engine.share); False: each row
 # holds its own copy (the count that sharing is measured against)
 SHARE_PROMPTS = True
+# episodes (turns.py): a row's next turn prefills only the tokens its kept KV cache lacks; False:
+# the whole history again (as HF generate does each turn), the count the kept cache is measured
+# against
+KEEP_TURNS = True
+# episodes: rows a later turn's prefill computes at once (each gathers its row's cached keys and
+# values for attention, a copy of up to max_len positions a layer)
+EXTEND_ROWS = 16
 # FlexAttention's blocks of keys: a decoding step reads, for each row, only the blocks of this many
 # positions that hold its live ones (its length rounded up), not the whole read length; paged, the
 # pool's blocks are this size too, so that the block mask's indices are the physical blocks

@@ -172,7 +172,7 @@ def test_gspo_token_with_turn_credit_by_hand(loss_agg, seed):
     token and the gradient written out; per-token clip decisions differ inside a row (A_it changes sign), and every
     tool and padding position has exactly 0 gradient."""
     logp, old, _, mask = batch(seed)
-    adv = (torch.tensor(A)[:, None] + 0.5 * d_by_hand(ROWS, TURN_REWARDS, G)) * mask
+    adv = torch.tensor(A)[:, None] + 0.5 * d_by_hand(ROWS, TURN_REWARDS, G)  # A_i, not 0, off the mask too
     clip_low, clip_high = 0.01, 0.012  # s_i spreads about +-0.02 here: some rows clipped, some not
     token_mean = loss_agg == "token-mean"
     value, grad = value_and_grad(lambda lp: gspo_token_loss(lp, old, adv, mask, clip_low=clip_low,
@@ -200,8 +200,8 @@ def test_equal_turn_credit_is_gspo(seed):
     D = turn_advantages(last_only, mask, G)
     assert D.abs().max() < 1e-14
     shift = torch.tensor([0.3, -0.2, 0.1, 0.0, 0.5, -0.4])  # e_i: the same for every turn of episode i
-    for seq_adv, token_adv in [(outcome, (outcome[:, None] + D) * mask),
-                               (outcome + shift, (outcome + shift)[:, None] * mask)]:
+    for seq_adv, token_adv in [(outcome, outcome[:, None] + D),
+                               (outcome + shift, (outcome + shift)[:, None].expand_as(mask))]:
         value, grad = value_and_grad(lambda lp: gspo_loss(lp, old, seq_adv, mask, **kw)[0], logp)
         value_t, grad_t = value_and_grad(lambda lp: gspo_token_loss(lp, old, token_adv, mask, **kw)[0], logp)
         torch.testing.assert_close(value_t, value, rtol=1e-12, atol=0)
@@ -227,23 +227,23 @@ def script_loss(script, loss_agg=None):
     if loss_agg is not None:
         kw.update(loss_agg=loss_agg, max_new_tokens=16)
 
-    def loss(lp, old, adv, mask, ref):
-        return fn(lp, old, adv, mask, ref_logp=ref, kl_coef=0.04, **kw)[0]
+    def loss(lp, old, adv, mask, ref, terms=False):  # terms: m_i, each sequence's term (the group metrics')
+        return fn(lp, old, adv, mask, ref_logp=ref, kl_coef=0.04, **kw)[1 if terms else 0]
 
     return loss, params
 
 
 def compact(x, mask):
-    """Each row's model tokens alone, in order, right-padded with 0 to the longest: the row with its tool turns
-    removed."""
+    """Each row's model tokens alone, in order, right-padded with 0 to 3 more than the longest: the row with its tool
+    turns removed, in a width other than the episodes' (a loss that read T, not |y_i|, would differ)."""
     rows = [x[i][mask[i] > 0] for i in range(x.shape[0])]
-    width = max(len(r) for r in rows)
+    width = max(len(r) for r in rows) + 3
     return torch.stack([torch.cat([r, r.new_zeros(width - len(r))]) for r in rows])
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_episode_loss_is_the_model_tokens_only(script):
-    """For every script: the loss and its gradient on the episodes (tool turns between the model's, mask 0, with
+    """For every script: the loss, its gradient and each sequence's term m_i on the episodes (tool turns between the model's, mask 0, with
     far-off log-probs there) equal the loss and gradient on the same rows with the tool tokens removed (padding
     moved to the end), float64 to 1e-12; the gradient at every tool and padding position is exactly 0. Every
     objective here depends on a row only through its mask-1 tokens in order (|y_i| = the mask's sum, the sums and
@@ -252,13 +252,13 @@ def test_episode_loss_is_the_model_tokens_only(script):
     logp, old, ref, mask = batch(0)
     adv = c_adv = torch.tensor(A)
     if script == "gspo_token":  # per-turn credit: A_it = A_i + 0.5 D_it, D from the episodes' turns
-        adv = (adv[:, None] + 0.5 * turn_advantages(TURN_REWARDS, mask, G)) * mask
+        adv = adv[:, None] + 0.5 * turn_advantages(TURN_REWARDS, mask, G)  # A_i, not 0, at the tool tokens
         c_adv = compact(adv, mask)
     aggs = [None]
     if "loss_agg" in inspect.signature(getattr(importlib.import_module(script), f"{script}_loss")).parameters:
         aggs = ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
     c_mask = compact(mask, mask)
-    assert c_mask.shape[1] == 12 and c_mask.sum() == mask.sum() and (c_mask[:, :3] == 1).all()
+    assert c_mask.shape[1] == 15 and c_mask.sum() == mask.sum() and (c_mask[:, :3] == 1).all()
     for agg in aggs:
         loss, _ = script_loss(script, agg)
         value, grad = value_and_grad(lambda lp: loss(lp, old, adv, mask, ref), logp)
@@ -267,6 +267,9 @@ def test_episode_loss_is_the_model_tokens_only(script):
         assert torch.isfinite(value) and value != 0
         torch.testing.assert_close(value, c_value, rtol=1e-12, atol=0)
         torch.testing.assert_close(compact(grad, mask), c_grad, rtol=1e-12, atol=1e-15)
+        terms = loss(logp, old, adv, mask, ref, terms=True)
+        c_terms = loss(compact(logp, mask), compact(old, mask), c_adv, c_mask, compact(ref, mask), terms=True)
+        torch.testing.assert_close(terms, c_terms, rtol=1e-12, atol=1e-15)  # m_i too: |y_i| is the model's tokens
         assert (grad[mask == 0] == 0).all(), (script, agg)  # exactly 0 at every tool token and padding
         assert (grad[mask > 0] != 0).any(), (script, agg)
 

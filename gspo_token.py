@@ -19,7 +19,6 @@ scaled by the frozen s_i. With A_it = A_i it is GSPO exactly; Observations 1-3 (
 stop-gradients: docs/objectives.md) are checked in tests/test_gspo_token.py.
 """
 
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -197,7 +196,7 @@ def turn_advantages(turn_rewards: list[list[float]], mask, group_size: int,
     rewards move credit between its turns, the outcome alone says how much it gets, whatever its
     number of turns. Gh constant over an episode's turns (one turn, say) gives D_i = 0: GSPO.
     (mean_g cancels in D; std_g: population.) A count that differs from the row's runs of 1s, or a
-    reward that is not finite, raises ValueError."""
+    reward that is not a finite number, raises ValueError."""
     on = mask > 0
     before = torch.zeros_like(on)
     before[:, 1:] = on[:, :-1]
@@ -210,9 +209,12 @@ def turn_advantages(turn_rewards: list[list[float]], mask, group_size: int,
     for i, (row, k) in enumerate(zip(turn_rewards, counts)):
         if len(row) != k:
             raise ValueError(f"episode {i} has {k} model turns but {len(row)} turn rewards")
-        if not all(math.isfinite(x) for x in row):
+        try:
+            r[i, :k] = torch.tensor([float(x) for x in row], dtype=torch.float64)
+        except (TypeError, ValueError):
+            raise ValueError(f"episode {i}'s turn rewards {row} are not all numbers") from None
+        if not r[i].isfinite().all():
             raise ValueError(f"episode {i}'s turn rewards {row} are not all finite")
-        r[i, :k] = torch.tensor(row, dtype=torch.float64)
     r = r.to(mask.device)
     turns = torch.arange(K, device=mask.device) < torch.tensor(counts, device=mask.device)[:, None]
     G = r.flip(1).cumsum(1).flip(1)  # G_ik (the zeros after the last turn add nothing)
@@ -243,15 +245,15 @@ def turn_credit(roll, args) -> torch.Tensor:
 
 def check_token_advantages(args):
     """--post-answer-penalty and --turn-credit, before any model: each >= 0, and the penalty only
-    on single completions: it finds the answer in a completion's decoded text, and an episode's
-    completion holds tool turns between the model's (its positions would miss)."""
+    on single completions: it finds the answer in a completion's decoded text and counts positions
+    from its start, which over an episode (tool turns between the model's) fall in the wrong turn."""
     check_float("post-answer-penalty", args.post_answer_penalty, 0,
                 why=" (a negative one rewards text after the answer)")
     check_float("turn-credit", args.turn_credit, 0, why=" (a negative one reverses each turn's)")
     episodes = args.tools or getattr(args, "environment", None)
     if args.post_answer_penalty and (args.turn_credit or episodes):
-        fail("--post-answer-penalty finds the answer in one completion's text, not in an "
-             "episode's turns: drop it with --turn-credit, --tools or --environment")
+        fail("--post-answer-penalty finds the answer in a single completion's text, and an "
+             "episode's (--tools, --environment, --turn-credit) has tool turns in it: drop one")
     if args.turn_credit and not getattr(args, "environment", None):
         fail("--turn-credit needs turn rewards: give --environment FILE.py:Class whose class "
              "defines get_turn_rewards() -> list[float] (one a model turn)")

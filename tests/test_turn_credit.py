@@ -100,6 +100,7 @@ def test_turn_advantages_refuse_rewards_that_do_not_fit_in_one_line():
     mask = mask_of(ROWS)
     bad = [TURN_REWARDS[:1] + [[1.0]] + TURN_REWARDS[2:], "episode 1 has 2 model turns but 1 turn rewards"]
     for rewards, needle in [bad, (TURN_REWARDS[:-1] + [[0.0, math.nan, 1.0]], "not all finite"),
+                            (TURN_REWARDS[:-1] + [[0.0, "1", None]], "are not all numbers"),
                             (TURN_REWARDS[:5], "5 rows of turn rewards for 6 episodes")]:
         with pytest.raises(ValueError, match=needle):
             turn_advantages(rewards, mask, G)
@@ -243,9 +244,9 @@ def compact(x, mask):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_episode_loss_is_the_model_tokens_only(script):
-    """For every script: the loss, its gradient and each sequence's term m_i on the episodes (tool turns between the model's, mask 0, with
-    far-off log-probs there) equal the loss and gradient on the same rows with the tool tokens removed (padding
-    moved to the end), float64 to 1e-12; the gradient at every tool and padding position is exactly 0. Every
+    """For every script: the loss, its gradient and each sequence's term m_i on the episodes (tool turns between the
+    model's, mask 0, with far-off log-probs there) equal those on the same rows with the tool tokens removed
+    (padding moved to the end), float64 to 1e-12; the gradient at every tool and padding position is exactly 0. Every
     objective here depends on a row only through its mask-1 tokens in order (|y_i| = the mask's sum, the sums and
     means over them, Dr. GRPO's constant L_max), so removing the mask-0 tokens is exactly the same loss;
     GSPO's, GRPO's (tests/test_episodes.py) and GSPO-token's (above) are also checked by hand."""
@@ -280,8 +281,9 @@ def test_episode_loss_is_the_model_tokens_only(script):
 @pytest.mark.parametrize("argv, needle", [
     (["--turn-credit", "1"], "--turn-credit needs turn rewards: give --environment"),
     (["--turn-credit", "-0.5"], "--turn-credit -0.5: must be >= 0"),
-    (["--turn-credit", "1", "--post-answer-penalty", "0.1"], "--post-answer-penalty finds the answer"),
-    (["--tools", f"{TOOLS_FILE}:multiply", "--post-answer-penalty", "0.1"], "drop it with --turn-credit, --tools"),
+    (["--turn-credit", "1", "--post-answer-penalty", "0.1"], "--post-answer-penalty finds the answer in a single"),
+    (["--tools", f"{TOOLS_FILE}:multiply", "--post-answer-penalty", "0.1"],
+     "(--tools, --environment, --turn-credit) has tool turns"),
 ])
 def test_gspo_token_checks_turn_credit_before_any_model(argv, needle, monkeypatch, tmp_path):
     fails_before_any_model("gspo_token", argv, needle, monkeypatch, tmp_path)

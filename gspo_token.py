@@ -6,11 +6,13 @@
                     with pi_theta(y_it) = pi_theta(y_it | x, y_i,<t)
     A_i           = (r_i - mean_j r_j) / std_j r_j                                       (eq. 43)
     A_it          = A_i, or A_i - lambda after the final answer, or on all of a completion that
-                    states none (--post-answer-penalty lambda)
+                    states none (--post-answer-penalty lambda), or A_i + c D_it with D_it each model
+                    turn's share of the episode's turn rewards (--turn-credit c: turn_advantages)
     (--kl-coef)   - beta k3_it in each token's term, k3 = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1
                   (off, as in the GSPO recipe)
 
-Equation numbers are the DFPO paper's (arXiv:2604.13088); derivations: docs/objectives.md.
+Equation numbers are the DFPO paper's (arXiv:2604.13088); the objective and s_it are the GSPO
+paper's eq. 13-14; derivations: docs/objectives.md.
 Different from gspo.py: the advantage may change from token to token. s_it has the value of s_i, so
 clipping is decided as in GSPO, but its gradient flows only through the token's own log-likelihood,
 scaled by the frozen s_i. With A_it = A_i it is GSPO exactly; Observations 1-3 (why both
@@ -34,7 +36,8 @@ from grouprl.checkpoint import (catch_stop_signals, claim_run_dir, cleanup, resu
 from grouprl.cli import (CommonArgs, check_common_args, check_float, check_prompt_pool, eval_plan,
                          fill_defaults, parse_args, rollout_sampling)
 from grouprl.data import Task, load_task
-from grouprl.distributed import all_gather_cat, all_reduce, seed_rank, setup_distributed
+from grouprl.distributed import (all_gather_cat, all_reduce, fail, seed_rank,
+                                  setup_distributed)
 from grouprl.evaluation import eval_report, eval_summary, evaluate
 from grouprl.grader import answer_span, extract_answer, load_reward
 from grouprl.lora import lora_spec
@@ -61,6 +64,11 @@ class Args(CommonArgs):
     post_answer_penalty: float = 0.0
     """per-token advantages: tokens after the final answer, and every token of a completion that states
     none (EOS excluded), get A_i - this; 0: A_it = A_i (= GSPO)"""
+    turn_credit: float = 0.0
+    """c, per-turn credit over episodes: each model turn's tokens get A_i + c D_it, D_it the turn's
+    return (its turn rewards from it on) normalised over the group's turns and centred over the
+    episode's tokens (turn_advantages); needs --environment whose class defines get_turn_rewards()
+    (one float a model turn); 0: off"""
 
 
 def gspo_token_loss(logp, old_logp, advantages, mask, *, clip_low: float, clip_high: float,
@@ -175,6 +183,82 @@ def post_answer_tokens(tok, completion_ids, mask, texts: list[str], eos: list[in
     return after
 
 
+def turn_advantages(turn_rewards: list[list[float]], mask, group_size: int,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """Per-turn credit (--turn-credit c): D [B, T], each token's share in A_it = A_i + c D_it.
+    turn_rewards: [B] lists, one reward per model turn of the row (an environment's
+    get_turn_rewards()); mask [B, T]: the model's tokens, turn k of a row being its k-th run of
+    1s (tool turns between them are 0); rows of a group adjacent, group_size of them.
+        G_ik  = sum_{k' >= k} r_ik'                     the return from turn k on
+        Gh_ik = (G_ik - mean_g G) / (std_g G + eps)     over every turn of the group's episodes
+        D_it  = Gh_ik(t) - 1/|y_i| sum_t' Gh_ik(t')     centred over the episode's model tokens
+    sum_t D_it = 0, so an episode's advantage summed over its tokens stays |y_i| A_i: the turn
+    rewards move credit between its turns, the outcome alone says how much it gets, whatever its
+    number of turns. Gh constant over an episode's turns (one turn, say) gives D_i = 0: GSPO.
+    (mean_g cancels in D; std_g: population.) A count that differs from the row's runs of 1s, or a
+    reward that is not a finite number, raises ValueError."""
+    on = mask > 0
+    before = torch.zeros_like(on)
+    before[:, 1:] = on[:, :-1]
+    starts = on & ~before  # the first token of each model turn
+    counts = starts.sum(1).tolist()
+    if len(turn_rewards) != len(counts):
+        raise ValueError(f"{len(turn_rewards)} rows of turn rewards for {len(counts)} episodes")
+    K = max(counts + [1])
+    r = torch.zeros(len(counts), K, dtype=torch.float64)
+    for i, (row, k) in enumerate(zip(turn_rewards, counts)):
+        if len(row) != k:
+            raise ValueError(f"episode {i} has {k} model turns but {len(row)} turn rewards")
+        try:
+            r[i, :k] = torch.tensor([float(x) for x in row], dtype=torch.float64)
+        except (TypeError, ValueError):
+            raise ValueError(f"episode {i}'s turn rewards {row} are not all numbers") from None
+        if not r[i].isfinite().all():
+            raise ValueError(f"episode {i}'s turn rewards {row} are not all finite")
+    r = r.to(mask.device)
+    turns = torch.arange(K, device=mask.device) < torch.tensor(counts, device=mask.device)[:, None]
+    G = r.flip(1).cumsum(1).flip(1)  # G_ik (the zeros after the last turn add nothing)
+    in_group = turns.view(-1, group_size * K)  # [groups, G K]: the turns of each group
+    grouped = G.view(-1, group_size * K)
+    n = in_group.sum(1, keepdim=True).clamp(min=1)
+    mean = torch.where(in_group, grouped, 0.0).sum(1, keepdim=True) / n
+    std = (torch.where(in_group, grouped - mean, 0.0).square().sum(1, keepdim=True) / n).sqrt()
+    Gh = ((grouped - mean) / (std + eps)).view_as(G)
+    k_t = (starts.cumsum(1) - 1).clamp(min=0)  # each token's turn, 0-based (meaningful on the mask)
+    per_token = torch.where(on, Gh.gather(1, k_t), 0.0)
+    length = on.sum(1, keepdim=True).clamp(min=1)
+    D = torch.where(on, per_token - per_token.sum(1, keepdim=True) / length, 0.0)
+    return D.to(mask.dtype if mask.dtype.is_floating_point else torch.float32)
+
+
+def turn_credit(roll, args) -> torch.Tensor:
+    """--turn-credit: turn_advantages of this step's episodes, or one line and exit where the
+    rollout carries no turn rewards or they do not fit its model turns."""
+    if roll.turn_rewards is None:
+        fail("--turn-credit: this step's episodes carry no turn rewards; give --environment "
+             "FILE.py:Class whose class defines get_turn_rewards() -> list[float]")
+    try:
+        return turn_advantages(roll.turn_rewards, roll.mask, args.group_size, args.adv_eps)
+    except ValueError as e:
+        fail(f"--turn-credit: {e}; get_turn_rewards() gives one finite float a model turn")
+
+
+def check_token_advantages(args):
+    """--post-answer-penalty and --turn-credit, before any model: each >= 0, and the penalty only
+    on single completions: it finds the answer in a completion's decoded text and counts positions
+    from its start, which over an episode (tool turns between the model's) fall in the wrong turn."""
+    check_float("post-answer-penalty", args.post_answer_penalty, 0,
+                why=" (a negative one rewards text after the answer)")
+    check_float("turn-credit", args.turn_credit, 0, why=" (a negative one reverses each turn's)")
+    episodes = args.tools or getattr(args, "environment", None)
+    if args.post_answer_penalty and (args.turn_credit or episodes):
+        fail("--post-answer-penalty finds the answer in a single completion's text, and an "
+             "episode's (--tools, --environment, --turn-credit) has tool turns in it: drop one")
+    if args.turn_credit and not getattr(args, "environment", None):
+        fail("--turn-credit needs turn rewards: give --environment FILE.py:Class whose class "
+             "defines get_turn_rewards() -> list[float] (one a model turn)")
+
+
 def main():
     # tyro (its errors in one line, once), then the defaults that depend on the model and the task:
     # the run is logged, checkpointed and compared on resume with these values; nothing changes args after this
@@ -184,8 +268,7 @@ def main():
     check_common_args(args)
     reward = load_reward(args.reward, args.reward_timeout, args.reward_weights,
                          args.reward_fail_steps)  # a bad --reward fails here too
-    check_float("post-answer-penalty", args.post_answer_penalty, 0,
-                why=" (a negative one rewards text after the answer)")
+    check_token_advantages(args)  # --post-answer-penalty, --turn-credit
     dist_env = setup_distributed(args.seed)
     check_model(args.model, args.trust_remote_code, args.gen_mode, args.old_logp,
                 args.rollout_is_cap, args.routing_replay)
@@ -254,6 +337,8 @@ def main():
         after = post_answer_tokens(tok, roll.input_ids[:, roll.n_prompt:], roll.mask, roll.texts,
                                    eos)
         token_adv = (advantages[:, None] - args.post_answer_penalty * after.float()) * mask
+        if args.turn_credit:  # A_it = A_i + c D_it: each model turn its share of the turn rewards
+            token_adv = token_adv + args.turn_credit * turn_credit(roll, args) * mask
 
         # pi_old, recomputed (no grad) or as the engine sampled it (--old-logp); token weights: the
         # rollout correction's (--rollout-is-cap), the high-entropy tokens' (--top-entropy-quantile)

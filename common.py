@@ -9,9 +9,9 @@ What `logp` is everywhere: log pi_theta(y_it | x, y_<t) of each completion token
 float32, 0 past a completion's end (mask 0), computed by Policy.forward (grouprl/modeling.py)
 through a chunked log-softmax that never builds a float32 [B, T, V] (grouprl/logprobs.py).
 The rest lives in the grouprl package, a file or a folder a subsystem (grouprl/__init__.py lists
-them): generation (generate, the Rollout), episodes (--tools), evaluation, runlog (Logger,
-samples), rewards (scoring and the built-in reward functions a --reward names), stats (how each
-loss's stats add up over ranks).
+them): generation (generate, the Rollout), episodes (--tools, --environment), evaluation, runlog
+(Logger, samples), rewards (scoring and the built-in reward functions a --reward names), stats (how
+each loss's stats add up over ranks).
 """
 
 from __future__ import annotations

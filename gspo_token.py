@@ -44,6 +44,7 @@ from grouprl.lora import lora_spec
 from grouprl.modeling import (check_model, eos_ids, load_model, load_tokenizer, reference_policy,
                               wrap_policy)
 from grouprl.runlog import Logger, jitter2, log_samples, rollout_log
+from grouprl.tools import load_environment
 
 LossAgg = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]  # --loss-agg
 
@@ -250,11 +251,11 @@ def check_token_advantages(args):
     check_float("post-answer-penalty", args.post_answer_penalty, 0,
                 why=" (a negative one rewards text after the answer)")
     check_float("turn-credit", args.turn_credit, 0, why=" (a negative one reverses each turn's)")
-    episodes = args.tools or getattr(args, "environment", None)
-    if args.post_answer_penalty and (args.turn_credit or episodes):
+    if args.post_answer_penalty and (args.turn_credit or args.tools or args.environment):
         fail("--post-answer-penalty finds the answer in a single completion's text, and an "
              "episode's (--tools, --environment, --turn-credit) has tool turns in it: drop one")
-    if args.turn_credit and not getattr(args, "environment", None):
+    if args.turn_credit and not (args.environment and
+                                 load_environment(args.environment).turn_rewards):
         fail("--turn-credit needs turn rewards: give --environment FILE.py:Class whose class "
              "defines get_turn_rewards() -> list[float] (one a model turn)")
 

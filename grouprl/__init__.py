@@ -9,7 +9,8 @@ and common.py import them, none of them imports a script or common.py.
     sampling      Sampling (how completions are drawn) and the engine's sampler on the device
     generation    generate -> Rollout (HF generate's modes or the engine), Rollout.merge
     engine/       the rollout engine of --gen-mode engine / engine-tp (engine.runs: for a model?)
-    episodes      the tool loop (--tools, a first slice): turns, tool results masked out
+    episodes      the tool loop (--tools, --environment): turns, tool results masked out
+    tools         the episodes' tools: schemas, the prompt's tools, the worker's client
     tool_worker   the tools' worker program (started by file path; imports nothing of the project)
     evaluation    held-out avg@k and pass@k (an Evaluation), the --eval-only table
     runlog        tensorboard and metrics.jsonl (Logger), a resumed run's rows, samples

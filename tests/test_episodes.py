@@ -22,6 +22,7 @@ from grouprl.tools import tools_text
 TOOLS_FILE = os.path.join(ROOT, "tests", "programs", "tools_example.py")
 ENV_FILE = os.path.join(ROOT, "tests", "programs", "counter_env.py")
 ENV = f"{ENV_FILE}:Counter"
+ENVS = os.path.join(ROOT, "tests", "programs", "episode_envs.py")  # the tests' own classes
 CALL = '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call>'
 
 
@@ -307,47 +308,13 @@ def test_tools_rendered_into_the_prompt_as_trl():
 
 
 def test_environment_checks_are_one_line(monkeypatch, tmp_path):
-    bad = tmp_path / "envs.py"
-    bad.write_text('''
-class NoReset:
-    def look(self, key: str) -> str:
-        """Look.
-
-        Args:
-            key: a key
-        """
-
-class NoTools:
-    def reset(self, **row):
-        pass
-    def get_reward(self) -> float:
-        return 1.0
-    def _hidden(self, x: int) -> int:
-        return x
-
-class NoSchema:
-    def reset(self, **row):
-        pass
-    def look(self, key):
-        return key
-
-class Multiply:
-    def reset(self, **row):
-        pass
-    def multiply(self, a: int) -> int:
-        """Clash.
-
-        Args:
-            a: a
-        """
-''')
     ok = dict(tools=None, environment=ENV, max_tool_calls=2, gen_mode="shared-prefill", old_logp="recompute")
-    for change, needle in [(dict(environment="env.txt"), "FILE.py:Class"), (dict(environment=f"{bad}:A,B"), "FILE.py:Class"),
-                           (dict(environment="nowhere.py:C"), "no file"), (dict(environment=f"{bad}:Nope"), "no class 'Nope'"),
-                           (dict(environment=f"{bad}:NoReset"), "no reset method"),
-                           (dict(environment=f"{bad}:NoTools"), "no public method"),
-                           (dict(environment=f"{bad}:NoSchema"), "look has no JSON schema"),
-                           (dict(environment=f"{bad}:Multiply", tools=f"{TOOLS_FILE}:multiply"), "both name a tool"),
+    for change, needle in [(dict(environment="env.txt"), "FILE.py:Class"), (dict(environment=f"{ENVS}:A,B"), "FILE.py:Class"),
+                           (dict(environment="nowhere.py:C"), "no file"), (dict(environment=f"{ENVS}:Nope"), "no class 'Nope'"),
+                           (dict(environment=f"{ENVS}:NoReset"), "no reset method"),
+                           (dict(environment=f"{ENVS}:NoTools"), "no public method"),
+                           (dict(environment=f"{ENVS}:NoSchema"), "look has no JSON schema"),
+                           (dict(environment=f"{ENVS}:Multiply", tools=f"{TOOLS_FILE}:multiply"), "both name a tool"),
                            (dict(max_tool_calls=0), "at least 1")]:
         with pytest.raises(SystemExit) as e:
             episodes.check_tool_args(types.SimpleNamespace(**{**ok, **change}), False)
@@ -365,32 +332,7 @@ def test_environment_instances_live_in_the_worker_one_per_episode(tmp_path):
     """Each episode its own instance, in the worker's process, never shared; TRL's tool dict (the functions and the
     instance's methods, never reset or the scores); a crash of the worker loses no instance (made again from its
     reset and calls); a dropped instance is gone."""
-    f = tmp_path / "where.py"
-    f.write_text('''import os
-
-
-class Where:
-    def reset(self, key: str, **row):
-        self.key, self.seen = key, []
-        return None
-
-    def note(self, x: int) -> str:
-        """Note x.
-
-        Args:
-            x: a number
-        """
-        self.seen.append(x)
-        return f"{self.key}:{self.seen}:{os.getpid()}"
-
-    def crash(self) -> str:
-        """End the process."""
-        os._exit(3)
-
-    def get_reward(self) -> float:
-        return float(sum(self.seen))
-''')
-    tools = Tools(f"{TOOLS_FILE}:multiply", environment=f"{f}:Where")
+    tools = Tools(f"{TOOLS_FILE}:multiply", environment=f"{ENVS}:Where")
     try:
         a, obs = tools.open({"key": "a", "text": "not passed"})
         b, _ = tools.open({"key": "b"})
@@ -446,21 +388,8 @@ def test_scripted_environment_episode():
 
 
 def test_resets_that_differ_give_one_prompt_a_row(tmp_path):
-    f = tmp_path / "count.py"
-    f.write_text('''N = [0]
-
-
-class Count:
-    def reset(self, **row):
-        N[0] += 1
-        return f" #{N[0]}"
-
-    def noop(self) -> str:
-        """Nothing."""
-        return ""
-''')
     tok = modeling.tiny_tokenizer()
-    tools = Tools(None, environment=f"{f}:Count")
+    tools = Tools(None, environment=f"{ENVS}:Count")
     try:
         ids, prompts, n = episodes.open_episodes(tok, env_rows(), 2, tools)
     finally:
@@ -535,23 +464,10 @@ def test_gspo_runs_an_environment_end_to_end(monkeypatch, tmp_path, dynamic):
 def test_a_broken_reset_or_turn_count_stops_in_one_line(tmp_path):
     """reset raising, or get_turn_rewards giving another count than the episode's model turns, is the class's bug:
     one line, not a silent misalignment of per-turn credit."""
-    f = tmp_path / "broken.py"
-    f.write_text('''class Broken:
-    def reset(self, answer: str, **row):
-        if answer == "bad":
-            raise KeyError("no such answer")
-
-    def noop(self) -> str:
-        """Nothing."""
-        return ""
-
-    def get_turn_rewards(self) -> list:
-        return [1.0, 2.0]
-''')
     tok = modeling.tiny_tokenizer()
     for answer, needle in [("bad", "reset(**row) failed ('no such answer')"),
                            ("3", "get_turn_rewards gave 2 rewards for an episode of 1 model turns")]:
-        tools = Tools(None, environment=f"{f}:Broken")
+        tools = Tools(None, environment=f"{ENVS}:Broken")
         try:
             with pytest.raises(SystemExit) as e:
                 generate_episodes(Scripted(tok, [["no tool"]]), tok, env_rows(answer), 1, [tok.eos_token_id],

@@ -22,6 +22,7 @@ from gspo import gspo_loss
 from gspo_token import gspo_token_loss, turn_advantages
 
 TOOLS_FILE = os.path.join(ROOT, "tests", "programs", "tools_example.py")
+TURNS_ENV = os.path.join(ROOT, "tests", "programs", "turns_env.py")  # scores each model turn
 G = 3  # episodes a group
 # two groups of three episodes: M a model token, . a tool-turn token (template glue included), _ padding;
 # turn k of a row is its k-th run of M
@@ -305,22 +306,18 @@ def test_other_scripts_refuse_turn_credit_in_one_line(script, monkeypatch):
 
 
 def test_the_loop_passes_turn_credit_to_the_loss(monkeypatch, tmp_path):
-    """gspo_token.py --turn-credit 0.5 over --tools episodes whose rollout carries turn rewards (one a model turn,
-    attached here as an environment's get_turn_rewards() would give them; the --environment check stubbed): the loss
-    gets (A_i + 0.5 D_it) x mask, D_it = turn_advantages of the rollout's own mask."""
-    call = {"name": "multiply", "arguments": {"a": 2, "b": 3}}
+    """gspo_token.py --turn-credit 0.5 over --environment episodes whose class scores each model turn
+    (get_turn_rewards, run in the tool worker; every turn scripted as a call): the rollout carries the turn
+    rewards, and the loss gets (A_i + 0.5 D_it) x mask, D_it = turn_advantages of the rollout's own mask."""
+    env = TURNS_ENV
+    call = {"name": "add", "arguments": {"n": 1}}
     monkeypatch.setattr(episodes, "parse_calls", lambda text: [call])
-    monkeypatch.setattr(gspo_token, "check_token_advantages", lambda args: None)
     seen = {}
     sample = gspo_token.sample_groups
 
-    def with_turn_rewards(*a, **k):
-        roll = sample(*a, **k)
-        starts = (roll.mask > 0) & ~torch.nn.functional.pad(roll.mask > 0, (1, 0))[:, :-1]
-        roll.turn_rewards = [[0.1 * (k + 1) * (-1) ** i for k in range(n)]
-                             for i, n in enumerate(starts.sum(1).tolist())]
-        seen["roll"] = roll
-        return roll
+    def recorded(*a, **k):
+        seen["roll"] = sample(*a, **k)
+        return seen["roll"]
 
     def group_advantages(*a, **k):
         seen["A"] = real_advantages(*a, **k)
@@ -331,16 +328,20 @@ def test_the_loop_passes_turn_credit_to_the_loss(monkeypatch, tmp_path):
         return real_loss(logp, old_logp, advantages, mask, **kw)
 
     real_advantages, real_loss = gspo_token.group_advantages, gspo_token.gspo_token_loss
-    monkeypatch.setattr(gspo_token, "sample_groups", with_turn_rewards)
+    monkeypatch.setattr(gspo_token, "sample_groups", recorded)
     monkeypatch.setattr(gspo_token, "group_advantages", group_advantages)
     monkeypatch.setattr(gspo_token, "gspo_token_loss", loss)
-    run_script("gspo_token", ["--tools", f"{TOOLS_FILE}:multiply", "--max-tool-calls", "2", "--turn-credit", "0.5",
-                              "--num-steps", "1", "--prompts-per-rank", "2", "--group-size", "2",
-                              "--num-minibatches", "1", "--max-new-tokens", "48",
-                              "--eval-every", "0", "--log-samples", "0"], monkeypatch, tmp_path / "o")
-    episodes._TOOLS.pop((f"{TOOLS_FILE}:multiply", 2)).stop()
+    try:
+        run_script("gspo_token", ["--environment", f"{env}:Turns", "--max-tool-calls", "2", "--turn-credit", "0.5",
+                                  "--num-steps", "1", "--prompts-per-rank", "2", "--group-size", "2",
+                                  "--num-minibatches", "1", "--max-new-tokens", "48",
+                                  "--eval-every", "0", "--log-samples", "0"], monkeypatch, tmp_path / "o")
+    finally:
+        episodes._TOOLS.pop((None, f"{env}:Turns", 2)).stop()
     roll = seen["roll"]
     assert max(len(r) for r in roll.turn_rewards) > 1  # some episode went on after a tool turn
+    starts = ((roll.mask > 0) & ~torch.nn.functional.pad(roll.mask > 0, (1, 0))[:, :-1]).sum(1).tolist()
+    assert roll.turn_rewards == [[0.5 * k - 0.3 for k in range(n)] for n in starts]  # the worker's, per turn
     mask = roll.mask
     expected = (seen["A"][0].to(mask.dtype)[:, None] + 0.5 * turn_advantages(roll.turn_rewards, mask, 2)) * mask
     (adv,) = seen["adv"]

@@ -1,0 +1,96 @@
+"""The --environment classes tests/test_episodes.py runs (the checks' bad classes, the worker's
+instances, resets that differ, a broken reset and turn count), each named by FILE.py:Class.
+N: Count's resets so far, in the one worker process that imports this file."""
+
+import os
+
+# ---- the checks' bad classes (test_environment_checks_are_one_line)
+class NoReset:
+    def look(self, key: str) -> str:
+        """Look.
+
+        Args:
+            key: a key
+        """
+
+
+class NoTools:
+    def reset(self, **row):
+        pass
+
+    def get_reward(self) -> float:
+        return 1.0
+
+    def _hidden(self, x: int) -> int:
+        return x
+
+
+class NoSchema:
+    def reset(self, **row):
+        pass
+
+    def look(self, key):
+        return key
+
+
+class Multiply:
+    def reset(self, **row):
+        pass
+
+    def multiply(self, a: int) -> int:
+        """Clash.
+
+        Args:
+            a: a
+        """
+
+
+# ---- one instance an episode, in the worker (test_environment_instances_live_in_the_worker_one_per_episode)
+class Where:
+    def reset(self, key: str, **row):
+        self.key, self.seen = key, []
+        return None
+
+    def note(self, x: int) -> str:
+        """Note x.
+
+        Args:
+            x: a number
+        """
+        self.seen.append(x)
+        return f"{self.key}:{self.seen}:{os.getpid()}"
+
+    def crash(self) -> str:
+        """End the process."""
+        os._exit(3)
+
+    def get_reward(self) -> float:
+        return float(sum(self.seen))
+
+
+# ---- resets that differ (test_resets_that_differ_give_one_prompt_a_row)
+N = [0]
+
+
+class Count:
+    def reset(self, **row):
+        N[0] += 1
+        return f" #{N[0]}"
+
+    def noop(self) -> str:
+        """Nothing."""
+        return ""
+
+
+# ---- a broken reset and turn count (test_a_broken_reset_or_turn_count_stops_in_one_line)
+class Broken:
+    def reset(self, answer: str, **row):
+        if answer == "bad":
+            raise KeyError("no such answer")
+
+    def noop(self) -> str:
+        """Nothing."""
+        return ""
+
+    def get_turn_rewards(self) -> list:
+        return [1.0, 2.0]

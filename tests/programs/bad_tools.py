@@ -81,8 +81,9 @@ def hang() -> str:
 
 
 def segfault() -> str:
-    """Read address 0: SIGSEGV."""
-    return ctypes.string_at(0, 8).decode()
+    """Write to address 0: SIGSEGV."""
+    ctypes.memset(0, 1, 8)
+    return "wrote at 0"
 
 
 def abort() -> str:
@@ -166,11 +167,11 @@ def recurse() -> int:
 
 
 def deep_recurse() -> int:
-    """Recursion past the C stack (the recursion limit lifted): a stack overflow, SIGSEGV."""
+    """Recursion through C (map) past the C stack, the recursion limit lifted: a stack overflow, SIGSEGV."""
     sys.setrecursionlimit(10 ** 8)
 
     def down(n):
-        return down(n + 1) + 1
+        return list(map(down, [n + 1]))
     return down(0)
 
 

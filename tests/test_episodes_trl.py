@@ -140,14 +140,14 @@ def trl_episodes(episodes, budget=BUDGET, limit=LIMIT, max_position_embeddings=1
     """TRL 1.16's GRPOTrainer on the episodes' prompts -> (per episode: completion ids, tool mask, truncated),
     (tool calls, failed calls), the trainer. The model is the tiny Qwen3 (its context raised past every episode
     here unless max_position_embeddings says otherwise: TRL also drops a tool result at the model's context)."""
+    GRPOTrainer = trl()[0]  # skips (fails in CI) without TRL 1.16
     from datasets import Dataset
+    from transformers import Qwen3ForCausalLM
     from trl import GRPOConfig
 
-    GRPOTrainer = trl()[0]
     tok = tokenizer or qwen3_tiny_tokenizer()
     config = modeling.tiny_config(tok)
     config.max_position_embeddings = max_position_embeddings
-    from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(0)
     lm = Qwen3ForCausalLM(config)

@@ -6,6 +6,7 @@ case by case on the tiny model, each case held or not. Prints every case and the
     python tools/hostile.py --rewards-only        # the bad reward forms alone (in this process, ~1 min)
     python tools/hostile.py --issue54-only        # issue 54's cases alone (~3 min)
     python tools/hostile.py --issue61-only        # issue 61's cases alone
+    python tools/hostile.py --issue62-only        # issue 62's bad tools alone (--tools episodes)
 
 A case holds when:
 - kill -9 at a save phase (writing model/, state/, the manifest, after the rename, while pruning): the
@@ -32,12 +33,20 @@ A case holds when:
   objective parameter, --mask-truncated masking everything, a correction mode without its cap,
   TRL's --epsilon-high, eval flags without evaluation and --noise-stats on an odd minibatch: one
   line each (or, for --noise-stats, no cosine that is not the halves').
+- issue 62's bad tools (--tools FILE.py:fn through gspo.py, the model's turns scripted): a hang, a
+  crash (segfault, abort, exit, SystemExit, KeyboardInterrupt), 10 MB of output, prints on stdout,
+  a self-stop, a read of stdin, deep recursion, an unprintable result: each costs its call (an
+  error result, counted) or its episode (the budget's rollback), the run logs every step and no
+  tool process outlives it; bad JSON, an unknown tool, bad arguments, calls to the limit: what TRL
+  1.16 makes of them; a tools file that fails at import: one line before any model. Some cases
+  record what holds where no library limit exists yet (memory, module state across episodes).
 - a bad reward (every form: raises, NaN, inf, None, a string, past float32, sleeps past its bound,
   exits, forks, prints; a module that exits, hangs or starts a thread at import): each completion
   scores 0 and is counted, or the run stops in one line before any model is built; never a
   traceback, a hang, or a trainer that ends without a line.
 Runs the scripts as a user does (python gspo.py, in subprocesses); a child run with HOSTILE_KILL set
-(this file run as `python tools/hostile.py --child gspo.py ARGS`) SIGKILLs itself at that phase.
+(this file run as `python tools/hostile.py --child gspo.py ARGS`) SIGKILLs itself at that phase;
+with HOSTILE_TURNS set, the model's generate returns those scripted turns (issue 62's cases).
 """
 import glob
 import json
@@ -80,6 +89,8 @@ def child(argv: list[str]):
         for mod in [checkpoint] + [m for k, m in sys.modules.items() if k.startswith("grouprl.checkpoint.")]:
             if getattr(mod, name, None) is real:
                 setattr(mod, name, killed)
+    if os.environ.get("HOSTILE_TURNS"):
+        script_turns(json.loads(os.environ["HOSTILE_TURNS"]), os.environ["HOSTILE_TOOLLOG"])
     sys.argv = argv
     sys.path.insert(0, ROOT)
     import runpy
@@ -260,7 +271,8 @@ def one_line_error(p) -> bool:
         "Traceback" not in p.err)
 
 
-def main(quick: bool, rewards_only: bool = False, only54: bool = False, only61: bool = False):
+def main(quick: bool, rewards_only: bool = False, only54: bool = False, only61: bool = False,
+         only62: bool = False):
     cases = Cases()
     tmp = tempfile.mkdtemp(prefix="hostile_")
     os.environ["HOSTILE_PATH"] = tmp  # the reward modules below
@@ -270,13 +282,16 @@ def main(quick: bool, rewards_only: bool = False, only54: bool = False, only61: 
     t0 = time.time()
     if only61:
         issue61_cases(cases, tmp, quick)
+    elif only62:
+        issue62_cases(cases, tmp, quick)
     elif not rewards_only:
         if not only54:
             run_cases(cases, tmp, reward, quick)
         issue54_cases(cases, tmp, quick)
         if not only54:
             issue61_cases(cases, tmp, quick)
-    if not only54 and not only61:
+            issue62_cases(cases, tmp, quick)
+    if not only54 and not only61 and not only62:
         reward_cases(cases, tmp, quick)
     print(f"\nhostile run: {cases.tried} cases tried, {cases.tried - len(cases.failed)} held "
           f"({time.time() - t0:.0f} s)")
@@ -790,6 +805,283 @@ class RunsCode:
         return (os.system, ("true",))
 
 
+# -------------------- issue 62: bad tools (--tools episodes), the model's turns scripted
+BAD_TOOLS = os.path.join(ROOT, "tests", "programs", "bad_tools.py")
+TOOL_TIMEOUT_S = 10.0  # grouprl/episodes.py's TOOL_TIMEOUT_S: a call past it is an error result
+
+
+def script_turns(turns: list[str], log: str):
+    """In a child run: the model's generate appends, to each row, its next scripted turn (turn k of
+    the episode is turns[k], the last one repeated; k counted from the assistant headers in the row),
+    then EOS, at most max_new_tokens; everything else (the parse, the tool worker, the mask, the
+    loss, the log) is the script's own. log: each tool message (name, its content's first 300
+    characters, its length) and each tool worker's pid, one JSON line each."""
+    import torch
+    from transformers.generation.utils import GenerationMixin
+
+    from grouprl import episodes, modeling
+
+    tok = modeling.tiny_tokenizer()
+
+    def scripted(self, input_ids=None, attention_mask=None, max_new_tokens=None, **kw):
+        pad, rows = tok.pad_token_id, []
+        for row in input_ids.tolist():
+            k = tok.decode([t for t in row if t != pad]).count("<|im_start|>assistant") - 1
+            text = turns[min(k, len(turns) - 1)]
+            rows.append((tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id])
+                        [:max_new_tokens])
+        T = max(map(len, rows))
+        tail = torch.tensor([r + [pad] * (T - len(r)) for r in rows], device=input_ids.device)
+        return torch.cat([input_ids, tail], 1)
+
+    GenerationMixin.generate = scripted
+    suffix, start = episodes.tool_suffix_ids, episodes.Tools.start
+
+    def seen(tok_, messages):
+        with open(log, "a") as f:
+            for m in messages:
+                f.write(json.dumps({"name": m["name"], "content": m["content"][:300],
+                                    "chars": len(m["content"])}) + "\n")
+        return suffix(tok_, messages)
+
+    def started(self):
+        start(self)
+        with open(log, "a") as f:
+            f.write(json.dumps({"worker": self.proc.pid}) + "\n")
+
+    episodes.tool_suffix_ids, episodes.Tools.start = seen, started
+
+
+def tool_call(name: str, **arguments) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def alive(pid: int) -> bool:
+    """A process of that pid exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class ToolRun:
+    """gspo.py --tools BAD_TOOLS:fns on the tiny model with the turns scripted: its exit code, its
+    stderr, its logged rows (train rows: those with tools/*), its tool messages and workers, its
+    time."""
+
+    def __init__(self, tmp: str, name: str, fns: str, turns: list[str], *extra: str,
+                 steps: int = 2, max_calls: int = 2, tools_file: str = BAD_TOOLS,
+                 timeout: float = 300):
+        self.dir = f"{tmp}/i62/{name}"
+        os.makedirs(self.dir, exist_ok=True)
+        log = f"{self.dir}/tools.jsonl"
+        env = {**os.environ, "PYTHONPATH": os.environ.get("HOSTILE_PATH", ""),
+               "HOSTILE_TURNS": json.dumps(turns), "HOSTILE_TOOLLOG": log,
+               "BAD_TOOLS_DIR": self.dir}
+        env.pop("HOSTILE_KILL", None)
+        argv = ["--tools", f"{tools_file}:{fns}", "--max-tool-calls", str(max_calls),
+                "--num-steps", str(steps), "--prompts-per-rank", "1", "--group-size", "2",
+                "--num-minibatches", "1", "--eval-every", "0", "--log-samples", "0",
+                "--max-new-tokens", "400", *extra, "--output-dir", f"{self.dir}/runs"]
+        t = time.time()
+        # the output to files: a tool's child left running holds the run's stderr open
+        with open(f"{self.dir}/stdout", "w") as out, open(f"{self.dir}/stderr", "w") as err:
+            try:
+                self.rc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child",
+                                          "gspo.py", *argv], cwd=ROOT, env=env, stdout=out,
+                                         stderr=err, timeout=timeout).returncode
+            except subprocess.TimeoutExpired:
+                self.rc = None
+        self.err = open(f"{self.dir}/stderr").read()
+        if self.rc is None:
+            self.err = f"no end in {timeout:g} s {self.err}"
+        self.seconds = time.time() - t
+        self.rows = [r for r in rows_of(f"{self.dir}/runs") if "tools/call_frequency" in r]
+        lines = [json.loads(x) for x in open(log)] if os.path.exists(log) else []
+        self.messages = [x for x in lines if "name" in x]
+        self.workers = [x["worker"] for x in lines if "worker" in x]
+        self.steps = steps
+
+    def ok(self) -> bool:
+        """The run ended 0 with every step logged and no tool worker left running."""
+        return (self.rc == 0 and len(self.rows) == self.steps
+                and not any(alive(pid) for pid in self.workers))
+
+    def stat(self, key: str) -> list[float]:
+        return [r[key] for r in self.rows]
+
+    def contents(self) -> list[str]:
+        return [m["content"] for m in self.messages]
+
+    def why(self) -> str:
+        left = [pid for pid in self.workers if alive(pid)]
+        return (f"rc={self.rc} rows={len(self.rows)}/{self.steps} workers left={left} "
+                f"calls={self.stat('tools/call_frequency')} "
+                f"failed={self.stat('tools/failure_frequency')} results={self.contents()[:3]} "
+                f"{self.seconds:.0f} s {self.err[-300:] if self.rc else ''}")
+
+
+IMPORT_BAD_TOOLS = {  # a tools file that fails while it is imported
+    "raises": "raise RuntimeError('no config')\n",
+    "exits": "import sys\nsys.exit(3)\n",
+    "hard_exits": "import os\nos._exit(0)\n",
+    "hangs": "import time\ntime.sleep(600)\n",
+}
+
+
+def issue62_cases(cases: Cases, tmp: str, quick: bool):
+    """Issue 62 (item 5 and its acceptance): bad tool behaviours through gspo.py --tools, each a run
+    of 2 steps x 2 episodes on the tiny model whose turns are scripted (script_turns): turn 1 calls
+    the bad tool, turn 2 answers."""
+    def each(name, fns, turns=None, **kw):
+        return ToolRun(tmp, name, fns, turns or [tool_call(fns), "done"], **kw)
+
+    def failing(name, fn, needle, **kw):
+        """A tool whose every call fails: each call an error result with needle, counted."""
+        r = each(name, fn, **kw)
+        held = (r.ok() and r.stat("tools/failure_frequency") == [1.0] * r.steps
+                and len(r.messages) == 2 * r.steps
+                and all(c.startswith("{'error': ") and needle in c for c in r.contents()))
+        cases.check(f"issue 62: a tool that {name}: an error result a call, counted, the run "
+                    "goes on", held, r.why())
+        return r
+
+    t = time.time()
+    r = failing("hangs (sleeps 10 min)", "hang", f"did not answer in {TOOL_TIMEOUT_S:g} s", steps=1)
+    cases.check("issue 62: a hanging tool costs its time bound a call, no more",
+                r.seconds < 2 * TOOL_TIMEOUT_S + 60, f"{r.seconds:.0f} s")
+    failing("segfaults (ctypes writes at address 0)", "segfault", "exit code -11")
+    if quick:
+        return
+    failing("aborts (os.abort)", "abort", "exit code -6")
+    failing("raises SystemExit(3)", "sys_exit", "exit code 3")
+    failing("raises KeyboardInterrupt", "interrupt", "exit code -2")  # Python ends on SIGINT
+    failing("calls os._exit(4)", "hard_exit", "exit code 4")
+    failing("raises RuntimeError", "boom", "no", turns=[tool_call("boom", message="no"), "done"])
+    failing("recurses without end (RecursionError)", "recurse", "maximum recursion depth")
+    failing("overflows the C stack (recursion limit lifted)", "deep_recurse", "exit code -11")
+    failing("returns an object whose str() raises", "unprintable", "no str for this object")
+    failing("reads stdin (the worker's request pipe)", "reads_stdin", "did not answer in", steps=1)
+    failing("stops itself (SIGSTOP)", "stops", "did not answer in", steps=1)
+
+    # 10 MB of output: cut to 100,000 characters by the worker, then past the budget: rolled back
+    r = each("flood", "flood")
+    cases.check("issue 62: a tool returning 10 MB: its result cut by the worker and rolled back "
+                "past the budget (the call counted, not failed), the run goes on",
+                r.ok() and r.stat("tools/rolled_back") == [2.0] * r.steps
+                and r.stat("tools/failure_frequency") == [0.0] * r.steps
+                and all(m["chars"] == 100_000 for m in r.messages), r.why())
+
+    # prints on stdout (a forged reply line among them): the reply is the tool's return value
+    r = each("chatty", "chatty")
+    cases.check("issue 62: a tool printing on stdout (a forged reply line, raw bytes on fd 1): "
+                "its result is its return value", r.ok() and len(r.messages) == 2 * r.steps
+                and set(r.contents()) == {"the real result"}
+                and r.stat("tools/failure_frequency") == [0.0] * r.steps, r.why())
+
+    # the model's side: bad JSON, no name, an unknown tool, bad arguments, code in the arguments
+    r = each("bad_json", "multiply", [tool_call("multiply", a=6, b=7)[:-20] + "\n</tool_call>",
+                                      "done"])
+    cases.check("issue 62: bad JSON from the model: not a call (TRL), the episode ends on that "
+                "turn, counted as malformed", r.ok() and r.messages == []
+                and r.stat("tools/malformed_turns") == [2.0] * r.steps
+                and r.stat("tools/turns_per_episode") == [1.0] * r.steps, r.why())
+    r = each("no_name", "multiply", ['<tool_call>\n{"arguments": {"a": 1}}\n</tool_call>', "done"])
+    cases.check("issue 62: a call without a name: not a call, counted as malformed",
+                r.ok() and r.messages == [] and r.stat("tools/malformed_turns") == [2.0] * r.steps,
+                r.why())
+    r = each("unknown", "multiply", [tool_call("hang"), "done"])  # in the file, not given
+    cases.check("issue 62: an unknown tool (in the file, not in --tools): TRL's error result, "
+                "counted", r.ok() and set(r.contents()) == {"{'error': 'Tool hang not found.'}"}
+                and r.stat("tools/failure_frequency") == [1.0] * r.steps, r.why())
+    r = each("bad_args", "multiply", [tool_call("multiply", a=6, c=7), "done"])
+    cases.check("issue 62: bad arguments: the TypeError as TRL's error result, counted",
+                r.ok() and all("unexpected keyword argument 'c'" in c for c in r.contents())
+                and r.stat("tools/failure_frequency") == [1.0] * r.steps, r.why())
+    touched = f"{tmp}/i62/code/pwned"
+    code = f"__import__('os').system('touch {touched}')"
+    r = each("code", "multiply", [tool_call("multiply", a=code, b=1) + "\n"
+                                  + tool_call(code, a=1, b=1), "done"])
+    cases.check("issue 62: code written by the model (as an argument, as a tool name) is never "
+                "run: a string argument, an unknown tool", r.ok() and not os.path.exists(touched)
+                and r.contents().count(code) == 2 * r.steps, r.why())
+
+    # calls to the limit: every turn calls; --max-tool-calls 3 rounds, then the episode ends
+    r = each("limit", "multiply", [tool_call("multiply", a=2, b=3)], max_calls=3)
+    cases.check("issue 62: a model that calls every turn: --max-tool-calls 3 rounds (3 calls, 4 "
+                "turns an episode), the last turn's call not run", r.ok()
+                and r.stat("tools/call_frequency") == [3.0] * r.steps
+                and r.stat("tools/turns_per_episode") == [4.0] * r.steps, r.why())
+
+    # results that are not str: str() of each, as TRL's str(result)
+    r = each("types", "mapping,nothing,listing", [tool_call("mapping", key="k") + "\n"
+                                                  + tool_call("nothing") + "\n"
+                                                  + tool_call("listing", n=2), "done"])
+    cases.check("issue 62: results that are not str (a dict, None, a list): their str()",
+                r.ok() and r.contents()[:3] == ["{'k': 1}", "None", "['item 0', 'item 1']"],
+                r.why())
+
+    # a result with the template's special tokens: tokenized as the template renders it, masked
+    r = each("injects", "injects")
+    cases.check("issue 62: a result holding <|im_end|> and an assistant header: tokenized in the "
+                "tool turn (mask 0), the run goes on", r.ok()
+                and r.stat("tools/failure_frequency") == [0.0] * r.steps, r.why())
+
+    # a lone surrogate (no UTF-8 for it) in a result
+    r = each("surrogate", "surrogate")
+    cases.check("issue 62: a result with a lone surrogate: the run goes on", r.ok(), r.why())
+
+    # files: the tool writes where it likes (no file-system bound, as the reward worker)
+    r = each("writer", "writer")
+    written = f"{r.dir}/written.txt"
+    lines = open(written).read().split() if os.path.exists(written) else []
+    cases.check("issue 62: a tool writing a file: written once a call, the run's own files intact",
+                r.ok() and len(lines) == 2 * r.steps, r.why() + f" lines={len(lines)}")
+
+    # fork: a child that returns into the worker's loop; a child left sleeping
+    r = each("fork_both", "fork_both")
+    cases.check("issue 62: a tool that forks and both return: one reply a call, the child gone",
+                r.ok() and len(r.messages) == 2 * r.steps
+                and r.stat("tools/failure_frequency") == [0.0] * r.steps, r.why())
+    r = each("forker", "forker")
+    kids = [int(x) for x in open(f"{r.dir}/children.txt").read().split()] if os.path.exists(
+        f"{r.dir}/children.txt") else []
+    left = [pid for pid in kids if alive(pid)]
+    cases.check("issue 62: a tool that forks a child and returns: no child outlives the run",
+                r.ok() and len(kids) == 2 * r.steps and not left,
+                r.why() + f" children left: {len(left)} of {len(kids)}")
+    for pid in left:  # started by this case's run: ended here
+        os.kill(pid, signal.SIGKILL)
+
+    # memory: 8 GB of address space, mapped and never touched (nothing is used where no bound is)
+    r = each("allocate", "allocate")
+    cases.check("issue 62: a tool mapping 8 GB: refused by a memory bound (the reward worker's "
+                "RLIMIT_AS of 4 GB), an error result", r.ok()
+                and r.stat("tools/failure_frequency") == [1.0] * r.steps, r.why())
+
+    # state: a module global counts the calls; a tool that sees another episode's calls
+    r = each("state", "count")
+    cases.check("issue 62: a tool never sees another episode's state (a module global counter "
+                "reads 1 in every episode)", r.ok() and set(r.contents()) == {"1"},
+                r.why() + f" counter read {r.contents()}")
+
+    # a tools file that fails at import: one line before any model
+    for name, text in IMPORT_BAD_TOOLS.items():
+        path = f"{tmp}/i62/bad_import_{name}.py"
+        with open(path, "w") as f:
+            f.write(text + "\n\ndef f(x: int) -> int:\n    \"\"\"Id.\n\n    Args:\n"
+                           "        x: a number\n    \"\"\"\n    return x\n")
+        r = ToolRun(tmp, f"import_{name}", "f", [tool_call("f", x=1)], tools_file=path,
+                    timeout=60)
+        lines = r.err.strip().splitlines()
+        cases.check(f"issue 62: a tools file that {name} at import: one line before any model",
+                    r.rc == 1 and len(lines) >= 1 and lines[-1].startswith("error: --tools")
+                    and "Traceback" not in r.err and r.rows == [],
+                    f"rc={r.rc} {r.seconds:.0f} s {r.err[-300:]!r}")
+    print(f"issue 62's cases: {time.time() - t:.0f} s", flush=True)
+
+
 def reward_cases(cases: Cases, tmp: str, quick: bool):
     """Every bad reward form, through the trainer's own path (grader.load_reward, rewards.score)."""
     from grouprl import grader
@@ -838,4 +1130,5 @@ if __name__ == "__main__":
         child(sys.argv[2:])
     else:
         sys.exit(main("--quick" in sys.argv[1:], "--rewards-only" in sys.argv[1:],
-                      "--issue54-only" in sys.argv[1:], "--issue61-only" in sys.argv[1:]))
+                      "--issue54-only" in sys.argv[1:], "--issue61-only" in sys.argv[1:],
+                      "--issue62-only" in sys.argv[1:]))

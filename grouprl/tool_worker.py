@@ -15,7 +15,11 @@ Its first line: {"ready": true} or {"fatal": "Type: message"}. Requests, each wi
     takes an argument (the model's turns as texts), -> {"r": [float]};
   {"op": "drop", "i"}: instance i forgotten -> {"r": null}.
 Instances live here only, one per episode, never shared. A hang or a crash is the trainer's to
-bound (it kills this process); this one leaves when the trainer closes the pipe or dies.
+bound (it kills this process's group: a tool's forks with it); this one leaves when the trainer
+closes the pipe, and takes its group with it when the trainer dies. Its address space is bounded
+(MEMORY_BYTES: a tool allocating past it gets a MemoryError, its call's error); a result is valid
+UTF-8. A tools file name '-' (and names '-'): none; the tools file alone, names '-': its import
+tried (tools.py's probe: a file that exits or hangs as it is imported costs the worker only).
 Standard library only, so that it starts fast."""
 
 import importlib.util
@@ -27,6 +31,7 @@ import threading
 import time
 
 MAX_RESULT_CHARS = 100_000  # a tool's reply past this is cut (the length budget drops it anyway)
+MEMORY_BYTES = 4 << 30  # the worker's address space (RLIMIT_AS), as the reward worker's math grader
 
 
 NOT_TOOLS = ("reset", "get_reward", "get_turn_rewards")  # tools.py's: not the model's to call
@@ -76,13 +81,22 @@ def answer(fns: dict, cls, instances: dict, request: dict) -> dict:
             raise ValueError(f"Tool {name} not found.")
         if not isinstance(arguments, dict):
             raise TypeError(f"arguments must be a JSON object, not {type(arguments).__name__}")
-        return {"r": str(tools[name](**arguments))[:MAX_RESULT_CHARS]}
+        return {"r": text(tools[name](**arguments))}
     except Exception as e:  # noqa: BLE001 - whatever the tool raised, sent back as its error
-        return {"e": str(e)[:MAX_RESULT_CHARS]}
+        return {"e": text(e)}
+
+
+def text(x) -> str:
+    """str(x) cut at MAX_RESULT_CHARS, valid UTF-8 (a lone surrogate written as its escape: the
+    tokenizer cannot encode one)."""
+    return str(x)[:MAX_RESULT_CHARS].encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def main(argv: list[str]):
-    path, names, parent = argv[0], argv[1].split(","), int(argv[2])
+    import resource
+    import signal
+
+    path, names, parent = argv[0], [n for n in argv[1].split(",") if n != "-"], int(argv[2])
     env_path, env_class = (argv[3], argv[4]) if len(argv) > 4 else ("-", "-")
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # a tool's print() goes to stderr, never into the replies
@@ -95,9 +109,11 @@ def main(argv: list[str]):
     def watch():
         while os.getppid() == parent:
             time.sleep(0.2)
-        os._exit(0)  # reparented: the trainer died
+        os.killpg(0, signal.SIGKILL)  # reparented: the trainer died; this group goes (a tool's forks)
 
     threading.Thread(target=watch, daemon=True).start()
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES if hard < 0 else min(MEMORY_BYTES, hard), hard))
     try:
         fns = load(path, names) if path != "-" else {}
         cls = load(env_path, [env_class])[env_class] if env_path != "-" else None

@@ -7,11 +7,13 @@ per episode, out of the trainer's process."""
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import inspect
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -41,9 +43,14 @@ def split_spec(spec: str, flag: str = "--tools") -> tuple[str, list[str]]:
 
 
 def import_file(flag: str, spec: str, path: str):
-    """The Python file at path as a module of its own (its top level runs; nothing is called)."""
+    """The Python file at path as a module of its own (its top level runs; nothing is called),
+    imported first in a tool worker (probe): a file that exits, hangs or dies as it is imported
+    fails in one line there, not in the trainer."""
     if not os.path.isfile(path):
         fail(f"{flag} {spec!r}: no file {path!r}")
+    said = probe(path)
+    if said:
+        fail(f"{flag} {spec!r}: importing {path} {said}")
     module_spec = importlib.util.spec_from_file_location("grouprl_tools", path)
     module = importlib.util.module_from_spec(module_spec)
     try:
@@ -51,6 +58,36 @@ def import_file(flag: str, spec: str, path: str):
     except Exception as e:  # noqa: BLE001 - whatever the file raised, in one line
         fail(f"{flag} {spec!r}: importing {path} raised {type(e).__name__}: {e}")
     return module
+
+
+def probe(path: str) -> str | None:
+    """The file imported in a tool worker of its own, which then ends: None when it is ready;
+    else what happened ('raised Type: message', 'ended its process (exit code N)', 'took more
+    than START_TIMEOUT_S s')."""
+    proc = subprocess.Popen([sys.executable, WORKER_FILE, os.path.abspath(path), "-",
+                             str(os.getpid())], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        out = proc.communicate(timeout=START_TIMEOUT_S)[0]
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        return f"took more than {START_TIMEOUT_S:g} s"
+    kill_group(proc)  # a fork the import left behind
+    line = out.split(b"\n", 1)[0]
+    try:
+        msg = json.loads(line)
+    except ValueError:
+        return f"ended its process (exit code {proc.returncode})"
+    return None if msg.get("ready") else f"raised {msg.get('fatal')}"
+
+
+def kill_group(proc: subprocess.Popen):
+    """A worker (the leader of its own session) and every process in its group: a tool's forks."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
 
 
 def schema_of(flag: str, spec: str, fn) -> dict:
@@ -218,6 +255,8 @@ class Tools:
              *env], stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
             start_new_session=True)  # a signal to our group leaves it be
         self.buf, self.starts = b"", self.starts + 1
+        if self.starts == 1:
+            atexit.register(self.stop)  # at the run's end, even where __del__ never runs
         msg = self.read(START_TIMEOUT_S)
         if not isinstance(msg, dict) or not msg.get("ready"):
             self.stop()
@@ -319,8 +358,7 @@ class Tools:
 
     def stop(self):
         if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
+            kill_group(self.proc)  # the worker and any process a tool forked
             self.proc = None
 
     def __del__(self):

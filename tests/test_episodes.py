@@ -4,6 +4,7 @@ worker that a hang or a crash cannot take down, --environment's instances (TRL's
 in that worker, get_reward as one more reward, a scripted episode's exact ids and mask, and the key test: GSPO's and
 GRPO's loss on an episode is the loss over the model's tokens only, with no gradient at any tool token."""
 import os
+import time
 import types
 
 import pytest
@@ -13,6 +14,7 @@ from helpers import ROOT, fails_before_any_model, run_script, value_and_grad
 import grpo
 import gspo
 from grouprl import data, episodes, modeling, rewards
+from grouprl import tools as tools_module
 from grouprl.episodes import Tools, generate_episodes, parse_calls, tool_suffix_ids
 from grouprl.generation import Rollout
 from grouprl.grader import Rewards
@@ -23,6 +25,8 @@ TOOLS_FILE = os.path.join(ROOT, "tests", "programs", "tools_example.py")
 ENV_FILE = os.path.join(ROOT, "tests", "programs", "counter_env.py")
 ENV = f"{ENV_FILE}:Counter"
 ENVS = os.path.join(ROOT, "tests", "programs", "episode_envs.py")  # the tests' own classes
+BAD_TOOLS = os.path.join(ROOT, "tests", "programs", "bad_tools.py")  # tools that misbehave, each one way
+BAD_IMPORT = os.path.join(ROOT, "tests", "programs", "bad_import.py")  # a file that misbehaves as it is imported
 CALL = '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call>'
 
 
@@ -99,6 +103,42 @@ def test_bad_tools_cost_a_call_never_the_run():
         assert tools.call("multiply", {"a": 2, "b": 3}) == ("6", False)  # a fresh worker after each
     finally:
         tools.stop()
+
+
+def test_the_worker_bounds_memory_kills_forks_and_sends_utf8(tmp_path, monkeypatch):
+    """A tool mapping 8 GB gets ENOMEM, its call's error (the worker's address space is bounded); a child a tool forked dies
+    with the worker; a lone surrogate comes back escaped (the tokenizer takes it)."""
+    monkeypatch.setenv("BAD_TOOLS_DIR", str(tmp_path))
+    tools = Tools(f"{BAD_TOOLS}:allocate,forker,surrogate")
+    try:
+        content, failed = tools.call("allocate", {})
+        assert failed and "Cannot allocate memory" in content, content  # mmap past RLIMIT_AS: ENOMEM
+        content, failed = tools.call("surrogate", {})
+        assert not failed and content == "bad \\ud800 text", content
+        modeling.tiny_tokenizer()(content)  # encodes
+        content, failed = tools.call("forker", {})
+        assert not failed and content.startswith("forked"), content
+    finally:
+        tools.stop()
+    child = int((tmp_path / "children.txt").read_text())
+    time.sleep(0.2)
+    stat = f"/proc/{child}/stat"  # gone, or a zombie waiting for init to reap it: not running
+    assert not os.path.exists(stat) or open(stat).read().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+@pytest.mark.parametrize("mode, needle", [("exit", "raised SystemExit: 3"), ("die", "ended its process (exit code 0)"),
+                                          ("hang", "took more than 1 s")])
+def test_a_tools_file_that_exits_or_hangs_at_import_is_one_line(mode, needle, monkeypatch):
+    """The file is imported first in a worker of its own: sys.exit, os._exit or a hang at its top level cost that
+    worker, and the trainer says so in one line (before, the trainer exited 3, exited 0 silently, or hung)."""
+    monkeypatch.setenv("BAD_IMPORT", mode)
+    monkeypatch.setattr(tools_module, "START_TIMEOUT_S", 1.0)
+    with pytest.raises(SystemExit) as e:
+        tools_module.load_tools(f"{BAD_IMPORT}:echo")
+    msg = str(e.value.code)
+    assert msg.startswith("error: --tools ") and "\n" not in msg and needle in msg, msg
+    monkeypatch.setenv("BAD_IMPORT", "")
+    assert list(tools_module.load_tools(f"{BAD_IMPORT}:echo")[0]) == ["echo"]
 
 
 # ---- a scripted episode: exact ids and mask

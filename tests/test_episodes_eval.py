@@ -110,6 +110,29 @@ def test_eval_only_with_an_environment(monkeypatch, tmp_path):
     stop_tools((None, ENV, 1))
 
 
+TOOL_SEEN = ("def tool_seen(prompts, completions, **kwargs):\n"
+             "    return [float(any(m['role'] == 'tool' for m in c)) for c in completions]\n")
+
+
+def test_eval_gives_trl_rewards_the_episode(monkeypatch, tmp_path):
+    """Message prompts and a TRL-form reward: as in training, the reward gets each episode as TRL's completions
+    (model and tool messages), so a reward that scores 1 for an episode whose tool turn was kept gives, by hand,
+    avg@2 = the episodes not rolled back over all of them."""
+    data = tmp_path / "held.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{a}%10="}], "answer": a}) + "\n"
+                            for a in ANSWERS))
+    (tmp_path / "tool_seen62.py").write_text(TOOL_SEEN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    scripted(monkeypatch, [{"name": "multiply", "arguments": {"a": 2, "b": 3}}])
+    rows, _ = run_script("gspo", [*RUN, *EVAL, "--eval-dataset", str(data), "--reward", "tool_seen62:tool_seen",
+                                  "--tools", f"{TOOLS_FILE}:multiply", "--eval-only"], monkeypatch, tmp_path / "o",
+                         jitter_row=False)
+    (row,) = rows
+    assert row["eval/reward_errors"] == 0 and 0 < row["eval/tools/rolled_back"] < 15
+    assert row["eval/avg@2"] == pytest.approx(1 - row["eval/tools/rolled_back"] / 15)
+    stop_tools((f"{TOOLS_FILE}:multiply", None, 1))
+
+
 def own_rng(evaluate):
     """evaluate with the training's RNG left as it was: the evaluation's draws, not its episodes, are then the
     only thing that could move the training's numbers."""

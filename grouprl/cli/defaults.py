@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..episodes import tools_of
 from ..evaluation import Evaluation
 from ..sampling import Sampling
 
@@ -48,8 +49,9 @@ def eval_plan(args, sampling: Sampling, reward) -> Evaluation:
     """The held-out evaluation's Evaluation: the rollout's sampling with the evaluation's own
     temperature, top_p and max_new_tokens (--eval-temperature, --eval-top-p,
     --eval-max-new-tokens: by default the training ones), --eval-k and --eval-n, the task's
-    reward, --log-eval-samples and the name of an evaluation before the first step (the step-0
-    one, or --eval-only's)."""
+    reward, --log-eval-samples, the name of an evaluation before the first step (the step-0
+    one, or --eval-only's), and with --tools or --environment the run's Tools (episodes.tools_of,
+    the rollout's own): the evaluation then runs episodes as the rollout does."""
     own = dataclasses.replace(
         sampling, max_new_tokens=args.eval_max_new_tokens,
         temperature=args.temperature if args.eval_temperature is None else args.eval_temperature,
@@ -57,4 +59,5 @@ def eval_plan(args, sampling: Sampling, reward) -> Evaluation:
     return Evaluation(sampling=own, k=args.eval_k, n=args.eval_n, reward=reward,
                       log_samples=args.log_eval_samples,
                       first_name="the --eval-only evaluation" if args.eval_only
-                      else "the step-0 evaluation")
+                      else "the step-0 evaluation",
+                      tools=tools_of(args) if args.tools or args.environment else None)

@@ -56,7 +56,7 @@ def score(texts: list[str], answers, n: int, reward: Reward | Rewards | None = N
     given: {name: (values [B] float64, NaN: does not apply; errors [B], None: scored)}, rewards
     computed elsewhere (an --environment's get_reward): each joins reward's parts on first sight,
     weight 1 (Rewards only; their values log as rewards/<name>/), and scores NaN where not given
-    (a held-out evaluation). messages: episodes as TRL's completions (model and tool messages),
+    (a rollout without get_reward values). messages: episodes as TRL's completions (model and tool messages),
     what a TRL-form reward gets as completions when the prompts are messages (TRL's tool loop)."""
     if reward is None:
         if not _MATH_GRADER:

@@ -440,7 +440,7 @@ def test_resets_that_differ_give_one_prompt_a_row(tmp_path):
 
 def test_get_reward_is_one_more_reward_logged_under_the_class():
     """score's given rewards: summed with weight 1 (TRL's nansum), logged as rewards/Counter/, a failure scores 0 and
-    is counted; where none is given (an evaluation) it does not apply. Episodes' messages are what a TRL-form reward
+    is counted; where none is given (a rollout without get_reward) it does not apply. Episodes' messages are what a TRL-form reward
     gets as completions."""
     reward = Rewards([])
     given = {"Counter": (torch.tensor([1.0, 0.0, float("nan")], dtype=torch.float64), [None, None, "boom"])}

@@ -1,6 +1,6 @@
 """Run under `torchrun --nproc-per-node 2 tests/programs/episodes_ranks.py OUT` (tests/test_episodes_dist.py):
 episodes (--tools) on the tiny model under FSDP2 (gloo), the ranks' episodes of different lengths and turn counts:
-rank 0's every turn is read as a multiply call, rank 1's only a turn of odd length, so rank 0 takes turns that rank 1
+rank 0's every turn is read as a multiply call, rank 1's only a turn of 1 mod 3 characters, so rank 0 takes turns that rank 1
 has no row for (rank 1 generates dummy rows, greedily), and with --gen-batch-size 2 more generate calls a round.
   - repeat, shared-prefill (HF generate, synced_gpus) and engine: both ranks make the same number of generate calls
     (no hang), and each rank's episodes equal, token for token, the plain model's on one process with the same seed
@@ -8,7 +8,9 @@ has no row for (rank 1 generates dummy rows, greedily), and with --gen-batch-siz
   - --environment whose resets differ on rank 1 only (its groups go one prompt a row): with shared-prefill every
     rank then generates one prompt a row, as many generate calls each;
   - last, gspo.py itself under torchrun with --tools and --dynamic-sampling (rank 0 logs to OUT); it exits the
-    process. Prints "OK <case>" a case from rank 0."""
+    process.
+Prints "OK <case>" a case from rank 0; a rank still running after 3 minutes (a hang: the ranks' collectives differ)
+exits with its traceback."""
 import os
 import sys
 
@@ -29,6 +31,9 @@ class Differ:
 
 
 def main():
+    import faulthandler
+
+    faulthandler.dump_traceback_later(180, exit=True)  # ranks whose collectives differ hang: fail instead
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     from dataclasses import replace
 
@@ -120,6 +125,8 @@ def main():
                 "--prompts-per-rank", "2", "--group-size", "2", "--num-minibatches", "1", "--max-new-tokens", "48",
                 "--gen-batch-size", "2", "--eval-every", "0", "--log-samples", "0", "--dynamic-sampling",
                 "--max-gen-rounds", "2", "--output-dir", sys.argv[1]]
+    faulthandler.cancel_dump_traceback_later()
+    faulthandler.dump_traceback_later(180, exit=True)
     gspo.main()  # exits the process (checkpoint.cleanup)
 
 

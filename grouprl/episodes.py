@@ -377,7 +377,8 @@ def env_scores(roll: Rollout, args) -> dict | None:
 
 
 def tools_of(args) -> Tools:
-    """The run's Tools for --tools, --environment and --max-tool-calls (made once)."""
+    """The run's Tools for --tools, --environment and --max-tool-calls (made once a process: under
+    torchrun each rank has its own worker for its own episodes)."""
     key = (args.tools, args.environment, args.max_tool_calls)
     if key not in _TOOLS:
         _TOOLS[key] = Tools(args.tools, args.max_tool_calls, environment=args.environment,

@@ -1,7 +1,9 @@
 """Episodes under torchrun (issue 62 item 1): two ranks whose episodes differ in length and turn count make the same
 generate calls (FSDP2's all-gathers inside HF generate), each rank's episodes equal the plain model's on one process,
 the tools/* stats are summed over the ranks, and gspo.py runs episodes with --dynamic-sampling. One launch of
-tests/programs/episodes_ranks.py (its docstring says what each case asserts)."""
+tests/programs/episodes_ranks.py (its docstring says what each case asserts). gspo.py's numbers under torchrun are
+not compared with a one-process run's: each rank samples from its own seed (seed_rank), so the episodes themselves
+differ; the program's cases compare the same episodes instead, exactly (tokens, mask, tools/* counts)."""
 import glob
 
 from helpers import read_rows, torchrun

@@ -7,16 +7,20 @@ over the whole episode. An episode travels as one Rollout row: prompt | turn 1 |
 ..., the mask 1 on the model's tokens only (TRL's tool_mask), so every objective sees nothing the
 environment wrote. --environment (TRL's environment_factory): one instance an episode, in the
 worker. The engine (--gen-mode engine) keeps each row's KV cache across its turns
-(engine/turns.py). Not yet: torchrun, episodes in the evaluation (docs/algorithms.md)."""
+(engine/turns.py). Under torchrun each rank runs its own episodes, with its own tool worker, and
+makes the generate calls every other rank makes (FSDP2); the tools/* counts are summed over the
+ranks. Not yet: episodes in the evaluation (docs/algorithms.md)."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import torch
+import torch.distributed as dist
 
-from .distributed import fail
+from .distributed import all_reduce, fail
 from .generation import Rollout, gathered, generate
 from .tools import Tools, load_environment, load_tools
 
@@ -40,9 +44,9 @@ def check_tool_args(args, launched: bool):
     flag = "--tools" if args.tools else "--environment"
     if args.max_tool_calls < 1:
         fail(f"--max-tool-calls {args.max_tool_calls}: give at least 1 (rounds of tool calls)")
-    if launched:
-        fail(f"{flag} under torchrun: episodes of different lengths would make the ranks' "
-             "generate calls differ; run on one process for now")
+    if launched and args.gen_mode == "engine-tp" and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        fail(f"{flag} with --gen-mode engine-tp over several processes: each rank's episodes take "
+             "their own turns, which engine-tp's shared decoding cannot; use --gen-mode engine")
     names = list(load_tools(args.tools)[0]) if args.tools else []
     twice = sorted(set(names) & set(load_environment(env).methods if env else []))
     if twice:
@@ -100,22 +104,32 @@ def tool_suffix_ids(tok, tool_messages: list[dict]) -> list[int]:
 # -------------------- the tool loop over generate
 @torch.no_grad()
 def continue_turns(policy, tok, histories: list[list[int]], room: list[int], eos: list[int],
-                   dist_env, sampling) -> list[tuple[list[int], bool, str]]:
+                   dist_env, sampling, rows: int = 0) -> list[tuple[list[int], bool, str]]:
     """One more model turn after each history (ids, unpadded), at most room[i] tokens -> [(turn
     ids up to and including the first EOS, cut (no EOS), text without the EOS)]. With the engine's
     open episodes (generation.generate(episodes=True)) each row's KV cache is kept: only the
     history's tokens past it (the tool turn) are prefilled, and each token's log-prob is kept
     for turn_logps; else HF generate as generation.generate samples, one row each, prefilling
-    the whole history."""
+    the whole history. rows (torchrun, HF generate): the most histories a rank has this round;
+    each rank makes its generate calls, as FSDP2's all-gathers inside them need, a call past its
+    own histories generating one greedy token (no random draw) for a dummy row, dropped."""
     from .engine import turns as engine_turns
 
     pad = tok.pad_token_id
     kept = (engine_turns.of(getattr(policy, "lm", None))
             if sampling.mode in ("engine", "engine-tp") else None)
     out = [] if kept is None else [new for new, _ in kept.next(histories, room)]
+    size = sampling.gen_batch_size
     with gathered(policy, sampling.unshard):
-        for s in range(0, 0 if kept is not None else len(histories), sampling.gen_batch_size):
-            part = histories[s:s + sampling.gen_batch_size]
+        for s in range(0, 0 if kept is not None else max(len(histories), rows), size):
+            part = histories[s:s + size]
+            if not part:  # another rank's rows: the same forwards (synced_gpus), nothing kept
+                policy.generate(input_ids=torch.tensor([[pad]], device=dist_env.device),
+                                attention_mask=torch.ones(1, 1, dtype=torch.long,
+                                                          device=dist_env.device),
+                                n=1, do_sample=False, max_new_tokens=1, eos_token_id=eos,
+                                pad_token_id=pad, synced_gpus=True)
+                continue
             L = max(len(h) for h in part)
             ids = torch.tensor([[pad] * (L - len(h)) + h for h in part], device=dist_env.device)
             am = torch.tensor([[0] * (L - len(h)) + [1] * len(h) for h in part],
@@ -124,7 +138,7 @@ def continue_turns(policy, tok, histories: list[list[int]], room: list[int], eos
                 input_ids=ids, attention_mask=am, n=1, do_sample=True,
                 temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                 min_p=sampling.min_p or None, repetition_penalty=sampling.repetition_penalty,
-                max_new_tokens=max(room[s:s + len(part)]),
+                max_new_tokens=max(1, *room[s:s + len(part)]),  # room 0: cut to no token below
                 min_new_tokens=sampling.min_new_tokens or None, eos_token_id=eos,
                 pad_token_id=pad, synced_gpus=dist_env.sharded)[:, L:]
             out += gen.tolist()
@@ -166,9 +180,22 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
     tools/call_frequency (calls an episode), tools/failure_frequency (failed calls over calls),
     tools/malformed_turns, tools/rolled_back, tools/cut_by_budget (episodes cut by the budget,
     rolled back or not), tools/cut_by_limit (episodes whose last turn calls tools after
-    --max-tool-calls rounds), tools/turns_per_episode (this process's episodes). logp: the
-    engine's sampled log-probs at the model's tokens (turn_logps), None with HF generate."""
-    ids, prompts, n = open_episodes(tok, prompts, n, tools)
+    --max-tool-calls rounds), tools/turns_per_episode; under torchrun over every rank's episodes
+    (one all_reduce). logp: the engine's sampled log-probs at the model's tokens (turn_logps),
+    None with HF generate. Under torchrun every rank calls this together: each runs its own
+    episodes (its own tool worker: tools_of is one a process), and with HF generate the ranks
+    take their turns in step (an all_reduce a round: the most rows a rank continues), so that
+    each makes the same generate calls (FSDP2); the engine gathers the weights in the first
+    turn's generate and takes its later turns alone."""
+    from .engine import turns as engine_turns
+
+    G, (ids, prompts, n) = n, open_episodes(tok, prompts, n, tools)
+    apart = dist_env.world > 1  # torchrun: the ranks' generate calls and collectives agree
+    if apart and getattr(tools, "env", None) is not None and G > 1:
+        # a rank whose resets differ generates one prompt a row (open_episodes): then every rank
+        # does, so that shared-prefill makes as many generate calls on each
+        if all_reduce(torch.tensor([n]), dist.ReduceOp.MIN).item() < n:
+            prompts, n = [p for p in prompts for _ in range(n)], 1
     first = generate(policy, tok, prompts, n, eos, dist_env, sampling, streamer=streamer,
                      episodes=True)  # the engine keeps each row's KV for its next turns
     B, P, budget = len(first.texts), first.n_prompt, sampling.max_new_tokens
@@ -181,6 +208,9 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
     cut = first.truncated.tolist()
     calls = failures = malformed = rolled = 0
     live = list(range(B))  # rows whose last turn is read for calls
+    # torchrun with HF generate: a round ends when every rank's episodes have ended (one
+    # all_reduce a round); the engine's later turns run no collective (its weights are taken)
+    sync = apart and engine_turns.of(getattr(policy, "lm", None)) is None
     for _ in range(tools.max_calls):  # TRL's max_tool_calling_iterations: rounds, not calls
         nxt = []
         for i in live:
@@ -200,12 +230,15 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
             comp[i], mask[i] = comp[i] + suffix, mask[i] + [0] * len(suffix)
             replies[i].append(results)
             nxt.append(i)
-        if not nxt:
+        most = (int(all_reduce(torch.tensor([len(nxt)]), dist.ReduceOp.MAX).item()) if sync
+                else len(nxt))  # the most rows a rank takes a turn for
+        if not most:
             live = []
             break
         room = [budget - len(comp[i]) for i in nxt]
         for i, (new, no_eos, text) in zip(nxt, continue_turns(
-                policy, tok, [prompt[i] + comp[i] for i in nxt], room, eos, dist_env, sampling)):
+                policy, tok, [prompt[i] + comp[i] for i in nxt], room, eos, dist_env, sampling,
+                rows=most)):
             comp[i], mask[i] = comp[i] + new, mask[i] + [1] * len(new)
             turns[i].append(text)
             cut[i] = no_eos
@@ -216,11 +249,16 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
     dev = first.input_ids.device
     tail = torch.tensor([c + [tok.pad_token_id] * (T - len(c)) for c in comp], device=dev)
     am = torch.tensor([[1] * len(c) + [0] * (T - len(c)) for c in comp], device=dev)
-    stats = {"tools/call_frequency": calls / B,
+    counts = torch.tensor([B, calls, failures, malformed, rolled, sum(cut), limited,
+                           sum(len(t) for t in turns)], dtype=torch.float64)
+    if apart:  # the run's episodes, every rank's (rank 0 logs them)
+        counts = all_reduce(counts)
+    total, calls, failures, malformed, rolled, cuts, limited, said = counts.tolist()
+    stats = {"tools/call_frequency": calls / total,
              "tools/failure_frequency": failures / calls if calls else 0.0,
-             "tools/malformed_turns": float(malformed), "tools/rolled_back": float(rolled),
-             "tools/cut_by_budget": float(sum(cut)), "tools/cut_by_limit": float(limited),
-             "tools/turns_per_episode": sum(len(t) for t in turns) / B}
+             "tools/malformed_turns": malformed, "tools/rolled_back": rolled,
+             "tools/cut_by_budget": cuts, "tools/cut_by_limit": limited,
+             "tools/turns_per_episode": said / total}
     return Rollout(input_ids=torch.cat([first.input_ids[:, :P], tail], 1),
                    attention_mask=torch.cat([first.attention_mask[:, :P], am], 1), n_prompt=P,
                    mask=torch.tensor([m + [0] * (T - len(m)) for m in mask], device=dev,
@@ -339,7 +377,8 @@ def env_scores(roll: Rollout, args) -> dict | None:
 
 
 def tools_of(args) -> Tools:
-    """The run's Tools for --tools, --environment and --max-tool-calls (made once)."""
+    """The run's Tools for --tools, --environment and --max-tool-calls (made once a process: under
+    torchrun each rank has its own worker for its own episodes)."""
     key = (args.tools, args.environment, args.max_tool_calls)
     if key not in _TOOLS:
         _TOOLS[key] = Tools(args.tools, args.max_tool_calls, environment=args.environment,

@@ -211,6 +211,35 @@ def test_budget_rolls_back_a_result():
     assert roll.mask[0].sum() == turn1 and roll.mask.shape[1] == turn1 and roll.texts[0] == CALL
 
 
+class Checked(Scripted):
+    """Scripted, refusing max_new_tokens < 1 as HF generate does (GenerationConfig.validate)."""
+
+    def generate(self, input_ids, attention_mask, n=1, **kw):
+        if kw["max_new_tokens"] < 1:
+            raise ValueError(f"`max_new_tokens` must be greater than 0, but is {kw['max_new_tokens']}.")
+        return super().generate(input_ids, attention_mask, n, **kw)
+
+
+def test_a_tool_turn_that_fills_the_budget_ends_the_episode():
+    """A tool turn that ends exactly at the budget is kept (TRL rolls back only past it) and leaves no room: the next
+    turn is empty and the episode cut, as the engine's (Episodes.next), with HF generate asked for at least 1 token
+    (0 is refused) even where the turn's rows (--gen-batch-size 1: row 0 alone) have no room."""
+    tok = modeling.tiny_tokenizer()
+    turn1 = tok(CALL, add_special_tokens=False).input_ids + [tok.eos_token_id]
+    suffix = tool_suffix_ids(tok, [{"role": "tool", "name": "multiply", "content": "42"}])
+    tools = Tools(f"{TOOLS_FILE}:multiply", 2)
+    try:
+        roll = generate_episodes(Checked(tok, [[CALL], ["no"], ["unused"]]), tok, [PROMPT], 2, [tok.eos_token_id],
+                                 CPU_ENV, Sampling(max_new_tokens=len(turn1) + len(suffix), mode="repeat",
+                                                   gen_batch_size=1), tools)
+    finally:
+        tools.stop()
+    P = roll.n_prompt
+    assert roll.input_ids[0, P:].tolist() == turn1 + suffix and roll.mask[0].sum() == len(turn1)
+    assert roll.truncated.tolist() == [True, False] and roll.texts[0] == CALL + "\n"
+    assert roll.stats["tools/rolled_back"] == 0 and roll.stats["tools/turns_per_episode"] == 1.5
+
+
 def episode_of(turns, tools, budget=300):
     tok = modeling.tiny_tokenizer()
     return tok, generate_episodes(Scripted(tok, turns), tok, [PROMPT], len(turns[0]), [tok.eos_token_id],
@@ -360,9 +389,14 @@ def test_environment_checks_are_one_line(monkeypatch, tmp_path):
             episodes.check_tool_args(types.SimpleNamespace(**{**ok, **change}), False)
         msg = str(e.value.code)
         assert msg.startswith("error: ") and "\n" not in msg and needle in msg, msg
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun: episodes run (tests/test_episodes_dist.py), not on engine-tp
     with pytest.raises(SystemExit) as e:
-        episodes.check_tool_args(types.SimpleNamespace(**ok), True)
-    assert "under torchrun" in str(e.value.code)
+        episodes.check_tool_args(types.SimpleNamespace(**{**ok, "gen_mode": "engine-tp"}), True)
+    assert "engine-tp over several processes" in str(e.value.code) and "\n" not in str(e.value.code)
+    for mode in ["shared-prefill", "engine"]:
+        episodes.check_tool_args(types.SimpleNamespace(**{**ok, "gen_mode": mode}), True)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    episodes.check_tool_args(types.SimpleNamespace(**{**ok, "gen_mode": "engine-tp"}), True)
     episodes.check_tool_args(types.SimpleNamespace(**ok), False)
     episodes.check_tool_args(types.SimpleNamespace(**{**ok, "tools": f"{TOOLS_FILE}:multiply"}), False)  # as TRL
     fails_before_any_model("gspo", ["--environment", "nowhere.py:C"], "no file", monkeypatch, tmp_path)

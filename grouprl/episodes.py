@@ -180,8 +180,8 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
     tools/call_frequency (calls an episode), tools/failure_frequency (failed calls over calls),
     tools/malformed_turns, tools/rolled_back, tools/cut_by_budget (episodes cut by the budget,
     rolled back or not), tools/cut_by_limit (episodes whose last turn calls tools after
-    --max-tool-calls rounds), tools/turns_per_episode; under torchrun over every rank's episodes
-    (one all_reduce). logp: the engine's sampled log-probs at the model's tokens (turn_logps),
+    --max-tool-calls rounds), tools/turns_per_episode, tools/episodes (how many); under torchrun
+    over every rank's episodes (one all_reduce). logp: the engine's sampled log-probs at the model's tokens (turn_logps),
     None with HF generate. Under torchrun every rank calls this together: each runs its own
     episodes (its own tool worker: tools_of is one a process), and with HF generate the ranks
     take their turns in step (an all_reduce a round: the most rows a rank continues), so that
@@ -258,7 +258,7 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
              "tools/failure_frequency": failures / calls if calls else 0.0,
              "tools/malformed_turns": malformed, "tools/rolled_back": rolled,
              "tools/cut_by_budget": cuts, "tools/cut_by_limit": limited,
-             "tools/turns_per_episode": said / total}
+             "tools/turns_per_episode": said / total, "tools/episodes": total}
     return Rollout(input_ids=torch.cat([first.input_ids[:, :P], tail], 1),
                    attention_mask=torch.cat([first.attention_mask[:, :P], am], 1), n_prompt=P,
                    mask=torch.tensor([m + [0] * (T - len(m)) for m in mask], device=dev,

@@ -98,7 +98,8 @@ def evaluate(policy, tok, held, eos, dist_env: Dist, plan: Evaluation) -> dict:
               "eval/prompts": m, "eval/samples": n, "eval/reward_errors": s[3].item(),
               "eval/truncated_frac": (s[4] / (s[2] * n)).item()}
     if plan.tools is not None:
-        result.update(episode_log(all_reduce(tally), s[2].item() * n, plan.tools))
+        tally[-2:] = all_reduce(tally[-2:])  # get_reward's, this rank's; the rest: every rank's
+        result.update(episode_log(tally, s[2].item() * n, plan.tools))
     bar.show(more=f", avg@{k} {result[f'eval/avg@{k}']:.3f}, pass@{k} "
                   f"{result[f'eval/pass@{k}']:.3f}")
     bar.bar.close()
@@ -107,15 +108,16 @@ def evaluate(policy, tok, held, eos, dist_env: Dist, plan: Evaluation) -> dict:
     return result
 
 
-# an evaluation's episodes, counted over its generate calls and ranks (generate_episodes' stats
-# are rates and counts of one call's episodes); then get_reward's sum and count where it applies
+# an evaluation's episodes, counted over its generate calls (generate_episodes' stats are rates and
+# counts of one call's episodes, every rank's); then get_reward's sum and count (this rank's)
 TALLY = ("calls", "failures", "malformed_turns", "rolled_back", "cut_by_budget", "cut_by_limit",
          "turns", "env_reward_sum", "env_reward_count")
 
 
 def episode_tally(roll) -> torch.Tensor:
-    """One generate_episodes call's episodes as TALLY's counts (float64), to sum."""
-    s, B = roll.stats, len(roll.texts)
+    """One generate_episodes call's episodes as TALLY's counts (float64), to sum: the tools'
+    over every rank's episodes (as generate_episodes counts them), get_reward's over this rank's."""
+    s, B = roll.stats, roll.stats["tools/episodes"]
     calls = round(s["tools/call_frequency"] * B)
     env = (torch.zeros(0, dtype=torch.float64) if roll.env_rewards is None
            else roll.env_rewards.cpu())

@@ -15,6 +15,11 @@ def test_episodes_under_torchrun(tmp_path):
     ok = [line.split(":")[0] for line in p.stdout.splitlines() if line.startswith("OK ")]
     assert ok == ["OK repeat", "OK shared-prefill", "OK engine", "OK environment"], p.stdout
     (run,) = glob.glob(f"{tmp_path}/*/metrics.jsonl")
-    (row,) = read_rows(run)  # gspo.py --tools --dynamic-sampling, 1 step on 2 ranks
+    evals = [r for r in read_rows(run) if "eval/tools/call_frequency" in r]  # steps 0 and 1: episodes held out
+    (row,) = [r for r in read_rows(run) if "charts/gen_rounds" in r]  # gspo.py --tools --dynamic-sampling, 1 step
     assert row["charts/gen_rounds"] == 2 and row["tools/call_frequency"] > 0  # the random model's rewards are flat
     assert row["tools/turns_per_episode"] > 1  # episodes went on after a tool turn
+    assert len(evals) == 2
+    for r in evals:  # every rank's episodes counted once (generate_episodes' counts are reduced already)
+        episodes = r["eval/prompts"] * r["eval/samples"]
+        assert r["eval/tools/cut_by_budget"] == r["eval/truncated_frac"] * episodes > 0, r

@@ -123,7 +123,7 @@ def main():
     # gspo.py under torchrun with episodes and --dynamic-sampling (the random model's rewards are flat: 2 rounds)
     sys.argv = ["gspo.py", "--tools", tools_file, "--max-tool-calls", "2", "--num-steps", "1",
                 "--prompts-per-rank", "2", "--group-size", "2", "--num-minibatches", "1", "--max-new-tokens", "48",
-                "--gen-batch-size", "2", "--eval-every", "0", "--log-samples", "0", "--dynamic-sampling",
+                "--gen-batch-size", "2", "--eval-every", "1", "--eval-size", "4", "--log-samples", "0", "--dynamic-sampling",
                 "--max-gen-rounds", "2", "--output-dir", sys.argv[1]]
     faulthandler.cancel_dump_traceback_later()
     faulthandler.dump_traceback_later(180, exit=True)

@@ -429,17 +429,32 @@ def test_engine_under_fsdp2_torchrun():
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_scripts_train_with_the_engine(script, monkeypatch, tmp_path):
-    """Every script runs its loop on the engine's rollouts and logs gen/logp_drift, the sampled log-probs against
-    the training forward's (fp32: float rounding only)."""
-    from helpers import run_script
+    """Every script runs its loop on the engine's episodes (issue 62: --environment, every model turn read as an
+    add(1) call, one round) and logs gen/logp_drift, the sampled log-probs of the model's tokens against the training
+    forward's (fp32: float rounding only); its held-out evaluation runs episodes too. (Each script on the engine's
+    single completions: tests/test_rollout_logp.py.)"""
+    from grouprl import episodes
+    from helpers import ROOT, run_script
 
-    graphs, generate = [], engine.generate
+    monkeypatch.setattr(episodes, "parse_calls", lambda text: [{"name": "add", "arguments": {"n": 1}}])
+    graphs, generate, begin = [], engine.generate, engine.turns.begin
     monkeypatch.setattr(engine, "generate", lambda *a, **k: graphs.append(a[5].graphs) or generate(*a, **k))
+    monkeypatch.setattr(engine.turns, "begin", lambda *a, **k: graphs.append(a[5].graphs) or begin(*a, **k))
     eager = ["--no-gen-cuda-graphs"] if script in ("gspo_token", "dfpo") else []
-    rows, _ = run_script(script, ["--num-steps", "2", "--prompts-per-rank", "4", "--eval-every", "2", "--gen-mode",
-                                  "engine", "--max-new-tokens", "4", *eager], monkeypatch, tmp_path)
+    env = f"{ROOT}/tests/programs/counter_env.py:Counter"
+    try:
+        rows, _ = run_script(script, ["--num-steps", "2", "--prompts-per-rank", "4", "--group-size", "4",
+                                      "--eval-every", "2", "--eval-size", "2", "--eval-k", "2", "--gen-mode", "engine",
+                                      "--max-new-tokens", "40", "--environment", env, "--max-tool-calls", "1",
+                                      *eager], monkeypatch, tmp_path)
+    finally:
+        if (None, env, 1) in episodes._TOOLS:
+            episodes._TOOLS.pop((None, env, 1)).stop()
     drift = [r["gen/logp_drift"] for r in rows if "gen/logp_drift" in r]  # not on the eval rows
     assert len(drift) == 2 and all(0 <= x < 1e-5 for x in drift), drift
+    assert any(r["tools/turns_per_episode"] > 1 for r in rows if "tools/turns_per_episode" in r)  # a second turn
+    evals = [r for r in rows if "eval/avg@2" in r]  # steps 0 and 2
+    assert len(evals) == 2 and all(r["eval/tools/call_frequency"] > 0 for r in evals), evals
     # rollouts and evaluations alike: the engine's choice on a GPU (None), or eager with --no-gen-cuda-graphs
     assert len(graphs) > 3 and set(graphs) == ({False} if eager else {None}), graphs
 

@@ -10,20 +10,26 @@ The ring keeps CPU copies of the trainable parameters (LoRA: the adapters only) 
 versions; the stale one is copied into the policy for the rollout and the current one copied back
 after (bitwise: copy_ of the same dtype). k = 0 touches nothing (today's run, bitwise).
 The rollout carries the behaviour policy's log-probs (Rollout.logp): the engine's as it sampled;
-for the HF modes a forward of the stale weights while they are in (as old_log_probs' recompute)."""
+for the HF modes a forward of the stale weights while they are in (as old_log_probs' recompute).
+The ring is part of the run's state: a checkpoint holds it (state/stale_ring.pt, save_ring) and
+--resume restores it (restore_ring), so a resumed run samples as the uninterrupted one."""
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections import deque
 
 import torch
 
-from .distributed import all_reduce
-from .generation import Rollout
+from .distributed import all_reduce, fail
+
+# Rollout: grouprl/generation.py's (not imported: the checkpoint reads this module, below generation)
 
 _RINGS = weakref.WeakKeyDictionary()  # policy -> deque of (version, [CPU tensors]), oldest first
 _SAMPLING = weakref.WeakSet()  # the policies whose stale rollout is under way
+_RESUMED = []  # the ring a resumed run read from its checkpoint (restore_ring), until first used
+RING_FILE = "stale_ring.pt"
 
 
 def trainable(policy) -> list[torch.Tensor]:
@@ -57,7 +63,12 @@ def stale_rollout(policy, step: int, k: int, chunks: int, sample) -> Rollout:
     policy; the current ones back after, bitwise. The Rollout gets logp (the behaviour policy's,
     when the engine gave none) and stats stale/versions_behind (the staleness used: min(k, s - 1))."""
     params = trainable(policy)
-    ring = _RINGS.setdefault(policy, deque())
+    if policy not in _RINGS:  # the run's first stale step: the checkpoint's ring, or a new one
+        _RINGS[policy] = _RESUMED.pop() if _RESUMED else deque()
+    ring = _RINGS[policy]
+    if ring and [w.shape for w in ring[0][1]] != [p.shape for p in params]:
+        fail("--resume: the checkpoint's past weights (--max-staleness) do not fit this model's "
+             "trainable parameters; resume with the run's own --model and LoRA flags")
     now = [p.detach().to("cpu", copy=True) for p in params]  # version step - 1
     ring.append((step - 1, now))
     while len(ring) > k + 1:
@@ -88,3 +99,22 @@ def gap(roll: Rollout, old_logp: torch.Tensor) -> dict:
     log_ratio = torch.where(mask.bool(), old_logp - roll.logp, 0.0)
     k3 = (torch.exp(log_ratio) - 1 - log_ratio) * mask
     return {"stale/kl": (all_reduce(k3.sum()) / all_reduce(mask.sum()).clamp(min=1)).item()}
+
+
+def save_ring(folder: str, policy):
+    """The ring into folder/stale_ring.pt: the versions the next k steps sample with (nothing when
+    the run keeps none: --max-staleness 0)."""
+    ring = _RINGS.get(policy)
+    if ring:
+        torch.save({"versions": [v for v, _ in ring], "weights": [w for _, w in ring]},
+                   os.path.join(folder, RING_FILE))
+
+
+def restore_ring(folder: str | None):
+    """A checkpoint's ring (folder: its state/), held for the resumed run's first stale rollout;
+    a fresh run (None) or a checkpoint without one: none (the ring starts empty)."""
+    _RESUMED.clear()
+    path = None if folder is None else os.path.join(folder, RING_FILE)
+    if path is not None and os.path.exists(path):
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+        _RESUMED.append(deque(zip(blob["versions"], blob["weights"])))

@@ -334,16 +334,13 @@ def check_rollout_args(args):
 
 
 def check_staleness_args(args):
-    """--max-staleness k: k >= 0; one process; no --resume (the ring of past weights is not in the
-    checkpoint)."""
+    """--max-staleness k: k >= 0; one process (--resume is exact: the checkpoint holds the ring of
+    past weights, grouprl/staleness.py)."""
     k = args.max_staleness
     check_int("max-staleness", k, 0, why=" (weight versions behind; 0: today's run)")
     if k and launched():
         fail(f"--max-staleness {k} keeps past weights in one process; under torchrun it is not "
              "offered yet (issue 63 item 1): run it with plain `python`")
-    if k and args.resume is not None:
-        fail(f"--max-staleness {k} with --resume: the past weights the next steps sample with are "
-             "not in the checkpoint; start a fresh run, or drop --max-staleness")
 
 
 def check_lora_args(args):

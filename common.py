@@ -71,8 +71,9 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
     surplus."""
     k = getattr(args, "max_staleness", 0)  # --max-staleness: the weights of k steps before
     if k and not staleness.sampling(policy):
-        return staleness.stale_rollout(policy, step, k, args.num_minibatches, lambda: sample_groups(
-            policy, tok, train, step, eos, dist_env, reward, sampling, args))
+        return staleness.stale_rollout(policy, step, k, args.num_minibatches,
+                                       lambda: sample_groups(policy, tok, train, step, eos,
+                                                             dist_env, reward, sampling, args))
     per_rank, group_size, seed = args.prompts_per_rank, args.group_size, args.seed
     dynamic, max_rounds = args.dynamic_sampling, args.max_gen_rounds
     rounds = []  # per round: (indices, roll, rewards, each reward's values)

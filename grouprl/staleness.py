@@ -24,7 +24,7 @@ import torch
 
 from .distributed import all_reduce, fail
 
-# Rollout: grouprl/generation.py's (not imported: the checkpoint reads this module, below generation)
+# Rollout: grouprl/generation.py's (not imported: the checkpoint reads this module)
 
 _RINGS = weakref.WeakKeyDictionary()  # policy -> deque of (version, [CPU tensors]), oldest first
 _SAMPLING = weakref.WeakSet()  # the policies whose stale rollout is under way
@@ -61,7 +61,8 @@ def behaviour_logp(policy, roll: Rollout, chunks: int) -> torch.Tensor:
 def stale_rollout(policy, step: int, k: int, chunks: int, sample) -> Rollout:
     """sample() (sample_groups' own body) with the weights of version max(0, step - 1 - k) in the
     policy; the current ones back after, bitwise. The Rollout gets logp (the behaviour policy's,
-    when the engine gave none) and stats stale/versions_behind (the staleness used: min(k, s - 1))."""
+    when the engine gave none) and stats stale/versions_behind (the staleness used:
+    min(k, s - 1))."""
     params = trainable(policy)
     if policy not in _RINGS:  # the run's first stale step: the checkpoint's ring, or a new one
         _RINGS[policy] = _RESUMED.pop() if _RESUMED else deque()

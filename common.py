@@ -24,7 +24,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from grouprl import energy, moe
+from grouprl import energy, moe, staleness
 from grouprl.distributed import Dist, all_gather_cat, all_reduce, fail
 from grouprl.episodes import env_scores, generate_episodes, tools_of
 from grouprl.generation import Rollout, generate
@@ -69,6 +69,11 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
     (groups with a spread past per_rank on their rank, unused); charts/filled_groups (flat groups
     kept at the bound). Generated groups = gen_rounds x per_rank x world = the batch + dropped +
     surplus."""
+    k = getattr(args, "max_staleness", 0)  # --max-staleness: the weights of k steps before
+    if k and not staleness.sampling(policy):
+        return staleness.stale_rollout(policy, step, k, args.num_minibatches,
+                                       lambda: sample_groups(policy, tok, train, step, eos,
+                                                             dist_env, reward, sampling, args))
     per_rank, group_size, seed = args.prompts_per_rank, args.group_size, args.seed
     dynamic, max_rounds = args.dynamic_sampling, args.max_gen_rounds
     rounds = []  # per round: (indices, roll, rewards, each reward's values)
@@ -300,7 +305,8 @@ def old_log_probs(policy, roll: Rollout, minibatches: list[slice], source: str =
     (sequence-*), truncated to [C_min, C_max] (*-truncate) or set to 0 outside it (*-mask). Logged:
     the weight's mean, the fraction truncated or masked, and the mismatch itself over tokens, the
     k3 estimate of KL(pi_rollout || pi_old), mean(rho - 1 - log rho), and chi-square, mean(rho^2)
-    - 1."""
+    - 1. With --max-staleness: stale/kl (staleness.gap), the gap between the behaviour policy and
+    the recomputed pi_old."""
     if source == "rollout":  # what --old-logp rollout saves: perf/old_logp_s 0
         return roll.logp, None, None, {"perf/old_logp_s": 0.0}
     start = time.time()
@@ -314,7 +320,7 @@ def old_log_probs(policy, roll: Rollout, minibatches: list[slice], source: str =
     mask = roll.mask
     tokens = all_reduce(mask.sum()).clamp(min=1)  # completion tokens on all ranks
     stats = {"losses/entropy": (all_reduce((entropy * mask).sum()) / tokens).item(),
-             "perf/old_logp_s": time.time() - start}
+             "perf/old_logp_s": time.time() - start, **staleness.gap(roll, old_logp)}
     keep = None
     if top_entropy < 1:  # --top-entropy-quantile: pi_old's entropies, the whole step's tokens
         keep, threshold = high_entropy_tokens(entropy, mask, top_entropy)

@@ -39,6 +39,9 @@ def resume_state(ckpt: str | None, optimizer, scheduler, dist_env: Dist) -> dict
     On the world size that wrote it, each rank reads its own rank{r}.pt (bitwise); on another, the
     optimizer state is resharded from every old rank's file (_resharded, exact) and the RNGs are
     re-seeded (the weights come whole from state/ and are sharded anew by wrap_policy)."""
+    from ..staleness import restore_ring
+
+    restore_ring(None if ckpt is None else state_dir(ckpt))  # --max-staleness's past weights
     if ckpt is None:
         return {"step": 0, "reward_curve": [], "nonfinite_run": 0, "wall_time": 0.0}
     state = read_trainer_state(ckpt)

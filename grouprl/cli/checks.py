@@ -134,6 +134,7 @@ def check_common_args(args):
     check_int("log-samples", args.log_samples, 0, why=" (0: never)")
     check_int("log-eval-samples", args.log_eval_samples, 0, why=" (0: none)")
     check_int("energy-every", args.energy_every, 0, why=" (0: never)")
+    check_staleness_args(args)
     check_int("energy-rows", args.energy_rows, 1)
     if args.energy_every and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         fail("--energy-every measures per-token gradients of the whole model, which FSDP2 shards over "
@@ -330,6 +331,16 @@ def check_rollout_args(args):
     if args.old_logp == "rollout":
         fail(f"--rollout-is-cap {cap} weights by pi_old / pi_rollout, and --old-logp rollout makes "
              "pi_old the rollout's own: use --old-logp recompute, or drop --rollout-is-cap")
+
+
+def check_staleness_args(args):
+    """--max-staleness k: k >= 0; one process (--resume is exact: the checkpoint holds the ring of
+    past weights, grouprl/staleness.py)."""
+    k = args.max_staleness
+    check_int("max-staleness", k, 0, why=" (weight versions behind; 0: today's run)")
+    if k and launched():
+        fail(f"--max-staleness {k} keeps past weights in one process; under torchrun it is not "
+             "offered yet (issue 63 item 1): run it with plain `python`")
 
 
 def check_lora_args(args):

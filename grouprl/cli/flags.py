@@ -349,3 +349,11 @@ class CommonArgs:
     max_tool_calls: int = 5
     """--tools, --environment: the most rounds of tool calls an episode makes (TRL's
     max_tool_calling_iterations: rounds, not calls); --max-new-tokens holds over the episode"""
+
+    # -- staleness: Parameters that control stale rollouts
+    max_staleness: int = 0
+    """each step's rollout sampled by the policy as it was k weight versions before (TRL's
+    max_staleness: one version a step, whatever its optimizer steps; the first k steps sample with
+    the initial weights; LoRA: the adapters kept); the rollout carries the behaviour policy's
+    log-probs, stale/versions_behind and stale/kl logged (grouprl/staleness.py, docs/objectives.md;
+    one process; 0: today's run)"""

@@ -1,0 +1,121 @@
+"""--max-staleness k in one process (issue 63 item 2): each step's rollout sampled by the policy as
+it was k weight versions before, so staleness is studied without a second rank or model.
+A weight version is TRL's (AsyncGRPOTrainer's model_version: bumped at each weight sync): here one
+per step, the weights the rollout of that step would sample with in today's run. Version v = the
+weights after v steps; step s (1-based) trains version s - 1 and samples with version
+max(0, s - 1 - k). k counts steps (syncs), not optimizer steps: a step's --num-minibatches x
+--num-iterations optimizer steps are one version, as TRL with weight_sync_steps = that product
+(its default 1 at one optimizer step a step). The first k steps sample with the initial weights.
+The ring keeps CPU copies of the trainable parameters (LoRA: the adapters only) of the last k + 1
+versions; the stale one is copied into the policy for the rollout and the current one copied back
+after (bitwise: copy_ of the same dtype). k = 0 touches nothing (today's run, bitwise).
+The rollout carries the behaviour policy's log-probs (Rollout.logp): the engine's as it sampled;
+for the HF modes a forward of the stale weights while they are in (as old_log_probs' recompute).
+The ring is part of the run's state: a checkpoint holds it (state/stale_ring.pt, save_ring) and
+--resume restores it (restore_ring), so a resumed run samples as the uninterrupted one."""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections import deque
+
+import torch
+
+from .distributed import all_reduce, fail
+
+# Rollout: grouprl/generation.py's (not imported: the checkpoint reads this module)
+
+_RINGS = weakref.WeakKeyDictionary()  # policy -> deque of (version, [CPU tensors]), oldest first
+_SAMPLING = weakref.WeakSet()  # the policies whose stale rollout is under way
+_RESUMED = []  # the ring a resumed run read from its checkpoint (restore_ring), until first used
+RING_FILE = "stale_ring.pt"
+
+
+def trainable(policy) -> list[torch.Tensor]:
+    """The parameters the optimizer moves (LoRA: the adapters; the base stays as loaded)."""
+    return [p for p in policy.parameters() if p.requires_grad]
+
+
+def sampling(policy) -> bool:
+    """True inside stale_rollout's sample (sample_groups calls itself there once)."""
+    return policy in _SAMPLING
+
+
+@torch.no_grad()
+def _load(params: list[torch.Tensor], weights: list[torch.Tensor]):
+    for p, w in zip(params, weights):
+        p.copy_(w)
+
+
+@torch.no_grad()
+def behaviour_logp(policy, roll: Rollout, chunks: int) -> torch.Tensor:
+    """log pi_behaviour of the completion tokens [B, T]: the policy's forward as it is now (the
+    stale weights in), `chunks` row slices as the old pass takes its minibatches."""
+    B = len(roll.texts)
+    per = max(1, B // chunks)
+    return torch.cat([policy(roll.input_ids[i:i + per], roll.attention_mask[i:i + per],
+                             roll.n_prompt) for i in range(0, B, per)])
+
+
+def stale_rollout(policy, step: int, k: int, chunks: int, sample) -> Rollout:
+    """sample() (sample_groups' own body) with the weights of version max(0, step - 1 - k) in the
+    policy; the current ones back after, bitwise. The Rollout gets logp (the behaviour policy's,
+    when the engine gave none) and stats stale/versions_behind (the staleness used:
+    min(k, s - 1))."""
+    params = trainable(policy)
+    if policy not in _RINGS:  # the run's first stale step: the checkpoint's ring, or a new one
+        _RINGS[policy] = _RESUMED.pop() if _RESUMED else deque()
+    ring = _RINGS[policy]
+    if ring and [w.shape for w in ring[0][1]] != [p.shape for p in params]:
+        fail("--resume: the checkpoint's past weights (--max-staleness) do not fit this model's "
+             "trainable parameters; resume with the run's own --model and LoRA flags")
+    now = [p.detach().to("cpu", copy=True) for p in params]  # version step - 1
+    ring.append((step - 1, now))
+    while len(ring) > k + 1:
+        ring.popleft()
+    version, weights = ring[0]
+    behind = step - 1 - version
+    _SAMPLING.add(policy)
+    try:
+        _load(params, weights)  # the behaviour policy (version == step - 1: the same numbers)
+        roll = sample()
+        if roll.logp is None:  # HF modes: pi_behaviour by the training forward
+            roll.logp = behaviour_logp(policy, roll, chunks)
+    finally:
+        _load(params, now)  # the current weights back, bitwise
+        _SAMPLING.discard(policy)
+    roll.stats["stale/versions_behind"] = behind
+    return roll
+
+
+def gap(roll: Rollout, old_logp: torch.Tensor) -> dict:
+    """stale/kl: the k3 estimate of KL(pi_behaviour || pi_old) over every rank's completion tokens,
+    mean(rho - 1 - log rho), rho = pi_old / pi_behaviour (the rollout correction's rollout_is/kl,
+    logged whether or not it is on); pi_old recomputed: the policy this step trains. Empty for
+    a rollout that is not stale (no --max-staleness) or when pi_old is the rollout's own."""
+    if "stale/versions_behind" not in roll.stats or old_logp is roll.logp:
+        return {}
+    mask = roll.mask
+    log_ratio = torch.where(mask.bool(), old_logp - roll.logp, 0.0)
+    k3 = (torch.exp(log_ratio) - 1 - log_ratio) * mask
+    return {"stale/kl": (all_reduce(k3.sum()) / all_reduce(mask.sum()).clamp(min=1)).item()}
+
+
+def save_ring(folder: str, policy):
+    """The ring into folder/stale_ring.pt: the versions the next k steps sample with (nothing when
+    the run keeps none: --max-staleness 0)."""
+    ring = _RINGS.get(policy)
+    if ring:
+        torch.save({"versions": [v for v, _ in ring], "weights": [w for _, w in ring]},
+                   os.path.join(folder, RING_FILE))
+
+
+def restore_ring(folder: str | None):
+    """A checkpoint's ring (folder: its state/), held for the resumed run's first stale rollout;
+    a fresh run (None) or a checkpoint without one: none (the ring starts empty)."""
+    _RESUMED.clear()
+    path = None if folder is None else os.path.join(folder, RING_FILE)
+    if path is not None and os.path.exists(path):
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+        _RESUMED.append(deque(zip(blob["versions"], blob["weights"])))

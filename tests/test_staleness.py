@@ -1,0 +1,140 @@
+"""--max-staleness k (issue 63 items 2 and 3, one process; grouprl/staleness.py): k = 0 is today's run bitwise; k = 2
+samples step s with the weights at the start of step max(1, s - 2) (one version a step, whatever its optimizer steps),
+the current weights back bitwise after; the rollout's logp is the stale policy's forward; the decoupled objective
+(AReaL, arXiv 2505.24298 Sec. 5.2) by hand in float64 against grpo_loss with the rollout correction's flags; the
+refusals in one line."""
+import math
+import os
+
+import pytest
+import torch
+
+import common
+from grouprl import staleness
+from helpers import StubPolicy, fails_before_any_model, run_script
+
+ARGV = ["--num-steps", "5", "--prompts-per-rank", "4", "--num-minibatches", "2", "--eval-every", "0",
+        "--learning-rate", "1e-2", "--max-new-tokens", "4", "--log-samples", "0", "--save-every", "0"]
+
+
+def split_reward(monkeypatch):
+    """A reward every group splits (the parity of the characters' codes): a gradient from the first step."""
+    monkeypatch.setattr(common, "score", lambda texts, *a, **kw: (
+        torch.tensor([float(sum(map(ord, t)) % 2) for t in texts]), 0))
+
+
+def no_timings(rows):
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+
+
+def test_zero_is_todays_run_bitwise(monkeypatch, tmp_path):
+    split_reward(monkeypatch)
+    argv = ARGV[:1] + ["3"] + ARGV[2:]
+    base, _ = run_script("grpo", argv, monkeypatch, tmp_path / "base")
+    zero, _ = run_script("grpo", argv + ["--max-staleness", "0"], monkeypatch, tmp_path / "zero")
+    assert no_timings(zero) == no_timings(base)
+    assert base[-1]["losses/grad_norm"] > 0 and not any("stale/" in k for k in zero[0])
+
+
+@pytest.mark.parametrize("gen_mode", ["shared-prefill", "engine"])
+def test_k2_samples_with_the_weights_two_versions_before(gen_mode, monkeypatch, tmp_path):
+    """Each step's generate sees the trainable weights the loop held at the start of step max(1, s - 2), bitwise;
+    after the rollout the loop holds its own weights again, bitwise; roll.logp is the forward of the weights that
+    sampled; stale/versions_behind is min(k, s - 1) and stale/kl is 0 at step 1 only. --num-minibatches 2: two
+    optimizer steps a step, one version (TRL's versions are weight syncs). The engine (its weights refreshed from the
+    model at each rollout) samples with the stale weights too: its log-probs are their forward's, to float error."""
+    import grpo
+
+    split_reward(monkeypatch)
+    start, used, forward, logp = {}, {}, {}, {}
+    real_sample, real_generate = grpo.sample_groups, common.generate
+
+    def weights(policy):
+        return [p.detach().clone() for p in staleness.trainable(policy)]
+
+    def sample_groups(policy, tok, train, step, *a):
+        start[step] = weights(policy)
+        roll = real_sample(policy, tok, train, step, *a)
+        assert all(torch.equal(p, q) for p, q in zip(weights(policy), start[step]))  # restored, bitwise
+        logp[step] = roll.logp
+        return roll
+
+    def generate(policy, *a, **kw):
+        roll = real_generate(policy, *a, **kw)
+        step = len(start)
+        used[step] = weights(policy)
+        with torch.no_grad():
+            forward[step] = policy(roll.input_ids, roll.attention_mask, roll.n_prompt)
+        return roll
+
+    monkeypatch.setattr(grpo, "sample_groups", sample_groups)
+    monkeypatch.setattr(common, "generate", generate)
+    rows, _ = run_script("grpo", ARGV + ["--max-staleness", "2", "--gen-mode", gen_mode], monkeypatch, tmp_path)
+    assert [r["stale/versions_behind"] for r in rows] == [0, 1, 2, 2, 2]
+    for s in range(1, 6):
+        assert all(torch.equal(p, q) for p, q in zip(used[s], start[max(1, s - 2)])), s
+        if s > 1:  # the weights moved: the rollout is not the current policy's
+            assert not all(torch.equal(p, q) for p, q in zip(used[s], start[s])), s
+        assert torch.allclose(logp[s], forward[s], atol=1e-6 if gen_mode != "engine" else 1e-5), s
+    assert rows[0]["stale/kl"] == 0 and all(r["stale/kl"] > 0 for r in rows[1:])
+
+
+def test_resume_is_exact(monkeypatch, tmp_path):
+    """--resume step_2 of a k = 2 run: steps 3 and 4 as the uninterrupted run's, bitwise (the checkpoint holds the
+    ring of past weights: step 3 samples with version 0, the initial weights, not the resumed ones)."""
+    split_reward(monkeypatch)
+    argv = ARGV[:1] + ["4"] + ARGV[2:-1] + ["2", "--keep-checkpoints", "0", "--max-staleness", "2"]
+    whole, run = run_script("grpo", argv, monkeypatch, tmp_path)
+    assert os.path.exists(os.path.join(run, "step_2", "state", staleness.RING_FILE))
+    rows, _ = run_script("grpo", argv + ["--resume", f"{run}/step_2"], monkeypatch, tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert no_timings(rows)[2:] == no_timings(whole)[2:]
+    assert [r["stale/versions_behind"] for r in rows] == [0, 1, 2, 2] and rows[2]["stale/kl"] > 0
+
+
+@pytest.mark.parametrize("mode,over", [("token-mask", 0.0), ("token-truncate", 5.0)])
+def test_decoupled_term_by_hand(mode, over):
+    """AReaL's decoupled objective (arXiv 2505.24298 Sec. 5.2; areal/utils/functional ppo_actor_loss_fn), one token a
+    row, float64: -(1/N) sum_t (pi_prox / pi_behav) min(u A, clip(u, 1 - eps_lo, 1 + eps_hi) A), u = pi_theta /
+    pi_prox, the behaviour weight masked past C (AReaL's token mask) or truncated at it; against grpo_loss with pi_old
+    recomputed (= pi_prox) and --rollout-is-cap C --rollout-is-mode token-mask / token-truncate (old_log_probs)."""
+    theta = [-1.0, -0.5, -2.0, -1.0]
+    prox = [-1.1, -1.0, -1.0, -0.1]
+    behav = [-1.3, -1.2, -1.1, -3.0]  # the last: pi_prox / pi_behav = e^2.9 > C = 5
+    adv = [1.0, 1.0, -1.0, 1.0]
+    cap, lo, hi, n = 5.0, 0.2, 0.28, 4
+    expected, grads = 0.0, []
+    for t, p, b, a in zip(theta, prox, behav, adv):
+        w = math.exp(p - b)
+        w = w if w <= cap else over
+        u = math.exp(t - p)
+        clipped = min(max(u, 1 - lo), 1 + hi)
+        expected -= w * min(u * a, clipped * a) / n
+        grads.append(-w * u * a / n if u * a <= clipped * a else 0.0)  # the min's unclipped branch
+    ids = torch.arange(n)[:, None].repeat(1, 2)  # row r's ids are all r (StubPolicy)
+    mask = torch.ones(n, 1, dtype=torch.float64)
+    roll = common.Rollout(ids, torch.ones(n, 2, dtype=torch.long), 1, mask, torch.zeros(n, dtype=torch.bool),
+                          [""] * n, torch.tensor(behav, dtype=torch.float64)[:, None], None)
+    stub = StubPolicy(torch.tensor(prox, dtype=torch.float64)[:, None], torch.zeros(n, 1, dtype=torch.float64))
+    old, weight, _, _ = common.old_log_probs(stub, roll, [slice(0, n)], "recompute", cap, None, mode)
+    import grpo
+
+    logp = torch.tensor(theta, dtype=torch.float64)[:, None].requires_grad_()
+    loss, _, _ = grpo.grpo_loss(logp, old, torch.tensor(adv, dtype=torch.float64), mask, clip_low=lo,
+                                clip_high=hi, loss_agg="token-mean", is_weight=weight)
+    loss.backward()
+    assert loss.item() == pytest.approx(expected, rel=1e-12)
+    assert logp.grad.flatten().tolist() == pytest.approx(grads, rel=1e-12, abs=1e-15)
+    # --old-logp rollout: pi_old is the behaviour policy (AReaL without the decoupled loss), no weight
+    old, weight, _, _ = common.old_log_probs(stub, roll, [slice(0, n)], "rollout", None)
+    assert old is roll.logp and weight is None
+
+
+@pytest.mark.parametrize("argv,env,needle", [
+    (["--max-staleness", "-1"], {}, "--max-staleness -1: must be >= 0"),
+    (["--max-staleness", "2"], {"RANK": "0"}, "under torchrun it is not offered yet"),
+])
+def test_refusals_in_one_line(argv, env, needle, monkeypatch, tmp_path):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    fails_before_any_model("gspo", argv, needle, monkeypatch, tmp_path)

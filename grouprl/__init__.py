@@ -8,6 +8,7 @@ and common.py import them, none of them imports a script or common.py.
     logprobs      the LM head's log-probs and entropy in chunks of tokens
     sampling      Sampling (how completions are drawn) and the engine's sampler on the device
     generation    generate -> Rollout (HF generate's modes or the engine), Rollout.merge
+    staleness     --max-staleness k: rollouts sampled by the weights of k versions before
     engine/       the rollout engine of --gen-mode engine / engine-tp (engine.runs: for a model?)
     episodes      the tool loop (--tools, --environment): turns, tool results masked out
     tools         the episodes' tools: schemas, the prompt's tools, the worker's client

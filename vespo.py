@@ -166,7 +166,7 @@ def main():
                          args.reward_fail_steps)  # a bad --reward fails here too
     dist_env = setup_distributed(args.seed)
     check_model(args.model, args.trust_remote_code, args.gen_mode, args.old_logp,
-                args.rollout_is_cap, args.routing_replay)
+                args.rollout_is_cap, args.routing_replay, args.max_staleness)
     script = os.path.basename(__file__)
     run_dir, ckpt = run_paths(args, dist_env, script)  # a fresh run, or the checkpoint to resume
     tok = load_tokenizer(args.model, args.trust_remote_code)

@@ -150,14 +150,15 @@ def check_sizes(args):
 
 def check_model(name: str, trust_remote_code: bool, gen_mode: str = "shared-prefill",
                 old_logp: str = "recompute", rollout_is_cap: float | None = None,
-                routing_replay: bool = False):
+                routing_replay: bool = False, max_staleness: int = 0):
     """Fail fast, before any weights are read: 'tiny', 'tiny-moe', a local folder with a config, or
     a hub id; for --gen-mode engine / engine-tp, what the config alone tells (check_engine); and
     the flags that need what the config tells (check_model_flags)."""
+    flags = (gen_mode, old_logp, rollout_is_cap, routing_replay, max_staleness)
     if name in TINY_MODELS:
         config = tiny_config(tiny_tokenizer(), name == "tiny-moe")
         check_engine(config, gen_mode)
-        return check_model_flags(name, config, gen_mode, old_logp, rollout_is_cap, routing_replay)
+        return check_model_flags(name, config, *flags)
     check_not_gguf(name)
     looks_local = name.startswith((".", "/", "~")) or os.path.exists(name) or name.count("/") != 1
     if looks_local and not os.path.isdir(os.path.expanduser(name)):
@@ -180,16 +181,17 @@ def check_model(name: str, trust_remote_code: bool, gen_mode: str = "shared-pref
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         fail(f"--model {name!r}: cannot read its config ({first})")
     check_engine(config, gen_mode)
-    check_model_flags(name, config, gen_mode, old_logp, rollout_is_cap, routing_replay)
+    check_model_flags(name, config, *flags)
 
 
 def check_model_flags(name: str, config, gen_mode: str, old_logp: str,
-                      rollout_is_cap: float | None, routing_replay: bool):
+                      rollout_is_cap: float | None, routing_replay: bool, max_staleness: int = 0):
     """--old-logp rollout and --rollout-is-cap read the log-probs the engine returns as it samples
     (generate's Rollout.logp): one line where the generation mode returns none (HF generate, and the
-    engine's HF fallback for an architecture it does not cover). --routing-replay: one line on a
-    dense model."""
-    needs = "--old-logp rollout" if old_logp == "rollout" else (
+    engine's HF fallback for an architecture it does not cover), unless --max-staleness > 0, whose
+    rollouts carry the behaviour policy's log-probs in every mode (staleness.py). --routing-replay:
+    one line on a dense model."""
+    needs = None if max_staleness > 0 else "--old-logp rollout" if old_logp == "rollout" else (
         "--rollout-is-cap" if rollout_is_cap is not None else None)
     if needs and gen_mode not in ("engine", "engine-tp"):
         fail(f"{needs} reads the log-probs the engine computes as it samples; --gen-mode {gen_mode} "

@@ -138,3 +138,18 @@ def test_refusals_in_one_line(argv, env, needle, monkeypatch, tmp_path):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     fails_before_any_model("gspo", argv, needle, monkeypatch, tmp_path)
+
+
+def test_hf_modes_run_the_decoupled_objective_on_stale_rollouts(monkeypatch, tmp_path):
+    """With --max-staleness > 0 the HF modes' rollouts carry the behaviour policy's log-probs, so the rollout
+    correction (AReaL's decoupled objective) and --old-logp rollout run there; without it they still stop in one line
+    (HF generate returns none)."""
+    split_reward(monkeypatch)
+    argv = ARGV[:1] + ["3"] + ARGV[2:] + ["--max-staleness", "1"]
+    rows, _ = run_script("grpo", argv + ["--rollout-is-cap", "5", "--rollout-is-mode", "token-mask"], monkeypatch,
+                         tmp_path / "decoupled")
+    assert [r["stale/versions_behind"] for r in rows] == [0, 1, 1]
+    assert rows[0]["rollout_is/kl"] == 0 and rows[2]["rollout_is/kl"] > 0  # a real gap once the sampler is behind
+    rows, _ = run_script("grpo", argv + ["--old-logp", "rollout"], monkeypatch, tmp_path / "behaviour")
+    assert all(r["perf/old_logp_s"] == 0.0 for r in rows)  # pi_old is the behaviour policy's, no forward pass
+    fails_before_any_model("grpo", ["--rollout-is-cap", "5"], "(HF generate) returns none", monkeypatch, tmp_path)

@@ -80,3 +80,15 @@ def test_tiny_tools_learns_to_call_slow(tmp_path, monkeypatch):
     calls, rewards = call_rate_and_reward(rows)
     assert statistics.mean(calls[-5:]) > 0.7, calls
     assert statistics.mean(rewards[-5:]) > 0.15, rewards
+
+
+def test_products_rows_and_tool():
+    """The real model's task: the committed rows are products(256), each answer the product of its
+    prompt's two 3-digit numbers, which the multiply tool returns."""
+    rows = [json.loads(line) for line in open(os.path.join(ROOT, "experiments", "data",
+                                                           "products.jsonl"))]
+    assert rows == tool_task.products(256)
+    for r in rows:
+        a, b = (int(x) for x in r["prompt"].split("?")[0].split()[-3::2])
+        assert 100 <= a < 1000 and 100 <= b < 1000
+        assert tool_task.multiply(a, b) == int(r["answer"])

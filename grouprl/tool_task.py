@@ -5,8 +5,11 @@ Secret, the built-in task the tiny model learns from scratch on the CPU: every p
 same of a numbered box, each row's answer is the box's secret digit, and only the tool `peek`
 tells it.
 
-    python gspo.py --model tiny-tools --environment grouprl/tool_task.py:Secret \
-        --dataset experiments/data/secret_digit.jsonl --max-tool-calls 2 --max-new-tokens 30
+    python grpo.py --model tiny-tools --environment grouprl/tool_task.py:Secret \
+        --dataset experiments/data/secret_digit.jsonl --max-tool-calls 2 --max-new-tokens 30 \
+        --learning-rate 1e-3 --prompts-per-rank 8 --eval-every 0 --num-steps 34
+
+(--learning-rate: the scripts' default is the tiny models' 5e-4 for `tiny` and `tiny-moe` only.)
 
 The box's number is drawn apart from its digit, so without the call no policy scores above the
 commonest digit's share (~0.1) on boxes it has not seen; with it, the model reads the digit in

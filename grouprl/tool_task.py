@@ -27,7 +27,7 @@ import random
 
 QUESTION = "Box {}: what is its secret digit?"  # the box number says nothing of the digit
 CALL = '<tool_call>{"name": "peek", "arguments": {}}</tool_call>'
-PRODUCT = "What is {} * {}? Use the multiply tool, then give the number."  # the real model's task (products)
+PRODUCT = "What is {} * {}? Use the multiply tool, then give the number."  # products' prompt
 CALL_CREDIT = 0.3  # get_reward: an episode that called peek; the right answer scores 1 more
 
 

@@ -59,7 +59,8 @@ def call_rate_and_reward(rows):
 
 def test_tiny_tools_learns_to_call(tmp_path, monkeypatch):
     """GRPO from a random init, seed 1: the tool-call rate and the reward rise from the first two
-    steps to the last two, three (measured: calls 0.05 -> 0.42 an episode, reward 0.014 -> 0.035)."""
+    steps to the last two, three (measured: calls 0.05 -> 0.42 an episode, reward 0.014 ->
+    0.035)."""
     rows, _ = run_script("grpo", TASK + ["--num-steps", "5", "--prompts-per-rank", "8",
                                          "--learning-rate", "1e-3", "--seed", "1"],
                          monkeypatch, tmp_path)

@@ -13,6 +13,7 @@ and common.py import them, none of them imports a script or common.py.
     episodes      the tool loop (--tools, --environment): turns, tool results masked out
     tools         the episodes' tools: schemas, the prompt's tools, the worker's client
     tool_worker   the tools' worker program (started by file path; imports nothing of the project)
+    tool_task     the episode tasks: the tiny model's secret digit (--model tiny-tools), products
     evaluation    held-out avg@k and pass@k (an Evaluation), the --eval-only table
     runlog        tensorboard and metrics.jsonl (Logger), a resumed run's rows, samples
     lora          LoRA through peft (--lora-rank)

@@ -26,25 +26,40 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
-def tiny_tokenizer():
+def tiny_tokenizer(tools: bool = False):
     """A real HF fast tokenizer over characters (printable ASCII and newline), Qwen-style
-    specials."""
-    from tokenizers import Tokenizer, decoders, models
+    specials. tools (`--model tiny-tools`, for the built-in episode task, grouprl/tool_task.py):
+    the task's alphabet only, digits, space and newline (any other character is <|unk|>), and one
+    more token, tool_task.CALL, the task's whole tool call (a real tokenizer holds `<tool_call>`
+    as one token; this one the call), so that a random-init policy writes a call then its turn's
+    end with probability ~1/V^2 = 1/289 a position, where 40 characters it would never write."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
     chars = [chr(i) for i in range(32, 127)] + ["\n"]
+    if tools:
+        chars = list("0123456789 \n")
     vocab = {t: i for i, t in enumerate(TINY_SPECIALS + chars + ["<|unk|>"])}
     # no merges: one token a char
     tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|unk|>"))
     tk.decoder = decoders.Fuse()
     tk.add_special_tokens(TINY_SPECIALS + ["<|unk|>"])
+    if tools:
+        from .tool_task import CALL
+
+        tk.add_tokens([AddedToken(CALL, special=False, normalized=False)])
     return PreTrainedTokenizerFast(
         tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<|unk|>",
         chat_template=TINY_CHAT_TEMPLATE, padding_side="left",
     )
 
 
-TINY_MODELS = ("tiny", "tiny-moe")  # --model names built here, offline, random-init
+TINY_MODELS = ("tiny", "tiny-moe", "tiny-tools")  # --model names built here, offline, random-init
+
+
+def builtin_tokenizer(name: str):
+    """The tokenizer of a TINY_MODELS name (tiny-tools: with the task's call token)."""
+    return tiny_tokenizer(tools=name == "tiny-tools")
 
 
 def tiny_config(tok, moe: bool = False):
@@ -80,7 +95,7 @@ def model_config(name: str, trust_remote_code: bool):
     """--model's config where it can be read at once (tiny, a local folder, the hub cache), else
     None (check_model then says why it cannot)."""
     if name in TINY_MODELS:
-        return tiny_config(tiny_tokenizer(), name == "tiny-moe")
+        return tiny_config(builtin_tokenizer(name), name == "tiny-moe")
     from transformers import AutoConfig
 
     try:
@@ -156,7 +171,7 @@ def check_model(name: str, trust_remote_code: bool, gen_mode: str = "shared-pref
     the flags that need what the config tells (check_model_flags)."""
     flags = (gen_mode, old_logp, rollout_is_cap, routing_replay, max_staleness)
     if name in TINY_MODELS:
-        config = tiny_config(tiny_tokenizer(), name == "tiny-moe")
+        config = tiny_config(builtin_tokenizer(name), name == "tiny-moe")
         check_engine(config, gen_mode)
         return check_model_flags(name, config, *flags)
     check_not_gguf(name)
@@ -249,7 +264,7 @@ def check_engine(config, gen_mode: str):
 def load_tokenizer(name: str, trust_remote_code: bool):
     from transformers import AutoTokenizer
 
-    tok = tiny_tokenizer() if name in TINY_MODELS else AutoTokenizer.from_pretrained(
+    tok = builtin_tokenizer(name) if name in TINY_MODELS else AutoTokenizer.from_pretrained(
         os.path.expanduser(name), trust_remote_code=trust_remote_code)
     tok.padding_side = "left"  # prompts are left-padded for generation
     if tok.pad_token is None:

@@ -57,6 +57,7 @@ def call_rate_and_reward(rows):
     return [r["tools/call_frequency"] for r in rows], [r["charts/reward_mean"] for r in rows]
 
 
+@pytest.mark.slow  # ~25 s, and what it shows is the call's credit only (docs/lab.md part 7)
 def test_tiny_tools_learns_to_call(tmp_path, monkeypatch):
     """GRPO from a random init, seed 1: the tool-call rate and the reward rise from the first two
     steps to the last two, three (measured: calls 0.05 -> 0.42 an episode, reward 0.014 ->

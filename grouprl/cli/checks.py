@@ -15,6 +15,7 @@ from ..checkpoint import STEP_DIR, catch_startup_signals
 from ..data import check_dataset
 from ..distributed import fail, launched, main_process
 from ..lora import ALL_LINEAR, DEFAULT_ALPHA
+from ..modeling import TINY_MODELS
 from .flags import CommonArgs
 
 
@@ -241,7 +242,7 @@ def check_common_args(args):
     check_tool_args(args, launched())  # --tools, --environment, --max-tool-calls
     check_run_name(args.output_dir, args.exp_name)
     check_run_folder(args.output_dir, args.exp_name, args.seed)
-    if not torch.cuda.is_available() and args.model not in ("tiny", "tiny-moe") and main_process():
+    if not torch.cuda.is_available() and args.model not in TINY_MODELS and main_process():
         print(cpu_cost_line(args), flush=True)  # before the model loads
     catch_startup_signals()  # SIGINT, SIGTERM from here to the first step: one line
 

@@ -8,6 +8,7 @@ import dataclasses
 
 from ..episodes import tools_of
 from ..evaluation import Evaluation
+from ..modeling import TINY_MODELS
 from ..sampling import Sampling
 
 
@@ -22,7 +23,7 @@ def fill_defaults(args):
     --truncated-reward-scale  0.5 for the built-in task, whose reward asks for the digit and a
                       stop (a right digit cut at the limit scores half), 1.0 otherwise
     --eval-max-new-tokens     --max-new-tokens"""
-    builtin, tiny = args.dataset == "builtin", args.model in ("tiny", "tiny-moe")
+    builtin, tiny = args.dataset == "builtin", args.model in TINY_MODELS
     max_new_tokens = (2 if builtin else 1024) if args.max_new_tokens is None else args.max_new_tokens
     return dataclasses.replace(
         args,

@@ -35,7 +35,8 @@ class CommonArgs:
     """seed of the model init (tiny), data order and sampling (offset per rank)"""
     model: str = "tiny"
     """'tiny' (built-in random-init Qwen3-architecture model, offline), 'tiny-moe' (the same as a
-    Qwen3-MoE: 8 experts, top 2), a local folder, or a hub id"""
+    Qwen3-MoE: 8 experts, top 2), 'tiny-tools' (tiny over the tool task's characters and its one
+    call token: grouprl/tool_task.py), a local folder, or a hub id"""
     dataset: str = "builtin"
     """'builtin' (offline: 'x%10=' for a digit x), 'gsm8k', 'math500', 'dapo17k' (hub sets with
     their own columns and instruction), a hub id, or a local json, jsonl, parquet, csv or arrow
@@ -54,7 +55,7 @@ class CommonArgs:
     group_size: int = 8
     """G: completions per prompt"""
     learning_rate: float | None = None
-    """AdamW learning rate (default: 5e-4 for --model tiny, 1e-6 otherwise)"""
+    """AdamW learning rate (default: 5e-4 for the tiny models, 1e-6 otherwise)"""
     max_new_tokens: int | None = None
     """completion length limit (default: 2 for --dataset builtin, 1024 otherwise)"""
     temperature: float = 1.0

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import glob
 import importlib
+import io
 import json
 import math
 import os
@@ -395,3 +396,25 @@ def verl_geo_mean(logp, old, adv, mask, clip_low, clip_high, rollout_is_weights=
     if rollout_is_weights is not None:  # the token weights' geometric mean, the sequence's weight
         pg_losses = pg_losses * torch.exp((torch.log(rollout_is_weights + 1e-10) * mask).sum(dim=-1) / (n + 1e-8))
     return torch.mean(pg_losses)
+
+
+@functools.cache
+def help_of(script: str) -> str:
+    """What `python {script}.py --help` prints at 120 columns, made in this process by the script's own call,
+    parse_args(Args) with sys.argv as the shell gives it (a subprocess a script costs ~3 s of imports;
+    test_cli.py::test_help_in_process_is_the_scripts checks that the two are the same bytes)."""
+    from grouprl.cli import parsing
+
+    mod = importlib.import_module(script)
+    argv, columns = sys.argv, os.environ.get("COLUMNS")
+    out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")  # utf-8: tyro's boxes, as on a terminal
+    sys.argv, os.environ["COLUMNS"] = [f"{script}.py", "--help"], "120"
+    try:
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as e:
+            parsing.parse_args(mod.Args)
+    finally:
+        sys.argv = argv
+        os.environ.pop("COLUMNS") if columns is None else os.environ.update(COLUMNS=columns)
+    assert e.value.code in (0, None)
+    out.flush()
+    return out.buffer.getvalue().decode()

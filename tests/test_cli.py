@@ -1,11 +1,8 @@
 """Bad input fails fast with one clear line, before any model is built; --help documents every field; the
 hub sets' loaders read local files laid out in the hub sets' own columns."""
-import contextlib
 import dataclasses
-import functools
 import importlib
 import importlib.util
-import io
 import json
 import os
 import re
@@ -21,7 +18,7 @@ import common
 from grouprl import data
 from grouprl import modeling
 from conftest import ROOT, SCRIPTS
-from helpers import bad_dataset, fails_before_any_model, write_jsonl
+from helpers import bad_dataset, fails_before_any_model, help_of, write_jsonl
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -339,28 +336,6 @@ def test_tyro_error_under_torchrun_is_printed_once(tmp_path):
     assert p.returncode != 0 and "╭" not in out and "Unrecognized options" not in out.replace(
         "error: Unrecognized options: --num-step, 3 (did you mean --num-steps?); python gspo.py --help lists every "
         "flag\n", "", 1), out
-
-
-@functools.cache
-def help_of(script: str) -> str:
-    """What `python {script}.py --help` prints at 120 columns, made in this process by the script's own call,
-    parse_args(Args) with sys.argv as the shell gives it (a subprocess a script costs ~3 s of imports;
-    test_help_in_process_is_the_scripts checks that the two are the same bytes)."""
-    from grouprl.cli import parsing
-
-    mod = importlib.import_module(script)
-    argv, columns = sys.argv, os.environ.get("COLUMNS")
-    out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")  # utf-8: tyro's boxes, as on a terminal
-    sys.argv, os.environ["COLUMNS"] = [f"{script}.py", "--help"], "120"
-    try:
-        with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as e:
-            parsing.parse_args(mod.Args)
-    finally:
-        sys.argv = argv
-        os.environ.pop("COLUMNS") if columns is None else os.environ.update(COLUMNS=columns)
-    assert e.value.code in (0, None)
-    out.flush()
-    return out.buffer.getvalue().decode()
 
 
 def test_help_in_process_is_the_scripts():

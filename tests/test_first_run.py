@@ -16,7 +16,7 @@ import torch
 import common
 from conftest import ROOT
 from grouprl import checkpoint, data, distributed, evaluation, grader, modeling, runlog
-from helpers import run_script
+from helpers import help_of, run_script
 from grouprl.sampling import Sampling
 
 
@@ -194,8 +194,7 @@ def test_save_final_model_after_a_stop_signal_stays_full(monkeypatch, tmp_path):
 
 
 def test_help_says_what_a_checkpoint_holds():
-    p = subprocess.run([sys.executable, "gspo.py", "--help"], cwd=ROOT, capture_output=True, text=True)
-    text = " ".join(p.stdout.replace("│", " ").split())
+    text = " ".join(help_of("gspo").replace("│", " ").split())
     assert "(0: only at the end). A checkpoint, step_N/, holds model/ (the bf16 export" in text
     assert "--save-final" in text and "what --resume needs" in text
 

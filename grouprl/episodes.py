@@ -172,14 +172,15 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
     to tools.max_calls rounds: the rows whose last turn calls
     tools get the results as a tool turn (mask 0) and generate again (mask 1). The budget
     sampling.max_new_tokens holds over the whole episode: a tool turn that would pass it is
-    dropped (its calls counted) and the episode ends, truncated; a turn is cut where the budget
-    ends. prompts: the templated prompts, or the batch's rows (their 'text'; with an
+    dropped (its calls counted) and the episode ends with the turn that called (its EOS: not
+    truncated, as TRL); a turn is cut where the budget ends. prompts: the templated prompts, or the batch's rows (their 'text'; with an
     --environment, each episode's instance is reset(**row) first, open_episodes).
     texts: the model's turns, joined by a newline. With an --environment: env_rewards and
     env_errors (get_reward), turn_rewards (get_turn_rewards), close_episodes. stats:
     tools/call_frequency (calls an episode), tools/failure_frequency (failed calls over calls),
-    tools/malformed_turns, tools/rolled_back, tools/cut_by_budget (episodes cut by the budget,
-    rolled back or not), tools/cut_by_limit (episodes whose last turn calls tools after
+    tools/malformed_turns, tools/rolled_back (episodes whose tool turn was dropped),
+    tools/cut_by_budget (episodes truncated: a turn cut by the budget, no EOS; a rolled-back
+    episode is not), tools/cut_by_limit (episodes whose last turn calls tools after
     --max-tool-calls rounds), tools/turns_per_episode, tools/episodes (how many); under torchrun
     over every rank's episodes (one all_reduce). logp: the engine's sampled log-probs at the model's tokens (turn_logps),
     None with HF generate. Under torchrun every rank calls this together: each runs its own
@@ -224,8 +225,8 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
                 calls, failures = calls + 1, failures + failed
                 results.append({"role": "tool", "name": c["name"], "content": content})
             suffix = tool_suffix_ids(tok, results)
-            if len(comp[i]) + len(suffix) > budget:  # TRL's rollback: the result dropped
-                rolled, cut[i] = rolled + 1, True
+            if len(comp[i]) + len(suffix) > budget:  # TRL's rollback: the result dropped,
+                rolled += 1  # the episode ends with the calling turn (its EOS: not truncated)
                 continue
             comp[i], mask[i] = comp[i] + suffix, mask[i] + [0] * len(suffix)
             replies[i].append(results)

@@ -201,12 +201,13 @@ def test_scripted_episode_ids_and_mask():
 
 
 def test_budget_rolls_back_a_result():
-    """TRL's rollback: a tool turn that would pass the budget is dropped (the call counted), the episode cut."""
+    """TRL's rollback: a tool turn that would pass the budget is dropped (the call counted); the episode ends with
+    the calling turn's EOS, not truncated (TRL's), so not cut_by_budget."""
     tok = modeling.tiny_tokenizer()
     turn1 = len(tok(CALL, add_special_tokens=False).input_ids) + 1
     roll, _, _, _ = scripted_episode(budget=turn1 + 5)
-    assert roll.truncated.tolist() == [True, False] and roll.stats["tools/rolled_back"] == 1
-    assert roll.stats["tools/cut_by_budget"] == 1 and roll.stats["tools/cut_by_limit"] == 0
+    assert roll.truncated.tolist() == [False, False] and roll.stats["tools/rolled_back"] == 1
+    assert roll.stats["tools/cut_by_budget"] == 0 and roll.stats["tools/cut_by_limit"] == 0
     assert roll.stats["tools/call_frequency"] == 0.5
     assert roll.mask[0].sum() == turn1 and roll.mask.shape[1] == turn1 and roll.texts[0] == CALL
 

@@ -88,7 +88,6 @@ WHY = {
     "a list result": "TRL passes a tool's list result as the message's content (multimodal blocks), which Qwen3's "
                      "template renders as ''; ours sends str(list)",
 }
-ROLLED_BACK = "a result past the budget"  # its ids and mask agree; its end does not (test_episode_end_equals_trl)
 
 
 class ScriptedLM:
@@ -241,16 +240,10 @@ def test_episode_ids_and_mask_equal_trl(both, name):
     assert_same_ids_and_mask(theirs[k], ours[k])
 
 
-ROLLBACK_END = ("TRL's rollback drops the result and keeps the turn that called, which ends with its EOS: TRL's "
-                "episode is not truncated (completions/clipped_ratio, mask_truncated_completions); generate_episodes "
-                "sets cut[i] = True")
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=ROLLBACK_END))
-    if name == ROLLED_BACK else name for name in EPISODES])
+@pytest.mark.parametrize("name", list(EPISODES))
 def test_episode_end_equals_trl(both, name):
-    """Truncated (no EOS at the end: TRL's mask_truncated_completions masks the episode) or not, as TRL says."""
+    """Truncated (no EOS at the end: TRL's mask_truncated_completions masks the episode) or not, as TRL says: a
+    rolled-back episode ends with the calling turn's EOS, not truncated."""
     (theirs, _, _), (ours, _, _) = both
     k = list(EPISODES).index(name)
     assert ours[k][2] == theirs[k][2]

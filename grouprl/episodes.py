@@ -173,7 +173,8 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
     tools get the results as a tool turn (mask 0) and generate again (mask 1). The budget
     sampling.max_new_tokens holds over the whole episode: a tool turn that would pass it is
     dropped (its calls counted) and the episode ends with the turn that called (its EOS: not
-    truncated, as TRL); a turn is cut where the budget ends. prompts: the templated prompts, or the batch's rows (their 'text'; with an
+    truncated, as TRL), as one that would reach the model's context (context_of); a turn is cut
+    where the budget ends. prompts: the templated prompts, or the batch's rows (their 'text'; with an
     --environment, each episode's instance is reset(**row) first, open_episodes).
     texts: the model's turns, joined by a newline. With an --environment: env_rewards and
     env_errors (get_reward), turn_rewards (get_turn_rewards), close_episodes. stats:
@@ -200,6 +201,7 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
     first = generate(policy, tok, prompts, n, eos, dist_env, sampling, streamer=streamer,
                      episodes=True)  # the engine keeps each row's KV for its next turns
     B, P, budget = len(first.texts), first.n_prompt, sampling.max_new_tokens
+    context = context_of(policy)
     prompt = [row[m.bool()].tolist() for row, m in zip(first.input_ids[:, :P],
                                                          first.attention_mask[:, :P])]
     comp = [row[P:][m.bool()].tolist() for row, m in zip(first.input_ids, first.mask)]
@@ -225,7 +227,8 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
                 calls, failures = calls + 1, failures + failed
                 results.append({"role": "tool", "name": c["name"], "content": content})
             suffix = tool_suffix_ids(tok, results)
-            if len(comp[i]) + len(suffix) > budget:  # TRL's rollback: the result dropped,
+            if (len(comp[i]) + len(suffix) > budget  # TRL's rollback: the result dropped,
+                    or len(prompt[i]) + len(comp[i]) + len(suffix) >= context):
                 rolled += 1  # the episode ends with the calling turn (its EOS: not truncated)
                 continue
             comp[i], mask[i] = comp[i] + suffix, mask[i] + [0] * len(suffix)
@@ -267,6 +270,15 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
                    truncated=torch.tensor(cut, device=dev), texts=["\n".join(t) for t in turns],
                    logp=turn_logps(policy, prompt, comp, T, dev), stats=stats,
                    messages=[conversation(t, r) for t, r in zip(turns, replies)], **ends)
+
+
+def context_of(policy) -> float:
+    """The model's context, max_position_embeddings (its text_config's for a VLM; inf where the
+    config has none): TRL 1.16 also drops a tool result once prompt + completion + tool turn
+    reach it."""
+    config = getattr(getattr(policy, "lm", policy), "config", None)
+    config = getattr(config, "text_config", None) or config
+    return getattr(config, "max_position_embeddings", None) or float("inf")
 
 
 def turn_message(text: str) -> dict:

@@ -13,9 +13,7 @@ ranks. Not yet: episodes in the evaluation (docs/algorithms.md)."""
 
 from __future__ import annotations
 
-import json
 import os
-import re
 
 import torch
 import torch.distributed as dist
@@ -24,13 +22,16 @@ from .distributed import all_reduce, fail
 from .generation import Rollout, gathered, generate
 from .tools import Tools, load_environment, load_tools
 
-# TRL 1.16's qwen3_schema (trl/chat_template_utils.py): the whole turn, then each call's JSON
-TURN = re.compile(r"^(?:<think>\n?(?:(?P<reasoning_content>.*?\S.*?)\n?|[\s]*)</think>\s*)?"
-                  r"(?P<content>(?:(?!<tool_call>)[\s\S])*?)(?:\n(?=<tool_call>))?"
-                  r"(?=(?:<tool_call>|<\|im_end\|>|$))"
-                  r"(?P<tool_calls>(?:<tool_call>(?:(?!</tool_call>)[\s\S])+</tool_call>\s*)+)?"
-                  r"\s*(?:<\|im_end\|>|$)", re.DOTALL)
-CALL = re.compile(r"<tool_call>\s*(.+?)\s*</tool_call>", re.DOTALL)
+# TRL 1.16's qwen3_template (trl/chat_template_utils.py): the response template its parse_response
+# gives transformers' parser (transformers.utils.chat_parsing) for a Qwen3/Hermes turn
+QWEN3_RESPONSE = {
+    "defaults": {"role": "assistant"}, "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "reasoning_content": {"open": "<think>", "close_pattern": r"</think>\s*", "content": "text"},
+        "tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True,
+                       "content": "json",
+                       "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"}}}
 
 
 # -------------------- the flags' checks
@@ -55,29 +56,45 @@ def check_tool_args(args, launched: bool):
 
 
 # -------------------- a model turn's tool calls, a tool turn's tokens
-def parse_calls(text: str) -> list[dict] | None:
-    """A model turn's tool calls in the Qwen3/Hermes format, as TRL 1.16's parse_response reads
-    them: [{"name", "arguments"}] ([] for a turn without '<tool_call>'); None for a malformed turn
-    (bad JSON, no string name, arguments not an object, the turn not of the form content then
-    calls): TRL then decodes the turn as plain text, so it is not a call and the episode ends."""
-    if "<tool_call>" not in text:
-        return []
-    turn = TURN.match(text)
-    if turn is None or turn.group("tool_calls") is None:
+def parse_turn(raw: str, eos: str | None = None, tools: list[dict] | None = None) -> dict | None:
+    """A model turn as TRL 1.16's parse_response makes it, or None where TRL falls back to the
+    plain text (a malformed turn). raw: the turn's ids decoded whole (special tokens and its EOS
+    kept: an unclosed call then holds the EOS and is bad JSON). transformers' parser reads the
+    turn with QWEN3_RESPONSE (no prefix: the prompt's pre-written '<think>...</think>' is closed,
+    so the turn parses the same): a <think> block is reasoning_content, every '<tool_call>JSON
+    </tool_call>' anywhere in the turn is a call (the text around and between calls is content),
+    its arguments typed by the tool's schema where a string fits it ('6' -> 6 for an integer; the
+    parser's tools=); then TRL's checks: each call's JSON an object with a 'function' object whose
+    name is a string, missing or null arguments {} (arguments of another type, a list or a
+    string, are kept: the call runs and fails), the content without a trailing EOS."""
+    from transformers.utils.chat_parsing import parse_response
+
+    try:
+        msg = parse_response(raw, QWEN3_RESPONSE, prefix="", tools=tools)
+        if isinstance(msg.get("content"), str) and eos:
+            msg["content"] = msg["content"].removesuffix(eos)
+        msg["content"] = msg.get("content") or ""
+        for call in msg.get("tool_calls", []):
+            f = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+                raise ValueError("a tool call without a function's name")
+            if f.get("arguments") is None:
+                f["arguments"] = {}
+    except (ValueError, TypeError):
         return None
-    calls = []
-    for body in CALL.findall(turn.group("tool_calls")):
-        try:
-            call = json.loads(body)
-        except ValueError:
-            return None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return None
-        arguments = {} if call.get("arguments") is None else call["arguments"]
-        if not isinstance(arguments, dict):
-            return None
-        calls.append({"name": call["name"], "arguments": arguments})
-    return calls
+    return msg
+
+
+def parse_calls(raw: str, tools: list[dict] | None = None) -> list[dict] | None:
+    """A model turn's tool calls (parse_turn): [{"name", "arguments"}] ([] for a turn without
+    '<tool_call>'); None for a malformed turn: TRL then decodes the turn as plain text, so it has
+    no call and the episode ends."""
+    if "<tool_call>" not in raw:
+        return []
+    msg = parse_turn(raw, tools=tools)
+    if msg is None:
+        return None
+    return [dict(c["function"]) for c in msg.get("tool_calls", [])]
 
 
 def tool_suffix_ids(tok, tool_messages: list[dict]) -> list[int]:
@@ -207,6 +224,7 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
     comp = [row[P:][m.bool()].tolist() for row, m in zip(first.input_ids, first.mask)]
     mask = [[1] * len(c) for c in comp]
     turns = [[t] for t in first.texts]
+    raws = [[tok.decode(c)] for c in comp]  # each turn decoded whole, as TRL parses it
     replies = [[] for _ in range(B)]  # each kept tool turn's messages (TRL's completions)
     cut = first.truncated.tolist()
     calls = failures = malformed = rolled = 0
@@ -217,7 +235,7 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
     for _ in range(tools.max_calls):  # TRL's max_tool_calling_iterations: rounds, not calls
         nxt = []
         for i in live:
-            parsed = parse_calls(turns[i][-1])
+            parsed = parse_calls(raws[i][-1])
             malformed += parsed is None
             if not parsed:
                 continue
@@ -245,9 +263,10 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
                 rows=most)):
             comp[i], mask[i] = comp[i] + new, mask[i] + [1] * len(new)
             turns[i].append(text)
+            raws[i].append(tok.decode(new))
             cut[i] = no_eos
         live = nxt
-    limited = sum(not cut[i] and bool(parse_calls(turns[i][-1])) for i in live)  # rounds spent
+    limited = sum(not cut[i] and bool(parse_calls(raws[i][-1])) for i in live)  # rounds spent
     ends = close_episodes(tools, ids, turns)
     T = max(len(c) for c in comp)
     dev = first.input_ids.device
@@ -269,7 +288,8 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
                                      dtype=torch.float),
                    truncated=torch.tensor(cut, device=dev), texts=["\n".join(t) for t in turns],
                    logp=turn_logps(policy, prompt, comp, T, dev), stats=stats,
-                   messages=[conversation(t, r) for t, r in zip(turns, replies)], **ends)
+                   messages=[conversation(w, t, r, tok.eos_token)
+                             for w, t, r in zip(raws, turns, replies)], **ends)
 
 
 def context_of(policy) -> float:
@@ -281,27 +301,14 @@ def context_of(policy) -> float:
     return getattr(config, "max_position_embeddings", None) or float("inf")
 
 
-def turn_message(text: str) -> dict:
-    """A model turn as TRL 1.16's parse_response makes it with Qwen3's response schema: content,
-    reasoning_content (a <think> block's), tool_calls [{type: function, function: {name,
-    arguments}}]; a malformed turn is its text (TRL decodes it as plain text)."""
-    turn, calls = TURN.match(text), parse_calls(text)
-    if turn is None or calls is None:
-        return {"role": "assistant", "content": text}
-    msg = {"role": "assistant", "content": turn.group("content")}
-    if turn.group("reasoning_content"):
-        msg["reasoning_content"] = turn.group("reasoning_content")
-    if calls:
-        msg["tool_calls"] = [{"type": "function", "function": c} for c in calls]
-    return msg
-
-
-def conversation(turns: list[str], replies: list[list[dict]]) -> list[dict]:
-    """An episode as TRL's completions for a tool episode: each model turn's message, then its
-    tool messages ({role: tool, name, content}) where they were kept (not rolled back)."""
+def conversation(raws: list[str], turns: list[str], replies: list[list[dict]], eos: str,
+                 tools: list[dict] | None = None) -> list[dict]:
+    """An episode as TRL's completions for a tool episode: each model turn's message (parse_turn;
+    a malformed turn is its plain text), then its tool messages ({role: tool, name, content})
+    where they were kept (not rolled back)."""
     out = []
-    for k, text in enumerate(turns):
-        out.append(turn_message(text))
+    for k, (raw, text) in enumerate(zip(raws, turns)):
+        out.append(parse_turn(raw, eos, tools) or {"role": "assistant", "content": text})
         out += replies[k] if k < len(replies) else []
     return out
 

@@ -45,10 +45,13 @@ def test_parse_calls_as_trl():
     assert parse_calls('<tool_call>{"name": "multiply", "arguments": {"a": 6,</tool_call>') is None
     assert parse_calls('<tool_call>{"arguments": {"a": 6}}</tool_call>') is None  # no name
     assert parse_calls('<tool_call>{"name": 3, "arguments": {}}</tool_call>') is None
-    assert parse_calls('<tool_call>{"name": "f", "arguments": [1]}</tool_call>') is None
     assert parse_calls(CALL + '<tool_call>{"name": </tool_call>') is None
     assert parse_calls("<tool_call>unclosed") is None
-    assert parse_calls(CALL + " and then more words") is None  # the turn is not content, then calls
+    assert parse_calls(CALL[:-len("</tool_call>")] + "<|im_end|>") is None  # unclosed: the EOS in its JSON
+    # TRL's: calls anywhere in the turn (the words are content), arguments of any JSON type kept (the call
+    # then fails as fn(**[1]) does)
+    assert parse_calls(CALL + " and then more words") == [{"name": "multiply", "arguments": {"a": 6, "b": 7}}]
+    assert parse_calls('<tool_call>{"name": "f", "arguments": [1]}</tool_call>') == [{"name": "f", "arguments": [1]}]
 
 
 def test_schema_of_a_typed_documented_function():

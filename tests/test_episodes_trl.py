@@ -66,23 +66,17 @@ EPISODES = {
     "a post-tool turn cut": [call("multiply", a=6, b=7), "y" * 900 + CUT],
     "a first turn cut": ["z" * 900 + CUT],
     "a call cut by the budget": ['<tool_call>\n{"name": "multiply", "arguments": {"a": "' + "9" * 900 + CUT],
-}
-# where grouprl/episodes.py and TRL 1.16 differ: each an xfail(strict) below, the reason its own
-DIFFERENT = {
     "arguments a list": [raw('{"name": "multiply", "arguments": [6, 7]}'), "ok"],
     "arguments a JSON string": [raw('{"name": "multiply", "arguments": "{\\"a\\": 6, \\"b\\": 7}"}'), "ok"],
     "words after the call": [call("multiply", a=6, b=7) + " and more words", "ok"],
     "text between two calls": [call("multiply", a=2, b=3) + " then " + call("multiply", a=4, b=5), "ok"],
+}
+# where grouprl/episodes.py and TRL 1.16 differ: each an xfail(strict) below, the reason its own
+DIFFERENT = {
     "a number given as a string": [call("multiply", a="6", b=7), "ok"],
     "a list result": [call("listing", n=2), "ok"],
 }
 WHY = {
-    "arguments a list": "TRL's parser takes a call whose arguments are not an object and runs it: fn(**[6, 7]) "
-                        "raises, an error result, a failed call; parse_calls calls the turn malformed (no call)",
-    "arguments a JSON string": "as 'arguments a list' (a str): TRL runs the call, an error result; ours: malformed",
-    "words after the call": "TRL's response template reads calls anywhere in the turn (the words are content); "
-                            "parse_calls wants content, then calls, and calls the turn malformed",
-    "text between two calls": "as 'words after the call': TRL runs both calls; ours: malformed",
     "a number given as a string": "TRL's parse_response(tools=...) types arguments by the tool's JSON schema ('6' "
                                   "-> 6 for an integer); ours passes '6', so multiply returns '6666666'",
     "a list result": "TRL passes a tool's list result as the message's content (multimodal blocks), which Qwen3's "
@@ -129,7 +123,7 @@ def qwen3_tiny_tokenizer(training=True):
 
 
 def tool_functions():
-    spec = importlib.util.spec_from_file_location("bad_tools_for_trl", TOOLS_FILE)
+    spec = importlib.util.spec_from_file_location("bad_tools", TOOLS_FILE)  # as the worker names it
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return [getattr(module, name) for name in NAMES]

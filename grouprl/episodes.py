@@ -97,6 +97,26 @@ def parse_calls(raw: str, tools: list[dict] | None = None) -> list[dict] | None:
     return [dict(c["function"]) for c in msg.get("tool_calls", [])]
 
 
+def typed(call: dict, schemas: list[dict] | None):
+    """A call's arguments typed as transformers' parser types them given the tools (TRL's
+    parse_response(tools=...)): a string argument cast to its schema's type where it fits."""
+    from transformers.utils.chat_parsing.response_parser import _coerce, _schema_types
+
+    arguments = call["arguments"]
+    props = next((s["function"].get("parameters", {}).get("properties") or {}
+                  for s in schemas or [] if s["function"]["name"] == call["name"]), {})
+    if not isinstance(arguments, dict) or not props:
+        return arguments
+    out = dict(arguments)
+    for key, value in arguments.items():
+        types = _schema_types(props.get(key))
+        if types and isinstance(value, str):
+            out[key] = _coerce(value, types)
+        elif types and isinstance(value, list) and "array" not in types:
+            out[key] = [_coerce(v, types) if isinstance(v, str) else v for v in value]
+    return out
+
+
 def tool_suffix_ids(tok, tool_messages: list[dict]) -> list[int]:
     """The tokens after the model's turn (its EOS included) up to the next turn's header, as TRL
     1.16's _get_tool_suffix_ids makes them: a dummy conversation rendered with and without the tool
@@ -225,6 +245,7 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
     mask = [[1] * len(c) for c in comp]
     turns = [[t] for t in first.texts]
     raws = [[tok.decode(c)] for c in comp]  # each turn decoded whole, as TRL parses it
+    schemas = getattr(tools, "schemas", None)  # the arguments' types
     replies = [[] for _ in range(B)]  # each kept tool turn's messages (TRL's completions)
     cut = first.truncated.tolist()
     calls = failures = malformed = rolled = 0
@@ -240,8 +261,8 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
             if not parsed:
                 continue
             results = []
-            for c in parsed:
-                content, failed = tools.call(c["name"], c["arguments"], ids[i])
+            for c in parsed:  # TRL's parser types the arguments by the tool's schema
+                content, failed = tools.call(c["name"], typed(c, schemas), ids[i])
                 calls, failures = calls + 1, failures + failed
                 results.append({"role": "tool", "name": c["name"], "content": content})
             suffix = tool_suffix_ids(tok, results)
@@ -288,7 +309,7 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
                                      dtype=torch.float),
                    truncated=torch.tensor(cut, device=dev), texts=["\n".join(t) for t in turns],
                    logp=turn_logps(policy, prompt, comp, T, dev), stats=stats,
-                   messages=[conversation(w, t, r, tok.eos_token)
+                   messages=[conversation(w, t, r, tok.eos_token, schemas)
                              for w, t, r in zip(raws, turns, replies)], **ends)
 
 

@@ -49,9 +49,12 @@ def test_parse_calls_as_trl():
     assert parse_calls("<tool_call>unclosed") is None
     assert parse_calls(CALL[:-len("</tool_call>")] + "<|im_end|>") is None  # unclosed: the EOS in its JSON
     # TRL's: calls anywhere in the turn (the words are content), arguments of any JSON type kept (the call
-    # then fails as fn(**[1]) does)
+    # then fails as fn(**[1]) does), a string argument typed by the tool's schema
     assert parse_calls(CALL + " and then more words") == [{"name": "multiply", "arguments": {"a": 6, "b": 7}}]
     assert parse_calls('<tool_call>{"name": "f", "arguments": [1]}</tool_call>') == [{"name": "f", "arguments": [1]}]
+    schema = episodes.load_tools(f"{TOOLS_FILE}:multiply")[1]
+    assert parse_calls(CALL.replace("6", '"6"'), schema) == [{"name": "multiply", "arguments": {"a": 6, "b": 7}}]
+    assert episodes.typed({"name": "multiply", "arguments": {"a": "6", "b": "x"}}, schema) == {"a": 6, "b": "x"}
 
 
 def test_schema_of_a_typed_documented_function():

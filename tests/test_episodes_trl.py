@@ -70,15 +70,13 @@ EPISODES = {
     "arguments a JSON string": [raw('{"name": "multiply", "arguments": "{\\"a\\": 6, \\"b\\": 7}"}'), "ok"],
     "words after the call": [call("multiply", a=6, b=7) + " and more words", "ok"],
     "text between two calls": [call("multiply", a=2, b=3) + " then " + call("multiply", a=4, b=5), "ok"],
+    "a number given as a string": [call("multiply", a="6", b=7), "ok"],
 }
 # where grouprl/episodes.py and TRL 1.16 differ: each an xfail(strict) below, the reason its own
 DIFFERENT = {
-    "a number given as a string": [call("multiply", a="6", b=7), "ok"],
     "a list result": [call("listing", n=2), "ok"],
 }
 WHY = {
-    "a number given as a string": "TRL's parse_response(tools=...) types arguments by the tool's JSON schema ('6' "
-                                  "-> 6 for an integer); ours passes '6', so multiply returns '6666666'",
     "a list result": "TRL passes a tool's list result as the message's content (multimodal blocks), which Qwen3's "
                      "template renders as ''; ours sends str(list)",
 }

@@ -70,15 +70,8 @@ EPISODES = {
     "arguments a JSON string": [raw('{"name": "multiply", "arguments": "{\\"a\\": 6, \\"b\\": 7}"}'), "ok"],
     "words after the call": [call("multiply", a=6, b=7) + " and more words", "ok"],
     "text between two calls": [call("multiply", a=2, b=3) + " then " + call("multiply", a=4, b=5), "ok"],
-    "a number given as a string": [call("multiply", a="6", b=7), "ok"],
-}
-# where grouprl/episodes.py and TRL 1.16 differ: each an xfail(strict) below, the reason its own
-DIFFERENT = {
-    "a list result": [call("listing", n=2), "ok"],
-}
-WHY = {
-    "a list result": "TRL passes a tool's list result as the message's content (multimodal blocks), which Qwen3's "
-                     "template renders as ''; ours sends str(list)",
+    "a number given as a string": [call("multiply", a="6", b=7), "ok"],  # typed by the schema: 6
+    "a list result": [call("listing", n=2), "ok"],  # content blocks, as TRL passes a list on
 }
 
 
@@ -200,11 +193,6 @@ def both():
     return trl_episodes(EPISODES), our_episodes(EPISODES)
 
 
-@pytest.fixture(scope="module")
-def both_different():
-    return trl_episodes(DIFFERENT), our_episodes(DIFFERENT)
-
-
 def test_the_tiny_tokenizer_carries_qwen3_for_trl(both):
     """TRL parses the tiny tokenizer's turns as Qwen3's and renders with the template as given (prefix-preserving:
     no template swapped in); the batch's tool calls and failed calls are TRL's (tools/call_frequency and
@@ -214,6 +202,18 @@ def test_the_tiny_tokenizer_carries_qwen3_for_trl(both):
     (_, trl_counts, trainer), (_, our_counts, _) = both
     assert trainer._tokenizer.response_template == qwen3_template and trainer.chat_template is None
     assert our_counts == trl_counts and trl_counts[0] > 10 and trl_counts[1] >= 4
+
+
+def test_a_list_result_goes_on_as_a_list():
+    """The worker passes a tool's list result on as a list (TRL's content blocks) where it is JSON within
+    MAX_RESULT_CHARS and valid UTF-8; else its str, as any other result."""
+    from grouprl import tool_worker
+
+    assert tool_worker.result(["a", {"type": "text", "text": "b"}]) == ["a", {"type": "text", "text": "b"}]
+    assert tool_worker.result([object]) == str([object]) and tool_worker.result(("a",)) == "('a',)"
+    assert tool_worker.result(["\ud800"]) == "['\\ud800']"  # a lone surrogate: its escape, as text does
+    assert tool_worker.result(["x" * tool_worker.MAX_RESULT_CHARS]) == str(["x" * tool_worker.MAX_RESULT_CHARS])[
+        :tool_worker.MAX_RESULT_CHARS]
 
 
 def assert_same_ids_and_mask(theirs, ours):
@@ -239,15 +239,6 @@ def test_episode_end_equals_trl(both, name):
     (theirs, _, _), (ours, _, _) = both
     k = list(EPISODES).index(name)
     assert ours[k][2] == theirs[k][2]
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=WHY[name]))
-    for name in DIFFERENT])
-def test_episode_where_trl_differs(both_different, name):
-    (theirs, _, _), (ours, _, _) = both_different
-    k = list(DIFFERENT).index(name)
-    assert_same_ids_and_mask(theirs[k], ours[k])
 
 
 @pytest.mark.xfail(strict=True, raises=ValueError, reason=(

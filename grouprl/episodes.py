@@ -134,7 +134,7 @@ def tool_suffix_ids(tok, tool_messages: list[dict]) -> list[int]:
         prefix = prefix[:ends[-1] + 1]
     if full[:len(prefix)] != prefix:
         raise ValueError("the chat template is not prefix-preserving: a tool turn cannot be "
-                         "appended to an episode's tokens")
+                         "appended to an episode's tokens (tools.check_prefix_preserving)")
     return full[len(prefix):]
 
 

@@ -349,13 +349,13 @@ def test_tools_rendered_into_the_prompt_as_trl():
     """A template that renders tools (TRL's Qwen3 one on the tiny tokenizer) gets the schemas exactly as TRL 1.16's
     GRPOTrainer passes its tools (the callables; transformers makes their schemas), the environment's methods after
     the functions; the tiny template, which renders none, gets the plain fallback at the end of the system message."""
-    from trl.chat_template_utils import qwen3_chat_template
+    from trl.chat_template_utils import qwen3_training_chat_template
 
     from programs.counter_env import Counter
 
     schemas = episodes.load_tools(f"{TOOLS_FILE}:multiply")[1] + episodes.load_environment(ENV).schemas
     qwen = modeling.tiny_tokenizer()
-    qwen.chat_template = qwen3_chat_template
+    qwen.chat_template = qwen3_training_chat_template  # what TRL renders with (Qwen3's own is refused with tools)
     for prompt in ["6*7=", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "6*7="}]]:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         trl_text = qwen.apply_chat_template(messages, tools=[multiply, Counter().add], tokenize=False,

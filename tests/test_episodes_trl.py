@@ -241,14 +241,19 @@ def test_episode_end_equals_trl(both, name):
     assert ours[k][2] == theirs[k][2]
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "Qwen3's own template is not prefix-preserving: TRL renders episodes with its training template "
-    "(get_training_chat_template); tool_suffix_ids raises ValueError"))
-def test_qwen3_own_template():
+def test_qwen3_own_template_stops_at_the_prompts():
+    """Qwen3's own template is not prefix-preserving: TRL renders episodes with its training template
+    (get_training_chat_template, swapped in by GRPOTrainer); we ship none, so templating the prompts with the tools
+    (data.load_task, before the model) stops in one line saying what to do."""
+    from grouprl import tools as tools_mod
+
     two = {name: EPISODES[name] for name in ("answer", "one call")}
-    theirs = trl_episodes(two, tokenizer=qwen3_tiny_tokenizer(training=False))[0]
-    ours = our_episodes(two, tokenizer=qwen3_tiny_tokenizer(training=False))[0]
-    assert_same_ids_and_mask(theirs[1], ours[1])
+    trainer = trl_episodes(two, tokenizer=qwen3_tiny_tokenizer(training=False))[2]
+    assert trainer.chat_template is not None  # TRL swapped its template in
+    schemas = tools_mod.load_tools(f"{TOOLS_FILE}:multiply")[1]
+    with pytest.raises(SystemExit, match="not prefix-preserving.*get_training_chat_template.*chat_template"):
+        chat_prompts(qwen3_tiny_tokenizer(training=False), ["ep0: 6*7="], tools=schemas)
+    assert chat_prompts(qwen3_tiny_tokenizer(), ["ep0: 6*7="], tools=schemas)  # TRL's training template passes
 
 
 def test_the_model_context_drops_a_result():

@@ -117,18 +117,19 @@ def typed(call: dict, schemas: list[dict] | None):
     return out
 
 
-def tool_suffix_ids(tok, tool_messages: list[dict]) -> list[int]:
+def tool_suffix_ids(tok, tool_messages: list[dict], **kw) -> list[int]:
     """The tokens after the model's turn (its EOS included) up to the next turn's header, as TRL
     1.16's _get_tool_suffix_ids makes them: a dummy conversation rendered with and without the tool
-    messages (and the generation prompt), the first cut after its last EOS, the difference."""
+    messages (and the generation prompt), the first cut after its last EOS, the difference. kw: the
+    template's settings (enable_thinking), as TRL passes its chat_template_kwargs."""
     dummy = [{"role": "user", "content": "dummy"},
              {"role": "assistant", "content": "", "tool_calls": [
                  {"type": "function", "function": {"name": tool_messages[0]["name"],
                                                    "arguments": {}}}]}]
     prefix = tok.apply_chat_template(dummy, add_generation_prompt=False, tokenize=True,
-                                     return_dict=False)
+                                     return_dict=False, **kw)
     full = tok.apply_chat_template(dummy + tool_messages, add_generation_prompt=True,
-                                   tokenize=True, return_dict=False)
+                                   tokenize=True, return_dict=False, **kw)
     ends = [i for i, t in enumerate(prefix) if t == tok.eos_token_id]
     if ends:  # Qwen templates render '<|im_end|>\n' after a turn: cut at the EOS
         prefix = prefix[:ends[-1] + 1]
@@ -246,6 +247,8 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
     turns = [[t] for t in first.texts]
     raws = [[tok.decode(c)] for c in comp]  # each turn decoded whole, as TRL parses it
     schemas = getattr(tools, "schemas", None)  # the arguments' types
+    thinking = (getattr(tools, "template", None) or {}).get("enable_thinking")
+    kw = {} if thinking is None else {"enable_thinking": thinking}  # --enable-thinking, as TRL's
     replies = [[] for _ in range(B)]  # each kept tool turn's messages (TRL's completions)
     cut = first.truncated.tolist()
     calls = failures = malformed = rolled = 0
@@ -265,7 +268,7 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
                 content, failed = tools.call(c["name"], typed(c, schemas), ids[i])
                 calls, failures = calls + 1, failures + failed
                 results.append({"role": "tool", "name": c["name"], "content": content})
-            suffix = tool_suffix_ids(tok, results)
+            suffix = tool_suffix_ids(tok, results, **kw)
             if (len(comp[i]) + len(suffix) > budget  # TRL's rollback: the result dropped,
                     or len(prompt[i]) + len(comp[i]) + len(suffix) >= context):
                 rolled += 1  # the episode ends with the calling turn (its EOS: not truncated)

@@ -120,7 +120,8 @@ def tool_functions():
     return [getattr(module, name) for name in NAMES]
 
 
-def trl_episodes(episodes, budget=BUDGET, limit=LIMIT, max_position_embeddings=1 << 16, tokenizer=None):
+def trl_episodes(episodes, budget=BUDGET, limit=LIMIT, max_position_embeddings=1 << 16, tokenizer=None,
+                 thinking=None):
     """TRL 1.16's GRPOTrainer on the episodes' prompts -> (per episode: completion ids, tool mask, truncated),
     (tool calls, failed calls), the trainer. The model is the tiny Qwen3 (its context raised past every episode
     here unless max_position_embeddings says otherwise: TRL also drops a tool result at the model's context)."""
@@ -141,7 +142,8 @@ def trl_episodes(episodes, budget=BUDGET, limit=LIMIT, max_position_embeddings=1
     out_dir = tempfile.TemporaryDirectory(prefix="trl_episodes_")  # TRL makes its output_dir
     args = GRPOConfig(output_dir=out_dir.name, use_cpu=True, per_device_train_batch_size=B,
                       num_generations=2, max_completion_length=budget, max_tool_calling_iterations=limit,
-                      mask_truncated_completions=True, report_to=[], save_strategy="no", bf16=False)
+                      mask_truncated_completions=True, report_to=[], save_strategy="no", bf16=False,
+                      chat_template_kwargs=None if thinking is None else {"enable_thinking": thinking})
     trainer = GRPOTrainer(model=lm, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)], args=args,
                           train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
                           processing_class=tok, tools=tool_functions())
@@ -168,12 +170,13 @@ def trl_episodes(episodes, budget=BUDGET, limit=LIMIT, max_position_embeddings=1
 CPU_ENV = types.SimpleNamespace(device=torch.device("cpu"), sharded=False, world=1, main=True, rank=0)
 
 
-def our_episodes(episodes, budget=BUDGET, limit=LIMIT, max_position_embeddings=1 << 16, tokenizer=None):
+def our_episodes(episodes, budget=BUDGET, limit=LIMIT, max_position_embeddings=1 << 16, tokenizer=None,
+                 thinking=None):
     """grouprl/episodes.generate_episodes on the same prompts, templated as data.chat_prompts templates them ->
     the same lists, (calls, failed), the Rollout."""
     tok = tokenizer or qwen3_tiny_tokenizer()
-    prompts = chat_prompts(tok, [f"ep{k}: 6*7=" for k in range(len(episodes))])
-    tools = Tools(f"{TOOLS_FILE}:{','.join(NAMES)}", limit)
+    prompts = chat_prompts(tok, [f"ep{k}: 6*7=" for k in range(len(episodes))], thinking)
+    tools = Tools(f"{TOOLS_FILE}:{','.join(NAMES)}", limit, template={"enable_thinking": thinking})
     try:
         roll = generate_episodes(ScriptedLM(tok, episodes, max_position_embeddings), tok, prompts, 1,
                                  [tok.eos_token_id], CPU_ENV, Sampling(max_new_tokens=budget, mode="repeat"), tools)
@@ -254,6 +257,16 @@ def test_qwen3_own_template_stops_at_the_prompts():
     with pytest.raises(SystemExit, match="not prefix-preserving.*get_training_chat_template.*chat_template"):
         chat_prompts(qwen3_tiny_tokenizer(training=False), ["ep0: 6*7="], tools=schemas)
     assert chat_prompts(qwen3_tiny_tokenizer(), ["ep0: 6*7="], tools=schemas)  # TRL's training template passes
+
+
+def test_enable_thinking_false_in_the_tool_turn():
+    """--enable-thinking false: Qwen3's generation prompt pre-writes an empty <think> block, in the prompt and in
+    each tool turn's tail (TRL passes chat_template_kwargs to _get_tool_suffix_ids), so both have it."""
+    two = {name: EPISODES[name] for name in ("answer", "one call")}
+    theirs = trl_episodes(two, thinking=False)[0]
+    ours = our_episodes(two, thinking=False)[0]
+    assert "<think>\n\n</think>" in qwen3_tiny_tokenizer().decode(theirs[1][0])
+    assert_same_ids_and_mask(theirs[1], ours[1])
 
 
 def test_the_model_context_drops_a_result():

@@ -58,10 +58,9 @@ def check_tool_args(args, launched: bool):
 # -------------------- a model turn's tool calls, a tool turn's tokens
 def parse_turn(raw: str, eos: str | None = None, tools: list[dict] | None = None) -> dict | None:
     """A model turn as TRL 1.16's parse_response makes it, or None where TRL falls back to the
-    plain text (a malformed turn). raw: the turn's ids decoded whole (special tokens and its EOS
-    kept: an unclosed call then holds the EOS and is bad JSON). transformers' parser reads the
-    turn with QWEN3_RESPONSE (no prefix: the prompt's pre-written '<think>...</think>' is closed,
-    so the turn parses the same): a <think> block is reasoning_content, every '<tool_call>JSON
+    plain text (a malformed turn). raw: what the template pre-wrote of the turn (prewritten),
+    then the turn's ids decoded whole (special tokens and its EOS kept: an unclosed call then
+    holds the EOS and is bad JSON). transformers' parser reads it with QWEN3_RESPONSE: a <think> block is reasoning_content, every '<tool_call>JSON
     </tool_call>' anywhere in the turn is a call (the text around and between calls is content),
     its arguments typed by the tool's schema where a string fits it ('6' -> 6 for an integer; the
     parser's tools=); then TRL's checks: each call's JSON an object with a 'function' object whose
@@ -95,6 +94,16 @@ def parse_calls(raw: str, tools: list[dict] | None = None) -> list[dict] | None:
     if msg is None:
         return None
     return [dict(c["function"]) for c in msg.get("tool_calls", [])]
+
+
+def prewritten(history: str) -> str:
+    """What the chat template wrote of the model's next turn: the history's text after its last
+    assistant header (QWEN3_RESPONSE's start_anchor), e.g. an opened '<think>\n'. TRL gives the
+    history to parse_response as prefix=, which the parser reads up to there; it is parsed with
+    the turn (the same message: the parser reads text in pieces alike)."""
+    anchor = QWEN3_RESPONSE["start_anchor"]
+    k = history.rfind(anchor)
+    return "" if k < 0 else history[k + len(anchor):]
 
 
 def typed(call: dict, schemas: list[dict] | None):
@@ -245,7 +254,9 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
     comp = [row[P:][m.bool()].tolist() for row, m in zip(first.input_ids, first.mask)]
     mask = [[1] * len(c) for c in comp]
     turns = [[t] for t in first.texts]
-    raws = [[tok.decode(c)] for c in comp]  # each turn decoded whole, as TRL parses it
+    # each turn decoded whole, as TRL parses it, after what the template pre-wrote of it
+    raws = [[prewritten(tok.decode(p)) + tok.decode(c)] for p, c in zip(prompt, comp)]
+    tails = [""] * B  # the last tool turn's pre-written part of the next model turn
     schemas = getattr(tools, "schemas", None)  # the arguments' types
     thinking = (getattr(tools, "template", None) or {}).get("enable_thinking")
     kw = {} if thinking is None else {"enable_thinking": thinking}  # --enable-thinking, as TRL's
@@ -274,6 +285,7 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
                 rolled += 1  # the episode ends with the calling turn (its EOS: not truncated)
                 continue
             comp[i], mask[i] = comp[i] + suffix, mask[i] + [0] * len(suffix)
+            tails[i] = prewritten(tok.decode(suffix))
             replies[i].append(results)
             nxt.append(i)
         most = (int(all_reduce(torch.tensor([len(nxt)]), dist.ReduceOp.MAX).item()) if sync
@@ -287,7 +299,7 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
                 rows=most)):
             comp[i], mask[i] = comp[i] + new, mask[i] + [1] * len(new)
             turns[i].append(text)
-            raws[i].append(tok.decode(new))
+            raws[i].append(tails[i] + tok.decode(new))
             cut[i] = no_eos
         live = nxt
     limited = sum(not cut[i] and bool(parse_calls(raws[i][-1])) for i in live)  # rounds spent

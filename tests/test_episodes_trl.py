@@ -269,6 +269,34 @@ def test_enable_thinking_false_in_the_tool_turn():
     assert_same_ids_and_mask(theirs[1], ours[1])
 
 
+def test_a_turn_parsed_after_what_the_template_prewrote():
+    """A template whose generation prompt opens '<think>\n' (as Qwen3's thinking models' do): TRL parses the turn
+    with the history as prefix=, so a call written inside the open think block is reasoning, not a call; a call
+    after '</think>' runs. Ours parses the turn after the history's tail past the last assistant header."""
+    from trl.chat_template_utils import qwen3_template, qwen3_training_chat_template
+
+    head = "{{- '<|im_start|>assistant\\n' }}\n    {%- if enable_thinking"
+    assert head in qwen3_training_chat_template
+
+    def opening():
+        tok = modeling.tiny_tokenizer()
+        tok.chat_template = qwen3_training_chat_template.replace(
+            head, "{{- '<|im_start|>assistant\\n<think>\\n' }}\n    {%- if enable_thinking")
+        tok.response_template = qwen3_template
+        return tok
+
+    episodes = {"answer": ["42"],
+                "a call inside the think block": ["hm " + call("multiply", a=6, b=7) + "\n</think>\n\nok", "never"],
+                "a call after it": ["hm\n</think>\n\n" + call("multiply", a=6, b=7),  # then one inside again
+                                    "hm " + call("multiply", a=1, b=1) + "\n</think>\n\n42"],
+                "the answer": ["hm\n</think>\n\n42"]}
+    theirs, trl_counts, _ = trl_episodes(episodes, tokenizer=opening())
+    ours, our_counts, _ = our_episodes(episodes, tokenizer=opening())
+    assert trl_counts == our_counts == (1, 0)
+    for k in range(len(episodes)):
+        assert_same_ids_and_mask(theirs[k], ours[k])
+
+
 def test_the_model_context_drops_a_result():
     """TRL also drops a tool result when prompt + completion + tool turn reach the model's max_position_embeddings
     (not only past the budget): so does generate_episodes (context_of)."""

@@ -13,9 +13,7 @@ ranks. Not yet: episodes in the evaluation (docs/algorithms.md)."""
 
 from __future__ import annotations
 
-import json
 import os
-import re
 
 import torch
 import torch.distributed as dist
@@ -24,13 +22,16 @@ from .distributed import all_reduce, fail
 from .generation import Rollout, gathered, generate
 from .tools import Tools, load_environment, load_tools
 
-# TRL 1.16's qwen3_schema (trl/chat_template_utils.py): the whole turn, then each call's JSON
-TURN = re.compile(r"^(?:<think>\n?(?:(?P<reasoning_content>.*?\S.*?)\n?|[\s]*)</think>\s*)?"
-                  r"(?P<content>(?:(?!<tool_call>)[\s\S])*?)(?:\n(?=<tool_call>))?"
-                  r"(?=(?:<tool_call>|<\|im_end\|>|$))"
-                  r"(?P<tool_calls>(?:<tool_call>(?:(?!</tool_call>)[\s\S])+</tool_call>\s*)+)?"
-                  r"\s*(?:<\|im_end\|>|$)", re.DOTALL)
-CALL = re.compile(r"<tool_call>\s*(.+?)\s*</tool_call>", re.DOTALL)
+# TRL 1.16's qwen3_template (trl/chat_template_utils.py): the response template its parse_response
+# gives transformers' parser (transformers.utils.chat_parsing) for a Qwen3/Hermes turn
+QWEN3_RESPONSE = {
+    "defaults": {"role": "assistant"}, "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "reasoning_content": {"open": "<think>", "close_pattern": r"</think>\s*", "content": "text"},
+        "tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True,
+                       "content": "json",
+                       "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"}}}
 
 
 # -------------------- the flags' checks
@@ -55,49 +56,95 @@ def check_tool_args(args, launched: bool):
 
 
 # -------------------- a model turn's tool calls, a tool turn's tokens
-def parse_calls(text: str) -> list[dict] | None:
-    """A model turn's tool calls in the Qwen3/Hermes format, as TRL 1.16's parse_response reads
-    them: [{"name", "arguments"}] ([] for a turn without '<tool_call>'); None for a malformed turn
-    (bad JSON, no string name, arguments not an object, the turn not of the form content then
-    calls): TRL then decodes the turn as plain text, so it is not a call and the episode ends."""
-    if "<tool_call>" not in text:
-        return []
-    turn = TURN.match(text)
-    if turn is None or turn.group("tool_calls") is None:
+def parse_turn(raw: str, eos: str | None = None, tools: list[dict] | None = None) -> dict | None:
+    """A model turn as TRL 1.16's parse_response makes it, or None where TRL falls back to the
+    plain text (a malformed turn). raw: what the template pre-wrote of the turn (prewritten),
+    then the turn's ids decoded whole (special tokens and its EOS kept: an unclosed call then
+    holds the EOS and is bad JSON). transformers' parser reads it with QWEN3_RESPONSE: a <think> block is reasoning_content, every '<tool_call>JSON
+    </tool_call>' anywhere in the turn is a call (the text around and between calls is content),
+    its arguments typed by the tool's schema where a string fits it ('6' -> 6 for an integer; the
+    parser's tools=); then TRL's checks: each call's JSON an object with a 'function' object whose
+    name is a string, missing or null arguments {} (arguments of another type, a list or a
+    string, are kept: the call runs and fails), the content without a trailing EOS."""
+    from transformers.utils.chat_parsing import parse_response
+
+    try:
+        msg = parse_response(raw, QWEN3_RESPONSE, prefix="", tools=tools)
+        if isinstance(msg.get("content"), str) and eos:
+            msg["content"] = msg["content"].removesuffix(eos)
+        msg["content"] = msg.get("content") or ""
+        for call in msg.get("tool_calls", []):
+            f = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+                raise ValueError("a tool call without a function's name")
+            if f.get("arguments") is None:
+                f["arguments"] = {}
+    except (ValueError, TypeError):
         return None
-    calls = []
-    for body in CALL.findall(turn.group("tool_calls")):
-        try:
-            call = json.loads(body)
-        except ValueError:
-            return None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return None
-        arguments = {} if call.get("arguments") is None else call["arguments"]
-        if not isinstance(arguments, dict):
-            return None
-        calls.append({"name": call["name"], "arguments": arguments})
-    return calls
+    return msg
 
 
-def tool_suffix_ids(tok, tool_messages: list[dict]) -> list[int]:
+def parse_calls(raw: str, tools: list[dict] | None = None) -> list[dict] | None:
+    """A model turn's tool calls (parse_turn): [{"name", "arguments"}] ([] for a turn without
+    '<tool_call>'); None for a malformed turn: TRL then decodes the turn as plain text, so it has
+    no call and the episode ends."""
+    if "<tool_call>" not in raw:
+        return []
+    msg = parse_turn(raw, tools=tools)
+    if msg is None:
+        return None
+    return [dict(c["function"]) for c in msg.get("tool_calls", [])]
+
+
+def prewritten(history: str) -> str:
+    """What the chat template wrote of the model's next turn: the history's text after its last
+    assistant header (QWEN3_RESPONSE's start_anchor), e.g. an opened '<think>\n'. TRL gives the
+    history to parse_response as prefix=, which the parser reads up to there; it is parsed with
+    the turn (the same message: the parser reads text in pieces alike)."""
+    anchor = QWEN3_RESPONSE["start_anchor"]
+    k = history.rfind(anchor)
+    return "" if k < 0 else history[k + len(anchor):]
+
+
+def typed(call: dict, schemas: list[dict] | None):
+    """A call's arguments typed as transformers' parser types them given the tools (TRL's
+    parse_response(tools=...)): a string argument cast to its schema's type where it fits."""
+    from transformers.utils.chat_parsing.response_parser import _coerce, _schema_types
+
+    arguments = call["arguments"]
+    props = next((s["function"].get("parameters", {}).get("properties") or {}
+                  for s in schemas or [] if s["function"]["name"] == call["name"]), {})
+    if not isinstance(arguments, dict) or not props:
+        return arguments
+    out = dict(arguments)
+    for key, value in arguments.items():
+        types = _schema_types(props.get(key))
+        if types and isinstance(value, str):
+            out[key] = _coerce(value, types)
+        elif types and isinstance(value, list) and "array" not in types:
+            out[key] = [_coerce(v, types) if isinstance(v, str) else v for v in value]
+    return out
+
+
+def tool_suffix_ids(tok, tool_messages: list[dict], **kw) -> list[int]:
     """The tokens after the model's turn (its EOS included) up to the next turn's header, as TRL
     1.16's _get_tool_suffix_ids makes them: a dummy conversation rendered with and without the tool
-    messages (and the generation prompt), the first cut after its last EOS, the difference."""
+    messages (and the generation prompt), the first cut after its last EOS, the difference. kw: the
+    template's settings (enable_thinking), as TRL passes its chat_template_kwargs."""
     dummy = [{"role": "user", "content": "dummy"},
              {"role": "assistant", "content": "", "tool_calls": [
                  {"type": "function", "function": {"name": tool_messages[0]["name"],
                                                    "arguments": {}}}]}]
     prefix = tok.apply_chat_template(dummy, add_generation_prompt=False, tokenize=True,
-                                     return_dict=False)
+                                     return_dict=False, **kw)
     full = tok.apply_chat_template(dummy + tool_messages, add_generation_prompt=True,
-                                   tokenize=True, return_dict=False)
+                                   tokenize=True, return_dict=False, **kw)
     ends = [i for i, t in enumerate(prefix) if t == tok.eos_token_id]
     if ends:  # Qwen templates render '<|im_end|>\n' after a turn: cut at the EOS
         prefix = prefix[:ends[-1] + 1]
     if full[:len(prefix)] != prefix:
         raise ValueError("the chat template is not prefix-preserving: a tool turn cannot be "
-                         "appended to an episode's tokens")
+                         "appended to an episode's tokens (tools.check_prefix_preserving)")
     return full[len(prefix):]
 
 
@@ -172,14 +219,16 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
     to tools.max_calls rounds: the rows whose last turn calls
     tools get the results as a tool turn (mask 0) and generate again (mask 1). The budget
     sampling.max_new_tokens holds over the whole episode: a tool turn that would pass it is
-    dropped (its calls counted) and the episode ends, truncated; a turn is cut where the budget
-    ends. prompts: the templated prompts, or the batch's rows (their 'text'; with an
+    dropped (its calls counted) and the episode ends with the turn that called (its EOS: not
+    truncated, as TRL), as one that would reach the model's context (context_of); a turn is cut
+    where the budget ends. prompts: the templated prompts, or the batch's rows (their 'text'; with an
     --environment, each episode's instance is reset(**row) first, open_episodes).
     texts: the model's turns, joined by a newline. With an --environment: env_rewards and
     env_errors (get_reward), turn_rewards (get_turn_rewards), close_episodes. stats:
     tools/call_frequency (calls an episode), tools/failure_frequency (failed calls over calls),
-    tools/malformed_turns, tools/rolled_back, tools/cut_by_budget (episodes cut by the budget,
-    rolled back or not), tools/cut_by_limit (episodes whose last turn calls tools after
+    tools/malformed_turns, tools/rolled_back (episodes whose tool turn was dropped),
+    tools/cut_by_budget (episodes truncated: a turn cut by the budget, no EOS; a rolled-back
+    episode is not), tools/cut_by_limit (episodes whose last turn calls tools after
     --max-tool-calls rounds), tools/turns_per_episode, tools/episodes (how many); under torchrun
     over every rank's episodes (one all_reduce). logp: the engine's sampled log-probs at the model's tokens (turn_logps),
     None with HF generate. Under torchrun every rank calls this together: each runs its own
@@ -199,11 +248,18 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
     first = generate(policy, tok, prompts, n, eos, dist_env, sampling, streamer=streamer,
                      episodes=True)  # the engine keeps each row's KV for its next turns
     B, P, budget = len(first.texts), first.n_prompt, sampling.max_new_tokens
+    context = context_of(policy)
     prompt = [row[m.bool()].tolist() for row, m in zip(first.input_ids[:, :P],
                                                          first.attention_mask[:, :P])]
     comp = [row[P:][m.bool()].tolist() for row, m in zip(first.input_ids, first.mask)]
     mask = [[1] * len(c) for c in comp]
     turns = [[t] for t in first.texts]
+    # each turn decoded whole, as TRL parses it, after what the template pre-wrote of it
+    raws = [[prewritten(tok.decode(p)) + tok.decode(c)] for p, c in zip(prompt, comp)]
+    tails = [""] * B  # the last tool turn's pre-written part of the next model turn
+    schemas = getattr(tools, "schemas", None)  # the arguments' types
+    thinking = (getattr(tools, "template", None) or {}).get("enable_thinking")
+    kw = {} if thinking is None else {"enable_thinking": thinking}  # --enable-thinking, as TRL's
     replies = [[] for _ in range(B)]  # each kept tool turn's messages (TRL's completions)
     cut = first.truncated.tolist()
     calls = failures = malformed = rolled = 0
@@ -214,20 +270,22 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
     for _ in range(tools.max_calls):  # TRL's max_tool_calling_iterations: rounds, not calls
         nxt = []
         for i in live:
-            parsed = parse_calls(turns[i][-1])
+            parsed = parse_calls(raws[i][-1])
             malformed += parsed is None
             if not parsed:
                 continue
             results = []
-            for c in parsed:
-                content, failed = tools.call(c["name"], c["arguments"], ids[i])
+            for c in parsed:  # TRL's parser types the arguments by the tool's schema
+                content, failed = tools.call(c["name"], typed(c, schemas), ids[i])
                 calls, failures = calls + 1, failures + failed
                 results.append({"role": "tool", "name": c["name"], "content": content})
-            suffix = tool_suffix_ids(tok, results)
-            if len(comp[i]) + len(suffix) > budget:  # TRL's rollback: the result dropped
-                rolled, cut[i] = rolled + 1, True
+            suffix = tool_suffix_ids(tok, results, **kw)
+            if (len(comp[i]) + len(suffix) > budget  # TRL's rollback: the result dropped,
+                    or len(prompt[i]) + len(comp[i]) + len(suffix) >= context):
+                rolled += 1  # the episode ends with the calling turn (its EOS: not truncated)
                 continue
             comp[i], mask[i] = comp[i] + suffix, mask[i] + [0] * len(suffix)
+            tails[i] = prewritten(tok.decode(suffix))
             replies[i].append(results)
             nxt.append(i)
         most = (int(all_reduce(torch.tensor([len(nxt)]), dist.ReduceOp.MAX).item()) if sync
@@ -241,9 +299,10 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
                 rows=most)):
             comp[i], mask[i] = comp[i] + new, mask[i] + [1] * len(new)
             turns[i].append(text)
+            raws[i].append(tails[i] + tok.decode(new))
             cut[i] = no_eos
         live = nxt
-    limited = sum(not cut[i] and bool(parse_calls(turns[i][-1])) for i in live)  # rounds spent
+    limited = sum(not cut[i] and bool(parse_calls(raws[i][-1])) for i in live)  # rounds spent
     ends = close_episodes(tools, ids, turns)
     T = max(len(c) for c in comp)
     dev = first.input_ids.device
@@ -265,30 +324,27 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
                                      dtype=torch.float),
                    truncated=torch.tensor(cut, device=dev), texts=["\n".join(t) for t in turns],
                    logp=turn_logps(policy, prompt, comp, T, dev), stats=stats,
-                   messages=[conversation(t, r) for t, r in zip(turns, replies)], **ends)
+                   messages=[conversation(w, t, r, tok.eos_token, schemas)
+                             for w, t, r in zip(raws, turns, replies)], **ends)
 
 
-def turn_message(text: str) -> dict:
-    """A model turn as TRL 1.16's parse_response makes it with Qwen3's response schema: content,
-    reasoning_content (a <think> block's), tool_calls [{type: function, function: {name,
-    arguments}}]; a malformed turn is its text (TRL decodes it as plain text)."""
-    turn, calls = TURN.match(text), parse_calls(text)
-    if turn is None or calls is None:
-        return {"role": "assistant", "content": text}
-    msg = {"role": "assistant", "content": turn.group("content")}
-    if turn.group("reasoning_content"):
-        msg["reasoning_content"] = turn.group("reasoning_content")
-    if calls:
-        msg["tool_calls"] = [{"type": "function", "function": c} for c in calls]
-    return msg
+def context_of(policy) -> float:
+    """The model's context, max_position_embeddings (its text_config's for a VLM; inf where the
+    config has none): TRL 1.16 also drops a tool result once prompt + completion + tool turn
+    reach it."""
+    config = getattr(getattr(policy, "lm", policy), "config", None)
+    config = getattr(config, "text_config", None) or config
+    return getattr(config, "max_position_embeddings", None) or float("inf")
 
 
-def conversation(turns: list[str], replies: list[list[dict]]) -> list[dict]:
-    """An episode as TRL's completions for a tool episode: each model turn's message, then its
-    tool messages ({role: tool, name, content}) where they were kept (not rolled back)."""
+def conversation(raws: list[str], turns: list[str], replies: list[list[dict]], eos: str,
+                 tools: list[dict] | None = None) -> list[dict]:
+    """An episode as TRL's completions for a tool episode: each model turn's message (parse_turn;
+    a malformed turn is its plain text), then its tool messages ({role: tool, name, content})
+    where they were kept (not rolled back)."""
     out = []
-    for k, text in enumerate(turns):
-        out.append(turn_message(text))
+    for k, (raw, text) in enumerate(zip(raws, turns)):
+        out.append(parse_turn(raw, eos, tools) or {"role": "assistant", "content": text})
         out += replies[k] if k < len(replies) else []
     return out
 

@@ -4,9 +4,10 @@ one JSON line each way.
 argv: the tools file and its function names (comma-separated; '-' '-' for none), the trainer's
 pid, the environment's file and class name ('-' '-' for none).
 Its first line: {"ready": true} or {"fatal": "Type: message"}. Requests, each with its "id":
-  {"name", "arguments"[, "i"]}: a tool call (arguments a JSON object, passed as keyword
-    arguments: nothing is evaluated), on instance i's methods and the tools (TRL's tool dict: a
-    method shadows a function of its name) -> {"r": str(result)} or {"e": message} (an exception,
+  {"name", "arguments"[, "i"]}: a tool call fn(**arguments) (arguments JSON, passed as keyword
+    arguments: nothing is evaluated; a list or a string fails as Python's ** does, as TRL's), on instance i's methods and the tools (TRL's tool dict: a
+    method shadows a function of its name) -> {"r": str(result), or a list result as it
+    is (JSON)} or {"e": message} (an exception,
     an unknown tool, bad arguments), the result cut at MAX_RESULT_CHARS;
   {"op": "reset", "i", "row"}: instance i made anew (the class called with no argument, TRL's
     factory) and reset(**row) -> {"r": its str or None};
@@ -38,8 +39,10 @@ NOT_TOOLS = ("reset", "get_reward", "get_turn_rewards")  # tools.py's: not the m
 
 
 def load(path: str, names: list[str]):
-    """{name: attribute} of the file at path (imported as a module of its own)."""
-    spec = importlib.util.spec_from_file_location("grouprl_tools", path)
+    """{name: attribute} of the file at path (imported as a module of its own, named as the file:
+    an error naming a function, 'tools.f() argument after ** ...', reads as TRL's, whose tools
+    are imported from their module)."""
+    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return {name: getattr(module, name) for name in names}
@@ -79,11 +82,21 @@ def answer(fns: dict, cls, instances: dict, request: dict) -> dict:
         tools = {**fns, **methods(instances[i])} if i is not None else fns
         if name not in tools:
             raise ValueError(f"Tool {name} not found.")
-        if not isinstance(arguments, dict):
-            raise TypeError(f"arguments must be a JSON object, not {type(arguments).__name__}")
-        return {"r": text(tools[name](**arguments))}
+        return {"r": result(tools[name](**arguments))}
     except Exception as e:  # noqa: BLE001 - whatever the tool raised, sent back as its error
         return {"e": text(e)}
+
+
+def result(x):
+    """A tool's result as TRL passes it on: a list as it is (content blocks, rendered by the chat
+    template) where it is JSON of at most MAX_RESULT_CHARS, valid UTF-8; else text(x)."""
+    if isinstance(x, list):
+        try:
+            if len(json.dumps(x, ensure_ascii=False).encode("utf-8")) <= MAX_RESULT_CHARS:
+                return x
+        except (TypeError, ValueError, UnicodeEncodeError):
+            pass  # not JSON (an image, an object): its str, as any other result
+    return text(x)
 
 
 def text(x) -> str:

@@ -159,6 +159,7 @@ def load_environment(spec: str) -> Environment:
 TOOLS_HEAD = ('You may call these tools, as <tool_call>{"name": NAME, "arguments": {ARG: VALUE}}'
               '</tool_call>; a result comes back as the next turn:')
 _RENDERS_TOOLS = {}  # chat template -> whether it renders a tools= list
+_CHECKED = set()  # chat templates found prefix-preserving
 
 
 def tools_text(schemas: list[dict]) -> str:
@@ -198,6 +199,38 @@ def renders_tools(tok) -> bool:
     return _RENDERS_TOOLS[template]
 
 
+def check_prefix_preserving(tok):
+    """An episode's tool turns are appended to its tokens (episodes.tool_suffix_ids), so the chat
+    template must render a conversation's turns the same whatever follows them: TRL 1.16's
+    is_chat_template_prefix_preserving, on its dummy conversation. TRL swaps in a training template
+    of its own (trl.chat_template_utils.get_training_chat_template, one shipped a model family) for
+    one that is not, as Qwen3's own (it drops the earlier turns' <think> blocks); we ship none, so
+    the run stops here in one line, at the prompts' templating (data.load_task), before the model."""
+    template = tok.chat_template
+    if template in _CHECKED:
+        return
+    ids = None
+    for arguments in ({}, "{}"):  # TRL: a template that refuses a dict gets the JSON text
+        call = [{"type": "function", "function": {"name": "dummy", "arguments": arguments}}]
+        two = [{"role": "user", "content": "dummy"},
+               {"role": "assistant", "content": "", "tool_calls": call}]
+        three = two + [{"role": "tool", "name": "dummy", "content": "dummy"}]
+        try:
+            ids = (tok.apply_chat_template(two, tokenize=True, return_dict=False),
+                   tok.apply_chat_template(three, tokenize=True, return_dict=False,
+                                           add_generation_prompt=True))
+            break
+        except TypeError:
+            continue
+    if ids is None or ids[1][:len(ids[0])] != ids[0]:
+        fail("--tools/--environment: the model's chat template is not prefix-preserving (a tool "
+             "turn renders the turns before it anew, as Qwen3's own drops their <think>), so tool "
+             "turns cannot be appended to an episode's tokens; TRL swaps in a training template "
+             "of its own (trl.chat_template_utils.get_training_chat_template) that we do not "
+             "ship: set that template as the model's chat_template (tokenizer_config.json)")
+    _CHECKED.add(template)
+
+
 def tools_in_prompt(tok, prompt, tools: list[dict] | None):
     """(prompt, tools) for apply_chat_template: the tools as TRL 1.16's GRPOTrainer passes them
     (tools=schemas, None for none) where the template renders them; else the plain fallback,
@@ -206,6 +239,8 @@ def tools_in_prompt(tok, prompt, tools: list[dict] | None):
     or a text."""
     if not tools:
         return prompt, None  # TRL: `or None`, a template may render boilerplate for []
+    if getattr(tok, "chat_template", None):
+        check_prefix_preserving(tok)  # the first point the run sees the template, with tools
     if getattr(tok, "chat_template", None) and renders_tools(tok):
         return prompt, tools
     plain = tools_text(tools)
@@ -227,7 +262,7 @@ def tool_schemas(tools: str | None, environment: str | None) -> list[dict]:
 class Tools:
     """The --tools functions and the --environment's instances, in a worker process
     (tool_worker.py), one request at a time. A call's reply is (content, failed): the tool's
-    str(result), or TRL's error result str({'error': message}) for an exception, an unknown tool,
+    str(result) (a list result as a list, TRL's content blocks, where it is JSON), or TRL's error result str({'error': message}) for an exception, an unknown tool,
     bad arguments, a call past timeout_s (the worker is killed and restarted) or a worker that
     died (a crash). The instances a restart loses come back at their next request, made anew and
     given their reset and calls again (the one that killed the worker left out).

@@ -45,10 +45,16 @@ def test_parse_calls_as_trl():
     assert parse_calls('<tool_call>{"name": "multiply", "arguments": {"a": 6,</tool_call>') is None
     assert parse_calls('<tool_call>{"arguments": {"a": 6}}</tool_call>') is None  # no name
     assert parse_calls('<tool_call>{"name": 3, "arguments": {}}</tool_call>') is None
-    assert parse_calls('<tool_call>{"name": "f", "arguments": [1]}</tool_call>') is None
     assert parse_calls(CALL + '<tool_call>{"name": </tool_call>') is None
     assert parse_calls("<tool_call>unclosed") is None
-    assert parse_calls(CALL + " and then more words") is None  # the turn is not content, then calls
+    assert parse_calls(CALL[:-len("</tool_call>")] + "<|im_end|>") is None  # unclosed: the EOS in its JSON
+    # TRL's: calls anywhere in the turn (the words are content), arguments of any JSON type kept (the call
+    # then fails as fn(**[1]) does), a string argument typed by the tool's schema
+    assert parse_calls(CALL + " and then more words") == [{"name": "multiply", "arguments": {"a": 6, "b": 7}}]
+    assert parse_calls('<tool_call>{"name": "f", "arguments": [1]}</tool_call>') == [{"name": "f", "arguments": [1]}]
+    schema = episodes.load_tools(f"{TOOLS_FILE}:multiply")[1]
+    assert parse_calls(CALL.replace("6", '"6"'), schema) == [{"name": "multiply", "arguments": {"a": 6, "b": 7}}]
+    assert episodes.typed({"name": "multiply", "arguments": {"a": "6", "b": "x"}}, schema) == {"a": 6, "b": "x"}
 
 
 def test_schema_of_a_typed_documented_function():
@@ -201,12 +207,13 @@ def test_scripted_episode_ids_and_mask():
 
 
 def test_budget_rolls_back_a_result():
-    """TRL's rollback: a tool turn that would pass the budget is dropped (the call counted), the episode cut."""
+    """TRL's rollback: a tool turn that would pass the budget is dropped (the call counted); the episode ends with
+    the calling turn's EOS, not truncated (TRL's), so not cut_by_budget."""
     tok = modeling.tiny_tokenizer()
     turn1 = len(tok(CALL, add_special_tokens=False).input_ids) + 1
     roll, _, _, _ = scripted_episode(budget=turn1 + 5)
-    assert roll.truncated.tolist() == [True, False] and roll.stats["tools/rolled_back"] == 1
-    assert roll.stats["tools/cut_by_budget"] == 1 and roll.stats["tools/cut_by_limit"] == 0
+    assert roll.truncated.tolist() == [False, False] and roll.stats["tools/rolled_back"] == 1
+    assert roll.stats["tools/cut_by_budget"] == 0 and roll.stats["tools/cut_by_limit"] == 0
     assert roll.stats["tools/call_frequency"] == 0.5
     assert roll.mask[0].sum() == turn1 and roll.mask.shape[1] == turn1 and roll.texts[0] == CALL
 
@@ -342,13 +349,13 @@ def test_tools_rendered_into_the_prompt_as_trl():
     """A template that renders tools (TRL's Qwen3 one on the tiny tokenizer) gets the schemas exactly as TRL 1.16's
     GRPOTrainer passes its tools (the callables; transformers makes their schemas), the environment's methods after
     the functions; the tiny template, which renders none, gets the plain fallback at the end of the system message."""
-    from trl.chat_template_utils import qwen3_chat_template
+    from trl.chat_template_utils import qwen3_training_chat_template
 
     from programs.counter_env import Counter
 
     schemas = episodes.load_tools(f"{TOOLS_FILE}:multiply")[1] + episodes.load_environment(ENV).schemas
     qwen = modeling.tiny_tokenizer()
-    qwen.chat_template = qwen3_chat_template
+    qwen.chat_template = qwen3_training_chat_template  # what TRL renders with (Qwen3's own is refused with tools)
     for prompt in ["6*7=", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "6*7="}]]:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         trl_text = qwen.apply_chat_template(messages, tools=[multiply, Counter().add], tokenize=False,

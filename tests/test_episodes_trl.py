@@ -66,29 +66,13 @@ EPISODES = {
     "a post-tool turn cut": [call("multiply", a=6, b=7), "y" * 900 + CUT],
     "a first turn cut": ["z" * 900 + CUT],
     "a call cut by the budget": ['<tool_call>\n{"name": "multiply", "arguments": {"a": "' + "9" * 900 + CUT],
-}
-# where grouprl/episodes.py and TRL 1.16 differ: each an xfail(strict) below, the reason its own
-DIFFERENT = {
     "arguments a list": [raw('{"name": "multiply", "arguments": [6, 7]}'), "ok"],
     "arguments a JSON string": [raw('{"name": "multiply", "arguments": "{\\"a\\": 6, \\"b\\": 7}"}'), "ok"],
     "words after the call": [call("multiply", a=6, b=7) + " and more words", "ok"],
     "text between two calls": [call("multiply", a=2, b=3) + " then " + call("multiply", a=4, b=5), "ok"],
-    "a number given as a string": [call("multiply", a="6", b=7), "ok"],
-    "a list result": [call("listing", n=2), "ok"],
+    "a number given as a string": [call("multiply", a="6", b=7), "ok"],  # typed by the schema: 6
+    "a list result": [call("listing", n=2), "ok"],  # content blocks, as TRL passes a list on
 }
-WHY = {
-    "arguments a list": "TRL's parser takes a call whose arguments are not an object and runs it: fn(**[6, 7]) "
-                        "raises, an error result, a failed call; parse_calls calls the turn malformed (no call)",
-    "arguments a JSON string": "as 'arguments a list' (a str): TRL runs the call, an error result; ours: malformed",
-    "words after the call": "TRL's response template reads calls anywhere in the turn (the words are content); "
-                            "parse_calls wants content, then calls, and calls the turn malformed",
-    "text between two calls": "as 'words after the call': TRL runs both calls; ours: malformed",
-    "a number given as a string": "TRL's parse_response(tools=...) types arguments by the tool's JSON schema ('6' "
-                                  "-> 6 for an integer); ours passes '6', so multiply returns '6666666'",
-    "a list result": "TRL passes a tool's list result as the message's content (multimodal blocks), which Qwen3's "
-                     "template renders as ''; ours sends str(list)",
-}
-ROLLED_BACK = "a result past the budget"  # its ids and mask agree; its end does not (test_episode_end_equals_trl)
 
 
 class ScriptedLM:
@@ -130,13 +114,14 @@ def qwen3_tiny_tokenizer(training=True):
 
 
 def tool_functions():
-    spec = importlib.util.spec_from_file_location("bad_tools_for_trl", TOOLS_FILE)
+    spec = importlib.util.spec_from_file_location("bad_tools", TOOLS_FILE)  # as the worker names it
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return [getattr(module, name) for name in NAMES]
 
 
-def trl_episodes(episodes, budget=BUDGET, limit=LIMIT, max_position_embeddings=1 << 16, tokenizer=None):
+def trl_episodes(episodes, budget=BUDGET, limit=LIMIT, max_position_embeddings=1 << 16, tokenizer=None,
+                 thinking=None):
     """TRL 1.16's GRPOTrainer on the episodes' prompts -> (per episode: completion ids, tool mask, truncated),
     (tool calls, failed calls), the trainer. The model is the tiny Qwen3 (its context raised past every episode
     here unless max_position_embeddings says otherwise: TRL also drops a tool result at the model's context)."""
@@ -157,7 +142,8 @@ def trl_episodes(episodes, budget=BUDGET, limit=LIMIT, max_position_embeddings=1
     out_dir = tempfile.TemporaryDirectory(prefix="trl_episodes_")  # TRL makes its output_dir
     args = GRPOConfig(output_dir=out_dir.name, use_cpu=True, per_device_train_batch_size=B,
                       num_generations=2, max_completion_length=budget, max_tool_calling_iterations=limit,
-                      mask_truncated_completions=True, report_to=[], save_strategy="no", bf16=False)
+                      mask_truncated_completions=True, report_to=[], save_strategy="no", bf16=False,
+                      chat_template_kwargs=None if thinking is None else {"enable_thinking": thinking})
     trainer = GRPOTrainer(model=lm, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)], args=args,
                           train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
                           processing_class=tok, tools=tool_functions())
@@ -184,12 +170,13 @@ def trl_episodes(episodes, budget=BUDGET, limit=LIMIT, max_position_embeddings=1
 CPU_ENV = types.SimpleNamespace(device=torch.device("cpu"), sharded=False, world=1, main=True, rank=0)
 
 
-def our_episodes(episodes, budget=BUDGET, limit=LIMIT, max_position_embeddings=1 << 16, tokenizer=None):
+def our_episodes(episodes, budget=BUDGET, limit=LIMIT, max_position_embeddings=1 << 16, tokenizer=None,
+                 thinking=None):
     """grouprl/episodes.generate_episodes on the same prompts, templated as data.chat_prompts templates them ->
     the same lists, (calls, failed), the Rollout."""
     tok = tokenizer or qwen3_tiny_tokenizer()
-    prompts = chat_prompts(tok, [f"ep{k}: 6*7=" for k in range(len(episodes))])
-    tools = Tools(f"{TOOLS_FILE}:{','.join(NAMES)}", limit)
+    prompts = chat_prompts(tok, [f"ep{k}: 6*7=" for k in range(len(episodes))], thinking)
+    tools = Tools(f"{TOOLS_FILE}:{','.join(NAMES)}", limit, template={"enable_thinking": thinking})
     try:
         roll = generate_episodes(ScriptedLM(tok, episodes, max_position_embeddings), tok, prompts, 1,
                                  [tok.eos_token_id], CPU_ENV, Sampling(max_new_tokens=budget, mode="repeat"), tools)
@@ -209,11 +196,6 @@ def both():
     return trl_episodes(EPISODES), our_episodes(EPISODES)
 
 
-@pytest.fixture(scope="module")
-def both_different():
-    return trl_episodes(DIFFERENT), our_episodes(DIFFERENT)
-
-
 def test_the_tiny_tokenizer_carries_qwen3_for_trl(both):
     """TRL parses the tiny tokenizer's turns as Qwen3's and renders with the template as given (prefix-preserving:
     no template swapped in); the batch's tool calls and failed calls are TRL's (tools/call_frequency and
@@ -223,6 +205,18 @@ def test_the_tiny_tokenizer_carries_qwen3_for_trl(both):
     (_, trl_counts, trainer), (_, our_counts, _) = both
     assert trainer._tokenizer.response_template == qwen3_template and trainer.chat_template is None
     assert our_counts == trl_counts and trl_counts[0] > 10 and trl_counts[1] >= 4
+
+
+def test_a_list_result_goes_on_as_a_list():
+    """The worker passes a tool's list result on as a list (TRL's content blocks) where it is JSON within
+    MAX_RESULT_CHARS and valid UTF-8; else its str, as any other result."""
+    from grouprl import tool_worker
+
+    assert tool_worker.result(["a", {"type": "text", "text": "b"}]) == ["a", {"type": "text", "text": "b"}]
+    assert tool_worker.result([object]) == str([object]) and tool_worker.result(("a",)) == "('a',)"
+    assert tool_worker.result(["\ud800"]) == "['\\ud800']"  # a lone surrogate: its escape, as text does
+    assert tool_worker.result(["x" * tool_worker.MAX_RESULT_CHARS]) == str(["x" * tool_worker.MAX_RESULT_CHARS])[
+        :tool_worker.MAX_RESULT_CHARS]
 
 
 def assert_same_ids_and_mask(theirs, ours):
@@ -241,44 +235,71 @@ def test_episode_ids_and_mask_equal_trl(both, name):
     assert_same_ids_and_mask(theirs[k], ours[k])
 
 
-ROLLBACK_END = ("TRL's rollback drops the result and keeps the turn that called, which ends with its EOS: TRL's "
-                "episode is not truncated (completions/clipped_ratio, mask_truncated_completions); generate_episodes "
-                "sets cut[i] = True")
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=ROLLBACK_END))
-    if name == ROLLED_BACK else name for name in EPISODES])
+@pytest.mark.parametrize("name", list(EPISODES))
 def test_episode_end_equals_trl(both, name):
-    """Truncated (no EOS at the end: TRL's mask_truncated_completions masks the episode) or not, as TRL says."""
+    """Truncated (no EOS at the end: TRL's mask_truncated_completions masks the episode) or not, as TRL says: a
+    rolled-back episode ends with the calling turn's EOS, not truncated."""
     (theirs, _, _), (ours, _, _) = both
     k = list(EPISODES).index(name)
     assert ours[k][2] == theirs[k][2]
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=WHY[name]))
-    for name in DIFFERENT])
-def test_episode_where_trl_differs(both_different, name):
-    (theirs, _, _), (ours, _, _) = both_different
-    k = list(DIFFERENT).index(name)
-    assert_same_ids_and_mask(theirs[k], ours[k])
+def test_qwen3_own_template_stops_at_the_prompts():
+    """Qwen3's own template is not prefix-preserving: TRL renders episodes with its training template
+    (get_training_chat_template, swapped in by GRPOTrainer); we ship none, so templating the prompts with the tools
+    (data.load_task, before the model) stops in one line saying what to do."""
+    from grouprl import tools as tools_mod
 
-
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "Qwen3's own template is not prefix-preserving: TRL renders episodes with its training template "
-    "(get_training_chat_template); tool_suffix_ids raises ValueError"))
-def test_qwen3_own_template():
     two = {name: EPISODES[name] for name in ("answer", "one call")}
-    theirs = trl_episodes(two, tokenizer=qwen3_tiny_tokenizer(training=False))[0]
-    ours = our_episodes(two, tokenizer=qwen3_tiny_tokenizer(training=False))[0]
+    trainer = trl_episodes(two, tokenizer=qwen3_tiny_tokenizer(training=False))[2]
+    assert trainer.chat_template is not None  # TRL swapped its template in
+    schemas = tools_mod.load_tools(f"{TOOLS_FILE}:multiply")[1]
+    with pytest.raises(SystemExit, match="not prefix-preserving.*get_training_chat_template.*chat_template"):
+        chat_prompts(qwen3_tiny_tokenizer(training=False), ["ep0: 6*7="], tools=schemas)
+    assert chat_prompts(qwen3_tiny_tokenizer(), ["ep0: 6*7="], tools=schemas)  # TRL's training template passes
+
+
+def test_enable_thinking_false_in_the_tool_turn():
+    """--enable-thinking false: Qwen3's generation prompt pre-writes an empty <think> block, in the prompt and in
+    each tool turn's tail (TRL passes chat_template_kwargs to _get_tool_suffix_ids), so both have it."""
+    two = {name: EPISODES[name] for name in ("answer", "one call")}
+    theirs = trl_episodes(two, thinking=False)[0]
+    ours = our_episodes(two, thinking=False)[0]
+    assert "<think>\n\n</think>" in qwen3_tiny_tokenizer().decode(theirs[1][0])
     assert_same_ids_and_mask(theirs[1], ours[1])
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "TRL also drops a tool result when prompt + completion + tool turn reach the model's max_position_embeddings; "
-    "generate_episodes checks the budget only"))
+def test_a_turn_parsed_after_what_the_template_prewrote():
+    """A template whose generation prompt opens '<think>\n' (as Qwen3's thinking models' do): TRL parses the turn
+    with the history as prefix=, so a call written inside the open think block is reasoning, not a call; a call
+    after '</think>' runs. Ours parses the turn after the history's tail past the last assistant header."""
+    from trl.chat_template_utils import qwen3_template, qwen3_training_chat_template
+
+    head = "{{- '<|im_start|>assistant\\n' }}\n    {%- if enable_thinking"
+    assert head in qwen3_training_chat_template
+
+    def opening():
+        tok = modeling.tiny_tokenizer()
+        tok.chat_template = qwen3_training_chat_template.replace(
+            head, "{{- '<|im_start|>assistant\\n<think>\\n' }}\n    {%- if enable_thinking")
+        tok.response_template = qwen3_template
+        return tok
+
+    episodes = {"answer": ["42"],
+                "a call inside the think block": ["hm " + call("multiply", a=6, b=7) + "\n</think>\n\nok", "never"],
+                "a call after it": ["hm\n</think>\n\n" + call("multiply", a=6, b=7),  # then one inside again
+                                    "hm " + call("multiply", a=1, b=1) + "\n</think>\n\n42"],
+                "the answer": ["hm\n</think>\n\n42"]}
+    theirs, trl_counts, _ = trl_episodes(episodes, tokenizer=opening())
+    ours, our_counts, _ = our_episodes(episodes, tokenizer=opening())
+    assert trl_counts == our_counts == (1, 0)
+    for k in range(len(episodes)):
+        assert_same_ids_and_mask(theirs[k], ours[k])
+
+
 def test_the_model_context_drops_a_result():
+    """TRL also drops a tool result when prompt + completion + tool turn reach the model's max_position_embeddings
+    (not only past the budget): so does generate_episodes (context_of)."""
     two = {name: EPISODES[name] for name in ("answer", "one call")}
     theirs = trl_episodes(two, max_position_embeddings=64)[0]
     ours = our_episodes(two, max_position_embeddings=64)[0]

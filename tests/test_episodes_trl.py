@@ -175,8 +175,9 @@ def our_episodes(episodes, budget=BUDGET, limit=LIMIT, max_position_embeddings=1
     """grouprl/episodes.generate_episodes on the same prompts, templated as data.chat_prompts templates them ->
     the same lists, (calls, failed), the Rollout."""
     tok = tokenizer or qwen3_tiny_tokenizer()
-    prompts = chat_prompts(tok, [f"ep{k}: 6*7=" for k in range(len(episodes))], thinking)
     tools = Tools(f"{TOOLS_FILE}:{','.join(NAMES)}", limit, template={"enable_thinking": thinking})
+    prompts = chat_prompts(tok, [f"ep{k}: 6*7=" for k in range(len(episodes))], thinking,
+                           tools=tools.schemas)  # as data.load_task renders --tools' prompts
     try:
         roll = generate_episodes(ScriptedLM(tok, episodes, max_position_embeddings), tok, prompts, 1,
                                  [tok.eos_token_id], CPU_ENV, Sampling(max_new_tokens=budget, mode="repeat"), tools)
@@ -307,10 +308,8 @@ def test_the_model_context_drops_a_result():
     assert_same_ids_and_mask(theirs[1], ours[1])
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "TRL renders the tools' schemas into the prompt (Qwen3's system message); data.chat_prompts templates the "
-    "prompt without them (issue 62 item 1)"))
 def test_prompt_ids_equal_trl(both):
+    """The prompt TRL generates from, the tools' schemas rendered into Qwen3's system message, token for token."""
     (_, _, trainer), (_, _, roll) = both
     P, tok = roll.n_prompt, qwen3_tiny_tokenizer()
     ours = roll.input_ids[0, P - int(roll.attention_mask[0, :P].sum()):P].tolist()

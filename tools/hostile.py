@@ -1014,12 +1014,12 @@ def issue62_cases(cases: Cases, tmp: str, quick: bool):
                 and r.stat("tools/call_frequency") == [3.0] * r.steps
                 and r.stat("tools/turns_per_episode") == [4.0] * r.steps, r.why())
 
-    # results that are not str: str() of each, as TRL's str(result)
+    # results that are not str: str() of each, as TRL's str(result); a list passes on as a list
     r = each("types", "mapping,nothing,listing", [tool_call("mapping", key="k") + "\n"
                                                   + tool_call("nothing") + "\n"
                                                   + tool_call("listing", n=2), "done"])
-    cases.check("issue 62: results that are not str (a dict, None, a list): their str()",
-                r.ok() and r.contents()[:3] == ["{'k': 1}", "None", "['item 0', 'item 1']"],
+    cases.check("issue 62: results that are not str (a dict, None, a list): their str(), a list as TRL's",
+                r.ok() and r.contents()[:3] == ["{'k': 1}", "None", ["item 0", "item 1"]],
                 r.why())
 
     # a result with the template's special tokens: tokenized as the template renders it, masked

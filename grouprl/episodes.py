@@ -9,7 +9,7 @@ environment wrote. --environment (TRL's environment_factory): one instance an ep
 worker. The engine (--gen-mode engine) keeps each row's KV cache across its turns
 (engine/turns.py). Under torchrun each rank runs its own episodes, with its own tool worker, and
 makes the generate calls every other rank makes (FSDP2); the tools/* counts are summed over the
-ranks. Not yet: episodes in the evaluation (docs/algorithms.md)."""
+ranks. The held-out evaluation runs episodes too (evaluation.py)."""
 
 from __future__ import annotations
 

@@ -60,12 +60,13 @@ def parse_turn(raw: str, eos: str | None = None, tools: list[dict] | None = None
     """A model turn as TRL 1.16's parse_response makes it, or None where TRL falls back to the
     plain text (a malformed turn). raw: what the template pre-wrote of the turn (prewritten),
     then the turn's ids decoded whole (special tokens and its EOS kept: an unclosed call then
-    holds the EOS and is bad JSON). transformers' parser reads it with QWEN3_RESPONSE: a <think> block is reasoning_content, every '<tool_call>JSON
-    </tool_call>' anywhere in the turn is a call (the text around and between calls is content),
-    its arguments typed by the tool's schema where a string fits it ('6' -> 6 for an integer; the
-    parser's tools=); then TRL's checks: each call's JSON an object with a 'function' object whose
-    name is a string, missing or null arguments {} (arguments of another type, a list or a
-    string, are kept: the call runs and fails), the content without a trailing EOS."""
+    holds the EOS and is bad JSON). transformers' parser reads it with QWEN3_RESPONSE: a <think>
+    block is reasoning_content, every '<tool_call>JSON</tool_call>' anywhere in the turn is a call
+    (the text around and between calls is content), its arguments typed by the tool's schema
+    where a string fits it ('6' -> 6 for an integer; the parser's tools=); then TRL's checks: each
+    call's JSON an object with a 'function' object whose name is a string, missing or null
+    arguments {} (arguments of another type, a list or a string, are kept: the call runs and
+    fails), the content without a trailing EOS."""
     from transformers.utils.chat_parsing import parse_response
 
     try:
@@ -230,12 +231,12 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
     tools/cut_by_budget (episodes truncated: a turn cut by the budget, no EOS; a rolled-back
     episode is not), tools/cut_by_limit (episodes whose last turn calls tools after
     --max-tool-calls rounds), tools/turns_per_episode, tools/episodes (how many); under torchrun
-    over every rank's episodes (one all_reduce). logp: the engine's sampled log-probs at the model's tokens (turn_logps),
-    None with HF generate. Under torchrun every rank calls this together: each runs its own
-    episodes (its own tool worker: tools_of is one a process), and with HF generate the ranks
-    take their turns in step (an all_reduce a round: the most rows a rank continues), so that
-    each makes the same generate calls (FSDP2); the engine gathers the weights in the first
-    turn's generate and takes its later turns alone."""
+    over every rank's episodes (one all_reduce). logp: the engine's sampled log-probs at the
+    model's tokens (turn_logps), None with HF generate. Under torchrun every rank calls this
+    together: each runs its own episodes (its own tool worker: tools_of is one a process), and
+    with HF generate the ranks take their turns in step (an all_reduce a round: the most rows a
+    rank continues), so that each makes the same generate calls (FSDP2); the engine gathers the
+    weights in the first turn's generate and takes its later turns alone."""
     from .engine import turns as engine_turns
 
     G, (ids, prompts, n) = n, open_episodes(tok, prompts, n, tools)

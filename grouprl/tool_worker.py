@@ -5,10 +5,10 @@ argv: the tools file and its function names (comma-separated; '-' '-' for none),
 pid, the environment's file and class name ('-' '-' for none).
 Its first line: {"ready": true} or {"fatal": "Type: message"}. Requests, each with its "id":
   {"name", "arguments"[, "i"]}: a tool call fn(**arguments) (arguments JSON, passed as keyword
-    arguments: nothing is evaluated; a list or a string fails as Python's ** does, as TRL's), on instance i's methods and the tools (TRL's tool dict: a
-    method shadows a function of its name) -> {"r": str(result), or a list result as it
-    is (JSON)} or {"e": message} (an exception,
-    an unknown tool, bad arguments), the result cut at MAX_RESULT_CHARS;
+    arguments: nothing is evaluated; a list or a string fails as Python's ** does, as TRL's), on
+    instance i's methods and the tools (TRL's tool dict: a method shadows a function of its
+    name) -> {"r": str(result), or a list result as it is (JSON)} or {"e": message} (an
+    exception, an unknown tool, bad arguments), the result cut at MAX_RESULT_CHARS;
   {"op": "reset", "i", "row"}: instance i made anew (the class called with no argument, TRL's
     factory) and reset(**row) -> {"r": its str or None};
   {"op": "reward", "i"}: get_reward() -> {"r": float or None};

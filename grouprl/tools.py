@@ -266,8 +266,9 @@ class Tools:
     result str({'error': message}) for an exception, an unknown tool, bad arguments, a call past
     timeout_s (the worker is killed and restarted) or a worker that died (a crash). The instances
     a restart loses come back at their next request, made anew and given their reset and calls
-    again (the one that killed the worker left out). max_calls: the rounds of calls an episode may make (--max-tool-calls). template: the chat
-    template's settings (enable_thinking, system_prompt) a reset's prompt is rendered with."""
+    again (the one that killed the worker left out). max_calls: the rounds of calls an episode
+    may make (--max-tool-calls). template: the chat template's settings (enable_thinking,
+    system_prompt) a reset's prompt is rendered with."""
 
     def __init__(self, spec: str | None, max_calls: int = 5, timeout_s: float = TOOL_TIMEOUT_S,
                  environment: str | None = None, template: dict | None = None):

@@ -47,7 +47,7 @@ def scripted(monkeypatch, flags, group_size=2):
 
     reward = SimpleNamespace(values={})
 
-    def score(texts, rows, n, reward_, truncated=None, truncated_scale=1.0):
+    def score(texts, rows, n, reward_, truncated=None, truncated_scale=1.0, given=None, messages=None):
         r = int(texts[0].split()[1])
         values = []
         for g, flag in enumerate(flags[r]):
@@ -70,7 +70,8 @@ def sample(reward, dynamic=True, max_rounds=10, per_rank=4, group_size=2, step=3
     """common.sample_groups' Rollout as (rows, generate()'s entries, rewards, reward errors, stats)."""
     args = SimpleNamespace(prompts_per_rank=per_rank, group_size=group_size, seed=5, dynamic_sampling=dynamic,
                            max_gen_rounds=max_rounds, truncated_reward_scale=1.0,
-                           multi_objective_aggregation="sum-then-normalize", tools=None)
+                           multi_objective_aggregation="sum-then-normalize", tools=None,
+                           environment=None)
     r = common.sample_groups(None, SimpleNamespace(pad_token_id=PAD), train_rows(), step, [1], Dist(0, 1, CPU),
                              reward, Sampling(max_new_tokens=4), args)
     roll = {"input_ids": r.input_ids, "attention_mask": r.attention_mask, "n_prompt": r.n_prompt, "mask": r.mask,

@@ -630,7 +630,7 @@ def test_dynamic_sampling_keeps_gdpo_groups_with_advantages(monkeypatch):
         return Rollout(torch.ones(B, P + T, dtype=torch.long), torch.ones(B, P + T, dtype=torch.long), P,
                        torch.ones(B, T), torch.zeros(B, dtype=bool), [f"{len(calls) - 1}"] * B)
 
-    def score(texts, rows, n, reward_, truncated=None, truncated_scale=1.0):
+    def score(texts, rows, n, reward_, truncated=None, truncated_scale=1.0, given=None, messages=None):
         r = int(texts[0])
         values = GDPO_VALUES[8 * r: 8 * r + 8]
         reward_.values = {"a": values[:, 0], "b": values[:, 1]}
@@ -642,7 +642,8 @@ def test_dynamic_sampling_keeps_gdpo_groups_with_advantages(monkeypatch):
     reward = SimpleNamespace(values={}, parts=[(part(name="a"), 1.0), (part(name="b"), 2.0)])
     train = Dataset.from_list([{"prompt": f"p{i}", "answer": "1", "text": f"p{i}"} for i in range(40)])
     args = SimpleNamespace(prompts_per_rank=2, group_size=4, seed=0, dynamic_sampling=True, max_gen_rounds=3,
-                           truncated_reward_scale=1.0, multi_objective_aggregation="normalize-then-sum", tools=None)
+                           truncated_reward_scale=1.0, multi_objective_aggregation="normalize-then-sum", tools=None,
+                           environment=None)
     roll = common.sample_groups(None, SimpleNamespace(pad_token_id=0), train, 1, [1], Dist(0, 1, torch.device("cpu")),
                                 reward, Sampling(max_new_tokens=3), args)
     assert len(calls) == 2 and roll.stats["charts/dropped_groups"] == 1

@@ -1073,7 +1073,7 @@ def issue62_cases(cases: Cases, tmp: str, quick: bool):
             f.write(text + "\n\ndef f(x: int) -> int:\n    \"\"\"Id.\n\n    Args:\n"
                            "        x: a number\n    \"\"\"\n    return x\n")
         r = ToolRun(tmp, f"import_{name}", "f", [tool_call("f", x=1)], tools_file=path,
-                    timeout=60)
+                    timeout=180)  # past tools.START_TIMEOUT_S (60 s), the import's own bound
         lines = r.err.strip().splitlines()
         cases.check(f"issue 62: a tools file that {name} at import: one line before any model",
                     r.rc == 1 and len(lines) >= 1 and lines[-1].startswith("error: --tools")

@@ -36,7 +36,8 @@ def generate(*a, **k):
     return real_generate(*a, **k)
 
 
-def score(texts, answers, n, reward=None, watch=True, truncated=None, truncated_scale=1.0):
+def score(texts, answers, n, reward=None, watch=True, truncated=None, truncated_scale=1.0, given=None,
+          messages=None):
     """rewards.score's signature (the loop passes truncated=): 0 on rank 1's first two rounds, else 0, 1, 0, ..."""
     flat = d.rank == 1 and len(calls) <= 2  # rank 1: its first two rounds
     return torch.tensor([0.0 if flat else float(i % 2) for i in range(len(texts))]), 0
@@ -50,7 +51,8 @@ for max_rounds, want in [(10, (3, 4.0, 4.0, 0.0)), (2, (2, 2.0, 2.0, 2.0))]:
     calls.clear()
     args = SimpleNamespace(prompts_per_rank=2, group_size=2, seed=0, dynamic_sampling=True,
                            max_gen_rounds=max_rounds, truncated_reward_scale=1.0,
-                           multi_objective_aggregation="sum-then-normalize", tools=None)
+                           multi_objective_aggregation="sum-then-normalize", tools=None,
+                           environment=None)
     roll = common.sample_groups(policy, tok, train, 1, modeling.eos_ids(lm, tok), d, SimpleNamespace(values={}),
                                 sampling, args)
     rows, rewards, logs = roll.rows, roll.rewards, roll.stats

@@ -91,6 +91,9 @@ BAD_FLAGS = [  # every one fails in check_common_args: before the tokenizer, the
     (["--old-logp", "rollout", "--gen-mode", "engine", "--repetition-penalty", "1.2"],
      "--old-logp rollout with --repetition-penalty 1.2: the engine's log-probs are then the penalised sampler's, "
      "not the policy's, so pi_old would be wrong; use --old-logp recompute"),
+    (["--old-logp", "rollout", "--gen-mode", "engine", "--min-new-tokens", "2"],
+     "--old-logp rollout with --min-new-tokens 2: the engine's log-probs of a completion's first tokens are then the "
+     "EOS-masked sampler's, not the policy's"),
     (["--weight-decay", "nan"], "--weight-decay nan: must be >= 0 and finite"),
     (["--weight-decay", "inf"], "--weight-decay inf: must be >= 0 and finite"),
     (["--weight-decay", "-0.1"], "--weight-decay -0.1: must be >= 0 and finite"),
@@ -131,6 +134,16 @@ def test_bad_flag_fails_before_tokenizer_data_and_model(script, argv, needle, mo
     argv = [str(tmp_path / "afile") + a[4:] if a.startswith("FILE") else a for a in argv]
     fails_before_any_model(script, argv, needle, monkeypatch, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # nothing written, inside or outside
+
+
+def test_stale_hf_rollout_logp_with_min_new_tokens_passes_the_checks(monkeypatch, tmp_path):
+    """--max-staleness in an HF mode: the rollout's log-probs are a forward of the stale policy, not the EOS-masked
+    sampler's, so --old-logp rollout with --min-new-tokens or --repetition-penalty reaches the model (the staleness
+    lab's runs)."""
+    for extra in (["--min-new-tokens", "2"], ["--repetition-penalty", "1.2"]):
+        with pytest.raises(AssertionError, match="the model was built"):
+            fails_before_any_model("gspo", ["--max-staleness", "1", "--old-logp", "rollout", *extra], "",
+                                   monkeypatch, tmp_path)
 
 
 @pytest.mark.parametrize("value, shown", [("-1", "-1.0"), ("nan", "nan"), ("inf", "inf")])

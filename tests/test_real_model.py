@@ -229,6 +229,7 @@ def test_lora_adapter_folder_and_merged_export_write_the_training_models_answer(
     assert greedy(export, tok, prompts) == want
 
 
+@pytest.mark.slow  # ~45 s, the heaviest of the suite: the tiny model (tied too) covers torchrun and FSDP2
 def test_torchrun_two_ranks_one_step(real_model_dir, tmp_path):
     """grpo.py under torchrun over 2 CPU ranks (FSDP2, gloo): the tied real model sharded, each rank generating its
     group (synced), one AdamW step. Adam's first step moves each weight by lr * g / (|g| + eps): by lr where the

@@ -28,7 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FAST_TESTS = ["tests/test_stats_values.py", "tests/test_losses.py", "tests/test_dfpo.py", "tests/test_gspo_token.py",
               "tests/test_shared_token.py", "tests/test_loss_agg.py", "tests/test_rewards.py",
-              "tests/test_post_answer_penalty.py"]  # the one-step loop test last: -x stops before it when it can
+              "tests/test_post_answer_penalty.py", "tests/test_turn_credit.py"]  # the loop tests last: -x stops
+# before them when it can
 
 
 @dataclass
@@ -73,8 +74,8 @@ MUTATIONS = [
     # ---- grpo.py: eq. 67, 78-80, k3 KL, --loss-agg
     M("grpo.py", "per_token = w.clamp(max=1 + clip_high) * A", "per_token = w.clamp(1 - clip_low, 1 + clip_high) * A",
       "GRPO-fix with a lower clip (eq. 79 has none)"),
-    M("grpo.py", "torch.min(w * A, w.clamp(1 - clip_low, 1 + clip_high) * A)",
-      "torch.min(w * A, w.clamp(1 - clip_high, 1 + clip_low) * A)", "token clip bounds swapped"),
+    M("grpo.py", "torch.min(w_min * A, w.clamp(1 - clip_low, 1 + clip_high) * A)",
+      "torch.min(w_min * A, w.clamp(1 - clip_high, 1 + clip_low) * A)", "token clip bounds swapped"),
     M("grpo.py", "seq_terms = token_terms.sum(1) / lengths",
       "seq_terms = token_terms.sum(1)", "seq_terms without 1/|y_i|"),
     M("grpo.py", "token_terms = token_terms - kl_coef *", "token_terms = token_terms + kl_coef *", "KL penalty sign"),
@@ -135,6 +136,17 @@ MUTATIONS = [
     M("gspo_token.py", "(advantages[:, None] - args.post_answer_penalty * after.float()) * mask",
       "(advantages[:, None] - args.post_answer_penalty * after.float())", "token advantages not masked",
       equivalent="gspo_token_loss reads A_it only where the mask is 1 (torch.where(valid, ...), clipped & valid)"),
+    # ---- gspo_token.py --turn-credit: A_it = A_i + c D_it (docs/objectives.md, per-turn credit)
+    M("gspo_token.py", "G = r.flip(1).cumsum(1).flip(1)", "G = r.cumsum(1)",
+      "G_ik the return up to turn k, not from turn k on"),
+    M("gspo_token.py", ".square().sum(1, keepdim=True) / n).sqrt()",
+      ".square().sum(1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()", "the group's std with Bessel's n - 1"),
+    M("gspo_token.py", "k_t = (starts.cumsum(1) - 1).clamp(min=0)", "k_t = starts.cumsum(1).clamp(max=K - 1)",
+      "each turn's tokens credited with the next turn's return"),
+    M("gspo_token.py", "D = torch.where(on, per_token - per_token.sum(1, keepdim=True) / length, 0.0)",
+      "D = torch.where(on, per_token, 0.0)", "D not centred: the turn rewards change an episode's total credit"),
+    M("gspo_token.py", "token_adv = token_adv + args.turn_credit * turn_credit(roll, args) * mask",
+      "token_adv = token_adv - args.turn_credit * turn_credit(roll, args) * mask", "turn credit's sign"),
     # ---- dfpo.py: eq. 44-55, 63, 68, 72, 87
     M("dfpo.py", "torch.where(advantages >= 0, torch.minimum(s, c), torch.maximum(s, c))",
       "torch.where(advantages > 0, torch.minimum(s, c), torch.maximum(s, c))", "eq. 47 read as A > 0"),
@@ -185,12 +197,13 @@ MUTATIONS = [
     M("common.py", "coef.abs().mean()", "coef.mean().abs()", "shared_coef: |mean| instead of mean |.|"),
     M("common.py", "coef = -groups_total * first_token_grads",
       "coef = -first_token_grads", "shared_coef without J's 1/groups"),
-    M("common.py", "out[k] = (total[0] / total[1]).item()", "out[k] = (total[0] / len(stats)).item()",
+    M("grouprl/stats.py", "out[k] = (total[0] / total[1]).item()", "out[k] = (total[0] / len(stats)).item()",
       "(sum, count) means divided by micro-batches"),
-    M("common.py", "out[k] = all_reduce(v.min(), dist.ReduceOp.MIN).item()",
+    M("grouprl/stats.py", "out[k] = all_reduce(v.min(), dist.ReduceOp.MIN).item()",
       "out[k] = all_reduce(v.max(), dist.ReduceOp.MAX).item()", "_min keys take the max"),
-    M("common.py", "/ (len(m) - 2)", "/ len(m)", "Jitter2 divided by T, not T - 2"),
-    M("common.py", "abs(m[t + 2] - 2 * m[t + 1] + m[t])", "(m[t + 2] - 2 * m[t + 1] + m[t])", "Jitter2 without |.|"),
+    M("grouprl/runlog.py", "/ (len(m) - 2)", "/ len(m)", "Jitter2 divided by T, not T - 2"),
+    M("grouprl/runlog.py", "abs(m[t + 2] - 2 * m[t + 1] + m[t])", "(m[t + 2] - 2 * m[t + 1] + m[t])",
+      "Jitter2 without |.|"),
 ]
 
 

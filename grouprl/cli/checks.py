@@ -304,11 +304,13 @@ def check_rollout_args(args):
         fail(f"--mask-truncated with --min-new-tokens {args.min_new_tokens} = --max-new-tokens "
              f"{args.max_new_tokens}: no completion can stop before the limit, so every one would be "
              "masked and nothing learned; lower --min-new-tokens, or drop --mask-truncated")
-    if args.old_logp == "rollout" and args.min_new_tokens:
+    # the engine's log-probs are its sampler's; the HF modes' (--max-staleness) a forward of the policy
+    engine_logp = args.old_logp == "rollout" and args.gen_mode.startswith("engine")
+    if engine_logp and args.min_new_tokens:
         fail(f"--old-logp rollout with --min-new-tokens {args.min_new_tokens}: the engine's "
              "log-probs of a completion's first tokens are then the EOS-masked sampler's, not the "
              "policy's, so pi_old would be wrong; use --old-logp recompute (the default)")
-    if args.old_logp == "rollout" and args.repetition_penalty != 1:
+    if engine_logp and args.repetition_penalty != 1:
         fail(f"--old-logp rollout with --repetition-penalty {args.repetition_penalty}: the "
              "engine's log-probs are then the penalised sampler's, not the policy's, so pi_old would "
              "be wrong; use --old-logp recompute (the default), or drop --repetition-penalty")

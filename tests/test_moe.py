@@ -193,3 +193,27 @@ def test_routing_replay_holds_through_activation_checkpointing(monkeypatch, tmp_
     assert plain[0]["moe/route_flip_frac"] > 0 and ac[0]["moe/route_flip_frac_loss"] == 0
     for key in ("losses/grad_norm", "losses/policy_loss", "losses/approx_kl"):
         assert ac[0][key] == pytest.approx(plain[0][key], rel=1e-5, abs=1e-8), key
+
+
+def test_routing_replay_holds_over_episodes(monkeypatch, tmp_path):
+    """Issue 62 item 2: an episode's rows (model turns, tool turns between them) are taped by the old pass and replayed
+    in the loss like any completion: after the first minibatch's update the router picks other experts, and the loss
+    sees none of them."""
+    from grouprl import episodes
+    from helpers import ROOT
+
+    monkeypatch.setattr(episodes, "parse_calls", lambda text: [{"name": "add", "arguments": {"n": 1}}])
+    (tmp_path / "spread_reward62.py").write_text(  # rewards that differ in every group: a gradient
+        "def f(completion, answer):\n    return float(sum(map(ord, completion)) % 3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = f"{ROOT}/tests/programs/counter_env.py:Counter"
+    argv = ["--model", "tiny-moe", "--routing-replay", "--num-steps", "1", "--prompts-per-rank", "4",
+            "--num-minibatches", "2", "--eval-every", "0", "--log-samples", "0", "--learning-rate", "1e-2",
+            "--max-new-tokens", "24", "--environment", env, "--max-tool-calls", "1", "--reward", "spread_reward62:f"]
+    try:
+        (row,), _ = run_script("grpo", argv, monkeypatch, tmp_path)
+    finally:
+        if (None, env, 1) in episodes._TOOLS:
+            episodes._TOOLS.pop((None, env, 1)).stop()
+    assert row["tools/turns_per_episode"] > 1  # episodes, tool turns inside the rows
+    assert row["moe/route_flip_frac"] > 0 and row["moe/route_flip_frac_loss"] == 0

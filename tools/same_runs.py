@@ -11,7 +11,7 @@ manifest its hashes of those; a safetensors file's header is hashed with its key
 PYTHONHASHSEED=0 (set orders in saved JSON).
 The runs cover every subsystem a script calls: the engine, KL, evaluation, LoRA, the MoE tape and
 Routing Replay, dynamic sampling, the rollout's log-probs and TIS, Energy, --reward's worker, FSDP2
-under torchrun (gloo, 2 ranks).
+under torchrun (gloo, 2 ranks), stale rollouts (--max-staleness, its ring in a checkpoint).
 """
 import argparse
 import glob
@@ -42,6 +42,9 @@ RUNS = {
     "dfpo-split-groups": ["dfpo.py", "--micro-batch-size", "4", "--num-iterations", "2", *SHORT],
     "grpo-token-mean-kl": ["grpo.py", "--loss-agg", "token-mean", "--kl-coef", "0.1", "--micro-batch-size", "8",
                            *SHORT],
+    "grpo-stale-decoupled": ["grpo.py", "--max-staleness", "2", "--rollout-is-cap", "2", "--rollout-is-mode",
+                             "token-mask", "--save-every", "2", *SHORT],
+    "gspo-stale-behaviour": ["gspo.py", "--max-staleness", "1", "--old-logp", "rollout", *SHORT],
 }
 NORMALISED = {"trainer_state.json", "manifest.json", "args.json"}
 

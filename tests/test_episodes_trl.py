@@ -121,10 +121,12 @@ def tool_functions():
 
 
 def trl_episodes(episodes, budget=BUDGET, limit=LIMIT, max_position_embeddings=1 << 16, tokenizer=None,
-                 thinking=None):
+                 thinking=None, environment=None, columns=None, names=NAMES):
     """TRL 1.16's GRPOTrainer on the episodes' prompts -> (per episode: completion ids, tool mask, truncated),
     (tool calls, failed calls), the trainer. The model is the tiny Qwen3 (its context raised past every episode
-    here unless max_position_embeddings says otherwise: TRL also drops a tool result at the model's context)."""
+    here unless max_position_embeddings says otherwise: TRL also drops a tool result at the model's context).
+    environment: a class, TRL's environment_factory; columns: {name: a value an episode}, the rows' other
+    columns (reset(**row) gets them); names: bad_tools.py's functions given as tools=."""
     GRPOTrainer = trl()[0]  # skips (fails in CI) without TRL 1.16
     from datasets import Dataset
     from transformers import Qwen3ForCausalLM
@@ -139,14 +141,17 @@ def trl_episodes(episodes, budget=BUDGET, limit=LIMIT, max_position_embeddings=1
     B = len(episodes) + len(episodes) % 2  # a multiple of num_generations (a row more: episode 0 again)
     assert B == len(episodes) or not any("<tool_call>" in turn for turn in list(episodes.values())[0])
     prompts = [[{"role": "user", "content": f"ep{k % len(episodes)}: 6*7="}] for k in range(B)]
+    rows = [{"prompt": p, **{c: v[k % len(episodes)] for c, v in (columns or {}).items()}}
+            for k, p in enumerate(prompts)]
     out_dir = tempfile.TemporaryDirectory(prefix="trl_episodes_")  # TRL makes its output_dir
     args = GRPOConfig(output_dir=out_dir.name, use_cpu=True, per_device_train_batch_size=B,
                       num_generations=2, max_completion_length=budget, max_tool_calling_iterations=limit,
                       mask_truncated_completions=True, report_to=[], save_strategy="no", bf16=False,
                       chat_template_kwargs=None if thinking is None else {"enable_thinking": thinking})
     trainer = GRPOTrainer(model=lm, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)], args=args,
-                          train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
-                          processing_class=tok, tools=tool_functions())
+                          train_dataset=Dataset.from_list(rows), processing_class=tok,
+                          tools=[f for f in tool_functions() if f.__name__ in names],
+                          environment_factory=environment)
     lm.generate = ScriptedLM(tok, episodes).generate
     seen = {}
     real = trainer._generate
@@ -156,7 +161,7 @@ def trl_episodes(episodes, budget=BUDGET, limit=LIMIT, max_position_embeddings=1
         return seen["out"]
 
     trainer._generate = spy
-    out = trainer._generate_and_score_completions([{"prompt": p} for p in prompts])
+    out = trainer._generate_and_score_completions(rows)
     out_dir.cleanup()
     trainer.seen_prompt_ids, completion_ids, tool_mask, *_ = seen["out"]
     truncated = (out["completion_mask"].sum(1) == 0).tolist()  # mask_truncated_completions: no EOS at the end
@@ -171,13 +176,18 @@ CPU_ENV = types.SimpleNamespace(device=torch.device("cpu"), sharded=False, world
 
 
 def our_episodes(episodes, budget=BUDGET, limit=LIMIT, max_position_embeddings=1 << 16, tokenizer=None,
-                 thinking=None):
+                 thinking=None, environment=None, columns=None, names=NAMES):
     """grouprl/episodes.generate_episodes on the same prompts, templated as data.chat_prompts templates them ->
-    the same lists, (calls, failed), the Rollout."""
+    the same lists, (calls, failed), the Rollout. environment: 'FILE.py:Class' (--environment); then the prompts
+    are the batch's rows, as the rollout gives them: prompt (messages), columns, text (templated)."""
     tok = tokenizer or qwen3_tiny_tokenizer()
-    tools = Tools(f"{TOOLS_FILE}:{','.join(NAMES)}", limit, template={"enable_thinking": thinking})
+    tools = Tools(f"{TOOLS_FILE}:{','.join(names)}" if names else None, limit, environment=environment,
+                  template={"enable_thinking": thinking})
     prompts = chat_prompts(tok, [f"ep{k}: 6*7=" for k in range(len(episodes))], thinking,
                            tools=tools.schemas)  # as data.load_task renders --tools' prompts
+    if environment:
+        prompts = {"prompt": [[{"role": "user", "content": f"ep{k}: 6*7="}] for k in range(len(episodes))],
+                   **(columns or {}), "text": prompts}
     try:
         roll = generate_episodes(ScriptedLM(tok, episodes, max_position_embeddings), tok, prompts, 1,
                                  [tok.eos_token_id], CPU_ENV, Sampling(max_new_tokens=budget, mode="repeat"), tools)

@@ -94,3 +94,47 @@ class Broken:
 
     def get_turn_rewards(self) -> list:
         return [1.0, 2.0]
+
+
+# ---- TRL parity (tests/test_environment_trl.py): TRL's GRPOTrainer runs this class too
+class Ledger:
+    """reset's string from the row's 'obs' column (None where it is empty; 'keys': the row's other
+    keys, as reset is given them), a total carried between one episode's calls, a call that
+    changes the state and raises, a result past any budget; get_reward from the state (None where
+    no call was made: NaN, does not apply)."""
+
+    def reset(self, obs: str = "", **row):
+        self.total, self.calls = 0, 0
+        if obs == "keys":
+            return " (row: " + ",".join(sorted(row)) + ")"
+        return obs or None
+
+    def add(self, n: int) -> str:
+        """Add n to the total.
+
+        Args:
+            n: the number to add
+        """
+        self.total, self.calls = self.total + n, self.calls + 1
+        return f"total {self.total}"
+
+    def fail(self, why: str) -> str:
+        """Count the call, then raise.
+
+        Args:
+            why: the error's message
+        """
+        self.calls += 1
+        raise RuntimeError(why)
+
+    def pad(self, n: int) -> str:
+        """n characters.
+
+        Args:
+            n: how many
+        """
+        self.calls += 1
+        return "x" * n
+
+    def get_reward(self) -> float | None:
+        return None if not self.calls else self.total + self.calls / 4

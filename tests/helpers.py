@@ -172,6 +172,18 @@ def setup_model():
     return tok, lm, ids
 
 
+def sharded_tiny_and_twin(d, tok):
+    """For a program under torchrun (d: its Dist): the tiny model (seed 0) FSDP2-sharded over the ranks (fp32, no
+    activation checkpointing) and its one-process twin with the same seed, both in eval mode -> (the sharded
+    model's lm, the sharded Policy, the twin Policy, the twin's Dist: this rank alone, world 1)."""
+    lm, rank0_weights = modeling.load_model("tiny", tok, d, seed=0)
+    policy = modeling.wrap_policy(lm, d, 1.0, 16, False, "fp32", rank0_weights=rank0_weights)
+    one = Dist(d.rank, 1, d.device)
+    single = modeling.Policy(modeling.load_model("tiny", tok, one, seed=0)[0], 1.0, 16)
+    policy.eval(), single.eval()
+    return lm, policy, single, one
+
+
 def hf_greedy(lm, tok, ids, n, eos, max_new_tokens, mode="repeat", **kw):
     """HF generate, each prompt repeated n times (--gen-mode repeat), greedy: completions up to the first EOS."""
     d = Dist(0, 1, CPU)

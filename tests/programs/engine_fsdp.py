@@ -7,8 +7,10 @@ from dataclasses import replace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # the scripts, and tests/helpers.py
 import common  # noqa: E402
+from helpers import sharded_tiny_and_twin  # noqa: E402
 from grouprl import distributed  # noqa: E402
 from grouprl import modeling  # noqa: E402
 from grouprl.data import chat_prompts  # noqa: E402
@@ -17,11 +19,7 @@ from grouprl.sampling import Sampling  # noqa: E402
 d = distributed.setup_distributed(0)
 assert d.world == 2, "run me with torchrun --nproc-per-node 2"
 tok = modeling.tiny_tokenizer()
-lm, rank0_weights = modeling.load_model("tiny", tok, d, seed=0)
-policy = modeling.wrap_policy(lm, d, 1.0, 16, False, "fp32", rank0_weights=rank0_weights)
-one = distributed.Dist(d.rank, 1, d.device)
-single = modeling.Policy(modeling.load_model("tiny", tok, one, seed=0)[0], 1.0, 16)
-policy.eval(), single.eval()
+lm, policy, single, one = sharded_tiny_and_twin(d, tok)
 eos = modeling.eos_ids(lm, tok)
 # rank 0: two short prompts and up to 3 tokens; rank 1: three prompts and up to 12 (it decodes 4x longer)
 prompts = chat_prompts(tok, ["1%10=", "2%10="] if d.rank == 0 else ["3%10=", "a longer one, 4%10=", "5"], False)

@@ -34,7 +34,8 @@ def main():
     import faulthandler
 
     faulthandler.dump_traceback_later(180, exit=True)  # ranks whose collectives differ hang: fail instead
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path[:0] = [root, os.path.join(root, "tests")]  # the scripts, and tests/helpers.py
     from dataclasses import replace
 
     import torch
@@ -45,17 +46,14 @@ def main():
     from grouprl.data import chat_prompts
     from grouprl.episodes import Tools, generate_episodes
     from grouprl.sampling import Sampling
+    from helpers import sharded_tiny_and_twin
 
     here = os.path.dirname(os.path.abspath(__file__))
     tools_file = os.path.join(here, "tools_example.py") + ":multiply"
     d = distributed.setup_distributed(0)
     assert d.world == 2 and d.sharded, "run me with torchrun --nproc-per-node 2"
     tok = modeling.tiny_tokenizer()
-    lm, rank0_weights = modeling.load_model("tiny", tok, d, seed=0)
-    policy = modeling.wrap_policy(lm, d, 1.0, 16, False, "fp32", rank0_weights=rank0_weights)
-    one = distributed.Dist(d.rank, 1, d.device)
-    single = modeling.Policy(modeling.load_model("tiny", tok, one, seed=0)[0], 1.0, 16)
-    policy.eval(), single.eval()
+    _, policy, single, one = sharded_tiny_and_twin(d, tok)
     calls = []
     fsdp_generate = policy.generate
 

@@ -8,6 +8,7 @@ per episode, out of the trainer's process."""
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib.util
 import inspect
 import json
@@ -101,9 +102,11 @@ def schema_of(flag: str, spec: str, fn) -> dict:
              "docstring with an Args: section")
 
 
+@functools.cache  # the flags' check, Tools, the prompts' schemas: the file probed once a process
 def load_tools(spec: str) -> tuple[dict, list[dict]]:
     """'FILE.py:fn,fn' -> ({name: function}, [JSON schema]). The file is imported here for the
-    schemas only: the calls run in the tool worker."""
+    schemas only: the calls run in the tool worker. Made once a spec in a process (a spec that
+    fails is not kept: it fails again, in the same line); callers change neither."""
     path, names = split_spec(spec)
     module = import_file("--tools", spec, path)
     fns, schemas = {}, []
@@ -130,10 +133,11 @@ class Environment:
     turn_rewards: bool  # defines get_turn_rewards() -> list[float] (one a model turn)
 
 
+@functools.cache  # as load_tools: the file probed once a process
 def load_environment(spec: str) -> Environment:
     """'FILE.py:Class' -> Environment, checked in one line each (no file, no class, no reset, no
     public method, a method without a schema). The class is read, never instantiated, here: its
-    instances live in the tool worker."""
+    instances live in the tool worker. Made once a spec in a process, as load_tools."""
     path, (name,) = split_spec(spec, "--environment")
     cls = getattr(import_file("--environment", spec, path), name, None)
     if not inspect.isclass(cls):

@@ -139,6 +139,7 @@ def test_a_tools_file_that_exits_or_hangs_at_import_is_one_line(mode, needle, mo
     worker, and the trainer says so in one line (before, the trainer exited 3, exited 0 silently, or hung)."""
     monkeypatch.setenv("BAD_IMPORT", mode)
     monkeypatch.setattr(tools_module, "START_TIMEOUT_S", 1.0)
+    tools_module.load_tools.cache_clear()  # the file made anew: its import now behaves as BAD_IMPORT says
     with pytest.raises(SystemExit) as e:
         tools_module.load_tools(f"{BAD_IMPORT}:echo")
     msg = str(e.value.code)
@@ -146,6 +147,20 @@ def test_a_tools_file_that_exits_or_hangs_at_import_is_one_line(mode, needle, mo
     monkeypatch.setenv("BAD_IMPORT", "")
     assert list(tools_module.load_tools(f"{BAD_IMPORT}:echo")[0]) == ["echo"]
 
+
+
+def test_a_tools_file_is_probed_once_a_process(monkeypatch):
+    """The start-up's readers of --tools and --environment (the flags' check, the prompts' schemas, Tools) share
+    one import of each file: one probe worker each, not one a reader."""
+    probes = []
+    monkeypatch.setattr(tools_module, "probe", lambda path: probes.append(path))
+    tools_module.load_tools.cache_clear(), tools_module.load_environment.cache_clear()
+    spec, env = f"{BAD_TOOLS}:multiply", f"{ENVS}:Where"
+    episodes.check_tool_args(types.SimpleNamespace(tools=spec, environment=env, max_tool_calls=2,
+                                                   gen_mode="shared-prefill"), False)
+    schemas = tools_module.tool_schemas(spec, env)
+    assert Tools(spec, environment=env).schemas == schemas and probes == [BAD_TOOLS, ENVS]
+    tools_module.load_tools.cache_clear(), tools_module.load_environment.cache_clear()
 
 # ---- a scripted episode: exact ids and mask
 

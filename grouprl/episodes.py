@@ -424,13 +424,15 @@ def close_episodes(tools: Tools, ids: list, turns: list[list[str]]) -> dict:
 _TOOLS = {}  # the run's Tools by its flags: one worker a run, started on the first call
 
 
-def env_scores(roll: Rollout, args) -> dict | None:
+def env_scores(roll: Rollout, tools) -> dict | None:
     """score's given rewards: {the environment class's name: (get_reward values, their errors)}
     for a rollout of an --environment with get_reward (TRL: one more reward of weight 1, logged
-    under the class's name); else None."""
+    under the class's name); else None. tools: the Tools that made the rollout, or the run's
+    flags (tools_of's); the step's and the held-out evaluation's given rewards."""
     if roll.env_rewards is None:
         return None
-    return {tools_of(args).env.name: (roll.env_rewards, roll.env_errors)}
+    tools = tools if isinstance(tools, Tools) else tools_of(tools)
+    return {tools.env.name: (roll.env_rewards, roll.env_errors)}
 
 
 def tools_of(args) -> Tools:

@@ -15,7 +15,7 @@ import torch
 
 from .checkpoint import startup_phase, starting_up
 from .distributed import Dist, all_reduce, fail
-from .episodes import generate_episodes
+from .episodes import env_scores, generate_episodes
 from .generation import generate
 from .grader import Reward, extract_answer
 from .progress import GenBar
@@ -78,8 +78,7 @@ def evaluate(policy, tok, held, eos, dist_env: Dist, plan: Evaluation) -> dict:
                 out = generate_episodes(policy, tok, part, n, eos, dist_env, plan.sampling,
                                         plan.tools, streamer=bar)
                 tally += episode_tally(out)
-            given = (None if out.env_rewards is None  # get_reward: weight 1, as in training
-                     else {plan.tools.env.name: (out.env_rewards, out.env_errors)})
+            given = env_scores(out, plan.tools)  # get_reward: weight 1, as in training
             part_r, part_errors = score(out.texts, part, n, plan.reward, watch=False,
                                         given=given, messages=out.messages)
             for g in range(max(0, min(len(part), log_samples - i))):  # --log-eval-samples

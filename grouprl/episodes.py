@@ -275,11 +275,11 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
             malformed += parsed is None
             if not parsed:
                 continue
-            results = []
-            for c in parsed:  # TRL's parser types the arguments by the tool's schema
-                content, failed = tools.call(c["name"], typed(c, schemas), ids[i])
+            results = []  # TRL's parser types the arguments by the tool's schema
+            for name, content, failed in tools.calls([(c["name"], typed(c, schemas))
+                                                      for c in parsed], ids[i]):
                 calls, failures = calls + 1, failures + failed
-                results.append({"role": "tool", "name": c["name"], "content": content})
+                results.append({"role": "tool", "name": name, "content": content})
             suffix = tool_suffix_ids(tok, results, **kw)
             if (len(comp[i]) + len(suffix) > budget  # TRL's rollback: the result dropped,
                     or len(prompt[i]) + len(comp[i]) + len(suffix) >= context):

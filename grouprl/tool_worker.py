@@ -8,10 +8,14 @@ Its first line: {"ready": true} or {"fatal": "Type: message"}. Requests, each wi
     arguments: nothing is evaluated; a list or a string fails as Python's ** does, as TRL's), on
     instance i's methods and the tools (TRL's tool dict: a method shadows a function of its
     name) -> {"r": str(result), or a list result as it is (JSON)} or {"e": message} (an
-    exception, an unknown tool, bad arguments), the result cut at MAX_RESULT_CHARS;
+    exception, an unknown tool, bad arguments), the result cut at MAX_RESULT_CHARS; an async
+    tool's call (a coroutine) is kept -> {"later": true}, as TRL keeps it for after the round's
+    other calls;
+  {"op": "gather"[, "i"]}: the kept coroutines run together (asyncio.gather, as TRL's) -> {"r":
+    [{"r": ...} or {"e": message}, one a kept call, in order]};
   {"op": "reset", "i", "row"}: instance i made anew (the class called with no argument, TRL's
     factory) and reset(**row) -> {"r": its str or None};
-  {"op": "reward", "i"}: get_reward() -> {"r": float or None};
+  {"op": "reward", "i"}: get_reward() (awaited where it is async, as TRL) -> {"r": float or None};
   {"op": "turn_rewards", "i", "turns"}: get_turn_rewards(), or get_turn_rewards(turns) where it
     takes an argument (the model's turns as texts), -> {"r": [float]};
   {"op": "drop", "i"}: instance i forgotten -> {"r": null}.
@@ -23,6 +27,7 @@ UTF-8. A tools file name '-' (and names '-'): none; the tools file alone, names 
 tried (tools.py's probe: a file that exits or hangs as it is imported costs the worker only).
 Standard library only, so that it starts fast."""
 
+import asyncio
 import importlib.util
 import inspect
 import json
@@ -36,6 +41,22 @@ MEMORY_BYTES = 4 << 30  # the worker's address space (RLIMIT_AS), as the reward 
 
 
 NOT_TOOLS = ("reset", "get_reward", "get_turn_rewards")  # tools.py's: not the model's to call
+LOOP = []  # the worker's one event loop (TRL's async loop), made at the first coroutine
+
+
+def awaited(x):
+    """x run to its end on the worker's event loop where it is a coroutine (an async get_reward's,
+    an async tool's); else x."""
+    if not inspect.iscoroutine(x):
+        return x
+    if not LOOP:
+        LOOP.append(asyncio.new_event_loop())
+    return LOOP[0].run_until_complete(x)
+
+
+async def together(coroutines: list) -> list:
+    """TRL 1.16's async tool calls of a round: asyncio.gather, an exception kept as its result."""
+    return await asyncio.gather(*coroutines, return_exceptions=True)
 
 
 def load(path: str, names: list[str]):
@@ -55,9 +76,9 @@ def methods(instance) -> dict:
         if name not in NOT_TOOLS and not name.startswith("_")}
 
 
-def answer(fns: dict, cls, instances: dict, request: dict) -> dict:
+def answer(fns: dict, cls, instances: dict, request: dict, kept: dict) -> dict:
     """TRL 1.16's tool call fn(**arguments), or an instance's reset, scores, drop; any failure
-    is the reply's 'e'."""
+    is the reply's 'e'. kept: per instance (None: no instance), the async calls not yet run."""
     try:
         op, i = request.get("op"), request.get("i")
         if op == "reset":
@@ -68,21 +89,31 @@ def answer(fns: dict, cls, instances: dict, request: dict) -> dict:
             return {"r": obs}
         if op == "drop":
             instances.pop(i, None)
+            for coroutine in kept.pop(i, []):
+                coroutine.close()
             return {"r": None}
+        if op == "gather":  # TRL: an exception (not a BaseException) is the call's error
+            out = awaited(together(kept.pop(i, [])))
+            return {"r": [{"e": text(x)} if isinstance(x, Exception) else {"r": result(x)}
+                          for x in out]}
         if i is not None and i not in instances:
             raise ValueError(f"the environment instance {i} does not exist")
         if op == "reward":
-            r = instances[i].get_reward()
+            r = awaited(instances[i].get_reward())
             return {"r": None if r is None else float(r)}
         if op == "turn_rewards":  # get_turn_rewards() or get_turn_rewards(turns): the turns' texts
             fn = instances[i].get_turn_rewards
-            r = fn(request["turns"]) if inspect.signature(fn).parameters else fn()
+            r = awaited(fn(request["turns"]) if inspect.signature(fn).parameters else fn())
             return {"r": [float(x) for x in r]}
         name, arguments = request["name"], request["arguments"]
         tools = {**fns, **methods(instances[i])} if i is not None else fns
         if name not in tools:
             raise ValueError(f"Tool {name} not found.")
-        return {"r": result(tools[name](**arguments))}
+        r = tools[name](**arguments)  # arguments that do not bind fail here, async or not (TRL)
+        if inspect.iscoroutine(r):  # TRL runs it after the round's other calls: gather
+            kept.setdefault(i, []).append(r)
+            return {"later": True}
+        return {"r": result(r)}
     except Exception as e:  # noqa: BLE001 - whatever the tool raised, sent back as its error
         return {"e": text(e)}
 
@@ -134,10 +165,10 @@ def main(argv: list[str]):
         reply(fatal=f"{type(e).__name__}: {e}")
         sys.exit(1)
     reply(ready=True)
-    me, instances = os.getpid(), {}
+    me, instances, kept = os.getpid(), {}, {}
     for line in sys.stdin:
         request = json.loads(line)
-        msg = answer(fns, cls, instances, request)
+        msg = answer(fns, cls, instances, request, kept)
         if os.getpid() != me:  # the tool forked and its child came back here
             os._exit(0)
         reply(id=request["id"], **msg)

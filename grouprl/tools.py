@@ -150,9 +150,11 @@ def load_environment(spec: str) -> Environment:
     if not methods:
         fail(f"--environment {spec!r}: {name} has no public method for the model to call (its "
              "public methods but reset and get_reward are the tools)")
-    # a bound method's signature has no self; the placeholder is never called
-    schemas = [schema_of("--environment", spec, types.MethodType(members[m], object()))
-               for m in methods]
+    # the schema of what TRL calls, getattr(instance, m): a bound method's signature has no self
+    # (the placeholder is never called); a static method's is the function's own
+    schemas = [schema_of("--environment", spec, members[m] if isinstance(
+        inspect.getattr_static(cls, m), staticmethod) else types.MethodType(members[m], object()))
+        for m in methods]
     return Environment(spec, path, name, methods, schemas, "get_reward" in members,
                        "get_turn_rewards" in members)
 
@@ -263,6 +265,16 @@ def tool_schemas(tools: str | None, environment: str | None) -> list[dict]:
 
 
 # -------------------- the tools' worker: calls and instances out of this process
+def reply(msg: dict | str) -> tuple:
+    """A call's worker reply as (content, failed): its result, or TRL's error result
+    str({'error': message}) for an 'e' or for no reply (a str saying why)."""
+    if isinstance(msg, str):
+        return str({"error": msg}), True
+    if "e" in msg:
+        return str({"error": msg["e"]}), True
+    return msg["r"], False
+
+
 class Tools:
     """The --tools functions and the --environment's instances, in a worker process
     (tool_worker.py), one request at a time. A call's reply is (content, failed): the tool's
@@ -356,19 +368,36 @@ class Tools:
                     self.born[i] = None  # it cannot be made again: its episode's calls fail
                     return f"the environment instance {i} was lost with its worker"
         msg = self.request({**body, "i": i})
-        if isinstance(msg, dict) and body.get("op") in (None, "reset"):
+        if isinstance(msg, dict) and body.get("op") in (None, "reset", "gather"):
             self.history[i].append({**body, "i": i})  # what makes it again after a restart
         return msg
 
+    def calls(self, calls: list[tuple[str, dict]], i: int | None = None) -> list[tuple]:
+        """A round's tool calls (name, arguments) on instance i's methods and the --tools
+        functions (TRL's tool dict), as TRL 1.16 makes them: each in order, an async tool's kept
+        (its arguments bound: a call that does not bind fails in order); then the kept ones run
+        together (asyncio.gather) and their results come after the others' -> [(name, content,
+        failed)] in that order."""
+        out, later = [], []
+        for name, arguments in calls:
+            body = {"name": name, "arguments": arguments}
+            msg = self.request(body) if i is None else self.on(i, body)
+            if isinstance(msg, dict) and msg.get("later"):
+                later.append(name)
+            else:
+                out.append((name, *reply(msg)))
+        if later:
+            msg = self.request({"op": "gather"}) if i is None else self.on(i, {"op": "gather"})
+            got = msg.get("r") if isinstance(msg, dict) else None
+            if not isinstance(got, list) or len(got) != len(later):  # the worker died meanwhile
+                got = [msg if isinstance(msg, str) else "the call was lost with its worker"] * len(
+                    later)
+            out += [(name, *reply(m)) for name, m in zip(later, got)]
+        return out
+
     def call(self, name: str, arguments: dict, i: int | None = None) -> tuple[str, bool]:
-        """A tool call (on instance i's methods and the --tools functions, TRL's tool dict)."""
-        body = {"name": name, "arguments": arguments}
-        msg = self.request(body) if i is None else self.on(i, body)
-        if isinstance(msg, str):
-            return str({"error": msg}), True
-        if "e" in msg:
-            return str({"error": msg["e"]}), True
-        return msg["r"], False
+        """One tool call (calls): (content, failed)."""
+        return self.calls([(name, arguments)], i)[0][1:]
 
     def open(self, row: dict) -> tuple[int, str | None]:
         """A new instance for one episode, reset(**row): its id and the reset's string (None: the

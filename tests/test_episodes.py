@@ -450,6 +450,23 @@ def test_environment_instances_live_in_the_worker_one_per_episode(tmp_path):
         tools.stop()
 
 
+def test_async_calls_run_after_the_rounds_others_and_survive_a_restart():
+    """An async method's call is kept and run after the round's other calls (TRL's asyncio.gather), its result after
+    theirs; a worker lost between the call and the gather makes the instance again with the kept call, so it runs
+    once; an async get_reward is awaited."""
+    tools = Tools(None, environment=f"{ENVS}:Ledger")
+    try:
+        i, _ = tools.open({})
+        assert tools.calls([("later", {"n": 1}), ("add", {"n": 2})], i) == [
+            ("add", "total 2", False), ("later", "total 3", False)]
+        assert tools.on(i, {"name": "later", "arguments": {"n": 10}}) == {"id": tools.sent, "later": True}
+        tools.stop()  # the worker lost with the kept call
+        assert tools.on(i, {"op": "gather"})["r"] == [{"r": "total 13"}]  # made again: its reset, its calls
+        assert tools.score(i, "reward") == (13.75, None)  # 3 calls: 13 + 3/4, awaited
+    finally:
+        tools.stop()
+
+
 def env_rows(answer="3"):
     return {"prompt": ["6*7="], "answer": [answer], "text": [PROMPT]}
 

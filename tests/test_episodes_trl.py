@@ -335,7 +335,10 @@ def test_prompt_ids_equal_trl(both):
 # with the tools), its completion ids, tool mask and end, the batch's tool-call and failure counts, and get_reward's
 # value an episode (one more reward source of weight 1, named for the class) from our generate_episodes and
 # env_scores equal what TRL 1.16's GRPOTrainer makes with environment_factory=Ledger (tests/programs/episode_envs.py)
-# beside tools=[multiply] (TRL's tool dict: the standalone tools, then the instance's methods).
+# beside tools=[multiply] (TRL's tool dict: the standalone tools, then the instance's methods). Three differences
+# this found, fixed: a static method's schema (ours dropped its first argument as if it were self), an async method
+# (ours answered its coroutine's str; TRL awaits it after the round's other calls, the async ones together) and an
+# async get_reward (ours failed on float(coroutine); TRL awaits it).
 ENV_FILE = os.path.join(ROOT, "tests", "programs", "episode_envs.py")
 ENV = f"{ENV_FILE}:Ledger"
 
@@ -352,6 +355,11 @@ ENV_EPISODES = {
     "the rollback past the budget": ("", [call("add", n=7) + "\n" + call("pad", n=2000), "never"]),
     "the iteration limit": (" Go.", [call("add", n=1), call("add", n=1), call("add", n=1), "never"]),
     "the row's keys": ("keys", ["ok"]),
+    "a static method": ("", [call("double", n=21), "42"]),  # its schema has every argument (no self)
+    "an async method": ("", [call("later", n=3), "3"]),
+    "async, then sync, in one round": ("", [call("later", n=1) + "\n" + call("add", n=2), "3"]),  # add's first
+    "an async method raises": ("", [call("later", n=-1) + "\n" + call("later", m=1) + "\n" + call("add", n=1),
+                                    "ok"]),
     "reset text, a bad call": (" Hm.", ['<tool_call>\n{"name": "add", "arguments": {"n": 1,\n</tool_call>', "x"]),
 }
 ENV_TURNS = {name: turns for name, (_, turns) in ENV_EPISODES.items()}
@@ -411,8 +419,8 @@ def test_environment_counts_equal_trl(env_both):
 
 def test_get_reward_equals_trl(env_both):
     """get_reward an episode, from the instance's state at the episode's end (a rolled-back call's change kept, a
-    failed call's too, two episodes alike scoring alike: no state shared), equals TRL's reward column named for
-    the class; None (no call made) is NaN in env_both. Ours go through env_scores and rewards.score (weight 1) as
+    failed call's too, two episodes alike scoring alike: no state shared; get_reward async, awaited as TRL awaits
+    it), equals TRL's reward column named for the class; None (no call made) is NaN in both. Ours go through env_scores and rewards.score (weight 1) as
     the step's do, logged as rewards/Ledger/."""
     (_, _, trainer), (_, _, roll) = env_both
     n = len(ENV_EPISODES)
@@ -427,5 +435,6 @@ def test_get_reward_equals_trl(env_both):
     named = dict(zip(ENV_EPISODES, ours))
     assert named["state carried between calls"] == named["the same episode again: its own state"] == 5.5
     assert named["the rollback past the budget"] == 7.5 and named["an exception in a method"] == 4.5
+    assert named["async, then sync, in one round"] == 3.5 and named["an async method"] == 3.25
     assert math.isnan(named["reset None, an answer"]) and r.tolist() == [0 if math.isnan(x) else x for x in ours]
 

@@ -2,6 +2,7 @@
 instances, resets that differ, a broken reset and turn count), each named by FILE.py:Class.
 N: Count's resets so far, in the one worker process that imports this file."""
 
+import asyncio
 import os
 
 # ---- the checks' bad classes (test_environment_checks_are_one_line)
@@ -100,8 +101,8 @@ class Broken:
 class Ledger:
     """reset's string from the row's 'obs' column (None where it is empty; 'keys': the row's other
     keys, as reset is given them), a total carried between one episode's calls, a call that
-    changes the state and raises, a result past any budget; get_reward from the state (None where
-    no call was made: NaN, does not apply)."""
+    changes the state and raises, a result past any budget, a static method, an async method; an
+    async get_reward from the state (None where no call was made: NaN, does not apply)."""
 
     def reset(self, obs: str = "", **row):
         self.total, self.calls = 0, 0
@@ -136,5 +137,26 @@ class Ledger:
         self.calls += 1
         return "x" * n
 
-    def get_reward(self) -> float | None:
+    @staticmethod
+    def double(n: int) -> int:
+        """Twice n (no state).
+
+        Args:
+            n: the number
+        """
+        return 2 * n
+
+    async def later(self, n: int) -> str:
+        """Add n to the total, as a coroutine (TRL awaits it after the turn's other calls).
+
+        Args:
+            n: the number to add (negative: it raises)
+        """
+        await asyncio.sleep(0)
+        if n < 0:
+            raise ValueError(f"{n} < 0")
+        self.total, self.calls = self.total + n, self.calls + 1
+        return f"total {self.total}"
+
+    async def get_reward(self) -> float | None:  # async: TRL awaits it, as any async reward
         return None if not self.calls else self.total + self.calls / 4

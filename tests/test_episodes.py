@@ -463,6 +463,23 @@ def test_async_calls_run_after_the_rounds_others_and_survive_a_restart():
         tools.stop()  # the worker lost with the kept call
         assert tools.on(i, {"op": "gather"})["r"] == [{"r": "total 13"}]  # made again: its reset, its calls
         assert tools.score(i, "reward") == (13.75, None)  # 3 calls: 13 + 3/4, awaited
+        tools.stop()
+        tools = Tools(f"{ENVS}:shout")  # --tools: an async function, no instance
+        assert tools.calls([("shout", {"text": "a"}), ("shout", {"txt": "b"})]) == [
+            ("shout", "{'error': \"shout() got an unexpected keyword argument 'txt'\"}", True), ("shout", "A", False)]
+        tools.request({"name": "shout", "arguments": {"text": "c"}})
+        tools.stop()  # lost with the worker: its gather says so, and the next round runs
+        assert tools.request({"op": "gather"})["r"] == [] and tools.call("shout", {"text": "d"}) == ("D", False)
+        sent = tools.request
+
+        def dying(body):  # the worker dies after each call, before its gather
+            msg = sent(body)
+            if "name" in body:
+                tools.stop()
+            return msg
+
+        tools.request = dying
+        assert tools.call("shout", {"text": "e"}) == ("{'error': 'the call was lost with its worker'}", True)
     finally:
         tools.stop()
 

@@ -97,7 +97,17 @@ class Broken:
         return [1.0, 2.0]
 
 
-# ---- TRL parity (tests/test_environment_trl.py): TRL's GRPOTrainer runs this class too
+# ---- an async --tools function (test_async_calls_run_after_the_rounds_others_and_survive_a_restart)
+async def shout(text: str) -> str:
+    """Text in capitals, as a coroutine.
+
+    Args:
+        text: the text
+    """
+    return text.upper()
+
+
+# ---- TRL parity (tests/test_episodes_trl.py): TRL's GRPOTrainer runs this class too
 class Ledger:
     """reset's string from the row's 'obs' column (None where it is empty; 'keys': the row's other
     keys, as reset is given them), a total carried between one episode's calls, a call that

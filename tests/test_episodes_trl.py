@@ -438,3 +438,17 @@ def test_get_reward_equals_trl(env_both):
     assert named["async, then sync, in one round"] == 3.5 and named["an async method"] == 3.25
     assert math.isnan(named["reset None, an answer"]) and r.tolist() == [0 if math.isnan(x) else x for x in ours]
 
+
+
+def test_environment_with_enable_thinking_false():
+    """--enable-thinking false with an environment: the prompt reset's string is appended to is templated again with
+    it (TRL's chat_template_kwargs), as is each tool turn's tail."""
+    two = {name: ENV_EPISODES[name] for name in ("reset None, an answer", "reset text, one call")}
+    turns, columns = {k: t for k, (_, t) in two.items()}, {"obs": [obs for obs, _ in two.values()]}
+    theirs, _, trainer = trl_episodes(turns, environment=ledger(), columns=columns, names=["multiply"], thinking=False)
+    ours, _, roll = our_episodes(turns, environment=ENV, columns=columns, names=["multiply"], thinking=False)
+    P, tok = roll.n_prompt, qwen3_tiny_tokenizer()
+    prompt = roll.input_ids[1, P - int(roll.attention_mask[1, :P].sum()):P].tolist()
+    assert prompt == trainer.seen_prompt_ids[1] and tok.decode(prompt).endswith(
+        " Start at 0.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert_same_ids_and_mask(theirs[1], ours[1])

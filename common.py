@@ -24,7 +24,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from grouprl import energy, moe, staleness
+from grouprl import energy, moe, rollout_ranks, staleness
 from grouprl.distributed import Dist, all_gather_cat, all_reduce, fail
 from grouprl.episodes import env_scores, generate_episodes, tools_of
 from grouprl.generation import Rollout, generate
@@ -46,8 +46,11 @@ _FILLED_SAID = []  # the line saying that --max-gen-rounds was reached, said onc
 def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_env: Dist, reward,
                   sampling: Sampling, args) -> Rollout:
     """This rank's groups of `step` (rollout_groups), sampled by the weights of --max-staleness k
-    versions before (staleness.behind; k = 0: the policy as it is)."""
+    versions before (staleness.behind; k = 0: the policy as it is), or under --async-rollouts
+    received from a rollout rank, which sampled them so (grouprl/rollout_ranks.py)."""
     k = getattr(args, "max_staleness", 0)
+    if rollout_ranks.training():  # --async-rollouts: a rollout rank sampled this step's groups
+        return rollout_ranks.receive(policy, step, reward, args)
     with staleness.behind(policy, step, k) as stale:
         return stale.done(rollout_groups(policy, tok, train, step, eos, dist_env, reward,
                                          sampling, args), args)

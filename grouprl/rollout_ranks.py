@@ -1,0 +1,199 @@
+"""--async-rollouts (issue 63 item 1): under torchrun the last --rollout-ranks R ranks generate and
+the first world - R train, so that generation overlaps training.
+The trainers are the process group (FSDP2 and every collective over them alone, as if the job
+had world - R ranks); a rollout rank is a plain process with a full unsharded copy of the model.
+They talk over a second group, the link (distributed.LINK, gloo, point to point): the weights go
+from trainer 0 to the rollout ranks, each trainer's rollout comes from its rollout rank (trainer t:
+rollout rank world - R + t mod R).
+A deterministic pipeline of depth k = --max-staleness (TRL's bound, in weight versions; version v
+= the weights after v steps): step s is sampled with version max(0, s - 1 - k), exactly the
+weights one process under --max-staleness k samples it with (grouprl/staleness.py), so the rollout
+rank generates steps s + 1 .. s + k while the trainers train step s, and each rollout carries
+its version (stale/version; stale/versions_behind when k > 0). Nothing is older than k, so
+nothing is dropped: stale/dropped is logged, 0. The weights are sent once a step (TRL's
+weight_sync_steps = a step's optimizer steps), gathered from the FSDP2 shards (full_tensor; LoRA:
+the adapters only, what staleness.trainable returns); the rollout rank takes version v just
+before it generates step v + 1 + k: a generation under way finishes on the weights it began with.
+Randomness: the rollout rank draws trainer t's rollout from trainer t's own random streams (torch,
+CUDA, random, numpy): t sends them at the start, and each rollout brings them back as they are
+after it, so the trainers' checkpoints hold what a synchronous run's would, and the async run
+samples what the one-process --max-staleness k run samples. --resume: the checkpoint's ring of past
+weights (state/stale_ring.pt, one trainer) and the trainers' random streams regenerate the
+in-flight rollouts (nothing of the queue is saved: the pipeline is a function of those).
+A rollout rank that dies breaks the link: the trainers stop in one line naming the last checkpoint;
+trainers that stop (the end, SIGTERM at a step boundary, an error) end the rollout ranks quietly.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+from dataclasses import replace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from . import staleness
+from .checkpoint.manifest import is_checkpoint, step_folders
+from .checkpoint.resume import own_runs
+from .cli.defaults import rollout_sampling
+from .data import Task, load_task
+from .distributed import LINK, Dist, fail
+from .lora import lora_spec
+from .modeling import eos_ids, load_model, load_tokenizer, wrap_policy
+
+# message tags on the link (FIFO per sender and tag)
+WEIGHTS, STREAMS, ROLLOUT = 1, 2, 3
+_PENDING = []  # this process's sends under way (their buffers kept until they complete)
+_STARTED = []  # a trainer: True once it has said hello
+
+
+def training() -> bool:
+    """True on a trainer of an --async-rollouts job (its step's groups come from a rollout rank)."""
+    return bool(LINK) and dist.is_initialized()
+
+
+def serving(dist_env: Dist) -> bool:
+    """True on a rollout rank of an --async-rollouts job."""
+    return bool(LINK) and dist_env.rank >= LINK[0][1]
+
+
+# -------------------- the link: objects over gloo point to point
+def _send(obj, dst: int, tag: int):
+    """obj pickled, its size then its bytes, sent without waiting (the link's send is an isend);
+    the buffers are kept until their sends complete."""
+    link = LINK[0][0]
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    _PENDING[:] = [(w, b) for w, b in _PENDING if not w.is_completed()]  # done: buffers freed
+    _PENDING.extend([(link.send([size], dst, tag), size), (link.send([data], dst, tag), data)])
+
+
+def _wait_sends():
+    while _PENDING:
+        work, _ = _PENDING.pop(0)
+        work.wait()
+
+
+def _recv(src: int, tag: int):
+    link = LINK[0][0]
+    size = torch.zeros(1, dtype=torch.int64)
+    link.recv([size], src, tag).wait()
+    data = torch.empty(int(size), dtype=torch.uint8)
+    link.recv([data], src, tag).wait()
+    return pickle.loads(data.numpy().tobytes())
+
+
+def _streams() -> dict:
+    """This process's random streams (what sampling draws from)."""
+    return {"torch": torch.get_rng_state(), "random": random.getstate(),
+            "numpy": np.random.get_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def _set_streams(s: dict):
+    torch.set_rng_state(s["torch"])
+    random.setstate(s["random"])
+    np.random.set_state(s["numpy"])
+    if s["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(s["cuda"])
+
+
+def full_weights(policy) -> list[torch.Tensor]:
+    """The trainable weights, whole, on the CPU: each FSDP2 shard gathered (full_tensor, a
+    collective over the trainers)."""
+    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().to("cpu", copy=True)
+            for p in staleness.trainable(policy)]
+
+
+# -------------------- a trainer's side
+def receive(policy, step: int, reward, args):
+    """This trainer's Rollout of `step`, sampled by its rollout rank with the weights of version
+    max(0, step - 1 - k). First the weights of version step - 1 (the policy now) go out: trainer 0
+    sends them to every rollout rank (the whole ring on the run's first step: the versions steps
+    step .. step + k sample with), to be used at step step + k. Afterwards this rank's random
+    streams are the rollout's (as if it had sampled), and reward.values its scores' (the logs)."""
+    link, trainers = LINK[0]
+    rank, world, k = dist.get_rank(), link.size(), args.max_staleness
+    now = full_weights(policy)  # version step - 1
+    ring = staleness.keep(policy, step, k, now) if k else [(step - 1, now)]
+    first = not _STARTED
+    src = trainers + rank % (world - trainers)  # this trainer's rollout rank
+    try:
+        if rank == 0 and (first or step + k <= args.num_steps):  # no version none will use
+            versions = list(ring) if first else [(step - 1, now)]
+            for dst in range(trainers, world):
+                _send({"step": step, "versions": versions}, dst, WEIGHTS)
+        if first:  # this trainer's random streams, for its rollout rank to sample with
+            _send(_streams(), src, STREAMS)
+            _STARTED.append(True)
+        version, roll, streams, values = _recv(src, ROLLOUT)
+    except RuntimeError as e:  # the link broke: a rollout rank died
+        why = (str(e).splitlines() or [type(e).__name__])[0][:100]
+        fail(f"step {step}: the rollout rank {src} is gone ({why}); {last_checkpoint(args)}")
+    _set_streams(streams)
+    if values is not None:
+        reward.values = values
+    roll.stats.update({"stale/version": version, "stale/dropped": 0})
+    return roll
+
+
+def last_checkpoint(args) -> str:
+    """What a stopped run says of its checkpoints: the newest complete one of this exp_name and
+    seed under --output-dir (what --resume auto takes)."""
+    found = [(t, n, p) for t, run in own_runs(args.output_dir, args.exp_name, args.seed)
+             for n, p in step_folders(run) if is_checkpoint(p)]
+    if not found:
+        return "no checkpoint was written: start the run again"
+    return f"the last checkpoint is {max(found)[2]}: go on with --resume auto (or that folder)"
+
+
+# -------------------- a rollout rank's side
+def serve_rollouts(args, dist_env: Dist, reward, sample_groups):
+    """On a rollout rank: the whole run (then the process ends); elsewhere nothing. The model is
+    --model (its trainable weights replaced by the trainers' before any sampling); each step s,
+    for each trainer t it serves: the weights of version max(0, s - 1 - k) in, t's random streams
+    in, sample_groups as trainer t would call it (its prompts: Dist(t, trainers)), pi_behaviour
+    (when k > 0 and the engine gave none, staleness.Behind), out to t."""
+    if not serving(dist_env):
+        return
+    link, trainers = LINK[0]
+    mine = [t for t in range(trainers) if trainers + t % (link.size() - trainers) == dist_env.rank]
+    k = args.max_staleness
+    tok = load_tokenizer(args.model, args.trust_remote_code)
+    train, _, _ = load_task(Task.of(args), tok)
+    lm, rank0_weights = load_model(args.model, tok, dist_env, args.seed, args.trust_remote_code,
+                                   args.dtype, lora_spec(args))
+    eos = eos_ids(lm, tok)
+    policy = wrap_policy(lm, dist_env, args.temperature, args.logprob_chunk_tokens, False,
+                         args.dtype, False, rank0_weights)
+    policy.eval()
+    sampling = rollout_sampling(args)
+    plain = replace(args, max_staleness=0)  # the weights are put in here, not by staleness
+    params = staleness.trainable(policy)
+    try:
+        hello = _recv(0, WEIGHTS)
+        versions = dict(hello["versions"])
+        streams = {t: _recv(t, STREAMS) for t in mine}
+        for step in range(hello["step"], args.num_steps + 1):
+            v = max(0, step - 1 - k)
+            while v not in versions:  # sent by trainer 0 at the start of step v + 1
+                versions.update(_recv(0, WEIGHTS)["versions"])
+            for old in [u for u in versions if u < v]:
+                del versions[old]
+            if [w.shape for w in versions[v]] != [p.shape for p in params]:
+                raise RuntimeError("the trainers' weights do not fit this rank's model")
+            staleness.load(params, versions[v])
+            for t in mine:
+                _set_streams(streams[t])
+                roll = sample_groups(policy, tok, train, step, eos,
+                                     Dist(t, trainers, dist_env.device), reward, sampling, plain)
+                roll = staleness.Behind(policy, step - 1 - v if k else None).done(roll, args)
+                streams[t] = _streams()
+                _send((v, roll, streams[t], getattr(reward, "values", None)), t, ROLLOUT)
+        _wait_sends()
+    except RuntimeError:  # the trainers are gone (stopped, or failed): they say why
+        pass
+    os._exit(0)

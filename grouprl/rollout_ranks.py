@@ -29,6 +29,8 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import signal
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -38,6 +40,7 @@ import torch.distributed as dist
 from . import staleness
 from .checkpoint.manifest import is_checkpoint, step_folders
 from .checkpoint.resume import own_runs
+from .checkpoint.signals import _stop  # read only: whether this trainer got a stop signal
 from .cli.defaults import rollout_sampling
 from .data import Task, load_task
 from .distributed import LINK, Dist, fail
@@ -48,6 +51,7 @@ from .modeling import eos_ids, load_model, load_tokenizer, wrap_policy
 WEIGHTS, STREAMS, ROLLOUT = 1, 2, 3
 _PENDING = []  # this process's sends under way (their buffers kept until they complete)
 _STARTED = []  # a trainer: True once it has said hello
+_STOP = []  # a rollout rank: when it got its first stop signal (time.monotonic)
 
 
 def training() -> bool:
@@ -129,11 +133,13 @@ def receive(policy, step: int, reward, args):
         if first:  # this trainer's random streams, for its rollout rank to sample with
             _send(_streams(), src, STREAMS)
             _STARTED.append(True)
-        version, roll, streams, values = _recv(src, ROLLOUT)
+        version, roll, streams, values, stop = _recv(src, ROLLOUT)
     except RuntimeError as e:  # the link broke: a rollout rank died
         why = (str(e).splitlines() or [type(e).__name__])[0][:100]
         fail(f"step {step}: the rollout rank {src} is gone ({why}); {last_checkpoint(args)}")
     _set_streams(streams)
+    if stop and _stop["signal"] is None:  # the rollout rank got SIGTERM or SIGINT: as if this
+        signal.raise_signal(signal.SIGTERM)  # rank had, once (a second would exit at once)
     if values is not None:
         reward.values = values
     roll.stats.update({"stale/version": version, "stale/dropped": 0})
@@ -151,6 +157,18 @@ def last_checkpoint(args) -> str:
 
 
 # -------------------- a rollout rank's side
+def _on_stop_signal(signum, frame):
+    """SIGTERM or SIGINT on a rollout rank: its next rollout tells its trainers, which stop at the
+    end of that step with a checkpoint (every trainer: stop_requested); this rank goes on serving
+    until they are gone. A second signal a second or more later exits at once."""
+    if _STOP and time.monotonic() - _STOP[0] >= 1.0:
+        os._exit(128 + signum)
+    if not _STOP:
+        _STOP.append(time.monotonic())
+        os.write(2, f"\n{signal.Signals(signum).name} on a rollout rank: the trainers stop with a "
+                    "checkpoint at the end of a step\n".encode())
+
+
 def serve_rollouts(args, dist_env: Dist, reward, sample_groups):
     """On a rollout rank: the whole run (then the process ends); elsewhere nothing. The model is
     --model (its trainable weights replaced by the trainers' before any sampling); each step s,
@@ -173,6 +191,8 @@ def serve_rollouts(args, dist_env: Dist, reward, sample_groups):
     sampling = rollout_sampling(args)
     plain = replace(args, max_staleness=0)  # the weights are put in here, not by staleness
     params = staleness.trainable(policy)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # the trainers stop at a step boundary
+        signal.signal(sig, _on_stop_signal)
     try:
         hello = _recv(0, WEIGHTS)
         versions = dict(hello["versions"])
@@ -192,7 +212,8 @@ def serve_rollouts(args, dist_env: Dist, reward, sample_groups):
                                      Dist(t, trainers, dist_env.device), reward, sampling, plain)
                 roll = staleness.Behind(policy, step - 1 - v if k else None).done(roll, args)
                 streams[t] = _streams()
-                _send((v, roll, streams[t], getattr(reward, "values", None)), t, ROLLOUT)
+                _send((v, roll, streams[t], getattr(reward, "values", None), bool(_STOP)), t,
+                      ROLLOUT)
         _wait_sends()
     except RuntimeError:  # the trainers are gone (stopped, or failed): they say why
         pass

@@ -60,3 +60,14 @@ def test_async_run_is_the_one_process_run_survives_a_killed_rollout_rank_and_res
     assert [r["stale/version"] for r in rows] == [max(0, s - 1 - K) for s in range(1, 6)]
     assert all(0 <= r["stale/versions_behind"] <= K and r["stale/dropped"] == 0 for r in rows)
     assert rows[-1]["losses/grad_norm"] > 0 and not any(k in one[0] for k in ASYNC_KEYS)
+
+
+def test_sigterm_on_the_rollout_rank_stops_every_rank_at_a_step_boundary(tmp_path):
+    """SIGTERM on the rollout rank as it starts to sample step 3: that rollout tells the trainer, which finishes step 3,
+    saves it and exits 0, and so does the rollout rank (a stop, not a failure)."""
+    p = launch(tmp_path, "--async-rollouts", "--save-every", "0", env={"KILL_AT": "3", "KILL_WITH": "SIGTERM"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "SIGTERM on a rollout rank: the trainers stop with a checkpoint at the end of a step" in p.stderr
+    rows, run = rows_of(tmp_path, jitter_row=False)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [n for n, path in step_folders(run) if is_checkpoint(path)] == [3]

@@ -1,7 +1,7 @@
 """`python tests/programs/async_split.py SCRIPT ARGS...`: SCRIPT's run (plain, or a rank under torchrun) with a
 reward every group splits (the parity of the characters' codes, as tests/test_staleness.py's split_reward), so that
 the weights move from the first step; tests/test_async.py runs it under torchrun and alone. KILL_AT=N: the rollout rank
-(the last) kills itself (SIGKILL) as it starts to sample step N."""
+(the last) kills itself (SIGKILL, or KILL_WITH=SIGTERM) as it starts to sample step N."""
 import os
 import runpy
 import signal
@@ -19,7 +19,7 @@ if os.environ.get("KILL_AT") and int(os.environ["RANK"]) == int(os.environ["WORL
 
     def rollout_groups(policy, tok, train, step, *a):
         if step == int(os.environ["KILL_AT"]):
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), getattr(signal, os.environ.get("KILL_WITH", "SIGKILL")))
         return real(policy, tok, train, step, *a)
 
     common.rollout_groups = rollout_groups

@@ -14,16 +14,16 @@ from grouprl.checkpoint.manifest import is_checkpoint, step_folders
 
 PROGRAM = os.path.join(ROOT, "tests", "programs", "async_split.py")
 K = 1
-ARGV = ["grpo.py", "--num-steps", "5", "--prompts-per-rank", "4", "--num-minibatches", "2", "--eval-every", "0",
+ARGV = ["--num-steps", "5", "--prompts-per-rank", "4", "--num-minibatches", "2", "--eval-every", "0",
         "--learning-rate", "1e-2", "--max-new-tokens", "4", "--log-samples", "0", "--save-every", "1",
         "--max-staleness", str(K)]
 ASYNC_KEYS = ("stale/version", "stale/dropped")
 
 
-def launch(out, *extra, torchrun=True, env=None):
+def launch(out, *extra, script="grpo.py", torchrun=True, env=None):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] if torchrun else [
         sys.executable]
-    return subprocess.run([*cmd, PROGRAM, *ARGV, *extra, "--output-dir", str(out)], cwd=ROOT, capture_output=True,
+    return subprocess.run([*cmd, PROGRAM, script, *ARGV, *extra, "--output-dir", str(out)], cwd=ROOT, capture_output=True,
                           text=True, timeout=600, env={**os.environ, **(env or {})})
 
 
@@ -62,12 +62,19 @@ def test_async_run_is_the_one_process_run_survives_a_killed_rollout_rank_and_res
     assert rows[-1]["losses/grad_norm"] > 0 and not any(k in one[0] for k in ASYNC_KEYS)
 
 
-def test_sigterm_on_the_rollout_rank_stops_every_rank_at_a_step_boundary(tmp_path):
+def test_sigterm_on_the_rollout_rank_stops_every_rank_at_a_step_boundary_lora_too(tmp_path):
     """SIGTERM on the rollout rank as it starts to sample step 3: that rollout tells the trainer, which finishes step 3,
-    saves it and exits 0, and so does the rollout rank (a stop, not a failure)."""
-    p = launch(tmp_path, "--async-rollouts", "--save-every", "0", env={"KILL_AT": "3", "KILL_WITH": "SIGTERM"})
+    saves it and exits 0, and so does the rollout rank (a stop, not a failure). Under LoRA (the adapters are what is
+    sent) with gspo.py and k = 2, the steps run equal the one-process run's, bitwise."""
+    lora = ["--lora-rank", "4", "--max-staleness", "2", "--save-every", "0"]
+    p = launch(tmp_path / "one", *lora, script="gspo.py", torchrun=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = launch(tmp_path / "async", "--async-rollouts", *lora, script="gspo.py",
+               env={"KILL_AT": "3", "KILL_WITH": "SIGTERM"})
     assert p.returncode == 0, p.stderr[-3000:]
     assert "SIGTERM on a rollout rank: the trainers stop with a checkpoint at the end of a step" in p.stderr
-    rows, run = rows_of(tmp_path, jitter_row=False)
+    rows, run = rows_of(tmp_path / "async", jitter_row=False)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [n for n, path in step_folders(run) if is_checkpoint(path)] == [3]
+    one, _ = rows_of(tmp_path / "one")
+    assert without(rows) == without(one[:3]) and [r["stale/version"] for r in rows] == [0, 0, 0]

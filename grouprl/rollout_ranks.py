@@ -31,7 +31,7 @@ import pickle
 import random
 import signal
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import numpy as np
 import torch
@@ -105,6 +105,12 @@ def _set_streams(s: dict):
         torch.cuda.set_rng_state(s["cuda"])
 
 
+def _moved(roll, device: torch.device):
+    """roll with its tensors on device (the link carries CPU tensors: each rank its own GPU)."""
+    return replace(roll, **{f.name: getattr(roll, f.name).to(device) for f in fields(roll)
+                            if isinstance(getattr(roll, f.name), torch.Tensor)})
+
+
 def full_weights(policy) -> list[torch.Tensor]:
     """The trainable weights, whole, on the CPU: each FSDP2 shard gathered (full_tensor, a
     collective over the trainers)."""
@@ -137,6 +143,7 @@ def receive(policy, step: int, reward, args):
     except RuntimeError as e:  # the link broke: a rollout rank died
         why = (str(e).splitlines() or [type(e).__name__])[0][:100]
         fail(f"step {step}: the rollout rank {src} is gone ({why}); {last_checkpoint(args)}")
+    roll = _moved(roll, next(policy.parameters()).device)
     _set_streams(streams)
     if stop and _stop["signal"] is None:  # the rollout rank got SIGTERM or SIGINT: as if this
         signal.raise_signal(signal.SIGTERM)  # rank had, once (a second would exit at once)
@@ -212,7 +219,8 @@ def serve_rollouts(args, dist_env: Dist, reward, sample_groups):
                                      Dist(t, trainers, dist_env.device), reward, sampling, plain)
                 roll = staleness.Behind(policy, step - 1 - v if k else None).done(roll, args)
                 streams[t] = _streams()
-                _send((v, roll, streams[t], getattr(reward, "values", None), bool(_STOP)), t,
+                values = getattr(reward, "values", None)  # the scores' logs
+                _send((v, _moved(roll, torch.device("cpu")), streams[t], values, bool(_STOP)), t,
                       ROLLOUT)
         _wait_sends()
     except RuntimeError:  # the trainers are gone (stopped, or failed): they say why

@@ -32,6 +32,10 @@ def fail(msg: str):
     # a progress bar on stderr's last line is ended first, so that the error starts a line of its own
     for bar in list(getattr(getattr(sys.modules.get("tqdm"), "tqdm", None), "_instances", ())):
         bar.close()
+    if LINK and not dist.is_initialized():  # a rollout rank (--async-rollouts): it alone knows
+        print(f"error: rollout rank {os.environ.get('RANK')}: {msg}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(1)
     if dist.is_initialized():
         if main:
             print(f"error: {msg}", file=sys.stderr)

@@ -65,6 +65,10 @@ def serving(dist_env: Dist) -> bool:
 
 
 # -------------------- the link: objects over gloo point to point
+class LinkBroken(Exception):
+    """A send or receive on the link failed: the rank at the other end is gone."""
+
+
 def _send(obj, dst: int, tag: int):
     """obj pickled, its size then its bytes, sent without waiting (the link's send is an isend);
     the buffers are kept until their sends complete."""
@@ -72,21 +76,30 @@ def _send(obj, dst: int, tag: int):
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     size = torch.tensor([data.numel()], dtype=torch.int64)
     _PENDING[:] = [(w, b) for w, b in _PENDING if not w.is_completed()]  # done: buffers freed
-    _PENDING.extend([(link.send([size], dst, tag), size), (link.send([data], dst, tag), data)])
+    try:
+        _PENDING.extend([(link.send([size], dst, tag), size), (link.send([data], dst, tag), data)])
+    except RuntimeError as e:
+        raise LinkBroken(str(e)) from e
 
 
 def _wait_sends():
     while _PENDING:
         work, _ = _PENDING.pop(0)
-        work.wait()
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise LinkBroken(str(e)) from e
 
 
 def _recv(src: int, tag: int):
     link = LINK[0][0]
     size = torch.zeros(1, dtype=torch.int64)
-    link.recv([size], src, tag).wait()
-    data = torch.empty(int(size), dtype=torch.uint8)
-    link.recv([data], src, tag).wait()
+    try:
+        link.recv([size], src, tag).wait()
+        data = torch.empty(int(size), dtype=torch.uint8)
+        link.recv([data], src, tag).wait()
+    except RuntimeError as e:
+        raise LinkBroken(str(e)) from e
     return pickle.loads(data.numpy().tobytes())
 
 
@@ -139,8 +152,10 @@ def receive(policy, step: int, reward, args):
         if first:  # this trainer's random streams, for its rollout rank to sample with
             _send(_streams(), src, STREAMS)
             _STARTED.append(True)
+        start = time.time()
         version, roll, streams, values, stop = _recv(src, ROLLOUT)
-    except RuntimeError as e:  # the link broke: a rollout rank died
+        waited = time.time() - start
+    except LinkBroken as e:  # a rollout rank died
         why = (str(e).splitlines() or [type(e).__name__])[0][:100]
         fail(f"step {step}: the rollout rank {src} is gone ({why}); {last_checkpoint(args)}")
     roll = _moved(roll, next(policy.parameters()).device)
@@ -149,7 +164,8 @@ def receive(policy, step: int, reward, args):
         signal.raise_signal(signal.SIGTERM)  # rank had, once (a second would exit at once)
     if values is not None:
         reward.values = values
-    roll.stats.update({"stale/version": version, "stale/dropped": 0})
+    roll.stats.update({"stale/version": version, "stale/dropped": 0,
+                       "perf/rollout_wait_s": waited})  # the trainer idle, waiting
     return roll
 
 
@@ -206,23 +222,24 @@ def serve_rollouts(args, dist_env: Dist, reward, sample_groups):
         streams = {t: _recv(t, STREAMS) for t in mine}
         for step in range(hello["step"], args.num_steps + 1):
             v = max(0, step - 1 - k)
+            start = time.time()
             while v not in versions:  # sent by trainer 0 at the start of step v + 1
                 versions.update(_recv(0, WEIGHTS)["versions"])
             for old in [u for u in versions if u < v]:
                 del versions[old]
-            if [w.shape for w in versions[v]] != [p.shape for p in params]:
-                raise RuntimeError("the trainers' weights do not fit this rank's model")
             staleness.load(params, versions[v])
+            waited = time.time() - start
             for t in mine:
                 _set_streams(streams[t])
                 roll = sample_groups(policy, tok, train, step, eos,
                                      Dist(t, trainers, dist_env.device), reward, sampling, plain)
                 roll = staleness.Behind(policy, step - 1 - v if k else None).done(roll, args)
+                roll.stats["perf/weights_wait_s"] = waited  # the rollout rank idle, waiting
                 streams[t] = _streams()
                 values = getattr(reward, "values", None)  # the scores' logs
                 _send((v, _moved(roll, torch.device("cpu")), streams[t], values, bool(_STOP)), t,
                       ROLLOUT)
         _wait_sends()
-    except RuntimeError:  # the trainers are gone (stopped, or failed): they say why
+    except LinkBroken:  # the trainers are gone (stopped, or failed): they say why
         pass
     os._exit(0)

@@ -78,3 +78,17 @@ def test_sigterm_on_the_rollout_rank_stops_every_rank_at_a_step_boundary_lora_to
     assert [n for n, path in step_folders(run) if is_checkpoint(path)] == [3]
     one, _ = rows_of(tmp_path / "one")
     assert without(rows) == without(one[:3]) and [r["stale/version"] for r in rows] == [0, 0, 0]
+
+
+def test_two_trainers_and_a_rollout_rank_are_the_synchronous_two_rank_run(tmp_path):
+    """3 ranks, --async-rollouts k = 0: FSDP2 and every collective over the two trainers alone, the rollout rank
+    drawing each trainer's prompts from that trainer's own random streams: the 2-rank synchronous run, bitwise."""
+    short = ["--num-steps", "2", "--max-staleness", "0", "--save-every", "0"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    for n, out, extra in (("3", "async", ["--async-rollouts"]), ("2", "sync", [])):
+        p = subprocess.run([*cmd, n, PROGRAM, "grpo.py", *ARGV, *short, *extra, "--output-dir", str(tmp_path / out)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+    rows, _ = rows_of(tmp_path / "async")
+    sync, _ = rows_of(tmp_path / "sync")
+    assert without(rows) == without(sync) and [r["stale/version"] for r in rows] == [0, 1]

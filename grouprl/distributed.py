@@ -33,7 +33,8 @@ def fail(msg: str):
     for bar in list(getattr(getattr(sys.modules.get("tqdm"), "tqdm", None), "_instances", ())):
         bar.close()
     if LINK and not dist.is_initialized():  # a rollout rank (--async-rollouts): it alone knows
-        print(f"error: rollout rank {os.environ.get('RANK')}: {msg}", file=sys.stderr)
+        # on a line of its own: a trainer's progress bar may hold the terminal's last line
+        print(f"\nerror: rollout rank {os.environ.get('RANK')}: {msg}", file=sys.stderr)
         sys.stderr.flush()
         os._exit(1)
     if dist.is_initialized():

@@ -124,11 +124,15 @@ def _moved(roll, device: torch.device):
                             if isinstance(getattr(roll, f.name), torch.Tensor)})
 
 
-def full_weights(policy) -> list[torch.Tensor]:
-    """The trainable weights, whole, on the CPU: each FSDP2 shard gathered (full_tensor, a
-    collective over the trainers)."""
-    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().to("cpu", copy=True)
-            for p in staleness.trainable(policy)]
+def full_weights(policy, keep: bool) -> list[torch.Tensor] | None:
+    """The trainable weights, whole, on the CPU (keep; else None): each FSDP2 shard gathered
+    (full_tensor, a collective over the trainers: every trainer calls it), one at a time."""
+    out = []
+    for p in staleness.trainable(policy):
+        w = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+        if keep:
+            out.append(w.to("cpu", copy=True))
+    return out if keep else None
 
 
 # -------------------- a trainer's side
@@ -140,8 +144,8 @@ def receive(policy, step: int, reward, args):
     streams are the rollout's (as if it had sampled), and reward.values its scores' (the logs)."""
     link, trainers = LINK[0]
     rank, world, k = dist.get_rank(), link.size(), args.max_staleness
-    now = full_weights(policy)  # version step - 1
-    ring = staleness.keep(policy, step, k, now) if k else [(step - 1, now)]
+    now = full_weights(policy, rank == 0)  # version step - 1, held by trainer 0 alone
+    ring = staleness.keep(policy, step, k, now) if k and rank == 0 else [(step - 1, now)]
     first = not _STARTED
     src = trainers + rank % (world - trainers)  # this trainer's rollout rank
     try:

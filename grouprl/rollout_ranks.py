@@ -153,9 +153,12 @@ def receive(policy, step: int, reward, args):
             versions = list(ring) if first else [(step - 1, now)]
             for dst in range(trainers, world):
                 _send({"step": step, "versions": versions}, dst, WEIGHTS)
-        if first:  # this trainer's random streams, for its rollout rank to sample with
-            _send(_streams(), src, STREAMS)
-            _STARTED.append(True)
+        if first or not k:  # the random streams its rollout rank samples this trainer's with
+            # k = 0: this rank's own each step (an evaluation's draws included, as one process);
+            # k > 0: the rollout's own, carried on from the start (a resumed run: the checkpoint's)
+            resumed = staleness.resumed_streams() if k else None
+            _send(resumed or _streams(), src, STREAMS)
+        _STARTED[:] = [True]
         start = time.time()
         version, roll, streams, values, stop = _recv(src, ROLLOUT)
         waited = time.time() - start
@@ -164,6 +167,8 @@ def receive(policy, step: int, reward, args):
         fail(f"step {step}: the rollout rank {src} is gone ({why}); {last_checkpoint(args)}")
     roll = _moved(roll, next(policy.parameters()).device)
     _set_streams(streams)
+    if k:
+        staleness.hold_streams(policy, streams)  # into the checkpoint with the ring
     if stop and _stop["signal"] is None:  # the rollout rank got SIGTERM or SIGINT: as if this
         signal.raise_signal(signal.SIGTERM)  # rank had, once (a second would exit at once)
     if values is not None:
@@ -223,7 +228,7 @@ def serve_rollouts(args, dist_env: Dist, reward, sample_groups):
     try:
         hello = _recv(0, WEIGHTS)
         versions = dict(hello["versions"])
-        streams = {t: _recv(t, STREAMS) for t in mine}
+        streams = {}
         for step in range(hello["step"], args.num_steps + 1):
             v = max(0, step - 1 - k)
             start = time.time()
@@ -234,6 +239,8 @@ def serve_rollouts(args, dist_env: Dist, reward, sample_groups):
             staleness.load(params, versions[v])
             waited = time.time() - start
             for t in mine:
+                if not k or t not in streams:  # k = 0: each step's, as the trainer holds them
+                    streams[t] = _recv(t, STREAMS)
                 _set_streams(streams[t])
                 roll = sample_groups(policy, tok, train, step, eos,
                                      Dist(t, trainers, dist_env.device), reward, sampling, plain)

@@ -17,6 +17,7 @@ The ring is part of the run's state: a checkpoint holds it (state/stale_ring.pt,
 from __future__ import annotations
 
 import os
+import pickle
 import weakref
 from collections import deque
 from contextlib import contextmanager
@@ -29,6 +30,8 @@ from .distributed import all_reduce, fail
 
 _RINGS = weakref.WeakKeyDictionary()  # policy -> deque of (version, [CPU tensors]), oldest first
 _RESUMED = []  # the ring a resumed run read from its checkpoint (restore_ring), until first used
+_STREAMS = weakref.WeakKeyDictionary()  # policy -> the random streams its rollouts are drawn from
+_RESUMED_STREAMS = []  # those a resumed run read from its checkpoint, until first used
 RING_FILE = "stale_ring.pt"
 
 
@@ -118,20 +121,39 @@ def gap(roll: Rollout, old_logp: torch.Tensor) -> dict:
     return {"stale/kl": (all_reduce(k3.sum()) / all_reduce(mask.sum()).clamp(min=1)).item()}
 
 
+def hold_streams(policy, streams: dict):
+    """--async-rollouts, k > 0: the random streams policy's next rollout is drawn from (on the
+    rollout rank, ahead of this rank's own, which an evaluation also draws from); saved with the
+    ring, so that a resumed run draws its in-flight rollouts as the uninterrupted one did."""
+    _STREAMS[policy] = streams
+
+
+def resumed_streams() -> dict | None:
+    """The streams a resumed run's checkpoint held (hold_streams), once; else None."""
+    return _RESUMED_STREAMS.pop() if _RESUMED_STREAMS else None
+
+
 def save_ring(folder: str, policy):
-    """The ring into folder/stale_ring.pt: the versions the next k steps sample with (nothing when
-    the run keeps none: --max-staleness 0)."""
+    """The ring into folder/stale_ring.pt: the versions the next k steps sample with, and the
+    rollouts' random streams when held (hold_streams); nothing when the run keeps no ring
+    (--max-staleness 0)."""
     ring = _RINGS.get(policy)
     if ring:
-        torch.save({"versions": [v for v, _ in ring], "weights": [w for _, w in ring]},
-                   os.path.join(folder, RING_FILE))
+        blob = {"versions": [v for v, _ in ring], "weights": [w for _, w in ring]}
+        if policy in _STREAMS:  # pickled: the random and numpy states are not tensors
+            blob["streams"] = torch.frombuffer(bytearray(pickle.dumps(_STREAMS[policy])),
+                                               dtype=torch.uint8)
+        torch.save(blob, os.path.join(folder, RING_FILE))
 
 
 def restore_ring(folder: str | None):
     """A checkpoint's ring (folder: its state/), held for the resumed run's first stale rollout;
     a fresh run (None) or a checkpoint without one: none (the ring starts empty)."""
     _RESUMED.clear()
+    _RESUMED_STREAMS.clear()
     path = None if folder is None else os.path.join(folder, RING_FILE)
     if path is not None and os.path.exists(path):
         blob = torch.load(path, map_location="cpu", weights_only=True)
         _RESUMED.append(deque(zip(blob["versions"], blob["weights"])))
+        if "streams" in blob:
+            _RESUMED_STREAMS.append(pickle.loads(blob["streams"].numpy().tobytes()))

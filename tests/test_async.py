@@ -62,28 +62,39 @@ def test_async_run_is_the_one_process_run_survives_a_killed_rollout_rank_and_res
     assert rows[-1]["losses/grad_norm"] > 0 and not any(k in one[0] for k in ASYNC_KEYS)
 
 
-def test_sigterm_on_the_rollout_rank_stops_every_rank_at_a_step_boundary_lora_too(tmp_path):
+def test_sigterm_on_the_rollout_rank_stops_every_rank_at_a_step_boundary_and_resume_is_exact_lora_eval(tmp_path):
     """SIGTERM on the rollout rank as it starts to sample step 3: that rollout tells the trainer, which finishes step 3,
-    saves it and exits 0, and so does the rollout rank (a stop, not a failure). Under LoRA (the adapters are what is
-    sent) with gspo.py and k = 2, the steps run equal the one-process run's, bitwise."""
-    lora = ["--lora-rank", "4", "--max-staleness", "2", "--save-every", "0"]
-    p = launch(tmp_path / "one", *lora, script="gspo.py", torchrun=False)
+    saves it and exits 0, and so does the rollout rank (a stop, not a failure); --resume auto then logs the
+    uninterrupted run's steps 4 and 5 bitwise, though an evaluation at step 3 drew from the trainer's random streams
+    after rollouts 4 and 5 were drawn (the checkpoint holds the rollouts' streams, staleness.hold_streams). LoRA (the
+    adapters are what is sent), gspo.py, k = 2. The one-process run is the same up to step 3: it draws rollout 4 after
+    the evaluation."""
+    flags = ["--lora-rank", "4", "--max-staleness", "2", "--save-every", "0", "--eval-every", "3", "--eval-size", "4"]
+    p = launch(tmp_path / "one", *flags, script="gspo.py", torchrun=False)
     assert p.returncode == 0, p.stderr[-3000:]
-    p = launch(tmp_path / "async", "--async-rollouts", *lora, script="gspo.py",
+    p = launch(tmp_path / "whole", "--async-rollouts", *flags, script="gspo.py")
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = launch(tmp_path / "async", "--async-rollouts", *flags, script="gspo.py",
                env={"KILL_AT": "3", "KILL_WITH": "SIGTERM"})
     assert p.returncode == 0, p.stderr[-3000:]
     assert "SIGTERM on a rollout rank: the trainers stop with a checkpoint at the end of a step" in p.stderr
     rows, run = rows_of(tmp_path / "async", jitter_row=False)
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and "eval/prompts" in rows[3]
     assert [n for n, path in step_folders(run) if is_checkpoint(path)] == [3]
+    p = launch(tmp_path / "async", "--async-rollouts", *flags, "--resume", "auto", script="gspo.py")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows, _ = rows_of(tmp_path / "async")
+    whole, _ = rows_of(tmp_path / "whole")
     one, _ = rows_of(tmp_path / "one")
-    assert without(rows) == without(one[:3]) and [r["stale/version"] for r in rows] == [0, 0, 0]
+    assert without(rows, ()) == without(whole, ()) and [r["stale/version"] for r in rows[1:]] == [0, 0, 0, 1, 2]
+    assert without(whole[:4]) == without(one[:4]) and without(whole[4:5]) != without(one[4:5])
 
 
 def test_two_trainers_and_a_rollout_rank_are_the_synchronous_two_rank_run(tmp_path):
     """3 ranks, --async-rollouts k = 0: FSDP2 and every collective over the two trainers alone, the rollout rank
-    drawing each trainer's prompts from that trainer's own random streams: the 2-rank synchronous run, bitwise."""
-    short = ["--num-steps", "2", "--max-staleness", "0", "--save-every", "0"]
+    drawing each trainer's prompts from that trainer's random streams as they are at the step's start (an evaluation's
+    draws included): the 2-rank synchronous run, bitwise, evaluations included."""
+    short = ["--num-steps", "2", "--max-staleness", "0", "--save-every", "0", "--eval-every", "1", "--eval-size", "4"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     for n, out, extra in (("3", "async", ["--async-rollouts"]), ("2", "sync", [])):
         p = subprocess.run([*cmd, n, PROGRAM, "grpo.py", *ARGV, *short, *extra, "--output-dir", str(tmp_path / out)],
@@ -91,4 +102,4 @@ def test_two_trainers_and_a_rollout_rank_are_the_synchronous_two_rank_run(tmp_pa
         assert p.returncode == 0, p.stderr[-3000:]
     rows, _ = rows_of(tmp_path / "async")
     sync, _ = rows_of(tmp_path / "sync")
-    assert without(rows) == without(sync) and [r["stale/version"] for r in rows] == [0, 1]
+    assert without(rows) == without(sync) and [r.get("stale/version") for r in rows] == [None, 0, 1]

@@ -15,10 +15,13 @@ weight_sync_steps = a step's optimizer steps), gathered from the FSDP2 shards (f
 the adapters only, what staleness.trainable returns); the rollout rank takes version v just
 before it generates step v + 1 + k: a generation under way finishes on the weights it began with.
 Randomness: the rollout rank draws trainer t's rollout from trainer t's own random streams (torch,
-CUDA, random, numpy): t sends them at the start, and each rollout brings them back as they are
-after it, so the trainers' checkpoints hold what a synchronous run's would, and the async run
-samples what the one-process --max-staleness k run samples. --resume: the checkpoint's ring of past
-weights (state/stale_ring.pt, one trainer) and the trainers' random streams regenerate the
+CUDA, random, numpy), and each rollout brings them back as they are after it (the trainer takes
+them: as if it had sampled). k = 0: t sends its streams each step (after its evaluation, if any),
+so the async run draws what the synchronous run draws. k > 0: t sends them once, and the rollout
+rank carries them on; without evaluations that is the one-process --max-staleness k run's draw,
+while an evaluation at step s draws after rollouts s + 1 .. s + k were drawn (one process: before).
+--resume: the checkpoint's ring of past weights (state/stale_ring.pt, one trainer) and the
+rollouts' streams saved with it (staleness.hold_streams; k = 0: the trainers' own) regenerate the
 in-flight rollouts (nothing of the queue is saved: the pipeline is a function of those).
 A rollout rank that dies breaks the link: the trainers stop in one line naming the last checkpoint;
 trainers that stop (the end, SIGTERM at a step boundary, an error) end the rollout ranks quietly.

@@ -24,7 +24,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from grouprl import energy, moe, staleness
+from grouprl import energy, moe, rollout_ranks, staleness
 from grouprl.distributed import Dist, all_gather_cat, all_reduce, fail
 from grouprl.episodes import env_scores, generate_episodes, tools_of
 from grouprl.generation import Rollout, generate
@@ -45,6 +45,19 @@ _FILLED_SAID = []  # the line saying that --max-gen-rounds was reached, said onc
 
 def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_env: Dist, reward,
                   sampling: Sampling, args) -> Rollout:
+    """This rank's groups of `step` (rollout_groups), sampled by the weights of --max-staleness k
+    versions before (staleness.behind; k = 0: the policy as it is), or under --async-rollouts
+    received from a rollout rank, which sampled them so (grouprl/rollout_ranks.py)."""
+    k = getattr(args, "max_staleness", 0)
+    if rollout_ranks.training():  # --async-rollouts: a rollout rank sampled this step's groups
+        return rollout_ranks.receive(policy, step, reward, args)
+    with staleness.behind(policy, step, k) as stale:
+        return stale.done(rollout_groups(policy, tok, train, step, eos, dist_env, reward,
+                                         sampling, args), args)
+
+
+def rollout_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_env: Dist, reward,
+                   sampling: Sampling, args) -> Rollout:
     """This rank's groups of `step`: its per_rank (--prompts-per-rank) prompts (prompt_indices),
     group_size (--group-size) completions each (generate, drawn as `sampling` says) and their
     rewards (score; a completion cut at the token limit scores truncated_scale times its reward,
@@ -69,11 +82,6 @@ def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_en
     (groups with a spread past per_rank on their rank, unused); charts/filled_groups (flat groups
     kept at the bound). Generated groups = gen_rounds x per_rank x world = the batch + dropped +
     surplus."""
-    k = getattr(args, "max_staleness", 0)  # --max-staleness: the weights of k steps before
-    if k and not staleness.sampling(policy):
-        return staleness.stale_rollout(policy, step, k, args.num_minibatches,
-                                       lambda: sample_groups(policy, tok, train, step, eos,
-                                                             dist_env, reward, sampling, args))
     per_rank, group_size, seed = args.prompts_per_rank, args.group_size, args.seed
     dynamic, max_rounds = args.dynamic_sampling, args.max_gen_rounds
     rounds = []  # per round: (indices, roll, rewards, each reward's values)

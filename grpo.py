@@ -37,6 +37,7 @@ from grouprl.grader import load_reward
 from grouprl.lora import lora_spec
 from grouprl.modeling import (check_model, eos_ids, load_model, load_tokenizer, reference_policy,
                               wrap_policy)
+from grouprl.rollout_ranks import serve_rollouts
 from grouprl.runlog import Logger, jitter2, log_samples, rollout_log
 
 LossAgg = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]  # --loss-agg
@@ -174,7 +175,8 @@ def main():
     check_grpo_args(args)
     reward = load_reward(args.reward, args.reward_timeout, args.reward_weights,
                          args.reward_fail_steps)  # a bad --reward fails here too
-    dist_env = setup_distributed(args.seed)
+    dist_env = setup_distributed(args.seed, args.rollout_ranks if args.async_rollouts else 0)
+    serve_rollouts(args, dist_env, reward, sample_groups)  # --async-rollouts: a rollout rank's run
     check_model(args.model, args.trust_remote_code, args.gen_mode, args.old_logp,
                 args.rollout_is_cap, args.routing_replay, args.max_staleness)
     script = os.path.basename(__file__)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 # -------------------- distributed set-up: torchrun, ranks, seeds, collectives, errors
 ON_FAIL = []  # functions fail() calls before the process stops
+LINK = []  # --async-rollouts: (the link over every rank, ProcessGroupGloo; the trainers' count)
 
 
 def fail(msg: str):
@@ -31,6 +32,11 @@ def fail(msg: str):
     # a progress bar on stderr's last line is ended first, so that the error starts a line of its own
     for bar in list(getattr(getattr(sys.modules.get("tqdm"), "tqdm", None), "_instances", ())):
         bar.close()
+    if LINK and not dist.is_initialized():  # a rollout rank (--async-rollouts): it alone knows
+        # on a line of its own: a trainer's progress bar may hold the terminal's last line
+        print(f"\nerror: rollout rank {os.environ.get('RANK')}: {msg}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(1)
     if dist.is_initialized():
         if main:
             print(f"error: {msg}", file=sys.stderr)
@@ -86,10 +92,15 @@ def launched() -> bool:
     return "RANK" in os.environ
 
 
-def setup_distributed(seed: int) -> Dist:
+def setup_distributed(seed: int, rollout_ranks: int = 0) -> Dist:
     """Read torchrun's environment (plain `python x.py` is world size 1, unsharded); NCCL on CUDA,
     gloo on CPU. Under torchrun the process group exists even for one process, so that FSDP2 (fp32
-    master weights, --cpu-offload, --gen-unshard) serves one GPU as it serves eight."""
+    master weights, --cpu-offload, --gen-unshard) serves one GPU as it serves eight.
+    rollout_ranks R > 0 (--async-rollouts): the last R ranks generate, the first world - R train;
+    the process group (every collective, FSDP2) holds the trainers alone, their Dist counts them
+    alone, and a second group over every rank, the link (LINK), carries rollouts and weights
+    (grouprl/rollout_ranks.py). A rollout rank is in no process group: a plain process, unsharded,
+    its Dist world 1 and not main."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
@@ -97,10 +108,11 @@ def setup_distributed(seed: int) -> Dist:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if launched() and not dist.is_initialized():
+    trainers = world - rollout_ranks
+    if launched() and not dist.is_initialized() and not LINK:
         backend, dev = ("nccl", device) if device.type == "cuda" else ("gloo", None)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-        if attempt is None:  # launched by something other than torchrun: plain env:// rendezvous
+        if attempt is None and not rollout_ranks:  # not torchrun: plain env:// rendezvous
             dist.init_process_group(backend, device_id=dev)
         else:  # torchrun keeps its TCP store across --max-restarts attempts; without a prefix per
             # attempt a restarted job reads the dead attempt's addresses and cannot connect
@@ -108,10 +120,20 @@ def setup_distributed(seed: int) -> Dist:
                 os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                 is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
                 timeout=dist.constants.default_pg_timeout)
-            dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store),
-                                    rank=rank, world_size=world, device_id=dev)
+            prefix = f"attempt_{attempt or 0}"
+            if rollout_ranks:  # the link first (every rank), then the trainers' own group
+                LINK.append((dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/link", store), rank,
+                                                   world, dist.constants.default_pg_timeout),
+                             trainers))
+                prefix += "/trainers"
+                world = trainers
+            if rank < trainers:
+                dist.init_process_group(backend, store=dist.PrefixStore(prefix, store),
+                                        rank=rank, world_size=world, device_id=dev)
     seed_everything(seed)  # same seed on every rank while the model is built; see seed_rank()
-    return Dist(rank, world, device, sharded=dist.is_initialized())
+    if LINK and rank >= LINK[0][1]:  # a rollout rank: a plain process of its own
+        return Dist(rank, 1, device)
+    return Dist(rank, min(world, trainers), device, sharded=dist.is_initialized())
 
 
 def seed_everything(seed: int):

@@ -17,8 +17,10 @@ The ring is part of the run's state: a checkpoint holds it (state/stale_ring.pt,
 from __future__ import annotations
 
 import os
+import pickle
 import weakref
 from collections import deque
+from contextlib import contextmanager
 
 import torch
 
@@ -27,8 +29,9 @@ from .distributed import all_reduce, fail
 # Rollout: grouprl/generation.py's (not imported: the checkpoint reads this module)
 
 _RINGS = weakref.WeakKeyDictionary()  # policy -> deque of (version, [CPU tensors]), oldest first
-_SAMPLING = weakref.WeakSet()  # the policies whose stale rollout is under way
 _RESUMED = []  # the ring a resumed run read from its checkpoint (restore_ring), until first used
+_STREAMS = weakref.WeakKeyDictionary()  # policy -> the random streams its rollouts are drawn from
+_RESUMED_STREAMS = []  # those a resumed run read from its checkpoint, until first used
 RING_FILE = "stale_ring.pt"
 
 
@@ -37,13 +40,8 @@ def trainable(policy) -> list[torch.Tensor]:
     return [p for p in policy.parameters() if p.requires_grad]
 
 
-def sampling(policy) -> bool:
-    """True inside stale_rollout's sample (sample_groups calls itself there once)."""
-    return policy in _SAMPLING
-
-
 @torch.no_grad()
-def _load(params: list[torch.Tensor], weights: list[torch.Tensor]):
+def load(params: list[torch.Tensor], weights: list[torch.Tensor]):
     for p, w in zip(params, weights):
         p.copy_(w)
 
@@ -58,35 +56,56 @@ def behaviour_logp(policy, roll: Rollout, chunks: int) -> torch.Tensor:
                              roll.n_prompt) for i in range(0, B, per)])
 
 
-def stale_rollout(policy, step: int, k: int, chunks: int, sample) -> Rollout:
-    """sample() (sample_groups' own body) with the weights of version max(0, step - 1 - k) in the
-    policy; the current ones back after, bitwise. The Rollout gets logp (the behaviour policy's,
-    when the engine gave none) and stats stale/versions_behind (the staleness used:
-    min(k, s - 1))."""
-    params = trainable(policy)
+def keep(policy, step: int, k: int, now: list[torch.Tensor]) -> deque:
+    """The ring of policy's past weights with `now` (version step - 1, CPU copies) appended and
+    the versions older than step - 1 - k dropped: the k + 1 versions steps step .. step + k sample
+    with (the checkpoint's ring on a resumed run's first step)."""
     if policy not in _RINGS:  # the run's first stale step: the checkpoint's ring, or a new one
         _RINGS[policy] = _RESUMED.pop() if _RESUMED else deque()
     ring = _RINGS[policy]
-    if ring and [w.shape for w in ring[0][1]] != [p.shape for p in params]:
+    if ring and [w.shape for w in ring[0][1]] != [w.shape for w in now]:
         fail("--resume: the checkpoint's past weights (--max-staleness) do not fit this model's "
              "trainable parameters; resume with the run's own --model and LoRA flags")
-    now = [p.detach().to("cpu", copy=True) for p in params]  # version step - 1
     ring.append((step - 1, now))
     while len(ring) > k + 1:
         ring.popleft()
-    version, weights = ring[0]
-    behind = step - 1 - version
-    _SAMPLING.add(policy)
-    try:
-        _load(params, weights)  # the behaviour policy (version == step - 1: the same numbers)
-        roll = sample()
+    return ring
+
+
+class Behind:
+    """What `behind` yields: done(roll, chunks) completes the rollout sampled inside it."""
+
+    def __init__(self, policy, behind: int | None):
+        self.policy, self.behind = policy, behind
+
+    def done(self, roll: Rollout, args) -> Rollout:
+        """roll as sampled, or, when stale: its logp the behaviour policy's (when the engine gave
+        none; --num-minibatches row slices) and stats stale/versions_behind (the staleness
+        used)."""
+        if self.behind is None:
+            return roll
         if roll.logp is None:  # HF modes: pi_behaviour by the training forward
-            roll.logp = behaviour_logp(policy, roll, chunks)
+            roll.logp = behaviour_logp(self.policy, roll, args.num_minibatches)
+        roll.stats["stale/versions_behind"] = self.behind
+        return roll
+
+
+@contextmanager
+def behind(policy, step: int, k: int):
+    """Inside: the policy holds the weights of version max(0, step - 1 - k) (the ring's oldest),
+    so that a rollout sampled there is step's stale one; the current weights back after, bitwise.
+    k = 0: nothing touched (today's run). Yields a Behind, whose done() is called inside."""
+    if not k:
+        yield Behind(policy, None)
+        return
+    params = trainable(policy)
+    now = [p.detach().to("cpu", copy=True) for p in params]  # version step - 1
+    version, weights = keep(policy, step, k, now)[0]
+    try:
+        load(params, weights)  # the behaviour policy (version == step - 1: the same numbers)
+        yield Behind(policy, step - 1 - version)
     finally:
-        _load(params, now)  # the current weights back, bitwise
-        _SAMPLING.discard(policy)
-    roll.stats["stale/versions_behind"] = behind
-    return roll
+        load(params, now)  # the current weights back, bitwise
 
 
 def gap(roll: Rollout, old_logp: torch.Tensor) -> dict:
@@ -102,20 +121,39 @@ def gap(roll: Rollout, old_logp: torch.Tensor) -> dict:
     return {"stale/kl": (all_reduce(k3.sum()) / all_reduce(mask.sum()).clamp(min=1)).item()}
 
 
+def hold_streams(policy, streams: dict):
+    """--async-rollouts, k > 0: the random streams policy's next rollout is drawn from (on the
+    rollout rank, ahead of this rank's own, which an evaluation also draws from); saved with the
+    ring, so that a resumed run draws its in-flight rollouts as the uninterrupted one did."""
+    _STREAMS[policy] = streams
+
+
+def resumed_streams() -> dict | None:
+    """The streams a resumed run's checkpoint held (hold_streams), once; else None."""
+    return _RESUMED_STREAMS.pop() if _RESUMED_STREAMS else None
+
+
 def save_ring(folder: str, policy):
-    """The ring into folder/stale_ring.pt: the versions the next k steps sample with (nothing when
-    the run keeps none: --max-staleness 0)."""
+    """The ring into folder/stale_ring.pt: the versions the next k steps sample with, and the
+    rollouts' random streams when held (hold_streams); nothing when the run keeps no ring
+    (--max-staleness 0)."""
     ring = _RINGS.get(policy)
     if ring:
-        torch.save({"versions": [v for v, _ in ring], "weights": [w for _, w in ring]},
-                   os.path.join(folder, RING_FILE))
+        blob = {"versions": [v for v, _ in ring], "weights": [w for _, w in ring]}
+        if policy in _STREAMS:  # pickled: the random and numpy states are not tensors
+            blob["streams"] = torch.frombuffer(bytearray(pickle.dumps(_STREAMS[policy])),
+                                               dtype=torch.uint8)
+        torch.save(blob, os.path.join(folder, RING_FILE))
 
 
 def restore_ring(folder: str | None):
     """A checkpoint's ring (folder: its state/), held for the resumed run's first stale rollout;
     a fresh run (None) or a checkpoint without one: none (the ring starts empty)."""
     _RESUMED.clear()
+    _RESUMED_STREAMS.clear()
     path = None if folder is None else os.path.join(folder, RING_FILE)
     if path is not None and os.path.exists(path):
         blob = torch.load(path, map_location="cpu", weights_only=True)
         _RESUMED.append(deque(zip(blob["versions"], blob["weights"])))
+        if "streams" in blob:
+            _RESUMED_STREAMS.append(pickle.loads(blob["streams"].numpy().tobytes()))

@@ -132,7 +132,13 @@ def test_decoupled_term_by_hand(mode, over):
 
 @pytest.mark.parametrize("argv,env,needle", [
     (["--max-staleness", "-1"], {}, "--max-staleness -1: must be >= 0"),
-    (["--max-staleness", "2"], {"RANK": "0"}, "under torchrun it is not offered yet"),
+    (["--max-staleness", "2"], {"RANK": "0"}, "under torchrun add --async-rollouts"),
+    (["--async-rollouts"], {}, "--async-rollouts splits a torchrun job into trainers and rollout ranks"),
+    (["--rollout-ranks", "2"], {}, "--rollout-ranks 2 sets how many ranks generate under --async-rollouts"),
+    (["--async-rollouts"], {"RANK": "0", "WORLD_SIZE": "1"}, "leaves no trainer among 1 rank(s)"),
+    (["--async-rollouts", "--dynamic-sampling"], {"RANK": "0", "WORLD_SIZE": "2"},
+     "--async-rollouts with --dynamic-sampling: its rounds"),
+    (["--async-rollouts", "--max-staleness", "1"], {"RANK": "0", "WORLD_SIZE": "3"}, "with 2 trainers: the checkpoint"),
 ])
 def test_refusals_in_one_line(argv, env, needle, monkeypatch, tmp_path):
     for key, value in env.items():

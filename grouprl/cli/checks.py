@@ -338,12 +338,38 @@ def check_rollout_args(args):
 
 def check_staleness_args(args):
     """--max-staleness k: k >= 0; one process (--resume is exact: the checkpoint holds the ring of
-    past weights, grouprl/staleness.py)."""
-    k = args.max_staleness
+    past weights, grouprl/staleness.py), or under torchrun with --async-rollouts (rollout_ranks):
+    more ranks than --rollout-ranks, and what the rollout ranks cannot sample refused."""
+    k, ranks = args.max_staleness, args.rollout_ranks
     check_int("max-staleness", k, 0, why=" (weight versions behind; 0: today's run)")
-    if k and launched():
-        fail(f"--max-staleness {k} keeps past weights in one process; under torchrun it is not "
-             "offered yet (issue 63 item 1): run it with plain `python`")
+    if ranks != 1 and not args.async_rollouts:
+        fail(f"--rollout-ranks {ranks} sets how many ranks generate under --async-rollouts: add "
+             "--async-rollouts, or drop it")
+    if not args.async_rollouts:
+        if k and launched():
+            fail(f"--max-staleness {k} keeps past weights in one process; under torchrun add "
+                 "--async-rollouts (ranks that generate beside the trainers), or run it with "
+                 "plain `python`")
+        return
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if not launched():
+        fail("--async-rollouts splits a torchrun job into trainers and rollout ranks: launch with "
+             "`torchrun --nproc-per-node N`, N > --rollout-ranks")
+    check_int("rollout-ranks", ranks, 1, why=" (ranks that generate)")
+    if world <= ranks:
+        fail(f"--async-rollouts with --rollout-ranks {ranks} leaves no trainer among {world} "
+             f"rank(s): launch more ranks (--nproc-per-node > {ranks}) or lower --rollout-ranks")
+    others = [flag for flag, on in (("--dynamic-sampling", args.dynamic_sampling),
+                                    ("--tools", args.tools), ("--environment", args.environment),
+                                    ("--gen-mode engine-tp", args.gen_mode == "engine-tp"))
+              if on]
+    if others:
+        fail(f"--async-rollouts with {others[0]}: its rounds or turns span every rank's "
+             "generation at once, which a rollout rank's does not; drop one of the two")
+    if k and world - ranks > 1:
+        fail(f"--async-rollouts --max-staleness {k} with {world - ranks} trainers: the "
+             "checkpoint's ring of past weights is written by one trainer for now; launch "
+             f"--nproc-per-node {ranks + 1}, or --max-staleness 0")
 
 
 def check_lora_args(args):

@@ -357,4 +357,10 @@ class CommonArgs:
     max_staleness: one version a step, whatever its optimizer steps; the first k steps sample with
     the initial weights; LoRA: the adapters kept); the rollout carries the behaviour policy's
     log-probs, stale/versions_behind and stale/kl logged (grouprl/staleness.py, docs/objectives.md;
-    one process; 0: today's run)"""
+    0: today's run; under torchrun with --async-rollouts only)"""
+    async_rollouts: bool = False
+    """under torchrun: the last --rollout-ranks ranks generate while the others train (FSDP2 over
+    the trainers), one weight version a step; each step s sampled with the weights of version
+    max(0, s - 1 - k), k = --max-staleness, as one process samples it (grouprl/rollout_ranks.py)"""
+    rollout_ranks: int = 1
+    """--async-rollouts: how many ranks generate (the last ones; each serves trainer t mod R)"""

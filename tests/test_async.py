@@ -1,0 +1,105 @@
+"""--async-rollouts (issue 63 item 1; grouprl/rollout_ranks.py): under torchrun (gloo, CPU) one trainer and one
+rollout rank sample exactly what one process under --max-staleness k samples (every metric bitwise but the async
+run's own keys), each step s with the weights of version max(0, s - 1 - k) (stale/version, read from each row);
+SIGKILL of the rollout rank stops the job with its last checkpoint intact (in one line when the trainer waits on
+the link, at the step boundary when torchrun's SIGTERM reaches it first), and --resume auto goes on exactly."""
+import glob
+import os
+import subprocess
+import sys
+
+from helpers import ROOT, read_rows
+
+from grouprl.checkpoint.manifest import is_checkpoint, step_folders
+
+PROGRAM = os.path.join(ROOT, "tests", "programs", "async_split.py")
+K = 1
+ARGV = ["--num-steps", "5", "--prompts-per-rank", "4", "--num-minibatches", "2", "--eval-every", "0",
+        "--learning-rate", "1e-2", "--max-new-tokens", "4", "--log-samples", "0", "--save-every", "1",
+        "--max-staleness", str(K)]
+ASYNC_KEYS = ("stale/version", "stale/dropped")
+
+
+def launch(out, *extra, script="grpo.py", torchrun=True, env=None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] if torchrun else [
+        sys.executable]
+    return subprocess.run([*cmd, PROGRAM, script, *ARGV, *extra, "--output-dir", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, **(env or {})})
+
+
+def rows_of(out, jitter_row=True):
+    (run,) = glob.glob(f"{out}/*/metrics.jsonl")
+    return read_rows(run, jitter_row), os.path.dirname(run)
+
+
+def without(rows, keys=ASYNC_KEYS):
+    return [{k: v for k, v in r.items() if not k.startswith("perf/") and k not in keys} for r in rows]
+
+
+def test_async_run_is_the_one_process_run_survives_a_killed_rollout_rank_and_resumes_exactly(tmp_path):
+    p = launch(tmp_path / "one", torchrun=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    one, _ = rows_of(tmp_path / "one")
+    # the rollout rank kills itself as it starts to sample step 4: the trainer has trained step 2 or 3
+    p = launch(tmp_path / "async", "--async-rollouts", env={"KILL_AT": "4"})
+    assert p.returncode != 0
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    stopped = "SIGTERM: stopping with a checkpoint at the end of this step" in p.stderr
+    assert len(errors) == 1 or not errors and stopped, p.stderr[-3000:]
+    rows, run = rows_of(tmp_path / "async", jitter_row=False)
+    last = max(n for n, path in step_folders(run) if is_checkpoint(path))
+    assert last in (2, 3) and [r["step"] for r in rows] == list(range(1, last + 1))
+    if errors:  # the trainer waited on the link: one line, naming the last checkpoint
+        assert errors[0].startswith(f"error: step {last + 1}: the rollout rank 1 is gone (") and errors[0].endswith(
+            f"the last checkpoint is {run}/step_{last}: go on with --resume auto (or that folder)"), errors[0]
+    p = launch(tmp_path / "async", "--async-rollouts", "--resume", "auto")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows, _ = rows_of(tmp_path / "async")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert without(rows) == without(one)  # bitwise: the same samples, the same updates
+    assert [r["stale/version"] for r in rows] == [max(0, s - 1 - K) for s in range(1, 6)]
+    assert all(0 <= r["stale/versions_behind"] <= K and r["stale/dropped"] == 0 for r in rows)
+    assert rows[-1]["losses/grad_norm"] > 0 and not any(k in one[0] for k in ASYNC_KEYS)
+
+
+def test_sigterm_on_the_rollout_rank_stops_every_rank_at_a_step_boundary_and_resume_is_exact_lora_eval(tmp_path):
+    """SIGTERM on the rollout rank as it starts to sample step 3: that rollout tells the trainer, which finishes step 3,
+    saves it and exits 0, and so does the rollout rank (a stop, not a failure); --resume auto then logs the
+    uninterrupted run's steps 4 and 5 bitwise, though an evaluation at step 3 drew from the trainer's random streams
+    after rollouts 4 and 5 were drawn (the checkpoint holds the rollouts' streams, staleness.hold_streams). LoRA (the
+    adapters are what is sent), gspo.py, k = 2. The one-process run is the same up to step 3: it draws rollout 4 after
+    the evaluation."""
+    flags = ["--lora-rank", "4", "--max-staleness", "2", "--save-every", "0", "--eval-every", "3", "--eval-size", "4"]
+    p = launch(tmp_path / "one", *flags, script="gspo.py", torchrun=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = launch(tmp_path / "whole", "--async-rollouts", *flags, script="gspo.py")
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = launch(tmp_path / "async", "--async-rollouts", *flags, script="gspo.py",
+               env={"KILL_AT": "3", "KILL_WITH": "SIGTERM"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "SIGTERM on a rollout rank: the trainers stop with a checkpoint at the end of a step" in p.stderr
+    rows, run = rows_of(tmp_path / "async", jitter_row=False)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and "eval/prompts" in rows[3]
+    assert [n for n, path in step_folders(run) if is_checkpoint(path)] == [3]
+    p = launch(tmp_path / "async", "--async-rollouts", *flags, "--resume", "auto", script="gspo.py")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows, _ = rows_of(tmp_path / "async")
+    whole, _ = rows_of(tmp_path / "whole")
+    one, _ = rows_of(tmp_path / "one")
+    assert without(rows, ()) == without(whole, ()) and [r["stale/version"] for r in rows[1:]] == [0, 0, 0, 1, 2]
+    assert without(whole[:4]) == without(one[:4]) and without(whole[4:5]) != without(one[4:5])
+
+
+def test_two_trainers_and_a_rollout_rank_are_the_synchronous_two_rank_run(tmp_path):
+    """3 ranks, --async-rollouts k = 0: FSDP2 and every collective over the two trainers alone, the rollout rank
+    drawing each trainer's prompts from that trainer's random streams as they are at the step's start (an evaluation's
+    draws included): the 2-rank synchronous run, bitwise, evaluations included."""
+    short = ["--num-steps", "2", "--max-staleness", "0", "--save-every", "0", "--eval-every", "1", "--eval-size", "4"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    for n, out, extra in (("3", "async", ["--async-rollouts"]), ("2", "sync", [])):
+        p = subprocess.run([*cmd, n, PROGRAM, "grpo.py", *ARGV, *short, *extra, "--output-dir", str(tmp_path / out)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+    rows, _ = rows_of(tmp_path / "async")
+    sync, _ = rows_of(tmp_path / "sync")
+    assert without(rows) == without(sync) and [r.get("stale/version") for r in rows] == [None, 0, 1]

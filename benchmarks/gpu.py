@@ -639,6 +639,12 @@ def main():
             flush()
             if "grouprl.engine" in sys.modules:  # the Engine freed now (gc: a reference cycle), not at the next plan
                 sys.modules["grouprl.engine"].rollout.release(lm)
+        if a.episodes_check and time.time() < a.deadline:  # issue 64's item 4 before item 2
+            try:
+                row["generation"]["episodes_check"] = episodes_check(lm, shape, a, d)
+            except (Exception, SystemExit) as e:  # noqa: BLE001
+                row["generation"]["episodes_check"] = error_row(e)
+            flush()
         if a.paged_check and time.time() < a.deadline:
             try:
                 row["generation"]["paged_check"] = paged_check(lm, shape, d)
@@ -650,12 +656,6 @@ def main():
                 row["generation"]["shared_check"] = shared_check(lm, shape, a, d)
             except (Exception, SystemExit) as e:  # noqa: BLE001
                 row["generation"]["shared_check"] = error_row(e)
-            flush()
-        if a.episodes_check and time.time() < a.deadline:
-            try:
-                row["generation"]["episodes_check"] = episodes_check(lm, shape, a, d)
-            except (Exception, SystemExit) as e:  # noqa: BLE001
-                row["generation"]["episodes_check"] = error_row(e)
             flush()
         if d.device.type == "cuda":  # the last mode's kept Engine (its cache, and through it this model) freed
             row["allocated_after_generation_gb"] = held(d.device)  # before training and the next model

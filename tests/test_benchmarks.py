@@ -87,11 +87,14 @@ def test_qwen3_shapes_match_the_model_cards():
 @pytest.mark.slow
 def test_gpu_benchmark_smoke(tmp_path):
     """benchmarks/gpu.py --smoke: every measurement of the GPU run, on CPU with tiny shapes, in its table and JSON."""
-    p = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--train-beside-engine", "--out",
+                        str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.load(open(tmp_path / "gpu.json"))
     row = out["results"]["tiny"]
+    t = row["training_beside_engine"]  # the last mode's Engine still kept, its plan added to the step's
+    assert t["engine_kept"] and t["tokens_per_s"] > 0 and t["plan_gb"] == t["train_plan_gb"] + t["engine_plan_gb"], t
+    assert t["engine_plan_gb"] > 0 and t["train_plan_gb"] == row["training_ac1"]["plan_gb"], t
     assert set(row["generation"]) == {*generation.GEN_MODES, "engine-eager", "engine-sdpa", "engine-nocompile",
                                       "engine-flexapart"}
     for mode, g in row["generation"].items():

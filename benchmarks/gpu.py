@@ -39,6 +39,14 @@ Per model, as far as each fits:
   paged, 4 prompts of 2,000 tokens x --group-size rows, 128 sampled tokens: the KV blocks taken, the KV bytes a step
   reads by row and distinct (the physical bytes; whether the GPU reads a shared block once is what the times say),
   tok/s, and the two sides' rows token for token.
+- episodes check (--episodes-check): episodes of 4 turns on the engine (grouprl/engine/turns.py) with a scripted
+  tool turn between turns, each row's KV cache kept across its turns against re-prefilling the history each turn
+  (engine.settings.KEEP_TURNS = False, the same Engine), 4 prompts of 1,000 tokens x --group-size rows, greedy: the
+  tokens each side's prefills computed, tok/s, and the two sides' episodes token for token.
+- training beside the Engine (--train-beside-engine): right after the generation modes, with the last mode's Engine
+  still kept (the scripts keep it across steps), the checkpointed training step's peak against the plan's training
+  peak plus engine.memory_needed for the rollout's rows (memory_plan.py's "Engine kept across steps" row). Needs
+  gspo.py, hence tyro: on the GPU image, with the wheels of ../shared/tools/gpu-wheels.sh installed.
 - TRL: if `trl` imports, benchmarks/rl_step.py on the 0.6B shape (gspo.py --gen-mode engine against TRL's
   GRPOTrainer as GSPO, no vLLM, one RL step's median wall time).
 One call cannot come back empty: each mode's row and each training row is written to --out (default $OUT, the
@@ -294,6 +302,79 @@ def shared_check(lm, shape, a, d) -> dict:
             "rows": len(prompts) * n, "max_logp_diff": diff, "shared": out[True], "unshared": out[False]}
 
 
+def episodes_check(lm, shape, a, d) -> dict:
+    """Episodes on the engine (grouprl/engine/turns.py, as --tools with --gen-mode engine runs them) with each row's
+    KV cache kept across its turns, against re-prefilling each turn's whole history (settings.KEEP_TURNS = False,
+    the same kept Engine: what HF generate does in the tool loop): 4 prompts of 1,000 tokens (--smoke: 24) x
+    --group-size rows, 4 model turns of 128 greedy tokens each (--smoke: 4), no EOS, and after each of the first 3
+    a scripted tool turn of 64 tokens (--smoke: 5; the same random ids for every row: no tools file, no tokenizer).
+    Per side, after one untimed kept run (compilation): wall seconds of the episodes, model tokens/s, the tokens
+    its prefills computed (a group's prompt once) and the later turns' prefill per episode; and whether the two
+    sides' episodes are equal token for token, with the largest log-prob difference before a row's first
+    difference (bf16: a near-tie may flip a greedy token; a wrong read is off by whole nats)."""
+    import torch
+
+    from grouprl import engine
+    from grouprl.engine import rollout as engine_rollout
+    from grouprl.engine import settings, turns
+    from grouprl.sampling import Sampling
+
+    engine_rollout.release(lm)  # a kept Engine freed (a reference cycle: gc) before this one plans its cache
+    P, T, tool_len, k = (24, 4, 5, 4) if a.smoke else (1000, 128, 64, 4)
+    n, g = a.group_size, torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, shape["vocab_size"], (P,), generator=g).tolist() for _ in range(4)]
+    tools = [torch.randint(3, shape["vocab_size"], (tool_len,), generator=g).tolist() for _ in range(k - 1)]
+    rows = len(prompts) * n
+    setup = engine.Setup(rows, d.device, next(lm.parameters()).dtype, keep=True)  # one Engine for every run
+
+    def run(keep: bool) -> dict:
+        settings.KEEP_TURNS = keep
+        e, resolved, _ = engine_rollout.made(lm, prompts, n, k * T + (k - 1) * tool_len, setup)
+        episodes = turns.Episodes(e, resolved, [-1], Sampling(T, top_k=1))  # a turn: T tokens
+        sync(d.device)
+        t = time.perf_counter()
+        try:
+            said = episodes.first(prompts, n)
+            for tool in tools:  # each row's history and the tool turn; the next turn's room
+                said += episodes.next([ids + tool for ids in episodes.ids], [T] * rows)
+        finally:
+            episodes.close()
+        sync(d.device)
+        s = time.perf_counter() - t
+        tokens = sum(len(m[0]) for m in said)
+        later = (episodes.counts["prefill_tokens"] - sum(map(len, prompts))) / rows
+        return {"s": s, "tokens_per_s": tokens / s, "model_tokens": tokens,
+                "prefill_tokens": episodes.counts["prefill_tokens"], "later_prefill_per_episode": later,
+                "ids": episodes.ids, "logp": episodes.logp}
+
+    try:
+        run(True)  # untimed: compiles and captures
+        out = {"kept": run(True), "re-prefilled": run(False)}
+    finally:
+        settings.KEEP_TURNS = True
+        engine_rollout.release(lm)
+    (ka, kl), (fa, fl) = ((out[x].pop("ids"), out[x].pop("logp")) for x in ("kept", "re-prefilled"))
+    diff = 0.0
+    for x, y, lx, ly in zip(ka, fa, kl, fl):
+        same = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        diff = max([diff] + [abs(u - v) for u, v in zip(lx[:same], ly[:same])])
+    return {"shape": f"{len(prompts)} x {n} rows, {P}-token prompts, {k} turns of {T} greedy tokens, "
+                     f"{tool_len}-token tool turns", "rows": rows, "rows_equal": sum(x == y for x, y in zip(ka, fa)),
+            "max_logp_diff": diff, **out}
+
+
+def episodes_line(c: dict) -> str:
+    """--episodes-check's result in one line: per side its prefill, time and tok/s; the rows compared."""
+    def side(x):
+        return (f"{x['prefill_tokens']} tokens prefilled ({x['later_prefill_per_episode']:.0f} an episode after its "
+                f"prompt), {x['s']:.2f} s, {x['tokens_per_s']:.0f} tok/s")
+    kept, full = c["kept"], c["re-prefilled"]
+    return (f"{c['shape']}: KV kept {side(kept)}; re-prefilled {side(full)}; later turns' prefill "
+            f"{full['later_prefill_per_episode'] / max(kept['later_prefill_per_episode'], 1):.1f}x fewer kept, "
+            f"tok/s {kept['tokens_per_s'] / full['tokens_per_s']:.2f}x; {c['rows_equal']} of {c['rows']} episodes "
+            f"equal, log-probs within {c['max_logp_diff']:.2g}")
+
+
 def held(device) -> dict:
     """GB the allocator holds after the generation modes: with engine.HELD cleared, after gc, after
     torch._dynamo.reset() (which of them frees the Engine says what kept it)."""
@@ -352,7 +433,21 @@ def _one_mode(policy, tok, shape, a, d, mode, texts, eos, bytes_per_s, weight_by
     return res
 
 
-def bench_training(lm, policy, shape, a, d, checkpointing: bool) -> dict:
+def training_row(lm, policy, shape, a, d, checkpointing: bool, beside: bool = False):
+    """bench_training's row, or why there is none: skipped (--no-train, past --minutes), OOM, the error."""
+    import torch
+
+    if (a.no_train and not beside) or time.time() > a.deadline:
+        return "skipped: " + ("--no-train" if a.no_train and not beside else f"over --minutes {a.minutes}")
+    try:
+        return bench_training(lm, policy, shape, a, d, checkpointing, beside)
+    except torch.OutOfMemoryError:
+        return "OOM"
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"[:200]
+
+
+def bench_training(lm, policy, shape, a, d, checkpointing: bool, beside: bool = False) -> dict:
     import torch
 
     import memory_plan
@@ -402,9 +497,17 @@ def bench_training(lm, policy, shape, a, d, checkpointing: bool) -> dict:
     name = torch.cuda.get_device_name(d.device) if cuda else ""
     peak_flops = (a.peak_tflops or peak_tflops(name) or 0) * 1e12
     tps = B * T / s
-    return {"s_per_step": s, "tokens_per_s": tps,
-            "mfu": tps * flops_per_token(shape, T) / peak_flops if peak_flops else None,
-            "peak_gb": peak, "plan_gb": predicted if checkpointing else None}
+    out = {"s_per_step": s, "tokens_per_s": tps,
+           "mfu": tps * flops_per_token(shape, T) / peak_flops if peak_flops else None,
+           "peak_gb": peak, "plan_gb": predicted if checkpointing else None}
+    if beside:  # the kept Engine's KV cache and weight copy, as _one_mode plans them (memory_plan.py's kept row)
+        from grouprl import engine
+
+        kv, weights = engine.memory_needed(lm, a.prompts * a.group_size, a.prompt_tokens + a.new_tokens,
+                                           next(lm.parameters()).dtype, device=d.device)
+        out.update(engine_kept=lm in engine.HELD, train_plan_gb=predicted, engine_plan_gb=(kv + weights) / 1e9,
+                   plan_gb=predicted + (kv + weights) / 1e9)
+    return out
 
 
 def trl_step(a, out_dir: str) -> dict:
@@ -461,6 +564,13 @@ def main():
     ap.add_argument("--shared-check", action="store_true",
                     help="after the generation modes, a G = --group-size rollout of 2,000-token prompts paged with "
                          "each group's prompt blocks shared and not: KV blocks taken and read a step, time, rows")
+    ap.add_argument("--episodes-check", action="store_true",
+                    help="after the generation modes, episodes of 4 turns with a scripted tool turn on the engine, "
+                         "the KV cache kept across turns and re-prefilled: tokens prefilled, tok/s, rows equal")
+    ap.add_argument("--train-beside-engine", action="store_true",
+                    help="right after the generation modes, the checkpointed training step with the last mode's "
+                         "Engine still kept (as the scripts keep it across steps): its peak against the plan's "
+                         "training peak plus engine.memory_needed")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group-size", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=256)
@@ -524,6 +634,17 @@ def main():
             bench_generation(policy, tok, shape, a, d, row["generation"], flush)
         except Exception as e:  # noqa: BLE001 (set-up of the modes: the bandwidth copy, the warm-up call)
             row["generation"]["error"] = {"error": f"{type(e).__name__}: {e}"[:200]}
+        if a.train_beside_engine:  # before the kept Engine is freed (held, below; the checks clear it)
+            row["training_beside_engine"] = training_row(lm, policy, shape, a, d, True, beside=True)
+            flush()
+            if "grouprl.engine" in sys.modules:  # the Engine freed now (gc: a reference cycle), not at the next plan
+                sys.modules["grouprl.engine"].rollout.release(lm)
+        if a.episodes_check and time.time() < a.deadline:  # issue 64's item 4 before item 2
+            try:
+                row["generation"]["episodes_check"] = episodes_check(lm, shape, a, d)
+            except (Exception, SystemExit) as e:  # noqa: BLE001
+                row["generation"]["episodes_check"] = error_row(e)
+            flush()
         if a.paged_check and time.time() < a.deadline:
             try:
                 row["generation"]["paged_check"] = paged_check(lm, shape, d)
@@ -542,16 +663,7 @@ def main():
         elif "grouprl.engine" in sys.modules:
             sys.modules["grouprl.engine"].HELD.clear()
         for ac in (False, True):
-            if a.no_train or time.time() > a.deadline:
-                row[f"training_ac{int(ac)}"] = "skipped: " + ("--no-train" if a.no_train else
-                                                               f"over --minutes {a.minutes}")
-                continue
-            try:
-                row[f"training_ac{int(ac)}"] = bench_training(lm, policy, shape, a, d, ac)
-            except torch.OutOfMemoryError:
-                row[f"training_ac{int(ac)}"] = "OOM"
-            except Exception as e:  # noqa: BLE001
-                row[f"training_ac{int(ac)}"] = f"{type(e).__name__}: {e}"[:200]
+            row[f"training_ac{int(ac)}"] = training_row(lm, policy, shape, a, d, ac)
             flush()
         results[name] = row
         print(f"{name}: done at {time.time() - t0:.0f}s", flush=True)
@@ -642,6 +754,16 @@ def table(results: dict, a, device: str, command: str, seconds: float) -> str:
         if c:
             lines.append(f"- {name}: a group's prompt stored once against each row's copy: " + (c["error"] if "error"
                          in c else shared_line(c)))
+        c = r.get("generation", {}).get("episodes_check") if isinstance(r, dict) else None
+        if c:
+            lines.append(f"- {name}: episodes, the KV cache kept across turns against re-prefilled: " + (
+                c["error"] if "error" in c else episodes_line(c)))
+        t = r.get("training_beside_engine") if isinstance(r, dict) else None
+        if t:
+            lines.append(f"- {name}: the checkpointed training step beside the kept Engine: " + (
+                t if isinstance(t, str) else f"peak {f(t['peak_gb'], '.2f')} GB, planned {t['plan_gb']:.2f} "
+                f"(training {t['train_plan_gb']:.2f} + Engine {t['engine_plan_gb']:.2f}; "
+                f"Engine {'kept' if t['engine_kept'] else 'NOT kept'}), {t['tokens_per_s']:.0f} tok/s"))
         p = r.get("generation", {}).get("profile") if isinstance(r, dict) else None
         if p:
             lines.append(f"- {name}: profiled engine rollout: " + (p["error"] if "error" in p else

@@ -87,11 +87,14 @@ def test_qwen3_shapes_match_the_model_cards():
 @pytest.mark.slow
 def test_gpu_benchmark_smoke(tmp_path):
     """benchmarks/gpu.py --smoke: every measurement of the GPU run, on CPU with tiny shapes, in its table and JSON."""
-    p = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--train-beside-engine", "--out",
+                        str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.load(open(tmp_path / "gpu.json"))
     row = out["results"]["tiny"]
+    t = row["training_beside_engine"]  # the last mode's Engine still kept, its plan added to the step's
+    assert t["engine_kept"] and t["tokens_per_s"] > 0 and t["plan_gb"] == t["train_plan_gb"] + t["engine_plan_gb"], t
+    assert t["engine_plan_gb"] > 0 and t["train_plan_gb"] == row["training_ac1"]["plan_gb"], t
     assert set(row["generation"]) == {*generation.GEN_MODES, "engine-eager", "engine-sdpa", "engine-nocompile",
                                       "engine-flexapart"}
     for mode, g in row["generation"].items():
@@ -134,11 +137,14 @@ def test_next_lease_command_runs_without_training_packages(tmp_path):
     """The next lease's exact command lines (benchmarks/README.md), on the CPU with --smoke in place of --models and
     the shapes, with tyro, datasets, trl and math_verify unimportable as on the GPU image: every line exits 0 and
     writes a row for each of its modes, and --paged-check and --shared-check their rows (the shared side taking
-    fewer KV blocks, the rows equal)."""
+    fewer KV blocks, the rows equal), --episodes-check its (the episodes equal, fewer tokens prefilled with the KV
+    cache kept than re-prefilled) and --train-beside-engine its (skipped: gspo.py needs tyro)."""
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "tests", "blocked"))
     shape = {"--models", "--prompts", "--group-size", "--new-tokens", "--mean-length", "--minutes", "--out"}
     commands = next_lease_commands()
-    assert len(commands) == 4 and any("--shared-check" in c for c in commands), commands
+    assert len(commands) == 5, commands
+    for check in ("--paged-check", "--shared-check", "--episodes-check", "--train-beside-engine"):
+        assert any(check in c for c in commands), (check, commands)
     for i, argv in enumerate(commands):
         assert argv[0] == "timeout" and argv[2:4] == ["python3", "benchmarks/gpu.py"], argv
         flags = argv[4:]
@@ -156,6 +162,18 @@ def test_next_lease_command_runs_without_training_packages(tmp_path):
             c = gen["shared_check"]
             assert c["rows_equal"] == c["rows"] and c["shared"]["kv_blocks_peak"] < c["unshared"]["kv_blocks_peak"], c
             assert "a group's prompt stored once against each row's copy: 4 x 3 rows" in open(out / "gpu.md").read()
+        if "--episodes-check" in flags:
+            c = gen["episodes_check"]
+            kept, full = c["kept"], c["re-prefilled"]
+            assert c["rows_equal"] == c["rows"] == 12 and kept["model_tokens"] == full["model_tokens"] == 12 * 16, c
+            # a later turn prefills the last turn's token and the tool turn (1 + 5), three times an episode
+            assert kept["later_prefill_per_episode"] == 18 < full["later_prefill_per_episode"], c
+            assert kept["prefill_tokens"] < full["prefill_tokens"] and kept["tokens_per_s"] > 0, c
+            assert "episodes, the KV cache kept across turns against re-prefilled: 4 x 3 rows" in open(
+                out / "gpu.md").read()
+        if "--train-beside-engine" in flags:
+            t = json.load(open(out / "gpu.json"))["results"]["tiny"]["training_beside_engine"]
+            assert t.startswith("skipped: gspo.py does not import (tyro is blocked"), t
 
 
 def test_gpu_benchmark_minutes():

@@ -9,6 +9,7 @@ and common.py import them, none of them imports a script or common.py.
     sampling      Sampling (how completions are drawn) and the engine's sampler on the device
     generation    generate -> Rollout (HF generate's modes or the engine), Rollout.merge
     staleness     --max-staleness k: rollouts sampled by the weights of k versions before
+    rollout_ranks --async-rollouts: rollout ranks beside the FSDP2 trainers under torchrun
     engine/       the rollout engine of --gen-mode engine / engine-tp (engine.runs: for a model?)
     episodes      the tool loop (--tools, --environment): turns, tool results masked out
     tools         the episodes' tools: schemas, the prompt's tools, the worker's client

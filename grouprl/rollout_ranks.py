@@ -43,7 +43,7 @@ import torch.distributed as dist
 from . import staleness
 from .checkpoint.manifest import is_checkpoint, step_folders
 from .checkpoint.resume import own_runs
-from .checkpoint.signals import _stop  # read only: whether this trainer got a stop signal
+from .checkpoint.signals import request_stop
 from .cli.defaults import rollout_sampling
 from .data import Task, load_task
 from .distributed import LINK, Dist, fail
@@ -172,8 +172,8 @@ def receive(policy, step: int, reward, args):
     _set_streams(streams)
     if k:
         staleness.hold_streams(policy, streams)  # into the checkpoint with the ring
-    if stop and _stop["signal"] is None:  # the rollout rank got SIGTERM or SIGINT: as if this
-        signal.raise_signal(signal.SIGTERM)  # rank had, once (a second would exit at once)
+    if stop:  # the rollout rank got SIGTERM or SIGINT: as if this rank had (once)
+        request_stop()
     if values is not None:
         reward.values = values
     roll.stats.update({"stale/version": version, "stale/dropped": 0,

@@ -80,6 +80,13 @@ def _on_stop_signal(signum, frame):
                 "step (a second signal exits at once)\n".encode())
 
 
+def request_stop(signum: int = signal.SIGTERM):
+    """A stop asked for from inside the run (--async-rollouts: a rollout rank's signal, sent with
+    its rollout), as that signal would ask it here: once; a stop already asked for stays."""
+    if _stop["signal"] is None:
+        _on_stop_signal(signum, None)
+
+
 ON_FAIL.append(lambda: release_stop_signals() if threading.current_thread() is
                threading.main_thread() else None)  # a run that fails gives its handlers back
 

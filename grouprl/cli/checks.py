@@ -304,13 +304,12 @@ def check_rollout_args(args):
         fail(f"--mask-truncated with --min-new-tokens {args.min_new_tokens} = --max-new-tokens "
              f"{args.max_new_tokens}: no completion can stop before the limit, so every one would be "
              "masked and nothing learned; lower --min-new-tokens, or drop --mask-truncated")
-    # the engine's log-probs are its sampler's; the HF modes' (--max-staleness) a forward of the policy
-    engine_logp = args.old_logp == "rollout" and args.gen_mode.startswith("engine")
-    if engine_logp and args.min_new_tokens:
+    sampler_logp = args.old_logp == "rollout" and args.gen_mode.startswith("engine")
+    if sampler_logp and args.min_new_tokens:
         fail(f"--old-logp rollout with --min-new-tokens {args.min_new_tokens}: the engine's "
              "log-probs of a completion's first tokens are then the EOS-masked sampler's, not the "
              "policy's, so pi_old would be wrong; use --old-logp recompute (the default)")
-    if engine_logp and args.repetition_penalty != 1:
+    if sampler_logp and args.repetition_penalty != 1:
         fail(f"--old-logp rollout with --repetition-penalty {args.repetition_penalty}: the "
              "engine's log-probs are then the penalised sampler's, not the policy's, so pi_old would "
              "be wrong; use --old-logp recompute (the default), or drop --repetition-penalty")
@@ -361,8 +360,7 @@ def check_staleness_args(args):
              f"rank(s): launch more ranks (--nproc-per-node > {ranks}) or lower --rollout-ranks")
     others = [flag for flag, on in (("--dynamic-sampling", args.dynamic_sampling),
                                     ("--tools", args.tools), ("--environment", args.environment),
-                                    ("--gen-mode engine-tp", args.gen_mode == "engine-tp"))
-              if on]
+                                    ("--gen-mode engine-tp", args.gen_mode == "engine-tp")) if on]
     if others:
         fail(f"--async-rollouts with {others[0]}: its rounds or turns span every rank's "
              "generation at once, which a rollout rank's does not; drop one of the two")

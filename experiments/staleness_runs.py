@@ -1,6 +1,7 @@
-"""The staleness lab (docs/lab.md, "Staleness"; issue 63 item 4): the GSPO paper's argument (arXiv 2507.18071 sec. 1
-and 4.3) that one sequence-level ratio tolerates the gap between the policy that sampled and the policy that trains,
-where token-level ratios accumulate its noise, measured on stale rollouts.
+"""The staleness lab (docs/lab.md Part 8; issue 63 item 4): the GSPO paper's argument (arXiv 2507.18071 sec. 5.4)
+that one sequence-level ratio tolerates the gap between the engine that sampled and the one that trains, where token
+ratios carry its noise token by token (there the gap is precision; here it is the staleness an asynchronous system
+makes), measured on stale rollouts.
 
 Each run samples step s with the weights of k steps before (`--max-staleness k`, grouprl/staleness.py; an async
 run's pipeline of depth k samples the same), on the length lab's task (experiments/length_runs.py: the built-in
@@ -16,11 +17,13 @@ grpo's: rho = 1 exactly), so k = 0 runs once a script. gspo_token.py with A_it =
 (tests/test_gspo_token.py): not run again.
 
 Per run, from its metrics.jsonl: the reward's first and last 10% and peak (10%-step windows), collapses, the stale
-gap (`stale/kl`, KL(pi_behav || pi_prox) by k3), the spread over sequences of log s_i and of log prod_t w_it (the
-ratios against pi_old after the first update, --noise-stats), the clip fractions, the masked fraction; per variant
-and k > 0, the last-10% reward minus the same seed's k = 0 run.
+gap (`stale/kl`, KL(pi_behav || pi_prox) by k3; the decoupled objective's alone, the one that recomputes pi_prox), the
+variance of the token log-ratios on each step's first minibatch (`losses/log_ratio_var_first`: pi_theta = pi_prox
+there, so against pi_behav it is the stale gap as token ratios see it), the spread over sequences of log s_i and of
+log prod_t w_it (the ratios against pi_old after the first update, --noise-stats), the clip fractions, the masked
+fraction; per variant and k > 0, the last-10% reward minus the same seed's k = 0 run.
 
-    python experiments/staleness_runs.py                             # the grid below, one run at a time
+    python experiments/staleness_runs.py            # 4 variants, k = 0, 1, 2, 4, L = 16, 3 seeds, a run at a time
     python experiments/staleness_runs.py --lengths 64 --staleness 0,4 --variants grpo,gspo --skip-done
     python experiments/staleness_runs.py --table-only                # table.md and staleness.png from the logs
 
@@ -139,19 +142,21 @@ def load(logs: str, variants: list[str], ks: list[int], lengths: list[int], seed
 
 def extra(rows: list[dict]) -> dict:
     return {"kl": mean([x.get("stale/kl", 0.0 if "stale/versions_behind" not in x else None) for x in rows]),
+            "gap_var": mean([x.get("losses/log_ratio_var_first") for x in rows]),
             "masked": mean([x.get("rollout_is/masked_frac") for x in rows])}
 
 
 def table(runs: dict, seeds: list[int]) -> str:
     lines = ["| variant | L | k | steps | reward, first 10% | last 10% | peak (10% window) | collapsed | stale KL | "
-             "Var log s_i | Var log prod_t w_it | clip frac (tokens) | clip frac (seqs) | masked frac | wall s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Var log w_it, 1st minibatch | Var log s_i | Var log prod_t w_it | clip frac (tokens) | "
+             "clip frac (seqs) | masked frac | wall s |", "|---" * 16 + "|"]
     got = {}
     for (v, length, k, steps), per_seed in runs.items():
         one = got[v, length, k, steps] = {s: {**summary(r, length), **extra(r)} for s, r in per_seed.items()}
         col = {key: [x[key] for x in one.values()] for key in next(iter(one.values()))}
         lines.append(f"| `{v}` | {length} | {k} | {steps} | {cell(col['first'])} | {cell(col['last'])} | "
                      f"{cell(col['peak'])} | {int(sum(col['collapsed']))}/{len(one)} | {cell(col['kl'], None)} | "
+                     f"{cell(col['gap_var'], None)} | "
                      f"{cell(col['seq_var'], None)} | {cell(col['sum_var'], None)} | {cell(col['clip'])} | "
                      f"{cell(col['clip_seq'])} | {cell(col['masked'])} | {cell(col['wall'], 0)} |")
     if not got:

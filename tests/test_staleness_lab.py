@@ -42,8 +42,9 @@ def test_pending_runs_k0_once_a_script_and_skips_done(tmp_path):
 
 def test_table_from_fabricated_logs(tmp_path):
     """grpo at k = 0 climbs to 0.5 (window 1 step: last 0.5) on seeds 1 and 2; at k = 2 ends at 0.3 and 0.6 with
-    stale KL 0.01 and 0.03 (peaks 0.5 and 0.6): paired -0.200, +0.100. The decoupled variant's k = 0 row is grpo's
-    runs; its k = 2 run (seed 1 only) ends at 0.4 with masked fraction 0.25: paired -0.100."""
+    stale KL 0.01 and 0.03 (peaks 0.5 and 0.6), the first minibatch's spread 0.5 on seed 1: paired -0.200, +0.100.
+    The decoupled variant's k = 0 row is grpo's runs; its k = 2 run (seed 1 only) ends at 0.4 with masked fraction
+    0.25: paired -0.100."""
     def write(name, seed, rewards, **extra):
         d = tmp_path / f"{name}__{seed}"
         d.mkdir()
@@ -54,7 +55,8 @@ def test_table_from_fabricated_logs(tmp_path):
     climb = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.5, 0.5, 0.5, 0.5]
     write("grpo__L16__k0__n10", 1, climb)
     write("grpo__L16__k0__n10", 2, climb)
-    write("grpo__L16__k2__n10", 1, climb[:-1] + [0.3], **{"stale/versions_behind": 2, "stale/kl": 0.01})
+    write("grpo__L16__k2__n10", 1, climb[:-1] + [0.3], **{"stale/versions_behind": 2, "stale/kl": 0.01,
+                                                         "losses/log_ratio_var_first": 0.5})
     write("grpo__L16__k2__n10", 2, climb[:-1] + [0.6], **{"stale/versions_behind": 2, "stale/kl": 0.03})
     write("grpo-decoupled__L16__k2__n10", 1, climb[:-1] + [0.4],
           **{"stale/versions_behind": 2, "stale/kl": 0.02, "rollout_is/masked_frac": 0.25})
@@ -66,7 +68,8 @@ def test_table_from_fabricated_logs(tmp_path):
     assert rows[0][1:9] == ["16", "0", "10", "0.000 ± 0.000", "0.500 ± 0.000", "0.500 ± 0.000", "0/2",
                             "0.0e+00 ± 0.0e+00"]
     assert rows[1][5:9] == ["0.450 ± 0.212", "0.550 ± 0.071", "0/2", "2.0e-02 ± 1.4e-02"]
-    assert rows[3][5] == "0.400" and rows[3][13] == "0.250"
+    assert rows[1][9] == "5.0e-01"  # seed 1's alone: seed 2 logged none
+    assert rows[3][5] == "0.400" and rows[3][14] == "0.250"
     paired = [line for line in out.split("\n") if line.startswith("- ")]
     assert paired == ["- `grpo` L = 16, k = 2 minus k = 0, reward over the last 10%, by seed: -0.200, +0.100 "
                       "(-0.050 ± 0.212)",

@@ -492,7 +492,7 @@ def test_engine_tp_heads_that_do_not_split_fail_before_any_model(monkeypatch, tm
 
     monkeypatch.setenv("WORLD_SIZE", "3")
     for script in ("gspo", "grpo"):
-        monkeypatch.setattr(importlib.import_module(script), "setup_distributed", lambda seed: Dist(0, 1, CPU))
+        monkeypatch.setattr(importlib.import_module(script), "setup_distributed", lambda *a: Dist(0, 1, CPU))
         fails_before_any_model(script, ["--gen-mode", "engine-tp"], "do not split evenly over 3 ranks", monkeypatch,
                                tmp_path)
 

@@ -106,6 +106,16 @@ def at(curve: list[float], step: int, half: int = 2) -> float:
     return sum(curve[lo:hi]) / (hi - lo)
 
 
+def collapse(reward: list[float]) -> int | None:
+    """The first step whose 5-step reward is below 0.1 after a 5-step reward above 0.5 (None: none)."""
+    high = False
+    for t in range(1, len(reward) + 1):
+        high = high or at(reward, t) > 0.5
+        if high and at(reward, t) < 0.1:
+            return t
+    return None
+
+
 def table(found: dict, steps: int) -> str:
     marks = sorted({1, *range(10, steps + 1, 10), steps})
     lines = [f"Mean ± std over seeds of each quantity averaged over 5 steps around the step ({steps} steps a run).",
@@ -115,6 +125,17 @@ def table(found: dict, steps: int) -> str:
         for m in marks:
             cells = [fmt([at(c[k], m) for c in per_seed.values()]) for k in CURVES]
             lines.append(f"| {name} | {len(per_seed)} | {m} | " + " | ".join(cells) + " |")
+    lines += ["", "Each run: the answer's peak (a 5-step mean) and its step, the answer and the calls over the last 10 "
+              "steps, and its collapse: the first step whose 5-step reward is below 0.1 after one above 0.5 (-: none)"
+              ":", "", "| configuration | seed | answer peak (step) | answer, last 10 | calls, last 10 | collapse |",
+              "|---|---|---|---|---|---|"]
+    for name, per_seed in found.items():
+        for s, c in per_seed.items():
+            steps = range(1, len(c["answer"]) + 1)
+            peak = max(steps, key=lambda t: at(c["answer"], t))
+            last = {k: sum(c[k][-10:]) / len(c[k][-10:]) for k in ("answer", "calls")}
+            lines.append(f"| {name} | {s} | {at(c['answer'], peak):.3f} ({peak}) | {last['answer']:.3f} | "
+                         f"{last['calls']:.2f} | {collapse(c['reward']) or '-'} |")
     base = next(iter(found))
     lines += ["", f"The answer's reward over the last 10 steps, each configuration minus {base}, paired by seed:", ""]
     for name, per_seed in found.items():
@@ -134,7 +155,7 @@ def plot(found: dict, path: str):
     import matplotlib.pyplot as plt
 
     panels = [("answer", "answer reward (last turn begins with the secret)"),
-              ("reward", "reward (answer + call credit)"), ("calls", "tool calls an episode")]
+              ("reward", "reward (answer + call credit)"), ("calls", "tool calls an episode (cut at 3)")]
     fig, axes = plt.subplots(1, len(panels), figsize=(15, 4))
     for ax, (key, title) in zip(axes, panels):
         for k, (name, per_seed) in enumerate(found.items()):
@@ -147,7 +168,8 @@ def plot(found: dict, path: str):
                     lw=2, label=f"{name} (mean of {len(runs)})")
         ax.set_title(title)
         ax.set_xlabel("step")
-    axes[0].axhline(0.25, color="gray", ls="--", lw=1, label="no-call ceiling (1/4)")
+    axes[0].axhline(0.25, color="gray", ls="--", lw=1, label="a guess after the call (1/4)")
+    axes[2].set_ylim(0, 3)  # a collapse can spike to ~9 calls an episode (all rolled back)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

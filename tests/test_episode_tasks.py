@@ -100,26 +100,39 @@ def curve(rows, key):
 
 
 def test_tiny_tools_learns_to_call(tmp_path, monkeypatch):
-    """GRPO from a random init, seed 1, 12 steps (~15 s): the call's credit (exactly one call
-    and its reply back) and the reward rise from the first three steps to the last three."""
+    """GRPO from a random init, seed 1, 12 steps (~15 s): the call's credit (exactly one call,
+    its reply back) and the reward rise from the first three steps to the last three (measured:
+    credit 0.046 at step 1, 0.24 by steps 11-15)."""
     rows, _ = run_script("grpo", TASK + ["--num-steps", "12", "--seed", "1"], monkeypatch,
                          tmp_path)
     credit = curve(rows, "rewards/reply_credit/mean")
     reward = curve(rows, "charts/reward_mean")
-    assert statistics.mean(credit[-3:]) > statistics.mean(credit[:3]) + 0.03, credit
-    assert statistics.mean(reward[-3:]) > statistics.mean(reward[:3]) + 0.03, reward
+    assert statistics.mean(credit[-3:]) > statistics.mean(credit[:3]) + 0.05, credit
+    assert statistics.mean(reward[-3:]) > statistics.mean(reward[:3]) + 0.05, reward
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # ~60 s
 def test_tiny_tools_learns_the_answer(tmp_path, monkeypatch):
-    """The lab's run (docs/lab.md part 7): GRPO, seed 1, the answer (the secret copied from the
-    reply) well above what a guess after the call scores (1/4)."""
+    """The lab's GRPO run, seed 1, its first 60 steps (docs/lab.md part 7): the model calls in
+    every episode and the answer, the secret copied from the reply, is far above what a guess
+    after the call scores (1/4; measured in the lab's 80-step run: 0.66 over steps 41-60). That
+    run collapses at step 72 (calls 0, reward 0), past this test's steps."""
     rows, _ = run_script("grpo", TASK + ["--num-steps", "60", "--seed", "1"], monkeypatch,
                          tmp_path)
     answer = curve(rows, "rewards/answer_reward/mean")
     calls = curve(rows, "tools/call_frequency")
-    assert statistics.mean(calls[-10:]) > 0.9, calls
-    assert statistics.mean(answer[-10:]) > 0.4, answer
+    assert statistics.mean(calls[-20:]) > 0.9, calls
+    assert statistics.mean(answer[-20:]) > 0.5, answer
+
+
+@pytest.mark.xfail(raises=SystemExit, strict=True, reason=(
+    "a model turn with no room (the tool turn fills the budget) is an empty turn in episodes.py: "
+    "get_turn_rewards sees it, gspo_token.turn_advantages (runs of the mask) does not"))
+def test_turn_credit_runs_on_the_task(tmp_path, monkeypatch):
+    """gspo_token.py --turn-credit on this task: it stops at its first step (docs/lab.md part 7)
+    until an empty last turn counts the same on both sides; strict, so the fix shows here."""
+    run_script("gspo_token", TASK + ["--turn-credit", "1", "--num-steps", "2", "--seed", "1"],
+               monkeypatch, tmp_path)
 
 
 def test_products_rows_and_tool():

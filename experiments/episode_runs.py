@@ -5,7 +5,7 @@ secret, which only the tool's reply tells), the call's credit (rewards/reply_cre
 an episode (tools/call_frequency). Seeds are paired: a seed is the same initial model and the same prompts for every
 script, so the scripts differ by their objective alone.
 
-    python experiments/episode_runs.py                      # 4 configurations x 3 seeds, one run at a time
+    python experiments/episode_runs.py                      # 3 configurations x 3 seeds, one run at a time
     python experiments/episode_runs.py --steps 40 --configs grpo,gspo --skip-done
     python experiments/episode_runs.py --table-only         # table.md and episodes.png again from the logs
 
@@ -40,8 +40,10 @@ CURVES = {"answer": "rewards/answer_reward/mean", "credit": "rewards/reply_credi
 class Args:
     out: str = os.path.join(ROOT, "experiments", "results", "episodes")
     """where the logs (logs/), table.md and episodes.png go (runs/ holds the runs in progress)"""
-    configs: str = ",".join(CONFIGS)
-    """comma-separated configurations of CONFIGS"""
+    configs: str = "grpo,gspo,gspo_token"
+    """comma-separated configurations of CONFIGS (gspo_token_turn1 stops at its first step on this task: an episode
+    whose tool turn fills the budget has an empty last turn, which get_turn_rewards scores and gspo_token's
+    turn_advantages does not count; docs/lab.md part 7)"""
     seeds: int = 3
     """seeds per configuration (1, 2, ...)"""
     steps: int = 80

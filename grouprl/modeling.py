@@ -25,32 +25,40 @@ TINY_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# tiny-tools: the tools as one system line of their names, where the plain fallback (tools.py,
+# tools_text) would write ~150 characters the tiny alphabet holds as <|unk|>: a prompt 4x shorter
+TINY_TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t['function']['name'] }} {% endfor %}"
+    "<|im_end|>\n{% endif %}" + TINY_CHAT_TEMPLATE
+)
+
 
 def tiny_tokenizer(tools: bool = False):
     """A real HF fast tokenizer over characters (printable ASCII and newline), Qwen-style
     specials. tools (`--model tiny-tools`, for the built-in episode task, grouprl/tool_task.py):
-    the task's alphabet only, digits, space and newline (any other character is <|unk|>), and one
-    more token, tool_task.CALL, the task's whole tool call (a real tokenizer holds `<tool_call>`
-    as one token; this one the call), so that a random-init policy writes a call then its turn's
-    end with probability ~1/V^2 = 1/289 a position, where 40 characters it would never write."""
+    the task's alphabet only, its secrets' symbols (any other character is <|unk|>), a chat
+    template that renders the tools as their names (TINY_TOOLS_TEMPLATE), and tool_task.CALL, the
+    task's whole tool call, as one token (a real tokenizer holds `<tool_call>` as one token; this
+    one the call): V = 9, so a random-init policy writes a call then its turn's end with
+    probability ~1/V^2 = 1/81 a position, where the call's 56 characters it would never write."""
     from tokenizers import AddedToken, Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
     chars = [chr(i) for i in range(32, 127)] + ["\n"]
     if tools:
-        chars = list("0123456789 \n")
+        from .tool_task import CALL, SYMBOLS
+
+        chars = list(SYMBOLS)
     vocab = {t: i for i, t in enumerate(TINY_SPECIALS + chars + ["<|unk|>"])}
     # no merges: one token a char
     tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|unk|>"))
     tk.decoder = decoders.Fuse()
     tk.add_special_tokens(TINY_SPECIALS + ["<|unk|>"])
     if tools:
-        from .tool_task import CALL
-
         tk.add_tokens([AddedToken(CALL, special=False, normalized=False)])
     return PreTrainedTokenizerFast(
         tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<|unk|>",
-        chat_template=TINY_CHAT_TEMPLATE, padding_side="left",
+        chat_template=TINY_TOOLS_TEMPLATE if tools else TINY_CHAT_TEMPLATE, padding_side="left",
     )
 
 

@@ -2,57 +2,94 @@
 contract (the tool worker loads this file by path: it imports nothing of the project).
 
 Secret, the built-in task the tiny model learns from scratch on the CPU: every prompt asks the
-same of a numbered box, each row's answer is the box's secret digit, and only the tool `peek`
-tells it.
+same of a numbered box; each episode's secret is drawn in reset (one of SYMBOLS), so a group's
+episodes hold different ones and only the tool `peek` tells it. The rewards read the episode's
+messages (TRL's form; the rows are conversational): answer_reward, 1 when the turn after the
+tool's reply begins with the secret the reply told, and reply_credit, CALL_CREDIT for exactly
+one call whose reply came back (a call rolled back past the budget earns nothing).
 
     python grpo.py --model tiny-tools --environment grouprl/tool_task.py:Secret \
-        --dataset experiments/data/secret_digit.jsonl --max-tool-calls 2 --max-new-tokens 30 \
-        --learning-rate 1e-3 --prompts-per-rank 8 --eval-every 0 --num-steps 34
+        --dataset experiments/data/secret_digit.jsonl --reward grouprl.tool_task:answer_reward \
+        --reward grouprl.tool_task:reply_credit --max-tool-calls 1 --max-new-tokens 34 \
+        --learning-rate 2e-3 --prompts-per-rank 8 --eval-every 0 --num-steps 80
 
-(--learning-rate: the scripts' default is the tiny models' 5e-4 for `tiny` and `tiny-moe` only.)
-
-The box's number is drawn apart from its digit, so without the call no policy scores above the
-commonest digit's share (~0.1) on boxes it has not seen; with it, the model reads the digit in
-the tool's reply and writes it. The answer's reward is the default one (the math grader on the
-episode's turns, against the row's answer, the secret); get_reward is the call's own credit,
-CALL_CREDIT (TRL's environment sees its calls, not the model's text). `--model tiny-tools` holds
-CALL, the whole call of `peek`, as one token (modeling.tiny_tokenizer): a random-init policy
-writes it, then its turn's end, with probability ~1/V^2 a position, where the call's 56
-characters it would never write.
+No policy that does not call scores any answer, and one that calls then guesses scores 1/4 (the
+symbols are drawn uniformly): an answer reward well above 1/4 is the copy of the reply. What
+makes it learnable (docs/lab.md part 7, the attempts): `--model tiny-tools` holds CALL, the
+whole call, as one token and the symbols, <|unk|> and the specials as the rest (V = 9), so a
+random-init policy writes a call and ends its turn often; the reply is the secret REPEAT times
+(a tenth of the context at the answer's position, for a 2-layer model's attention to find); the
+budget of 34 tokens is a 2-token call turn, the 28-token tool turn and at most 4 tokens of answer,
+so the answer's token is not one in 25 of its episode's loss; the math grader is not used, as it
+reads the turns joined, where 'CALL\n2' is '> 2', not a number.
 
 multiply and products, the real model's task: 3-digit products with a calculator tool.
 """
 import json
 import random
 
-QUESTION = "Box {}: what is its secret digit?"  # the box number says nothing of the digit
+QUESTION = "Box {}: what is its secret digit?"  # the box number says nothing of the secret
 CALL = '<tool_call>{"name": "peek", "arguments": {}}</tool_call>'
 PRODUCT = "What is {} * {}? Use the multiply tool, then give the number."  # products' prompt
-CALL_CREDIT = 0.3  # get_reward: an episode that called peek; the right answer scores 1 more
+SYMBOLS = "0123"  # the secrets: a guess is right 1/4 of the time, so a group's guesses vary
+REPEAT = 8  # the reply: the secret this many times (a tenth of the context the answer reads)
+DRAW = random.Random(0)  # the secrets, one an episode, in the tool worker (one a run)
+CALL_CREDIT = 0.3  # reply_credit: one call, its reply back; the right answer scores 1 more
 
 
 class Secret:
     """A secret digit behind a tool."""
 
-    def reset(self, answer: str, **row) -> None:
-        """Before the episode (TRL: reset(**row)): the row's answer is the secret; nothing of it
-        is appended to the prompt."""
-        self.secret, self.peeks = str(answer).strip(), 0
+    def reset(self, **row) -> None:
+        """Before the episode (TRL: reset(**row)): its own secret, drawn from SYMBOLS (DRAW), so
+        that a group's episodes, one prompt's, hold different secrets; nothing of it is appended
+        to the prompt."""
+        self.secret = DRAW.choice(SYMBOLS)
 
     def peek(self) -> str:
         """Read the secret digit."""
-        self.peeks += 1
-        return self.secret
-
-    def get_reward(self) -> float:
-        """TRL's one more reward, weight 1: the call's credit for one peek (the answer is the
-        grader's); a second peek loses it, or a policy that calls in every turn keeps it."""
-        return CALL_CREDIT * (self.peeks == 1)
+        return self.secret * REPEAT
 
     def get_turn_rewards(self, turns: list[str]) -> list[float]:
-        """One reward per model turn (gspo_token.py --turn-credit): the call turn its credit, the
-        turn that writes the secret 1."""
-        return [CALL_CREDIT if CALL in t else float(t.strip() == self.secret) for t in turns]
+        """One reward per model turn (gspo_token.py --turn-credit), summing to the episode's
+        answer_reward + reply_credit: the call turn CALL_CREDIT where the episode makes one call
+        and a turn follows it (its reply came back), the last turn 1 when it has no call and
+        begins with the secret, every other turn 0."""
+        last, one = len(turns) - 1, sum(t.count(CALL) for t in turns) == 1
+        return [CALL_CREDIT * (one and k < last) if CALL in t
+                else float(0 < k == last and first_said(t) == self.secret)
+                for k, t in enumerate(turns)]
+
+
+def first_said(text: str) -> str:
+    """A turn's answer: its first character that is not blank."""
+    return text.strip()[:1]
+
+
+def assistant(episode: list[dict]) -> list[dict]:
+    """An episode's model messages."""
+    return [m for m in episode if m["role"] == "assistant"]
+
+
+def answer_reward(prompts, completions, **columns) -> list[float]:
+    """The answer's reward (TRL's form; --reward grouprl.tool_task:answer_reward): 1 when a tool
+    reply came back and the episode's last model message has no call and begins with the secret
+    the reply told (first_said), else 0. completions: each episode's messages (TRL's tool loop
+    passes them where the prompts are messages)."""
+    out = []
+    for episode in completions:
+        last, told = assistant(episode)[-1], [m["content"] for m in episode if m["role"] == "tool"]
+        out.append(float(bool(told) and not last.get("tool_calls")
+                         and first_said(last.get("content") or "") == first_said(str(told[0]))))
+    return out
+
+
+def reply_credit(prompts, completions, **columns) -> list[float]:
+    """The call's credit (--reward grouprl.tool_task:reply_credit): CALL_CREDIT when the episode
+    makes exactly one call and its reply came back (a result past the budget is rolled back: no
+    reply, no credit; a call in the answer's turn, past --max-tool-calls, loses it)."""
+    return [CALL_CREDIT * (sum(len(m.get("tool_calls") or []) for m in assistant(e)) == 1
+                           and sum(m["role"] == "tool" for m in e) == 1) for e in completions]
 
 
 def multiply(a: int, b: int) -> int:
@@ -73,10 +110,12 @@ def products(n: int, seed: int = 0) -> list[dict]:
     return [{"prompt": PRODUCT.format(a, b), "answer": str(a * b)} for a, b in pairs]
 
 
-def rows(n: int, seed: int = 0) -> list[dict]:
-    """n rows {"prompt": QUESTION of box i, "answer": a digit drawn uniformly}."""
-    rng = random.Random(seed)
-    return [{"prompt": QUESTION.format(i), "answer": str(rng.randrange(10))} for i in range(n)]
+def rows(n: int) -> list[dict]:
+    """n rows {"prompt": [the user's QUESTION of box i], "answer": SYMBOLS}: the secret is drawn
+    per episode (Secret.reset) and the rewards read it from the tool's reply; the answer column,
+    which every row of a --dataset needs, names the symbols it is drawn from."""
+    return [{"prompt": [{"role": "user", "content": QUESTION.format(i)}], "answer": SYMBOLS}
+            for i in range(n)]
 
 
 if __name__ == "__main__":  # the committed rows: experiments/data/{secret_digit,products}.jsonl

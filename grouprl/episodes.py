@@ -255,6 +255,7 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
     comp = [row[P:][m.bool()].tolist() for row, m in zip(first.input_ids, first.mask)]
     mask = [[1] * len(c) for c in comp]
     turns = [[t] for t in first.texts]
+    wrote = [[True] for _ in comp]  # has the turn a token (no room left in the budget: none)
     # each turn decoded whole, as TRL parses it, after what the template pre-wrote of it
     raws = [[prewritten(tok.decode(p)) + tok.decode(c)] for p, c in zip(prompt, comp)]
     tails = [""] * B  # the last tool turn's pre-written part of the next model turn
@@ -300,11 +301,14 @@ def generate_episodes(policy, tok, prompts, n: int, eos: list[int], dist_env, sa
                 rows=most)):
             comp[i], mask[i] = comp[i] + new, mask[i] + [1] * len(new)
             turns[i].append(text)
+            wrote[i].append(len(new) > 0)
             raws[i].append(tails[i] + tok.decode(new))
             cut[i] = no_eos
         live = nxt
     limited = sum(not cut[i] and bool(parse_calls(raws[i][-1])) for i in live)  # rounds spent
-    ends = close_episodes(tools, ids, turns)
+    # get_turn_rewards scores the turns the model wrote, the runs of 1s in the mask
+    ends = close_episodes(tools, ids, [[t for t, w in zip(ts, ws) if w]
+                                       for ts, ws in zip(turns, wrote)])
     T = max(len(c) for c in comp)
     dev = first.input_ids.device
     tail = torch.tensor([c + [tok.pad_token_id] * (T - len(c)) for c in comp], device=dev)

@@ -40,10 +40,8 @@ CURVES = {"answer": "rewards/answer_reward/mean", "credit": "rewards/reply_credi
 class Args:
     out: str = os.path.join(ROOT, "experiments", "results", "episodes")
     """where the logs (logs/), table.md and episodes.png go (runs/ holds the runs in progress)"""
-    configs: str = "grpo,gspo,gspo_token"
-    """comma-separated configurations of CONFIGS (gspo_token_turn1 stops at its first step on this task: an episode
-    whose tool turn fills the budget has an empty last turn, which get_turn_rewards scores and gspo_token's
-    turn_advantages does not count; docs/lab.md part 7)"""
+    configs: str = "grpo,gspo,gspo_token,gspo_token_turn1"
+    """comma-separated configurations of CONFIGS"""
     seeds: int = 3
     """seeds per configuration (1, 2, ...)"""
     steps: int = 80

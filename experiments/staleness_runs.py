@@ -137,7 +137,8 @@ def load(logs: str, variants: list[str], ks: list[int], lengths: list[int], seed
                 for key in sorted(x for x in found if x[0] == (K0.get(v, v) if k == 0 else v)
                                   and x[1:3] == (length, k)):
                     out[(v, length, k, key[3])] = {s: read_rows(p, KEYS) for s, p in sorted(found[key].items())}
-    return out
+    stale = {(v, length) for v, length, k, _ in out if k}  # a K0 variant's borrowed k = 0 row: beside its own runs
+    return {key: rows for key, rows in out.items() if key[0] not in K0 or key[:2] in stale}
 
 
 def extra(rows: list[dict]) -> dict:

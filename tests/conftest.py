@@ -12,6 +12,8 @@ SCRIPTS = ["grpo", "gspo", "gspo_token", "dfpo", "cispo", "sapo", "gmpo", "vespo
 pytest.register_assert_rewrite("helpers")  # its asserts explain themselves as a test's do
 # 2 threads (CI's cores); OMP_NUM_THREADS, where set, wins (the scripts the tests start read it too): on a loaded
 # machine 1 thread a process avoids OpenMP's spinning, which slowed a small matmul 30x at load 13 on 2 cores
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and not os.environ.get("OMP_NUM_THREADS"):  # -n N: a worker's share
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, min(2, os.cpu_count() or 1))))
 
 

@@ -60,16 +60,17 @@ def test_table_from_fabricated_logs(tmp_path):
     write("grpo__L16__k2__n10", 2, climb[:-1] + [0.6], **{"stale/versions_behind": 2, "stale/kl": 0.03})
     write("grpo-decoupled__L16__k2__n10", 1, climb[:-1] + [0.4],
           **{"stale/versions_behind": 2, "stale/kl": 0.02, "rollout_is/masked_frac": 0.25})
-    runs = sr.load(str(tmp_path), ["grpo", "grpo-decoupled"], [0, 2], [16], [1, 2])
-    assert list(runs) == [("grpo", 16, 0, 10), ("grpo", 16, 2, 10), ("grpo-decoupled", 16, 0, 10),
-                          ("grpo-decoupled", 16, 2, 10)]
+    write("grpo__L64__k0__n10", 1, climb)  # no decoupled run at L = 64: no borrowed row there
+    runs = sr.load(str(tmp_path), ["grpo", "grpo-decoupled"], [0, 2], [16, 64], [1, 2])
+    assert list(runs) == [("grpo", 16, 0, 10), ("grpo", 16, 2, 10), ("grpo", 64, 0, 10),
+                          ("grpo-decoupled", 16, 0, 10), ("grpo-decoupled", 16, 2, 10)]
     out = sr.table(runs, [1, 2])
     rows = [line.split(" | ") for line in out.split("\n") if line.startswith("| `")]
     assert rows[0][1:9] == ["16", "0", "10", "0.000 ± 0.000", "0.500 ± 0.000", "0.500 ± 0.000", "0/2",
                             "0.0e+00 ± 0.0e+00"]
     assert rows[1][5:9] == ["0.450 ± 0.212", "0.550 ± 0.071", "0/2", "2.0e-02 ± 1.4e-02"]
     assert rows[1][9] == "5.0e-01"  # seed 1's alone: seed 2 logged none
-    assert rows[3][5] == "0.400" and rows[3][14] == "0.250"
+    assert rows[4][5] == "0.400" and rows[4][14] == "0.250"
     paired = [line for line in out.split("\n") if line.startswith("- ")]
     assert paired == ["- `grpo` L = 16, k = 2 minus k = 0, reward over the last 10%, by seed: -0.200, +0.100 "
                       "(-0.050 ± 0.212)",

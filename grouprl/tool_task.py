@@ -54,7 +54,8 @@ class Secret:
         """One reward per model turn (gspo_token.py --turn-credit), summing to the episode's
         answer_reward + reply_credit: the call turn CALL_CREDIT where the episode makes one call
         and a turn follows it (its reply came back), the last turn 1 when it has no call and
-        begins with the secret, every other turn 0."""
+        begins with the secret, every other turn 0. (A tool turn that fills the budget leaves no
+        turn after it: the episode's turns end on its call, credited 0 here, 0.3 by reply_credit.)"""
         last, one = len(turns) - 1, sum(t.count(CALL) for t in turns) == 1
         return [CALL_CREDIT * (one and k < last) if CALL in t
                 else float(0 < k == last and first_said(t) == self.secret)

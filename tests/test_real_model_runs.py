@@ -246,7 +246,8 @@ def test_new_objectives_rows_pair_with_gspo_and_say_n_a_for_what_a_script_does_n
 def test_committed_tables_rebuild_from_committed_logs():
     """Issue 51 item 4: each committed real-model table is what --table-only computes from the committed logs beside
     it (real_model_runs, precision_runs and its --curves, --corrections and --corrections --curves, energy_runs and
-    its --minibatch last, mixed_task_runs; length_runs with its table.md's command line): a table edited by hand, or
+    its --minibatch last, mixed_task_runs; length_runs and staleness_runs with their table.md's command line,
+    episode_runs): a table edited by hand, or
     logs committed without their table, fail here."""
     import shlex
 
@@ -276,6 +277,17 @@ def test_committed_tables_rebuild_from_committed_logs():
     found = length_runs.table(os.path.join(results, "length", "logs"),
                               *length_runs.grid(tyro.cli(length_runs.Args, args=argv)))
     assert found.count("\n| `") >= 6 and found in read("length")
+    # the staleness lab (its table.md's command line) and the episodes lab (every configuration, 80 steps)
+    import episode_runs
+    import staleness_runs
+
+    argv = shlex.split(read("staleness").split("`")[1])[2:]
+    variants, ks, lengths, seeds = staleness_runs.grid(tyro.cli(staleness_runs.Args, args=argv))
+    found = staleness_runs.table(staleness_runs.load(os.path.join(results, "staleness", "logs"), variants, ks,
+                                                     lengths, seeds), seeds)
+    assert found.count("\n| `") >= 16 and found in read("staleness")
+    found = episode_runs.curves(os.path.join(results, "episodes", "logs"), list(episode_runs.CONFIGS), [1, 2, 3], 80)
+    assert len(found) == len(episode_runs.CONFIGS) and episode_runs.table(found, 80) in read("episodes")
 
 
 def test_table_only_without_logs_never_writes_a_table(tmp_path, monkeypatch, capsys):

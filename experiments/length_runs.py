@@ -23,12 +23,10 @@ Each finished run's metrics.jsonl and args.json are kept under {out}/logs/{scrip
 (small, committed) and its run folder (checkpoint included) deleted; --skip-done runs only the configurations and
 seeds whose logs are missing, and the step budget in the name keeps runs of different budgets apart.
 """
-import glob
 import math
 import os
 import re
 import shlex
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -36,8 +34,8 @@ from dataclasses import dataclass
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from learning_tax import ROOT, fmt, mean_std, read_rows, run_jobs, sci  # noqa: E402
-from real_model_runs import keep_logs  # noqa: E402
+from learning_tax import ROOT, fmt, mean_std, read_rows, sci  # noqa: E402
+from real_model_runs import run_kept  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # a log folder's name: {script}__L{length}__lr{rate}__n{steps}__{seed}
@@ -269,19 +267,12 @@ def main():
     if not args.table_only:
         os.makedirs(runs, exist_ok=True)
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")]))
-        jobs, names = [], {}
         todo = pending(args, logs)
         if args.skip_done:
             print(f"  --skip-done: {len(scripts) * len(lengths) * len(rates) * len(seeds) - len(todo)} runs there "
                   f"already, {len(todo)} to run", flush=True)
-        for script, length, lr, s in todo:
-            name = run_name(script, length, lr, args.steps)
-            for path in glob.glob(os.path.join(runs, f"{name}__{s}__*")):  # a run cut short
-                shutil.rmtree(path)
-            names[label := f"{name} seed {s}"] = (name, s)
-            jobs.append((label, [*command(script, length, lr, args), "--seed", str(s), "--exp-name", name,
-                                 "--output-dir", runs], os.path.join(runs, f"{name}__{s}.log")))
-        run_jobs(jobs, args.workers, after=lambda label: keep_logs(runs, logs, *names[label]))
+        run_kept(runs, logs, [(run_name(script, length, lr, args.steps), s, command(script, length, lr, args))
+                              for script, length, lr, s in todo], args.workers)
     what = ("the table rebuilt from the logs under logs/" if args.table_only
             else f"{time.time() - t0:.0f} s, {args.workers} runs at a time")
     report = (f"`python experiments/length_runs.py {shlex.join(sys.argv[1:])}`: seeds {seeds}, {what}. Mean ± sample "

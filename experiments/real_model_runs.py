@@ -186,6 +186,18 @@ def run_and_report(args, script: str, commands: dict, budget: list[str], what: s
     return report
 
 
+def run_kept(runs: str, logs: str, todo: list[tuple[str, int, list[str]]], workers: int):
+    """Each (name, seed, argv) as `python argv --seed seed --exp-name name --output-dir runs`, `workers` at a time
+    (run_jobs); a run cut short before is removed first, and each finished run's logs kept (keep_logs)."""
+    jobs = []
+    for name, seed, argv in todo:
+        for path in glob.glob(os.path.join(runs, f"{name}__{seed}__*")):  # a run cut short
+            shutil.rmtree(path)
+        jobs.append((f"{name} seed {seed}", [*argv, "--seed", str(seed), "--exp-name", name, "--output-dir", runs],
+                     os.path.join(runs, f"{name}__{seed}.log")))
+    run_jobs(jobs, workers, after=lambda label: keep_logs(runs, logs, *label.split(" seed ")))
+
+
 def keep_logs(runs: str, logs: str, name_s: str, seed) -> None:
     """A finished run's metrics.jsonl, samples.jsonl, eval_samples.jsonl and args.json to {logs}/{name_s}__{seed}/,
     and its run folder under runs (the 1.8 GB checkpoint) removed."""

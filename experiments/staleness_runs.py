@@ -30,12 +30,10 @@ fraction; per variant and k > 0, the last-10% reward minus the same seed's k = 0
 Each finished run's metrics.jsonl and args.json are kept under {out}/logs/{variant}__L{L}__k{k}__n{steps}__{seed}/
 (small, committed) and its run folder deleted.
 """
-import glob
 import math
 import os
 import re
 import shlex
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -43,9 +41,9 @@ from dataclasses import dataclass
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from learning_tax import ROOT, mean_std, read_rows, run_jobs  # noqa: E402
+from learning_tax import ROOT, mean_std, read_rows  # noqa: E402
 from length_runs import cell, command, mean, summary, window  # noqa: E402
-from real_model_runs import keep_logs  # noqa: E402
+from real_model_runs import run_kept  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = {"grpo": ["grpo.py"], "gspo": ["gspo.py"], "cispo": ["cispo.py"],
@@ -223,16 +221,10 @@ def main():
     if not args.table_only:
         os.makedirs(runs, exist_ok=True)
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")]))
-        jobs, names = [], {}
-        for v, length, k, s in pending(args, logs):
-            name = run_name(v, length, k, args.steps)
-            for path in glob.glob(os.path.join(runs, f"{name}__{s}__*")):  # a run cut short
-                shutil.rmtree(path)
-            names[label := f"{name} seed {s}"] = (name, s)
-            jobs.append((label, [*argv(v, length, k, args), "--seed", str(s), "--exp-name", name,
-                                 "--output-dir", runs], os.path.join(runs, f"{name}__{s}.log")))
-        print(f"  {len(jobs)} runs, {args.workers} at a time", flush=True)
-        run_jobs(jobs, args.workers, after=lambda label: keep_logs(runs, logs, *names[label]))
+        todo = [(run_name(v, length, k, args.steps), s, argv(v, length, k, args))
+                for v, length, k, s in pending(args, logs)]
+        print(f"  {len(todo)} runs, {args.workers} at a time", flush=True)
+        run_kept(runs, logs, todo, args.workers)
     found = load(logs, variants, ks, lengths, seeds)
     what = ("the table rebuilt from the logs under logs/" if args.table_only
             else f"{time.time() - t0:.0f} s, {args.workers} runs at a time")

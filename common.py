@@ -46,12 +46,13 @@ _FILLED_SAID = []  # the line saying that --max-gen-rounds was reached, said onc
 def sample_groups(policy: Policy, tok, train, step: int, eos: list[int], dist_env: Dist, reward,
                   sampling: Sampling, args) -> Rollout:
     """This rank's groups of `step` (rollout_groups), sampled by the weights of --max-staleness k
-    versions before (staleness.behind; k = 0: the policy as it is), or under --async-rollouts
-    received from a rollout rank, which sampled them so (grouprl/rollout_ranks.py)."""
-    k = getattr(args, "max_staleness", 0)
+    versions before, a version every --weight-sync-steps W steps (staleness.behind; k = 0, W = 1:
+    the policy as it is), or under --async-rollouts received from a rollout rank, which sampled
+    them so (grouprl/rollout_ranks.py)."""
+    k, sync = getattr(args, "max_staleness", 0), getattr(args, "weight_sync_steps", 1)
     if rollout_ranks.training():  # --async-rollouts: a rollout rank sampled this step's groups
         return rollout_ranks.receive(policy, step, reward, args)
-    with staleness.behind(policy, step, k) as stale:
+    with staleness.behind(policy, step, k, sync) as stale:
         return stale.done(rollout_groups(policy, tok, train, step, eos, dist_env, reward,
                                          sampling, args), args)
 

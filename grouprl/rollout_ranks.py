@@ -5,24 +5,29 @@ had world - R ranks); a rollout rank is a plain process with a full unsharded co
 They talk over a second group, the link (distributed.LINK, gloo, point to point): the weights go
 from trainer 0 to the rollout ranks, each trainer's rollout comes from its rollout rank (trainer t:
 rollout rank world - R + t mod R).
-A deterministic pipeline of depth k = --max-staleness (TRL's bound, in weight versions; version v
-= the weights after v steps): step s is sampled with version max(0, s - 1 - k), exactly the
-weights one process under --max-staleness k samples it with (grouprl/staleness.py), so the rollout
-rank generates steps s + 1 .. s + k while the trainers train step s, and each rollout carries
-its version (stale/version; stale/versions_behind when k > 0). Nothing is older than k, so
-nothing is dropped: stale/dropped is logged, 0. The weights are sent once a step (TRL's
-weight_sync_steps = a step's optimizer steps), gathered from the FSDP2 shards (full_tensor; LoRA:
-the adapters only, what staleness.trainable returns); the rollout rank takes version v just
-before it generates step v + 1 + k: a generation under way finishes on the weights it began with.
+A deterministic pipeline of depth k = --max-staleness (TRL's bound, in weight versions; a version
+every W = --weight-sync-steps steps, version j = the weights after j W steps): step s is sampled
+with version max(0, (s - 1) // W - k) (staleness.sampled_with; W = 1: the weights after
+max(0, s - 1 - k) steps), exactly the weights one process under the same flags samples it with
+(grouprl/staleness.py), so the rollout rank samples up to k W + W - 1 steps ahead of the
+trainers (k at W = 1), and each rollout carries its version (stale/version; stale/versions_behind
+when stale). Nothing is older than k versions, so nothing is dropped: stale/dropped is logged, 0
+(the rollout rank runs no further ahead than the bound: a bounded queue with nothing to drop).
+The weights are sent once a sync (W steps: TRL's weight_sync_steps = W x a step's optimizer
+steps), gathered from the FSDP2 shards (full_tensor; LoRA: the adapters only, what
+staleness.trainable returns); the rollout rank takes a version just before it samples the first
+step that samples with it: a generation under way finishes on the weights it began with (not
+PipelineRL's cut).
 Randomness: the rollout rank draws trainer t's rollout from trainer t's own random streams (torch,
 CUDA, random, numpy), and each rollout brings them back as they are after it (the trainer takes
 them: as if it had sampled). k = 0: t sends its streams each step (after its evaluation, if any),
 so the async run draws what the synchronous run draws. k > 0: t sends them once, and the rollout
 rank carries them on; without evaluations that is the one-process --max-staleness k run's draw,
 while an evaluation at step s draws after rollouts s + 1 .. s + k were drawn (one process: before).
---resume: the checkpoint's ring of past weights (state/stale_ring.pt, one trainer) and the
-rollouts' streams saved with it (staleness.hold_streams; k = 0: the trainers' own) regenerate the
-in-flight rollouts (nothing of the queue is saved: the pipeline is a function of those).
+--resume: the checkpoint's ring of past weights (state/stale_ring.pt, trainer 0's) and each
+trainer's rollouts' streams (state/stale_streams.rank{t}.pt, staleness.hold_streams; k = 0: the
+trainers' own) regenerate the in-flight rollouts (nothing of the queue is saved: the pipeline is
+a function of those).
 A rollout rank that dies breaks the link: the trainers stop in one line naming the last checkpoint;
 trainers that stop (the end, SIGTERM at a step boundary, an error) end the rollout ranks quietly.
 """
@@ -141,18 +146,21 @@ def full_weights(policy, keep: bool) -> list[torch.Tensor] | None:
 # -------------------- a trainer's side
 def receive(policy, step: int, reward, args):
     """This trainer's Rollout of `step`, sampled by its rollout rank with the weights of version
-    max(0, step - 1 - k). First the weights of version step - 1 (the policy now) go out: trainer 0
-    sends them to every rollout rank (the whole ring on the run's first step: the versions steps
-    step .. step + k sample with), to be used at step step + k. Afterwards this rank's random
-    streams are the rollout's (as if it had sampled), and reward.values its scores' (the logs)."""
+    staleness.sampled_with(step, k, W). First, when step - 1 is a sync point (a multiple of W),
+    the weights after step - 1 steps (the policy now) go out: trainer 0 sends them to every
+    rollout rank (the whole ring on the run's first step: the versions steps step .. step + k W
+    sample with), to be used k syncs later. Afterwards this rank's random streams are the
+    rollout's (as if it had sampled), and reward.values its scores' (the logs)."""
     link, trainers = LINK[0]
-    rank, world, k = dist.get_rank(), link.size(), args.max_staleness
-    now = full_weights(policy, rank == 0)  # version step - 1, held by trainer 0 alone
-    ring = staleness.keep(policy, step, k, now) if k and rank == 0 else [(step - 1, now)]
+    rank, world, k, sync = dist.get_rank(), link.size(), args.max_staleness, args.weight_sync_steps
+    synced = (step - 1) % sync == 0
+    now = full_weights(policy, rank == 0) if synced else None  # trainer 0 alone holds them
+    kept = staleness.kept(k, sync) and rank == 0
+    ring = staleness.keep(policy, step, k, now, sync) if kept else [(step - 1, now)]
     first = not _STARTED
     src = trainers + rank % (world - trainers)  # this trainer's rollout rank
-    try:
-        if rank == 0 and (first or step + k <= args.num_steps):  # no version none will use
+    try:  # no version that no step will use (the first to: step + k sync)
+        if rank == 0 and (first or synced and step + k * sync <= args.num_steps):
             versions = list(ring) if first else [(step - 1, now)]
             for dst in range(trainers, world):
                 _send({"step": step, "versions": versions}, dst, WEIGHTS)
@@ -176,7 +184,7 @@ def receive(policy, step: int, reward, args):
         request_stop()
     if values is not None:
         reward.values = values
-    roll.stats.update({"stale/version": version, "stale/dropped": 0,
+    roll.stats.update({"stale/version": version // sync, "stale/dropped": 0,
                        "perf/rollout_wait_s": waited})  # the trainer idle, waiting
     return roll
 
@@ -207,14 +215,15 @@ def _on_stop_signal(signum, frame):
 def serve_rollouts(args, dist_env: Dist, reward, sample_groups):
     """On a rollout rank: the whole run (then the process ends); elsewhere nothing. The model is
     --model (its trainable weights replaced by the trainers' before any sampling); each step s,
-    for each trainer t it serves: the weights of version max(0, s - 1 - k) in, t's random streams
-    in, sample_groups as trainer t would call it (its prompts: Dist(t, trainers)), pi_behaviour
-    (when k > 0 and the engine gave none, staleness.Behind), out to t."""
+    for each trainer t it serves: the weights staleness.sampled_with(s, k, W) in, t's random
+    streams in, sample_groups as trainer t would call it (its prompts: Dist(t, trainers)),
+    pi_behaviour (when stale and the engine gave none, staleness.Behind), out to t."""
     if not serving(dist_env):
         return
     link, trainers = LINK[0]
     mine = [t for t in range(trainers) if trainers + t % (link.size() - trainers) == dist_env.rank]
-    k = args.max_staleness
+    k, sync = args.max_staleness, args.weight_sync_steps
+    stale = staleness.kept(k, sync)
     tok = load_tokenizer(args.model, args.trust_remote_code)
     train, _, _ = load_task(Task.of(args), tok)
     lm, rank0_weights = load_model(args.model, tok, dist_env, args.seed, args.trust_remote_code,
@@ -224,7 +233,7 @@ def serve_rollouts(args, dist_env: Dist, reward, sample_groups):
                          args.dtype, False, rank0_weights)
     policy.eval()
     sampling = rollout_sampling(args)
-    plain = replace(args, max_staleness=0)  # the weights are put in here, not by staleness
+    plain = replace(args, max_staleness=0, weight_sync_steps=1)  # the weights: put in here
     params = staleness.trainable(policy)
     for sig in (signal.SIGTERM, signal.SIGINT):  # the trainers stop at a step boundary
         signal.signal(sig, _on_stop_signal)
@@ -233,7 +242,7 @@ def serve_rollouts(args, dist_env: Dist, reward, sample_groups):
         versions = dict(hello["versions"])
         streams = {}
         for step in range(hello["step"], args.num_steps + 1):
-            v = max(0, step - 1 - k)
+            v = staleness.sampled_with(step, k, sync)
             start = time.time()
             while v not in versions:  # sent by trainer 0 at the start of step v + 1
                 versions.update(_recv(0, WEIGHTS)["versions"])
@@ -247,7 +256,7 @@ def serve_rollouts(args, dist_env: Dist, reward, sample_groups):
                 _set_streams(streams[t])
                 roll = sample_groups(policy, tok, train, step, eos,
                                      Dist(t, trainers, dist_env.device), reward, sampling, plain)
-                roll = staleness.Behind(policy, step - 1 - v if k else None).done(roll, args)
+                roll = staleness.Behind(policy, step, v if stale else None, sync).done(roll, args)
                 roll.stats["perf/weights_wait_s"] = waited  # the rollout rank idle, waiting
                 streams[t] = _streams()
                 values = getattr(reward, "values", None)  # the scores' logs

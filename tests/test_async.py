@@ -18,6 +18,7 @@ ARGV = ["--num-steps", "5", "--prompts-per-rank", "4", "--num-minibatches", "2",
         "--learning-rate", "1e-2", "--max-new-tokens", "4", "--log-samples", "0", "--save-every", "1",
         "--max-staleness", str(K)]
 ASYNC_KEYS = ("stale/version", "stale/dropped")
+SYNC2 = ("--weight-sync-steps", "2")
 
 
 def launch(out, *extra, script="grpo.py", torchrun=True, env=None):
@@ -37,27 +38,31 @@ def without(rows, keys=ASYNC_KEYS):
 
 
 def test_async_run_is_the_one_process_run_survives_a_killed_rollout_rank_and_resumes_exactly(tmp_path):
-    p = launch(tmp_path / "one", torchrun=False)
+    """k = 1, a version every W = 2 steps (--weight-sync-steps): step s samples with the weights after
+    2 max(0, (s - 1) // 2 - 1) steps, as one process does; the resumed step 3 or 4 reads them from the checkpoint."""
+    p = launch(tmp_path / "one", *SYNC2, torchrun=False)
     assert p.returncode == 0, p.stderr[-3000:]
     one, _ = rows_of(tmp_path / "one")
-    # the rollout rank kills itself as it starts to sample step 4: the trainer has trained step 2 or 3
-    p = launch(tmp_path / "async", "--async-rollouts", env={"KILL_AT": "4"})
+    # the rollout rank kills itself as it starts to sample step 5 (with the weights after step 2, sent as step 3
+    # starts; steps 1-4 sample with the initial ones): the trainer has trained step 2, 3 or 4
+    p = launch(tmp_path / "async", "--async-rollouts", *SYNC2, env={"KILL_AT": "5"})
     assert p.returncode != 0
     errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
     stopped = "SIGTERM: stopping with a checkpoint at the end of this step" in p.stderr
     assert len(errors) == 1 or not errors and stopped, p.stderr[-3000:]
     rows, run = rows_of(tmp_path / "async", jitter_row=False)
     last = max(n for n, path in step_folders(run) if is_checkpoint(path))
-    assert last in (2, 3) and [r["step"] for r in rows] == list(range(1, last + 1))
+    assert last in (2, 3, 4) and [r["step"] for r in rows] == list(range(1, last + 1))
     if errors:  # the trainer waited on the link: one line, naming the last checkpoint
         assert errors[0].startswith(f"error: step {last + 1}: the rollout rank 1 is gone (") and errors[0].endswith(
             f"the last checkpoint is {run}/step_{last}: go on with --resume auto (or that folder)"), errors[0]
-    p = launch(tmp_path / "async", "--async-rollouts", "--resume", "auto")
+    p = launch(tmp_path / "async", "--async-rollouts", *SYNC2, "--resume", "auto")
     assert p.returncode == 0, p.stderr[-3000:]
     rows, _ = rows_of(tmp_path / "async")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert without(rows) == without(one)  # bitwise: the same samples, the same updates
-    assert [r["stale/version"] for r in rows] == [max(0, s - 1 - K) for s in range(1, 6)]
+    assert [r["stale/version"] for r in rows] == [0, 0, 0, 0, 1]  # TRL's model version: syncs
+    assert [r["stale/steps_behind"] for r in rows] == [0, 1, 2, 3, 2]
     assert all(0 <= r["stale/versions_behind"] <= K and r["stale/dropped"] == 0 for r in rows)
     assert rows[-1]["losses/grad_norm"] > 0 and not any(k in one[0] for k in ASYNC_KEYS)
 
@@ -103,3 +108,43 @@ def test_two_trainers_and_a_rollout_rank_are_the_synchronous_two_rank_run(tmp_pa
     rows, _ = rows_of(tmp_path / "async")
     sync, _ = rows_of(tmp_path / "sync")
     assert without(rows) == without(sync) and [r.get("stale/version") for r in rows] == [None, 0, 1]
+
+
+def test_two_trainers_k2_stop_on_sigterm_and_resume_exactly(tmp_path):
+    """3 ranks, --async-rollouts k = 2: trainer 0 keeps the ring of past weights (state/stale_ring.pt) and each trainer
+    the random streams its rollouts are drawn from (state/stale_streams.rank{t}.pt): SIGTERM on the rollout rank as it
+    starts to sample step 3 stops both trainers after step 3 with a checkpoint, and --resume auto logs the
+    uninterrupted run's steps 4 and 5 bitwise, though the evaluation at step 3 drew from the trainers' streams after
+    rollouts 4 and 5 were drawn from the rollouts' own."""
+    flags = ["--max-staleness", "2", "--save-every", "0", "--async-rollouts", "--eval-every", "3", "--eval-size", "4"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", PROGRAM, "grpo.py"]
+    for out, extra, env in (("whole", [], {}), ("cut", [], {"KILL_AT": "3", "KILL_WITH": "SIGTERM"}),
+                            ("cut", ["--resume", "auto"], {})):
+        p = subprocess.run([*cmd, *ARGV, *flags, *extra, "--output-dir", str(tmp_path / out)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=600, env={**os.environ, **env})
+        assert p.returncode == 0, p.stderr[-3000:]
+        if env:
+            rows, run = rows_of(tmp_path / out, jitter_row=False)
+            assert [r["step"] for r in rows] == [0, 1, 2, 3] and "eval/prompts" in rows[3]
+            assert {"stale_ring.pt", "stale_streams.rank0.pt", "stale_streams.rank1.pt"} <= set(
+                os.listdir(f"{run}/step_3/state"))
+    rows, _ = rows_of(tmp_path / "cut")
+    whole, _ = rows_of(tmp_path / "whole")
+    assert without(rows, ()) == without(whole, ()) and [r["stale/version"] for r in rows[1:]] == [0, 0, 0, 1, 2]
+
+
+def test_an_async_run_learns_the_built_in_task(tmp_path):
+    """gspo.py under torchrun, one trainer and one rollout rank, each step sampled with the weights one step old (k = 1,
+    2026-12-08: reward 0.007 over steps 1-10, 0.455 over 91-100; tests/test_train.py's synchronous run: 0.167): the
+    reward rises as test_reward_rises asks of the one-process run, and every rollout the trainer used was sampled
+    with the weights after max(0, s - 2) steps (stale/version, logged by the trainer as it receives each)."""
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "gspo.py", "--num-steps", "100", "--eval-every", "0", "--async-rollouts", "--max-staleness", "1",
+                        "--output-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows, _ = rows_of(tmp_path)
+    assert [r["stale/version"] for r in rows] == [max(0, s - 2) for s in range(1, 101)]
+    assert all(r["stale/versions_behind"] == min(1, r["step"] - 1) and r["stale/dropped"] == 0 for r in rows)
+    r = [row["charts/reward_mean"] for row in rows]
+    first, last = sum(r[:10]) / 10, sum(r[-10:]) / 10
+    assert last > 10 * first and last > 0.12, (first, last)  # 0.1: the best a constant answer can do

@@ -36,13 +36,24 @@ def test_zero_is_todays_run_bitwise(monkeypatch, tmp_path):
     assert base[-1]["losses/grad_norm"] > 0 and not any("stale/" in k for k in zero[0])
 
 
-@pytest.mark.parametrize("gen_mode", ["shared-prefill", "engine"])
-def test_k2_samples_with_the_weights_two_versions_before(gen_mode, monkeypatch, tmp_path):
-    """Each step's generate sees the trainable weights the loop held at the start of step max(1, s - 2), bitwise;
+# (--gen-mode, k, W): the weights step s = 1..5 samples with, as the step they were held at the start of; TRL's
+# staleness (live version (s - 1) // W minus the sampler's); the steps behind (logged when W > 1)
+SAMPLED = [("shared-prefill", 2, 1, [1, 1, 1, 2, 3], [0, 1, 2, 2, 2], None),
+           ("engine", 2, 1, [1, 1, 1, 2, 3], [0, 1, 2, 2, 2], None),
+           ("shared-prefill", 1, 2, [1, 1, 1, 1, 3], [0, 0, 1, 1, 1], [0, 1, 2, 3, 2]),
+           ("engine", 0, 2, [1, 1, 3, 3, 5], [0, 0, 0, 0, 0], [0, 1, 0, 1, 0])]
+
+
+@pytest.mark.parametrize("gen_mode,k,sync,held,behind,steps_behind", SAMPLED)
+def test_samples_with_the_weights_k_versions_before(gen_mode, k, sync, held, behind, steps_behind, monkeypatch,
+                                                     tmp_path):
+    """Each step's generate sees the trainable weights the loop held at the start of step `held` (k = 2: max(1,
+    s - 2); a version every W = --weight-sync-steps steps: the start of step 1 + W max(0, (s - 1) // W - k)), bitwise;
     after the rollout the loop holds its own weights again, bitwise; roll.logp is the forward of the weights that
-    sampled; stale/versions_behind is min(k, s - 1) and stale/kl is 0 at step 1 only. --num-minibatches 2: two
-    optimizer steps a step, one version (TRL's versions are weight syncs). The engine (its weights refreshed from the
-    model at each rollout) samples with the stale weights too: its log-probs are their forward's, to float error."""
+    sampled; stale/versions_behind is TRL's staleness and stale/kl is 0 exactly when the sampler is current.
+    --num-minibatches 2: two optimizer steps a step, one step (TRL's versions are weight syncs). The engine (its
+    weights refreshed from the model at each rollout) samples with the stale weights too: its log-probs are their
+    forward's, to float error."""
     import grpo
 
     split_reward(monkeypatch)
@@ -69,27 +80,32 @@ def test_k2_samples_with_the_weights_two_versions_before(gen_mode, monkeypatch, 
 
     monkeypatch.setattr(grpo, "sample_groups", sample_groups)
     monkeypatch.setattr(common, "generate", generate)
-    rows, _ = run_script("grpo", ARGV + ["--max-staleness", "2", "--gen-mode", gen_mode], monkeypatch, tmp_path)
-    assert [r["stale/versions_behind"] for r in rows] == [0, 1, 2, 2, 2]
+    rows, _ = run_script("grpo", ARGV + ["--max-staleness", str(k), "--weight-sync-steps", str(sync), "--gen-mode",
+                                         gen_mode], monkeypatch, tmp_path)
+    assert [r["stale/versions_behind"] for r in rows] == behind
+    assert [r.get("stale/steps_behind") for r in rows] == (steps_behind or [None] * 5)
     for s in range(1, 6):
-        assert all(torch.equal(p, q) for p, q in zip(used[s], start[max(1, s - 2)])), s
-        if s > 1:  # the weights moved: the rollout is not the current policy's
+        assert all(torch.equal(p, q) for p, q in zip(used[s], start[held[s - 1]])), s
+        if held[s - 1] < s:  # the weights moved: the rollout is not the current policy's
             assert not all(torch.equal(p, q) for p, q in zip(used[s], start[s])), s
         assert torch.allclose(logp[s], forward[s], atol=1e-6 if gen_mode != "engine" else 1e-5), s
-    assert rows[0]["stale/kl"] == 0 and all(r["stale/kl"] > 0 for r in rows[1:])
+        assert (rows[s - 1]["stale/kl"] == 0) == (held[s - 1] == s), s
 
 
-def test_resume_is_exact(monkeypatch, tmp_path):
-    """--resume step_2 of a k = 2 run: steps 3 and 4 as the uninterrupted run's, bitwise (the checkpoint holds the
-    ring of past weights: step 3 samples with version 0, the initial weights, not the resumed ones)."""
+@pytest.mark.parametrize("k,sync,at,behind", [(2, 1, 2, [0, 1, 2, 2]), (0, 3, 2, [0, 0, 0, 0])])
+def test_resume_is_exact(k, sync, at, behind, monkeypatch, tmp_path):
+    """--resume step_{at}: the steps after it as the uninterrupted run's, bitwise: the checkpoint holds the ring of
+    past weights: step 3 samples with the initial weights, not the resumed ones (k = 2: version 0; k = 0, W = 3: the
+    last sync's, 2 steps behind)."""
     split_reward(monkeypatch)
-    argv = ARGV[:1] + ["4"] + ARGV[2:-1] + ["2", "--keep-checkpoints", "0", "--max-staleness", "2"]
+    argv = ARGV[:1] + ["4"] + ARGV[2:-1] + [str(at), "--keep-checkpoints", "0", "--max-staleness", str(k),
+                                             "--weight-sync-steps", str(sync)]
     whole, run = run_script("grpo", argv, monkeypatch, tmp_path)
-    assert os.path.exists(os.path.join(run, "step_2", "state", staleness.RING_FILE))
-    rows, _ = run_script("grpo", argv + ["--resume", f"{run}/step_2"], monkeypatch, tmp_path)
+    assert os.path.exists(os.path.join(run, f"step_{at}", "state", staleness.RING_FILE))
+    rows, _ = run_script("grpo", argv + ["--resume", f"{run}/step_{at}"], monkeypatch, tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert no_timings(rows)[2:] == no_timings(whole)[2:]
-    assert [r["stale/versions_behind"] for r in rows] == [0, 1, 2, 2] and rows[2]["stale/kl"] > 0
+    assert no_timings(rows)[at:] == no_timings(whole)[at:]
+    assert [r["stale/versions_behind"] for r in rows] == behind and rows[at]["stale/kl"] > 0
 
 
 @pytest.mark.parametrize("mode,over", [("token-mask", 0.0), ("token-truncate", 5.0)])
@@ -138,7 +154,8 @@ def test_decoupled_term_by_hand(mode, over):
     (["--async-rollouts"], {"RANK": "0", "WORLD_SIZE": "1"}, "leaves no trainer among 1 rank(s)"),
     (["--async-rollouts", "--dynamic-sampling"], {"RANK": "0", "WORLD_SIZE": "2"},
      "--async-rollouts with --dynamic-sampling: its rounds"),
-    (["--async-rollouts", "--max-staleness", "1"], {"RANK": "0", "WORLD_SIZE": "3"}, "with 2 trainers: the checkpoint"),
+    (["--weight-sync-steps", "0"], {}, "--weight-sync-steps 0: must be >= 1"),
+    (["--weight-sync-steps", "2"], {"RANK": "0"}, "--weight-sync-steps 2 keeps past weights in one process"),
 ])
 def test_refusals_in_one_line(argv, env, needle, monkeypatch, tmp_path):
     for key, value in env.items():

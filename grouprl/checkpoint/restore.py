@@ -41,7 +41,7 @@ def resume_state(ckpt: str | None, optimizer, scheduler, dist_env: Dist) -> dict
     re-seeded (the weights come whole from state/ and are sharded anew by wrap_policy)."""
     from ..staleness import restore_ring
 
-    restore_ring(None if ckpt is None else state_dir(ckpt))  # --max-staleness's past weights
+    restore_ring(None if ckpt is None else state_dir(ckpt), dist_env.rank)  # --max-staleness
     if ckpt is None:
         return {"step": 0, "reward_curve": [], "nonfinite_run": 0, "wall_time": 0.0}
     state = read_trainer_state(ckpt)

@@ -111,7 +111,8 @@ RESUME_FIXED = ("seed", "model", "dataset", "data_files", "prompt_column", "answ
                 "clip_gated", "stop_grad", "orth_floor", "lora_rank", "lora_alpha",
                 "lora_target_modules", "luspo", "delta", "tau_pos", "tau_neg", "k_pos", "lambda_pos",
                 "k_neg", "lambda_neg", "top_entropy_quantile", "multi_objective_aggregation",
-                "min_new_tokens", "tools", "environment", "max_tool_calls", "turn_credit", "max_staleness")
+                "min_new_tokens", "tools", "environment", "max_tool_calls", "turn_credit", "max_staleness",
+                "weight_sync_steps")
 
 
 def restated(argv: list[str], names: set[str]) -> set[str]:

@@ -78,10 +78,9 @@ def save_checkpoint(run_dir: str, step: int, policy, tok, optimizer, scheduler, 
         if dist_env.sharded and not lora:
             write_masters(os.path.join(tmp, STATE), policy.lm, dist_env)
         write_training_state(os.path.join(tmp, STATE), optimizer, scheduler, dist_env)
-        if dist_env.world == 1:  # --max-staleness's past weights (one process: staleness.py)
-            from ..staleness import save_ring
+        from ..staleness import save_ring  # --max-staleness: past weights, rollouts' streams
 
-            save_ring(os.path.join(tmp, STATE), policy)
+        save_ring(os.path.join(tmp, STATE), policy, dist_env.rank)
 
     def trainer_state():
         with open(os.path.join(tmp, STATE, "trainer_state.json"), "w") as f:

@@ -354,13 +354,17 @@ class CommonArgs:
     # -- staleness: Parameters that control stale rollouts
     max_staleness: int = 0
     """each step's rollout sampled by the policy as it was k weight versions before (TRL's
-    max_staleness: one version a step, whatever its optimizer steps; the first k steps sample with
-    the initial weights; LoRA: the adapters kept); the rollout carries the behaviour policy's
-    log-probs, stale/versions_behind and stale/kl logged (grouprl/staleness.py, docs/objectives.md;
-    0: today's run; under torchrun with --async-rollouts only)"""
+    max_staleness; a version a --weight-sync-steps, whatever its optimizer steps; the first k
+    versions sample with the initial weights; LoRA: the adapters kept); the rollout carries the
+    behaviour policy's log-probs, stale/versions_behind and stale/kl logged (grouprl/staleness.py,
+    docs/objectives.md; 0: today's run; under torchrun with --async-rollouts only)"""
+    weight_sync_steps: int = 1
+    """W: a new weight version (a sync to the sampler) every W steps (TRL's weight_sync_steps, in
+    steps, not optimizer steps): step s samples with the weights after W max(0, (s - 1) // W - k)
+    steps, k = --max-staleness (W > 1 with k = 0: the last sync's weights); 1: every step"""
     async_rollouts: bool = False
     """under torchrun: the last --rollout-ranks ranks generate while the others train (FSDP2 over
-    the trainers), one weight version a step; each step s sampled with the weights of version
-    max(0, s - 1 - k), k = --max-staleness, as one process samples it (grouprl/rollout_ranks.py)"""
+    the trainers), a weight version every --weight-sync-steps; each step sampled with the weights
+    one process samples it with under the same flags (grouprl/rollout_ranks.py)"""
     rollout_ranks: int = 1
     """--async-rollouts: how many ranks generate (the last ones; each serves trainer t mod R)"""

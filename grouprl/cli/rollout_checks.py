@@ -75,17 +75,20 @@ def check_rollout_args(args):
 
 
 def check_staleness_args(args):
-    """--max-staleness k: k >= 0; one process (--resume is exact: the checkpoint holds the ring of
-    past weights, grouprl/staleness.py), or under torchrun with --async-rollouts (rollout_ranks):
-    more ranks than --rollout-ranks, and what the rollout ranks cannot sample refused."""
-    k, ranks = args.max_staleness, args.rollout_ranks
+    """--max-staleness k >= 0 and --weight-sync-steps W >= 1: past weights kept (k > 0 or W > 1)
+    in one process (--resume is exact: the checkpoint holds the ring of past weights,
+    grouprl/staleness.py), or under torchrun with --async-rollouts (rollout_ranks): more ranks than
+    --rollout-ranks, and what the rollout ranks cannot sample refused."""
+    k, ranks, sync = args.max_staleness, args.rollout_ranks, args.weight_sync_steps
     check_int("max-staleness", k, 0, why=" (weight versions behind; 0: today's run)")
+    check_int("weight-sync-steps", sync, 1, why=" (steps a weight version; 1: every step)")
     if ranks != 1 and not args.async_rollouts:
         fail(f"--rollout-ranks {ranks} sets how many ranks generate under --async-rollouts: add "
              "--async-rollouts, or drop it")
     if not args.async_rollouts:
-        if k and launched():
-            fail(f"--max-staleness {k} keeps past weights in one process; under torchrun add "
+        if (k or sync > 1) and launched():
+            flag = f"--max-staleness {k}" if k else f"--weight-sync-steps {sync}"
+            fail(f"{flag} keeps past weights in one process; under torchrun add "
                  "--async-rollouts (ranks that generate beside the trainers), or run it with "
                  "plain `python`")
         return
@@ -103,7 +106,3 @@ def check_staleness_args(args):
     if others:
         fail(f"--async-rollouts with {others[0]}: its rounds or turns span every rank's "
              "generation at once, which a rollout rank's does not; drop one of the two")
-    if k and world - ranks > 1:
-        fail(f"--async-rollouts --max-staleness {k} with {world - ranks} trainers: the "
-             "checkpoint's ring of past weights is written by one trainer for now; launch "
-             f"--nproc-per-node {ranks + 1}, or --max-staleness 0")

@@ -354,10 +354,11 @@ class CommonArgs:
     # -- staleness: Parameters that control stale rollouts
     max_staleness: int = 0
     """each step's rollout sampled by the policy as it was k weight versions before (TRL's
-    max_staleness; a version a --weight-sync-steps, whatever its optimizer steps; the first k
-    versions sample with the initial weights; LoRA: the adapters kept); the rollout carries the
-    behaviour policy's log-probs, stale/versions_behind and stale/kl logged (grouprl/staleness.py,
-    docs/objectives.md; 0: today's run; under torchrun with --async-rollouts only)"""
+    max_staleness; a version every --weight-sync-steps steps, whatever their optimizer steps; the
+    first k versions sample with the initial weights; LoRA: the adapters kept); the rollout carries
+    the behaviour policy's log-probs, stale/versions_behind and stale/kl logged
+    (grouprl/staleness.py, docs/objectives.md; 0: today's run; under torchrun with
+    --async-rollouts only)"""
     weight_sync_steps: int = 1
     """W: a new weight version (a sync to the sampler) every W steps (TRL's weight_sync_steps, in
     steps, not optimizer steps): step s samples with the weights after W max(0, (s - 1) // W - k)

@@ -104,14 +104,15 @@ def argv(variant: str, length: int, k: int, args) -> list[str]:
 
 
 def pending(args, logs: str) -> list[tuple[str, int, int, int]]:
-    """(variant, L, k, seed) of each run to make, seed-major, k = 0 once a script (K0); with --skip-done only those
-    whose logs are missing."""
+    """(variant, L, k, seed) of each run to make, seed-major, then variant-major: a variant's k = 0 and stale runs
+    of a seed one after the other, so a cut sitting leaves whole pairs; k = 0 once a script (K0); with --skip-done
+    only those whose logs are missing."""
     variants, ks, lengths, seeds = grid(args)
     todo, seen = [], set()
     for s in seeds:
         for length in lengths:
-            for k in ks:
-                for v in variants:
+            for v in variants:
+                for k in ks:
                     name = run_name(v, length, k, args.steps)
                     done = os.path.isfile(os.path.join(logs, f"{name}__{s}", "args.json"))
                     if (name, s) not in seen and not (args.skip_done and done):

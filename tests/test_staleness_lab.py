@@ -34,6 +34,9 @@ def test_pending_runs_k0_once_a_script_and_skips_done(tmp_path):
     (tmp_path / "grpo__L16__k0__n100__1" / "args.json").write_text("{}")
     args.skip_done = True
     assert sr.pending(args, str(tmp_path)) == every[1:]
+    pairs = sr.Args(variants="grpo,gspo", staleness="0,4", lengths="256", seeds=2)
+    assert sr.pending(pairs, str(tmp_path))[:4] == [  # seed 1's (k = 0, k = 4) pairs first, a variant at a time
+        ("grpo", 256, 0, 1), ("grpo", 256, 4, 1), ("gspo", 256, 0, 1), ("gspo", 256, 4, 1)]
     with pytest.raises(SystemExit, match="--variants nope: unknown"):
         sr.pending(sr.Args(variants="grpo,nope"), str(tmp_path))
     with pytest.raises(SystemExit, match="--staleness and --lengths: comma-separated whole numbers"):

@@ -21,7 +21,8 @@ gap (`stale/kl`, KL(pi_behav || pi_prox) by k3; the decoupled objective's alone,
 variance of the token log-ratios on each step's first minibatch (`losses/log_ratio_var_first`: pi_theta = pi_prox
 there, so against pi_behav it is the stale gap as token ratios see it), the spread over sequences of log s_i and of
 log prod_t w_it (the ratios against pi_old after the first update, --noise-stats), the clip fractions, the masked
-fraction; per variant and k > 0, the last-10% reward minus the same seed's k = 0 run.
+fraction; per variant and k > 0, the last-10% reward minus the same seed's k = 0 run (its drop), and that drop minus
+GRPO's on the same seed (the paper's claim: GSPO's is the smaller).
 
     python experiments/staleness_runs.py            # 4 variants, k = 0, 1, 2, 4, L = 16, 3 seeds, a run at a time
     python experiments/staleness_runs.py --lengths 64 --staleness 0,4 --variants grpo,gspo --skip-done
@@ -49,6 +50,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = {"grpo": ["grpo.py"], "gspo": ["gspo.py"], "cispo": ["cispo.py"],
             "grpo-decoupled": ["grpo.py", "--rollout-is-cap", "5", "--rollout-is-mode", "token-mask"]}
 K0 = {"grpo-decoupled": "grpo"}  # a variant whose k = 0 run is another's (rho = 1: the same run)
+REF = "grpo"  # each variant's drop is paired against this one's (GSPO's claim: it loses less than the token ratio)
 LOG_NAME = re.compile(r"(?P<variant>.+)__L(?P<length>\d+)__k(?P<k>\d+)__n(?P<steps>\d+)__(?P<seed>\d+)$")
 KEYS = ("charts/reward_mean", "losses/clipfrac", "losses/clipfrac_seq", "perf/wall_time")
 
@@ -104,14 +106,15 @@ def argv(variant: str, length: int, k: int, args) -> list[str]:
 
 
 def pending(args, logs: str) -> list[tuple[str, int, int, int]]:
-    """(variant, L, k, seed) of each run to make, seed-major, k = 0 once a script (K0); with --skip-done only those
-    whose logs are missing."""
+    """(variant, L, k, seed) of each run to make, seed-major, then variant-major: a variant's k = 0 and stale runs
+    of a seed one after the other, so a cut sitting leaves whole pairs; k = 0 once a script (K0); with --skip-done
+    only those whose logs are missing."""
     variants, ks, lengths, seeds = grid(args)
     todo, seen = [], set()
     for s in seeds:
         for length in lengths:
-            for k in ks:
-                for v in variants:
+            for v in variants:
+                for k in ks:
                     name = run_name(v, length, k, args.steps)
                     done = os.path.isfile(os.path.join(logs, f"{name}__{s}", "args.json"))
                     if (name, s) not in seen and not (args.skip_done and done):
@@ -160,15 +163,26 @@ def table(runs: dict, seeds: list[int]) -> str:
                      f"{cell(col['clip_seq'])} | {cell(col['masked'])} | {cell(col['wall'], 0)} |")
     if not got:
         raise SystemExit("no logs found: run the experiment first")
-    paired = []
-    for (v, length, k, steps), one in got.items():
-        base = got.get((v, length, 0, steps), {})
-        if k and (both := [s for s in seeds if s in one and s in base]):
-            d = [one[s]["last"] - base[s]["last"] for s in both]
+    paired, versus = [], []
+    for v, length, k, steps in got:
+        if k and (d := drops(got, v, length, k, steps, seeds)):
             paired.append(f"- `{v}` L = {length}, k = {k} minus k = 0, reward over the last 10%, by seed: "
-                          + ", ".join(f"{x:+.3f}" for x in d) + f" ({cell(d)})")
+                          + ", ".join(f"{x:+.3f}" for x in d.values()) + f" ({cell(list(d.values()))})")
+            ref = drops(got, REF, length, k, steps, seeds)
+            if v != REF and (both := [s for s in d if s in ref]):
+                x = [d[s] - ref[s] for s in both]
+                versus.append(f"- `{v}` L = {length}, k = {k}: its drop minus `{REF}`'s, by seed "
+                              f"{', '.join(map(str, both))}: " + ", ".join(f"{y:+.3f}" for y in x) + f" ({cell(x)})")
     return "\n".join(lines) + ("\n\nEach stale run paired by seed with its k = 0 run:\n" + "\n".join(paired)
-                               if paired else "")
+                               if paired else "") + (
+        f"\n\nEach variant's drop (k minus k = 0) minus `{REF}`'s, paired by seed (< 0: it loses more):\n"
+        + "\n".join(versus) if versus else "")
+
+
+def drops(got: dict, v: str, length: int, k: int, steps: int, seeds: list[int]) -> dict:
+    """{seed: the last 10%'s reward at k minus the same seed's at k = 0}, the seeds with both runs."""
+    one, base = got.get((v, length, k, steps), {}), got.get((v, length, 0, steps), {})
+    return {s: one[s]["last"] - base[s]["last"] for s in seeds if s in one and s in base}
 
 
 def plot(runs: dict, path: str) -> bool:

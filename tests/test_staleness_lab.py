@@ -34,6 +34,9 @@ def test_pending_runs_k0_once_a_script_and_skips_done(tmp_path):
     (tmp_path / "grpo__L16__k0__n100__1" / "args.json").write_text("{}")
     args.skip_done = True
     assert sr.pending(args, str(tmp_path)) == every[1:]
+    pairs = sr.Args(variants="grpo,gspo", staleness="0,4", lengths="256", seeds=2)
+    assert sr.pending(pairs, str(tmp_path))[:4] == [  # seed 1's (k = 0, k = 4) pairs first, a variant at a time
+        ("grpo", 256, 0, 1), ("grpo", 256, 4, 1), ("gspo", 256, 0, 1), ("gspo", 256, 4, 1)]
     with pytest.raises(SystemExit, match="--variants nope: unknown"):
         sr.pending(sr.Args(variants="grpo,nope"), str(tmp_path))
     with pytest.raises(SystemExit, match="--staleness and --lengths: comma-separated whole numbers"):
@@ -44,7 +47,7 @@ def test_table_from_fabricated_logs(tmp_path):
     """grpo at k = 0 climbs to 0.5 (window 1 step: last 0.5) on seeds 1 and 2; at k = 2 ends at 0.3 and 0.6 with
     stale KL 0.01 and 0.03 (peaks 0.5 and 0.6), the first minibatch's spread 0.5 on seed 1: paired -0.200, +0.100.
     The decoupled variant's k = 0 row is grpo's runs; its k = 2 run (seed 1 only) ends at 0.4 with masked fraction
-    0.25: paired -0.100."""
+    0.25: paired -0.100, and its drop minus grpo's on seed 1 +0.100 (grpo's own row is not paired against itself)."""
     def write(name, seed, rewards, **extra):
         d = tmp_path / f"{name}__{seed}"
         d.mkdir()
@@ -71,10 +74,12 @@ def test_table_from_fabricated_logs(tmp_path):
     assert rows[1][5:9] == ["0.450 ± 0.212", "0.550 ± 0.071", "0/2", "2.0e-02 ± 1.4e-02"]
     assert rows[1][9] == "5.0e-01"  # seed 1's alone: seed 2 logged none
     assert rows[4][5] == "0.400" and rows[4][14] == "0.250"
-    paired = [line for line in out.split("\n") if line.startswith("- ")]
+    paired = [line for line in out.split("\n") if line.startswith("- ") and "its drop minus" not in line]
     assert paired == ["- `grpo` L = 16, k = 2 minus k = 0, reward over the last 10%, by seed: -0.200, +0.100 "
                       "(-0.050 ± 0.212)",
                       "- `grpo-decoupled` L = 16, k = 2 minus k = 0, reward over the last 10%, by seed: -0.100 "
                       "(-0.100)"]
+    versus = out.split("minus `grpo`'s, paired by seed (< 0: it loses more):\n")[1].split("\n")
+    assert versus == ["- `grpo-decoupled` L = 16, k = 2: its drop minus `grpo`'s, by seed 1: +0.100 (0.100)"]
     pytest.importorskip("matplotlib")
     assert sr.plot(runs, str(tmp_path / "staleness.png")) and (tmp_path / "staleness.png").stat().st_size > 0

@@ -1,6 +1,7 @@
 """Learning on a real model (issue 35 item 4): SmolLM2-135M-Instruct (tools/real_model.py) on 2-digit addition,
 gspo.py, grpo.py, gspo_token.py and dfpo.py from the same start, several seeds each, and (issue 51 item 2) cispo.py,
-sapo.py, gmpo.py, vespo.py, LUSPO and GRPO with TRL's default rollout correction, as a markdown table and a PNG:
+sapo.py, gmpo.py, vespo.py, LUSPO and GRPO with TRL's default rollout correction, and (issue 63 item 4) GRPO and
+GSPO on rollouts 2 weight versions stale, as a markdown table and a PNG:
 held-out accuracy before and after, the reward curve, entropy, response length and clip fraction, the mechanism
 metrics, mean ± sample std over seeds, and each command minus gspo paired by seed.
 
@@ -10,9 +11,11 @@ held-out accuracy measures arithmetic on sums the policy never trained on. The b
 completion 1 only when the number it states equals the sum ('62 + 43' for 105 scores 0: issue 38 item 0).
 
     python tools/real_model.py                           # the model folder, once
-    python experiments/real_model_runs.py                # 13 commands x 3 seeds, two at a time: ~5 min a run
+    python experiments/real_model_runs.py                # 15 commands x 3 seeds, two at a time: ~5 min a run
     TRL="grpo --gen-mode engine --rollout-is-mode sequence-mask --rollout-is-cap 3"   # issue 51's 6 rows
     python experiments/real_model_runs.py --seeds 5 --skip-done --only "cispo,sapo,gmpo,vespo,gspo --luspo,$TRL"
+    S="--max-staleness 2 --old-logp rollout"             # issue 63's stale rows, one run at a time
+    python experiments/real_model_runs.py --seeds 3 --skip-done --workers 1 --only "grpo $S,gspo $S"
     python experiments/real_model_runs.py --table-only --seeds 5   # table.md, summary.json and the plot again
     python experiments/real_model_runs.py --task-only data   # data/train.jsonl and data/test.jsonl alone
 
@@ -82,6 +85,12 @@ COMMANDS = {  # script, then its own flags (after BUDGET: they override it)
     # draws other completions from the same seed), so beside grpo it shows what a different draw moves.
     "grpo --gen-mode engine --rollout-is-mode sequence-mask --rollout-is-cap 3": [
         "grpo.py", "--gen-mode", "engine", "--rollout-is-mode", "sequence-mask", "--rollout-is-cap", "3"],
+    # stale rollouts (issue 63 item 4, the staleness lab's grpo and gspo variants on the real model): step s
+    # samples with the weights of step s - 2 (steps 1-3 with the initial ones), pi_old = the behaviour policy's
+    # log-probs (TRL's AsyncGRPOTrainer; with HF generate a forward of the stale weights); their k = 0 partners
+    # are the grpo and gspo rows, whose step 1 they equal to the last digit (the same seed)
+    "grpo --max-staleness 2 --old-logp rollout": ["grpo.py", "--max-staleness", "2", "--old-logp", "rollout"],
+    "gspo --max-staleness 2 --old-logp rollout": ["gspo.py", "--max-staleness", "2", "--old-logp", "rollout"],
 }
 NEW = ["cispo", "sapo", "gmpo", "vespo", "gspo --luspo",
        "grpo --gen-mode engine --rollout-is-mode sequence-mask --rollout-is-cap 3"]  # issue 51's rows

@@ -189,7 +189,7 @@ def test_precision_curve_table_from_fabricated_logs(tmp_path):
 def test_new_objectives_rows_pair_with_gspo_and_say_n_a_for_what_a_script_does_not_log(tmp_path):
     """Issue 51 item 2's rows beside gspo's from fabricated logs, every cell by hand: cispo on seeds 1-3 (gspo has
     1-2, so seed 3 has no pair), and TRL's GRPO on seed 1 logging neither losses/entropy nor losses/shared_coef (n/a
-    in their cells, no crash); the 13 commands' plot lines all differ."""
+    in their cells, no crash); the 15 commands' plot lines all differ; issue 63's two stale commands."""
     import real_model_runs as rm
 
     trl = "grpo --gen-mode engine --rollout-is-mode sequence-mask --rollout-is-cap 3"
@@ -236,9 +236,13 @@ def test_new_objectives_rows_pair_with_gspo_and_say_n_a_for_what_a_script_does_n
     assert mech["cispo"][1:4] == ["3.0 (1/3 seeds)", "0.050 ± 0.000", "0.2000 ± 0.0000"]
     assert mech["cispo"][4] == "1.0e-03 ± 0.0e+00 |"
     assert mech[trl][1:] == ["3.0 (1/1 seeds)", "0.050", "0.2000", "n/a |"]
-    # the plot: each of the 13 commands its own (colour, line style)
+    # the plot: each of the 15 commands its own (colour, line style)
     styles = {tuple(rm.style(k).values()) for k in range(len(rm.COMMANDS))}
-    assert len(rm.COMMANDS) == 13 and len(styles) == 13
+    assert len(rm.COMMANDS) == 15 and len(styles) == 15
+    # issue 63's stale rows: k = 2 with pi_old the behaviour policy's, the script's flags alone beside the budget
+    for name in ("grpo", "gspo"):
+        assert rm.COMMANDS[f"{name} --max-staleness 2 --old-logp rollout"] == [
+            f"{name}.py", "--max-staleness", "2", "--old-logp", "rollout"]
     if rm.plot(result, str(tmp_path / "p.png")):  # a missing curve leaves its line out (False: no matplotlib)
         assert (tmp_path / "p.png").stat().st_size > 10_000
 
